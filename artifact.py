@@ -1,0 +1,106 @@
+"""Artifact directories: what every training job writes and every consumer reads.
+
+    <dir>/model.safetensors   weights (no pickles anywhere)
+    <dir>/config.json         the module's own config (for a draft: the HF config)
+    <dir>/manifest.json       kind, format version, target fingerprint, training data summary,
+                              training metrics, eval summary, lineage
+
+A directory is written to a temporary sibling and renamed into place, so it exists complete or not at all.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import __version__
+from draftsmith.errors import ArtifactError
+from draftsmith.storage import atomic_dir, atomic_write_json, read_json
+from draftsmith.targets.fingerprint import check_compatible
+
+FORMAT_VERSION = 1
+KINDS = ("draft", "medusa", "eagle")
+WEIGHTS = "model.safetensors"
+MANIFEST = "manifest.json"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def make_manifest(kind: str, target_fingerprint: dict, config: dict, data: dict | None = None,
+                  metrics: dict | None = None, parent: str | None = None, **extra: Any) -> dict:
+    if kind not in KINDS:
+        raise ArtifactError(f"unknown artifact kind '{kind}' (known: {', '.join(KINDS)})")
+    return {
+        "kind": kind,
+        "format_version": FORMAT_VERSION,
+        "draftsmith_version": __version__,
+        "created": now_iso(),
+        "target": target_fingerprint,
+        "config": config,
+        "data": data or {},
+        "metrics": metrics or {},
+        "eval": {},
+        "parent": parent,
+        **extra,
+    }
+
+
+def contiguous_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared or non-contiguous storage: give every tensor its own copy."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+
+
+def save_artifact(out: str | Path, manifest: dict, state: dict[str, torch.Tensor] | None = None,
+                  config: dict | None = None, writer=None, overwrite: bool = True) -> Path:
+    """Write an artifact directory atomically.
+
+    `state` goes to model.safetensors and `config` to config.json; `writer(tmp_dir)` may add more files
+    (an HF draft saves itself with save_pretrained there).
+    """
+    out = Path(out)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        if writer is not None:
+            writer(tmp)
+        if state is not None:
+            save_file(contiguous_state(state), str(tmp / WEIGHTS), metadata={"format": "pt", "kind": manifest["kind"]})
+        if config is not None:
+            atomic_write_json(tmp / "config.json", config)
+        atomic_write_json(tmp / MANIFEST, manifest)
+    return out
+
+
+def load_manifest(path: str | Path, kind: str | None = None) -> dict:
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise ArtifactError(f"{path}: not a draftsmith artifact (no {MANIFEST})")
+    manifest = read_json(path / MANIFEST)
+    if kind is not None and manifest.get("kind") != kind:
+        raise ArtifactError(f"{path}: artifact kind is '{manifest.get('kind')}', expected '{kind}'")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise ArtifactError(f"{path}: format version {manifest['format_version']} is newer than this draftsmith")
+    return manifest
+
+
+def load_artifact(path: str | Path, kind: str | None = None, target=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Manifest and weights; with `target`, refuse an artifact made for another target."""
+    path = Path(path)
+    manifest = load_manifest(path, kind)
+    if target is not None:
+        check_compatible(manifest["target"], target.fingerprint(), what=f"artifact {path}")
+    if not (path / WEIGHTS).is_file():
+        raise ArtifactError(f"{path}: missing {WEIGHTS}")
+    return manifest, load_file(str(path / WEIGHTS))
+
+
+def update_manifest(path: str | Path, **fields: Any) -> dict:
+    """Merge fields into an artifact's manifest (atomic rewrite)."""
+    manifest = load_manifest(path)
+    manifest.update(fields)
+    atomic_write_json(Path(path) / MANIFEST, manifest)
+    return manifest

