@@ -1,0 +1,85 @@
+"""Capture what a frozen target computes: per-layer hidden states and top-k logits.
+
+Layer convention (used everywhere in draftsmith, artifacts included): layer i, 0-based, is the OUTPUT
+of decoder layer i, before the final norm. Layer -1 means the last decoder layer's output (pre-norm).
+`final` (the post-norm state the lm_head sees) is returned separately as `last_hidden` — that is
+Medusa's input. transformers 5 gives hidden_states[-1] AFTER the final norm, so the pre-norm
+output of the last layer is taken with a forward hook instead of from output_hidden_states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.errors import ConfigError
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layer list of a causal LM (Llama, Gemma 3, Qwen, Mistral, ... all use model.model.layers)."""
+    inner = getattr(model, "model", None)
+    base = getattr(model, "base_model", None)
+    for candidate in (inner, getattr(inner, "language_model", None), getattr(base, "model", None)):
+        layers = getattr(candidate, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    if base is not None and base is not model:
+        return decoder_layers(base)
+    raise ConfigError(f"cannot find decoder layers in {type(model).__name__} (unsupported architecture)")
+
+
+def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
+    out = []
+    for i in layers:
+        j = i + num_layers if i < 0 else i
+        if not 0 <= j < num_layers:
+            raise ConfigError(f"layer {i} is out of range for a target with {num_layers} layers")
+        out.append(j)
+    return out
+
+
+def default_eagle3_layers(num_layers: int) -> list[int]:
+    """Low, middle and high layers for EAGLE-3 fusion (the EAGLE-3 paper's choice: 2, L/2, L-3)."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+@dataclass
+class Capture:
+    logits: torch.Tensor  # [B, T, V] (or None when not asked for)
+    last_hidden: torch.Tensor  # [B, T, H] post-final-norm, what the lm_head sees
+    layers: dict[int, torch.Tensor]  # layer index -> [B, T, H] pre-norm layer outputs
+    past_key_values: object = None
+
+
+@torch.no_grad()
+def capture_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    layers: list[int] | tuple[int, ...] = (), want_logits: bool = True,
+                    past_key_values=None, position_ids=None, use_cache: bool = False, **kw) -> Capture:
+    """One forward pass of the target returning logits, post-norm last hidden state and chosen layers."""
+    stack = decoder_layers(model)
+    wanted = resolve_layers(list(layers), len(stack))
+    grabbed: dict[int, torch.Tensor] = {}
+    handles = []
+    for idx in sorted(set(wanted)):
+        def hook(_mod, _inp, out, idx=idx):
+            grabbed[idx] = out[0] if isinstance(out, tuple) else out
+        handles.append(stack[idx].register_forward_hook(hook))
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                    position_ids=position_ids, use_cache=use_cache, output_hidden_states=True, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+    return Capture(
+        logits=out.logits if want_logits else None,
+        last_hidden=out.hidden_states[-1],
+        layers={i: grabbed[j] for i, j in zip(layers, wanted)},
+        past_key_values=getattr(out, "past_key_values", None),
+    )
+
+
+def topk_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k values and indices along the vocab; distillation stores these instead of [T, V]."""
+    values, indices = torch.topk(logits.float(), k, dim=-1)
+    return values, indices
