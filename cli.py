@@ -1,0 +1,87 @@
+"""The `draftsmith` command. Each subsystem registers its own subcommands from `<folder>/commands.py`
+(`register(subparsers)`); a subsystem that is not built has no subcommand, rather than a stub.
+
+User errors (DraftsmithError) print one line and exit 2; anything else prints one line naming the
+exception and exits 1 (DRAFTSMITH_DEBUG=1 shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from draftsmith import __version__
+from draftsmith.errors import DraftsmithError
+
+COMMAND_MODULES = [
+    "draftsmith.targets.commands",
+    "draftsmith.data.commands",
+    "draftsmith.distill.commands",
+    "draftsmith.heads.commands",
+    "draftsmith.evaluation.commands",
+    "draftsmith.export.commands",
+    "draftsmith.retrain.commands",
+    "draftsmith.evaluation.bench_commands",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftsmith",
+        description="Train, evaluate and export draft models, Medusa heads and EAGLE heads for speculative decoding.",
+    )
+    parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue  # that subsystem is not built yet: no subcommand
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("transformers", "accelerate", "datasets", "urllib3", "matplotlib", "filelock", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.INFO)
+    if not verbose:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    setup_logging(args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except DraftsmithError as e:
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug or an environment failure: still one line, traceback on request
+        if os.environ.get("DRAFTSMITH_DEBUG"):
+            raise
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"draftsmith: error: {type(e).__name__}: {first} (set DRAFTSMITH_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

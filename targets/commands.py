@@ -1,0 +1,76 @@
+"""`draftsmith targets` (list / prepare the embedded targets) and `draftsmith check` (does an artifact,
+export or dataset match a target, and what differs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftsmith.errors import ArtifactError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("targets", help="list the embedded targets; `prepare NAME` caches one")
+    p.add_argument("action", nargs="?", choices=["list", "prepare", "fingerprint"], default="list")
+    p.add_argument("name", nargs="?", help="target spec for prepare / fingerprint")
+    p.set_defaults(func=run_targets)
+
+    c = subparsers.add_parser("check", help="check that an artifact / export / dataset matches a target")
+    c.add_argument("--artifact", required=True, help="artifact dir, export dir or dataset dir")
+    c.add_argument("--target", default=None, help="target spec (default: smollm2-135m)")
+    c.set_defaults(func=run_check)
+
+
+def run_targets(args) -> int:
+    from draftsmith.targets import list_targets, load_target
+
+    if args.action == "list":
+        rows = list_targets()
+        print(f"{'name':<14} {'installed':<10} {'cached':<7} description")
+        for r in rows:
+            mark = " (default)" if r["default"] else ""
+            inst = "yes" if r["installed"] else "no"
+            print(f"{r['name']:<14} {inst:<10} {'yes' if r['cached'] else 'no':<7} {r['description']}{mark}")
+            if not r["installed"]:
+                print(f"{'':<14} install: {r['install']}")
+        return 0
+    target = load_target(args.name)
+    if args.action == "prepare":
+        print(f"{target.name}: ready in {target.folder}")
+    else:
+        print(json.dumps(target.fingerprint(), indent=2))
+    return 0
+
+
+FINGERPRINT_FILES = ["manifest.json", "draftsmith.json", "provenance.json"]
+
+
+def read_fingerprint(path: Path) -> tuple[dict, str]:
+    """The target fingerprint recorded in an artifact, export or dataset directory."""
+    for name in FINGERPRINT_FILES:
+        f = path / name
+        if f.is_file():
+            data = json.loads(f.read_text())
+            fp = data.get("target") or data.get("target_fingerprint")
+            if isinstance(fp, dict) and "tokenizer_hash" in fp:
+                return fp, name
+    raise ArtifactError(f"{path}: no target fingerprint found (looked for {', '.join(FINGERPRINT_FILES)})")
+
+
+def run_check(args) -> int:
+    from draftsmith.targets import differences, load_target
+
+    path = Path(args.artifact)
+    expected, source = read_fingerprint(path)
+    target = load_target(args.target)
+    actual = target.fingerprint()
+    diffs = differences(expected, actual)
+    if not diffs:
+        same_weights = expected.get("weights_hash") == actual.get("weights_hash")
+        note = "" if same_weights else " (target weights differ from training time: acceptance may have drifted)"
+        print(f"ok: {path} ({source}) matches target {target.name}{note}")
+        return 0
+    print(f"MISMATCH: {path} ({source}) was made for a different target than {target.name}:")
+    for field in diffs:
+        print(f"  {field}: artifact {expected.get(field)!r} vs target {actual.get(field)!r}")
+    return 3

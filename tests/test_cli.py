@@ -1,0 +1,40 @@
+"""The `draftsmith` command: subcommands exist, errors are one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from draftsmith.artifact import make_manifest, save_artifact
+from draftsmith.cli import main
+
+
+def test_targets_lists_both(capsys):
+    assert main(["targets"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "gemma3-270m" in out
+
+
+def test_check_reports_mismatch(tmp_path, tiny_target, other_target, capsys):
+    art = tmp_path / "art"
+    save_artifact(art, make_manifest("medusa", tiny_target.fingerprint(), {}), state={})
+    assert main(["check", "--artifact", str(art), "--target", str(tiny_target.folder)]) == 0
+    assert main(["check", "--artifact", str(art), "--target", str(other_target.folder)]) == 3
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "vocab_size" in out and "tokenizer_hash" in out
+
+
+def test_errors_are_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "check", "--artifact", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("draftsmith: error:"), proc.stderr
+    assert "no target fingerprint" in lines[0]
+
+
+def test_manifest_is_json(tmp_path, tiny_target):
+    art = save_artifact(tmp_path / "a", make_manifest("draft", tiny_target.fingerprint(), {"x": 1}), state={})
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["kind"] == "draft" and manifest["target"]["vocab_size"] == tiny_target.vocab_size
