@@ -1,0 +1,237 @@
+"""Medusa heads: K extra next-next-token heads on a frozen target's last hidden state.
+
+Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads".
+With h_t the target's post-norm last hidden state after reading token x_t, the target's own head
+predicts x_{t+1}; Medusa head i (0-based) predicts x_{t+2+i}:
+
+    head_i(h) = W_i · ResBlock_i,L( ... ResBlock_i,1(h) )      ResBlock(x) = x + SiLU(A x + b)
+
+Every ResBlock starts at the identity (A = 0, b = 0, SiLU(0) = 0) and W_i starts as a copy of the
+target's lm_head, so a fresh head predicts exactly what the target's own head predicts (STYLE: heads
+start harmless). With `share_lm_head`, W_i IS the target's frozen lm_head (no vocab-sized parameters per
+head: the choice for large vocabularies such as Gemma 3's 262k).
+
+This file holds the module, its config, the loss and the sparse candidate tree; no I/O in `__init__`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.errors import ConfigError
+
+
+@dataclass
+class MedusaHeadsConfig:
+    """Shape of a set of Medusa heads (stored as the artifact's config.json)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = False
+
+    def __post_init__(self):
+        if self.num_heads < 1 or self.num_heads > 16:
+            raise ValueError(f"num_heads must be in 1..16, got {self.num_heads}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.hidden_size < 1 or self.vocab_size < 1:
+            raise ValueError("hidden_size and vocab_size must be positive")
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), zero-initialised so that it starts as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHead(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int, own_lm_head: bool):
+        super().__init__()
+        # Each block is its own module (Medusa's `[module] * n` shared one block n times).
+        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False) if own_lm_head else None
+
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads. forward(h [.., H]) -> logits [K, .., V]."""
+
+    def __init__(self, config: MedusaHeadsConfig):
+        super().__init__()
+        self.config = config
+        self.heads = nn.ModuleList(
+            MedusaHead(config.hidden_size, config.vocab_size, config.num_layers, not config.share_lm_head)
+            for _ in range(config.num_heads)
+        )
+        self._shared_lm_head: nn.Module | None = None  # set by attach_lm_head when share_lm_head
+
+    @classmethod
+    def from_target(cls, target_config, num_heads: int = 4, num_layers: int = 1, share_lm_head: bool = False,
+                    lm_head: nn.Module | None = None) -> MedusaHeads:
+        """Heads shaped for a target. Pass the target's `lm_head` to initialise (or share) the projections."""
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = cls(MedusaHeadsConfig(tc.hidden_size, tc.vocab_size, num_heads, num_layers, share_lm_head))
+        if lm_head is not None:
+            heads.attach_lm_head(lm_head, copy=not share_lm_head)
+        return heads
+
+    def attach_lm_head(self, lm_head: nn.Module, copy: bool) -> None:
+        """Copy the target's lm_head into every head (copy=True) or keep a reference to it (shared, frozen)."""
+        if copy:
+            with torch.no_grad():
+                for head in self.heads:
+                    head.lm_head.weight.copy_(lm_head.weight.to(head.lm_head.weight.dtype))
+        else:
+            # stored outside the module tree so it is neither trained, saved nor DDP-synchronised
+            object.__setattr__(self, "_shared_lm_head", lm_head)
+
+    def project(self, i: int, feats: torch.Tensor) -> torch.Tensor:
+        head = self.heads[i]
+        if head.lm_head is not None:
+            return head.lm_head(feats)
+        if self._shared_lm_head is None:
+            raise ConfigError("these Medusa heads share the target's lm_head: call attach_lm_head first")
+        w = self._shared_lm_head.weight
+        return F.linear(feats.to(w.dtype), w)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.project(i, head.features(hidden)) for i, head in enumerate(self.heads)])
+
+    def head_logits(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.project(i, self.heads[i].features(hidden))
+
+
+def head_weights(num_heads: int, decay: float) -> list[float]:
+    """Medusa weighs head i by decay**i: later heads are less accurate and matter less."""
+    return [decay**i for i in range(num_heads)]
+
+
+def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                weights: list[float], target_logits: torch.Tensor | None = None, kd_weight: float = 0.0,
+                topk: tuple[int, ...] = (1, 5)) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_i w_i · CE(head_i at t, x_{t+2+i}), over positions whose label is an assistant token.
+
+    logits [K, B, T, V]; input_ids, loss_mask [B, T]. With `target_logits` [B, T, V] and kd_weight > 0 the
+    hard CE is mixed with KL(p_target(· | x_{≤t+1+i}) ‖ head_i) — the target's own distribution for the
+    same token (Medusa-1's self-distillation variant).
+    Returns the loss and `head{i}/loss`, `head{i}/top1`, `head{i}/top5`.
+    """
+    K, B, T, V = logits.shape
+    total = logits.new_zeros(())
+    metrics: dict[str, float] = {}
+    for i in range(K):
+        shift = i + 2
+        if T <= shift:
+            for k in topk:
+                metrics[f"head{i}/top{k}"] = 0.0
+            metrics[f"head{i}/loss"] = 0.0
+            continue
+        pred = logits[i, :, : T - shift].float()  # positions t = 0 .. T-shift-1
+        labels = input_ids[:, shift:]  # x_{t+2+i}
+        mask = loss_mask[:, shift:].bool()
+        n = mask.sum().clamp(min=1)
+        ce = F.cross_entropy(pred.reshape(-1, V), labels.reshape(-1), reduction="none").view(B, -1)
+        head_loss = (ce * mask).sum() / n
+        if target_logits is not None and kd_weight > 0:
+            # the target's logits at position t+1+i predict x_{t+2+i}
+            teacher = target_logits[:, shift - 1 : T - 1].float()
+            kl = F.kl_div(F.log_softmax(pred, -1), F.log_softmax(teacher, -1), log_target=True,
+                          reduction="none").sum(-1)
+            head_loss = (1 - kd_weight) * head_loss + kd_weight * (kl * mask).sum() / n
+        total = total + weights[i] * head_loss
+        metrics[f"head{i}/loss"] = float(head_loss.detach())
+        with torch.no_grad():
+            ranked = pred.topk(max(topk), dim=-1).indices  # [B, T', kmax]
+            hit = ranked == labels.unsqueeze(-1)
+            for k in topk:
+                correct = hit[..., :k].any(-1) & mask
+                metrics[f"head{i}/top{k}"] = float(correct.sum() / n)
+    return total, metrics
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sparse candidate tree (Medusa §3.1.2): a node is a path (r_0, r_1, ..., r_d) of ranks, r_i being the
+# rank of the candidate taken from head i. Assuming heads are independent, the node is accepted with
+# probability Π_i acc[i][r_i], where acc[i][r] is head i's measured top-(r+1)-but-not-top-r accuracy
+# on calibration data. The expected accepted length of a tree is the sum of its nodes' probabilities,
+# so the best tree under a node budget takes the most probable nodes. A child is never more probable
+# than its parent, so greedy expansion from the frontier (a max-heap) is optimal and keeps the tree
+# closed under prefixes.
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MedusaTree:
+    paths: list[tuple[int, ...]] = field(default_factory=list)  # rank paths, parents before children
+    expected_length: float = 0.0  # Σ node probabilities (+1 for the bonus token gives τ)
+
+    def to_json(self) -> dict:
+        return {"paths": [list(p) for p in self.paths], "expected_length": self.expected_length}
+
+    @classmethod
+    def from_json(cls, data: dict) -> MedusaTree:
+        return cls([tuple(p) for p in data["paths"]], float(data.get("expected_length", 0.0)))
+
+    @classmethod
+    def chain(cls, depth: int) -> MedusaTree:
+        return cls([tuple([0] * d) for d in range(1, depth + 1)])
+
+    def parents(self) -> list[int]:
+        """Index of each node's parent in `paths` (-1 for children of the root)."""
+        index = {p: i for i, p in enumerate(self.paths)}
+        return [index[p[:-1]] if len(p) > 1 else -1 for p in self.paths]
+
+
+def rank_accuracies(hits: torch.Tensor) -> list[list[float]]:
+    """hits [K, N, R] booleans (head i's rank-r candidate was right at calibration position n)
+    -> acc[i][r] = P(rank r is the right one)."""
+    return hits.float().mean(1).tolist()
+
+
+def build_tree(acc: list[list[float]], budget: int) -> MedusaTree:
+    """Greedy tree maximising expected accepted length with at most `budget` nodes."""
+    if budget < 1:
+        raise ConfigError(f"tree node budget must be >= 1, got {budget}")
+    K = len(acc)
+    heap: list[tuple[float, tuple[int, ...]]] = []
+    for r, a in enumerate(acc[0]):
+        if a > 0:
+            heapq.heappush(heap, (-a, (r,)))
+    paths: list[tuple[int, ...]] = []
+    expected = 0.0
+    while heap and len(paths) < budget:
+        neg_p, path = heapq.heappop(heap)
+        paths.append(path)
+        expected += -neg_p
+        depth = len(path)
+        if depth < K:
+            for r, a in enumerate(acc[depth]):
+                p = -neg_p * a
+                if p > 0:
+                    heapq.heappush(heap, (-p, path + (r,)))
+    if not paths:
+        paths = [(0,)]
+    return MedusaTree(paths, expected)
+
+
+def tree_expected_length(acc: list[list[float]], tree: MedusaTree) -> float:
+    return sum(math.prod(acc[d][r] for d, r in enumerate(p)) for p in tree.paths)
