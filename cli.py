@@ -59,15 +59,11 @@ def setup_logging(verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    setup_logging(args.verbose)
+def run_entry_point(fn, verbose: bool = False) -> int:
+    """Run `fn()` with draftsmith's logging and one-line error reporting (for scripts/*.py too)."""
+    setup_logging(verbose)
     try:
-        return int(args.func(args) or 0)
+        return int(fn() or 0)
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return 2
@@ -81,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftsmith: error: {type(e).__name__}: {first} (set DRAFTSMITH_DEBUG=1 for the traceback)",
               file=sys.stderr)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return run_entry_point(lambda: args.func(args), args.verbose)
 
 
 if __name__ == "__main__":

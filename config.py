@@ -210,8 +210,8 @@ CONFIG_MODULES = [
     "draftsmith.data.config",
     "draftsmith.training.config",
     "draftsmith.evaluation.config",
-    "draftsmith.heads.medusa",
-    "draftsmith.heads.eagle",
+    "draftsmith.heads.medusa_job",
+    "draftsmith.heads.eagle_job",
     "draftsmith.distill.config",
     "draftsmith.retrain.config",
 ]

@@ -235,3 +235,12 @@ def build_tree(acc: list[list[float]], budget: int) -> MedusaTree:
 
 def tree_expected_length(acc: list[list[float]], tree: MedusaTree) -> float:
     return sum(math.prod(acc[d][r] for d, r in enumerate(p)) for p in tree.paths)
+
+
+def build_proposer(target, path: str, **opts):
+    """Decoder registry hook: `medusa:PATH` -> a MedusaProposer for `target` (fingerprint checked)."""
+    from draftsmith.heads.medusa_job import load_medusa
+    from draftsmith.heads.medusa_proposer import MedusaProposer
+
+    heads, tree, _ = load_medusa(path, target)
+    return MedusaProposer(heads, tree if opts.get("tree", True) else None)

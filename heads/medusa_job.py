@@ -1,0 +1,246 @@
+"""Training Medusa heads on a frozen target (Medusa-1) through the one training loop.
+
+The job differs from its siblings only by its module (MedusaHeads), its batches (self-distilled rows)
+and its loss (`heads.medusa.medusa_loss`). After training, the heads are calibrated on held-out rows:
+per-head rank accuracies give the sparse candidate tree saved with the artifact.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftsmith import artifact
+from draftsmith.config import load_config, register_config, to_dict
+from draftsmith.errors import ConfigError
+from draftsmith.heads.medusa import (
+    MedusaHeads,
+    MedusaHeadsConfig,
+    MedusaTree,
+    build_tree,
+    head_weights,
+    medusa_loss,
+    rank_accuracies,
+)
+from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.training.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalAfterTraining:
+    """Evaluation run at the end of training; its report is written into the artifact."""
+
+    enabled: bool = True
+    prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
+    limit_per_domain: int | None = 8
+    max_new_tokens: int = 64
+    tree: bool = True  # evaluate with the calibrated tree (else chain)
+
+
+@register_config("medusa")
+@dataclass
+class MedusaJobConfig:
+    target: str = "smollm2-135m"
+    data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
+    output: str = "runs/medusa/smollm2-135m"  # the artifact directory
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = False
+    decay: float = 0.8  # head i weighs decay**i
+    kd_weight: float = 0.0  # mix in KL to the target's own distribution (needs target logits)
+    max_length: int = 512
+    eval_fraction: float = 0.05
+    calibration_rows: int = 64
+    tree_budget: int = 48  # nodes of the sparse candidate tree
+    tree_max_rank: int = 8  # candidates per head considered by the tree builder
+    capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
+
+    def __post_init__(self):
+        if not 1 <= self.num_heads <= 16:
+            raise ValueError(f"num_heads must be in 1..16, got {self.num_heads}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if not 0 <= self.kd_weight <= 1:
+            raise ValueError(f"kd_weight must be in [0, 1], got {self.kd_weight}")
+        if not 0 < self.eval_fraction < 0.5:
+            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        if self.tree_budget < 1 or self.tree_max_rank < 1 or self.max_length < 8:
+            raise ValueError("tree_budget, tree_max_rank must be >= 1 and max_length >= 8")
+
+
+def split_rows(dataset, eval_fraction: float, seed: int):
+    """Deterministic train / held-out split of a datasets.Dataset (or list)."""
+    n = len(dataset)
+    n_eval = max(1, int(round(n * eval_fraction))) if n > 1 else 0
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
+    if hasattr(dataset, "select"):
+        return dataset.select(train_idx), dataset.select(eval_idx)
+    return [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
+
+
+def pad_batch(rows: list[dict], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    """Right-pad input_ids / loss_mask to the longest row (truncated to max_length)."""
+    ids = [list(r["input_ids"])[:max_length] for r in rows]
+    masks = [list(r["loss_mask"])[:max_length] for r in rows]
+    T = max(len(x) for x in ids)
+    out_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    out_mask = torch.zeros((len(rows), T), dtype=torch.long)
+    attn = torch.zeros((len(rows), T), dtype=torch.long)
+    for b, (x, m) in enumerate(zip(ids, masks)):
+        out_ids[b, : len(x)] = torch.tensor(x)
+        out_mask[b, : len(m)] = torch.tensor(m)
+        attn[b, : len(x)] = 1
+    batch = {"input_ids": out_ids, "loss_mask": out_mask * attn, "attention_mask": attn}
+    if "row_id" in rows[0]:
+        batch["row_id"] = torch.tensor([int(r["row_id"]) for r in rows])
+    return batch
+
+
+class MedusaJob:
+    kind = "medusa"
+
+    def __init__(self, cfg: MedusaJobConfig, target, dataset):
+        self.cfg, self.target = cfg, target
+        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
+        self.weights = head_weights(cfg.num_heads, cfg.decay)
+        tok = target.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        self.features = None
+
+    # --- the job protocol -------------------------------------------------------------------------
+    def build_module(self) -> MedusaHeads:
+        return MedusaHeads.from_target(self.target.config, self.cfg.num_heads, self.cfg.num_layers,
+                                       self.cfg.share_lm_head, lm_head=self.target.model.lm_head)
+
+    def setup(self, accelerator) -> None:
+        from draftsmith.training.frozen import place_frozen
+
+        self.target.model = place_frozen(self.target.model, accelerator)
+
+    def train_rows(self):
+        return self.train_set
+
+    def eval_rows(self):
+        return self.eval_set
+
+    def collate(self, rows):
+        return pad_batch(rows, self.pad_id, self.cfg.max_length)
+
+    def target_outputs(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Post-norm last hidden state [B, T, H] (and logits when KD is on) from the frozen target."""
+        with torch.no_grad():
+            out = self.target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    output_hidden_states=True)
+        return out.hidden_states[-1], (out.logits if self.cfg.kd_weight > 0 else None)
+
+    def loss(self, module, batch):
+        hidden, teacher = self.target_outputs(batch)
+        logits = module(hidden.to(next(module.parameters()).dtype))
+        return medusa_loss(logits, batch["input_ids"], batch["loss_mask"], self.weights, teacher,
+                           self.cfg.kd_weight)
+
+    def save_artifact(self, module, out_dir, metrics) -> Path:
+        acc = self.calibrate(module)
+        tree = build_tree(acc, self.cfg.tree_budget)
+        config = {**asdict(module.config), "target_layer": "last_hidden (post-norm)"}
+        manifest = artifact.make_manifest(
+            "medusa", self.target.fingerprint(), to_dict(self.cfg),
+            data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set)},
+            metrics={**metrics, "calibration_rank_accuracy": acc, "tree_expected_length": tree.expected_length},
+        )
+
+        def write_tree(tmp: Path) -> None:
+            atomic_write_json(tmp / "tree.json", tree.to_json())
+
+        return artifact.save_artifact(out_dir, manifest, module.state_dict(), config, writer=write_tree)
+
+    # --- calibration ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def calibrate(self, module) -> list[list[float]]:
+        """acc[i][r]: how often head i's rank-r candidate is the right token, on held-out rows."""
+        module.eval()
+        rows = list(self.eval_set)[: self.cfg.calibration_rows] or list(self.train_set)[: self.cfg.calibration_rows]
+        R, K = self.cfg.tree_max_rank, self.cfg.num_heads
+        hits = [[] for _ in range(K)]
+        device = next(module.parameters()).device
+        for start in range(0, len(rows), 8):
+            batch = {k: v.to(device) for k, v in self.collate(rows[start : start + 8]).items()}
+            hidden, _ = self.target_outputs(batch)
+            T = batch["input_ids"].shape[1]
+            for i in range(K):
+                shift = i + 2
+                if T <= shift:
+                    continue
+                ranked = module.head_logits(i, hidden[:, : T - shift].to(next(module.parameters()).dtype)).topk(R).indices
+                labels = batch["input_ids"][:, shift:]
+                mask = batch["loss_mask"][:, shift:].bool()
+                hits[i].append((ranked == labels.unsqueeze(-1))[mask])
+        stacked = [torch.cat(h) if h else torch.zeros(0, R, dtype=torch.bool) for h in hits]
+        n = min(len(h) for h in stacked)
+        if n == 0:
+            raise ConfigError("no held-out assistant tokens to calibrate the Medusa tree on")
+        return rank_accuracies(torch.stack([h[:n] for h in stacked]))
+
+
+def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree | None, dict]:
+    """Heads, calibrated tree and manifest of a Medusa artifact (fingerprint checked against `target`)."""
+    path = Path(path)
+    manifest, state = artifact.load_artifact(path, kind="medusa", target=target)
+    cfg = read_json(path / "config.json")
+    fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
+    heads = MedusaHeads(MedusaHeadsConfig(**fields))
+    heads.load_state_dict(state, strict=True)
+    if heads.config.share_lm_head:
+        if target is None:
+            raise ConfigError(f"{path}: these heads share the target's lm_head; give the target to load them")
+        heads.attach_lm_head(target.model.lm_head, copy=False)
+    if target is not None:
+        heads.to(device=target.device, dtype=target.dtype)
+    tree = MedusaTree.from_json(read_json(path / "tree.json")) if (path / "tree.json").is_file() else None
+    return heads.eval(), tree, manifest
+
+
+def train_medusa(cfg: MedusaJobConfig) -> Path:
+    """Load the target and the self-distilled data, train, calibrate, save, evaluate. Returns the artifact."""
+    from draftsmith.data import load_distilled
+    from draftsmith.targets import load_target
+    from draftsmith.training import train
+
+    target = load_target(cfg.target)
+    dataset = load_distilled(cfg.data, target)
+    job = MedusaJob(cfg, target, dataset)
+    result = train(job, cfg.train)
+    out = Path(result.artifact_path) if getattr(result, "artifact_path", None) else Path(cfg.output)
+    if cfg.evaluate.enabled and _is_main_process():
+        evaluate_into_artifact(out, target, cfg.evaluate)
+    return out
+
+
+def _is_main_process() -> bool:
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def evaluate_into_artifact(path: Path, target, opts: EvalAfterTraining) -> dict:
+    from draftsmith.evaluation import evaluate, write_report
+
+    proposer = f"medusa:{path}"
+    report = evaluate(target, proposer, prompts=opts.prompts or None, limit_per_domain=opts.limit_per_domain,
+                      max_new_tokens=opts.max_new_tokens, tree=opts.tree)
+    write_report(report, path / "eval")
+    artifact.update_manifest(path, eval={"overall": report.get("overall"), "report": "eval/report.json"})
+    return report
+
+
+def run_train_medusa(config_path: str | None, overrides: list[str]) -> Path:
+    cfg = load_config(config_path, overrides, cls=MedusaJobConfig)
+    return train_medusa(cfg)
