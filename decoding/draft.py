@@ -1,0 +1,100 @@
+"""Draft-model proposer: any HF causal LM that shares the target's tokenizer (vanilla two-model
+speculative decoding, Leviathan et al. 2023). The draft keeps its own KV cache, synced to the committed
+context before every proposal: the longest common prefix of what it has cached and the context is kept,
+the rest cropped, the missing tokens fed — so a rejection rolls the draft back automatically.
+
+Greedy: the draft proposes its argmax chain (deterministic candidates, q = None). Sampling: it draws each
+token from q = probs_from_logits(draft logits) with the SAME temperature/top-k/top-p as the target, and
+returns q so the verifier applies Leviathan/Chen speculative sampling. A tree budget is answered with a
+chain of the tree's depth (a chain is a tree).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from draftsmith.decoding import kvcache
+from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec, as_model
+from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
+from draftsmith.errors import ArtifactError, FingerprintMismatch
+
+
+class DraftProposer(Proposer):
+    name = "draft"
+
+    def __init__(self, model, name: str = "draft"):
+        self.model = as_model(model)  # a Target or a bare HF model
+        self.name = name
+        self.device = next(self.model.parameters()).device
+        self.cache = None
+        self.cached: torch.Tensor = torch.zeros(0, dtype=torch.long)
+
+    @classmethod
+    def from_path(cls, path: str | Path, target, **_opts) -> DraftProposer:
+        """Load an HF folder or a draftsmith draft artifact; refuse one made for another target."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from draftsmith.artifact import MANIFEST, load_manifest
+        from draftsmith.targets.fingerprint import check_compatible, tokenizer_hash
+
+        path = Path(path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ArtifactError(f"draft {path}: not an HF model folder or draft artifact (no config.json)")
+        if (path / MANIFEST).is_file():
+            manifest = load_manifest(path, kind="draft")
+            check_compatible(manifest["target"], target.fingerprint(), what=f"draft {path}")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
+        except Exception as e:  # transformers raises assorted errors for unreadable folders
+            raise ArtifactError(f"draft {path}: cannot load the model ({type(e).__name__}: {e})") from None
+        model.eval().requires_grad_(False)
+        rows = model.get_input_embeddings().weight.shape[0]
+        if rows != target.vocab_size:
+            raise FingerprintMismatch(f"draft {path}: vocab size {rows} differs from the target's {target.vocab_size}")
+        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+            tok = AutoTokenizer.from_pretrained(path)
+            if tokenizer_hash(tok) != tokenizer_hash(target.tokenizer):
+                raise FingerprintMismatch(f"draft {path}: its tokenizer vocabulary differs from the target's")
+        return cls(model, name=f"draft:{path.name}")
+
+    def begin(self, prompt_ids, features) -> None:
+        self.cache = kvcache.new_cache(self.model)
+        self.cached = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def _feed(self, ids: torch.Tensor) -> torch.Tensor:
+        start = self.cached.numel()
+        pos = torch.arange(start, start + ids.numel(), device=self.device)[None]
+        out = self.model(input_ids=ids[None], past_key_values=self.cache, position_ids=pos, use_cache=True,
+                         logits_to_keep=1)
+        self.cached = torch.cat([self.cached, ids])
+        return out.logits[0, -1]
+
+    @torch.no_grad()
+    def propose(self, context: torch.Tensor, spec: TreeSpec, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Proposal:
+        if self.cache is None:
+            self.begin(context, None)
+        context = context.to(self.device)
+        n = min(self.cached.numel(), context.numel())
+        same = (self.cached[:n] == context[:n]).long()
+        common = int(same.cumprod(0).sum()) if n else 0
+        common = min(common, context.numel() - 1)  # always feed at least the last token
+        kvcache.crop(self.cache, common)
+        self.cached = self.cached[:common]
+        logits = self._feed(context[common:])
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for d in range(spec.depth):
+            if sampling.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits, sampling)
+                tok = sample(q, generator)
+                qs.append(q)
+            tokens.append(tok)
+            if d + 1 < spec.depth:
+                logits = self._feed(torch.tensor([tok], dtype=torch.long, device=self.device))
+        q = torch.stack(qs) if qs else None
+        return Proposal.chain(tokens, q, device=self.device)

@@ -1,0 +1,175 @@
+"""`speculative_generate`: the decoding loop around the verifier, for a batch of prompts.
+
+Plain decoding is the same loop with k = 0 (an empty proposal every step), so the baseline and the
+speculative runs share every line of code except the proposer — a speedup can only come from proposing.
+
+Batches: rows accept different numbers of tokens, so each row keeps its own KV cache and proposer state
+(`SequenceVerifier`) and rows are decoded one after another. This is exact for every row (greedy output
+equals the target's greedy output row by row) at the price of not batching rows into one forward.
+
+EOS and the token budget are applied inside a block: the emitted tokens of a step are cut after the first
+EOS and at `max_new_tokens`, and proposals are never longer than the remaining budget minus one (the
+verification step always adds one target token of its own).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.decoding.proposer import NullProposer, Proposer, TreeSpec, as_model
+from draftsmith.decoding.sampling import SamplingConfig
+from draftsmith.decoding.verify import SequenceVerifier, StepStats
+from draftsmith.errors import ConfigError
+
+
+@dataclass
+class GenerationStats:
+    """Counters summed over the rows of one call (see `StepStats` for the per-field meaning)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    target_forwards: int = 0  # verification forwards (prefill not included)
+    prefill_forwards: int = 0
+    new_tokens: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposer_time: float = 0.0
+    target_time: float = 0.0
+    wall_time: float = 0.0
+
+    def add(self, s: StepStats, new_tokens: int) -> None:
+        self.proposed += s.proposed
+        self.accepted += s.accepted
+        self.target_forwards += s.steps
+        self.prefill_forwards += 1
+        self.new_tokens += new_tokens
+        for mine, theirs in ((self.proposed_per_position, s.proposed_at), (self.accepted_per_position, s.accepted_at)):
+            while len(mine) < len(theirs):
+                mine.append(0)
+            for i, v in enumerate(theirs):
+                mine[i] += v
+        self.proposer_time += s.proposer_time
+        self.target_time += s.target_time
+
+    def merge(self, other: GenerationStats) -> None:
+        s = StepStats(other.proposed, other.accepted, other.target_forwards, other.new_tokens,
+                      other.proposed_per_position, other.accepted_per_position, other.proposer_time,
+                      other.target_time)
+        self.add(s, other.new_tokens)
+        self.prefill_forwards += other.prefill_forwards - 1
+        self.wall_time += other.wall_time
+
+    @property
+    def alpha(self) -> float | None:
+        """α = accepted draft tokens / proposed draft tokens."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tau(self) -> float | None:
+        """τ = tokens emitted per verification forward, bonus included (1.0 = plain decoding)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else None
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """[d] = P(the first d+1 draft tokens are all accepted | a proposal reached depth d+1)."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+
+    def to_dict(self) -> dict:
+        return {
+            "proposed": self.proposed, "accepted": self.accepted, "target_forwards": self.target_forwards,
+            "prefill_forwards": self.prefill_forwards, "new_tokens": self.new_tokens,
+            "proposed_per_position": list(self.proposed_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "per_position_acceptance": self.per_position_acceptance, "alpha": self.alpha, "tau": self.tau,
+            "proposer_time": self.proposer_time, "target_time": self.target_time, "wall_time": self.wall_time,
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per row (EOS included when produced)
+    stats: GenerationStats
+    row_stats: list[StepStats]
+
+
+def _rows(input_ids, attention_mask) -> list[torch.Tensor]:
+    if isinstance(input_ids, list | tuple):
+        return [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in input_ids]
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if attention_mask is None:
+        return [row for row in ids]
+    return [row[m.bool()] for row, m in zip(ids, torch.as_tensor(attention_mask))]
+
+
+def _spec(k: int | None, tree: TreeSpec | tuple[int, ...] | list[int] | None) -> TreeSpec:
+    if tree is not None and k:
+        raise ConfigError("give either k (a chain) or tree, not both")
+    if tree is not None:
+        spec = tree if isinstance(tree, TreeSpec) else TreeSpec(tuple(int(b) for b in tree))
+        if any(b < 1 for b in spec.branching):
+            raise ConfigError(f"tree branching factors must be >= 1, got {spec.branching}")
+        return spec
+    if k is None or k < 0:
+        raise ConfigError(f"k must be >= 0, got {k}")
+    return TreeSpec.chain(k)
+
+
+def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_tokens: int, k: int | None = 4,
+                         tree: TreeSpec | tuple[int, ...] | None = None, temperature: float = 0.0,
+                         top_p: float = 1.0, top_k: int = 0, seed: int | None = 0,
+                         eos_ids: list[int] | None = None, attention_mask=None) -> GenerationResult:
+    """Generate up to `max_new_tokens` per row with `proposer` verified by `target`.
+
+    target: a `Target` or an HF causal LM. input_ids: [B, T] tensor (with `attention_mask` for padding),
+    a 1-D tensor, or a list of token lists. k: chain length (0 = plain decoding); tree: branching factors
+    per depth instead of k. eos_ids: default = the target's EOS ids. seed: sampling seed (per call).
+    """
+    model = as_model(target)
+    if eos_ids is None:
+        eos_ids = list(getattr(target, "eos_token_ids", []) or [])
+    eos = set(int(e) for e in eos_ids)
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    spec = _spec(0 if (proposer is None and tree is None) else k, tree)
+    proposer = proposer or NullProposer()
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    device = next(model.parameters()).device
+    generator = None
+    if not sampling.greedy:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(0 if seed is None else int(seed))
+    vocab = getattr(target, "vocab_size", None)
+
+    stats = GenerationStats()
+    out_tokens: list[list[int]] = []
+    row_stats: list[StepStats] = []
+    wall0 = time.perf_counter()
+    for row in _rows(input_ids, attention_mask):
+        seq = SequenceVerifier(model, proposer, sampling, generator, vocab)
+        new: list[int] = []
+        if max_new_tokens > 0:
+            seq.begin(row)
+            while len(new) < max_new_tokens:
+                remaining = max_new_tokens - len(new)
+                step_tokens = seq.step(spec.truncated(min(spec.depth, remaining - 1)))
+                done = False
+                for t in step_tokens:
+                    new.append(t)
+                    if t in eos or len(new) >= max_new_tokens:
+                        done = True
+                        break
+                seq.stats.emitted = len(new)
+                if done:
+                    break
+        out_tokens.append(new)
+        row_stats.append(seq.stats)
+        stats.add(seq.stats, len(new))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats.wall_time = time.perf_counter() - wall0
+    return GenerationResult(out_tokens, stats, row_stats)

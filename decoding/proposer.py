@@ -1,0 +1,265 @@
+"""The proposer interface: every drafting method only PROPOSES; `decoding.verify` verifies.
+
+Protocol for one sequence (the verifier drives it, see `decoding/verify.py`):
+
+    proposer.begin(prompt_ids, features)          once, after the target's prefill of prompt[:-1]
+    loop:
+        proposal = proposer.propose(context, spec) context = every committed token (prompt + output);
+                                                   its last token is "pending": the target has not
+                                                   run it yet, the proposal continues after it
+        ... one target forward verifies the proposal ...
+        proposer.accept(result)                    which nodes were accepted, the new tokens, and the
+                                                   target's features at the positions it just cached
+
+A proposal is a token TREE rooted at the pending token: `tokens[i]` is node i, `parents[i]` its parent
+(-1 = the root), parents come before children. A chain of k tokens is the tree with parents
+[-1, 0, 1, ..., k-2]. `q[i]` is the distribution node i was DRAWN from (the proposer's processed
+distribution at its parent, see `sampling.probs_from_logits`); all children of one parent must be i.i.d.
+draws from that parent's q for the multi-candidate rule to be lossless. `q = None` declares the
+candidates deterministic (n-gram matches, Medusa top-k, greedy drafts): the verifier then uses the
+"sample y ~ p, follow the child equal to y" rule, lossless for ANY candidate set (see verify.py).
+
+Target features: a proposer that drafts from the target's hidden states declares them:
+    needs_last_hidden = True      post-norm last hidden state (Medusa's input)
+    target_layers = [2, 15, 27]   pre-norm outputs of these decoder layers (EAGLE / EAGLE-3; the layer
+                                  convention of `targets/capture.py`)
+The verifier then captures them in its own forward pass (no extra target forward) and hands the
+features of the newly CACHED positions to `begin` / `accept`: for `accept`, the root (old pending token)
+and every accepted node, in order. The last of these positions is the one whose logits produced the new
+pending token (the "bonus position"), which is what Medusa heads and EAGLE's next draft start from.
+
+Registry: `build_proposer(spec, target, **opts)` with spec `ngram`, `draft:PATH`, `medusa:PATH`,
+`eagle:PATH`. Medusa and EAGLE live in `draftsmith.heads.medusa` / `draftsmith.heads.eagle`, imported
+lazily; each must define
+
+    def build_proposer(target, path: str, **opts) -> Proposer
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.decoding.sampling import SamplingConfig
+from draftsmith.errors import ConfigError, DraftsmithError
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The shape budget the verifier allows: depth = len(branching); a proposer may return fewer nodes.
+
+    `branching[d]` is the maximum number of children per node at depth d+1 (chain: all 1). `max_nodes`
+    caps the total node count (EAGLE-2 style dynamic trees pick the best `max_nodes` of a wider tree).
+    """
+
+    branching: tuple[int, ...]
+    max_nodes: int | None = None
+
+    @classmethod
+    def chain(cls, k: int) -> TreeSpec:
+        return cls((1,) * k)
+
+    @property
+    def depth(self) -> int:
+        return len(self.branching)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(b == 1 for b in self.branching)
+
+    def capacity(self) -> int:
+        total, width = 0, 1
+        for b in self.branching:
+            width *= b
+            total += width
+        return total if self.max_nodes is None else min(total, self.max_nodes)
+
+    def truncated(self, depth: int) -> TreeSpec:
+        return TreeSpec(self.branching[: max(depth, 0)], self.max_nodes)
+
+
+@dataclass
+class Proposal:
+    """A token tree (see module docstring). tokens/parents: [N] long; q: [N, V] float32 or None."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor | None = None
+    _children: dict[int, list[int]] | None = field(default=None, repr=False)
+    _depth: list[int] | None = field(default=None, repr=False)
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> Proposal:
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(z, z.clone(), None)
+
+    @classmethod
+    def chain(cls, tokens: list[int] | torch.Tensor, q: torch.Tensor | None = None,
+              device: torch.device | str = "cpu") -> Proposal:
+        t = torch.as_tensor(tokens, dtype=torch.long, device=device).reshape(-1)
+        parents = torch.arange(-1, len(t) - 1, dtype=torch.long, device=device)
+        return cls(t, parents, q)
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each node, 1-based (a child of the root has depth 1)."""
+        if self._depth is None:
+            d: list[int] = []
+            for i, p in enumerate(self.parent_list):
+                if p >= i:
+                    raise DraftsmithError(f"proposal node {i} has parent {p}: parents must come before children")
+                d.append(1 if p < 0 else d[p] + 1)
+            self._depth = d
+        return self._depth
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @property
+    def children(self) -> dict[int, list[int]]:
+        """parent index (-1 = root) -> child node indices, in proposal order."""
+        if self._children is None:
+            ch: dict[int, list[int]] = {}
+            for i, p in enumerate(self.parent_list):
+                ch.setdefault(p, []).append(i)
+            self._children = ch
+        return self._children
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parent_list == list(range(-1, len(self) - 1))
+
+    def validate(self, spec: TreeSpec, vocab_size: int) -> None:
+        n = len(self)
+        if self.parents.numel() != n:
+            raise DraftsmithError(f"proposal has {n} tokens but {self.parents.numel()} parents")
+        if n and self.depth > spec.depth:
+            raise DraftsmithError(f"proposal depth {self.depth} exceeds the allowed {spec.depth}")
+        if n > spec.capacity():
+            raise DraftsmithError(f"proposal has {n} nodes, more than the allowed {spec.capacity()}")
+        if n and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
+            raise DraftsmithError("proposal token id out of the target's vocabulary")
+        if self.q is not None and tuple(self.q.shape) != (n, vocab_size):
+            raise DraftsmithError(f"proposal q has shape {tuple(self.q.shape)}, expected {(n, vocab_size)}")
+
+
+@dataclass
+class TargetFeatures:
+    """Target hidden states at some positions: last_hidden [T, H] (post-norm), layers {i: [T, H]} (pre-norm)."""
+
+    last_hidden: torch.Tensor | None = None
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        if self.last_hidden is not None:
+            return int(self.last_hidden.shape[0])
+        return int(next(iter(self.layers.values())).shape[0]) if self.layers else 0
+
+
+@dataclass
+class AcceptResult:
+    """What one verification step decided, as the proposer sees it.
+
+    accepted_nodes: proposal node indices on the accepted path (root excluded), root to leaf.
+    new_tokens: tokens appended to the context (accepted node tokens + the target's correction/bonus token,
+                possibly truncated at EOS or the budget).
+    context: the full committed context after this step (its last token is the new pending token).
+    features: target features of the newly cached positions [root, accepted nodes...] (None when the
+              proposer declared none).
+    """
+
+    proposal: Proposal
+    accepted_nodes: list[int]
+    new_tokens: list[int]
+    context: torch.Tensor
+    features: TargetFeatures | None = None
+
+
+class Proposer(ABC):
+    """Base class. Subclasses implement `propose`; `begin`/`accept` keep proposer state in sync."""
+
+    name: str = "proposer"
+    target_layers: list[int] = []
+    needs_last_hidden: bool = False
+
+    @property
+    def needs_features(self) -> bool:
+        return self.needs_last_hidden or bool(self.target_layers)
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
+        """Start a new sequence. prompt_ids: [T] long; features cover prompt[:-1] (None if not declared)."""
+
+    @abstractmethod
+    def propose(self, context: torch.Tensor, spec: TreeSpec, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Proposal:
+        """Propose a tree continuing `context` ([L] long, last token pending) within `spec`."""
+
+    def accept(self, result: AcceptResult) -> None:
+        """Told after every verification step (roll back own caches here)."""
+
+
+class NullProposer(Proposer):
+    """Proposes nothing: plain autoregressive decoding through the speculative code path (k = 0)."""
+
+    name = "none"
+
+    def propose(self, context, spec, sampling, generator) -> Proposal:
+        return Proposal.empty(context.device)
+
+
+def as_model(obj) -> torch.nn.Module:
+    """The HF model of a `Target`, or the object itself when it already is a module (an HF causal LM has
+    its own `.model` attribute, the inner decoder, so `getattr(x, "model", x)` would be wrong)."""
+    return obj if isinstance(obj, torch.nn.Module) else obj.model
+
+
+HEAD_MODULES = {"medusa": "draftsmith.heads.medusa", "eagle": "draftsmith.heads.eagle"}
+
+
+def build_proposer(spec: str, target, **opts) -> Proposer:
+    """`ngram` | `ngram:N` | `draft:PATH` | `medusa:PATH` | `eagle:PATH` | `none` -> a Proposer for `target`."""
+    kind, _, arg = spec.partition(":")
+    kind = kind.strip().lower()
+    if kind in ("none", "plain"):
+        return NullProposer()
+    if kind == "ngram":
+        from draftsmith.decoding.ngram import NgramProposer
+
+        if arg:
+            try:
+                opts.setdefault("max_ngram", int(arg))
+            except ValueError:
+                raise ConfigError(f"proposer '{spec}': ngram:N needs an integer N") from None
+        return NgramProposer(**opts)
+    if kind == "draft":
+        if not arg:
+            raise ConfigError("proposer 'draft' needs a path: draft:PATH (an HF folder or a draftsmith draft artifact)")
+        from draftsmith.decoding.draft import DraftProposer
+
+        return DraftProposer.from_path(arg, target, **opts)
+    if kind in HEAD_MODULES:
+        if not arg:
+            raise ConfigError(f"proposer '{kind}' needs a path: {kind}:PATH (a draftsmith {kind} artifact)")
+        module_name = HEAD_MODULES[kind]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            raise DraftsmithError(f"proposer '{kind}' is not available: {module_name} is not implemented yet") from None
+        factory = getattr(module, "build_proposer", None)
+        if factory is None:
+            raise DraftsmithError(f"proposer '{kind}' is not available: {module_name} has no build_proposer(target, path, **opts)")
+        return factory(target, arg, **opts)
+    raise ConfigError(f"unknown proposer '{spec}' (use ngram, draft:PATH, medusa:PATH, eagle:PATH or none)")
