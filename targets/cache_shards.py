@@ -1,0 +1,390 @@
+"""Offline capture cache: what the frozen target computes per dataset row, in sharded safetensors.
+
+Training a Medusa / EAGLE head or distilling a draft needs, per token, some of: the output of decoder
+layer i (pre-norm, see `targets/capture.py` for the layer convention), the post-norm last hidden state,
+and the target's top-k logits. Computing them online costs one target forward per step; computing them
+once (`capture_dataset`, the `capture` step) lets every later epoch, sweep and retrain skip the target.
+
+On disk (`out_dir/`):
+
+    shard-00000.safetensors   concatenated rows: layer.<i> [N, H] (hidden_dtype), last_hidden [N, H],
+                              topk_values [N, k] float32, topk_indices [N, k] int32; the safetensors
+                              metadata holds {"rows": [[row_id, offset, length], ...]}
+    index.json                layers, topk, hidden_size, hidden_dtype, fields, target fingerprint,
+                              rows: {row_id: [shard, offset, length]}, shards
+
+A shard is written to a temp file and renamed, so every `shard-*.safetensors` is complete; a rerun
+after a kill reads the shards' metadata, skips rows already in them and appends new shards.
+
+Disk: tokens · (H · bytes(hidden_dtype) · (#layers + last_hidden) + k · 8). SmolLM2-135M (H=576), one
+layer, bf16, top-64: 1,664 bytes/token, i.e. ~1.7 GB per million tokens.
+
+`CaptureSource` gives a job the same tensors either way: online (target forward inside the step) or
+offline (from the cache, keyed by the batch's `row_id`), padded to the batch's length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from draftsmith.errors import DataError
+from draftsmith.storage import _fsync_dir, atomic_write_json, read_json
+from draftsmith.targets.capture import capture_forward, topk_logits
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "index.json"
+_SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def estimate_disk_bytes(n_tokens: int, hidden: int, n_layers: int, topk: int,
+                        dtype: torch.dtype = torch.bfloat16, last_hidden: bool = False) -> int:
+    """Bytes the cache needs: hidden states in `dtype`, top-k as float32 values + int32 indices."""
+    per_token = hidden * torch.finfo(dtype).bits // 8 * (n_layers + int(last_hidden)) + topk * (4 + 4)
+    return int(n_tokens) * per_token
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _shards(out_dir: Path) -> list[tuple[int, Path]]:
+    if not out_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out_dir.iterdir() if (m := _SHARD_RE.match(p.name))]
+    return sorted(found)
+
+
+def _shard_meta(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["draftsmith"])
+
+
+class ShardWriter:
+    """Append rows, flush a shard every `shard_tokens` tokens, write index.json on close. Resumable."""
+
+    def __init__(self, out_dir: str | Path, layers: list[int], topk: int, hidden_dtype: torch.dtype = torch.bfloat16,
+                 shard_tokens: int = 1 << 18, fingerprint: dict | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.layers = [int(i) for i in layers]
+        self.topk = int(topk)
+        self.hidden_dtype = hidden_dtype
+        self.shard_tokens = int(shard_tokens)
+        self.fingerprint = fingerprint
+        self.hidden_size: int | None = None
+        self.has_last_hidden: bool | None = None
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for p in self.out_dir.iterdir():  # temp files of a shard killed mid-write
+            if p.name.startswith(".shard-") and ".tmp" in p.name:
+                p.unlink(missing_ok=True)
+        self.rows: dict[int, tuple[int, int, int]] = {}
+        self._next_shard = 0
+        for idx, path in _shards(self.out_dir):
+            meta = _shard_meta(path)
+            self._check_compatible(meta, path)
+            for row_id, offset, length in meta["rows"]:
+                self.rows[int(row_id)] = (idx, offset, length)
+            self._next_shard = idx + 1
+        self._buf: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._buf_tokens = 0
+        self.closed = False
+
+    def _check_compatible(self, meta: dict, where: Path) -> None:
+        mine = {"layers": self.layers, "topk": self.topk, "hidden_dtype": _DTYPE_NAMES[self.hidden_dtype]}
+        for k, v in mine.items():
+            if meta[k] != v:
+                raise DataError(f"capture cache {where} has {k}={meta[k]}, asked for {v}: use another directory")
+        self.hidden_size = meta["hidden_size"]
+        self.has_last_hidden = meta["last_hidden"]
+
+    def __contains__(self, row_id: int) -> bool:
+        return int(row_id) in self.rows or any(r == int(row_id) for r, _ in self._buf)
+
+    def add(self, row_id: int, layers: dict[int, torch.Tensor], topk_values: torch.Tensor | None = None,
+            topk_indices: torch.Tensor | None = None, last_hidden: torch.Tensor | None = None) -> bool:
+        """Buffer one row ([T, H] per layer, [T, k] top-k). Returns False if the row is already stored."""
+        if self.closed:
+            raise DataError("ShardWriter is closed")
+        if row_id in self:
+            return False
+        if sorted(layers) != sorted(self.layers):
+            raise DataError(f"row {row_id}: layers {sorted(layers)} given, writer stores {sorted(self.layers)}")
+        if (topk_values is None) != (self.topk == 0) or (topk_indices is None) != (self.topk == 0):
+            raise DataError(f"row {row_id}: top-k values/indices must be given iff topk > 0 (topk={self.topk})")
+        if self.has_last_hidden is None:
+            self.has_last_hidden = last_hidden is not None
+        elif self.has_last_hidden != (last_hidden is not None):
+            raise DataError(f"row {row_id}: last_hidden given for some rows and not others")
+        tensors: dict[str, torch.Tensor] = {}
+        T = None
+        for i, h in layers.items():
+            tensors[f"layer.{i}"] = h.detach().to("cpu", self.hidden_dtype)
+            T = h.shape[0]
+        if last_hidden is not None:
+            tensors["last_hidden"] = last_hidden.detach().to("cpu", self.hidden_dtype)
+            T = last_hidden.shape[0]
+        if self.topk:
+            if topk_values.shape[-1] != self.topk:
+                raise DataError(f"row {row_id}: top-k has {topk_values.shape[-1]} entries, writer stores {self.topk}")
+            tensors["topk_values"] = topk_values.detach().to("cpu", torch.float32)
+            tensors["topk_indices"] = topk_indices.detach().to("cpu", torch.int32)
+            T = topk_values.shape[0]
+        if T is None:
+            raise DataError(f"row {row_id}: nothing to store")
+        for k, t in tensors.items():
+            if t.shape[0] != T:
+                raise DataError(f"row {row_id}: {k} has {t.shape[0]} positions, expected {T}")
+            if k.startswith("layer.") or k == "last_hidden":
+                if self.hidden_size is None:
+                    self.hidden_size = t.shape[1]
+                elif t.shape[1] != self.hidden_size:
+                    raise DataError(f"row {row_id}: hidden size {t.shape[1]}, cache has {self.hidden_size}")
+        self._buf.append((int(row_id), tensors))
+        self._buf_tokens += T
+        if self._buf_tokens >= self.shard_tokens:
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Write the buffered rows as one shard (temp file + rename: the shard appears complete or not at all)."""
+        if not self._buf:
+            return
+        idx = self._next_shard
+        keys = list(self._buf[0][1])
+        rows, offset = [], 0
+        for row_id, t in self._buf:
+            n = next(iter(t.values())).shape[0]
+            rows.append([row_id, offset, n])
+            offset += n
+        data = {k: torch.cat([t[k] for _, t in self._buf]).contiguous() for k in keys}
+        meta = {"layers": self.layers, "topk": self.topk, "hidden_dtype": _DTYPE_NAMES[self.hidden_dtype],
+                "hidden_size": self.hidden_size, "last_hidden": bool(self.has_last_hidden), "rows": rows}
+        final = self.out_dir / f"shard-{idx:05d}.safetensors"
+        tmp = self.out_dir / f".{final.name}.tmp-{os.getpid()}"
+        save_file(data, str(tmp), metadata={"draftsmith": json.dumps(meta)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.out_dir)
+        for row_id, o, n in rows:
+            self.rows[row_id] = (idx, o, n)
+        self._next_shard = idx + 1
+        self._buf, self._buf_tokens = [], 0
+
+    def close(self) -> Path:
+        """Flush and write index.json. Returns its path."""
+        self.flush()
+        index = {
+            "layers": self.layers, "topk": self.topk, "hidden_size": self.hidden_size,
+            "hidden_dtype": _DTYPE_NAMES[self.hidden_dtype], "last_hidden": bool(self.has_last_hidden),
+            "fingerprint": self.fingerprint, "n_rows": len(self.rows),
+            "n_tokens": sum(n for _, _, n in self.rows.values()),
+            "shards": [p.name for _, p in _shards(self.out_dir)],
+            "rows": {str(r): list(v) for r, v in sorted(self.rows.items())},
+        }
+        atomic_write_json(self.out_dir / INDEX, index)
+        self.closed = True
+        return self.out_dir / INDEX
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.flush()  # keep what was captured: a rerun resumes from it
+
+
+class ShardReader:
+    """Read rows back: `reader.get(row_id)` -> {"layer.<i>": [T, H], "last_hidden", "topk_values", "topk_indices"}."""
+
+    def __init__(self, cache_dir: str | Path) -> None:
+        self.dir = Path(cache_dir)
+        if (self.dir / INDEX).is_file():
+            self.index = read_json(self.dir / INDEX)
+            self._rows = {int(r): tuple(v) for r, v in self.index["rows"].items()}
+        else:  # an unfinished capture is still readable from its complete shards
+            shards = _shards(self.dir)
+            if not shards:
+                raise DataError(f"{self.dir}: not a capture cache (no {INDEX}, no shards)")
+            self._rows, meta = {}, {}
+            for idx, path in shards:
+                meta = _shard_meta(path)
+                for row_id, o, n in meta["rows"]:
+                    self._rows[int(row_id)] = (idx, o, n)
+            self.index = {k: meta[k] for k in ("layers", "topk", "hidden_size", "hidden_dtype", "last_hidden")}
+            self.index["fingerprint"] = None
+        self.layers: list[int] = self.index["layers"]
+        self.topk: int = self.index["topk"]
+        self.hidden_size: int = self.index["hidden_size"]
+        self.fingerprint: dict | None = self.index.get("fingerprint")
+        self._open: dict[int, Any] = {}
+
+    @property
+    def rows(self) -> list[int]:
+        return sorted(self._rows)
+
+    def __contains__(self, row_id: int) -> bool:
+        return int(row_id) in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _handle(self, shard: int):
+        if shard not in self._open:
+            self._open[shard] = safe_open(str(self.dir / f"shard-{shard:05d}.safetensors"), framework="pt")
+        return self._open[shard]
+
+    def get(self, row_id: int) -> dict[str, torch.Tensor]:
+        if int(row_id) not in self._rows:
+            raise DataError(f"row {row_id} is not in the capture cache {self.dir}")
+        shard, offset, length = self._rows[int(row_id)]
+        f = self._handle(shard)
+        out = {k: f.get_slice(k)[offset:offset + length] for k in f.keys()}
+        if "topk_indices" in out:
+            out["topk_indices"] = out["topk_indices"].long()
+        return out
+
+
+def _row_ids(rows: Sequence[Any]) -> list[int]:
+    return [int(r["row_id"]) if isinstance(r, dict) and "row_id" in r else i for i, r in enumerate(rows)]
+
+
+def capture_dataset(target, rows: Sequence[Any], out_dir: str | Path, layers: list[int], topk: int,
+                    batch_size: int = 8, hidden_dtype: torch.dtype = torch.bfloat16, last_hidden: bool = False,
+                    shard_tokens: int = 1 << 18, progress: bool = True) -> ShardReader:
+    """The standalone `capture` step: run the target over `rows` (dicts with `input_ids`, optional
+    `row_id`, default the position) and cache what `layers` / `topk` / `last_hidden` ask for. Resumable."""
+    from tqdm.auto import tqdm
+
+    ids = _row_ids(rows)
+    lengths = [len(r["input_ids"]) for r in rows]
+    writer = ShardWriter(out_dir, layers, topk, hidden_dtype, shard_tokens, fingerprint=target.fingerprint())
+    todo = [i for i, rid in enumerate(ids) if rid not in writer]
+    need = estimate_disk_bytes(sum(lengths[i] for i in todo), target.hidden_size, len(layers), topk, hidden_dtype,
+                               last_hidden)
+    print(f"capture: {len(todo)} of {len(rows)} rows to do ({len(rows) - len(todo)} cached), "
+          f"{sum(lengths[i] for i in todo)} tokens, estimated disk {_fmt_bytes(need)} -> {out_dir}", file=sys.stderr)
+    model = target.model
+    device = target.device
+    pad = target.tokenizer.pad_token_id if getattr(target, "tokenizer", None) is not None else 0
+    bar = tqdm(total=len(todo), desc="capture", unit="row", disable=not progress)
+    with writer:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            T = max(lengths[i] for i in chunk)
+            input_ids = torch.full((len(chunk), T), pad or 0, dtype=torch.long)
+            mask = torch.zeros((len(chunk), T), dtype=torch.long)
+            for b, i in enumerate(chunk):  # right padding: causal positions < length never see the pad
+                input_ids[b, :lengths[i]] = torch.as_tensor(rows[i]["input_ids"])
+                mask[b, :lengths[i]] = 1
+            cap = capture_forward(model, input_ids.to(device), mask.to(device), layers=layers, want_logits=topk > 0)
+            tv, ti = topk_logits(cap.logits, topk) if topk > 0 else (None, None)
+            for b, i in enumerate(chunk):
+                n = lengths[i]
+                writer.add(ids[i], {layer: cap.layers[layer][b, :n] for layer in layers},
+                           tv[b, :n] if tv is not None else None, ti[b, :n] if ti is not None else None,
+                           cap.last_hidden[b, :n] if last_hidden else None)
+            bar.update(len(chunk))
+    bar.close()
+    return ShardReader(out_dir)
+
+
+class CaptureSource:
+    """"Give me layer 27 and the top-k logits for this batch", online or offline, same tensors.
+
+    `source(batch)` returns {"layer.<i>": [B, T, H], "last_hidden": [B, T, H] (if asked),
+    "topk_values": [B, T, k], "topk_indices": [B, T, k]}; positions past a row's length are zero.
+    Online it runs the frozen target on batch["input_ids"] / ["attention_mask"] (right-padded);
+    offline (`cache_dir` given) it reads rows batch["row_id"] from the capture cache.
+    """
+
+    def __init__(self, target, layers: Sequence[int] = (), topk: int = 0, last_hidden: bool = False,
+                 cache_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> None:
+        self.target = target
+        self.layers = list(layers)
+        self.topk = int(topk)
+        self.last_hidden = bool(last_hidden)
+        self.dtype = dtype or target.dtype
+        self.model = target.model
+        self.reader: ShardReader | None = None
+        if cache_dir is not None:
+            from draftsmith.targets.fingerprint import check_compatible
+
+            self.reader = ShardReader(cache_dir)
+            missing = [i for i in self.layers if i not in self.reader.layers]
+            if missing:
+                raise DataError(f"capture cache {cache_dir} has layers {self.reader.layers}, job needs {self.layers}")
+            if self.topk > self.reader.topk:
+                raise DataError(f"capture cache {cache_dir} has top-{self.reader.topk}, job needs top-{self.topk}")
+            if self.last_hidden and not self.reader.index.get("last_hidden"):
+                raise DataError(f"capture cache {cache_dir} has no last_hidden, job needs it")
+            if self.reader.fingerprint is not None:
+                check_compatible(self.reader.fingerprint, target.fingerprint(), what=f"capture cache {cache_dir}")
+
+    @property
+    def offline(self) -> bool:
+        return self.reader is not None
+
+    def place(self, accelerator) -> None:
+        """Put the frozen target on the training device (online only; offline never runs it)."""
+        if not self.offline:
+            from draftsmith.training.frozen import place_frozen
+
+            self.model = place_frozen(self.model, accelerator)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.offline_features(batch) if self.offline else self.online_features(batch)
+
+    @torch.no_grad()
+    def online_features(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        cap = capture_forward(self.model, ids, mask, layers=self.layers, want_logits=self.topk > 0)
+        out = {f"layer.{i}": cap.layers[i] for i in self.layers}
+        if self.last_hidden:
+            out["last_hidden"] = cap.last_hidden
+        if self.topk:
+            out["topk_values"], out["topk_indices"] = topk_logits(cap.logits, self.topk)
+        if mask is not None:  # zero the padding, as offline does
+            keep = mask.bool().unsqueeze(-1)
+            out = {k: v.masked_fill(~keep, 0) for k, v in out.items()}
+        return out
+
+    def offline_features(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if "row_id" not in batch:
+            raise DataError("offline capture needs a 'row_id' per row in the batch (keep it in collate)")
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        lengths = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [T] * B
+        keys = [f"layer.{i}" for i in self.layers] + (["last_hidden"] if self.last_hidden else [])
+        out: dict[str, torch.Tensor] = {}
+        for b, row_id in enumerate(batch["row_id"].tolist()):
+            row = self.reader.get(row_id)
+            n = int(lengths[b])
+            stored = next(iter(row.values())).shape[0]
+            if stored < n:
+                raise DataError(f"capture cache row {row_id} has {stored} tokens, the batch has {n}: "
+                                "the cache was made from other data")
+            for k in keys + (["topk_values", "topk_indices"] if self.topk else []):
+                t = row[k][:n]
+                if k.startswith("topk"):
+                    t = t[:, : self.topk]
+                if k not in out:
+                    dtype = self.dtype if k in keys else (torch.float32 if k == "topk_values" else torch.long)
+                    out[k] = torch.zeros((B, T, t.shape[-1]), dtype=dtype)
+                out[k][b, :n] = t.to(out[k].dtype)
+        return {k: v.to(ids.device) for k, v in out.items()}

@@ -1,0 +1,108 @@
+"""`TrainConfig`: the settings of the one training loop, embedded as the `train:` section of every job config.
+
+It is not a registered config kind by itself: `MedusaConfig`, `EagleConfig` and `DistillConfig` each carry a
+`train: TrainConfig` field, so `draftsmith train-medusa --config x.yaml train.lr=3e-4` reaches it through
+the ordinary dotted overrides. Bad values fail here, at load time.
+
+Step vocabulary used everywhere in `training/`: a *micro-batch* is one `batch_size` batch on one rank; a
+*step* is one optimizer update = `grad_accum` micro-batches on every rank, i.e. an effective batch of
+`batch_size * grad_accum * world_size` rows. `max_steps`, `warmup_steps`, `eval_every`, `save_every`
+and `log_every` all count steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
+@dataclass
+class TrainConfig:
+    # optimiser: AdamW (Loshchilov & Hutter 2019, decoupled weight decay)
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    # schedule: linear warmup from 0 to lr over the warmup steps, then cosine / linear decay to
+    # min_lr_ratio * lr at the last step, or constant.
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps == 0: warmup = round(ratio * total steps)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.0
+    # length: max_steps wins when both are given; otherwise epochs over the training rows
+    max_steps: int | None = None
+    epochs: float = 1.0
+    batch_size: int = 8  # rows per micro-batch per rank
+    grad_accum: int = 1
+    max_grad_norm: float | None = 1.0  # null disables clipping
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    # evaluation on the held-out split: every eval_every steps (0 = only at the end), eval_batches
+    # micro-batches per rank each time (null = the whole split)
+    eval_every: int = 0
+    eval_batches: int | None = None
+    # checkpoints: every save_every steps (0 = none), newest keep_last kept
+    save_every: int = 0
+    keep_last: int = 2
+    log_every: int = 10
+    seed: int = 0
+    output_dir: str = "runs/train"
+    resume: str = "auto"  # "auto" (newest complete checkpoint if any) | "never" | a checkpoint dir
+    warm_start: str | None = None  # an artifact dir whose weights initialise the module (weights only)
+    max_nonfinite_in_row: int = 10
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb_project: str | None = None
+    num_workers: int = 0
+    progress: bool = True  # tqdm bar on rank 0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        self.betas = tuple(float(b) for b in self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1, got {self.max_steps}")
+        if self.max_steps is None and self.epochs <= 0:
+            raise ValueError(f"train.epochs must be > 0 when max_steps is not set, got {self.epochs}")
+        for name in ("batch_size", "grad_accum", "keep_last", "log_every", "max_nonfinite_in_row"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "save_every", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"train.eval_batches must be >= 1 or null, got {self.eval_batches}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"train.max_grad_norm must be > 0 or null, got {self.max_grad_norm}")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"train.mixed_precision must be auto|no|bf16|fp16, got {self.mixed_precision!r}")
+        unknown = [lg for lg in self.loggers if lg not in LOGGERS]
+        if unknown:
+            raise ValueError(f"train.loggers: unknown logger {unknown[0]!r} (known: {', '.join(LOGGERS)})")
+        if "jsonl" not in self.loggers:  # the JSONL log is what resume and the summary read: always on
+            self.loggers = ["jsonl", *self.loggers]
+        if not self.resume:
+            raise ValueError("train.resume must be 'auto', 'never' or a checkpoint directory")
+
+    def resolved_mixed_precision(self) -> str:
+        """'auto' -> bf16 on a CUDA device that supports it, else 'no' (CPU autocast buys nothing here)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return "bf16"
+        return "no"
+
+    def resolved_warmup(self, total_steps: int) -> int:
+        return self.warmup_steps if self.warmup_steps > 0 else round(self.warmup_ratio * total_steps)

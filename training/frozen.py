@@ -1,0 +1,91 @@
+"""The frozen target inside a training step: no grads, eval mode, right device and dtype, never DDP-wrapped.
+
+How each accelerate preset treats it (`place_frozen`):
+- single device, DDP (MULTI_GPU / MULTI_CPU), DeepSpeed ZeRO-1/2: the target is REPLICATED — every rank
+  holds a full copy on `accelerator.device`. It is not passed to `accelerator.prepare`: it has no
+  trainable parameters, so DDP would have nothing to all-reduce (and refuses such a module), and ZeRO-1/2
+  only shard optimizer state and gradients, which the target does not have.
+- FSDP: the target is SHARDED with its own FSDP wrapper (`accelerator.prepare_model` for FSDP1, which
+  wraps modules whose parameters are all frozen; `fully_shard` per decoder layer for FSDP2). Every
+  forward all-gathers one layer at a time, so a target larger than one GPU fits. No optimizer touches it.
+- DeepSpeed ZeRO-3: the target gets its own inference-only DeepSpeed engine (`deepspeed.initialize` with
+  the training config's ZeRO-3 section and no optimizer), the same pattern TRL uses for reference models,
+  so its parameters are partitioned across ranks and gathered per layer on forward.
+The sharded paths need GPUs and were not run on this CPU-only machine; the replicated path is tested.
+
+Dtype: with mixed precision bf16/fp16 the target's weights are cast to that dtype (halving its memory;
+it is never updated, so there is no master copy to keep); with "no" it keeps its own dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def freeze_module(model: nn.Module) -> nn.Module:
+    """No grads, eval mode (dropout off). Idempotent."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def compute_dtype(accelerator) -> torch.dtype | None:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
+
+
+def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None, shard: bool | None = None) -> Any:
+    """Freeze `model` and put it where the preset says (see module docstring). Returns the module to call.
+
+    `shard=None` follows the preset (FSDP / ZeRO-3 shard, everything else replicates); False forces a
+    replicated copy even under FSDP / ZeRO-3 (right for small targets: no per-layer all-gathers).
+    """
+    from accelerate.utils import DistributedType
+
+    freeze_module(model)
+    dtype = dtype or compute_dtype(accelerator)
+    dist = accelerator.distributed_type
+    zero_stage = None
+    if dist == DistributedType.DEEPSPEED:
+        zero_stage = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
+    if shard is None:
+        shard = dist == DistributedType.FSDP or zero_stage == 3
+    if not shard:
+        model.to(device=accelerator.device, dtype=dtype) if dtype is not None else model.to(accelerator.device)
+        return model
+    if dist == DistributedType.FSDP:
+        if dtype is not None:
+            model.to(dtype=dtype)
+        if getattr(accelerator, "is_fsdp2", False):
+            from draftsmith.targets.capture import decoder_layers
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in decoder_layers(model):
+                fully_shard(layer)
+            fully_shard(model)
+            return freeze_module(model)
+        return freeze_module(accelerator.prepare_model(model, evaluation_mode=False))
+    if dist == DistributedType.DEEPSPEED:
+        import copy
+
+        import deepspeed
+
+        ds_config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        ds_config.pop("optimizer", None)
+        ds_config.pop("scheduler", None)
+        ds_config["zero_optimization"] = {
+            "stage": 3, "stage3_param_persistence_threshold": 10 * model.config.hidden_size
+            if hasattr(model, "config") else 1e4,
+        }
+        for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
+            if ds_config.get(key) == "auto":
+                ds_config[key] = 1
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        engine.eval()
+        return engine
+    raise ValueError(f"cannot shard a frozen target under {dist}")

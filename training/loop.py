@@ -1,0 +1,464 @@
+"""The one training loop: `train(job, cfg) -> TrainResult`, on `accelerate.Accelerator`.
+
+Every job (draft distillation, Medusa, EAGLE) runs here; a job only supplies a module, batches and a loss
+(`training/job.py`). One step, for each of the `grad_accum` micro-batches of every rank:
+
+    loss, metrics = job.loss(module, batch)           # under autocast (bf16 on CUDA when supported)
+    if any rank's loss is non-finite:  backward(0 · Σθ)   # keeps DDP's all-reduce in lock-step, grads = 0
+    else:                              backward(loss / grad_accum)
+  then, at the accumulation boundary:
+    g = clip_grad_norm(θ, max_grad_norm)              # global norm, also our overflow detector
+    if the window had a non-finite loss or g is non-finite: skip the update, zero grads, count it
+    else: lr ← schedule(step); AdamW update; zero grads
+
+Schedule (per step s of S total, W warmup steps; Goyal et al. 2017 warmup, Loshchilov & Hutter 2017 cosine):
+    s < W:   lr = lr0 · (s + 1) / W
+    cosine:  lr = lr0 · (m + (1 − m) · ½(1 + cos(π · p))),   p = (s − W) / max(1, S − W),  m = min_lr_ratio
+    linear:  lr = lr0 · (m + (1 − m) · (1 − p))
+    constant: lr = lr0
+
+Data order is ours, not the DataLoader's: epoch e uses the permutation randperm(n, seed = cfg.seed·1000003 + e);
+micro-batch b of rank r is rows perm[(b·world + r)·B : (b·world + r + 1)·B] (incomplete tail dropped), so a
+position (epoch, b) plus the seed pins every future batch and resume needs no sampler pickles. Logging
+windows are flushed at every checkpoint step, so a resumed run's log equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from draftsmith.config import to_dict
+from draftsmith.errors import DataError, TrainingError
+from draftsmith.training import checkpoint as ckpt
+from draftsmith.training.config import TrainConfig
+from draftsmith.training.job import Job, count_tokens
+from draftsmith.training.loggers import RunLogger
+from torch import nn
+
+ARTIFACT_DIR = "artifact"
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    artifact: Path | None  # where job.save_artifact wrote (None on ranks other than 0)
+    steps: int
+    metrics: dict[str, float]  # final eval metrics ("eval/..."), last train window ("train/..."), counters
+    resumed_from: Path | None = None
+    warm_start: str | None = None
+    log_path: Path | None = None
+    history: list[dict] = field(default_factory=list)  # the JSONL log records (rank 0)
+    module: nn.Module | None = field(default=None, repr=False)  # the trained module, unwrapped (every rank)
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based). See the module docstring."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 0.5 * (1.0 + math.cos(math.pi * p)) if schedule == "cosine" else 1.0 - p
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices, not biases / norm gains (1-D tensors)."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def rank_batches(perm: list[int], batch_size: int, world: int, rank: int, start: int) -> list[list[int]]:
+    """This rank's micro-batches of one epoch from batch index `start` on (incomplete tail dropped)."""
+    per_epoch = len(perm) // (batch_size * world)
+    out = []
+    for b in range(start, per_epoch):
+        lo = (b * world + rank) * batch_size
+        out.append(perm[lo:lo + batch_size])
+    return out
+
+
+def _cpu_only() -> bool:
+    """No accelerator device: tell accelerate so, or under torchrun it stays single-process (DistributedType.NO)
+    instead of MULTI_CPU over gloo (accelerate 1.15 only picks MULTI_CPU with cpu=True)."""
+    acc = getattr(torch, "accelerator", None)
+    has_device = acc.is_available() if acc is not None else torch.cuda.is_available()
+    return not has_device
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class _Window:
+    """Running sums of one logging window (local to this rank)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = 0.0
+        self.count = 0
+        self.metrics: dict[str, float] = {}
+        self.tokens = 0
+        self.grad_norm = 0.0
+        self.updates = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, loss: float, metrics: dict[str, float]) -> None:
+        self.loss += loss
+        self.count += 1
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + float(v)
+
+
+class Trainer:
+    """State of one run. `train()` is the public entry point; this class keeps the loop readable."""
+
+    def __init__(self, job: Job, cfg: TrainConfig, accelerator=None) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedType
+
+        self.job, self.cfg = job, cfg
+        self.acc = accelerator or Accelerator(
+            mixed_precision=cfg.resolved_mixed_precision(), gradient_accumulation_steps=cfg.grad_accum,
+            step_scheduler_with_optimizer=False, cpu=_cpu_only(),
+        )
+        self.dist = self.acc.distributed_type
+        self.sharded = self.dist in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        self.world, self.rank = self.acc.num_processes, self.acc.process_index
+        self.main = self.acc.is_main_process
+        self.out = Path(cfg.output_dir)
+
+    # ---- setup -----------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        from accelerate.utils import set_seed
+
+        cfg, acc = self.cfg, self.acc
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            ckpt.clean_temp(self.out)
+        acc.wait_for_everyone()
+        self.resume_path = ckpt.resolve_resume(cfg.resume, self.out)
+        self.loaded = ckpt.load_checkpoint(self.resume_path) if self.resume_path else None
+
+        set_seed(cfg.seed)  # same on every rank: identical initial module everywhere
+        if hasattr(self.job, "setup"):
+            self.job.setup(acc)
+        module = self.job.build_module()
+        if self.loaded is not None:
+            module.load_state_dict(self.loaded.model)
+        elif cfg.warm_start:
+            self._warm_start(module)
+        self.train_rows = self.job.train_rows()
+        self.eval_rows = self.job.eval_rows()
+        n = len(self.train_rows)
+        self.micro_per_epoch = n // (cfg.batch_size * self.world)
+        if self.micro_per_epoch < 1:
+            raise DataError(f"{n} training rows cannot fill one batch of {cfg.batch_size} on each of {self.world} ranks")
+        self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.micro_per_epoch / cfg.grad_accum))
+        self.warmup = cfg.resolved_warmup(self.total_steps)
+
+        optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                                      eps=cfg.eps)
+        for g in optimizer.param_groups:
+            g["base_lr"] = cfg.lr
+        self.model, self.optimizer = acc.prepare(module, optimizer)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+
+        # counters (overwritten by a checkpoint)
+        self.step = 0
+        self.micro = 0
+        self.nonfinite_total = 0
+        self.nonfinite_in_row = 0
+        self.tokens_total = 0
+        self.last_eval: dict[str, float] = {}
+        self.last_train: dict[str, float] = {}
+        log_text = ""
+        if self.loaded is not None:
+            self._restore()
+            log_text = "".join(self.loaded.log_lines)
+        else:
+            set_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout & co.
+        self.logger = RunLogger(self.out, cfg.loggers, to_dict(cfg), active=self.main,
+                                wandb_project=cfg.wandb_project, initial_text=log_text)
+        self.window = _Window()
+
+    def _warm_start(self, module: nn.Module) -> None:
+        from draftsmith.artifact import load_artifact
+
+        _, weights = load_artifact(self.cfg.warm_start, kind=self.job.kind, target=getattr(self.job, "target", None))
+        if hasattr(self.job, "load_weights"):
+            self.job.load_weights(module, weights)
+            return
+        missing, unexpected = module.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise TrainingError(f"train.warm_start {self.cfg.warm_start}: weights do not fit the module "
+                                f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
+
+    def _restore(self) -> None:
+        st = self.loaded.state
+        if st["world_size"] != self.world or st["batch_size"] != self.cfg.batch_size:
+            raise TrainingError(
+                f"checkpoint {self.resume_path} was written with world_size={st['world_size']}, "
+                f"batch_size={st['batch_size']}; this run has {self.world}, {self.cfg.batch_size} "
+                "(the data position would not match: resume with the same layout or train.resume=never)")
+        opt = self.loaded.optimizer
+        self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
+        self.step, self.micro = st["step"], st["micro"]
+        self.nonfinite_total, self.nonfinite_in_row = st["nonfinite_total"], st["nonfinite_in_row"]
+        self.tokens_total = st["tokens_total"]
+        self.last_eval, self.last_train = st["last_eval"], st["last_train"]
+        ckpt.restore_rng(self.loaded.rng_json[self.rank], self.loaded.rng_tensors[self.rank])
+
+    # ---- data ------------------------------------------------------------------------------------
+
+    def _micro_batches(self) -> Iterator[dict[str, Any]]:
+        """Endless stream of this rank's micro-batches from position self.micro on."""
+        from torch.utils.data import DataLoader
+
+        cfg = self.cfg
+        epoch, start = divmod(self.micro, self.micro_per_epoch)
+        while True:
+            perm = epoch_permutation(len(self.train_rows), cfg.seed, epoch)
+            batches = rank_batches(perm, cfg.batch_size, self.world, self.rank, start)
+            loader = DataLoader(self.train_rows, batch_sampler=batches, collate_fn=self.job.collate,
+                                num_workers=cfg.num_workers)
+            for batch in loader:
+                yield _to_device(batch, self.acc.device)
+            epoch, start = epoch + 1, 0
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.acc.device)
+        return bool(self.acc.reduce(t, reduction="sum").item() > 0)
+
+    def _train_step(self, batches: Iterator[dict[str, Any]]) -> None:
+        acc, cfg = self.acc, self.cfg
+        self.model.train()
+        bad = False
+        acc.step = 0  # windows always start on a boundary (also after resume)
+        for _ in range(cfg.grad_accum):
+            batch = next(batches)
+            with acc.accumulate(self.model):
+                with acc.autocast():
+                    loss, metrics = self.job.loss(self.model, batch)
+                nonfinite = self._any_rank(not bool(torch.isfinite(loss.detach()).all()))
+                if nonfinite:
+                    bad = True
+                    # zero gradients through every parameter: DDP's hooks still fire in lock-step
+                    acc.backward(sum(p.sum() for p in self.trainable) * 0.0)
+                else:
+                    acc.backward(loss)
+                    self.window.add(float(loss.detach()), metrics)
+                self.window.tokens += count_tokens(self.job, batch)
+                self.micro += 1
+                if acc.sync_gradients:
+                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+                    norm = acc.clip_grad_norm_(self.trainable, max_norm)
+                    norm = float(norm) if norm is not None else 0.0
+                    if not bad and not math.isfinite(norm):
+                        bad = True
+                        if acc.scaler is not None:  # fp16: let the GradScaler see the inf and lower its scale
+                            self.optimizer.step()
+                    if bad:
+                        self.optimizer.zero_grad(set_to_none=True)
+                    else:
+                        f = lr_factor(self.step, self.total_steps, self.warmup, cfg.schedule, cfg.min_lr_ratio)
+                        for g in self.optimizer.param_groups:
+                            g["lr"] = g["base_lr"] * f
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                        self.window.grad_norm += norm
+                        self.window.updates += 1
+        self.step += 1
+        if bad:
+            self.nonfinite_total += 1
+            self.nonfinite_in_row += 1
+            if self.nonfinite_in_row >= cfg.max_nonfinite_in_row:
+                last = ckpt.latest_checkpoint(self.out)
+                raise TrainingError(
+                    f"{self.nonfinite_in_row} non-finite losses/gradients in a row at step {self.step} "
+                    f"(train.max_nonfinite_in_row={cfg.max_nonfinite_in_row}); lower train.lr or check the data; "
+                    f"last good checkpoint: {last or 'none'}")
+        else:
+            self.nonfinite_in_row = 0
+
+    # ---- logging / eval / checkpoints --------------------------------------------------------------
+
+    def _flush_window(self) -> None:
+        w = self.window
+        keys = sorted(w.metrics)
+        local = torch.tensor([w.loss, w.count, w.tokens, w.grad_norm, w.updates, *[w.metrics[k] for k in keys]],
+                             dtype=torch.float64, device=self.acc.device)
+        tot = self.acc.reduce(local, reduction="sum") if self.world > 1 else local
+        tot = tot.tolist()
+        elapsed = max(time.perf_counter() - w.t0, 1e-9)
+        count = max(tot[1], 1.0)
+        record = {"type": "train", "step": self.step, "loss": tot[0] / count,
+                  **{k: v / count for k, v in zip(keys, tot[5:])},
+                  "grad_norm": tot[3] / max(tot[4], 1.0),
+                  "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_s": tot[2] / elapsed,
+                  "nonfinite_steps": self.nonfinite_total}
+        self.tokens_total += int(tot[2])
+        self.last_train = {f"train/{k}": v for k, v in record.items() if k not in ("type", "step", "tokens_per_s")}
+        self.logger.log(record)
+        w.reset()
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        rows = self.eval_rows
+        if rows is None or len(rows) == 0:
+            return {}
+        cfg, acc = self.cfg, self.acc
+        bs = cfg.batch_size
+        chunks = [list(range(i, min(i + bs, len(rows)))) for i in range(0, len(rows), bs)]
+        per_rank = max(1, len(chunks) // self.world)
+        if cfg.eval_batches is not None:
+            per_rank = min(per_rank, cfg.eval_batches)
+        mine = [chunks[(j * self.world + self.rank) % len(chunks)] for j in range(per_rank)]
+        self.model.eval()
+        sums: dict[str, float] = {}
+        keys: list[str] | None = None
+        for idx in mine:
+            batch = _to_device(self.job.collate([rows[i] for i in idx]), acc.device)
+            with acc.autocast():
+                loss, metrics = self.job.loss(self.model, batch)
+            values = {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
+            keys = keys or sorted(values)
+            for k in keys:
+                sums[k] = sums.get(k, 0.0) + values[k]
+        local = torch.tensor([len(mine), *[sums[k] for k in keys]], dtype=torch.float64, device=acc.device)
+        tot = (acc.reduce(local, reduction="sum") if self.world > 1 else local).tolist()
+        out = {f"eval/{k}": v / tot[0] for k, v in zip(keys, tot[1:])}
+        self.logger.log({"type": "eval", "step": self.step, **{k[5:]: v for k, v in out.items()}})
+        self.last_eval = out
+        self.model.train()
+        return out
+
+    def _gather_rng(self) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+        mine = ckpt.capture_rng()
+        if self.world == 1:
+            return [mine]
+        from accelerate.utils import gather_object
+
+        return gather_object([mine])
+
+    def save(self) -> None:
+        acc = self.acc
+        model_state = acc.get_state_dict(self.model)  # collective under FSDP / ZeRO-3
+        opt_state = self.optimizer.state_dict()
+        if self.sharded and self.world > 1:
+            from accelerate.utils import gather_object
+
+            opt_state = {"ranks": gather_object([opt_state])}
+        rng = self._gather_rng()
+        if self.main:
+            state = {"micro": self.micro, "epoch": self.micro // self.micro_per_epoch,
+                     "batch_in_epoch": self.micro % self.micro_per_epoch, "sampler_seed": self.cfg.seed,
+                     "micro_per_epoch": self.micro_per_epoch, "world_size": self.world,
+                     "batch_size": self.cfg.batch_size, "nonfinite_total": self.nonfinite_total,
+                     "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
+                     "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg)}
+            ckpt.save_checkpoint(self.out, self.step, model_state, opt_state, state, rng, self.logger.text,
+                                 self.cfg.keep_last)
+        acc.wait_for_everyone()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        self.setup()
+        self.bar = None
+        if self.main and cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.job.kind}",
+                            unit="step", dynamic_ncols=True)
+        batches = self._micro_batches()
+        t0 = time.perf_counter()
+        start_step = self.step
+        try:
+            while self.step < self.total_steps:
+                self._train_step(batches)
+                if self.bar is not None:
+                    self.bar.update(1)
+                at_save = cfg.save_every > 0 and self.step % cfg.save_every == 0
+                last = self.step == self.total_steps
+                if self.step % cfg.log_every == 0 or at_save or last:
+                    self._flush_window()
+                if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and not last:
+                    self.evaluate()
+                if at_save:
+                    self.save()
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        final_eval = self.evaluate()
+        elapsed = time.perf_counter() - t0
+        metrics = {**final_eval, **self.last_train, "steps": self.step, "nonfinite_steps": self.nonfinite_total,
+                   "tokens": self.tokens_total}
+        summary = {"type": "summary", "step": self.step, **metrics, "wall_s": elapsed,
+                   "steps_this_run": self.step - start_step, "resumed_from": str(self.resume_path or "")}
+        self.logger.log(summary)
+        artifact, module = self._save_artifact(metrics)
+        self.logger.close()
+        if self.main:
+            print(_summary_text(self.job.kind, summary, artifact))
+        return TrainResult(self.out, artifact, self.step, metrics, self.resume_path, cfg.warm_start,
+                           self.logger.path if self.main else None,
+                           ckpt.read_log(self.logger.path) if self.main else [], module)
+
+    def _save_artifact(self, metrics: dict[str, float]) -> tuple[Path | None, nn.Module | None]:
+        acc = self.acc
+        if self.sharded:  # gather full weights (collective), then rebuild a plain module on rank 0
+            state = acc.get_state_dict(self.model)
+            module = None
+            if self.main:
+                module = self.job.build_module()
+                module.load_state_dict(state)
+        else:
+            module = acc.unwrap_model(self.model)
+        path = None
+        if self.main:
+            path = Path(self.job.save_artifact(module, self.out / ARTIFACT_DIR, metrics))
+        acc.wait_for_everyone()
+        return path, module
+
+
+def _summary_text(kind: str, summary: dict, artifact: Path | None) -> str:
+    parts = [f"trained {kind}: {summary['step']} steps in {summary['wall_s']:.1f}s"]
+    for k in sorted(summary):
+        if k.startswith("eval/") or k in ("train/loss", "nonfinite_steps"):
+            v = summary[k]
+            parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+    if artifact is not None:
+        parts.append(f"artifact: {artifact}")
+    return "  ".join(parts)
+
+
+def train(job: Job, cfg: TrainConfig, accelerator=None) -> TrainResult:
+    """Train `job` with `cfg` (see module docstring); resumes from a checkpoint when cfg.resume says so."""
+    return Trainer(job, cfg, accelerator).run()
+
