@@ -1,0 +1,114 @@
+"""The two decisions of a retraining run, as pure functions of measured numbers.
+
+staleness: is the current version stale on recent traffic?
+    - target fingerprint changed (tokenizer / config: hard; weights digest: the target was retrained)
+    - any domain's α below the absolute floor
+    - any domain's α dropped by more than `max_drop` below what the version recorded for that domain
+gate: may the candidate replace the current version?
+    - lossless everywhere (greedy output equals the target's)
+    - α on recent traffic beats the current version's by at least `min_gain`
+    - α on the baseline eval set is no more than `baseline_margin` below the current version's
+policy: per-domain enable/disable for the serving layer (α below the floor after retraining → disable)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Thresholds:
+    alpha_floor: float = 0.3
+    max_drop: float = 0.1
+    min_domain_prompts: int = 3  # domains with fewer measured prompts are reported, not judged
+
+    def __post_init__(self):
+        if not 0 <= self.alpha_floor <= 1 or not 0 <= self.max_drop <= 1:
+            raise ValueError("alpha_floor and max_drop must be in [0, 1]")
+
+
+@dataclass
+class GateRule:
+    min_gain: float = 0.02
+    baseline_margin: float = 0.03
+    require_lossless: bool = True
+
+    def __post_init__(self):
+        if self.min_gain < 0 or self.baseline_margin < 0:
+            raise ValueError("min_gain and baseline_margin must be >= 0")
+
+
+@dataclass
+class Verdict:
+    yes: bool
+    reasons: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"yes": self.yes, "reasons": self.reasons}
+
+
+def _domains(report: dict) -> dict[str, dict]:
+    return {d: v for d, v in (report.get("domains") or {}).items() if isinstance(v, dict)}
+
+
+def staleness(traffic_report: dict, recorded_alpha: dict[str, float], fingerprint_diffs: list[str],
+              weights_changed: bool, th: Thresholds) -> Verdict:
+    reasons = []
+    if fingerprint_diffs:
+        reasons.append(f"target fingerprint changed: {', '.join(fingerprint_diffs)}")
+    if weights_changed:
+        reasons.append("target weights changed since this version was trained")
+    for domain, row in sorted(_domains(traffic_report).items()):
+        if row.get("n_prompts", 0) < th.min_domain_prompts:
+            continue
+        alpha = row["alpha"]
+        if alpha < th.alpha_floor:
+            reasons.append(f"{domain}: alpha {alpha:.3f} below the floor {th.alpha_floor:.3f}")
+        before = recorded_alpha.get(domain)
+        if before is not None and before - alpha > th.max_drop:
+            reasons.append(f"{domain}: alpha fell from {before:.3f} to {alpha:.3f} (more than {th.max_drop:.3f})")
+    return Verdict(bool(reasons), reasons)
+
+
+def overall_alpha(report: dict) -> float:
+    overall = report.get("overall") or {}
+    return float(overall.get("alpha", 0.0))
+
+
+def all_lossless(*reports: dict) -> bool:
+    return all(bool(row.get("lossless", False)) for r in reports for row in _domains(r).values())
+
+
+def gate(cur_traffic: dict, cand_traffic: dict, cur_base: dict, cand_base: dict, rule: GateRule) -> Verdict:
+    reasons = []
+    ok = True
+    if rule.require_lossless and not all_lossless(cand_traffic, cand_base):
+        ok = False
+        reasons.append("candidate is not lossless")
+    a_cur, a_new = overall_alpha(cur_traffic), overall_alpha(cand_traffic)
+    if a_new < a_cur + rule.min_gain:
+        ok = False
+        reasons.append(f"traffic alpha {a_new:.3f} does not beat current {a_cur:.3f} by {rule.min_gain:.3f}")
+    else:
+        reasons.append(f"traffic alpha {a_cur:.3f} -> {a_new:.3f}")
+    b_cur, b_new = overall_alpha(cur_base), overall_alpha(cand_base)
+    if b_new < b_cur - rule.baseline_margin:
+        ok = False
+        reasons.append(f"baseline alpha fell {b_cur:.3f} -> {b_new:.3f} (margin {rule.baseline_margin:.3f})")
+    else:
+        reasons.append(f"baseline alpha {b_cur:.3f} -> {b_new:.3f}")
+    return Verdict(ok, reasons)
+
+
+def domain_policy(report: dict, alpha_floor: float, version: str) -> dict:
+    """{domain: {"speculate": bool, "alpha": α, "why": ...}} for the serving layer."""
+    out = {}
+    for domain, row in sorted(_domains(report).items()):
+        alpha = float(row["alpha"])
+        enable = alpha >= alpha_floor
+        out[domain] = {
+            "speculate": enable,
+            "alpha": round(alpha, 4),
+            "why": f"alpha {alpha:.3f} {'>=' if enable else '<'} floor {alpha_floor:.3f}",
+        }
+    return {"version": version, "alpha_floor": alpha_floor, "domains": out}

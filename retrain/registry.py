@@ -1,0 +1,108 @@
+"""A registry of artifact versions per (target, kind), with an atomically switched `current` pointer.
+
+    <root>/<target>/<kind>/
+        versions/v0001/          immutable artifact directories (complete or absent: atomic rename)
+        versions/v0002/
+        current.json             {"version": "v0002", ...}; replaced with os.replace, so a reader sees
+                                 the old pointer or the new one, never a torn write
+        runs/<timestamp>.json    one record per retraining run
+        policy.json              per-domain enable/disable, read by the serving layer
+        .lock                    held while a run trains (see retrain/lock.py)
+
+A version's manifest carries its lineage (`parent`, the data it was trained on, its metrics, the target
+fingerprint). A version is published by renaming a finished artifact directory into versions/ and only
+then switching `current`: a run killed at any point leaves `current` on a complete version.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.artifact import load_manifest, now_iso, update_manifest
+from draftsmith.errors import ArtifactError
+from draftsmith.storage import atomic_write_json, read_json
+
+_VERSION = re.compile(r"^v(\d{4,})$")
+
+
+@dataclass
+class Registry:
+    root: Path
+    target: str
+    kind: str
+
+    def __post_init__(self):
+        self.root = Path(self.root)
+        self.base.mkdir(parents=True, exist_ok=True)
+        (self.base / "versions").mkdir(exist_ok=True)
+        (self.base / "runs").mkdir(exist_ok=True)
+
+    @property
+    def base(self) -> Path:
+        return self.root / self.target / self.kind
+
+    @property
+    def staging(self) -> Path:
+        """Where candidates are trained; never read as a version."""
+        path = self.base / "staging"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def versions(self) -> list[str]:
+        names = [p.name for p in (self.base / "versions").iterdir() if _VERSION.match(p.name) and p.is_dir()]
+        return sorted(names, key=lambda n: int(_VERSION.match(n).group(1)))
+
+    def path(self, version: str) -> Path:
+        return self.base / "versions" / version
+
+    def current(self) -> str | None:
+        pointer = self.base / "current.json"
+        if not pointer.is_file():
+            return None
+        version = read_json(pointer)["version"]
+        if not (self.path(version) / "manifest.json").is_file():
+            raise ArtifactError(f"registry {self.base}: current points at missing version {version}")
+        return version
+
+    def current_path(self) -> Path | None:
+        version = self.current()
+        return None if version is None else self.path(version)
+
+    def next_version(self) -> str:
+        existing = self.versions()
+        n = int(_VERSION.match(existing[-1]).group(1)) + 1 if existing else 1
+        return f"v{n:04d}"
+
+    def publish(self, candidate: Path, lineage: dict) -> str:
+        """Move a finished artifact directory into versions/ (atomic rename) with its lineage recorded."""
+        load_manifest(candidate)  # refuses a directory that is not a complete artifact
+        update_manifest(candidate, lineage=lineage, parent=lineage.get("parent"))
+        version = self.next_version()
+        os.replace(candidate, self.path(version))
+        return version
+
+    def set_current(self, version: str, reason: str) -> None:
+        if not (self.path(version) / "manifest.json").is_file():
+            raise ArtifactError(f"cannot point current at {version}: not a complete version")
+        atomic_write_json(self.base / "current.json", {"version": version, "since": now_iso(), "reason": reason})
+
+    def manifest(self, version: str) -> dict:
+        return load_manifest(self.path(version))
+
+    def clean_staging(self) -> None:
+        shutil.rmtree(self.base / "staging", ignore_errors=True)
+
+    def write_run_record(self, record: dict) -> Path:
+        stamp = record.get("started", now_iso()).replace(":", "").replace("+", "_")
+        path = self.base / "runs" / f"{stamp}.json"
+        atomic_write_json(path, record)
+        return path
+
+    def write_policy(self, policy: dict) -> Path:
+        path = self.base / "policy.json"
+        atomic_write_json(path, policy)
+        return path

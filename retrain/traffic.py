@@ -1,0 +1,120 @@
+"""Recent traffic: a folder of request/response logs, the shape a serving gateway can dump.
+
+Each `*.jsonl` (or `*.jsonl.gz`) line is one request:
+    {"prompt": "..." | [{"role": "user", "content": "..."}, ...],
+     "response": "...",            optional: what was served
+     "domain": "code",             optional: else the router / "unknown"
+     "timestamp": "2026-11-20T10:00:00Z" | 1763632800}   optional: else the file's mtime
+Rows older than the window (relative to the newest row) are ignored; malformed lines are counted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import gzip
+import json
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.errors import DataError
+
+
+@dataclass
+class TrafficRow:
+    prompt: str
+    domain: str
+    timestamp: float
+    response: str | None = None
+    messages: list[dict] | None = None
+
+
+@dataclass
+class TrafficSample:
+    rows: list[TrafficRow]
+    per_domain: dict[str, int]
+    malformed: int = 0
+    window: tuple[float, float] | None = None
+    files: list[str] = field(default_factory=list)
+
+    def by_domain(self) -> dict[str, list[TrafficRow]]:
+        out: dict[str, list[TrafficRow]] = defaultdict(list)
+        for r in self.rows:
+            out[r.domain].append(r)
+        return dict(out)
+
+
+def _timestamp(value, fallback: float) -> float:
+    if value is None:
+        return fallback
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ValueError(f"unreadable timestamp {value!r}") from None
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: int | None = None,
+                 seed: int = 0, classify=None) -> TrafficSample:
+    """Rows of the last `window_days` (relative to the newest row), sampled to `max_per_domain` per domain.
+
+    `classify(prompt) -> domain` labels rows without a domain (default: "unknown").
+    """
+    folder = Path(folder)
+    files = sorted([*folder.glob("*.jsonl"), *folder.glob("*.jsonl.gz")]) if folder.is_dir() else []
+    if not files:
+        raise DataError(f"no traffic logs (*.jsonl) in {folder}")
+    rows: list[TrafficRow] = []
+    malformed = 0
+    for path in files:
+        mtime = path.stat().st_mtime
+        with _open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    raw = obj["prompt"]
+                    messages = raw if isinstance(raw, list) else None
+                    prompt = raw if isinstance(raw, str) else next(
+                        m["content"] for m in reversed(raw) if m.get("role") == "user")
+                    if not prompt.strip():
+                        raise ValueError("empty prompt")
+                    domain = obj.get("domain") or (classify(prompt) if classify else "unknown")
+                    rows.append(TrafficRow(prompt, str(domain), _timestamp(obj.get("timestamp"), mtime),
+                                           obj.get("response"), messages))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError, StopIteration, AttributeError):
+                    malformed += 1
+    if not rows:
+        raise DataError(f"traffic logs in {folder} hold no readable rows ({malformed} malformed)")
+    newest = max(r.timestamp for r in rows)
+    start = newest - window_days * 86400
+    recent = [r for r in rows if r.timestamp >= start]
+    rng = random.Random(seed)
+    by_domain: dict[str, list[TrafficRow]] = defaultdict(list)
+    for r in recent:
+        by_domain[r.domain].append(r)
+    picked: list[TrafficRow] = []
+    for domain in sorted(by_domain):
+        group = by_domain[domain]
+        if max_per_domain is not None and len(group) > max_per_domain:
+            group = rng.sample(group, max_per_domain)
+        picked.extend(group)
+    return TrafficSample(picked, dict(Counter(r.domain for r in picked)), malformed, (start, newest),
+                         [str(p) for p in files])
+
+
+def write_prompt_file(rows: list[TrafficRow], path: str | Path) -> Path:
+    """Traffic rows as an evaluator / data-pipeline prompt file (`turns` + `category`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps({"question_id": i, "category": r.domain, "turns": [r.prompt]}) + "\n")
+    return path
