@@ -56,6 +56,10 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)  # the JSONL log records (rank 0)
     module: nn.Module | None = field(default=None, repr=False)  # the trained module, unwrapped (every rank)
 
+    @property
+    def artifact_path(self) -> Path | None:
+        return self.artifact
+
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
     """Multiplier of the base lr at optimizer step `step` (0-based). See the module docstring."""
@@ -175,6 +179,7 @@ class Trainer:
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.micro_per_epoch / cfg.grad_accum))
         self.warmup = cfg.resolved_warmup(self.total_steps)
 
+        self._fill_deepspeed_autos()
         optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                                       eps=cfg.eps)
         for g in optimizer.param_groups:
@@ -199,6 +204,22 @@ class Trainer:
         self.logger = RunLogger(self.out, cfg.loggers, to_dict(cfg), active=self.main,
                                 wandb_project=cfg.wandb_project, initial_text=log_text)
         self.window = _Window()
+
+    def _fill_deepspeed_autos(self) -> None:
+        """DeepSpeed derives "auto" batch sizes from prepared DataLoaders; ours are not prepared (the loop
+        owns the data order), so fill them from the config here."""
+        from accelerate.utils import DistributedType
+
+        if self.dist != DistributedType.DEEPSPEED:
+            return
+        cfg = self.cfg
+        ds = self.acc.state.deepspeed_plugin.deepspeed_config
+        fills = {"train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": cfg.grad_accum,
+                 "train_batch_size": cfg.batch_size * cfg.grad_accum * self.world,
+                 "gradient_clipping": cfg.max_grad_norm or 0.0}
+        for key, value in fills.items():
+            if ds.get(key, "auto") == "auto":
+                ds[key] = value
 
     def _warm_start(self, module: nn.Module) -> None:
         from draftsmith.artifact import load_artifact
