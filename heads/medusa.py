@@ -126,13 +126,14 @@ def head_weights(num_heads: int, decay: float) -> list[float]:
 
 
 def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                weights: list[float], target_logits: torch.Tensor | None = None, kd_weight: float = 0.0,
-                topk: tuple[int, ...] = (1, 5)) -> tuple[torch.Tensor, dict[str, float]]:
+                weights: list[float], teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kd_weight: float = 0.0, topk: tuple[int, ...] = (1, 5)) -> tuple[torch.Tensor, dict[str, float]]:
     """Σ_i w_i · CE(head_i at t, x_{t+2+i}), over positions whose label is an assistant token.
 
-    logits [K, B, T, V]; input_ids, loss_mask [B, T]. With `target_logits` [B, T, V] and kd_weight > 0 the
-    hard CE is mixed with KL(p_target(· | x_{≤t+1+i}) ‖ head_i) — the target's own distribution for the
-    same token (Medusa-1's self-distillation variant).
+    logits [K, B, T, V]; input_ids, loss_mask [B, T]. With `teacher` = the target's top-k logits
+    (values [B, T, k], indices [B, T, k]; k = V for the full distribution) and kd_weight > 0, the hard CE
+    is mixed with KL(p_target(· | x_{≤t+1+i}) ‖ head_i) — the target's own distribution for the same
+    token (Medusa-1's self-distillation variant), the teacher renormalised over its top-k support.
     Returns the loss and `head{i}/loss`, `head{i}/top1`, `head{i}/top5`.
     """
     K, B, T, V = logits.shape
@@ -151,11 +152,13 @@ def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.
         n = mask.sum().clamp(min=1)
         ce = F.cross_entropy(pred.reshape(-1, V), labels.reshape(-1), reduction="none").view(B, -1)
         head_loss = (ce * mask).sum() / n
-        if target_logits is not None and kd_weight > 0:
+        if teacher is not None and kd_weight > 0:
             # the target's logits at position t+1+i predict x_{t+2+i}
-            teacher = target_logits[:, shift - 1 : T - 1].float()
-            kl = F.kl_div(F.log_softmax(pred, -1), F.log_softmax(teacher, -1), log_target=True,
-                          reduction="none").sum(-1)
+            t_val = teacher[0][:, shift - 1 : T - 1].float()
+            t_idx = teacher[1][:, shift - 1 : T - 1].long()
+            log_p = F.log_softmax(t_val, -1)  # teacher over its top-k support
+            log_q = F.log_softmax(pred, -1).gather(-1, t_idx)  # student at the same tokens
+            kl = (log_p.exp() * (log_p - log_q)).sum(-1)
             head_loss = (1 - kd_weight) * head_loss + kd_weight * (kl * mask).sum() / n
         total = total + weights[i] * head_loss
         metrics[f"head{i}/loss"] = float(head_loss.detach())

@@ -52,7 +52,8 @@ class MedusaJobConfig:
     num_layers: int = 1
     share_lm_head: bool = False
     decay: float = 0.8  # head i weighs decay**i
-    kd_weight: float = 0.0  # mix in KL to the target's own distribution (needs target logits)
+    kd_weight: float = 0.0  # mix in KL to the target's own distribution (its top-k logits)
+    kd_topk: int = 64
     max_length: int = 512
     eval_fraction: float = 0.05
     calibration_rows: int = 64
@@ -113,7 +114,10 @@ class MedusaJob:
         self.weights = head_weights(cfg.num_heads, cfg.decay)
         tok = target.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
-        self.features = None
+        from draftsmith.training import CaptureSource
+
+        self.features = CaptureSource(target, last_hidden=True, topk=cfg.kd_topk if cfg.kd_weight > 0 else 0,
+                                      cache_dir=cfg.capture_cache)
 
     # --- the job protocol -------------------------------------------------------------------------
     def build_module(self) -> MedusaHeads:
@@ -121,9 +125,7 @@ class MedusaJob:
                                        self.cfg.share_lm_head, lm_head=self.target.model.lm_head)
 
     def setup(self, accelerator) -> None:
-        from draftsmith.training.frozen import place_frozen
-
-        self.target.model = place_frozen(self.target.model, accelerator)
+        self.features.place(accelerator)
 
     def train_rows(self):
         return self.train_set
@@ -134,12 +136,11 @@ class MedusaJob:
     def collate(self, rows):
         return pad_batch(rows, self.pad_id, self.cfg.max_length)
 
-    def target_outputs(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Post-norm last hidden state [B, T, H] (and logits when KD is on) from the frozen target."""
-        with torch.no_grad():
-            out = self.target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    output_hidden_states=True)
-        return out.hidden_states[-1], (out.logits if self.cfg.kd_weight > 0 else None)
+    def target_outputs(self, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Post-norm last hidden state [B, T, H] (and top-k logits when KD is on), online or from the cache."""
+        feats = self.features(batch)
+        teacher = (feats["topk_values"], feats["topk_indices"]) if self.cfg.kd_weight > 0 else None
+        return feats["last_hidden"], teacher
 
     def loss(self, module, batch):
         hidden, teacher = self.target_outputs(batch)
@@ -160,7 +161,9 @@ class MedusaJob:
         def write_tree(tmp: Path) -> None:
             atomic_write_json(tmp / "tree.json", tree.to_json())
 
-        return artifact.save_artifact(out_dir, manifest, module.state_dict(), config, writer=write_tree)
+        # the artifact goes where the config says (the loop's default is <train.output_dir>/artifact)
+        return artifact.save_artifact(self.cfg.output or out_dir, manifest, module.state_dict(), config,
+                                      writer=write_tree)
 
     # --- calibration ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -218,7 +221,7 @@ def train_medusa(cfg: MedusaJobConfig) -> Path:
     dataset = load_distilled(cfg.data, target)
     job = MedusaJob(cfg, target, dataset)
     result = train(job, cfg.train)
-    out = Path(result.artifact_path) if getattr(result, "artifact_path", None) else Path(cfg.output)
+    out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and _is_main_process():
         evaluate_into_artifact(out, target, cfg.evaluate)
     return out

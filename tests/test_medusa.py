@@ -81,7 +81,8 @@ def test_kd_term_is_zero_when_head_equals_teacher():
     logits = teacher[:, 1:].unsqueeze(0)  # head 0 at t copies the teacher at t+1
     logits = torch.cat([logits, torch.zeros(1, B, 1, V)], dim=2)
     mask = torch.ones(B, T)
-    loss_kd, _ = medusa_loss(logits, ids, mask, [1.0], target_logits=teacher, kd_weight=1.0)
+    full = (teacher, torch.arange(V).expand(B, T, V))
+    loss_kd, _ = medusa_loss(logits, ids, mask, [1.0], teacher=full, kd_weight=1.0)
     assert loss_kd.item() == pytest.approx(0.0, abs=1e-5)
 
 
