@@ -113,7 +113,11 @@ class MedusaHeads(nn.Module):
         w = self._shared_lm_head.weight
         return F.linear(feats.to(w.dtype), w)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+        """hidden [.., H] -> logits [K, .., V]; or a list of per-head inputs [N_i, H] -> a list of [N_i, V]
+        (training feeds each head only the positions its loss uses; the vocab projection dominates)."""
+        if isinstance(hidden, list | tuple):
+            return [self.project(i, self.heads[i].features(h)) for i, h in enumerate(hidden)]
         return torch.stack([self.project(i, head.features(hidden)) for i, head in enumerate(self.heads)])
 
     def head_logits(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,50 +129,71 @@ def head_weights(num_heads: int, decay: float) -> list[float]:
     return [decay**i for i in range(num_heads)]
 
 
-def medusa_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                weights: list[float], teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kd_weight: float = 0.0, topk: tuple[int, ...] = (1, 5)) -> tuple[torch.Tensor, dict[str, float]]:
-    """Σ_i w_i · CE(head_i at t, x_{t+2+i}), over positions whose label is an assistant token.
+def head_positions(loss_mask: torch.Tensor, i: int) -> torch.Tensor:
+    """Bool [B, T] of the positions t whose head-i label x_{t+2+i} is an assistant token (and exists)."""
+    shift = i + 2
+    sel = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if loss_mask.shape[1] > shift:
+        sel[:, : -shift] = loss_mask[:, shift:].bool()
+    return sel
 
-    logits [K, B, T, V]; input_ids, loss_mask [B, T]. With `teacher` = the target's top-k logits
-    (values [B, T, k], indices [B, T, k]; k = V for the full distribution) and kd_weight > 0, the hard CE
-    is mixed with KL(p_target(· | x_{≤t+1+i}) ‖ head_i) — the target's own distribution for the same
-    token (Medusa-1's self-distillation variant), the teacher renormalised over its top-k support.
+
+def head_labels(input_ids: torch.Tensor, sel: torch.Tensor, i: int) -> torch.Tensor:
+    """The labels x_{t+2+i} at the selected positions, flattened [N]."""
+    shifted = torch.roll(input_ids, shifts=-(i + 2), dims=1)  # shifted[t] = x_{t+2+i}; wrapped tail unselected
+    return shifted[sel]
+
+
+def medusa_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], weights: list[float],
+                teacher: list[tuple[torch.Tensor, torch.Tensor]] | None = None, kd_weight: float = 0.0,
+                topk: tuple[int, ...] = (1, 5)) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_i w_i · CE(head_i(h_t), x_{t+2+i}) over the selected positions (see `head_positions`).
+
+    logits[i] [N_i, V] and labels[i] [N_i] for head i. With `teacher[i]` = the target's top-k logits at
+    position t+1+i (values [N_i, k], indices [N_i, k]; k = V for the full distribution) and kd_weight > 0,
+    the hard CE is mixed with KL(p_target ‖ head_i) — the target's own distribution for the same token
+    (Medusa-1's self-distillation variant), the teacher renormalised over its top-k support.
     Returns the loss and `head{i}/loss`, `head{i}/top1`, `head{i}/top5`.
     """
-    K, B, T, V = logits.shape
-    total = logits.new_zeros(())
+    total = logits[0].new_zeros(()).float()
     metrics: dict[str, float] = {}
-    for i in range(K):
-        shift = i + 2
-        if T <= shift:
+    for i, (pred, y) in enumerate(zip(logits, labels)):
+        pred = pred.float()
+        n = y.numel()
+        if n == 0:
+            metrics[f"head{i}/loss"] = 0.0
             for k in topk:
                 metrics[f"head{i}/top{k}"] = 0.0
-            metrics[f"head{i}/loss"] = 0.0
             continue
-        pred = logits[i, :, : T - shift].float()  # positions t = 0 .. T-shift-1
-        labels = input_ids[:, shift:]  # x_{t+2+i}
-        mask = loss_mask[:, shift:].bool()
-        n = mask.sum().clamp(min=1)
-        ce = F.cross_entropy(pred.reshape(-1, V), labels.reshape(-1), reduction="none").view(B, -1)
-        head_loss = (ce * mask).sum() / n
+        head_loss = F.cross_entropy(pred, y)
         if teacher is not None and kd_weight > 0:
-            # the target's logits at position t+1+i predict x_{t+2+i}
-            t_val = teacher[0][:, shift - 1 : T - 1].float()
-            t_idx = teacher[1][:, shift - 1 : T - 1].long()
-            log_p = F.log_softmax(t_val, -1)  # teacher over its top-k support
-            log_q = F.log_softmax(pred, -1).gather(-1, t_idx)  # student at the same tokens
-            kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-            head_loss = (1 - kd_weight) * head_loss + kd_weight * (kl * mask).sum() / n
+            t_val, t_idx = teacher[i]
+            log_p = F.log_softmax(t_val.float(), -1)  # teacher over its top-k support
+            log_q = F.log_softmax(pred, -1).gather(-1, t_idx.long())  # student at the same tokens
+            kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+            head_loss = (1 - kd_weight) * head_loss + kd_weight * kl
         total = total + weights[i] * head_loss
         metrics[f"head{i}/loss"] = float(head_loss.detach())
         with torch.no_grad():
-            ranked = pred.topk(max(topk), dim=-1).indices  # [B, T', kmax]
-            hit = ranked == labels.unsqueeze(-1)
+            ranked = pred.topk(min(max(topk), pred.shape[-1]), dim=-1).indices
+            hit = ranked == y.unsqueeze(-1)
             for k in topk:
-                correct = hit[..., :k].any(-1) & mask
-                metrics[f"head{i}/top{k}"] = float(correct.sum() / n)
+                metrics[f"head{i}/top{k}"] = float(hit[:, :k].any(-1).float().mean())
     return total, metrics
+
+
+def medusa_loss_dense(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                      weights: list[float], teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      kd_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """`medusa_loss` from dense logits [K, B, T, V] (and a dense teacher [B, T, k] pair)."""
+    sels = [head_positions(loss_mask, i) for i in range(logits.shape[0])]
+    picked = [logits[i][sel] for i, sel in enumerate(sels)]
+    labels = [head_labels(input_ids, sel, i) for i, sel in enumerate(sels)]
+    t = None
+    if teacher is not None:
+        # the teacher for head i at t is the target at t+1+i
+        t = [tuple(torch.roll(x, shifts=-(i + 1), dims=1)[sel] for x in teacher) for i, sel in enumerate(sels)]
+    return medusa_loss(picked, labels, weights, t, kd_weight)
 
 
 # ---------------------------------------------------------------------------------------------------

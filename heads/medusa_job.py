@@ -21,6 +21,8 @@ from draftsmith.heads.medusa import (
     MedusaHeadsConfig,
     MedusaTree,
     build_tree,
+    head_labels,
+    head_positions,
     head_weights,
     medusa_loss,
     rank_accuracies,
@@ -144,9 +146,16 @@ class MedusaJob:
 
     def loss(self, module, batch):
         hidden, teacher = self.target_outputs(batch)
-        logits = module(hidden.to(next(module.parameters()).dtype))
-        return medusa_loss(logits, batch["input_ids"], batch["loss_mask"], self.weights, teacher,
-                           self.cfg.kd_weight)
+        dtype = next(module.parameters()).dtype
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        sels = [head_positions(mask, i) for i in range(self.cfg.num_heads)]
+        # each head sees only the positions whose label is an assistant token
+        logits = module([hidden[sel].to(dtype) for sel in sels])
+        labels = [head_labels(ids, sel, i) for i, sel in enumerate(sels)]
+        t = None
+        if teacher is not None:  # the target at t+1+i is the teacher of head i at t
+            t = [tuple(torch.roll(x, shifts=-(i + 1), dims=1)[sel] for x in teacher) for i, sel in enumerate(sels)]
+        return medusa_loss(logits, labels, self.weights, t, self.cfg.kd_weight)
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
         acc = self.calibrate(module)

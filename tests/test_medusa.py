@@ -11,7 +11,8 @@ from draftsmith.heads.medusa import (
     MedusaHeads,
     MedusaTree,
     build_tree,
-    medusa_loss,
+    head_positions,
+    medusa_loss_dense,
     rank_accuracies,
     tree_expected_length,
 )
@@ -53,11 +54,11 @@ def test_loss_targets_the_token_two_plus_i_ahead():
     for i in range(K):
         for t in range(T - 2 - i):
             logits[i, 0, t, ids[0, t + 2 + i]] = 30.0
-    loss, m = medusa_loss(logits, ids, mask, weights=[1.0] * K)
+    loss, m = medusa_loss_dense(logits, ids, mask, weights=[1.0] * K)
     assert loss.item() < 1e-6
     assert all(m[f"head{i}/top1"] == 1.0 for i in range(K))
     wrong = torch.roll(logits, shifts=1, dims=2)
-    _, m2 = medusa_loss(wrong, ids, mask, weights=[1.0] * K)
+    _, m2 = medusa_loss_dense(wrong, ids, mask, weights=[1.0] * K)
     assert all(m2[f"head{i}/top1"] == 0.0 for i in range(K))
 
 
@@ -69,8 +70,15 @@ def test_loss_mask_selects_label_positions():
     logits[0, 0, 2, 5] = 50.0  # t=2 predicts x_4 = 5: right
     logits[0, 0, 3, 0] = 50.0  # t=3 predicts x_5 = 6: wrong
     logits[0, 0, 0, 0] = 50.0  # t=0 -> x_2 is masked out, does not count
-    _, m = medusa_loss(logits, ids, mask, weights=[1.0])
+    _, m = medusa_loss_dense(logits, ids, mask, weights=[1.0])
     assert m["head0/top1"] == pytest.approx(0.5)
+
+
+def test_head_positions_need_an_existing_assistant_label():
+    mask = torch.tensor([[0, 0, 1, 1, 1]])
+    assert head_positions(mask, 0).tolist() == [[True, True, True, False, False]]
+    assert head_positions(mask, 2).tolist() == [[True, False, False, False, False]]
+    assert not head_positions(mask, 3).any()
 
 
 def test_kd_term_is_zero_when_head_equals_teacher():
@@ -82,7 +90,7 @@ def test_kd_term_is_zero_when_head_equals_teacher():
     logits = torch.cat([logits, torch.zeros(1, B, 1, V)], dim=2)
     mask = torch.ones(B, T)
     full = (teacher, torch.arange(V).expand(B, T, V))
-    loss_kd, _ = medusa_loss(logits, ids, mask, [1.0], teacher=full, kd_weight=1.0)
+    loss_kd, _ = medusa_loss_dense(logits, ids, mask, [1.0], teacher=full, kd_weight=1.0)
     assert loss_kd.item() == pytest.approx(0.0, abs=1e-5)
 
 
