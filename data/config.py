@@ -1,0 +1,209 @@
+"""Configuration of the data pipeline: prompt sources, chat formatting, self-distillation, capture.
+
+`DataConfig` (YAML `kind: data`) is what `draftsmith data generate` reads. Every range and every
+cross-field rule is checked in `__post_init__`, so a bad preset fails at load time with the key named.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from draftsmith.config import register_config
+
+
+@dataclass
+class DomainRule:
+    """Rows whose `field` matches `pattern` (re.search) get `domain`. Rules are tried in order."""
+
+    field: str
+    pattern: str
+    domain: str
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"domain rule pattern {self.pattern!r} is not a valid regex ({e})") from None
+        if not self.domain:
+            raise ValueError("domain rule needs a non-empty domain")
+
+
+@dataclass
+class SourceConfig:
+    """One prompt source.
+
+    type: jsonl (one JSON object per line), hf (a `datasets` dataset: a `save_to_disk` folder, data files
+    (.json/.jsonl/.parquet/.csv) or a hub name where the hub is reachable), stdlib (code prompts built from
+    the Python standard library).
+
+    Field mapping (jsonl / hf): exactly one of
+      prompt           a field name; dotted paths index into nested values (`instances.0.input`);
+      prompt_template  a str.format template over the row (`"{instruction}\\n\\n{instances[0][input]}"`);
+      turns            a field holding a list of user turns (multi-turn: the target answers each in turn).
+    `id_field` names a field used as the stable row key (default: the line / row number).
+    """
+
+    name: str
+    type: Literal["jsonl", "hf", "stdlib"] = "jsonl"
+    path: str | None = None
+    split: str = "train"  # hf only
+    prompt: str | None = None
+    prompt_template: str | None = None
+    turns: str | None = None
+    system: str | None = None  # optional system message for every row of this source
+    id_field: str | None = None
+    domain: str | None = None  # fixed domain, or the fallback when no rule matches
+    domain_rules: list[DomainRule] = field(default_factory=list)
+    limit: int | None = None
+    sample: Literal["first", "random"] = "random"  # which `limit` rows: the first ones, or a seeded sample
+    seed: int = 0
+    # stdlib only
+    completion_fraction: float = 0.6  # share of function-completion prompts (rest: module continuation)
+    chunk_lines: int = 24  # lines of module text shown in a continuation prompt
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
+            raise ValueError(f"source name {self.name!r} must be non-empty [A-Za-z0-9_.-]")
+        if self.type in ("jsonl", "hf"):
+            if not self.path:
+                raise ValueError(f"source '{self.name}': type {self.type} needs a path")
+            given = [k for k in ("prompt", "prompt_template", "turns") if getattr(self, k)]
+            if len(given) != 1:
+                raise ValueError(
+                    f"source '{self.name}': give exactly one of prompt, prompt_template, turns (got {given or 'none'})"
+                )
+        if not self.domain and not self.domain_rules:
+            raise ValueError(f"source '{self.name}': give a domain or domain_rules")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"source '{self.name}': limit must be >= 1")
+        if not 0.0 <= self.completion_fraction <= 1.0:
+            raise ValueError(f"source '{self.name}': completion_fraction must be in [0, 1]")
+        if self.chunk_lines < 2:
+            raise ValueError(f"source '{self.name}': chunk_lines must be >= 2")
+
+
+@dataclass
+class EvalSetConfig:
+    """A held-out prompt set: nothing resembling it may enter training."""
+
+    path: str
+    prompt: str | None = None
+    prompt_template: str | None = None
+    turns: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in ("prompt", "prompt_template", "turns") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"eval set {self.path}: give exactly one of prompt, prompt_template, turns")
+
+
+@dataclass
+class ChatConfig:
+    """How a conversation becomes tokens.
+
+    mode: auto (the tokenizer's chat template if it has one, else plain continuation), chat (require a
+    template), plain (prompt text then response text, no template).
+    """
+
+    mode: Literal["auto", "chat", "plain"] = "auto"
+    system: str | None = None  # default system message (a source's own `system` wins)
+    plain_separator: str = "\n"  # plain mode: text between a user turn and the response
+    add_bos: bool = True  # plain mode: prepend the tokenizer's BOS token when it has one
+
+
+@dataclass
+class GenerationConfig:
+    """Self-distillation sampling and the decode engine."""
+
+    max_new_tokens: int = 160
+    max_prompt_tokens: int = 512  # longer prompts are malformed rows ("prompt too long")
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.95
+    seed: int = 0
+    batch_size: int = 32  # rows decoded together (continuous batching keeps the batch full)
+    engine: Literal["continuous", "hf"] = "continuous"  # hf = transformers `generate`, for comparison
+    threads: int | None = 2  # torch intra-op threads (None leaves torch's default)
+    flush_every: int = 16  # completed rows per chunk file (a crash loses at most this many)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("generation.max_new_tokens must be >= 1")
+        if self.max_prompt_tokens < 1:
+            raise ValueError("generation.max_prompt_tokens must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError("generation.temperature must be > 0 (use do_sample: false for greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("generation.top_p must be in (0, 1]")
+        if self.batch_size < 1:
+            raise ValueError("generation.batch_size must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("generation.threads must be >= 1")
+        if self.flush_every < 1:
+            raise ValueError("generation.flush_every must be >= 1")
+
+
+@dataclass
+class CaptureConfig:
+    """Keep what the target computes while it generates (offline cache for head training)."""
+
+    enabled: bool = False
+    layers: list[int] = field(default_factory=list)  # convention of targets/capture.py (-1 = last, pre-norm)
+    topk: int = 0  # 0 = no logits kept
+    last_hidden: bool = False  # the post-norm state the lm_head sees (Medusa's input)
+
+    def __post_init__(self):
+        if self.topk < 0:
+            raise ValueError("capture.topk must be >= 0")
+        if self.enabled and not (self.layers or self.topk or self.last_hidden):
+            raise ValueError("capture.enabled needs layers, topk or last_hidden")
+
+
+@register_config("data")
+@dataclass
+class DataConfig:
+    """Self-distillation dataset: prompts from `sources`, responses written by `target`."""
+
+    sources: list[SourceConfig]
+    output_dir: str
+    target: str = "smollm2-135m"
+    chat: ChatConfig = field(default_factory=ChatConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    malformed: Literal["skip", "fail"] = "skip"
+    dedupe: bool = True  # drop rows whose normalised prompt repeats an earlier row
+    eval_sets: list[EvalSetConfig] = field(default_factory=list)
+    eval_dirs: list[str] = field(default_factory=list)  # no source may read from inside these folders
+    overlap: Literal["drop", "warn", "fail"] = "drop"
+    overlap_ngram: int = 8
+    overlap_jaccard: float = 0.5  # n-gram Jaccard at or above this is a near-duplicate
+    max_rows: int | None = None  # cap on the total after filtering (seeded shuffle keeps the domain mix)
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.sources:
+            raise ValueError("sources: give at least one prompt source")
+        names = [s.name for s in self.sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"sources: duplicate source name {dup[0]!r} (names key the rows)")
+        if not self.output_dir:
+            raise ValueError("output_dir must be set")
+        if self.overlap_ngram < 2:
+            raise ValueError("overlap_ngram must be >= 2")
+        if not 0.0 < self.overlap_jaccard <= 1.0:
+            raise ValueError("overlap_jaccard must be in (0, 1]")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError("max_rows must be >= 1")
+        forbidden = [Path(d).expanduser().resolve() for d in self.eval_dirs]
+        forbidden += [Path(e.path).expanduser().resolve() for e in self.eval_sets]
+        for s in self.sources:
+            if s.path is None:
+                continue
+            p = Path(s.path).expanduser().resolve()
+            for f in forbidden:
+                if p == f or f in p.parents:
+                    raise ValueError(f"sources.{s.name}: {s.path} is held-out eval data ({f}); it may not be trained on")

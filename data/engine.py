@@ -1,0 +1,415 @@
+"""A continuous-batching decode loop for self-distillation on CPU (and anywhere else).
+
+Why not `model.generate`: a static batch wastes every step a finished row still occupies, and a
+DynamicCache re-concatenates the whole KV cache on every step (O(batch x length) memory traffic per
+token). Here the loop calls the model directly:
+
+- the KV cache is preallocated per layer as [slots, kv_heads, capacity, head_dim]; a decode step writes
+  one column for every active row (no re-concatenation);
+- every active row is right-aligned at the shared write column `n`: a row's prompt occupies columns
+  [n - P, n) when it is admitted and the columns before it are masked out (left padding). Position ids
+  are per row (its own token count), so RoPE sees each row as if it were alone;
+- a finished row leaves at once and the last active row moves into its slot, so the batch stays dense;
+  when enough slots are free, the next prompts (sorted by length) are prefilled together and merged in
+  (continuous batching). If the cache runs out of columns, columns masked for every row are dropped.
+
+Sampling is per row with a generator seeded by the row's own seed, so a row's sample does not depend on
+which other rows share its batch; greedy decoding equals one-prompt-at-a-time decoding up to float noise.
+
+Optional capture keeps, for every position of the final sequence, chosen layer outputs (layer convention
+of targets/capture.py), the post-norm last hidden state and top-k logits. The final token is never fed
+back during generation, so with capture on a finished row stays for one extra step that feeds it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from draftsmith.targets.capture import capture_forward
+
+
+@dataclass
+class Request:
+    key: Any  # the caller's handle (e.g. a row id)
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    key: Any
+    prompt_ids: list[int]
+    tokens: list[int]  # generated ids, the stop token included when one was produced
+    stopped: bool  # True: ended with an EOS id; False: hit max_new_tokens
+    capture: dict[str, Any] | None = None  # {"layers": {i: [T,H]}, "last_hidden": [T,H], "topk_values"/"topk_indices": [T,k]}
+
+
+@dataclass
+class Sampling:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class CaptureSpec:
+    layers: list[int] = field(default_factory=list)
+    topk: int = 0
+    last_hidden: bool = False
+    dtype: torch.dtype = torch.bfloat16
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer's view of the shared slot store: writes new keys at column n, returns columns [0, n+t)."""
+
+    def __init__(self, store: _SlotStore, idx: int):
+        super().__init__()
+        self.store, self.idx = store, idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers are owned by the store
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.store.write(self.idx, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.store.n
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.n + query_length, 0
+
+
+class _SlotStore:
+    """Preallocated KV buffers for `slots` rows; rows [0, a) are active, columns [0, n) are in use."""
+
+    def __init__(self, num_layers: int, slots: int, capacity: int):
+        self.num_layers, self.slots, self.capacity = num_layers, slots, capacity
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.mask = torch.zeros(slots, capacity, dtype=torch.long)
+        self.n = 0
+        self.a = 0
+        self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(num_layers)])
+
+    def _alloc(self, like: torch.Tensor) -> None:
+        _, heads, _, dim = like.shape
+        shape = (self.slots, heads, self.capacity, dim)
+        self.k = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(self.num_layers)]
+
+    def write(self, idx: int, k: torch.Tensor, v: torch.Tensor):
+        t = k.shape[2]
+        self.k[idx][: self.a, :, self.n : self.n + t] = k
+        self.v[idx][: self.a, :, self.n : self.n + t] = v
+        return self.k[idx][: self.a, :, : self.n + t], self.v[idx][: self.a, :, : self.n + t]
+
+    def shift(self, by: int) -> None:
+        """Move the used columns by `by` (right if > 0, left if < 0) for the active rows."""
+        a, n = self.a, self.n
+        if by == 0 or a == 0:
+            self.n = max(0, n + by) if a == 0 else n
+            return
+        src = slice(max(0, -by), n)
+        dst = slice(max(0, by), n + by)
+        for buf in (*self.k, *self.v):
+            buf[:a, :, dst] = buf[:a, :, src].clone()
+        m = self.mask[:a, src].clone()
+        self.mask[:a, : max(n, n + by)] = 0
+        self.mask[:a, dst] = m
+        self.n = n + by
+
+    def ensure_capacity(self, columns: Callable[[], int]) -> None:
+        """Make `columns()` (re-evaluated after compaction) fit: drop all-masked leading columns, else grow."""
+        if columns() <= self.capacity:
+            return
+        if self.a:
+            live = self.mask[: self.a, : self.n].any(0).nonzero()
+            first = int(live[0]) if len(live) else self.n
+            if first:
+                self.shift(-first)
+        if columns() <= self.capacity:
+            return
+        new_cap = max(columns(), int(self.capacity * 1.5))
+        grow = new_cap - self.capacity
+        self.k = [torch.nn.functional.pad(b, (0, 0, 0, grow)) for b in self.k]
+        self.v = [torch.nn.functional.pad(b, (0, 0, 0, grow)) for b in self.v]
+        self.mask = torch.nn.functional.pad(self.mask, (0, grow))
+        self.capacity = new_cap
+
+    def move_row(self, src: int, dst: int) -> None:
+        n = self.n
+        for buf in (*self.k, *self.v):
+            buf[dst, :, :n] = buf[src, :, :n]
+        self.mask[dst, :n] = self.mask[src, :n]
+
+
+@dataclass
+class _Row:
+    req: Request
+    pos: int  # position id of the next token fed
+    tokens: list[int] = field(default_factory=list)
+    gen: torch.Generator | None = None
+    done: bool = False  # stop decided; with capture it stays one more step to feed its last token
+    stopped: bool = False
+    cap: dict[str, list] | None = None
+
+
+def _seed_generator(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed % (2**63))
+    return g
+
+
+def sample_next(logits: torch.Tensor, sampling: Sampling, gens: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row from logits [B, V]: argmax, or temperature + nucleus (top-p) sampling.
+
+    Nucleus sampling (Holtzman et al., 2020): keep the smallest prefix of tokens, by descending
+    probability, whose mass reaches top_p; renormalise; draw.
+    """
+    if not sampling.do_sample:
+        return logits.argmax(-1).tolist()
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = cum - sorted_p >= sampling.top_p  # tokens entirely beyond the nucleus
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    out = []
+    for i, g in enumerate(gens):
+        out.append(int(torch.multinomial(probs[i], 1, generator=g)))
+    return out
+
+
+class ContinuousBatcher:
+    """Decode many prompts with one frozen causal LM. See the module docstring for the scheme."""
+
+    def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 32,
+                 sampling: Sampling | None = None, capture: CaptureSpec | None = None,
+                 refill_fraction: float = 0.25):
+        self.model = model
+        self.eos = set(int(e) for e in eos_token_ids)
+        self.pad = int(pad_token_id)
+        self.batch_size = batch_size
+        self.sampling = sampling or Sampling()
+        self.capture = capture
+        # admit new prompts once this many slots are free (prefills are batched, not one by one)
+        self.refill = max(1, int(batch_size * refill_fraction))
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = cfg.num_hidden_layers
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(self, ids, mask, pos, cache, all_logits: bool):
+        keep = 0 if all_logits else 1  # logits_to_keep=1: the lm_head runs on the last position only
+        if self.capture is None:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                             use_cache=True, logits_to_keep=keep)
+            return out.logits, None
+        cap = capture_forward(self.model, ids, mask, layers=self.capture.layers, past_key_values=cache,
+                              position_ids=pos, use_cache=True, logits_to_keep=keep)
+        return cap.logits, cap
+
+    def _record(self, rows: list[_Row], cap, logits: torch.Tensor, keep: list[tuple[int, int]]) -> None:
+        """Append captured states: for row i, columns [c0, c1) of this forward's outputs."""
+        spec = self.capture
+        for i, (row, (c0, c1)) in enumerate(zip(rows, keep)):
+            store = row.cap
+            for layer in spec.layers:
+                store["layers"][layer].append(cap.layers[layer][i, c0:c1].to(spec.dtype))
+            if spec.last_hidden:
+                store["last_hidden"].append(cap.last_hidden[i, c0:c1].to(spec.dtype))
+            if spec.topk:
+                v, ix = torch.topk(logits[i, c0:c1].float(), spec.topk, dim=-1)
+                store["topk_values"].append(v)
+                store["topk_indices"].append(ix)
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, store: _SlotStore, rows: list[_Row], reqs: list[Request]) -> int:
+        """Prefill `reqs` together (left padded) and merge them into the store. Returns prompt tokens."""
+        P = max(len(r.prompt_ids) for r in reqs)
+        b = len(reqs)
+        ids = torch.full((b, P), self.pad, dtype=torch.long)
+        mask = torch.zeros(b, P, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, P - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[i, P - len(r.prompt_ids):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits, cap = self._forward(ids, mask, pos, cache, all_logits=self.capture is not None and bool(self.capture.topk))
+        new_rows = []
+        for r in reqs:
+            row = _Row(r, pos=len(r.prompt_ids))
+            if self.sampling.do_sample:
+                row.gen = _seed_generator(r.seed)
+            if self.capture is not None:
+                row.cap = {"layers": {i: [] for i in self.capture.layers}, "last_hidden": [],
+                           "topk_values": [], "topk_indices": []}
+            new_rows.append(row)
+        if cap is not None:
+            self._record(new_rows, cap, logits, [(P - len(r.prompt_ids), P) for r in reqs])
+        first = sample_next(logits[:, -1], self.sampling, [r.gen for r in new_rows])
+        # merge: the new rows end at column n like every active row
+        layer0 = cache.layers[0].keys
+        if not store.k:
+            store._alloc(layer0)
+        store.ensure_capacity(lambda: max(P, store.n) + 1)
+        if P > store.n:
+            store.shift(P - store.n)
+        a, n = store.a, store.n
+        for li in range(self.num_layers):
+            store.k[li][a : a + b, :, n - P : n] = cache.layers[li].keys
+            store.v[li][a : a + b, :, n - P : n] = cache.layers[li].values
+            store.k[li][a : a + b, :, : n - P] = 0
+            store.v[li][a : a + b, :, : n - P] = 0
+        store.mask[a : a + b, :n] = 0
+        store.mask[a : a + b, n - P : n] = mask
+        store.a = a + b
+        for row, tok in zip(new_rows, first):
+            self._accept(row, tok)
+            rows.append(row)
+        return int(mask.sum())
+
+    def _accept(self, row: _Row, tok: int) -> None:
+        row.tokens.append(tok)
+        if tok in self.eos:
+            row.done, row.stopped = True, True
+        elif len(row.tokens) >= row.req.max_new_tokens:
+            row.done = True
+
+    # ------------------------------------------------------------------ main loop
+
+    @torch.inference_mode()
+    def run(self, requests: Sequence[Request], on_done: Callable[[Completion], None],
+            on_tokens: Callable[[int], None] | None = None, sort_by_length: bool = True) -> dict[str, float]:
+        """Generate for every request; `on_done` gets each Completion as soon as its row finishes."""
+        queue = sorted(requests, key=lambda r: len(r.prompt_ids)) if sort_by_length else list(requests)
+        queue.reverse()  # pop() from the end = shortest first
+        if not queue:
+            return {"generated_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+        longest = max(len(r.prompt_ids) for r in queue)
+        max_new = max(r.max_new_tokens for r in queue)
+        store = _SlotStore(self.num_layers, self.batch_size, longest + max_new + 8)
+        rows: list[_Row] = []
+        generated = prompt_tokens = steps = 0
+        t0 = time.perf_counter()
+        while queue or rows:
+            free = self.batch_size - store.a
+            if queue and (free >= self.refill or not rows):
+                take = [queue.pop() for _ in range(min(free, len(queue)))]
+                prompt_tokens += self._admit(store, rows, take)
+                generated += len(take)
+                if on_tokens:
+                    on_tokens(len(take))
+                self._retire(store, rows, on_done)
+                continue
+            if not rows:
+                break
+            # one decode step for every active row: feed its last token
+            store.ensure_capacity(lambda: store.n + 1)
+            a, n = store.a, store.n
+            ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
+            pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long)
+            store.mask[:a, n] = 1
+            logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache,
+                                        all_logits=False)
+            store.n = n + 1
+            steps += 1
+            if cap is not None:
+                self._record(rows, cap, logits, [(0, 1)] * len(rows))
+            fed_final = [r.done for r in rows]  # these rows were only fed their last token
+            for r in rows:
+                r.pos += 1
+            live = [i for i, r in enumerate(rows) if not r.done]
+            if live:
+                toks = sample_next(logits[live, -1], self.sampling, [rows[i].gen for i in live])
+                for i, tok in zip(live, toks):
+                    self._accept(rows[i], tok)
+                generated += len(live)
+                if on_tokens:
+                    on_tokens(len(live))
+            for r, fed in zip(rows, fed_final):
+                if fed and r.cap is not None:
+                    r.cap["fed_final"] = True
+            self._retire(store, rows, on_done)
+        seconds = time.perf_counter() - t0
+        return {"generated_tokens": generated, "prompt_tokens": prompt_tokens, "decode_steps": steps,
+                "seconds": seconds, "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+
+    def _retire(self, store: _SlotStore, rows: list[_Row], on_done) -> None:
+        """Hand finished rows to the caller and compact the slots (last active row moves into the hole)."""
+        i = 0
+        while i < len(rows):
+            r = rows[i]
+            ready = r.done and (r.cap is None or r.cap.get("fed_final", False))
+            if not ready:
+                i += 1
+                continue
+            on_done(self._completion(r))
+            last = len(rows) - 1
+            if i != last:
+                store.move_row(last, i)
+                rows[i] = rows[last]
+            rows.pop()
+            store.a -= 1
+        if store.a == 0:
+            store.n = 0
+
+    def _completion(self, row: _Row) -> Completion:
+        cap = None
+        if row.cap is not None:
+            c = row.cap
+            cap = {"layers": {i: torch.cat(v) for i, v in c["layers"].items()}}
+            cap["last_hidden"] = torch.cat(c["last_hidden"]) if c["last_hidden"] else None
+            cap["topk_values"] = torch.cat(c["topk_values"]) if c["topk_values"] else None
+            cap["topk_indices"] = torch.cat(c["topk_indices"]) if c["topk_indices"] else None
+        return Completion(row.req.key, row.req.prompt_ids, row.tokens, row.stopped, cap)
+
+
+@torch.inference_mode()
+def hf_generate(model, requests: Sequence[Request], eos_token_ids: Sequence[int], pad_token_id: int,
+                batch_size: int, sampling: Sampling, on_done: Callable[[Completion], None],
+                on_tokens: Callable[[int], None] | None = None) -> dict[str, float]:
+    """Reference engine: transformers `generate` on static, length-sorted, left-padded batches."""
+    queue = sorted(requests, key=lambda r: len(r.prompt_ids))
+    eos = set(int(e) for e in eos_token_ids)
+    generated = 0
+    t0 = time.perf_counter()
+    for s in range(0, len(queue), batch_size):
+        batch = queue[s : s + batch_size]
+        P = max(len(r.prompt_ids) for r in batch)
+        ids = torch.full((len(batch), P), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(batch):
+            ids[i, P - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, P - len(r.prompt_ids):] = 1
+        if sampling.do_sample:
+            torch.manual_seed(batch[0].seed)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(r.max_new_tokens for r in batch),
+                             do_sample=sampling.do_sample, temperature=sampling.temperature if sampling.do_sample else None,
+                             top_p=sampling.top_p if sampling.do_sample else None, top_k=None,
+                             eos_token_id=sorted(eos), pad_token_id=pad_token_id)
+        for i, r in enumerate(batch):
+            toks = []
+            stopped = False
+            for t in out[i, P:].tolist()[: r.max_new_tokens]:
+                toks.append(t)
+                if t in eos:
+                    stopped = True
+                    break
+            generated += len(toks)
+            if on_tokens:
+                on_tokens(len(toks))
+            on_done(Completion(r.key, r.prompt_ids, toks, stopped))
+    seconds = time.perf_counter() - t0
+    return {"generated_tokens": generated, "seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds > 0 else 0.0}

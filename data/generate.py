@@ -1,0 +1,380 @@
+"""Self-distillation: the TARGET writes the responses its heads and drafts will learn from.
+
+`generate_dataset(config)`:
+  1. loads the target and the prompts (malformed rows reported with file:line, policy skip/fail);
+  2. drops prompts that overlap the held-out eval sets (see data/overlap.py);
+  3. formats each prompt with the target's chat template (or plain continuation) and decodes with the
+     continuous-batching engine (data/engine.py);
+  4. appends finished rows to chunk files in `output_dir/chunks/` (each chunk written atomically), so a
+     killed run resumes where it stopped: rerunning skips rows already generated (keyed by `row_id`);
+  5. assembles a `datasets` dataset in `output_dir/dataset/` (columns input_ids, loss_mask, domain,
+     row_id, source, prompt, response, origin, stopped, n_turns) and `output_dir/provenance.json`.
+
+A row's input_ids are exactly the prompt tokens followed by the tokens the target generated (the stop
+token included when it produced one), so they are what the target saw and what captured states index.
+Multi-turn rows are decoded turn by turn; earlier turns are re-tokenized with the chat template and
+their loss masks come from `tokenize_conversation` (verified by decoding back).
+
+With `capture.enabled` the engine also keeps chosen layer outputs / top-k logits for every position and
+writes them with `targets.cache_shards.ShardWriter` to `output_dir/capture/`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.config import load_config, to_dict
+from draftsmith.data.config import DataConfig
+from draftsmith.data.engine import CaptureSpec, Completion, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
+from draftsmith.data.overlap import find_overlap, load_eval_texts
+from draftsmith.data.sources import PromptRow, load_prompts
+from draftsmith.errors import DataError
+from draftsmith.storage import atomic_dir, atomic_write_json, atomic_write_text, read_json, sha256_json
+from draftsmith.targets import check_compatible, load_target
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ["row_id", "source", "domain", "prompt", "response", "input_ids", "loss_mask", "origin", "stopped",
+           "n_turns"]
+DATASET_DIR = "dataset"
+PROVENANCE = "provenance.json"
+CHUNKS_DIR = "chunks"
+CAPTURE_DIR = "capture"
+
+
+def _generation_key(config: DataConfig, fingerprint: dict) -> dict[str, Any]:
+    """What must match for rows of an earlier (interrupted) run to be reused."""
+    gen = config.generation
+    return {
+        "fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "vocab_size", "special_tokens",
+                                                        "chat_template_hash", "config_hash", "weights_hash")},
+        "chat": to_dict(config.chat),
+        "sampling": {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p,
+                     "seed": gen.seed, "max_new_tokens": gen.max_new_tokens},
+        "capture": to_dict(config.capture),
+    }
+
+
+class _Formatter:
+    """Prompt token ids (and loss masks of earlier turns) for a row's k-th turn."""
+
+    def __init__(self, target, config: DataConfig):
+        self.tok = target.tokenizer
+        self.chat = config.chat
+        self.mode = resolve_mode(self.tok, config.chat.mode)
+        self.eos_ids = target.eos_token_ids
+
+    def __call__(self, row: PromptRow, responses: list[str]) -> tuple[list[int], list[int]]:
+        turns = row.turns[: len(responses) + 1]
+        messages = build_messages(turns, responses, row.system or self.chat.system)
+        return tokenize_conversation(self.tok, messages, mode=self.mode, add_generation_prompt=True,
+                                     eos_token_ids=self.eos_ids, plain_separator=self.chat.plain_separator,
+                                     add_bos=self.chat.add_bos)
+
+
+def _read_chunks(chunk_dir: Path) -> dict[int, dict]:
+    done: dict[int, dict] = {}
+    if not chunk_dir.is_dir():
+        return done
+    for path in sorted(chunk_dir.glob("chunk-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            rec = json.loads(line)
+            done.setdefault(int(rec["row_id"]), rec)
+    return done
+
+
+class _ChunkWriter:
+    """Buffers finished rows; every `every` rows writes them as a new chunk file (temp file + rename)."""
+
+    def __init__(self, chunk_dir: Path, every: int, after_flush=None):
+        self.dir = chunk_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        existing = sorted(self.dir.glob("chunk-*.jsonl"))
+        self.seq = int(existing[-1].name.split("-")[1]) + 1 if existing else 0
+        self.every = every
+        self.buf: list[dict] = []
+        self.after_flush = after_flush
+
+    def add(self, rec: dict) -> None:
+        self.buf.append(rec)
+        if len(self.buf) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buf:
+            return
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.buf)
+        atomic_write_text(self.dir / f"chunk-{self.seq:06d}-{os.getpid()}.jsonl", text)
+        self.seq += 1
+        self.buf = []
+        if self.after_flush:
+            self.after_flush()
+
+
+def prepare_prompts(config: DataConfig, target) -> tuple[list[PromptRow], dict[str, Any], _Formatter]:
+    """Load, length-check, dedupe and overlap-filter the prompts. Returns rows, stats and the formatter."""
+    fmt = _Formatter(target, config)
+    first_ids: dict[int, list[int]] = {}
+
+    def prompt_length(row: PromptRow) -> int:
+        ids, _ = fmt(row, [])
+        first_ids[row.row_id] = ids
+        return len(ids)
+
+    prompts = load_prompts(config, prompt_length=prompt_length)
+    rows = prompts.rows
+    overlap_info: dict[str, Any] = {"checked": bool(config.eval_sets)}
+    if config.eval_sets:
+        evals = load_eval_texts(config.eval_sets, config.overlap_ngram)
+        report = find_overlap(rows, evals, config.overlap_ngram, config.overlap_jaccard)
+        overlap_info.update(eval_prompts=report.eval_prompts, overlapping=len(report.rows), kinds=report.counts(),
+                            examples=[f"{rows[i].origin} ~ {o} ({k}, {s:.2f})" for i, o, k, s in report.hits[:10]])
+        if report.hits:
+            msg = (f"{len(report.rows)} training prompts overlap the eval sets ({report.counts()}), e.g. "
+                   f"{overlap_info['examples'][0]}")
+            if config.overlap == "fail":
+                raise DataError(msg)
+            log.warning("%s; %s", msg, "dropping them" if config.overlap == "drop" else "keeping them (overlap: warn)")
+            if config.overlap == "drop":
+                bad = report.rows
+                rows = [r for i, r in enumerate(rows) if i not in bad]
+                if not rows:
+                    raise DataError("no prompts left after dropping those that overlap the eval sets")
+    stats = {"malformed": {"count": len(prompts.malformed.items), "kinds": prompts.malformed.counts(),
+                           "rows": [f"{o}: {r}" for o, r in prompts.malformed.items[:200]]},
+             "duplicates_dropped": prompts.duplicates, "loaded_per_source": prompts.per_source,
+             "overlap": overlap_info}
+    fmt.first_ids = first_ids
+    return rows, stats, fmt
+
+
+def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
+                     overwrite: bool = False) -> Path:
+    """Generate (or finish generating) the self-distilled dataset of `config`; returns `output_dir`.
+
+    `on_row(record)` is called after each finished row (tests use it to simulate a crash).
+    With `overwrite` an existing finished dataset is replaced; chunks of an interrupted run are reused.
+    """
+    gen = config.generation
+    if gen.threads:
+        torch.set_num_threads(gen.threads)
+    out = Path(config.output_dir).expanduser()
+    if (out / PROVENANCE).is_file() and (out / DATASET_DIR).is_dir() and not overwrite:
+        raise DataError(f"{out} already holds a finished dataset (pass overwrite, or choose another output_dir)")
+    target = target or load_target(config.target)
+    t_start = time.time()
+    rows, stats, fmt = prepare_prompts(config, target)
+    fp = target.fingerprint()
+
+    # Resume: reuse the rows of an earlier run with the same target and sampling.
+    chunk_dir = out / CHUNKS_DIR
+    key = _generation_key(config, fp)
+    run_file = out / "run.json"
+    if run_file.is_file():
+        old = read_json(run_file)
+        for field_name in key:
+            if old.get(field_name) != key[field_name]:
+                raise DataError(f"{out} holds rows generated with a different {field_name}; "
+                                "use another output_dir or delete it")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_file, key)
+    done = _read_chunks(chunk_dir)
+    wanted = {r.row_id for r in rows}
+    resumed = len(wanted & set(done))
+    todo = [r for r in rows if r.row_id not in done]
+    log.info("%d rows to generate (%d already done)", len(todo), resumed)
+
+    writer = None
+    if config.capture.enabled:
+        from draftsmith.targets.cache_shards import ShardWriter
+
+        writer = ShardWriter(out / CAPTURE_DIR, config.capture.layers, config.capture.topk, fingerprint=fp)
+        _backfill_capture(target, config, writer, [done[i] for i in sorted(wanted & set(done))])
+
+    chunks = _ChunkWriter(chunk_dir, gen.flush_every, after_flush=writer.flush if writer else None)
+    tok = target.tokenizer
+    eos_texts = dict(end_tokens(tok, target.eos_token_ids))
+    by_id = {r.row_id: r for r in rows}
+    responses: dict[int, list[str]] = {r.row_id: [] for r in todo}
+    bar = _progress(len(todo), progress)
+    counters = {"tokens": 0}
+    t0 = time.perf_counter()
+
+    def on_tokens(n: int) -> None:
+        counters["tokens"] += n
+
+    def finish(c: Completion, prompt_mask: list[int]) -> None:
+        row = by_id[c.key]
+        toks = c.tokens
+        body = toks[:-1] if c.stopped else toks
+        text = tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        responses[row.row_id].append(text)
+        if len(responses[row.row_id]) < len(row.turns):
+            return  # more turns to answer
+        ids = list(c.prompt_ids) + list(toks)
+        mask = list(prompt_mask) + [1] * len(toks)
+        # earlier turns' spans were verified by tokenize_conversation; check the generated span decodes back
+        verify_mask(tok, ids[len(c.prompt_ids):], mask[len(c.prompt_ids):],
+                    [text + (eos_texts.get(toks[-1], "") if c.stopped else "")])
+        rec = {"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
+               "response": "\n\n".join(responses[row.row_id]), "input_ids": ids, "loss_mask": mask,
+               "origin": row.origin, "stopped": bool(c.stopped), "n_turns": len(row.turns)}
+        if writer is not None and c.capture is not None:
+            cap = c.capture
+            writer.add(row.row_id, cap["layers"], cap["topk_values"], cap["topk_indices"], cap["last_hidden"])
+        chunks.add(rec)
+        done[row.row_id] = rec
+        bar.update(1)
+        elapsed = time.perf_counter() - t0
+        bar.set_postfix_str(f"{counters['tokens'] / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+        if on_row is not None:
+            on_row(rec)
+
+    try:
+        turn = 0
+        while True:
+            active = [r for r in todo if len(r.turns) > turn]
+            if not active:
+                break
+            reqs, masks = [], {}
+            for r in active:
+                if turn == 0 and r.row_id in fmt.first_ids:
+                    ids = fmt.first_ids[r.row_id]
+                    pmask = [0] * len(ids)
+                else:
+                    ids, pmask = fmt(r, responses[r.row_id])
+                masks[r.row_id] = pmask
+                reqs.append(Request(r.row_id, ids, gen.max_new_tokens, seed=_row_seed(gen.seed, r.row_id, turn)))
+            _run_engine(target, config, reqs, lambda c, masks=masks: finish(c, masks[c.key]), on_tokens)
+            turn += 1
+        chunks.flush()
+    finally:
+        bar.close()
+        chunks.flush()
+        if writer is not None:
+            writer.flush()
+    seconds = time.perf_counter() - t0
+    if writer is not None:
+        writer.close()
+
+    missing = [r for r in rows if r.row_id not in done]
+    if missing:
+        raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
+    records = [done[r.row_id] for r in rows]
+    _save(out, records, config, target, stats, {
+        "generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
+        "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None,
+        "wall_seconds": round(time.time() - t_start, 2)})
+    return out
+
+
+def _row_seed(seed: int, row_id: int, turn: int) -> int:
+    return int(sha256_json([seed, row_id, turn])[:15], 16)
+
+
+def _run_engine(target, config: DataConfig, reqs: list[Request], on_done, on_tokens) -> dict[str, float]:
+    gen = config.generation
+    sampling = Sampling(gen.do_sample, gen.temperature, gen.top_p)
+    pad = target.tokenizer.pad_token_id
+    if pad is None:
+        pad = target.eos_token_ids[0]
+    cap = None
+    if config.capture.enabled:
+        cap = CaptureSpec(list(config.capture.layers), config.capture.topk, config.capture.last_hidden)
+    if gen.engine == "hf":
+        if cap is not None:
+            raise DataError("capture during generation needs generation.engine: continuous")
+        return hf_generate(target.model, reqs, target.eos_token_ids, pad, gen.batch_size, sampling, on_done, on_tokens)
+    engine = ContinuousBatcher(target.model, target.eos_token_ids, pad, gen.batch_size, sampling, cap)
+    return engine.run(reqs, on_done, on_tokens)
+
+
+@torch.inference_mode()
+def _backfill_capture(target, config: DataConfig, writer, records: list[dict]) -> None:
+    """Rows generated before a crash whose captured states never reached a shard: recompute them."""
+    from draftsmith.targets.capture import capture_forward
+
+    cc = config.capture
+    for rec in records:
+        if rec["row_id"] in writer:
+            continue
+        ids = torch.tensor([rec["input_ids"]])
+        cap = capture_forward(target.model, ids, layers=cc.layers)
+        topv = topi = None
+        if cc.topk:
+            topv, topi = torch.topk(cap.logits[0].float(), cc.topk, dim=-1)
+        writer.add(rec["row_id"], {i: h[0] for i, h in cap.layers.items()}, topv, topi,
+                   cap.last_hidden[0] if cc.last_hidden else None)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True, desc="generate")
+
+
+def _save(out: Path, records: list[dict], config: DataConfig, target, stats: dict, timing: dict) -> None:
+    import datasets
+
+    columns = {c: [r[c] for r in records] for c in COLUMNS}
+    features = datasets.Features({
+        "row_id": datasets.Value("int64"), "source": datasets.Value("string"), "domain": datasets.Value("string"),
+        "prompt": datasets.Value("string"), "response": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "origin": datasets.Value("string"), "stopped": datasets.Value("bool"), "n_turns": datasets.Value("int32"),
+    })
+    ds = datasets.Dataset.from_dict(columns, features=features)
+    with atomic_dir(out / DATASET_DIR, overwrite=True) as tmp:
+        ds.save_to_disk(str(tmp))
+    lengths = [len(r["input_ids"]) for r in records]
+    learned = [sum(r["loss_mask"]) for r in records]
+    provenance = {
+        "target": {"name": target.name, "spec": target.spec, "fingerprint": target.fingerprint()},
+        "config": to_dict(config),
+        "sampling": _generation_key(config, target.fingerprint())["sampling"],
+        "counts": {
+            "rows": len(records), "per_domain": dict(sorted(Counter(r["domain"] for r in records).items())),
+            "per_source": dict(sorted(Counter(r["source"] for r in records).items())),
+            "stopped": sum(r["stopped"] for r in records), "truncated": sum(not r["stopped"] for r in records),
+            "tokens": sum(lengths), "loss_tokens": sum(learned),
+            "mean_length": round(sum(lengths) / len(lengths), 1),
+            **stats,
+        },
+        "timing": timing,
+        "capture": (str(out / CAPTURE_DIR) if config.capture.enabled else None),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    atomic_write_json(out / PROVENANCE, provenance)
+
+
+def read_provenance(path: str | Path) -> dict:
+    path = Path(path)
+    if not (path / PROVENANCE).is_file():
+        raise DataError(f"{path}: not a distilled dataset (no {PROVENANCE}; did generation finish?)")
+    return read_json(path / PROVENANCE)
+
+
+def load_distilled(path: str | Path, target=None):
+    """Reopen a generated dataset (`datasets.Dataset`); with `target`, check it was made by that target."""
+    import datasets
+
+    path = Path(path).expanduser()
+    prov = read_provenance(path)
+    if target is not None:
+        check_compatible(prov["target"]["fingerprint"], target.fingerprint(), what=f"dataset {path}")
+    return datasets.load_from_disk(str(path / DATASET_DIR))
+
+
+def load_data_config(path: str | Path | None, overrides: list[str] | None = None) -> DataConfig:
+    return load_config(path, overrides, cls=DataConfig)
+

@@ -1,0 +1,404 @@
+"""Prompt sources: jsonl files, Hugging Face `datasets`, and code prompts from the Python standard library.
+
+Every source yields `PromptRow`s with a stable integer `row_id` (a hash of source name and row key, so
+it survives reruns, reordering and changes to other sources), a `domain` label from the config, and an
+`origin` ("file:line") used to report malformed rows. `load_prompts` reads all configured sources,
+applies the malformed-row policy, and returns the rows with a report of what was dropped and why.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import random
+import re
+import string
+import sysconfig
+import textwrap
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftsmith.data.config import DataConfig, SourceConfig
+from draftsmith.errors import DataError
+from draftsmith.storage import sha256_text
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptRow:
+    """One prompt: the user turns the target will answer (one for single-turn rows)."""
+
+    row_id: int
+    source: str
+    domain: str
+    turns: list[str]
+    origin: str  # "path:line" (or "path[index]" for HF datasets) — where to look when something is wrong
+    system: str | None = None
+
+    @property
+    def prompt(self) -> str:
+        return "\n\n".join(self.turns)
+
+
+@dataclass
+class MalformedReport:
+    """Rows dropped while loading, with where they came from and why."""
+
+    policy: str = "skip"
+    items: list[tuple[str, str]] = field(default_factory=list)  # (origin, reason)
+
+    def add(self, origin: str, reason: str) -> None:
+        if self.policy == "fail":
+            raise DataError(f"{origin}: {reason}")
+        self.items.append((origin, reason))
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(_reason_kind(r) for _, r in self.items))
+
+    def summary(self, show: int = 5) -> str:
+        if not self.items:
+            return "no malformed rows"
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts().items(), key=lambda kv: -kv[1]))
+        first = "; ".join(f"{o}: {r}" for o, r in self.items[:show])
+        more = f" (+{len(self.items) - show} more)" if len(self.items) > show else ""
+        return f"{len(self.items)} malformed rows skipped ({kinds}): {first}{more}"
+
+
+def _reason_kind(reason: str) -> str:
+    return reason.split(" (")[0].split(" '")[0]
+
+
+def make_row_id(source: str, key: str) -> int:
+    """Stable 60-bit id from (source name, row key): the same row gets the same id on every run."""
+    return int(sha256_text(f"{source}\x00{key}")[:15], 16)
+
+
+# --------------------------------------------------------------------------------------------- fields
+
+
+_MISSING = object()
+
+
+def get_field(row: Any, path: str) -> Any:
+    """`a.b.0.c` indexes dicts by key and lists by position; _MISSING when any step is absent."""
+    node = row
+    for part in path.split("."):
+        if isinstance(node, dict):
+            if part not in node:
+                return _MISSING
+            node = node[part]
+        elif isinstance(node, list | tuple) and re.fullmatch(r"-?\d+", part):
+            i = int(part)
+            if not -len(node) <= i < len(node):
+                return _MISSING
+            node = node[i]
+        else:
+            return _MISSING
+    return node
+
+
+class _FieldError(Exception):
+    pass
+
+
+def extract_turns(row: Any, prompt: str | None, template: str | None, turns: str | None) -> list[str]:
+    """The user turns of one row under a field mapping; _FieldError says what is wrong."""
+    if not isinstance(row, dict):
+        raise _FieldError(f"not a JSON object (got {type(row).__name__})")
+    if template is not None:
+        try:
+            text = string.Formatter().vformat(template, (), row)
+        except (KeyError, IndexError) as e:
+            raise _FieldError(f"missing field {e} (prompt_template)") from None
+        except (ValueError, TypeError, AttributeError) as e:
+            raise _FieldError(f"prompt_template does not fit this row ({e})") from None
+        values = [text]
+    elif prompt is not None:
+        value = get_field(row, prompt)
+        if value is _MISSING or value is None:
+            raise _FieldError(f"missing field '{prompt}'")
+        values = [value]
+    else:
+        value = get_field(row, turns)
+        if value is _MISSING or value is None:
+            raise _FieldError(f"missing field '{turns}'")
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise _FieldError(f"field '{turns}' is not a list of turns")
+        values = value
+    out = []
+    for v in values:
+        if not isinstance(v, str):
+            raise _FieldError(f"prompt is not text (got {type(v).__name__})")
+        out.append(v.strip())
+    if not out or any(not t for t in out):
+        raise _FieldError("empty prompt")
+    return out
+
+
+def _domain(row: Any, source: SourceConfig) -> str:
+    for rule in source.domain_rules:
+        value = get_field(row, rule.field) if isinstance(row, dict) else _MISSING
+        if value is not _MISSING and value is not None and re.search(rule.pattern, str(value)):
+            return rule.domain
+    if source.domain:
+        return source.domain
+    raise _FieldError("no domain rule matches")
+
+
+# --------------------------------------------------------------------------------------------- readers
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """(line number, parsed object or None, error) for every non-blank line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line), None
+            except json.JSONDecodeError as e:
+                yield lineno, None, f"bad JSON ({e.msg} at column {e.colno})"
+
+
+def _iter_hf(source: SourceConfig) -> Iterator[tuple[int, Any, str | None]]:
+    ds = load_hf_dataset(source.path, source.split)
+    for i, row in enumerate(ds):
+        yield i, row, None
+
+
+def load_hf_dataset(path: str, split: str = "train"):
+    """A `datasets.Dataset` from a save_to_disk folder, a data file, or (where reachable) a hub name."""
+    import datasets
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except FileNotFoundError as e:
+            raise DataError(f"{path}: not a `datasets` save_to_disk folder ({e})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"{path}: no split '{split}' (has {', '.join(ds)})")
+            ds = ds[split]
+        return ds
+    if p.is_file():
+        fmt = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix.lower())
+        if fmt is None:
+            raise DataError(f"{path}: unsupported data file type (use .json, .jsonl, .parquet or .csv)")
+        return datasets.load_dataset(fmt, data_files=str(p), split="train")
+    if p.is_absolute() or path.startswith("."):
+        raise DataError(f"{path}: no such file or folder")
+    try:
+        return datasets.load_dataset(path, split=split)
+    except Exception as e:  # datasets raises many types for network / missing-repo failures
+        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise DataError(
+            f"cannot load dataset '{path}' from the Hugging Face hub ({msg}); "
+            "give a local save_to_disk folder or a .jsonl/.parquet/.csv file instead"
+        ) from None
+
+
+def _select(items: list, source: SourceConfig) -> list:
+    if source.limit is None or len(items) <= source.limit:
+        return items
+    if source.sample == "first":
+        return items[: source.limit]
+    rng = random.Random(f"{source.seed}:{source.name}")
+    keep = sorted(rng.sample(range(len(items)), source.limit))
+    return [items[i] for i in keep]
+
+
+def _records_source(source: SourceConfig, report: MalformedReport) -> list[PromptRow]:
+    if source.type == "jsonl":
+        path = Path(source.path).expanduser()
+        if not path.is_file():
+            raise DataError(f"source '{source.name}': no such file {source.path}")
+        records = _iter_jsonl(path)
+        where = lambda i: f"{path}:{i}"  # noqa: E731
+    else:
+        records = _iter_hf(source)
+        where = lambda i: f"{source.path}[{i}]"  # noqa: E731
+    rows = []
+    for index, obj, error in records:
+        origin = where(index)
+        if error is not None:
+            report.add(origin, error)
+            continue
+        try:
+            turns = extract_turns(obj, source.prompt, source.prompt_template, source.turns)
+            domain = _domain(obj, source)
+        except _FieldError as e:
+            report.add(origin, str(e))
+            continue
+        key = str(obj.get(source.id_field)) if source.id_field and source.id_field in obj else str(index)
+        rows.append(PromptRow(make_row_id(source.name, key), source.name, domain, turns, origin, source.system))
+    return _select(rows, source)
+
+
+# --------------------------------------------------------------------------------------------- stdlib
+
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3",
+              "turtledemo", "ensurepip", "config-3", "__phello__"}
+
+
+def _stdlib_files(root: Path) -> list[Path]:
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).parts
+        if any(part in _SKIP_DIRS or part.startswith("config-") for part in rel[:-1]):
+            continue
+        if rel[-1].startswith("test_"):
+            continue
+        out.append(p)
+    return out
+
+
+def _function_prompts(tree: ast.Module, lines: list[str]) -> list[tuple[int, str]]:
+    """(line, prompt) for every function with a docstring and a body after it: signature + docstring."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if not doc or len(doc.strip()) < 20 or len(node.body) < 2:
+            continue
+        head_end = node.body[0].end_lineno  # the docstring's last line
+        start = node.lineno - 1
+        text = textwrap.dedent("\n".join(lines[start:head_end]))
+        if len(text) > 1500:
+            continue
+        out.append((node.lineno, text))
+    return out
+
+
+def stdlib_code_rows(source: SourceConfig, root: str | Path | None = None) -> list[PromptRow]:
+    """Code prompts from the standard library, deterministic for a given seed and Python version.
+
+    Function completion: "complete this function" with the signature and docstring. Module continuation:
+    `chunk_lines` consecutive lines of a module, to be continued. Files are visited in a seeded order and
+    each contributes at most two functions and one chunk, so the prompts spread over many modules.
+    """
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    limit = source.limit or 200
+    n_completion = round(limit * source.completion_fraction)
+    n_continuation = limit - n_completion
+    rng = random.Random(f"{source.seed}:{source.name}:stdlib")
+    files = _stdlib_files(root)
+    rng.shuffle(files)
+    completions: list[PromptRow] = []
+    continuations: list[PromptRow] = []
+    domain = source.domain or "code"
+    for path in files:
+        if len(completions) >= n_completion and len(continuations) >= n_continuation:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = text.splitlines()
+        rel = path.relative_to(root).as_posix()
+        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        if len(completions) < n_completion:
+            funcs = _function_prompts(tree, lines)
+            for lineno, body in rng.sample(funcs, min(2, len(funcs))):
+                if len(completions) >= n_completion:
+                    break
+                prompt = f"Complete this Python function from the `{module}` module.\n\n```python\n{body}\n```"
+                completions.append(PromptRow(make_row_id(source.name, f"{rel}:{lineno}:fn"), source.name,
+                                             domain, [prompt], f"{path}:{lineno}", source.system))
+        if len(continuations) < n_continuation and len(lines) > 2 * source.chunk_lines:
+            start = rng.randrange(0, len(lines) - source.chunk_lines)
+            chunk = "\n".join(lines[start:start + source.chunk_lines]).strip("\n")
+            if len(chunk.strip()) >= 80:
+                prompt = f"Continue this code from the Python module `{module}`.\n\n```python\n{chunk}\n```"
+                continuations.append(PromptRow(make_row_id(source.name, f"{rel}:{start + 1}:chunk"), source.name,
+                                               domain, [prompt], f"{path}:{start + 1}", source.system))
+    rows = completions + continuations
+    if not rows:
+        raise DataError(f"source '{source.name}': found no Python code under {root}")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- all
+
+
+@dataclass
+class PromptSet:
+    rows: list[PromptRow]
+    malformed: MalformedReport
+    duplicates: int = 0
+    per_source: dict[str, int] = field(default_factory=dict)
+
+    def domain_counts(self) -> dict[str, int]:
+        return dict(sorted(Counter(r.domain for r in self.rows).items()))
+
+
+def normalize_text(text: str) -> str:
+    """Lower-case, punctuation dropped, whitespace collapsed: the form prompts are compared in."""
+    text = re.sub(r"[^\w\s]", " ", text.lower())
+    return " ".join(text.split())
+
+
+def load_source(source: SourceConfig, report: MalformedReport) -> list[PromptRow]:
+    if source.type == "stdlib":
+        return stdlib_code_rows(source, source.path)
+    return _records_source(source, report)
+
+
+def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None) -> PromptSet:
+    """Read every source, apply the malformed policy and (optionally) the prompt-length limit.
+
+    `prompt_length(row) -> int` gives the token length of a row's formatted prompt; rows longer than
+    `config.generation.max_prompt_tokens` are malformed ("prompt too long"). Exact duplicate prompts
+    (after normalisation) are dropped when `config.dedupe`. An empty result is a DataError.
+    """
+    report = MalformedReport(policy=config.malformed)
+    rows: list[PromptRow] = []
+    per_source = {}
+    for source in config.sources:
+        got = load_source(source, report)
+        per_source[source.name] = len(got)
+        rows.extend(got)
+    if prompt_length is not None:
+        limit = config.generation.max_prompt_tokens
+        kept = []
+        for row in rows:
+            n = prompt_length(row)
+            if n > limit:
+                report.add(row.origin, f"prompt too long ({n} tokens > max_prompt_tokens {limit})")
+            else:
+                kept.append(row)
+        rows = kept
+    duplicates = 0
+    if config.dedupe:
+        seen, kept = set(), []
+        for row in rows:
+            key = normalize_text(row.prompt)
+            if key in seen:
+                duplicates += 1
+                continue
+            seen.add(key)
+            kept.append(row)
+        rows = kept
+    ids = Counter(r.row_id for r in rows)
+    clash = [i for i, n in ids.items() if n > 1]
+    if clash:
+        first = next(r for r in rows if r.row_id == clash[0])
+        raise DataError(f"{first.origin}: row key repeats within source '{first.source}' (check id_field)")
+    if config.max_rows is not None and len(rows) > config.max_rows:
+        rng = random.Random(f"{config.seed}:max_rows")
+        keep = sorted(rng.sample(range(len(rows)), config.max_rows))
+        rows = [rows[i] for i in keep]
+    if report.items:
+        log.warning("%s", report.summary())
+    if not rows:
+        raise DataError(f"no prompts left after filtering ({report.summary()})")
+    return PromptSet(rows, report, duplicates, per_source)
