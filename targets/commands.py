@@ -52,6 +52,8 @@ def read_fingerprint(path: Path) -> tuple[dict, str]:
         if f.is_file():
             data = json.loads(f.read_text())
             fp = data.get("target") or data.get("target_fingerprint")
+            if isinstance(fp, dict) and isinstance(fp.get("fingerprint"), dict):  # dataset provenance
+                fp = fp["fingerprint"]
             if isinstance(fp, dict) and "tokenizer_hash" in fp:
                 return fp, name
     raise ArtifactError(f"{path}: no target fingerprint found (looked for {', '.join(FINGERPRINT_FILES)})")

@@ -104,3 +104,23 @@ def test_gate_rules():
 def test_domain_policy():
     policy = domain_policy(_report({"a": 0.6, "b": 0.1}), 0.3, "v0002")
     assert policy["domains"]["a"]["speculate"] and not policy["domains"]["b"]["speculate"]
+
+
+def test_schedule_examples_run_the_retrain_command():
+    from pathlib import Path
+
+    import yaml
+
+    from draftsmith.config import load_config
+    from draftsmith.retrain.config import RetrainConfig
+
+    root = Path(__file__).resolve().parent.parent
+    cron = yaml.safe_load((root / "configs/schedule/cronjob.yaml").read_text())
+    assert cron["kind"] == "CronJob" and cron["spec"]["concurrencyPolicy"] == "Forbid"
+    command = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["draftsmith", "retrain"]
+    overrides = [c for c in command if "=" in c]
+    cfg = load_config(root / command[command.index("--config") + 1], overrides, cls=RetrainConfig)
+    assert cfg.registry == "/data/registry"
+    service = (root / "configs/schedule/draftsmith-retrain.service").read_text()
+    assert "draftsmith retrain --config configs/retrain.yaml" in service and "SuccessExitStatus=10 11" in service

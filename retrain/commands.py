@@ -1,0 +1,21 @@
+"""`draftsmith retrain --config configs/retrain.yaml [--init ARTIFACT] [key=value ...]` — cron-safe."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "retrain", help="measure the current draft on recent traffic; retrain, gate and promote when stale",
+        description="Exit codes: 0 fresh or promoted, 10 stale but candidate rejected, 11 stale without "
+                    "traffic to train on, 1 error, 2 bad configuration.")
+    p.add_argument("--config", default="configs/retrain.yaml")
+    p.add_argument("--init", default=None, metavar="ARTIFACT",
+                   help="publish ARTIFACT as the registry's first version and make it current")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from draftsmith.retrain.run import run_retrain
+
+    return run_retrain(args.config, args.overrides, init=args.init)

@@ -1,0 +1,254 @@
+"""One scheduled retraining run: measure → (if stale) retrain → gate → promote, with a run record.
+
+Exit codes (for cron / Kubernetes alerting):
+    0   nothing to do (fresh) or a candidate was promoted
+    10  stale, but the candidate was rejected by the gate (current version kept)
+    11  stale, but there was no traffic to retrain on
+    1   error (the record says which); 2 bad configuration (one line on stderr)
+
+A run is keyed by an `attempt` id (hash of the current version and the traffic sample), and every
+stage writes under registry/staging/<attempt>/: the data pipeline resumes its chunks and the training
+loop resumes its checkpoints, so a run killed at any point is completed by the next one, while
+`current.json` keeps naming a complete version throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import re
+import shutil
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+from draftsmith.artifact import load_manifest, now_iso, update_manifest
+from draftsmith.config import load_config, to_dict
+from draftsmith.errors import ArtifactError, DraftsmithError
+from draftsmith.retrain.config import RetrainConfig
+from draftsmith.retrain.decide import domain_policy, gate, staleness
+from draftsmith.retrain.lock import RunLock
+from draftsmith.retrain.registry import Registry
+from draftsmith.retrain.traffic import TrafficRow, read_traffic, write_prompt_file
+from draftsmith.storage import sha256_json
+from draftsmith.targets.fingerprint import differences
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_NO_TRAFFIC = 0, 1, 10, 11
+
+
+def _measure(target, kind: str, path: Path, prompts: list[str] | None, limit: int | None, cfg: RetrainConfig) -> dict:
+    from draftsmith.evaluation import evaluate
+
+    return evaluate(target, f"{kind}:{path}", prompts=prompts, limit_per_domain=limit,
+                    max_new_tokens=cfg.measure.max_new_tokens, k=cfg.measure.k, seed=cfg.traffic.seed)
+
+
+def _summary(report: dict) -> dict:
+    domains = {d: {k: row.get(k) for k in ("alpha", "tau", "n_prompts", "lossless")}
+               for d, row in (report.get("domains") or {}).items()}
+    return {"overall": {k: (report.get("overall") or {}).get(k) for k in ("alpha", "tau", "lossless")},
+            "domains": domains}
+
+
+def split_traffic(rows: list[TrafficRow], eval_share: float, max_eval: int, seed: int):
+    """Per domain: a held-out share to measure α on, the rest to train on (never both)."""
+    rng = random.Random(seed)
+    by_domain: dict[str, list[TrafficRow]] = {}
+    for r in rows:
+        by_domain.setdefault(r.domain, []).append(r)
+    held, train = [], []
+    for domain in sorted(by_domain):
+        group = sorted(by_domain[domain], key=lambda r: (r.timestamp, r.prompt))
+        rng.shuffle(group)
+        n_eval = min(max_eval, max(1, int(round(len(group) * eval_share))))
+        held += group[:n_eval]
+        train += group[n_eval:]
+    return held, train
+
+
+def _train_candidate(cfg: RetrainConfig, target, work: Path, data_path: Path, warm_start: Path | None) -> Path:
+    """Train a candidate of the registry's kind with the job preset + a bounded budget."""
+    out = work / "candidate"
+    overrides = [f"data={data_path}", f"output={out}", f"train.max_steps={cfg.budget.max_steps}",
+                 f"train.output_dir={work / 'train'}", "train.resume=auto", "evaluate.enabled=false",
+                 f"target={cfg.target}", *cfg.budget.job_overrides]
+    if warm_start is not None:
+        overrides.append(f"train.warm_start={warm_start}")
+    if cfg.artifact_kind == "medusa":
+        from draftsmith.heads.medusa_job import run_train_medusa as run
+    elif cfg.artifact_kind == "eagle":
+        from draftsmith.heads.eagle_job import run_train_eagle as run
+    else:
+        from draftsmith.distill.job import run_distill as run
+    return Path(run(cfg.job_config, overrides))
+
+
+def _build_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None) -> Path:
+    """Self-distil the traffic prompts with the current target, then mix in a replay share of old data."""
+    import datasets
+
+    from draftsmith.data import generate_dataset, load_distilled
+    from draftsmith.data.config import DomainRule, SourceConfig
+    from draftsmith.data.generate import load_data_config
+
+    prompts = work / "traffic_train.jsonl"
+    write_prompt_file(train_rows, prompts)
+    preset = load_data_config(cfg.data_config, list(cfg.budget.data_overrides))
+    domains = sorted({r.domain for r in train_rows})
+    source = SourceConfig(name="traffic", type="jsonl", path=str(prompts), turns="turns", domain="traffic",
+                          domain_rules=[DomainRule("category", f"^{re.escape(d)}$", d) for d in domains])
+    data_cfg = dataclasses.replace(preset, sources=[source], output_dir=str(work / "data"), target=cfg.target,
+                                   max_rows=None)
+    fresh = work / "data"
+    if not (fresh / "provenance.json").is_file():
+        generate_dataset(data_cfg, target, progress=False)
+    new = load_distilled(fresh, target)
+    mixed = new
+    if old_data and cfg.budget.replay_fraction > 0 and Path(old_data).is_dir():
+        try:
+            old = load_distilled(old_data, target)
+        except DraftsmithError as e:  # e.g. the target changed: nothing to replay
+            log.warning("no replay data: %s", e)
+        else:
+            n_old = int(round(len(new) * cfg.budget.replay_fraction / (1 - cfg.budget.replay_fraction)))
+            n_old = min(n_old, len(old))
+            if n_old:
+                old = old.shuffle(seed=cfg.traffic.seed).select(range(n_old))
+                mixed = datasets.concatenate_datasets([new, old.cast(new.features)])
+    mixed_dir = work / "data_mixed"
+    if not (mixed_dir / "provenance.json").is_file():
+        from draftsmith.storage import atomic_dir, atomic_write_json, read_json
+
+        prov = read_json(fresh / "provenance.json")
+        prov["replay"] = {"from": old_data, "rows": len(mixed) - len(new), "fraction": cfg.budget.replay_fraction}
+        with atomic_dir(mixed_dir, overwrite=True) as tmp:
+            mixed.save_to_disk(str(tmp / "dataset"))
+            atomic_write_json(tmp / "provenance.json", prov)
+    return mixed_dir
+
+
+def retrain_once(cfg: RetrainConfig, init: str | None = None) -> tuple[int, dict]:
+    """Run one scheduled retraining. Returns (exit code, run record)."""
+    from draftsmith.targets import load_target
+
+    target_name = cfg.target.replace("/", "_")
+    reg = Registry(Path(cfg.registry), target_name, cfg.artifact_kind)
+    record: dict = {"started": now_iso(), "config": to_dict(cfg), "registry": str(reg.base)}
+    with RunLock(reg.base / ".lock") as lock:
+        if lock.broke_stale:
+            record["broke_stale_lock"] = lock.broke_stale
+        try:
+            code = _run(cfg, reg, record, load_target(cfg.target), init)
+        except DraftsmithError as e:
+            record.update(outcome="error", error=str(e))
+            code = EXIT_ERROR
+        except Exception as e:  # a bug: still recorded, so the scheduler's alert has something to show
+            record.update(outcome="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            code = EXIT_ERROR
+        record.update(finished=now_iso(), exit_code=code, current=_safe_current(reg))
+        record["record_path"] = str(reg.write_run_record(record))
+    return code, record
+
+
+def _safe_current(reg: Registry) -> str | None:
+    try:
+        return reg.current()
+    except ArtifactError:
+        return None
+
+
+def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | None) -> int:
+    if init is not None:
+        manifest = load_manifest(init, kind=cfg.artifact_kind)
+        staged = reg.staging / f"init-{sha256_json(manifest['created'])[:8]}"
+        shutil.copytree(init, staged, dirs_exist_ok=True)
+        version = reg.publish(staged, {"parent": None, "reason": "initial version", "source": str(init)})
+        reg.set_current(version, "initial version")
+        record.update(outcome="initialised", version=version)
+        return EXIT_OK
+    current = reg.current()
+    if current is None:
+        raise DraftsmithError(f"registry {reg.base} has no current version: run with --init ARTIFACT first")
+    cur_path = reg.path(current)
+    manifest = reg.manifest(current)
+    record["current_before"] = current
+    fp = target.fingerprint()
+    hard = differences(manifest["target"], fp)
+    weights_changed = manifest["target"].get("weights_hash") not in (None, fp.get("weights_hash"))
+
+    sample = read_traffic(cfg.traffic.dir, cfg.traffic.window_days, cfg.traffic.max_per_domain, cfg.traffic.seed)
+    record["traffic"] = {"per_domain": sample.per_domain, "malformed": sample.malformed, "files": sample.files}
+    held, train_rows = split_traffic(sample.rows, cfg.traffic.eval_share, cfg.traffic.max_eval_per_domain,
+                                     cfg.traffic.seed)
+    attempt = sha256_json([current, sorted(r.prompt for r in sample.rows)])[:12]
+    work = reg.staging / attempt
+    work.mkdir(parents=True, exist_ok=True)
+    held_file = write_prompt_file(held, work / "traffic_eval.jsonl")
+    baseline = cfg.measure.baseline_prompts or None
+    limit = None  # the held-out traffic file is already capped per domain
+
+    cur_traffic = {} if hard else _measure(target, cfg.artifact_kind, cur_path, [str(held_file)], limit, cfg)
+    recorded = {d: row["alpha"] for d, row in ((manifest.get("traffic_eval") or {}).get("domains") or {}).items()
+                if row.get("alpha") is not None}
+    verdict = staleness(cur_traffic, recorded, hard, weights_changed, cfg.thresholds)
+    record["current_traffic"] = _summary(cur_traffic) if cur_traffic else None
+    record["stale"] = verdict.to_json()
+    if not verdict.yes:
+        reg.write_policy(domain_policy(cur_traffic, cfg.policy_alpha_floor, current))
+        shutil.rmtree(work, ignore_errors=True)
+        record["outcome"] = "fresh"
+        return EXIT_OK
+    if not train_rows:
+        record["outcome"] = "stale_no_traffic"
+        return EXIT_NO_TRAFFIC
+
+    record["attempt"] = attempt
+    data_path = _build_data(cfg, target, work, train_rows, (manifest.get("data") or {}).get("path"))
+    warm = cur_path if (cfg.budget.warm_start and not hard) else None
+    candidate = _train_candidate(cfg, target, work, data_path, warm)
+
+    cand_traffic = _measure(target, cfg.artifact_kind, candidate, [str(held_file)], limit, cfg)
+    cand_base = _measure(target, cfg.artifact_kind, candidate, baseline, cfg.measure.baseline_limit_per_domain, cfg)
+    cur_base = {} if hard else _measure(target, cfg.artifact_kind, cur_path, baseline,
+                                        cfg.measure.baseline_limit_per_domain, cfg)
+    decision = gate(cur_traffic, cand_traffic, cur_base, cand_base, cfg.gate) if not hard else \
+        gate({"overall": {"alpha": 0.0}}, cand_traffic, {"overall": {"alpha": 0.0}}, cand_base, cfg.gate)
+    record.update(candidate_traffic=_summary(cand_traffic), candidate_baseline=_summary(cand_base),
+                  current_baseline=_summary(cur_base) if cur_base else None, gate=decision.to_json())
+    if not decision.yes:
+        rejected = reg.base / "rejected" / attempt
+        shutil.rmtree(rejected, ignore_errors=True)
+        rejected.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(candidate), rejected)
+        shutil.rmtree(work, ignore_errors=True)
+        record.update(outcome="rejected", rejected_candidate=str(rejected))
+        return EXIT_REJECTED
+    update_manifest(candidate, traffic_eval=_summary(cand_traffic), baseline_eval=_summary(cand_base))
+    version = reg.publish(candidate, {
+        "parent": current, "reason": verdict.reasons, "attempt": attempt, "data": str(data_path),
+        "budget": asdict(cfg.budget), "gate": decision.reasons,
+    })
+    reg.set_current(version, "; ".join(decision.reasons))
+    reg.write_policy(domain_policy(cand_traffic, cfg.policy_alpha_floor, version))
+    shutil.rmtree(work, ignore_errors=True)
+    record.update(outcome="promoted", version=version)
+    return EXIT_OK
+
+
+def run_retrain(config_path: str | None, overrides: list[str], init: str | None = None) -> int:
+    cfg = load_config(config_path, overrides, cls=RetrainConfig)
+    code, record = retrain_once(cfg, init)
+    outcome = record.get("outcome")
+    print(f"retrain: {outcome} (exit {code}); current = {record.get('current')}; record: {record.get('record_path')}")
+    if record.get("stale"):
+        for reason in record["stale"]["reasons"]:
+            print(f"  stale: {reason}")
+    if record.get("gate"):
+        for reason in record["gate"]["reasons"]:
+            print(f"  gate: {reason}")
+    if record.get("error"):
+        print(f"  error: {record['error']}")
+    return code
