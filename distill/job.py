@@ -1,0 +1,320 @@
+"""Draft-model distillation through the one training loop (`training/`): `DistillJob` and `run_distill`.
+
+The job differs from its siblings only by its module (a small causal LM sharing the target's tokenizer,
+`distill/builders.py`), its batches (self-distilled rows, optionally regenerated on-policy) and its loss
+(`distill/losses.py`). Alignment: the draft's logits at position t predict token t+1, and so do the
+target's; a position counts when token t+1 is an assistant token (`loss_mask[t+1] = 1`).
+
+Where the target's distribution comes from:
+    online   the frozen target runs on the batch inside the step: full logits (or its top-k, kd.topk)
+    offline  the target's top-k logits were captured once into a cache (`targets.cache_shards`,
+             k = data.capture_topk, disk estimate printed) and are read back by row_id
+    on-policy (GKD, Agarwal et al. 2024; DistillSpec, Zhou et al. 2024): with probability λ =
+             on_policy.fraction a training batch keeps only its prompts, the DRAFT samples continuations
+             (no grad), and the target scores those tokens in the step (always online). The draft then
+             learns on the states it visits itself at decode time — the states that decide acceptance.
+
+The artifact (`save_artifact`) is a plain HF causal-LM folder — save_pretrained (LoRA merged first), the
+target's tokenizer files, and `manifest.json` (kind "draft", target fingerprint, config, data, metrics) —
+loadable with `AutoModelForCausalLM.from_pretrained` and usable as `assistant_model` in `generate`.
+`run_distill` trains, then (when `draftsmith.evaluation` exists) evaluates the draft as a proposer and
+writes the report into the artifact.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith import artifact
+from draftsmith.config import to_dict
+from draftsmith.distill.builders import apply_lora, build_draft, plain_model, size_report
+from draftsmith.distill.config import DistillConfig
+from draftsmith.distill.losses import distill_loss
+from draftsmith.errors import DataError
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+# ---- data ----------------------------------------------------------------------------------------
+
+def load_rows(path: str | Path, target, max_rows: int | None = None):
+    """The self-distilled dataset at `path` (rows with input_ids, loss_mask, domain, row_id)."""
+    try:
+        from draftsmith.data import load_distilled
+    except ImportError:
+        load_distilled = None
+    path = Path(path)
+    if load_distilled is not None:
+        ds = load_distilled(path, target)
+    else:
+        if not path.exists():
+            raise DataError(f"self-distilled dataset not found: {path} (run `draftsmith data generate` first)")
+        from datasets import load_from_disk
+
+        ds = load_from_disk(str(path))
+    if hasattr(ds, "keys") and "train" in ds:  # a DatasetDict
+        ds = ds["train"]
+    columns = ds.column_names if hasattr(ds, "column_names") else list(ds[0])
+    for col in ("input_ids", "loss_mask"):
+        if col not in columns:
+            raise DataError(f"{path}: rows need '{col}' (a self-distilled dataset from `draftsmith data`)")
+    if max_rows is not None and len(ds) > max_rows:
+        ds = ds.select(range(max_rows)) if hasattr(ds, "select") else ds[:max_rows]
+    if len(ds) < 2:
+        raise DataError(f"{path}: {len(ds)} rows; need at least 2 (one to train, one to hold out)")
+    return ds
+
+
+def split_rows(rows, eval_fraction: float, seed: int):
+    """Deterministic train / held-out split (a seeded permutation)."""
+    n = len(rows)
+    n_eval = max(1, round(n * eval_fraction))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    ev, tr = sorted(order[:n_eval]), sorted(order[n_eval:])
+    if hasattr(rows, "select"):
+        return rows.select(tr), rows.select(ev)
+    return [rows[i] for i in tr], [rows[i] for i in ev]
+
+
+def pad_batch(rows: list[dict], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    """Right-pad input_ids / loss_mask / attention_mask [B, T] (rows truncated to max_length); keep row_id."""
+    ids = [list(r["input_ids"])[:max_length] for r in rows]
+    masks = [list(r["loss_mask"])[:max_length] for r in rows]
+    T = max(len(x) for x in ids)
+    out = {"input_ids": torch.full((len(rows), T), pad_id, dtype=torch.long),
+           "loss_mask": torch.zeros((len(rows), T), dtype=torch.long),
+           "attention_mask": torch.zeros((len(rows), T), dtype=torch.long)}
+    for b, (x, m) in enumerate(zip(ids, masks)):
+        out["input_ids"][b, : len(x)] = torch.tensor(x)
+        out["loss_mask"][b, : len(m)] = torch.tensor(m)
+        out["attention_mask"][b, : len(x)] = 1
+    out["loss_mask"] *= out["attention_mask"]
+    if "row_id" in rows[0]:
+        out["row_id"] = torch.tensor([int(r["row_id"]) for r in rows], dtype=torch.long)
+    return out
+
+
+def prompt_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
+    """Tokens before each row's first learned token (the prompt part)."""
+    out = []
+    for m, a in zip(batch["loss_mask"], batch["attention_mask"]):
+        on = m.nonzero()
+        out.append(int(on[0]) if len(on) else int(a.sum()))
+    return out
+
+
+# ---- the job -------------------------------------------------------------------------------------
+
+class DistillJob:
+    """Job protocol (training/job.py) for a draft LM distilled from a frozen target."""
+
+    kind = "draft"
+
+    def __init__(self, cfg: DistillConfig, target, rows=None) -> None:
+        self.cfg, self.target = cfg, target
+        rows = rows if rows is not None else load_rows(cfg.data.path, target, cfg.data.max_rows)
+        self.train_set, self.eval_set = split_rows(rows, cfg.data.eval_fraction, cfg.train.seed)
+        tok = target.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        self.eos = set(target.eos_token_ids)
+        self.teacher_model = target.model
+        self.features = None  # CaptureSource for offline top-k
+        self.uses_teacher = cfg.kd.ce_weight < 1.0
+        self.topk = cfg.kd.topk
+        if cfg.data.mode == "offline" and self.uses_teacher:
+            self.topk = cfg.kd.topk or cfg.data.capture_topk
+            self.features = self._offline_source(rows)
+
+    def _offline_source(self, rows):
+        from draftsmith.targets.cache_shards import CaptureSource, capture_dataset
+
+        cache = Path(self.cfg.data.capture_cache or Path(self.cfg.train.output_dir) / "capture")
+        need = [{"row_id": int(r["row_id"]), "input_ids": list(r["input_ids"])[: self.cfg.data.max_length]}
+                for r in rows]
+        capture_dataset(self.target, need, cache, layers=[], topk=self.cfg.data.capture_topk,
+                        progress=self.cfg.train.progress)  # prints rows / tokens / estimated disk
+        return CaptureSource(self.target, topk=self.topk, cache_dir=cache)
+
+    # --- protocol ---
+    def build_module(self) -> torch.nn.Module:
+        model = build_draft(self.cfg.draft, self.target)
+        if self.cfg.lora.enabled:
+            lc = self.cfg.lora
+            model = apply_lora(model, lc.r, lc.alpha, lc.dropout, lc.target_modules)
+        return model
+
+    def setup(self, accelerator) -> None:
+        # offline KD never runs the target, except for on-policy batches (scored online)
+        if self.features is None or self.cfg.on_policy.fraction > 0:
+            from draftsmith.training.frozen import place_frozen
+
+            self.teacher_model = place_frozen(self.target.model, accelerator)
+
+    def train_rows(self):
+        return self.train_set
+
+    def eval_rows(self):
+        return self.eval_set
+
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        return pad_batch(rows, self.pad_id, self.cfg.data.max_length)
+
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["attention_mask"].sum())
+
+    @torch.no_grad()
+    def teacher(self, batch: dict[str, torch.Tensor], online: bool) -> dict[str, torch.Tensor]:
+        """{"logits": [B, T, V]} online with full logits, else {"topk_values", "topk_indices"} [B, T, k]."""
+        if not online and self.features is not None:
+            return self.features(batch)
+        logits = self.teacher_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if self.topk:
+            v, i = torch.topk(logits.float(), self.topk, dim=-1)
+            return {"topk_values": v, "topk_indices": i}
+        return {"logits": logits}
+
+    @torch.no_grad()
+    def on_policy_batch(self, module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Keep each row's prompt, let the draft SAMPLE a continuation, mark the sampled tokens as learned."""
+        op = self.cfg.on_policy
+        model = getattr(module, "module", module)  # DDP-wrapped or not
+        was_training = model.training
+        model.eval()
+        plens = prompt_lengths(batch)
+        B = len(plens)
+        P = max(plens)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long, device=batch["input_ids"].device)
+        attn = torch.zeros_like(ids)
+        for b, n in enumerate(plens):  # left padding for generation
+            ids[b, P - n:] = batch["input_ids"][b, :n]
+            attn[b, P - n:] = 1
+        room = max(1, self.cfg.data.max_length - P)
+        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=op.temperature,
+                             top_k=0, top_p=1.0, max_new_tokens=min(op.max_new_tokens, room),
+                             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos))
+        model.train(was_training)
+        rows = []
+        for b, n in enumerate(plens):
+            gen = out[b, P:].tolist()
+            cut = next((j + 1 for j, t in enumerate(gen) if t in self.eos), len(gen))
+            gen = gen[:cut]
+            prompt = batch["input_ids"][b, :n].tolist()
+            rows.append({"input_ids": prompt + gen, "loss_mask": [0] * n + [1] * len(gen)})
+        new = pad_batch(rows, self.pad_id, self.cfg.data.max_length)
+        return {k: v.to(batch["input_ids"].device) for k, v in new.items()}
+
+    def loss(self, module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        on_policy = 0.0
+        if module.training and self.cfg.on_policy.fraction > 0 and \
+                float(torch.rand(())) < self.cfg.on_policy.fraction:  # torch RNG: checkpointed by the loop
+            batch = self.on_policy_batch(module, batch)
+            on_policy = 1.0
+        out = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        student = out.logits[:, :-1]  # position t predicts token t+1
+        labels = batch["input_ids"][:, 1:]
+        mask = batch["loss_mask"][:, 1:]
+        kd = self.cfg.kd
+        teacher_logits = teacher_topk = None
+        if self.uses_teacher or not module.training:  # eval always measures the gap to the target
+            t = self.teacher(batch, online=bool(on_policy))
+            if "logits" in t:
+                teacher_logits = t["logits"][:, :-1]
+            else:
+                teacher_topk = (t["topk_values"][:, :-1], t["topk_indices"][:, :-1])
+        if self.uses_teacher:
+            loss, metrics = distill_loss(student, labels, mask, teacher_logits, teacher_topk, kd.divergence,
+                                         kd.temperature, kd.beta, kd.ce_weight, kd.tail)
+        else:
+            loss, metrics = distill_loss(student, labels, mask, ce_weight=1.0)
+            if teacher_logits is not None or teacher_topk is not None:  # eval: report the same gap metrics
+                _, gap = distill_loss(student.detach(), labels, mask, teacher_logits, teacher_topk, kd.divergence,
+                                      kd.temperature, kd.beta, 0.0, kd.tail)
+                metrics.update(kd=gap["kd"], tvd=gap["tvd"], top1=gap["top1"])
+            else:
+                metrics.pop("tvd")
+        metrics["on_policy"] = on_policy
+        return loss, metrics
+
+    def save_artifact(self, module, out_dir: Path, metrics: dict[str, float]) -> Path:
+        model = plain_model(module)
+        fp = self.target.fingerprint()
+        data = {"path": self.cfg.data.path, "mode": self.cfg.data.mode, "train_rows": len(self.train_set),
+                "eval_rows": len(self.eval_set), "on_policy_fraction": self.cfg.on_policy.fraction}
+        manifest = artifact.make_manifest("draft", fp, to_dict(self.cfg), data=data, metrics=dict(metrics),
+                                          size=size_report(model), target_size=size_report(self.target.model))
+
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp, safe_serialization=True)
+            copy_tokenizer(self.target, tmp)
+
+        return artifact.save_artifact(out_dir, manifest, writer=write)
+
+
+def copy_tokenizer(target, dest: Path) -> None:
+    """The target's tokenizer files (its folder's, else save_pretrained): vocab, specials, chat template."""
+    src = Path(target.folder) if target.folder is not None else None
+    copied = False
+    if src is not None and src.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, dest / name)
+                copied = True
+    if not copied:
+        target.tokenizer.save_pretrained(dest)
+
+
+# ---- run -----------------------------------------------------------------------------------------
+
+def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None) -> dict[str, Any]:
+    """Train a draft (the one loop), save the artifact, evaluate it when the evaluator exists.
+
+    Returns {"artifact", "train_seconds", "metrics", "eval"}.
+    """
+    from draftsmith.targets import load_target
+    from draftsmith.training import train
+
+    target = target or load_target(cfg.target)
+    job = DistillJob(cfg, target, rows)
+    d = size_report(job.build_module())  # cheap at this size; logged so the run says what it trains
+    t = size_report(target.model)
+    log.info("draft: %d layers, %.2fM params (%.2fM non-embedding, %.1f MFLOPs/token) vs target %.2fM "
+             "(%.2fM non-embedding, %.1f MFLOPs/token)", d["num_layers"], d["params"] / 1e6,
+             d["non_embedding_params"] / 1e6, d["flops_per_token"] / 1e6, t["params"] / 1e6,
+             t["non_embedding_params"] / 1e6, t["flops_per_token"] / 1e6)
+    t0 = time.perf_counter()
+    result = train(job, cfg.train, accelerator)
+    seconds = time.perf_counter() - t0
+    out = {"artifact": result.artifact, "train_seconds": seconds, "metrics": result.metrics, "eval": None}
+    if result.artifact is not None:
+        artifact.update_manifest(result.artifact, train_seconds=seconds)
+        if cfg.evaluate.enabled:
+            out["eval"] = evaluate_artifact(cfg, target, result.artifact)
+    return out
+
+
+def evaluate_artifact(cfg: DistillConfig, target, path: Path) -> dict | None:
+    """Run the evaluator on the draft (proposer `draft:PATH`) and write its report into the artifact."""
+    try:
+        from draftsmith import evaluation
+        evaluate = evaluation.evaluate
+    except (ImportError, AttributeError):
+        log.warning("draftsmith.evaluation is not available: the artifact has no eval report")
+        return None
+    ev = cfg.evaluate
+    kwargs: dict[str, Any] = {"limit_per_domain": ev.limit_per_domain, "max_new_tokens": ev.max_new_tokens,
+                              "k": ev.k, "out_dir": Path(path) / "eval"}
+    if ev.prompts:
+        kwargs["prompts"] = ev.prompts
+    report = evaluate(target, f"draft:{path}", **kwargs)
+    summary = report if isinstance(report, dict) else getattr(report, "to_dict", lambda: {"report": str(report)})()
+    artifact.update_manifest(path, eval=summary)
+    return summary

@@ -1,0 +1,25 @@
+"""Distil a draft model from a target's logits: a thin entry point over `draftsmith.distill.commands.run`.
+
+    accelerate launch scripts/distill_draft.py --config configs/smollm2-135m/distill.yaml [key=value ...]
+    python scripts/distill_draft.py --config configs/smollm2-135m/distill.yaml train.max_steps=50
+
+Works the same under `python`, `torchrun` and `accelerate launch` (the loop reads the launcher's env).
+"""
+
+import argparse
+import sys
+
+from draftsmith.cli import run_entry_point
+from draftsmith.distill.commands import DEFAULT_CONFIG, run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    return run_entry_point(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
