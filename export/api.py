@@ -1,0 +1,97 @@
+"""Export entry points: `export_artifact` (any kind, any stack) and `import_export` (back into draftsmith).
+
+One writer per stack (export/vllm.py, sglang.py, trtllm.py, hf.py) says which layout an artifact kind
+takes there and how to launch it; the layouts themselves live in export/medusa.py and export/eagle.py
+(heads) and export/hf.py (draft models, the same HF folder for every stack). Every export is verified
+by re-reading it (export/verify.py) unless verify=False.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from draftsmith import artifact
+from draftsmith.errors import ConfigError
+from draftsmith.export import eagle, medusa
+from draftsmith.export.common import STACKS, ExportResult, read_guard, write_guard, write_serve
+from draftsmith.export.verify import VERIFIERS
+from draftsmith.storage import atomic_dir, atomic_write_json
+from draftsmith.targets.fingerprint import check_compatible
+
+
+def stack_module(stack: str):
+    if stack not in STACKS:
+        raise ConfigError(f"unknown stack '{stack}' (known: {', '.join(STACKS)})")
+    return importlib.import_module(f"draftsmith.export.{stack}")
+
+
+def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
+                    num_speculative_tokens: int = 4, verify: bool = True) -> ExportResult:
+    """Export a draftsmith artifact for `stack` into `out` (written atomically), then verify it."""
+    artifact_dir, out = Path(artifact_dir), Path(out)
+    module = stack_module(stack)
+    kind = artifact.load_manifest(artifact_dir)["kind"]
+    if kind == "draft":
+        from draftsmith.export.hf import export_draft
+
+        return export_draft(artifact_dir, out, stack, target, num_speculative_tokens, verify)
+    if kind == "medusa":
+        manifest, cfg, state, tree = medusa.read_medusa_artifact(artifact_dir, target)
+        sub, names = "medusa", None
+    else:
+        manifest, cfg, state, names = eagle.read_eagle_artifact(artifact_dir, target)
+        sub, tree = f"eagle{cfg['version']}", None
+    formats = module.FORMATS if stack != "hf" else module._head_formats()
+    if sub not in formats:
+        reason = getattr(module, "UNSUPPORTED", {}).get(sub, f"{stack} does not take {sub} heads")
+        raise ConfigError(reason)
+    fmt = formats[sub]
+    if target is not None:
+        check_compatible(manifest["target"], target.fingerprint(), what=f"artifact {artifact_dir}")
+    target_ref = str(target.folder or target.spec) if target is not None else "<target HF folder>"
+    target_arch = list(getattr(target.config, "architectures", None) or []) if target is not None else []
+    with atomic_dir(out, overwrite=True) as tmp:
+        if sub == "medusa":
+            medusa.write_layout(tmp, fmt, cfg, state, target_ref)
+        else:
+            eagle.write_layout(tmp, fmt, cfg, state, target_ref, target_arch, num_speculative_tokens)
+        extra = {"kind": kind, "num_speculative_tokens": num_speculative_tokens}
+        if tree is not None:
+            extra["medusa_choices"] = tree
+            atomic_write_json(tmp / "tree.json", {"paths": tree})
+        if names is not None:
+            extra["eagle"] = {"version": cfg["version"], "source_names": names,
+                              "aux_layers_draftsmith": cfg.get("aux_layers")}
+        write_guard(tmp, manifest, stack, fmt, extra)
+        write_serve(tmp, f"Serving these {sub} heads with {stack}",
+                    module.serve(sub, out, target_ref, num_speculative_tokens, cfg, tree))
+    result = ExportResult(out, stack, fmt, sorted(p.name for p in out.iterdir()))
+    if verify:
+        result.checks = VERIFIERS[fmt](out, target)
+    return result
+
+
+def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | None = None) -> Path:
+    """Read a vLLM/FasterDecoding Medusa or a speculators/midlayer/EAGLE-1 export back into a draftsmith
+    artifact (same weights). The fingerprint comes from draftsmith.json unless given."""
+    export_dir = Path(export_dir)
+    guard = read_guard(export_dir) if (export_dir / "draftsmith.json").is_file() else {}
+    fp = fingerprint or guard.get("target")
+    if fp is None:
+        raise ConfigError(f"{export_dir}: no draftsmith.json; pass the target fingerprint")
+    meta = {"imported_from": str(export_dir), "format": guard.get("format")}
+    if guard.get("format") in (medusa.VLLM_FORMAT, medusa.MEDUSA_FORMAT) or (export_dir / medusa.MEDUSA_WEIGHTS).is_file():
+        cfg, state = medusa.read_layout(export_dir)
+        manifest = artifact.make_manifest("medusa", fp, {}, **meta)
+        tree = guard.get("medusa_choices")
+
+        def writer(tmp: Path) -> None:
+            if tree is not None:
+                atomic_write_json(tmp / "tree.json", {"paths": tree, "expected_length": 0.0})
+
+        return artifact.save_artifact(out, manifest, state, cfg, writer=writer)
+    names = (guard.get("eagle") or {}).get("source_names")
+    cfg, state = eagle.read_layout(export_dir, names)
+    manifest = artifact.make_manifest("eagle", fp, {}, **meta)
+    return artifact.save_artifact(out, manifest, state, cfg)

@@ -1,0 +1,113 @@
+"""What every exporter shares: the result record, the compatibility guard file, serve.md, dtype names.
+
+Every export directory holds, besides the stack's own files:
+
+    draftsmith.json   {"target": <fingerprint>, "format": ..., "stack": ..., "artifact": <manifest summary>}
+                      `draftsmith check --artifact EXPORT_DIR --target SPEC` reads the fingerprint from here
+    serve.md          the exact launch command / config for the stack
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith import __version__
+from draftsmith.artifact import now_iso
+from draftsmith.storage import atomic_write_json, atomic_write_text
+
+STACKS = ("vllm", "sglang", "trtllm", "hf")
+GUARD = "draftsmith.json"
+SERVE = "serve.md"
+
+# safetensors header dtype names <-> torch dtypes
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    stack: str
+    format: str  # the layout written (one spec per format in export.verify)
+    files: list[str] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)  # what verification did, one line each
+
+    def summary(self) -> str:
+        lines = [f"exported {self.format} for {self.stack} to {self.out}"]
+        lines += [f"  verified: {c}" for c in self.checks]
+        return "\n".join(lines)
+
+
+def manifest_summary(manifest: dict) -> dict[str, Any]:
+    """The part of an artifact manifest worth carrying into an export (no full training config)."""
+    keep = ("kind", "format_version", "draftsmith_version", "created", "metrics", "eval", "parent", "data")
+    out = {k: manifest.get(k) for k in keep if k in manifest}
+    metrics = out.get("metrics") or {}
+    out["metrics"] = {k: v for k, v in metrics.items() if isinstance(v, int | float | str | bool)}
+    return out
+
+
+def write_guard(out: Path, manifest: dict, stack: str, fmt: str, extra: dict | None = None) -> None:
+    """draftsmith.json: the target fingerprint under `target` (the key `draftsmith check` reads)."""
+    atomic_write_json(out / GUARD, {
+        "target": manifest["target"],
+        "format": fmt,
+        "stack": stack,
+        "exported": now_iso(),
+        "draftsmith_version": __version__,
+        "artifact": manifest_summary(manifest),
+        **(extra or {}),
+    })
+
+
+def read_guard(out: str | Path) -> dict:
+    path = Path(out) / GUARD
+    if not path.is_file():
+        from draftsmith.errors import ArtifactError
+
+        raise ArtifactError(f"{out}: not a draftsmith export (no {GUARD})")
+    return json.loads(path.read_text())
+
+
+def write_serve(out: Path, title: str, body: str) -> None:
+    atomic_write_text(out / SERVE, f"# {title}\n\n{body.strip()}\n")
+
+
+def fenced(text: str, lang: str = "bash") -> str:
+    return f"```{lang}\n{text.strip()}\n```"
+
+
+def state_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype of a state dict (the first floating tensor's)."""
+    for t in state.values():
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return TORCH_TO_NAME.get(dtype, str(dtype).removeprefix("torch."))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,351 @@
+"""EAGLE heads in the layouts the serving stacks read, and the reader back into a draftsmith artifact.
+
+An EAGLE head (Li et al. 2024 "EAGLE"; 2025 "EAGLE-3") is one Llama decoder layer fed by the target's
+features. EAGLE-1: fc([embed(x_t); f_t]) (2H -> H, with bias in the original) then the layer without
+its input_layernorm; the target's lm_head gives the logits. EAGLE-3: g = fc([h_low; h_mid; h_high])
+(3H -> H, no bias); the first layer normalises embed(x_t) (input_layernorm) and g (hidden_norm),
+attends over [embeds; hidden] (q/k/v take 2H), then norm + its own lm_head over a reduced draft vocab
+of N tokens with target_id = draft_id + d2t[draft_id].
+
+Canonical names used inside this module (the stacks' names are derived from them):
+
+    fc.weight [H, n·H]  fc.bias [H] (EAGLE-1)   layer.<HF LlamaDecoderLayer names>  layer.hidden_norm.weight
+    norm.weight [H]     lm_head.weight [N, H]   d2t [N] int64   t2d [V] bool
+
+Layouts:
+    speculators-eagle3 (vLLM)   layers.0.*, fc, norm, lm_head, d2t, t2d; config.json `speculators_config`,
+                                `transformer_layer_config`, explicit norm_before_residual
+    eagle3-midlayer (SGLang LlamaForCausalLMEagle3, TensorRT-LLM Eagle3)   midlayer.*, fc, norm, lm_head, d2t
+    vllm-eagle1                 layers.0.* (no input_layernorm), fc.weight only: vLLM builds fc WITHOUT a
+                                bias and drops an fc.bias silently, so a non-zero bias is refused
+    eagle1                      layers.0.*, fc.weight + fc.bias (SGLang LlamaForCausalLMEagle, TensorRT-LLM):
+                                nn.Linear with bias, a missing bias would stay at random init
+
+Aux hidden-state layer ids (EAGLE-3). draftsmith (targets/capture.py): id i = OUTPUT of decoder layer i
+(pre-final-norm). vLLM (models/llama.py: `if idx in aux_hidden_state_layers: append(hidden_states +
+residual)` BEFORE running layer idx) and speculators capture the residual stream ENTERING layer id, so
+vLLM id = draftsmith id + 1. SGLang (`layers_to_capture = [val + 1 for val in layer_ids]`, then the same
+capture-before-layer) and TensorRT-LLM (capture after layer id) take output-of-layer ids: SGLang id =
+TensorRT-LLM id = draftsmith id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith import artifact
+from draftsmith.errors import ArtifactError, ConfigError
+from draftsmith.export.common import dtype_name, state_dtype
+from draftsmith.export.verify import (
+    Spec,
+    check,
+    compare,
+    read_header,
+    VerificationError,
+    read_tensors,
+    register_verifier,
+    st_dtype,
+    vocab_map_problems,
+)
+from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.capture import default_eagle3_layers, resolve_layers
+
+SPECULATORS = "speculators-eagle3"
+MIDLAYER = "eagle3-midlayer"
+VLLM_EAGLE1 = "vllm-eagle1"
+EAGLE1 = "eagle1"
+
+LAYER_PREFIXES = ("midlayer.", "layers.0.", "layer.", "decoder.", "decoder_layer.", "block.")
+LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "max_position_embeddings", "hidden_act", "rope_theta", "rope_parameters",
+                "rope_scaling", "attention_bias", "mlp_bias")
+AUX_KEYS = ("aux_layers", "layers", "target_layers", "layer_ids", "feature_layers", "eagle_aux_hidden_state_layer_ids")
+
+
+# --- draftsmith artifact -> canonical --------------------------------------------------------------
+def canonical_name(name: str) -> str | None:
+    """Map an artifact tensor name to the canonical one (None: not exported, e.g. a frozen embedding copy)."""
+    name = name.removeprefix("model.").removeprefix("eagle.")
+    if "embed_tokens" in name:
+        return None
+    for p in LAYER_PREFIXES:
+        if name.startswith(p):
+            return "layer." + name[len(p):]
+    if name.startswith(("fc.", "norm.", "lm_head.")) or name in ("d2t", "t2d"):
+        return name
+    return "?" + name  # unknown: reported by the spec check rather than dropped
+
+
+def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict[str, torch.Tensor], dict[str, str]]:
+    """(manifest, canonical config, canonical state, {canonical name: artifact name})."""
+    path = Path(path)
+    manifest, raw = artifact.load_artifact(path, kind="eagle", target=target)
+    acfg = read_json(path / "config.json") if (path / "config.json").is_file() else {}
+    state, names = {}, {}
+    for k, v in raw.items():
+        c = canonical_name(k)
+        if c is not None:
+            state[c], names[c] = v, k
+    tcfg = target.text_config.to_dict() if target is not None else {}
+    src = {**tcfg, **{k: v for k, v in acfg.items() if v is not None}}
+    cfg = {k: src[k] for k in LAYER_FIELDS if src.get(k) is not None}
+    H = state["fc.weight"].shape[0]
+    cfg["hidden_size"] = H
+    cfg.setdefault("head_dim", H // cfg["num_attention_heads"])
+    fin = state["fc.weight"].shape[1]
+    version = int(acfg.get("version") or acfg.get("eagle_version") or (1 if fin == 2 * H else 3))
+    cfg["version"] = version
+    cfg["vocab_size"] = manifest["target"]["vocab_size"]
+    if version == 3:
+        if "lm_head.weight" not in state:
+            raise ArtifactError(f"{path}: an EAGLE-3 artifact needs its own lm_head.weight")
+        cfg["draft_vocab_size"] = int(state["lm_head.weight"].shape[0])
+        n_layers = (manifest["target"].get("architecture") or {}).get("num_hidden_layers") or (
+            target.num_layers if target is not None else None)
+        aux = next((acfg[k] for k in AUX_KEYS if acfg.get(k)), None)
+        if aux is None:
+            if n_layers is None:
+                raise ConfigError(f"{path}: config.json names no aux layers and the target depth is unknown")
+            aux = default_eagle3_layers(n_layers)
+        cfg["aux_layers"] = resolve_layers(list(aux), n_layers) if n_layers else list(aux)
+        if fin != len(cfg["aux_layers"]) * H:
+            raise ArtifactError(f"{path}: fc takes {fin} features but {len(cfg['aux_layers'])} aux layers of {H}")
+        cfg["norm_before_residual"] = bool(acfg.get("norm_before_residual", False))
+    return manifest, cfg, state, names
+
+
+# --- canonical -> layouts ----------------------------------------------------------------------------
+def aux_ids(cfg: dict, stack: str) -> list[int]:
+    """The aux layer ids in `stack`'s convention (see module docstring)."""
+    return [i + 1 for i in cfg["aux_layers"]] if stack == "vllm" else list(cfg["aux_layers"])
+
+
+def _llama_fields(cfg: dict, dtype: torch.dtype) -> dict:
+    out = {k: cfg[k] for k in LAYER_FIELDS if k in cfg}
+    out.update(model_type="llama", num_hidden_layers=1, vocab_size=cfg["vocab_size"], tie_word_embeddings=False,
+               torch_dtype=dtype_name(dtype))
+    return out
+
+
+def layout_state(fmt: str, cfg: dict, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    prefix = "midlayer." if fmt == MIDLAYER else "layers.0."
+    out = {}
+    for k, v in state.items():
+        if k.startswith("layer."):
+            out[prefix + k[len("layer."):]] = v
+        elif k in ("d2t", "t2d") and cfg.get("draft_vocab_size") == cfg["vocab_size"]:
+            continue  # full vocabulary: no maps (speculators registers none, the stacks skip them)
+        else:
+            out[k] = v
+    if fmt == VLLM_EAGLE1:
+        bias = out.pop("fc.bias", None)
+        if bias is not None and bool(bias.abs().max() > 0):
+            raise ConfigError("vLLM's EAGLE-1 builds fc without a bias and would silently drop this head's "
+                              "non-zero fc.bias: export for sglang/trtllm, or train with a bias-free fc")
+    if fmt == EAGLE1 and "fc.bias" not in out:
+        out["fc.bias"] = torch.zeros(cfg["hidden_size"], dtype=state["fc.weight"].dtype)
+    if fmt in (VLLM_EAGLE1, EAGLE1):
+        out.pop("layers.0.input_layernorm.weight", None)  # EAGLE-1 skips the first layer's input norm
+    return out
+
+
+def layout_config(fmt: str, cfg: dict, dtype: torch.dtype, target_folder: str, target_arch: list[str],
+                  k: int) -> dict:
+    base = _llama_fields(cfg, dtype)
+    if fmt == SPECULATORS:
+        from draftsmith import __version__
+
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.9.0",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": target_folder, "architectures": target_arch},
+            },
+            "transformer_layer_config": {k2: v for k2, v in base.items() if k2 != "torch_dtype"},
+            "draft_vocab_size": cfg["draft_vocab_size"],
+            "norm_before_residual": bool(cfg["norm_before_residual"]),  # explicit: vLLM defaults it differently
+            "target_hidden_size": cfg["hidden_size"],
+            "eagle_aux_hidden_state_layer_ids": aux_ids(cfg, "vllm"),
+            "torch_dtype": dtype_name(dtype),
+            "draftsmith_version": __version__,
+        }
+    if fmt == MIDLAYER:
+        return {**base, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg["draft_vocab_size"],
+                "target_hidden_size": cfg["hidden_size"], "norm_before_residual": bool(cfg["norm_before_residual"]),
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids(cfg, "sglang"),
+                                 "use_aux_hidden_state": True}}
+    arch = "EagleLlamaForCausalLM" if fmt == VLLM_EAGLE1 else "LlamaForCausalLMEagle"
+    return {**base, "architectures": [arch]}
+
+
+def write_layout(tmp: Path, fmt: str, cfg: dict, state: dict[str, torch.Tensor], target_folder: str,
+                 target_arch: list[str], k: int) -> dict:
+    tensors = layout_state(fmt, cfg, state)
+    config = layout_config(fmt, cfg, state_dtype(state), target_folder, target_arch, k)
+    save_file(artifact.contiguous_state(tensors), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    atomic_write_json(tmp / "config.json", config)
+    return config
+
+
+# --- specs -------------------------------------------------------------------------------------------
+def _layer_spec(prefix: str, c: dict, dt: str, first_in: int, eagle3: bool) -> Spec:
+    H, I = c["hidden_size"], c["intermediate_size"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or H // nh
+    spec = {
+        f"{prefix}self_attn.q_proj.weight": ((nh * hd, first_in), dt),
+        f"{prefix}self_attn.k_proj.weight": ((nkv * hd, first_in), dt),
+        f"{prefix}self_attn.v_proj.weight": ((nkv * hd, first_in), dt),
+        f"{prefix}self_attn.o_proj.weight": ((H, nh * hd), dt),
+        f"{prefix}mlp.gate_proj.weight": ((I, H), dt),
+        f"{prefix}mlp.up_proj.weight": ((I, H), dt),
+        f"{prefix}mlp.down_proj.weight": ((H, I), dt),
+        f"{prefix}post_attention_layernorm.weight": ((H,), dt),
+    }
+    if eagle3:
+        spec[f"{prefix}input_layernorm.weight"] = ((H,), dt)
+        spec[f"{prefix}hidden_norm.weight"] = ((H,), dt)
+    return spec
+
+
+def expected_tensors(fmt: str, config: dict) -> Spec:
+    """The tensors each stack's loader asks for, derived from the config.json written."""
+    c = config["transformer_layer_config"] if fmt == SPECULATORS else config
+    dt = st_dtype(getattr(torch, config.get("torch_dtype", "float32")))
+    H, V = c["hidden_size"], c["vocab_size"]
+    if fmt in (SPECULATORS, MIDLAYER):
+        n_aux = len(config["eagle_aux_hidden_state_layer_ids"] if fmt == SPECULATORS
+                    else config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        N = config["draft_vocab_size"]
+        th = config.get("target_hidden_size") or H
+        prefix = "layers.0." if fmt == SPECULATORS else "midlayer."
+        spec = _layer_spec(prefix, c, dt, 2 * H, eagle3=True)
+        spec.update({"fc.weight": ((H, n_aux * th), dt), "norm.weight": ((H,), dt), "lm_head.weight": ((N, H), dt)})
+        if N != V:
+            spec.update({"d2t": ((N,), "I64"), "t2d": ((V,), "BOOL")})
+        return spec
+    spec = _layer_spec("layers.0.", c, dt, H, eagle3=False)
+    spec["fc.weight"] = ((H, 2 * H), dt)
+    if fmt == EAGLE1:
+        spec["fc.bias"] = ((H,), dt)
+    return spec
+
+
+def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None) -> list[str]:
+    config = read_json(out / "config.json")
+    problems = []
+    c = config.get("transformer_layer_config", config)
+    if expect_vocab is not None and c.get("vocab_size") != expect_vocab:
+        problems.append(f"config vocab_size {c.get('vocab_size')} != target vocab_size {expect_vocab}")
+    if fmt == SPECULATORS:
+        for key in ("speculators_config", "norm_before_residual", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"):
+            if key not in config:
+                problems.append(f"config lacks {key}")
+    if fmt == MIDLAYER:
+        for key in ("draft_vocab_size", "torch_dtype", "eagle_config"):
+            if key not in config:
+                problems.append(f"config lacks {key}")
+        if config.get("tie_word_embeddings") is not False:
+            problems.append("config must set tie_word_embeddings: false (the head has its own lm_head)")
+    check(out, problems)
+    spec = expected_tensors(fmt, config)
+    problems += compare(read_header(out / "model.safetensors"), spec)
+    checks = [f"{len(spec)} tensors match the {fmt} spec (names, shapes, dtype); no unexpected names"]
+    if "d2t" in spec:
+        t = read_tensors(out / "model.safetensors", ["d2t", "t2d"]) if not problems else {}
+        if t:
+            problems += vocab_map_problems(t["d2t"], t["t2d"], spec["t2d"][0][0], spec["d2t"][0][0])
+            checks.append(f"d2t/t2d consistent: nonzero(t2d) == arange({spec['d2t'][0][0]}) + d2t")
+    check(out, problems)
+    return checks
+
+
+# --- back into draftsmith -----------------------------------------------------------------------------
+def read_layout(out: str | Path, names: dict[str, str] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A speculators / midlayer / EAGLE-1 folder -> (config, state under the artifact's own names when
+    `names` (canonical -> artifact, recorded in draftsmith.json) is given, else canonical names)."""
+    out = Path(out)
+    config = read_json(out / "config.json")
+    tensors = read_tensors(out / "model.safetensors")
+    state = {}
+    for k, v in tensors.items():
+        c = canonical_name(k)
+        if c is None:
+            continue
+        state[(names or {}).get(c, c)] = v
+    if config.get("speculators_model_type") == "eagle3":
+        tl = config["transformer_layer_config"]
+        cfg = {k: tl[k] for k in LAYER_FIELDS if k in tl}
+        cfg.update(version=3, draft_vocab_size=config["draft_vocab_size"], vocab_size=tl["vocab_size"],
+                   aux_layers=[i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]],
+                   norm_before_residual=config["norm_before_residual"])
+    elif "eagle_config" in config:
+        cfg = {k: config[k] for k in LAYER_FIELDS if k in config}
+        cfg.update(version=3, draft_vocab_size=config["draft_vocab_size"], vocab_size=config["vocab_size"],
+                   aux_layers=list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+                   norm_before_residual=bool(config.get("norm_before_residual", False)))
+    else:
+        cfg = {k: config[k] for k in LAYER_FIELDS if k in config}
+        cfg.update(version=1, vocab_size=config["vocab_size"])
+    return cfg, state
+
+
+# --- verifiers ---------------------------------------------------------------------------------------
+def _guard_vocab(out: Path) -> int | None:
+    return read_json(out / "draftsmith.json")["target"].get("vocab_size")
+
+
+def _make_verifier(fmt: str):
+    def verify(out, target=None) -> list[str]:
+        out = Path(out)
+        checks = verify_layout(out, fmt, _guard_vocab(out))
+        if fmt == SPECULATORS and target is not None:
+            msg = speculators_check(out, target)
+            if msg:
+                checks.append(msg)
+        return checks
+    return register_verifier(fmt)(verify)
+
+
+for _fmt in (SPECULATORS, MIDLAYER, VLLM_EAGLE1, EAGLE1):
+    _make_verifier(_fmt)
+
+
+def speculators_check(out: Path, target) -> str | None:
+    """The real consumer of the vLLM EAGLE-3 format: speculators loads the folder and runs a forward pass.
+
+    Returns None when speculators is not installed (an optional dependency)."""
+    try:
+        from speculators import SpeculatorModel  # noqa: F401
+        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    except ImportError:
+        return None
+    config = Eagle3SpeculatorConfig.from_pretrained(str(out))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention does not run on CPU
+    model = Eagle3DraftModel.from_pretrained(str(out), config=config).eval()
+    model.load_verifier_weights()  # embed_tokens from the verifier folder (not stored in the export)
+    written = read_tensors(out / "model.safetensors")
+    sd = model.state_dict()
+    for name, t in written.items():
+        if name not in sd:
+            raise VerificationError(f"{out}: speculators has no parameter for '{name}'")
+        if not torch.equal(sd[name].to(t.dtype).cpu(), t):
+            raise VerificationError(f"{out}: speculators loaded '{name}' with different values")
+    H = config.transformer_layer_config.hidden_size
+    n_aux = len(config.eagle_aux_hidden_state_layer_ids)
+    T = 6
+    ids = torch.randint(0, config.transformer_layer_config.vocab_size, (1, T))
+    with torch.no_grad():
+        drafts = model(hidden_states=torch.randn(1, T, n_aux * H), input_ids=ids,
+                       document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=2)
+    if len(drafts) != 2 or drafts[0].shape != (1, T):
+        raise VerificationError(f"{out}: speculators forward returned unexpected draft shapes")
+    return f"speculators Eagle3DraftModel.from_pretrained loaded all {len(written)} tensors bit-exact; forward ran"

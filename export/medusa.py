@@ -1,0 +1,202 @@
+"""Medusa heads in the two layouts the serving stacks read, and the reader back into a draftsmith artifact.
+
+draftsmith (heads/medusa.py):   heads.{h}.blocks.{l}.linear.weight [H, H], .bias [H]
+                                heads.{h}.lm_head.weight [V, H]   (absent with share_lm_head)
+vLLM (`model_type: medusa`, models/medusa.py + transformers_utils/configs/medusa.py):
+                                blocks.{h}.layers.{l}.weight/.bias   (bias read only when medusa_fc_bias)
+                                lm_heads.{h}.weight
+                                config: num_heads, num_hidden_layers, hidden_size, vocab_size,
+                                truncated_vocab_size (= vocab_size: no token_map), medusa_fc_bias
+FasterDecoding / TensorRT-LLM (`medusa_lm_head.safetensors`; head h is an nn.Sequential of L ResBlocks
+then the Linear projection):    {h}.{l}.linear.weight/.bias, {h}.{L}.weight
+                                config: medusa_num_heads, medusa_num_layers, hidden_size, vocab_size
+
+Both compute the same function as draftsmith (Cai et al. 2024, eq. 1): head_h(x) = W_h · ResBlocks(x),
+ResBlock(x) = x + SiLU(A x + b). With share_lm_head the target's lm_head is written into every head,
+since neither layout can point at the target's weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith import artifact
+from draftsmith.errors import ArtifactError, ConfigError
+from draftsmith.export.common import dtype_name, state_dtype
+from draftsmith.export.verify import (
+    Spec,
+    check,
+    compare,
+    read_header,
+    read_tensors,
+    register_verifier,
+    st_dtype,
+)
+from draftsmith.storage import atomic_write_json, read_json
+
+VLLM_FORMAT = "vllm-medusa"
+MEDUSA_FORMAT = "medusa-lm-head"  # FasterDecoding layout, read by TensorRT-LLM and Medusa's own HF model
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+
+
+def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict[str, torch.Tensor], list | None]:
+    """(manifest, config, state with an lm_head in every head, tree rank paths or None)."""
+    path = Path(path)
+    manifest, state = artifact.load_artifact(path, kind="medusa", target=target)
+    cfg = read_json(path / "config.json")
+    if cfg.get("share_lm_head"):
+        if target is None:
+            raise ConfigError(f"{path}: these Medusa heads share the target's lm_head; give --target to export them")
+        w = target.model.lm_head.weight.detach().to("cpu", state_dtype(state))
+        for h in range(cfg["num_heads"]):
+            state[f"heads.{h}.lm_head.weight"] = w
+    tree = read_json(path / "tree.json")["paths"] if (path / "tree.json").is_file() else None
+    return manifest, cfg, state, tree
+
+
+def to_vllm(cfg: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    K, L = cfg["num_heads"], cfg["num_layers"]
+    out = {}
+    for h in range(K):
+        for ell in range(L):
+            out[f"blocks.{h}.layers.{ell}.weight"] = state[f"heads.{h}.blocks.{ell}.linear.weight"]
+            out[f"blocks.{h}.layers.{ell}.bias"] = state[f"heads.{h}.blocks.{ell}.linear.bias"]
+        out[f"lm_heads.{h}.weight"] = state[f"heads.{h}.lm_head.weight"]
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+        "truncated_vocab_size": cfg["vocab_size"],
+        "num_heads": K,
+        "num_hidden_layers": L,
+        "medusa_fc_bias": True,  # draftsmith's ResBlocks have a bias; without this vLLM builds bias-free layers
+        "original_lm_head": False,
+        "torch_dtype": dtype_name(state_dtype(state)),
+    }
+    return config, out
+
+
+def to_medusa_lm_head(cfg: dict, state: dict[str, torch.Tensor], base: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    K, L = cfg["num_heads"], cfg["num_layers"]
+    out = {}
+    for h in range(K):
+        for ell in range(L):
+            out[f"{h}.{ell}.linear.weight"] = state[f"heads.{h}.blocks.{ell}.linear.weight"]
+            out[f"{h}.{ell}.linear.bias"] = state[f"heads.{h}.blocks.{ell}.linear.bias"]
+        out[f"{h}.{L}.weight"] = state[f"heads.{h}.lm_head.weight"]
+    config = {
+        "medusa_num_heads": K,
+        "medusa_num_layers": L,
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+        "base_model_name_or_path": base,
+        "torch_dtype": dtype_name(state_dtype(state)),
+    }
+    return config, out
+
+
+def write_layout(tmp: Path, fmt: str, cfg: dict, state: dict[str, torch.Tensor], base: str) -> dict:
+    if fmt == VLLM_FORMAT:
+        config, tensors = to_vllm(cfg, state)
+        weights = "model.safetensors"
+    else:
+        config, tensors = to_medusa_lm_head(cfg, state, base)
+        weights = MEDUSA_WEIGHTS
+    save_file(artifact.contiguous_state(tensors), str(tmp / weights), metadata={"format": "pt"})
+    atomic_write_json(tmp / "config.json", config)
+    return config
+
+
+# --- specs ---------------------------------------------------------------------------------------------
+def expected_tensors(fmt: str, config: dict) -> Spec:
+    dt = st_dtype(getattr(torch, config.get("torch_dtype", "float32")))
+    H, V = config["hidden_size"], config["vocab_size"]
+    spec: Spec = {}
+    if fmt == VLLM_FORMAT:
+        K, L = config["num_heads"], config["num_hidden_layers"]
+        for h in range(K):
+            for ell in range(L):
+                spec[f"blocks.{h}.layers.{ell}.weight"] = ((H, H), dt)
+                if config.get("medusa_fc_bias"):
+                    spec[f"blocks.{h}.layers.{ell}.bias"] = ((H,), dt)
+            spec[f"lm_heads.{h}.weight"] = ((config.get("truncated_vocab_size") or V, H), dt)
+    else:
+        K, L = config["medusa_num_heads"], config["medusa_num_layers"]
+        for h in range(K):
+            for ell in range(L):
+                spec[f"{h}.{ell}.linear.weight"] = ((H, H), dt)
+                spec[f"{h}.{ell}.linear.bias"] = ((H,), dt)
+            spec[f"{h}.{L}.weight"] = ((V, H), dt)
+    return spec
+
+
+def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None) -> list[str]:
+    config = read_json(out / "config.json")
+    weights = out / ("model.safetensors" if fmt == VLLM_FORMAT else MEDUSA_WEIGHTS)
+    problems = []
+    if fmt == VLLM_FORMAT:
+        if config.get("model_type") != "medusa":
+            problems.append(f"config model_type is {config.get('model_type')!r}, vLLM needs 'medusa'")
+        if not config.get("medusa_fc_bias"):
+            problems.append("config lacks medusa_fc_bias: true (vLLM would build bias-free ResBlocks)")
+    else:
+        for key in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"):
+            if key not in config:
+                problems.append(f"config lacks {key}")
+        check(out, problems)
+    if expect_vocab is not None and config.get("vocab_size") != expect_vocab:
+        problems.append(f"config vocab_size {config.get('vocab_size')} != target vocab_size {expect_vocab}")
+    spec = expected_tensors(fmt, config)
+    problems += compare(read_header(weights), spec)
+    check(out, problems)
+    return [f"{len(spec)} tensors match the {fmt} spec (names, shapes, dtype); no unexpected names"]
+
+
+# --- back into draftsmith -------------------------------------------------------------------------------
+def read_layout(out: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A vLLM or FasterDecoding Medusa folder -> (draftsmith MedusaHeadsConfig dict, draftsmith state)."""
+    out = Path(out)
+    config = read_json(out / "config.json")
+    state: dict[str, torch.Tensor] = {}
+    if config.get("model_type") == "medusa":
+        K, L = config["num_heads"], config["num_hidden_layers"]
+        t = read_tensors(out / "model.safetensors")
+        for h in range(K):
+            for ell in range(L):
+                state[f"heads.{h}.blocks.{ell}.linear.weight"] = t[f"blocks.{h}.layers.{ell}.weight"]
+                bias = t.get(f"blocks.{h}.layers.{ell}.bias")
+                state[f"heads.{h}.blocks.{ell}.linear.bias"] = (
+                    bias if bias is not None else torch.zeros(config["hidden_size"], dtype=t[f"blocks.{h}.layers.{ell}.weight"].dtype))
+            state[f"heads.{h}.lm_head.weight"] = t[f"lm_heads.{h}.weight"]
+    elif "medusa_num_heads" in config:
+        K, L = config["medusa_num_heads"], config["medusa_num_layers"]
+        t = read_tensors(out / MEDUSA_WEIGHTS)
+        for h in range(K):
+            for ell in range(L):
+                state[f"heads.{h}.blocks.{ell}.linear.weight"] = t[f"{h}.{ell}.linear.weight"]
+                state[f"heads.{h}.blocks.{ell}.linear.bias"] = t[f"{h}.{ell}.linear.bias"]
+            state[f"heads.{h}.lm_head.weight"] = t[f"{h}.{L}.weight"]
+    else:
+        raise ArtifactError(f"{out}: not a vLLM or FasterDecoding Medusa folder")
+    cfg = {"hidden_size": config["hidden_size"], "vocab_size": config["vocab_size"], "num_heads": K,
+           "num_layers": L, "share_lm_head": False}
+    return cfg, state
+
+
+# --- verifiers (re-read from disk; the format is named in draftsmith.json) ------------------------------
+def _guard_vocab(out: Path) -> int | None:
+    return read_json(out / "draftsmith.json")["target"].get("vocab_size")
+
+
+@register_verifier(VLLM_FORMAT)
+def _verify_vllm(out, target=None) -> list[str]:
+    return verify_layout(Path(out), VLLM_FORMAT, _guard_vocab(Path(out)))
+
+
+@register_verifier(MEDUSA_FORMAT)
+def _verify_medusa(out, target=None) -> list[str]:
+    return verify_layout(Path(out), MEDUSA_FORMAT, _guard_vocab(Path(out)))

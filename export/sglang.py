@@ -1,0 +1,27 @@
+"""SGLang: which layout each artifact kind takes, and the `sglang.launch_server` command for it.
+
+draft -> HF folder (`STANDALONE`); eagle3 -> `LlamaForCausalLMEagle3` (`midlayer.*`, `EAGLE3`);
+eagle1 -> `LlamaForCausalLMEagle` (fc with bias, `EAGLE`). SGLang has no Medusa.
+"""
+
+from __future__ import annotations
+
+from draftsmith.export import eagle
+from draftsmith.export.common import fenced
+
+STACK = "sglang"
+FORMATS = {"eagle3": eagle.MIDLAYER, "eagle1": eagle.EAGLE1}
+UNSUPPORTED = {"medusa": "SGLang has no Medusa support; export Medusa heads for vllm, trtllm or hf"}
+
+
+def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None) -> str:
+    algo = "EAGLE3" if kind == "eagle3" else "EAGLE"
+    cmd = (f"python -m sglang.launch_server --model-path {target_ref} \\\n  --speculative-algorithm {algo} "
+           f"--speculative-draft-model-path {out} \\\n  --speculative-num-steps {k} --speculative-eagle-topk 4 "
+           f"--speculative-num-draft-tokens {2 * k + 2}")
+    text = f"{fenced(cmd)}\n"
+    if kind == "eagle3":
+        text += (f"\nAux hidden states at SGLang layer ids {eagle.aux_ids(cfg, STACK)} (config.json "
+                 f"`eagle_config.eagle_aux_hidden_state_layer_ids`; SGLang takes output-of-layer ids and adds "
+                 f"1 internally, so they equal draftsmith's; vLLM's ids are one higher).\n")
+    return text

@@ -1,0 +1,135 @@
+"""Verification of what an exporter wrote, with a loader that knows nothing of draftsmith's classes.
+
+A serving stack loads a checkpoint by tensor NAME: vLLM and SGLang skip names they do not know without a
+word, and a missing name leaves a parameter at its random init. So every export is re-read here from
+disk (the safetensors header and config.json, nothing else) and compared against a spec — a table
+`name -> (shape, dtype)` that each format derives from the config it wrote:
+
+    missing      a name the stack expects is absent
+    unexpected   a name the stack would silently drop (so the trained weight would never be used)
+    shape        a tensor has the wrong shape
+    dtype        a tensor has the wrong dtype (e.g. d2t must be int64, t2d bool)
+
+plus the reduced-vocabulary invariant of EAGLE-3 (Li et al. 2025, "EAGLE-3", §3: the draft predicts over
+the N most frequent target tokens):
+
+    d2t [N] int64, t2d [V] bool,   target_id = draft_id + d2t[draft_id],   nonzero(t2d) == arange(N) + d2t
+
+Where the real consumer runs on this machine (transformers for a draft, speculators for EAGLE-3), the
+exporter also runs it; those checks live with the exporter.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from draftsmith.errors import ArtifactError
+from draftsmith.export.common import ST_DTYPES, TORCH_TO_ST
+
+Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype name)
+
+
+class VerificationError(ArtifactError):
+    """An export does not match what its serving stack expects (message names every problem)."""
+
+
+def read_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor names, shapes and dtypes from a safetensors file's JSON header (no tensor is loaded).
+
+    Format: 8-byte little-endian header length, then a JSON object {name: {dtype, shape, data_offsets}}.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise VerificationError(f"{path}: missing")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {name: (tuple(info["shape"]), info["dtype"]) for name, info in header.items()}
+
+
+def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in (names or list(f.keys()))}
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    return TORCH_TO_ST[dtype]
+
+
+def compare(found: dict[str, tuple[tuple[int, ...], str]], expected: Spec,
+            optional: Spec | None = None) -> list[str]:
+    """Problems, one line each, naming the tensor: missing / unexpected / shape / dtype."""
+    optional = optional or {}
+    problems = []
+    for name in sorted(expected.keys() - found.keys()):
+        problems.append(f"missing tensor '{name}' (expected shape {list(expected[name][0])})")
+    for name in sorted(found.keys() - expected.keys() - optional.keys()):
+        problems.append(f"unexpected tensor '{name}' (the stack would drop it silently)")
+    for name in sorted(found.keys() & (expected.keys() | optional.keys())):
+        shape, dtype = found[name]
+        want_shape, want_dtype = expected.get(name) or optional[name]
+        if tuple(shape) != tuple(want_shape):
+            problems.append(f"tensor '{name}' has shape {list(shape)}, expected {list(want_shape)}")
+        if want_dtype and dtype != want_dtype:
+            problems.append(f"tensor '{name}' has dtype {dtype}, expected {want_dtype}")
+    return problems
+
+
+def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab: int) -> list[str]:
+    """Check the EAGLE-3 draft-vocabulary maps: nonzero(t2d) == arange(N) + d2t, t2d has N true entries."""
+    problems = []
+    if d2t.dtype != torch.int64:
+        problems.append(f"d2t has dtype {d2t.dtype}, expected int64")
+    if t2d.dtype != torch.bool:
+        problems.append(f"t2d has dtype {t2d.dtype}, expected bool")
+    if tuple(d2t.shape) != (draft_vocab,) or tuple(t2d.shape) != (vocab_size,):
+        problems.append(f"d2t/t2d shapes {list(d2t.shape)}/{list(t2d.shape)}, expected [{draft_vocab}]/[{vocab_size}]")
+        return problems
+    ids = torch.arange(draft_vocab, dtype=torch.int64) + d2t.to(torch.int64)
+    if int(t2d.sum()) != draft_vocab:
+        problems.append(f"t2d marks {int(t2d.sum())} target tokens, expected {draft_vocab} (draft_vocab_size)")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        problems.append(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
+        return problems
+    nz = torch.nonzero(t2d.bool()).flatten()
+    if nz.numel() == draft_vocab and not torch.equal(nz, ids):
+        bad = int((nz != ids).nonzero()[0])
+        problems.append(f"d2t is inconsistent with t2d: draft id {bad} maps to target {int(ids[bad])} but the "
+                        f"{bad}-th marked target token is {int(nz[bad])} (target = draft + d2t[draft])")
+    return problems
+
+
+def check(where: str | Path, problems: list[str]) -> None:
+    if problems:
+        head = f"{where}: export verification failed ({len(problems)} problem{'s' if len(problems) > 1 else ''}): "
+        raise VerificationError(head + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
+
+
+def verify_export(out: str | Path, target=None) -> list[str]:
+    """Re-verify an export directory from its draftsmith.json (format) alone. Returns the checks done."""
+    from draftsmith.export import hf, sglang, trtllm, vllm  # noqa: F401  (formats register themselves)
+    from draftsmith.export.common import read_guard
+
+    out = Path(out)
+    guard = read_guard(out)
+    fmt = guard.get("format")
+    if fmt not in VERIFIERS:
+        raise VerificationError(f"{out}: unknown export format '{fmt}'")
+    return VERIFIERS[fmt](out, target)
+
+
+VERIFIERS: dict = {}  # format name -> fn(out_dir, target|None) -> list[str]; filled by the writer modules
+
+
+def register_verifier(fmt: str):
+    def deco(fn):
+        VERIFIERS[fmt] = fn
+        return fn
+    return deco
