@@ -1,0 +1,506 @@
+"""EAGLE heads: a one-layer feature-level drafter on a frozen target (EAGLE-1 and EAGLE-3).
+
+Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty" (EAGLE-1);
+Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees" (the tree, in
+`heads/eagle_proposer.py`); Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language
+Models via Training-Time Test" (multi-layer fusion, training-time test, reduced draft vocabulary).
+
+Notation: x_0..x_{T-1} the tokens, f_t the target's features after reading x_0..x_t (layer convention of
+`targets/capture.py`: pre-norm decoder-layer outputs), e(x) the target's (frozen, shared) token embedding.
+The draft at base position t reads (feature of t, embedding of x_{t+1}) and predicts x_{t+2}:
+
+  EAGLE-1   u_t = fc([e(x_{t+1}); f_t])                    fc: 2H -> H          (f = last layer, pre-norm)
+            a_t = DecoderLayer(u)_t                        predicts the NEXT FEATURE f_{t+1}
+            logits = lm_head_target(norm_target(a_t))      the target's frozen final norm and lm_head
+            L = SmoothL1(a_t, f_{t+1}) + w_cls · CE(p_target(·|x_{≤t+1}), softmax(logits))   (EAGLE §3.2)
+
+  EAGLE-3   g_t = fc([f^low_t; f^mid_t; f^high_t])         fc: 3H -> H          (EAGLE-3 §3.2, fusion)
+            a_t = DecoderLayer3(g, e)_t                    attention input [norm_e(e(x_{t+1})); norm_h(g_t)] (2H:
+                                                           q/k/v take 2H), residual over g (or norm_h(g) with
+                                                           norm_before_residual)
+            logits = lm_head_draft(norm(a_t))              over the draft vocabulary (N << V tokens)
+            L = Σ_j 0.8^j · CE(p̃_target at step j, softmax(logits_j))     p̃ = target softmax restricted to the
+                                                                          draft vocabulary (renormalised)
+
+Training-time test (EAGLE-3 §3.3): the forward is unrolled n steps. Step 0 is the above. Step j >= 1 at base
+t feeds back the head's OWN previous output a^{j-1}_t as the feature (no fc), with the embedding of
+x_{t+1+j} (`ttt_tokens="target"`: the token verification would have accepted — the draft's later steps
+only matter when its earlier tokens were accepted, i.e. equal the target's) or of the draft's own argmax
+(`ttt_tokens="draft"`), at position id t+j, and predicts x_{t+2+j}. The attention of step j at base t sees
+
+    step-0 keys at positions s <= t  (the real context, computed from real target features)
+    the step-i key at base t, for 1 <= i <= j  (its own chain)
+
+exactly what inference sees when the committed context ends at t and the draft is j tokens deep (the
+draft's KV cache holds step-0 entries for committed positions only; chain/tree entries are scratch). The
+mask over the concatenated keys [K^0 | K^1 | ... | K^j] is therefore [causal | I | ... | I].
+
+The decoder layer is the TARGET'S OWN ARCHITECTURE (LlamaDecoderLayer, Gemma3DecoderLayer, built from the
+target's config class with layer_idx 0, full attention); for EAGLE-3 its q/k/v projections are widened to
+2H and a pre-hook on the attention concatenates the normed embedding in front of the normed feature.
+The target's embedding (and, for EAGLE-1, its final norm and lm_head) is attached by reference
+(`attach_target`): it is not a parameter, not trained, not saved. Export writers take `embed_tokens` from
+the target the manifest's fingerprint names (config.json says `"embeddings": "target"`).
+
+Draft vocabulary (EAGLE-3): the N most frequent target-written tokens (loss-masked positions) of the
+training data, sorted by target id; `d2t[d] = target_id - d` (int64) and `t2d` (bool over the target
+vocabulary) are buffers, so they live in model.safetensors. Invariant: nonzero(t2d) == arange(N) + d2t.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.errors import ConfigError
+
+# model_type -> (module, decoder layer class, rotary class, rotary layer type or None)
+ARCHITECTURES: dict[str, tuple[str, str, str, str | None]] = {
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", "LlamaRotaryEmbedding", None),
+    "gemma3_text": ("transformers.models.gemma3.modeling_gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding",
+                    "full_attention"),
+}
+
+
+@dataclass
+class EagleConfig:
+    """Shape of an EAGLE head (stored as the artifact's config.json, with the decoder layer's HF config)."""
+
+    version: Literal["eagle1", "eagle3"]
+    hidden_size: int
+    vocab_size: int  # the target's
+    target_layers: list[int]  # resolved (non-negative) feature layers: [last] for EAGLE-1, [low, mid, high]
+    draft_vocab_size: int | None = None  # EAGLE-3 only; None = the target's vocab (EAGLE-1)
+    ttt_steps: int = 1
+    ttt_tokens: Literal["target", "draft"] = "target"
+    norm_before_residual: bool = False
+    layer_config: dict = field(default_factory=dict)  # the target's text config (to_dict), model_type included
+
+    def __post_init__(self):
+        if self.version not in ("eagle1", "eagle3"):
+            raise ValueError(f"version must be eagle1 or eagle3, got {self.version!r}")
+        if self.version == "eagle3":
+            if len(self.target_layers) != 3:
+                raise ValueError(f"EAGLE-3 fuses 3 target layers, got {self.target_layers}")
+            if self.draft_vocab_size is None or not 1 <= self.draft_vocab_size <= self.vocab_size:
+                raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+        elif len(self.target_layers) != 1:
+            raise ValueError(f"EAGLE-1 reads one target layer (the last), got {self.target_layers}")
+        if not 1 <= self.ttt_steps <= 16:
+            raise ValueError(f"ttt_steps must be in 1..16, got {self.ttt_steps}")
+
+    @property
+    def eagle3(self) -> bool:
+        return self.version == "eagle3"
+
+    @property
+    def model_type(self) -> str:
+        return self.layer_config.get("model_type", "?")
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_config_dict(target_config) -> dict:
+    """The target's text config as a plain dict (what config.json stores to rebuild the decoder layer)."""
+    d = _text_config(target_config).to_dict()
+    d.pop("quantization_config", None)
+    return d
+
+
+def _hf_layer_config(layer_config: dict):
+    """Rebuild the HF config object of the draft's decoder layer (full attention, sdpa)."""
+    from transformers import AutoConfig
+
+    d = dict(layer_config)
+    model_type = d.pop("model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"EAGLE heads do not support the '{model_type}' architecture "
+                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    for k in ("architectures", "auto_map", "transformers_version", "_name_or_path"):
+        d.pop(k, None)
+    cfg = AutoConfig.for_model(model_type, **d)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def check_architecture(target_config) -> str:
+    """The model_type of a target, or a ConfigError naming an unsupported one."""
+    model_type = getattr(_text_config(target_config), "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"EAGLE heads do not support the '{model_type}' architecture "
+                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return model_type
+
+
+def final_norm(model) -> nn.Module:
+    """The target's final norm (what sits between the last decoder layer and the lm_head)."""
+    inner = getattr(model, "model", None)
+    for candidate in (inner, getattr(inner, "language_model", None)):
+        norm = getattr(candidate, "norm", None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise ConfigError(f"cannot find the final norm of {type(model).__name__}")
+
+
+class DraftKV:
+    """K/V of the draft's one layer ([B, kv_heads, S, head_dim], post-rotary). The HF attention module
+    appends through `update` (the Cache method it calls); `crop` rolls back to a length."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx=0, *args, **kwargs):
+        if self.keys is None:
+            self.keys, self.values = key_states, value_states
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[-2])
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys = self.keys[..., :length, :]
+            self.values = self.values[..., :length, :]
+
+
+def _concat_embeds(_module, args, kwargs):
+    """EAGLE-3 attention pre-hook: attention input = [norm_e(embedding); norm_h(feature)] (2H)."""
+    emb = kwargs.pop("eagle_embeds")
+    kwargs["hidden_states"] = torch.cat([emb, kwargs["hidden_states"]], dim=-1)
+    return args, kwargs
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [q, kv] or [B, q, kv] (True = may attend) -> additive float [1|B, 1, q, kv]."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None] if mask.dim() == 2 else mask[:, None]
+
+
+def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """bool [T, (step+1)·T]: step `step`'s queries over the keys [K^0 | K^1 | ... | K^step] (module docstring)."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+@dataclass
+class EagleOutput:
+    hidden: list[torch.Tensor]  # per TTT step: [B, T, H] output features a^j
+    logits: list[torch.Tensor | None]  # per step: logits at the selected positions [n_j, V'] (None if not asked)
+    tokens: list[torch.Tensor]  # per step: the token ids whose embedding step j read [B, T]
+
+
+class EagleHead(nn.Module):
+    """The EAGLE drafter (one decoder layer of the target's architecture). See the module docstring."""
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        self.config = config
+        lc = _hf_layer_config(config.layer_config)
+        mod_name, layer_cls, rotary_cls, self._rope_type = ARCHITECTURES[config.model_type]
+        module = importlib.import_module(mod_name)
+        H = config.hidden_size
+        self.layer = getattr(module, layer_cls)(lc, layer_idx=0)
+        norm_cls = type(self.layer.input_layernorm)
+        eps = lc.rms_norm_eps
+        if config.eagle3:
+            self.fc = nn.Linear(len(config.target_layers) * H, H, bias=False)
+            attn = self.layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding; feature]
+                old = getattr(attn, name)
+                setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
+            attn.register_forward_pre_hook(_concat_embeds, with_kwargs=True)
+            self.embed_norm = norm_cls(H, eps=eps)
+            if config.norm_before_residual:
+                # the residual stream starts from the NORMED feature: norm once, outside the layer
+                self.hidden_norm = norm_cls(H, eps=eps)
+                self.layer.input_layernorm = nn.Identity()
+            self.norm = norm_cls(H, eps=eps)
+            self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.fc = nn.Linear(2 * H, H, bias=True)
+        self.rotary = getattr(module, rotary_cls)(lc)  # buffers are non-persistent: not in the artifact
+        # frozen target modules, by reference (outside the module tree: not trained, saved or DDP-synced)
+        object.__setattr__(self, "_embed", None)
+        object.__setattr__(self, "_target_norm", None)
+        object.__setattr__(self, "_target_head", None)
+
+    # --- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target_model, version: str = "eagle3", target_layers: list[int] | None = None,
+                    draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None, ttt_steps: int | None = None,
+                    ttt_tokens: str = "target", norm_before_residual: bool = False) -> EagleHead:
+        """A fresh head shaped for `target_model` (an HF causal LM), target modules attached.
+
+        EAGLE-3 needs `draft_vocab = (d2t, t2d)` (see `build_draft_vocab`); its lm_head and final norm start
+        as copies of the target's rows / norm, so the draft starts out reading features like the target does.
+        """
+        from draftsmith.targets.capture import decoder_layers, default_eagle3_layers, resolve_layers
+
+        check_architecture(target_model.config)
+        tc = _text_config(target_model.config)
+        L = len(decoder_layers(target_model))
+        if version == "eagle3":
+            layers = resolve_layers(list(target_layers or default_eagle3_layers(L)), L)
+        else:
+            layers = resolve_layers(list(target_layers or [-1]), L)
+        d2t, t2d = draft_vocab if draft_vocab is not None else (None, None)
+        config = EagleConfig(
+            version=version, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target_layers=layers,
+            draft_vocab_size=int(d2t.numel()) if (version == "eagle3" and d2t is not None) else None,
+            ttt_steps=ttt_steps or (7 if version == "eagle3" else 1), ttt_tokens=ttt_tokens,
+            norm_before_residual=norm_before_residual, layer_config=layer_config_dict(target_model.config),
+        )
+        head = cls(config)
+        if version == "eagle3":
+            head.set_draft_vocab(d2t, t2d)
+            with torch.no_grad():
+                w = target_model.get_output_embeddings().weight
+                head.lm_head.weight.copy_(w[t2d.to(w.device)].to(head.lm_head.weight))
+                tn = final_norm(target_model)
+                if type(tn) is type(head.norm):
+                    head.norm.load_state_dict(tn.state_dict())
+        head.attach_target(target_model)
+        return head
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        check_draft_vocab(d2t, t2d)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def attach_target(self, target_model) -> None:
+        """Keep references to the target's frozen embedding (and EAGLE-1: final norm, lm_head)."""
+        object.__setattr__(self, "_embed", target_model.get_input_embeddings())
+        if not self.config.eagle3:
+            object.__setattr__(self, "_target_norm", final_norm(target_model))
+            object.__setattr__(self, "_target_head", target_model.get_output_embeddings())
+
+    # --- pieces -----------------------------------------------------------------------------------
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._embed is None:
+            raise ConfigError("this EAGLE head has no target embedding: call attach_target(target_model) first")
+        with torch.no_grad():
+            return self._embed(ids).to(self._dtype)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Step-0 feature from the target's: EAGLE-3 fc over [low; mid; high] (3H -> H); EAGLE-1 f itself."""
+        return self.fc(features.to(self._dtype)) if self.config.eagle3 else features.to(self._dtype)
+
+    def layer_step(self, feature: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, kv: DraftKV,
+                   allowed: torch.Tensor) -> torch.Tensor:
+        """One application of the draft layer to q new entries.
+
+        feature, emb: [B, q, H]; positions: [1|B, q] position ids; kv: the keys/values so far (the new
+        ones are appended); allowed: bool [q, len(kv)+q] or [B, q, len(kv)+q]. Returns a [B, q, H].
+        """
+        if self.config.eagle3:
+            x = self.hidden_norm(feature) if self.config.norm_before_residual else feature
+            extra = {"eagle_embeds": self.embed_norm(emb)}
+        else:
+            x = self.fc(torch.cat([emb, feature], dim=-1))  # EAGLE-1: fc([e(x_{t+1}); f_t])
+            extra = {}
+        pe = self.rotary(x, positions) if self._rope_type is None else self.rotary(x, positions, self._rope_type)
+        out = self.layer(hidden_states=x, attention_mask=additive_mask(allowed, x.dtype), position_ids=positions,
+                         past_key_values=kv, position_embeddings=pe, **extra)
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[.., H] -> [.., N] draft-vocab logits (EAGLE-3) or [.., V] via the target's frozen head (EAGLE-1)."""
+        if self.config.eagle3:
+            return self.lm_head(self.norm(hidden))
+        if self._target_head is None:
+            raise ConfigError("EAGLE-1 head has no target lm_head: call attach_target(target_model) first")
+        w = self._target_head.weight
+        return F.linear(self._target_norm(hidden.to(w.dtype)), w)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids (target_id = d + d2t[d]); identity for EAGLE-1."""
+        return draft_ids + self.d2t[draft_ids] if self.config.eagle3 else draft_ids
+
+    @torch.no_grad()
+    def argmax_target_ids(self, hidden: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+        """Target ids of the draft's argmax at every position of hidden [B, T, H] (chunked, no grad)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = torch.cat([self.logits(flat[i:i + chunk]).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+        return self.to_target_ids(out).view(hidden.shape[:-1])
+
+    # --- training-time test -----------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int | None = None,
+                select: list[torch.Tensor] | None = None) -> EagleOutput:
+        """TTT-unrolled forward over a right-padded batch.
+
+        input_ids: [B, T]; features: [B, T, F] (EAGLE-3: the 3 layers concatenated, F = 3H; EAGLE-1: the last
+        layer, F = H). select: per step a bool [B, T] of positions whose logits to return (the loss
+        positions; logits over [B, T, V] for every step would not fit in memory). Returns per step the
+        output features a^j [B, T, H], the selected logits and the token ids each step read.
+        """
+        steps = steps or self.config.ttt_steps
+        B, T = input_ids.shape
+        device = input_ids.device
+        kv = DraftKV()
+        feat = self.fuse(features)
+        base = torch.arange(T, device=device)[None]
+        hidden, logits, tokens = [], [], []
+        for j in range(steps):
+            if j == 0 or self.config.ttt_tokens == "target":
+                tok = shift_left(input_ids, 1 + j)  # x_{t+1+j}
+            else:  # the draft's own previous token (greedy), as at inference
+                tok = self.argmax_target_ids(hidden[-1])
+            h = self.layer_step(feat, self.embed(tok), base + j, kv, ttt_mask(T, j, device))
+            hidden.append(h)
+            tokens.append(tok)
+            logits.append(self.logits(h[select[j]]) if select is not None else None)
+            feat = h  # step j+1 reads this step's output feature
+        return EagleOutput(hidden, logits, tokens)
+
+
+def shift_left(x: torch.Tensor, k: int, fill: int | float = 0) -> torch.Tensor:
+    """x[:, t + k] at t (fill beyond the end). x: [B, T, ...]."""
+    if k == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if k < x.shape[1]:
+        out[:, : x.shape[1] - k] = x[:, k:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Draft vocabulary
+# ---------------------------------------------------------------------------------------------------
+
+
+def token_counts(rows, vocab_size: int) -> torch.Tensor:
+    """[V] int64: how often each token is TARGET-WRITTEN (loss_mask = 1) in `rows` (dicts with
+    input_ids, loss_mask)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in rows:
+        ids = torch.as_tensor(list(r["input_ids"]), dtype=torch.long)
+        mask = torch.as_tensor(list(r["loss_mask"]), dtype=torch.bool)[: ids.numel()]
+        counts += torch.bincount(ids[: mask.numel()][mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`size` tokens by count (ties and unseen tokens: lowest id first), sorted by target id.
+
+    Returns d2t [size] int64 (target_id = draft_id + d2t[draft_id]) and t2d [V] bool.
+    """
+    V = counts.numel()
+    if not 1 <= size <= V:
+        raise ConfigError(f"draft vocabulary size must be in 1..{V}, got {size}")
+    # stable sort on -count keeps ascending ids among equal counts
+    order = torch.sort(-counts.long(), stable=True).indices[:size]
+    chosen = torch.sort(order).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[chosen] = True
+    d2t = chosen - torch.arange(size)
+    return d2t, t2d
+
+
+def check_draft_vocab(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """The invariant nonzero(t2d) == arange(N) + d2t (draft ids are target ids in ascending order)."""
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    nz = torch.nonzero(t2d).flatten().to(d2t.device)
+    if d2t.dtype != torch.long or t2d.dtype != torch.bool or nz.numel() != d2t.numel() or not torch.equal(nz, ids):
+        raise ConfigError("draft vocabulary is inconsistent: nonzero(t2d) must equal arange(N) + d2t")
+
+
+def vocab_coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
+    total = int(counts.sum())
+    return float(counts[t2d].sum()) / total if total else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Losses (pure functions over the selected positions of each TTT step)
+# ---------------------------------------------------------------------------------------------------
+
+
+def step_weights(steps: int, decay: float) -> list[float]:
+    """EAGLE-3 weighs TTT step j by decay**j (later steps are harder and matter only after earlier accepts)."""
+    return [decay**j for j in range(steps)]
+
+
+def soft_ce(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -Σ_v softmax(teacher)_v · log softmax(student)_v. Both [n, V']."""
+    p = F.softmax(teacher_logits.float(), dim=-1)
+    return -(p * F.log_softmax(student_logits.float(), dim=-1)).sum(-1).mean()
+
+
+def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_ids: list[torch.Tensor],
+                d2t: torch.Tensor, weights: list[float]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_j w_j · soft-CE(p̃_target, draft) over the selected positions of step j.
+
+    logits[j]: [n_j, N] draft logits; teacher[j]: [n_j, N] the target's logits restricted to the draft
+    vocabulary (softmax renormalises over it); target_ids[j]: [n_j] the target's argmax over its FULL
+    vocabulary (step{j}/acc = the draft's argmax mapped through d2t equals it: a miss when the target's
+    token is outside the draft vocabulary — an honest acceptance proxy).
+    """
+    total = None
+    metrics: dict[str, float] = {}
+    for j, (lg, te, ti) in enumerate(zip(logits, teacher, target_ids)):
+        if lg.shape[0] == 0:
+            metrics[f"step{j}/loss"], metrics[f"step{j}/acc"] = 0.0, 0.0
+            loss_j = lg.sum() * 0.0
+        else:
+            loss_j = soft_ce(lg, te)
+            with torch.no_grad():
+                pred = lg.argmax(-1)
+                acc = (pred + d2t[pred] == ti).float().mean()
+            metrics[f"step{j}/loss"], metrics[f"step{j}/acc"] = float(loss_j.detach()), float(acc)
+        total = weights[j] * loss_j if total is None else total + weights[j] * loss_j
+    return total, metrics
+
+
+def eagle1_loss(pred_features: list[torch.Tensor], target_features: list[torch.Tensor], logits: list[torch.Tensor],
+                teacher: list[torch.Tensor], weights: list[float], w_cls: float = 0.1
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_j w_j · (SmoothL1(a^j, f_{t+1+j}) + w_cls · soft-CE(p_target, draft))   (EAGLE §3.2: w_cls = 0.1).
+
+    pred_features/target_features: [n_j, H]; logits/teacher: [n_j, V] (both through the target's final
+    norm and lm_head). step{j}/acc = draft argmax equals the target's argmax.
+    """
+    total = None
+    metrics: dict[str, float] = {}
+    for j, (pf, tf, lg, te) in enumerate(zip(pred_features, target_features, logits, teacher)):
+        if pf.shape[0] == 0:
+            loss_j = pf.sum() * 0.0
+            metrics.update({f"step{j}/reg": 0.0, f"step{j}/ce": 0.0, f"step{j}/acc": 0.0})
+        else:
+            reg = F.smooth_l1_loss(pf.float(), tf.float())
+            ce = soft_ce(lg, te)
+            loss_j = reg + w_cls * ce
+            with torch.no_grad():
+                acc = (lg.argmax(-1) == te.argmax(-1)).float().mean()
+            metrics.update({f"step{j}/reg": float(reg.detach()), f"step{j}/ce": float(ce.detach()),
+                            f"step{j}/acc": float(acc)})
+        total = weights[j] * loss_j if total is None else total + weights[j] * loss_j
+    return total, metrics
+
+
+def build_proposer(target, path: str, **opts):
+    """Decoder registry hook: `eagle:PATH` -> an EagleProposer for `target` (fingerprint checked)."""
+    from draftsmith.heads.eagle_job import load_eagle
+    from draftsmith.heads.eagle_proposer import EagleProposer
+
+    head, manifest = load_eagle(path, target)
+    return EagleProposer(head, **opts)

@@ -1,0 +1,274 @@
+"""Training EAGLE heads (EAGLE-1 / EAGLE-3) on a frozen target through the one training loop.
+
+The job differs from its siblings only by its module (`EagleHead`), its features (the target's layers,
+online in the step or offline from a capture cache, through `CaptureSource`) and its loss
+(`eagle1_loss` / `eagle3_loss`). Positions: TTT step j at base t predicts x_{t+2+j}; it is trained where
+that token is target-written (loss_mask[t+2+j] = 1), against the target's distribution at t+1+j.
+
+EAGLE-3 teacher: the target's post-norm last hidden state times the draft-vocabulary rows of its lm_head
+(p̃ restricted to the draft vocabulary, EAGLE-3 §3.2), and its argmax over the full vocabulary (top-1 of
+the capture) for `step{j}/acc`. EAGLE-1 teacher: the target's last-layer feature f_{t+1+j} (the regression
+target) and lm_head(norm(f_{t+1+j})).
+
+The draft vocabulary is counted on the training split's target-written tokens before training.
+Default size: SmolLM2 (H = 576, V = 49,152) does ~134M multiply-adds per token in a target step; the
+draft layer plus fc is ~4M, a full-vocabulary lm_head would add 28M (7x the layer), an 8,192-token head
+adds 4.7M: a draft step is then ~7% of a target step, and on self-distilled data the top 8k tokens cover
+well over 95% of what the target writes (the coverage is measured and stored in the manifest).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from draftsmith import artifact
+from draftsmith.config import load_config, register_config, to_dict
+from draftsmith.errors import ConfigError
+from draftsmith.heads.eagle import (
+    EagleConfig,
+    EagleHead,
+    build_draft_vocab,
+    check_architecture,
+    eagle1_loss,
+    eagle3_loss,
+    shift_left,
+    step_weights,
+    token_counts,
+    vocab_coverage,
+)
+from draftsmith.heads.medusa_job import pad_batch, split_rows
+from draftsmith.storage import read_json
+from draftsmith.training.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EagleEvalConfig:
+    """Evaluation run at the end of training; its report is written into the artifact (eval/)."""
+
+    enabled: bool = True
+    prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
+    limit_per_domain: int | None = 8
+    max_new_tokens: int = 64
+    tree: bool = True  # EAGLE-2 dynamic tree (else chain)
+
+
+@register_config("eagle")
+@dataclass
+class EagleJobConfig:
+    target: str = "smollm2-135m"
+    data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
+    output: str = "runs/eagle/smollm2-135m"  # the artifact directory
+    version: Literal["eagle1", "eagle3"] = "eagle3"
+    target_layers: list[int] | None = None  # None: EAGLE-3 default_eagle3_layers(L), EAGLE-1 [-1]
+    ttt_steps: int = 7  # EAGLE-3 training-time test unroll (EAGLE-1 preset: 1)
+    ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (heads/eagle.py)
+    step_decay: float = 0.8  # step j weighs step_decay**j
+    norm_before_residual: bool = False
+    draft_vocab_size: int = 8192  # EAGLE-3 only (see module docstring)
+    w_cls: float = 0.1  # EAGLE-1: weight of the token loss next to the feature regression
+    max_length: int = 512
+    eval_fraction: float = 0.05
+    capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EagleEvalConfig = field(default_factory=EagleEvalConfig)
+
+    def __post_init__(self):
+        if not 1 <= self.ttt_steps <= 16:
+            raise ValueError(f"ttt_steps must be in 1..16, got {self.ttt_steps}")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay}")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.w_cls < 0:
+            raise ValueError(f"w_cls must be >= 0, got {self.w_cls}")
+        if not 0 < self.eval_fraction < 0.5:
+            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        if self.max_length < 8:
+            raise ValueError(f"max_length must be >= 8, got {self.max_length}")
+        if self.target_layers is not None and len(self.target_layers) != (3 if self.version == "eagle3" else 1):
+            raise ValueError(f"target_layers: {self.version} reads {3 if self.version == 'eagle3' else 1} layer(s), "
+                             f"got {self.target_layers}")
+
+
+def _unwrap(module):
+    return getattr(module, "module", module)  # DDP / accelerate wrappers keep the head in .module
+
+
+class EagleJob:
+    kind = "eagle"
+
+    def __init__(self, cfg: EagleJobConfig, target, dataset):
+        from draftsmith.targets.capture import default_eagle3_layers, resolve_layers
+        from draftsmith.training import CaptureSource
+
+        check_architecture(target.config)
+        self.cfg, self.target = cfg, target
+        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
+        tok = target.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        L = target.num_layers
+        self.eagle3 = cfg.version == "eagle3"
+        if self.eagle3:
+            self.layers = resolve_layers(list(cfg.target_layers or default_eagle3_layers(L)), L)
+        else:
+            self.layers = resolve_layers(list(cfg.target_layers or [-1]), L)
+        self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
+        # draft vocabulary from the training split's target-written tokens
+        self.counts = token_counts(self.train_set, target.vocab_size)
+        if self.eagle3:
+            n = min(cfg.draft_vocab_size, target.vocab_size)
+            self.d2t, self.t2d = build_draft_vocab(self.counts, n)
+            self.coverage = vocab_coverage(self.counts, self.t2d)
+            log.info("draft vocabulary: %d tokens cover %.2f%% of target-written training tokens", n,
+                     100 * self.coverage)
+        else:
+            self.d2t = self.t2d = None
+            self.coverage = 1.0
+        # EAGLE-3: fusion layers + post-norm last hidden (teacher) + top-1 (target argmax);
+        # EAGLE-1: the last layer's pre-norm output is both input and teacher.
+        self.features = CaptureSource(target, layers=sorted(set(self.layers)), topk=1 if self.eagle3 else 0,
+                                      last_hidden=self.eagle3, cache_dir=cfg.capture_cache)
+        self._teacher_w: torch.Tensor | None = None
+
+    # --- the job protocol -------------------------------------------------------------------------
+    def build_module(self) -> EagleHead:
+        return EagleHead.from_target(
+            self.target.model, self.cfg.version, self.layers,
+            draft_vocab=(self.d2t, self.t2d) if self.eagle3 else None, ttt_steps=self.cfg.ttt_steps,
+            ttt_tokens=self.cfg.ttt_tokens, norm_before_residual=self.cfg.norm_before_residual)
+
+    def setup(self, accelerator) -> None:
+        from draftsmith.training.frozen import place_frozen
+
+        self.features.place(accelerator)
+        if self.features.offline:  # the target still supplies the embedding and the lm_head rows
+            self.target.model = place_frozen(self.target.model, accelerator, shard=False)
+        else:
+            self.target.model = self.features.model
+
+    def train_rows(self):
+        return self.train_set
+
+    def eval_rows(self):
+        return self.eval_set
+
+    def collate(self, rows):
+        return pad_batch(rows, self.pad_id, self.cfg.max_length)
+
+    def loss(self, module, batch):
+        head = _unwrap(module)
+        head.attach_target(self.target.model)  # the placed target (device / dtype of this rank)
+        feats = self.features(batch)
+        ids, lmask = batch["input_ids"], batch["loss_mask"]
+        S = self.cfg.ttt_steps
+        # step j at base t predicts x_{t+2+j}: train where that token is target-written
+        select = [shift_left(lmask, 2 + j).bool() for j in range(S)]
+        x = torch.cat([feats[f"layer.{i}"] for i in self.layers], dim=-1)
+        out = module(ids, x, steps=S, select=select)
+        if self.eagle3:
+            w = self.teacher_rows(head)
+            teacher, target_ids = [], []
+            for j in range(S):
+                lh = shift_left(feats["last_hidden"], 1 + j)[select[j]]
+                teacher.append(lh.to(w.dtype) @ w.T)  # the target's logits on the draft vocabulary
+                target_ids.append(shift_left(feats["topk_indices"][..., 0], 1 + j)[select[j]])
+            return eagle3_loss(out.logits, teacher, target_ids, head.d2t, self.weights)
+        f = feats[f"layer.{self.layers[0]}"]
+        preds, targets, teacher = [], [], []
+        for j in range(S):
+            tf = shift_left(f, 1 + j)[select[j]]  # f_{t+1+j}
+            preds.append(out.hidden[j][select[j]])
+            targets.append(tf)
+            with torch.no_grad():
+                teacher.append(head.logits(tf))
+        return eagle1_loss(preds, targets, out.logits, teacher, self.weights, self.cfg.w_cls)
+
+    def teacher_rows(self, head: EagleHead) -> torch.Tensor:
+        """The target's lm_head rows of the draft vocabulary [N, H] (frozen)."""
+        w = self.target.model.get_output_embeddings().weight
+        if self._teacher_w is None or self._teacher_w.device != w.device or self._teacher_w.dtype != w.dtype:
+            self._teacher_w = w[head.t2d.to(w.device)].detach()
+        return self._teacher_w
+
+    def save_artifact(self, module, out_dir, metrics) -> Path:
+        head = _unwrap(module)
+        dest = Path(self.cfg.output) if self.cfg.output else Path(out_dir)
+        config = {
+            **asdict(head.config),
+            "architecture": head.config.model_type,
+            "embeddings": "target",  # not saved: take embed_tokens from the target named by the manifest
+            "feature_convention": "pre-norm decoder layer outputs (targets/capture.py)",
+            "draft_vocab_coverage": self.coverage,
+        }
+        fp = self.target.fingerprint()
+        manifest = artifact.make_manifest(
+            "eagle", fp, to_dict(self.cfg),
+            data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set),
+                  "target_written_tokens": int(self.counts.sum()), "draft_vocab_coverage": self.coverage},
+            metrics=metrics,
+        )
+        state = {k: v for k, v in head.state_dict().items()}
+        return artifact.save_artifact(dest, manifest, state, config)
+
+
+def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
+    """Head and manifest of an EAGLE artifact; with `target` (fingerprint checked) the head is attached to it
+    and moved to its device / dtype."""
+    path = Path(path)
+    manifest, state = artifact.load_artifact(path, kind="eagle", target=target)
+    cfg = read_json(path / "config.json")
+    fields = {k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}
+    try:
+        config = EagleConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}/config.json: not an EAGLE head config ({e})") from None
+    head = EagleHead(config)
+    head.load_state_dict(state, strict=True)
+    if target is not None:
+        head.to(device=target.device, dtype=target.dtype)
+        head.attach_target(target.model)
+    return head.eval().requires_grad_(False), manifest
+
+
+def train_eagle(cfg: EagleJobConfig) -> Path:
+    """Load the target and the self-distilled data, train, save, evaluate. Returns the artifact directory."""
+    from draftsmith.data import load_distilled
+    from draftsmith.targets import load_target
+    from draftsmith.training import train
+
+    target = load_target(cfg.target)
+    dataset = load_distilled(cfg.data, target)
+    job = EagleJob(cfg, target, dataset)
+    result = train(job, cfg.train)
+    out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
+    if cfg.evaluate.enabled and int(os.environ.get("RANK", "0")) == 0:
+        evaluate_into_artifact(out, target, cfg.evaluate)
+    return out
+
+
+def evaluate_into_artifact(path: Path, target, opts: EagleEvalConfig) -> dict | None:
+    """Run the evaluator (when this build has one) on the artifact and store its report in eval/."""
+    try:
+        from draftsmith.evaluation import evaluate, write_report
+    except ImportError:
+        log.warning("draftsmith.evaluation has no evaluate(): skipping the end-of-training evaluation")
+        return None
+    report = evaluate(target, f"eagle:{path}", prompts=opts.prompts or None, limit_per_domain=opts.limit_per_domain,
+                      max_new_tokens=opts.max_new_tokens, tree=opts.tree)
+    write_report(report, path / "eval")
+    artifact.update_manifest(path, eval={"overall": report.get("overall"), "report": "eval/report.json"})
+    return report
+
+
+def run_train_eagle(config_path: str | None, overrides: list[str]) -> Path:
+    """`draftsmith train eagle --config PATH [k=v ...]` and scripts/train_eagle.py."""
+    cfg = load_config(config_path, overrides, cls=EagleJobConfig)
+    return train_eagle(cfg)

@@ -1,0 +1,197 @@
+"""EAGLE as a proposer for the shared verifier: chain drafting and the EAGLE-2 dynamic tree.
+
+State of one sequence. The verifier hands over the target's features (the layers the head reads,
+`target_layers`) of every position it caches: the prompt (`begin`) and, after each step, the root and
+the accepted nodes (`accept`). The draft's own KV cache (`DraftKV`, one layer) holds one step-0 entry per
+COMMITTED position s: input (features f_s, embedding of x_{s+1}) at position id s. Entries are added
+lazily at the next `propose`, in one forward over the new positions; the output at the last one (the
+bonus position t = len(context) - 2, whose x_{t+1} is the pending token) is the draft's first step a^0.
+
+Drafting from a^0 at position t (EAGLE-3 training-time test, see `heads/eagle.py`): a node at depth d
+holds token y_d (the draft's prediction from its parent's output); expanding it runs the layer on
+(parent's output feature, embedding of y_d) at position t + d, attending every committed entry plus its
+ancestors' scratch entries and itself. Scratch entries (chain or tree) are cropped away at the end of
+`propose`: the cache never keeps a draft-made entry, so a rejection needs no other rollback, and the
+entries for the accepted tokens are recomputed from the target's real features on the next call.
+
+EAGLE-2 dynamic tree (Li et al. 2024, §4): the draft's confidence approximates acceptance, so a node's
+value is the product of its path's draft probabilities, V(node) = Π p_draft (summed as log-probs).
+  1. The root's top-k tokens are the depth-1 nodes.
+  2. At every depth, expand only the `topk` most valuable nodes of that depth (one batched forward),
+     each giving its top-k children (at most spec.branching[d]).
+  3. Rerank ALL created nodes by value and keep the best `max_nodes`. A child's value never exceeds its
+     parent's (p <= 1; ties broken by depth), so the kept set is closed under ancestors: a valid tree.
+Candidates are deterministic given the context (argmax / top-k), so proposals carry q = None and the
+verifier's rule "sample y ~ p, follow the child equal to y" keeps sampling lossless; greedy verification
+reproduces the target's greedy output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
+from draftsmith.errors import ConfigError
+from draftsmith.heads.eagle import DraftKV, EagleHead
+
+
+class EagleProposer(Proposer):
+    name = "eagle"
+    needs_last_hidden = False
+
+    def __init__(self, head: EagleHead, tree: bool = True, depth: int = 5, topk: int = 4, max_nodes: int = 24,
+                 **_opts):
+        if depth < 1 or topk < 1 or max_nodes < 1:
+            raise ConfigError(f"EAGLE proposer needs depth, topk, max_nodes >= 1 (got {depth}, {topk}, {max_nodes})")
+        self.head = head.eval()
+        self.target_layers = list(head.config.target_layers)  # the verifier captures these for us
+        self.tree, self.depth, self.topk, self.max_nodes = tree, depth, topk, max_nodes
+        self.kv = DraftKV()
+        self.n_done = 0  # committed positions with a step-0 entry in self.kv
+        self.pending: list[torch.Tensor] = []  # target features [n, F] of positions not yet entered
+        self.root: torch.Tensor | None = None  # a^0 at the newest committed position, [H]
+
+    def default_tree_spec(self) -> TreeSpec:
+        if not self.tree:
+            return TreeSpec.chain(self.depth)
+        return TreeSpec((self.topk,) * self.depth, max_nodes=self.max_nodes)
+
+    # --- state --------------------------------------------------------------------------------------
+    def _features(self, feats: TargetFeatures | None) -> torch.Tensor | None:
+        if feats is None or not len(feats):
+            return None
+        missing = [i for i in self.target_layers if i not in feats.layers]
+        if missing:
+            raise ConfigError(f"EAGLE proposer needs target layers {self.target_layers}, got {sorted(feats.layers)}")
+        return torch.cat([feats.layers[i] for i in self.target_layers], dim=-1)
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
+        self.kv = DraftKV()
+        self.n_done = 0
+        self.root = None
+        f = self._features(features)
+        self.pending = [f] if f is not None else []
+
+    def accept(self, result: AcceptResult) -> None:
+        f = self._features(result.features)
+        if f is not None:
+            self.pending.append(f)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.head.fc.weight.device
+
+    def _enter_committed(self, context: torch.Tensor) -> None:
+        """Step-0 entries for the committed positions whose features arrived since the last call."""
+        if not self.pending:
+            return
+        feats = torch.cat(self.pending).to(self._device)
+        self.pending = []
+        start, n = self.n_done, feats.shape[0]
+        if start + n > context.numel() - 1:
+            raise ConfigError(f"EAGLE proposer got features for {start + n} positions, context has {context.numel()}")
+        tokens = context[start + 1: start + n + 1].to(self._device)  # x_{s+1} for s = start .. start+n-1
+        positions = torch.arange(start, start + n, device=self._device)[None]
+        allowed = torch.ones(n, start + n, dtype=torch.bool, device=self._device)
+        allowed[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self._device).tril()
+        out = self.head.layer_step(self.head.fuse(feats)[None], self.head.embed(tokens)[None], positions, self.kv,
+                                   allowed)
+        self.n_done = start + n
+        self.root = out[0, -1]
+
+    # --- drafting -----------------------------------------------------------------------------------
+    def _expand(self, parents_h: torch.Tensor, tokens: torch.Tensor, depth: int,
+                ancestors: list[list[int]]) -> torch.Tensor:
+        """Run the layer for q nodes at `depth` (their parents' outputs [q, H], their tokens [q]); node i attends
+        every committed entry, the scratch entries `ancestors[i]` (absolute kv indices) and itself."""
+        q = tokens.numel()
+        base = len(self.kv)
+        allowed = torch.zeros(q, base + q, dtype=torch.bool, device=self._device)
+        allowed[:, : self.n_done] = True
+        for i, anc in enumerate(ancestors):
+            if anc:
+                allowed[i, anc] = True
+            allowed[i, base + i] = True
+        positions = torch.full((1, q), self.n_done - 1 + depth, dtype=torch.long, device=self._device)
+        out = self.head.layer_step(parents_h[None], self.head.embed(tokens)[None], positions, self.kv, allowed)
+        return out[0]
+
+    @torch.no_grad()
+    def propose(self, context: torch.Tensor, spec: TreeSpec, sampling, generator) -> Proposal:
+        device = context.device
+        self._enter_committed(context)
+        depth = spec.depth  # the verifier's budget (default_tree_spec() is this proposer's own choice)
+        if self.root is None or depth == 0:
+            return Proposal.empty(device)
+        try:
+            if spec.is_chain or not self.tree:
+                return self._chain(depth, device)
+            return self._tree(spec, depth, device)
+        finally:
+            self.kv.crop(self.n_done)  # drop every draft-made entry (the rollback)
+
+    def _chain(self, depth: int, device) -> Proposal:
+        h = self.root
+        tokens: list[int] = []
+        chain_kv: list[int] = []
+        for d in range(1, depth + 1):
+            tok = self.head.to_target_ids(self.head.logits(h).argmax(-1, keepdim=True))
+            tokens.append(int(tok))
+            if d < depth:
+                h = self._expand(h[None], tok, d, [list(chain_kv)])[0]
+                chain_kv.append(len(self.kv) - 1)
+        return Proposal.chain(tokens, device=device)
+
+    def _tree(self, spec: TreeSpec, depth: int, device) -> Proposal:
+        budget = min(spec.max_nodes or self.max_nodes, spec.capacity())
+        # node arrays (creation order: parents before children)
+        tok: list[int] = []
+        parent: list[int] = []
+        score: list[float] = []
+        node_depth: list[int] = []
+        kv_index: dict[int, int] = {}  # expanded node -> its scratch kv entry
+
+        def add_children(par: int, logits: torch.Tensor, par_score: float, d: int) -> None:
+            k = min(self.topk, spec.branching[d - 1], logits.shape[-1])
+            logp, ids = torch.log_softmax(logits.float(), -1).topk(k)
+            target_ids = self.head.to_target_ids(ids).tolist()
+            for lp, t in zip(logp.tolist(), target_ids):
+                tok.append(t)
+                parent.append(par)
+                score.append(par_score + lp)
+                node_depth.append(d)
+
+        def ancestors(i: int) -> list[int]:
+            out = []
+            while i >= 0:
+                out.append(kv_index[i])
+                i = parent[i]
+            return out[::-1]
+
+        hidden: dict[int, torch.Tensor] = {}  # expanded node -> its output feature
+        add_children(-1, self.head.logits(self.root), 0.0, 1)
+        frontier = list(range(len(tok)))
+        for d in range(1, depth):
+            # EAGLE-2 step 2: expand the `topk` most valuable nodes of this depth
+            chosen = sorted(frontier, key=lambda i: -score[i])[: self.topk]
+            if not chosen:
+                break
+            parents_h = torch.stack([self.root if parent[i] < 0 else hidden[parent[i]] for i in chosen])
+            anc = [ancestors(parent[i]) if parent[i] >= 0 else [] for i in chosen]
+            tokens = torch.tensor([tok[i] for i in chosen], dtype=torch.long, device=self._device)
+            base = len(self.kv)
+            out = self._expand(parents_h, tokens, d, anc)
+            logits = self.head.logits(out)
+            first_new = len(tok)
+            for r, i in enumerate(chosen):
+                kv_index[i] = base + r
+                hidden[i] = out[r]
+                add_children(i, logits[r], score[i], d + 1)
+            frontier = list(range(first_new, len(tok)))
+        # EAGLE-2 step 3: rerank every node, keep the best `budget` (closed under ancestors, see docstring)
+        keep = sorted(range(len(tok)), key=lambda i: (-score[i], node_depth[i], i))[:budget]
+        keep.sort()
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [new_index[parent[i]] if parent[i] >= 0 else -1 for i in keep]
+        return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
+                        torch.tensor(parents, dtype=torch.long, device=device))
