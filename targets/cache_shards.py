@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from draftsmith.errors import DataError
 from draftsmith.storage import _fsync_dir, atomic_write_json, read_json
 from draftsmith.targets.capture import capture_forward, topk_logits
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 INDEX = "index.json"
 _SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")

@@ -37,9 +37,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
+
 from draftsmith.errors import TrainingError
 from draftsmith.storage import atomic_dir, atomic_write_json, atomic_write_text, read_json
-from safetensors.torch import load_file, save_file
 
 CKPT_DIR = "checkpoints"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")

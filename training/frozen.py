@@ -62,8 +62,9 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
         if dtype is not None:
             model.to(dtype=dtype)
         if getattr(accelerator, "is_fsdp2", False):
-            from draftsmith.targets.capture import decoder_layers
             from torch.distributed.fsdp import fully_shard
+
+            from draftsmith.targets.capture import decoder_layers
 
             for layer in decoder_layers(model):
                 fully_shard(layer)

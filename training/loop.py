@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from draftsmith.config import to_dict
 from draftsmith.errors import DataError, TrainingError
 from draftsmith.training import checkpoint as ckpt
 from draftsmith.training.config import TrainConfig
 from draftsmith.training.job import Job, count_tokens
 from draftsmith.training.loggers import RunLogger
-from torch import nn
 
 ARTIFACT_DIR = "artifact"
 
