@@ -55,12 +55,16 @@ class GenerationStats:
         self.target_time += s.target_time
 
     def merge(self, other: GenerationStats) -> None:
-        s = StepStats(other.proposed, other.accepted, other.target_forwards, other.new_tokens,
-                      other.proposed_per_position, other.accepted_per_position, other.proposer_time,
-                      other.target_time)
-        self.add(s, other.new_tokens)
-        self.prefill_forwards += other.prefill_forwards - 1
-        self.wall_time += other.wall_time
+        """Add another call's counters and times (e.g. to aggregate prompts into a domain)."""
+        for name in ("proposed", "accepted", "target_forwards", "prefill_forwards", "new_tokens",
+                     "proposer_time", "target_time", "wall_time"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.proposed_per_position, other.proposed_per_position),
+                             (self.accepted_per_position, other.accepted_per_position)):
+            while len(mine) < len(theirs):
+                mine.append(0)
+            for i, v in enumerate(theirs):
+                mine[i] += v
 
     @property
     def alpha(self) -> float | None:

@@ -1,0 +1,77 @@
+"""`draftsmith evaluate`: speculative decoding per domain for one proposer on one target.
+
+    draftsmith evaluate --target smollm2-135m --proposer ngram --prompts FILE [FILE ...] \
+        --max-new-tokens 128 --k 4 --temperature 0 --limit-per-domain 6 --out DIR
+    draftsmith evaluate --config configs/eval/ngram.yaml k=6 limit_per_domain=3
+
+Flags override the `--config` file, which trailing key=value overrides update first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+FLAGS = {  # flag -> (EvalConfig field, type)
+    "--target": ("target", str), "--proposer": ("proposer", str), "--max-new-tokens": ("max_new_tokens", int),
+    "--k": ("k", int), "--temperature": ("temperature", float), "--top-p": ("top_p", float),
+    "--top-k": ("top_k", int), "--limit-per-domain": ("limit_per_domain", int), "--seed": ("seed", int),
+    "--out": ("out", str), "--device": ("device", str), "--dtype": ("dtype", str),
+    "--cost-repeats": ("cost_repeats", int), "--cost-k-max": ("cost_k_max", int),
+    "--cost-context": ("cost_context", int), "--policy-threshold": ("policy_threshold", float),
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("evaluate", help="measure acceptance, tau and speedup per domain",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="a YAML preset with kind: eval")
+    for flag, (_, tp) in FLAGS.items():
+        p.add_argument(flag, type=tp, default=None)
+    p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the shared eval sets)")
+    p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1")
+    p.add_argument("--no-hf-reference", action="store_true", help="skip timing HF generate")
+    p.add_argument("--no-cost-model", action="store_true", help="skip measuring v(k)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    p.set_defaults(func=run)
+
+
+def build_config(args):
+    from draftsmith.config import load_config
+    from draftsmith.errors import ConfigError
+    from draftsmith.evaluation.config import EvalConfig
+
+    overrides = list(args.overrides or [])
+    for flag, (name, _) in FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            overrides.append(f"{name}={value}")
+    if args.prompts:
+        overrides.append("prompts=[" + ", ".join(f"'{p}'" for p in args.prompts) + "]")
+    if args.tree:
+        try:
+            overrides.append("tree=[" + ", ".join(str(int(b)) for b in args.tree.split(",")) + "]")
+        except ValueError:
+            raise ConfigError(f"--tree {args.tree}: expected comma-separated integers like 4,2,1") from None
+    if args.no_hf_reference:
+        overrides.append("hf_reference=false")
+    if args.no_cost_model:
+        overrides.append("cost_model=false")
+    return load_config(args.config, overrides, cls=EvalConfig)
+
+
+def run(args) -> int:
+    from draftsmith.evaluation.evaluate import evaluate
+    from draftsmith.evaluation.report import write_report
+
+    cfg = build_config(args)
+    command = "draftsmith " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    report = evaluate(cfg.target, cfg.proposer, config=cfg, command=command)
+    out = write_report(report, cfg.out)
+    o = report["overall"]
+    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    print(f"overall: alpha {fmt(o['alpha'])}, tau {fmt(o['tau'])}, {fmt(o['tokens_per_s'])} tok/s vs "
+          f"{fmt(o['baseline_tokens_per_s'])} plain, speedup {fmt(o['speedup'])}, lossless {o['lossless']}")
+    print(f"report: {out / 'report.json'}")
+    return 0

@@ -1,0 +1,46 @@
+"""Typed evaluation config (`kind: eval`); the CLI flags of `draftsmith evaluate` mirror these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.config import register_config
+
+
+@register_config("eval")
+@dataclass
+class EvalConfig:
+    target: str = "smollm2-135m"
+    proposer: str = "ngram"  # ngram | ngram:N | draft:PATH | medusa:PATH | eagle:PATH
+    prompts: list[str] = field(default_factory=list)  # empty = the four shared eval files
+    max_new_tokens: int = 128
+    k: int = 4  # chain length (ignored when tree is given)
+    tree: list[int] | None = None  # branching factor per depth, e.g. [4, 2, 1]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    limit_per_domain: int | None = None
+    seed: int = 0
+    out: str = "runs/eval"
+    hf_reference: bool = True  # time HF generate (and assisted generation for drafts) in the same run
+    cost_model: bool = True
+    cost_context: int = 256
+    cost_k_max: int = 16
+    cost_repeats: int = 5
+    policy_threshold: float = 1.0  # disable speculation where the speedup is below this
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.k < 0:
+            raise ValueError(f"k must be >= 0, got {self.k}")
+        if self.tree is not None and (not self.tree or any(b < 1 for b in self.tree)):
+            raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+        if self.limit_per_domain is not None and self.limit_per_domain < 1:
+            raise ValueError(f"limit_per_domain must be >= 1, got {self.limit_per_domain}")
+        if self.cost_k_max < 1 or self.cost_repeats < 1 or self.cost_context < 1:
+            raise ValueError("cost_k_max, cost_repeats and cost_context must be >= 1")

@@ -1,0 +1,107 @@
+"""The cost model, measured on the machine it runs on (DESIGN.md, "Cost model").
+
+Speedup of a chain of k draft tokens:
+
+    S(k) = E[tokens | k] / (v(k) + k·c)
+
+  v(k)  time of one target forward over k+1 new tokens with a KV cache of realistic length, divided by
+        the time of a 1-token step (v(0) = 1). On a GPU v stays near 1 for small k; on a 2-core CPU it
+        grows with k, which is why k is chosen from measurements instead of assumed.
+  c     one proposer step relative to one target step (n-gram lookup: ~0; a draft model: its forward).
+  E     expected tokens per verification step = 1 + Σ_{d=1..k} P(first d drafts accepted), with P taken
+        over ALL steps (a step whose proposal is empty or short counts as not reaching d), so E(k) is the
+        measured τ at the measured k (Leviathan et al. 2023 §3.3 give the i.i.d. special case
+        E = (1 - α^(k+1)) / (1 - α)). Beyond the measured depth, P is extrapolated geometrically with the
+        last measured conditional acceptance.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from draftsmith.decoding import kvcache
+from draftsmith.decoding.proposer import as_model
+
+
+@torch.no_grad()
+def measure_verify_cost(target, context_length: int = 256, k_max: int = 16, repeats: int = 5,
+                        seed: int = 0) -> dict:
+    """v(k) for k = 0..k_max: median time of a (k+1)-token forward on a `context_length` cache / 1-token time."""
+    model = as_model(target)
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(0, vocab, (1, context_length), generator=g).to(device)
+    new = torch.randint(0, vocab, (1, k_max + 1), generator=g).to(device)
+    cache = kvcache.new_cache(model)
+    model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    def run(n: int) -> float:
+        pos = torch.arange(context_length, context_length + n, device=device)[None]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        model(input_ids=new[:, :n], past_key_values=cache, position_ids=pos, use_cache=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        kvcache.crop(cache, context_length)
+        return dt
+
+    for _ in range(2):  # warm-up
+        run(1)
+        run(k_max + 1)
+    times: dict[int, list[float]] = {k: [] for k in range(k_max + 1)}
+    for _ in range(repeats):  # interleave ks so load changes hit every k alike
+        for k in range(k_max + 1):
+            times[k].append(run(k + 1))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med[0]
+    return {
+        "context_length": context_length, "repeats": repeats,
+        "t_step_s": base,
+        "t_forward_s": {str(k): med[k] for k in med},
+        "v": {str(k): med[k] / base for k in med},
+    }
+
+
+def expected_tokens(accepted_at: list[int], steps: int, k: int) -> float:
+    """E[tokens | k] = 1 + Σ_{d<k} P_d with P_d = accepted_at[d] / steps, extrapolated past the data."""
+    if steps <= 0:
+        return 1.0
+    probs = [a / steps for a in accepted_at]
+    e = 1.0
+    for d in range(k):
+        if d < len(probs):
+            p = probs[d]
+        elif probs and probs[-1] > 0:
+            prev = probs[-2] if len(probs) > 1 else 1.0
+            ratio = min(probs[-1] / prev, 1.0) if prev > 0 else 0.0
+            p = probs[-1] * ratio ** (d - len(probs) + 1)
+        else:
+            p = 0.0
+        e += p
+    return e
+
+
+def predicted_speedup(accepted_at: list[int], steps: int, k: int, v: dict[str, float], c: float) -> float:
+    return expected_tokens(accepted_at, steps, k) / (v[str(k)] + k * c)
+
+
+def recommend_k(accepted_at: list[int], steps: int, v: dict[str, float], c: float) -> dict:
+    """argmax_k S(k) over the measured v(k) (k = 0 means: do not speculate)."""
+    table = {k: predicted_speedup(accepted_at, steps, int(k), v, c) for k in map(int, v)}
+    best = max(table, key=lambda k: (round(table[k], 9), -k))
+    return {"k": best, "predicted_speedup": table[best], "predicted_speedup_by_k": {str(k): s for k, s in table.items()}}
+
+
+def tau_from_alpha(alpha: float | None, k: int) -> float | None:
+    """τ predicted from α assuming i.i.d. acceptance: (1 - α^(k+1)) / (1 - α) (Leviathan et al. 2023, eq. 1)."""
+    if alpha is None:
+        return None
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)

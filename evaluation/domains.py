@@ -1,0 +1,114 @@
+"""Evaluation domains: prompts read from jsonl files, grouped by a `domain` / `category` field.
+
+Understood row shapes (the sets in shared/data/eval work as they are):
+  - `turns: [str, ...]` (MT-bench / EAGLE style: alpaca, gsm8k, humaneval) with `category`;
+  - `instruction` (+ `instances: [{input, ...}]`), as in self-instruct's user_oriented_instructions;
+  - `prompt` / `text` / `question` / `messages` (a chat list).
+Single-turn evaluation formats the FIRST turn with the target's chat template (`add_generation_prompt`).
+
+A row's domain is its `domain` field, else `category`, else the file's stem; both go through
+`DOMAIN_ALIASES` (a small registry: an empty category in alpaca.jsonl means "general").
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.errors import DataError
+
+DEFAULT_EVAL_DIR = Path("/work/shared/data/eval")
+DEFAULT_PROMPT_FILES = ["eagle/alpaca.jsonl", "eagle/gsm8k.jsonl", "eagle/humaneval.jsonl",
+                        "user_oriented_instructions.jsonl"]
+
+# file stem or category -> domain name
+DOMAIN_ALIASES = {
+    "alpaca": "general", "": "general", "writing": "general",
+    "gsm8k": "math", "math": "math",
+    "humaneval": "code", "code": "code", "coding": "code",
+    "user_oriented_instructions": "instructions",
+}
+
+
+@dataclass
+class EvalPrompt:
+    domain: str
+    text: str  # the first user turn
+    source: str  # file:line
+    turns: list[str] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+
+def default_prompt_files(root: str | Path | None = None) -> list[Path]:
+    root = Path(root) if root else DEFAULT_EVAL_DIR
+    return [root / f for f in DEFAULT_PROMPT_FILES]
+
+
+def canonical_domain(name: str) -> str:
+    key = (name or "").strip().lower()
+    return DOMAIN_ALIASES.get(key, key or "general")
+
+
+def _turns(row: dict) -> list[str]:
+    if isinstance(row.get("turns"), list) and row["turns"]:
+        return [str(t) for t in row["turns"]]
+    if isinstance(row.get("messages"), list):
+        return [str(m.get("content", "")) for m in row["messages"] if m.get("role") == "user"]
+    if row.get("instruction"):
+        text = str(row["instruction"])
+        instances = row.get("instances") or []
+        inp = instances[0].get("input", "") if instances and isinstance(instances[0], dict) else ""
+        return [f"{text}\n\n{inp}".strip() if inp else text]
+    for key in ("prompt", "text", "question", "input"):
+        if row.get(key):
+            return [str(row[key])]
+    return []
+
+
+def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, seed: int = 0) -> list[EvalPrompt]:
+    """Read prompt files; keep at most `limit_per_domain` per domain, a seeded random choice in file order."""
+    by_domain: dict[str, list[EvalPrompt]] = {}
+    for f in files:
+        path = Path(f).expanduser()
+        if not path.is_file():
+            raise DataError(f"prompt file not found: {path}")
+        stem_domain = canonical_domain(path.stem)
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                turns = _turns(row)
+                if not turns:
+                    raise DataError(f"{path}:{lineno}: no prompt field (turns / instruction / prompt / text / messages)")
+                raw = row.get("domain") or row.get("category") or ""
+                domain = canonical_domain(raw) if raw else stem_domain
+                meta = {k: row[k] for k in ("question_id", "id", "motivation_app") if k in row}
+                by_domain.setdefault(domain, []).append(
+                    EvalPrompt(domain, turns[0], f"{path.name}:{lineno}", turns, meta))
+    if not by_domain:
+        raise DataError("no prompts in " + ", ".join(map(str, files)))
+    out: list[EvalPrompt] = []
+    for domain in sorted(by_domain):
+        rows = by_domain[domain]
+        if limit_per_domain is not None and len(rows) > limit_per_domain:
+            picked = sorted(random.Random(f"{seed}:{domain}").sample(range(len(rows)), limit_per_domain))
+            rows = [rows[i] for i in picked]
+        out.extend(rows)
+    return out
+
+
+def format_prompt(tokenizer, text: str) -> list[int]:
+    """The first turn as chat-templated token ids (plain tokenisation when there is no template)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(text).input_ids)

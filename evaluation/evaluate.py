@@ -1,0 +1,289 @@
+"""`evaluate(...)`: run a proposer against a target per domain and build the report dict.
+
+For every prompt, in one process and back to back, the same chat-templated prompt is decoded by
+  1. our plain decoding (k = 0, the same code path as speculation: the baseline and the lossless reference),
+  2. speculative decoding with the proposer,
+  3. HF `model.generate` (greedy; the outside reference for our baseline's speed and output), and for a
+     draft proposer HF assisted generation `generate(assistant_model=draft)`.
+A warm-up prompt is decoded first and not counted.
+
+Per domain and overall: n_prompts, alpha, tau (and tau predicted from alpha), per_position_acceptance,
+tokens_per_s, baseline_tokens_per_s, speedup (= speculative tokens/s / baseline tokens/s, which equals
+baseline time / speculative time when, as in greedy decoding, both emit the same tokens), lossless
+(greedy: speculative tokens == baseline tokens for every prompt; None when sampling).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import resource
+import sys
+import time
+
+import torch
+
+from draftsmith.decoding.draft import DraftProposer
+from draftsmith.decoding.generate import GenerationStats, speculative_generate
+from draftsmith.decoding.proposer import Proposer, TreeSpec, build_proposer
+from draftsmith.evaluation import cost
+from draftsmith.evaluation.config import EvalConfig
+from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_generate(model, ids: list[int], cfg: EvalConfig, eos: list[int], pad: int | None, **extra) -> tuple[list[int], float]:
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
+              attention_mask=torch.ones_like(x))
+    if cfg.temperature > 0:
+        kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
+    else:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(x, **kw, **extra)
+    _sync(device)
+    return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0
+
+
+def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def memory_info(device: torch.device) -> dict:
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}  # KB on Linux
+    try:
+        import psutil
+
+        out["rss_mb"] = psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        out["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+def _summary(spec: GenerationStats, base: GenerationStats, n_prompts: int, lossless: bool | None, depth: int,
+             hf_tokens: int, hf_time: float) -> dict:
+    tps = spec.new_tokens / spec.wall_time if spec.wall_time > 0 else None
+    btps = base.new_tokens / base.wall_time if base.wall_time > 0 else None
+    alpha = spec.alpha
+    return {
+        "n_prompts": n_prompts,
+        "alpha": alpha,
+        "tau": spec.tau,
+        "tau_predicted_from_alpha": cost.tau_from_alpha(alpha, depth),
+        "per_position_acceptance": spec.per_position_acceptance,
+        "tokens_per_s": tps,
+        "baseline_tokens_per_s": btps,
+        "speedup": (tps / btps) if tps and btps else None,
+        "lossless": lossless,
+        "hf_generate_tokens_per_s": hf_tokens / hf_time if hf_time > 0 else None,
+        "proposed": spec.proposed,
+        "accepted": spec.accepted,
+        "proposed_per_position": spec.proposed_per_position,
+        "accepted_per_position": spec.accepted_per_position,
+        "target_forwards": spec.target_forwards,
+        "new_tokens": spec.new_tokens,
+        "baseline_new_tokens": base.new_tokens,
+        "proposer_time_s": spec.proposer_time,
+        "target_time_s": spec.target_time,
+        "wall_time_s": spec.wall_time,
+        "baseline_wall_time_s": base.wall_time,
+    }
+
+
+def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | None = None,
+             config: EvalConfig | None = None, command: str | None = None, **overrides) -> dict:
+    """Evaluate `proposer` on `target` (a Target or a target spec string) and return the report dict.
+
+    Settings come from `config` (an EvalConfig) updated with keyword `overrides` (EvalConfig field names).
+    """
+    import dataclasses
+
+    cfg = config or EvalConfig()
+    if prompts is not None:
+        overrides["prompts"] = list(map(str, prompts))
+    if isinstance(proposer, str):
+        overrides["proposer"] = proposer
+    cfg = dataclasses.replace(cfg, **overrides)
+    if isinstance(target, str):
+        from draftsmith.targets import load_target
+
+        target = load_target(target, device=cfg.device, dtype=cfg.dtype)
+    prop = proposer if isinstance(proposer, Proposer) else build_proposer(cfg.proposer, target)
+    model, tok = target.model, target.tokenizer
+    device = target.device
+    eos = list(target.eos_token_ids)
+    eos_set = set(eos)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else None)
+    spec = TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)
+    files = cfg.prompts or [str(p) for p in default_prompt_files()]
+    rows: list[EvalPrompt] = load_prompts(files, cfg.limit_per_domain, cfg.seed)
+    gen_kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos)
+    spec_kw = dict(tree=spec) if cfg.tree else dict(k=cfg.k)
+    assistant = prop.model if isinstance(prop, DraftProposer) and cfg.hf_reference else None
+
+    # warm-up (not counted): every code path once
+    warm = format_prompt(tok, rows[0].text)
+    speculative_generate(target, None, [warm], min(8, cfg.max_new_tokens), k=0, seed=cfg.seed, **gen_kw)
+    speculative_generate(target, prop, [warm], min(8, cfg.max_new_tokens), seed=cfg.seed, **spec_kw, **gen_kw)
+    if cfg.hf_reference:
+        _hf_generate(model, warm[:], dataclasses.replace(cfg, max_new_tokens=min(8, cfg.max_new_tokens)), eos, pad)
+
+    per_prompt = []
+    for i, row in enumerate(rows):
+        ids = format_prompt(tok, row.text)
+        seed = cfg.seed + i
+        base = speculative_generate(target, None, [ids], cfg.max_new_tokens, k=0, seed=seed, **gen_kw)
+        sp = speculative_generate(target, prop, [ids], cfg.max_new_tokens, seed=seed, **spec_kw, **gen_kw)
+        rec = {"domain": row.domain, "source": row.source, "prompt_tokens": len(ids), "base": base.stats,
+               "spec": sp.stats, "new_tokens": len(sp.tokens[0]),
+               "lossless": (sp.tokens[0] == base.tokens[0]) if cfg.temperature == 0 else None}
+        if cfg.hf_reference:
+            hf_tokens, hf_time = _hf_generate(model, ids, cfg, eos, pad)
+            hf_tokens = _strip_after_eos(hf_tokens, eos_set)
+            rec["hf_tokens"], rec["hf_time"] = len(hf_tokens), hf_time
+            rec["hf_matches_baseline"] = (hf_tokens == base.tokens[0]) if cfg.temperature == 0 else None
+            if assistant is not None:
+                as_tokens, as_time = _hf_generate(model, ids, cfg, eos, pad, assistant_model=assistant)
+                as_tokens = _strip_after_eos(as_tokens, eos_set)
+                rec["assisted_tokens"], rec["assisted_time"] = len(as_tokens), as_time
+                rec["assisted_matches_baseline"] = (as_tokens == base.tokens[0]) if cfg.temperature == 0 else None
+        per_prompt.append(rec)
+
+    def aggregate(recs: list[dict]) -> dict:
+        s, b = GenerationStats(), GenerationStats()
+        for r in recs:
+            s.merge(r["spec"])
+            b.merge(r["base"])
+        flags = [r["lossless"] for r in recs]
+        lossless = None if any(f is None for f in flags) else all(flags)
+        out = _summary(s, b, len(recs), lossless, spec.depth, sum(r.get("hf_tokens", 0) for r in recs),
+                       sum(r.get("hf_time", 0.0) for r in recs))
+        out["_stats"] = s
+        return out
+
+    domains = {}
+    for name in sorted({r["domain"] for r in per_prompt}):
+        domains[name] = aggregate([r for r in per_prompt if r["domain"] == name])
+    overall = aggregate(per_prompt)
+
+    # cost model: v(k) measured here; c from the run (proposer time per proposed token / one target step)
+    base_all = GenerationStats()
+    for r in per_prompt:
+        base_all.merge(r["base"])
+    t_step = base_all.target_time / max(base_all.target_forwards, 1)
+    spec_all: GenerationStats = overall["_stats"]
+    c = (spec_all.proposer_time / max(spec_all.proposed, 1)) / t_step if t_step > 0 else 0.0
+    cost_model: dict = {"c": c, "t_step_decode_s": t_step}
+    recommended: dict = {}
+    policy: dict = {}
+    if cfg.cost_model:
+        cost_model.update(cost.measure_verify_cost(target, cfg.cost_context, max(cfg.cost_k_max, spec.depth),
+                                                   cfg.cost_repeats, cfg.seed))
+        v = cost_model["v"]
+        for name, d in list(domains.items()) + [("overall", overall)]:
+            st: GenerationStats = d["_stats"]
+            rec = cost.recommend_k(st.accepted_per_position, st.target_forwards, v, c) if spec.is_chain else None
+            pred_now = cost.predicted_speedup(st.accepted_per_position, st.target_forwards, spec.depth, v, c) \
+                if spec.is_chain and str(spec.depth) in v else None
+            d["predicted_speedup"] = pred_now
+            if rec is not None:
+                recommended[name] = {"k": rec["k"], "predicted_speedup": rec["predicted_speedup"]}
+            if name != "overall":
+                policy[name] = _policy(d, rec, cfg.policy_threshold)
+    for d in list(domains.values()) + [overall]:
+        d.pop("_stats")
+
+    hf_tok = sum(r.get("hf_tokens", 0) for r in per_prompt)
+    hf_time = sum(r.get("hf_time", 0.0) for r in per_prompt)
+    references: dict = {"plain_decoding_tokens_per_s": overall["baseline_tokens_per_s"]}
+    if cfg.hf_reference:
+        hf_tps = hf_tok / hf_time if hf_time > 0 else None
+        flags = [r.get("hf_matches_baseline") for r in per_prompt]
+        references["hf_generate"] = {
+            "tokens_per_s": hf_tps,
+            "matches_plain_decoding": None if any(f is None for f in flags) else all(flags),
+            "n_mismatch": sum(1 for f in flags if f is False),
+        }
+        references["plain_vs_hf_generate"] = (overall["baseline_tokens_per_s"] / hf_tps) if hf_tps else None
+        if assistant is not None:
+            a_tok = sum(r.get("assisted_tokens", 0) for r in per_prompt)
+            a_time = sum(r.get("assisted_time", 0.0) for r in per_prompt)
+            aflags = [r.get("assisted_matches_baseline") for r in per_prompt]
+            references["hf_assisted_generate"] = {
+                "tokens_per_s": a_tok / a_time if a_time > 0 else None,
+                "matches_target_greedy": None if any(f is None for f in aflags) else all(aflags),
+            }
+
+    return {
+        "command": command or " ".join(sys.argv),
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "machine": machine_info(device),
+        "target": {"name": target.name, "spec": target.spec, "fingerprint": target.fingerprint()},
+        "proposer": cfg.proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__),
+        "settings": {
+            "max_new_tokens": cfg.max_new_tokens, "k": None if cfg.tree else cfg.k, "tree": cfg.tree,
+            "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+            "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
+        },
+        "domains": domains,
+        "overall": overall,
+        "cost_model": cost_model,
+        "recommended_k": recommended,
+        "policy": policy,
+        "memory": memory_info(device),
+        "references": references,
+        "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec")} | {
+            "alpha": r["spec"].alpha, "tau": r["spec"].tau,
+            "tokens_per_s": r["spec"].new_tokens / r["spec"].wall_time if r["spec"].wall_time else None,
+            "baseline_tokens_per_s": r["base"].new_tokens / r["base"].wall_time if r["base"].wall_time else None,
+        } for r in per_prompt],
+    }
+
+
+def _policy(d: dict, rec: dict | None, threshold: float) -> dict:
+    """Enable speculation for a domain only if both the measured and the predicted speedup reach the threshold."""
+    measured = d.get("speedup")
+    predicted = d.get("predicted_speedup")
+    checks = [("measured", measured), ("predicted", predicted)]
+    failing = [(n, s) for n, s in checks if s is not None and s < threshold]
+    enable = not failing and any(s is not None for _, s in checks)
+    if failing:
+        reason = "; ".join(f"{n} speedup {s:.2f} < {threshold:g}" for n, s in failing)
+    elif enable:
+        reason = "; ".join(f"{n} speedup {s:.2f} >= {threshold:g}" for n, s in checks if s is not None)
+    else:
+        reason = "no speedup measured"
+    out = {"enable": enable, "threshold": threshold, "measured_speedup": measured, "predicted_speedup": predicted,
+           "reason": reason}
+    if rec is not None:
+        out["recommended_k"] = rec["k"]
+        out["predicted_speedup_at_recommended_k"] = rec["predicted_speedup"]
+    return out

@@ -1,0 +1,129 @@
+"""Writing a report: report.json (the dict as is), report.md (one table per domain + summaries) and PNG
+plots (matplotlib Agg): acceptance per position, α and speedup per domain, the measured v(k) curve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.storage import atomic_write_json, atomic_write_text
+
+FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "tokens_per_s",
+          "baseline_tokens_per_s", "speedup", "lossless", "hf_generate_tokens_per_s", "predicted_speedup"]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v[:8]) + (", …" if len(v) > 8 else "") + "]"
+    return str(v)
+
+
+def render_markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        f"# Evaluation: {report['proposer']} on {report['target']['name']}", "",
+        f"- date: {report['date']}", f"- command: `{report['command']}`",
+        f"- settings: max_new_tokens={s['max_new_tokens']}, k={s['k']}, tree={s['tree']}, "
+        f"temperature={s['temperature']}, top_p={s['top_p']}, top_k={s['top_k']}, "
+        f"limit_per_domain={s['limit_per_domain']}",
+        f"- machine: {report['machine'].get('platform')}, {report['machine'].get('cpu_count')} CPUs, "
+        f"device {report['machine'].get('device')}", "",
+        "## Per domain", "",
+    ]
+    names = list(report["domains"]) + ["overall"]
+    lines.append("| field | " + " | ".join(names) + " |")
+    lines.append("|---|" + "---|" * len(names))
+    for f in FIELDS:
+        vals = [(report["domains"].get(n) or report["overall"]).get(f) if n != "overall" else report["overall"].get(f)
+                for n in names]
+        lines.append(f"| {f} | " + " | ".join(_fmt(v) for v in vals) + " |")
+    lines += ["", "## Policy", "", "| domain | enable | measured | predicted | recommended k | reason |",
+              "|---|---|---|---|---|---|"]
+    for n, p in report.get("policy", {}).items():
+        lines.append(f"| {n} | {_fmt(p['enable'])} | {_fmt(p['measured_speedup'])} | {_fmt(p['predicted_speedup'])} "
+                     f"| {_fmt(p.get('recommended_k'))} | {p['reason']} |")
+    cm = report.get("cost_model", {})
+    if "v" in cm:
+        lines += ["", "## Cost model (measured here)", "",
+                  f"c (one proposer step / one target step) = {cm['c']:.4f}; 1-token step = "
+                  f"{cm['t_step_s'] * 1000:.1f} ms at context {cm['context_length']}", "",
+                  "| k | " + " | ".join(cm["v"]) + " |", "|---|" + "---|" * len(cm["v"]),
+                  "| v(k) | " + " | ".join(f"{x:.2f}" for x in cm["v"].values()) + " |"]
+    if report.get("recommended_k"):
+        lines += ["", "recommended k: " + ", ".join(f"{n} {r['k']} (predicted speedup {r['predicted_speedup']:.2f})"
+                                                   for n, r in report["recommended_k"].items())]
+    ref = report.get("references", {})
+    lines += ["", "## References (same run)", ""]
+    for name, r in ref.items():
+        lines.append(f"- {name}: {_fmt(r) if not isinstance(r, dict) else ', '.join(f'{k}={_fmt(v)}' for k, v in r.items())}")
+    mem = report.get("memory", {})
+    lines += ["", "## Memory", "", ", ".join(f"{k} = {v:.0f}" for k, v in mem.items()), ""]
+    return "\n".join(lines)
+
+
+def write_plots(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, d in list(report["domains"].items()) + [("overall", report["overall"])]:
+        acc = d["per_position_acceptance"]
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name, linewidth=2.5 if name == "overall" else 1.2)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(first d drafts accepted)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance per position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "acceptance_per_position.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    names = list(report["domains"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.6))
+    a1.bar(names, [report["domains"][n]["alpha"] or 0 for n in names], color="tab:blue")
+    a1.set_title("α per domain")
+    a1.set_ylim(0, 1)
+    a2.bar(names, [report["domains"][n]["speedup"] or 0 for n in names], color="tab:green")
+    a2.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
+    a2.set_title("speedup per domain")
+    for a in (a1, a2):
+        a.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    paths.append(out / "domains.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    v = report.get("cost_model", {}).get("v")
+    if v:
+        fig, ax = plt.subplots(figsize=(5, 3.6))
+        ks = [int(k) for k in v]
+        ax.plot(ks, list(v.values()), marker="o")
+        ax.set_xlabel("k (draft tokens verified; forward over k+1 tokens)")
+        ax.set_ylabel("v(k) = t(k+1 tokens) / t(1 token)")
+        ax.set_title(f"Verification cost, context {report['cost_model']['context_length']}")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out / "verify_cost.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write_report(report: dict, out_dir: str | Path) -> Path:
+    """Write report.json, report.md and the plots into `out_dir` (created if needed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "report.json", report)
+    atomic_write_text(out / "report.md", render_markdown(report))
+    write_plots(report, out)
+    return out

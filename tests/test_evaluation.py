@@ -1,0 +1,138 @@
+"""The evaluator: domains from prompt files, the cost model's arithmetic, a full report with plots from the
+Python API and from the CLI on the tiny target saved as a folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.evaluation import cost
+from draftsmith.evaluation.domains import canonical_domain, load_prompts
+
+DOMAIN_FIELDS = ["n_prompts", "alpha", "tau", "per_position_acceptance", "tokens_per_s", "baseline_tokens_per_s",
+                 "speedup", "lossless", "tau_predicted_from_alpha"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def prompt_files(tmp_path):
+    eagle = tmp_path / "eagle"
+    eagle.mkdir()
+    (eagle / "alpaca.jsonl").write_text("\n".join(json.dumps({"question_id": i, "category": "", "turns": [t]}) for i, t in
+                                                  enumerate(["Name three colors.", "What is a fox?", "Say hi."])) + "\n")
+    (eagle / "gsm8k.jsonl").write_text("\n".join(json.dumps({"category": "math", "turns": [t, "And then?"]}) for t in
+                                                 ["What is 2 + 3?", "Natalia sold 48 clips. How many?"]) + "\n")
+    (tmp_path / "user_oriented_instructions.jsonl").write_text(json.dumps(
+        {"id": "t0", "motivation_app": "Gmail", "instruction": "Rewrite politely.",
+         "instances": [{"input": "send it now", "output": "x"}]}) + "\n")
+    return [eagle / "alpaca.jsonl", eagle / "gsm8k.jsonl", tmp_path / "user_oriented_instructions.jsonl"]
+
+
+def test_domains(prompt_files):
+    rows = load_prompts(prompt_files)
+    by = {}
+    for r in rows:
+        by.setdefault(r.domain, []).append(r)
+    assert sorted(by) == ["general", "instructions", "math"]
+    assert len(by["general"]) == 3 and len(by["math"]) == 2
+    assert by["instructions"][0].text == "Rewrite politely.\n\nsend it now"
+    assert by["math"][0].turns[1] == "And then?" and by["math"][0].text == "What is 2 + 3?"
+    limited = load_prompts(prompt_files, limit_per_domain=2, seed=3)
+    assert sum(r.domain == "general" for r in limited) == 2
+    assert [r.text for r in limited] == [r.text for r in load_prompts(prompt_files, limit_per_domain=2, seed=3)]
+    assert canonical_domain("humaneval") == "code" and canonical_domain("Poetry") == "poetry"
+
+
+def test_cost_arithmetic():
+    # 10 steps; 8 accepted >=1 draft, 5 accepted >=2, 2 accepted 3
+    acc = [8, 5, 2]
+    assert cost.expected_tokens(acc, 10, 0) == 1.0
+    assert cost.expected_tokens(acc, 10, 3) == pytest.approx(1 + 0.8 + 0.5 + 0.2)
+    # past the data: geometric with the last conditional rate 0.2/0.5
+    assert cost.expected_tokens(acc, 10, 4) == pytest.approx(2.5 + 0.2 * 0.4)
+    v = {"0": 1.0, "1": 1.1, "2": 1.3, "3": 2.5}
+    rec = cost.recommend_k(acc, 10, v, c=0.05)
+    table = {k: cost.expected_tokens(acc, 10, k) / (v[str(k)] + k * 0.05) for k in range(4)}
+    assert rec["k"] == max(table, key=table.get)
+    assert cost.recommend_k([0, 0], 10, v, c=0.0)["k"] == 0  # never accepted: do not speculate
+    assert cost.tau_from_alpha(0.5, 3) == pytest.approx(1.875) and cost.tau_from_alpha(1.0, 3) == 4.0
+
+
+def test_verify_cost_measured(tiny_target):
+    cm = cost.measure_verify_cost(tiny_target, context_length=16, k_max=4, repeats=2)
+    assert set(cm["v"]) == {"0", "1", "2", "3", "4"} and cm["v"]["0"] == 1.0
+    assert all(x > 0 for x in cm["v"].values()) and cm["t_step_s"] > 0
+
+
+def check_report(report, out_dir, lossless=True):
+    for d in list(report["domains"].values()) + [report["overall"]]:
+        for f in DOMAIN_FIELDS:
+            assert f in d, f
+        assert d["lossless"] is lossless
+        assert d["tau"] >= 1.0 and d["tokens_per_s"] > 0 and d["baseline_tokens_per_s"] > 0
+    for key in ("cost_model", "recommended_k", "policy", "memory", "references", "machine", "command", "date"):
+        assert key in report, key
+    assert set(report["policy"]) == set(report["domains"])
+    assert all({"enable", "threshold", "reason"} <= set(p) for p in report["policy"].values())
+    assert report["memory"]["peak_rss_mb"] > 0
+    assert "v" in report["cost_model"] and "c" in report["cost_model"]
+    for name in ("report.json", "report.md", "acceptance_per_position.png", "domains.png", "verify_cost.png"):
+        assert (out_dir / name).stat().st_size > 0, name
+    assert json.loads((out_dir / "report.json").read_text())["overall"]["n_prompts"] == report["overall"]["n_prompts"]
+
+
+def test_evaluate_api_draft_with_hf_references(tiny_target, prompt_files, tmp_path):
+    from draftsmith.decoding.draft import DraftProposer
+    from draftsmith.evaluation.evaluate import evaluate
+    from draftsmith.evaluation.report import write_report
+
+    report = evaluate(tiny_target, DraftProposer(tiny_target), prompts=prompt_files, max_new_tokens=8, k=3,
+                      cost_context=16, cost_k_max=4, cost_repeats=1, limit_per_domain=2)
+    out = write_report(report, tmp_path / "r")
+    check_report(report, out)
+    assert report["overall"]["alpha"] == 1.0  # the target drafting for itself
+    assert report["overall"]["n_prompts"] == 2 + 2 + 1
+    refs = report["references"]
+    assert refs["hf_generate"]["matches_plain_decoding"] is True
+    assert refs["hf_assisted_generate"]["matches_target_greedy"] is True
+    assert refs["hf_assisted_generate"]["tokens_per_s"] > 0
+
+
+def test_cli_end_to_end(tiny_target, prompt_files, tmp_path, capsys):
+    from draftsmith.cli import main
+
+    out = tmp_path / "cli"
+    code = main(["evaluate", "--target", str(tiny_target.folder), "--proposer", "ngram", "--prompts",
+                 *map(str, prompt_files), "--max-new-tokens", "8", "--k", "2", "--temperature", "0",
+                 "--limit-per-domain", "1", "--out", str(out), "--cost-k-max", "3", "--cost-repeats", "1",
+                 "--cost-context", "16"])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    check_report(report, out)
+    assert report["settings"]["k"] == 2 and report["overall"]["n_prompts"] == 3
+    assert "| alpha |" in (out / "report.md").read_text()
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_cli_fingerprint_mismatch(tiny_target, other_target, prompt_files, tmp_path, capsys):
+    from draftsmith.artifact import make_manifest, save_artifact
+    from draftsmith.cli import main
+
+    def writer(tmp):
+        tiny_target.model.save_pretrained(tmp)
+        tiny_target.tokenizer.save_pretrained(tmp)
+
+    art = save_artifact(tmp_path / "d", make_manifest("draft", other_target.fingerprint(), {}), writer=writer)
+    code = main(["evaluate", "--target", str(tiny_target.folder), "--proposer", f"draft:{art}", "--prompts",
+                 str(prompt_files[0]), "--out", str(tmp_path / "x")])
+    assert code == 2
+    assert "different target" in capsys.readouterr().err
