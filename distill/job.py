@@ -172,11 +172,16 @@ class DistillJob:
         return int(batch["attention_mask"].sum())
 
     @torch.no_grad()
-    def teacher(self, batch: dict[str, torch.Tensor], online: bool) -> dict[str, torch.Tensor]:
-        """{"logits": [B, T, V]} online with full logits, else {"topk_values", "topk_indices"} [B, T, k]."""
+    def teacher(self, batch: dict[str, torch.Tensor], online: bool,
+                select: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The target at the positions `select` [B, T] (bool; None = all): {"logits": [N, V]} online with full
+        logits, else {"topk_values", "topk_indices"} [N, k] (online top-k, or the offline cache)."""
+        if select is None:
+            select = batch["attention_mask"].bool()
         if not online and self.features is not None:
-            return self.features(batch)
-        logits = self.teacher_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            f = self.features(batch)
+            return {k: v[select] for k, v in f.items()}
+        logits = vocab_logits(self.teacher_model, batch, select)
         if self.topk:
             v, i = torch.topk(logits.float(), self.topk, dim=-1)
             return {"topk_values": v, "topk_indices": i}
@@ -218,18 +223,21 @@ class DistillJob:
                 float(torch.rand(())) < self.cfg.on_policy.fraction:  # torch RNG: checkpointed by the loop
             batch = self.on_policy_batch(module, batch)
             on_policy = 1.0
-        out = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        student = out.logits[:, :-1]  # position t predicts token t+1
-        labels = batch["input_ids"][:, 1:]
-        mask = batch["loss_mask"][:, 1:]
+        # position t predicts token t+1; only positions whose next token is learned go through the
+        # vocab head (at 49k vocab the lm_head is most of a small draft's FLOPs)
+        select = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
+        select[:, :-1] = batch["loss_mask"][:, 1:].bool()
+        student = vocab_logits(module, batch, select)  # [N, V]
+        labels = batch["input_ids"][:, 1:][select[:, :-1]]  # [N]
+        mask = None  # every selected position counts
         kd = self.cfg.kd
         teacher_logits = teacher_topk = None
         if self.uses_teacher or not module.training:  # eval always measures the gap to the target
-            t = self.teacher(batch, online=bool(on_policy))
+            t = self.teacher(batch, online=bool(on_policy), select=select)
             if "logits" in t:
-                teacher_logits = t["logits"][:, :-1]
+                teacher_logits = t["logits"]
             else:
-                teacher_topk = (t["topk_values"][:, :-1], t["topk_indices"][:, :-1])
+                teacher_topk = (t["topk_values"], t["topk_indices"])
         if self.uses_teacher:
             loss, metrics = distill_loss(student, labels, mask, teacher_logits, teacher_topk, kd.divergence,
                                          kd.temperature, kd.beta, kd.ce_weight, kd.tail)
@@ -257,6 +265,20 @@ class DistillJob:
             copy_tokenizer(self.target, tmp)
 
         return artifact.save_artifact(out_dir, manifest, writer=write)
+
+
+def vocab_logits(model, batch: dict[str, torch.Tensor], select: torch.Tensor) -> torch.Tensor:
+    """Logits [N, V] of `model` at the N positions where select [B, T] is true.
+
+    The forward runs through `model` itself (a DDP / peft wrapper stays in the graph) with the vocab
+    projection cut to one position (`logits_to_keep=1`); the post-norm last hidden state (transformers 5
+    `hidden_states[-1]`) is then projected only where needed.
+    """
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                logits_to_keep=1)
+    inner = getattr(model, "module", model)
+    head = inner.get_output_embeddings()
+    return head(out.hidden_states[-1][select])
 
 
 def copy_tokenizer(target, dest: Path) -> None:

@@ -56,7 +56,7 @@ _LOG_FLOOR = -1e4
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean of values [...] over positions where mask [...] is nonzero (0 if none; the graph is kept)."""
     if mask is None:
-        return values.mean()
+        return values.sum() / max(values.numel(), 1)
     m = mask.to(values.dtype)
     return (values * m).sum() / m.sum().clamp_min(1.0)
 
