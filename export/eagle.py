@@ -41,10 +41,10 @@ from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.export.common import dtype_name, state_dtype
 from draftsmith.export.verify import (
     Spec,
+    VerificationError,
     check,
     compare,
     read_header,
-    VerificationError,
     read_tensors,
     register_verifier,
     st_dtype,
@@ -197,7 +197,7 @@ def write_layout(tmp: Path, fmt: str, cfg: dict, state: dict[str, torch.Tensor],
 
 # --- specs -------------------------------------------------------------------------------------------
 def _layer_spec(prefix: str, c: dict, dt: str, first_in: int, eagle3: bool) -> Spec:
-    H, I = c["hidden_size"], c["intermediate_size"]
+    H, inter = c["hidden_size"], c["intermediate_size"]
     nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or H // nh
     spec = {
@@ -205,9 +205,9 @@ def _layer_spec(prefix: str, c: dict, dt: str, first_in: int, eagle3: bool) -> S
         f"{prefix}self_attn.k_proj.weight": ((nkv * hd, first_in), dt),
         f"{prefix}self_attn.v_proj.weight": ((nkv * hd, first_in), dt),
         f"{prefix}self_attn.o_proj.weight": ((H, nh * hd), dt),
-        f"{prefix}mlp.gate_proj.weight": ((I, H), dt),
-        f"{prefix}mlp.up_proj.weight": ((I, H), dt),
-        f"{prefix}mlp.down_proj.weight": ((H, I), dt),
+        f"{prefix}mlp.gate_proj.weight": ((inter, H), dt),
+        f"{prefix}mlp.up_proj.weight": ((inter, H), dt),
+        f"{prefix}mlp.down_proj.weight": ((H, inter), dt),
         f"{prefix}post_attention_layernorm.weight": ((H,), dt),
     }
     if eagle3:

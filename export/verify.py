@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import ArtifactError
-from draftsmith.export.common import ST_DTYPES, TORCH_TO_ST
+from draftsmith.export.common import TORCH_TO_ST
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype name)
 

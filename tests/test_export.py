@@ -1,0 +1,320 @@
+"""Export: key names and shapes pinned per format, verification catches broken exports, round trips,
+transformers assisted generation and speculators loading as real consumers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith import artifact
+from draftsmith.export.api import export_artifact, import_export
+from draftsmith.export.verify import VerificationError, read_header, verify_export
+
+H, NH, NKV, HD, INTER = 64, 4, 2, 16, 128
+
+
+@pytest.fixture(scope="module")
+def deep_target(tiny_tokenizer, tmp_path_factory):
+    """A 4-layer tiny target: EAGLE-3 needs three distinct feature layers."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import make_target
+
+    return make_target(tiny_tokenizer, seed=5, layers=4, folder=tmp_path_factory.mktemp("deep_target"))
+
+
+# --- artifact builders (tiny) ------------------------------------------------------------------------
+def make_draft_artifact(target, path):
+    """A layer-truncated copy of the target (1 of 2 layers + embeddings + norm + lm_head)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = target.model.config.to_dict()
+    cfg["num_hidden_layers"] = 1
+    cfg.pop("layer_types", None)
+    from transformers import LlamaConfig
+
+    draft = LlamaForCausalLM(LlamaConfig(**cfg))
+    sd = {k: v for k, v in target.model.state_dict().items() if ".layers.1." not in k}
+    draft.load_state_dict(sd, strict=False)
+    draft.generation_config = target.model.generation_config
+    manifest = artifact.make_manifest("draft", target.fingerprint(), {"builder": "truncated", "layers": 1})
+
+    def writer(tmp):
+        draft.save_pretrained(tmp)
+        target.tokenizer.save_pretrained(tmp)
+
+    return artifact.save_artifact(path, manifest, writer=writer)
+
+
+def make_medusa_artifact(target, path, share=False, heads=3, layers=1):
+    from draftsmith.heads.medusa import MedusaHeads, MedusaTree
+
+    torch.manual_seed(3)
+    m = MedusaHeads.from_target(target.config, heads, layers, share, lm_head=target.model.lm_head)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    manifest = artifact.make_manifest("medusa", target.fingerprint(), {})
+    cfg = {"hidden_size": H, "vocab_size": target.vocab_size, "num_heads": heads, "num_layers": layers,
+           "share_lm_head": share}
+    tree = MedusaTree([(0,), (1,), (0, 0), (0, 0, 0)])
+
+    def writer(tmp):
+        (tmp / "tree.json").write_text(json.dumps(tree.to_json()))
+
+    return artifact.save_artifact(path, manifest, m.state_dict(), cfg, writer=writer)
+
+
+def eagle_state(version: int, vocab: int, draft_vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return 0.1 * torch.randn(*shape, generator=g)
+
+    first_in = 2 * H if version == 3 else H
+    s = {
+        "layer.self_attn.q_proj.weight": r(NH * HD, first_in), "layer.self_attn.k_proj.weight": r(NKV * HD, first_in),
+        "layer.self_attn.v_proj.weight": r(NKV * HD, first_in), "layer.self_attn.o_proj.weight": r(H, NH * HD),
+        "layer.mlp.gate_proj.weight": r(INTER, H), "layer.mlp.up_proj.weight": r(INTER, H),
+        "layer.mlp.down_proj.weight": r(H, INTER), "layer.post_attention_layernorm.weight": 1 + r(H),
+    }
+    if version == 3:
+        s.update({"layer.input_layernorm.weight": 1 + r(H), "layer.hidden_norm.weight": 1 + r(H),
+                  "fc.weight": r(H, 3 * H), "norm.weight": 1 + r(H), "lm_head.weight": r(draft_vocab, H)})
+        keep = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[keep] = True
+        s["t2d"], s["d2t"] = t2d, keep - torch.arange(draft_vocab)
+    else:
+        s.update({"fc.weight": r(H, 2 * H), "fc.bias": r(H)})
+    return s
+
+
+def make_eagle_artifact(target, path, version=3, draft_vocab=100, **state_over):
+    state = eagle_state(version, target.vocab_size, draft_vocab)
+    state.update(state_over)
+    cfg = {"version": version, "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": HD,
+           "intermediate_size": INTER, "rms_norm_eps": 1e-5}
+    if version == 3:
+        cfg["aux_layers"] = [0, 1, -1]  # draftsmith convention: outputs of layers 0, 1 and the last (3)
+    manifest = artifact.make_manifest("eagle", target.fingerprint(), {})
+    return artifact.save_artifact(path, manifest, state, cfg)
+
+
+# --- draft models ----------------------------------------------------------------------------------------
+def test_draft_export_hf_assisted_generation_matches_target(tiny_target, tmp_path):
+    art = make_draft_artifact(tiny_target, tmp_path / "draft")
+    res = export_artifact(art, "hf", tmp_path / "out", tiny_target, num_speculative_tokens=3)
+    out = res.out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == tiny_target.vocab_size and cfg["num_hidden_layers"] == 1
+    assert json.loads((out / "generation_config.json").read_text())["num_assistant_tokens"] == 3
+    assert (out / "tokenizer.json").read_bytes() == (tiny_target.folder / "tokenizer.json").read_bytes()
+    assert "model.layers.0.self_attn.q_proj.weight" in read_header(out / "model.safetensors")
+    assert any("assistant_model" in c for c in res.checks), res.checks
+    guard = json.loads((out / "draftsmith.json").read_text())
+    assert guard["target"] == tiny_target.fingerprint() and guard["artifact"]["kind"] == "draft"
+
+
+@pytest.mark.parametrize("stack,needle", [("vllm", '"method": "draft_model"'), ("sglang", "STANDALONE"),
+                                          ("trtllm", "decoding_type: DraftTarget")])
+def test_draft_export_serve_commands(tiny_target, tmp_path, stack, needle):
+    art = make_draft_artifact(tiny_target, tmp_path / "draft")
+    res = export_artifact(art, stack, tmp_path / stack, tiny_target, verify=False)
+    serve = (res.out / "serve.md").read_text()
+    assert needle in serve and str(res.out) in serve
+    assert verify_export(res.out)  # spec + tokenizer checks from disk alone
+
+
+def test_draft_export_catches_renamed_tensor(tiny_target, tmp_path):
+    art = make_draft_artifact(tiny_target, tmp_path / "draft")
+    out = export_artifact(art, "vllm", tmp_path / "o", verify=False).out
+    sd = load_file(out / "model.safetensors")
+    sd["model.layers.0.mlp.gate.weight"] = sd.pop("model.layers.0.mlp.gate_proj.weight")
+    save_file(sd, out / "model.safetensors")
+    with pytest.raises(VerificationError, match=r"missing tensor 'model.layers.0.mlp.gate_proj.weight'.*unexpected tensor 'model.layers.0.mlp.gate.weight'"):
+        verify_export(out)
+
+
+# --- Medusa ------------------------------------------------------------------------------------------------
+def test_medusa_vllm_layout_pinned(tiny_target, tmp_path):
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    res = export_artifact(art, "vllm", tmp_path / "v", tiny_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3 and cfg["num_hidden_layers"] == 1
+    assert cfg["medusa_fc_bias"] is True and cfg["truncated_vocab_size"] == cfg["vocab_size"] == tiny_target.vocab_size
+    hdr = read_header(res.out / "model.safetensors")
+    assert set(hdr) == {f"blocks.{h}.layers.0.{p}" for h in range(3) for p in ("weight", "bias")} | {
+        f"lm_heads.{h}.weight" for h in range(3)}
+    assert hdr["lm_heads.2.weight"] == ((tiny_target.vocab_size, H), "F32")
+    assert '"method": "medusa"' in (res.out / "serve.md").read_text()
+
+
+def test_medusa_trtllm_layout_shared_lm_head_and_tree(tiny_target, tmp_path):
+    art = make_medusa_artifact(tiny_target, tmp_path / "m", share=True, layers=2)
+    res = export_artifact(art, "trtllm", tmp_path / "t", tiny_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert {cfg["medusa_num_heads"], cfg["medusa_num_layers"]} == {3, 2}
+    t = load_file(res.out / "medusa_lm_head.safetensors")
+    assert set(t) == {f"{h}.{ell}.linear.{p}" for h in range(3) for ell in range(2) for p in ("weight", "bias")} | {
+        f"{h}.2.weight" for h in range(3)}
+    for h in range(3):  # share_lm_head: the target's lm_head written into every head
+        assert torch.equal(t[f"{h}.2.weight"], tiny_target.model.lm_head.weight)
+    serve = (res.out / "serve.md").read_text()
+    assert "decoding_type: Medusa" in serve and "medusa_choices: [[0], [1], [0, 0], [0, 0, 0]]" in serve
+
+
+def test_medusa_sglang_refused(tiny_target, tmp_path):
+    from draftsmith.errors import ConfigError
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    with pytest.raises(ConfigError, match="SGLang has no Medusa"):
+        export_artifact(art, "sglang", tmp_path / "s", tiny_target)
+
+
+@pytest.mark.parametrize("stack", ["vllm", "trtllm"])
+def test_medusa_round_trip_same_weights_same_predictions(tiny_target, tmp_path, stack):
+    from draftsmith.heads.medusa_job import load_medusa
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    out = export_artifact(art, stack, tmp_path / "x", tiny_target).out
+    back = import_export(out, tmp_path / "back")
+    h0, tree0, _ = load_medusa(art, tiny_target)
+    h1, tree1, _ = load_medusa(back, tiny_target)
+    s0, s1 = h0.state_dict(), h1.state_dict()
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert tree0.paths == tree1.paths
+    x = torch.randn(2, 5, H)
+    assert torch.equal(h0(x), h1(x))
+
+
+def test_medusa_wrong_shape_caught(tiny_target, tmp_path):
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    out = export_artifact(art, "vllm", tmp_path / "v", verify=False).out
+    sd = load_file(out / "model.safetensors")
+    sd["blocks.1.layers.0.weight"] = sd["blocks.1.layers.0.weight"][:, :32].contiguous()
+    save_file(sd, out / "model.safetensors")
+    with pytest.raises(VerificationError, match=r"'blocks.1.layers.0.weight' has shape \[64, 32\], expected \[64, 64\]"):
+        verify_export(out)
+
+
+# --- EAGLE ------------------------------------------------------------------------------------------------
+def test_eagle3_speculators_layout_and_layer_ids(deep_target, tmp_path):
+    art = make_eagle_artifact(deep_target, tmp_path / "e")
+    res = export_artifact(art, "vllm", tmp_path / "v", deep_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    hdr = read_header(res.out / "model.safetensors")
+    assert hdr["layers.0.self_attn.q_proj.weight"] == ((NH * HD, 2 * H), "F32")
+    assert hdr["fc.weight"] == ((H, 3 * H), "F32") and hdr["lm_head.weight"] == ((100, H), "F32")
+    assert hdr["d2t"] == ((100,), "I64") and hdr["t2d"] == ((deep_target.vocab_size,), "BOOL")
+    assert "layers.0.hidden_norm.weight" in hdr and not any(k.startswith("midlayer.") for k in hdr)
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is False
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(deep_target.folder)
+    ds = json.loads((res.out / "draftsmith.json").read_text())["eagle"]["aux_layers_draftsmith"]
+    assert ds == [0, 1, 3]  # [0, 1, -1] resolved on the 4-layer target
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # vLLM id = draftsmith id + 1
+    assert '"method": "eagle3"' in (res.out / "serve.md").read_text()
+
+
+@pytest.mark.parametrize("stack", ["sglang", "trtllm"])
+def test_eagle3_midlayer_layout(deep_target, tmp_path, stack):
+    art = make_eagle_artifact(deep_target, tmp_path / "e")
+    res = export_artifact(art, stack, tmp_path / stack, deep_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    hdr = read_header(res.out / "model.safetensors")
+    assert "midlayer.self_attn.q_proj.weight" in hdr and "midlayer.hidden_norm.weight" in hdr
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 100
+    assert cfg["tie_word_embeddings"] is False and cfg["torch_dtype"] == "float32"
+    ds = json.loads((res.out / "draftsmith.json").read_text())["eagle"]["aux_layers_draftsmith"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ds  # SGLang/TRT-LLM: output-of-layer ids
+    serve = (res.out / "serve.md").read_text()
+    assert ("--speculative-algorithm EAGLE3" in serve) if stack == "sglang" else ("decoding_type: Eagle3" in serve)
+
+
+def test_eagle3_full_vocab_has_no_maps(deep_target, tmp_path):
+    V = deep_target.vocab_size
+    art = make_eagle_artifact(deep_target, tmp_path / "e", draft_vocab=V)
+    res = export_artifact(art, "sglang", tmp_path / "s", deep_target)
+    assert "d2t" not in read_header(res.out / "model.safetensors")
+
+
+def test_eagle3_d2t_off_by_one_caught(deep_target, tmp_path):
+    art = make_eagle_artifact(deep_target, tmp_path / "e")
+    out = export_artifact(art, "sglang", tmp_path / "s", verify=False).out
+    sd = load_file(out / "model.safetensors")
+    sd["d2t"] = sd["d2t"] + 1
+    save_file(sd, out / "model.safetensors")
+    with pytest.raises(VerificationError, match="d2t is inconsistent with t2d"):
+        verify_export(out)
+
+
+def test_eagle1_bias_per_stack(deep_target, tmp_path):
+    from draftsmith.errors import ConfigError
+
+    art = make_eagle_artifact(deep_target, tmp_path / "e1", version=1)
+    sg = export_artifact(art, "sglang", tmp_path / "sg", deep_target).out
+    hdr = read_header(sg / "model.safetensors")
+    assert "fc.bias" in hdr and "layers.0.input_layernorm.weight" not in hdr
+    with pytest.raises(ConfigError, match="non-zero fc.bias"):
+        export_artifact(art, "vllm", tmp_path / "v", deep_target)
+    art0 = make_eagle_artifact(deep_target, tmp_path / "e0", version=1, **{"fc.bias": torch.zeros(H)})
+    v = export_artifact(art0, "vllm", tmp_path / "v0", deep_target).out
+    assert "fc.bias" not in read_header(v / "model.safetensors")
+    # a missing fc bias where SGLang requires one is caught
+    sd = load_file(sg / "model.safetensors")
+    del sd["fc.bias"]
+    save_file(sd, sg / "model.safetensors")
+    with pytest.raises(VerificationError, match="missing tensor 'fc.bias'"):
+        verify_export(sg)
+
+
+@pytest.mark.parametrize("stack", ["vllm", "sglang"])
+def test_eagle3_round_trip_same_weights(deep_target, tmp_path, stack):
+    art = make_eagle_artifact(deep_target, tmp_path / "e")
+    out = export_artifact(art, stack, tmp_path / "x", deep_target).out
+    back = import_export(out, tmp_path / "back")
+    _, s0 = artifact.load_artifact(art, "eagle", deep_target)
+    _, s1 = artifact.load_artifact(back, "eagle", deep_target)
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    cfg = json.loads((back / "config.json").read_text())
+    assert cfg["aux_layers"] == json.loads((out / "draftsmith.json").read_text())["eagle"]["aux_layers_draftsmith"]
+
+
+def test_eagle3_speculators_loads_and_runs(deep_target, tmp_path):
+    pytest.importorskip("speculators")
+    art = make_eagle_artifact(deep_target, tmp_path / "e")
+    res = export_artifact(art, "vllm", tmp_path / "v", deep_target)
+    assert any(c.startswith("speculators") for c in res.checks), res.checks
+
+
+# --- compatibility guard and CLI -----------------------------------------------------------------------
+def test_guard_readable_by_check_and_refuses_other_target(tiny_target, other_target, tmp_path):
+    from draftsmith.errors import FingerprintMismatch
+    from draftsmith.targets.commands import read_fingerprint
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    out = export_artifact(art, "vllm", tmp_path / "v", tiny_target).out
+    fp, source = read_fingerprint(out)
+    assert source == "manifest.json" or source == "draftsmith.json"
+    assert fp == tiny_target.fingerprint()
+    assert not (out / "manifest.json").exists()  # the guard is the export's only fingerprint file
+    with pytest.raises(FingerprintMismatch):
+        export_artifact(art, "vllm", tmp_path / "w", other_target)
+
+
+def test_cli_export(tiny_target, tmp_path, capsys):
+    from draftsmith.cli import main
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    rc = main(["export", "--artifact", str(art), "--to", "trtllm", "--out", str(tmp_path / "c"),
+               "--target", str(tiny_target.folder)])
+    assert rc == 0, capsys.readouterr().err
+    assert "verified:" in capsys.readouterr().out
+    rc = main(["export", "--artifact", str(tmp_path / "nope"), "--to", "vllm", "--out", str(tmp_path / "d"),
+               "--target", str(tiny_target.folder)])
+    assert rc == 2
