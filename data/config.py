@@ -65,6 +65,7 @@ class SourceConfig:
     chunk_lines: int = 24  # lines of module text shown in a continuation prompt
 
     def __post_init__(self):
+        self.domain_rules = [DomainRule(**r) if isinstance(r, dict) else r for r in self.domain_rules]
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
             raise ValueError(f"source name {self.name!r} must be non-empty [A-Za-z0-9_.-]")
         if self.type in ("jsonl", "hf"):

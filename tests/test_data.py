@@ -1,0 +1,421 @@
+"""Data pipeline: sources, loss masks, malformed rows, overlap, batched == single decoding, resume, capture."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.config import load_config
+from draftsmith.data import generate_dataset, load_distilled, load_prompts, tokenize_conversation
+from draftsmith.data.config import CaptureConfig, ChatConfig, DataConfig, EvalSetConfig, GenerationConfig, SourceConfig
+from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.masks import masked_spans
+from draftsmith.data.overlap import find_overlap, load_eval_texts
+from draftsmith.data.sources import stdlib_code_rows
+from draftsmith.errors import ConfigError, DataError, FingerprintMismatch
+
+SHARED = Path("/work/shared/data")
+TRAIN = SHARED / "train"
+needs_shared = pytest.mark.skipif(not TRAIN.is_dir(), reason="shared data not present")
+
+CONVO = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "The answer is 4."},
+    {"role": "user", "content": "And times 3?"},
+    {"role": "assistant", "content": " It is  12.\n"},
+]
+
+
+def _spans_text(tok, ids, mask):
+    return [tok.decode(ids[a:b], skip_special_tokens=False) for a, b in masked_spans(ids, mask)]
+
+
+# ----------------------------------------------------------------------------------- masks
+
+
+def test_mask_multi_turn_decodes_back(tiny_tokenizer):
+    ids, mask = tokenize_conversation(tiny_tokenizer, CONVO)
+    assert len(ids) == len(mask) and 0 < sum(mask) < len(mask)
+    assert _spans_text(tiny_tokenizer, ids, mask) == ["The answer is 4.<|im_end|>", " It is  12.\n<|im_end|>"]
+    # the ids are the template's own tokenization
+    assert ids == tiny_tokenizer.apply_chat_template(CONVO, tokenize=True, return_dict=True)["input_ids"]
+
+
+def test_generation_prompt_has_no_mask(tiny_tokenizer):
+    ids, mask = tokenize_conversation(tiny_tokenizer, CONVO[:1], add_generation_prompt=True)
+    assert sum(mask) == 0
+    assert tiny_tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_plain_mode(tiny_tokenizer):
+    ids, mask = tokenize_conversation(tiny_tokenizer, CONVO[:2], mode="plain")
+    assert "<|im_start|>user" not in tiny_tokenizer.decode(ids)
+    assert _spans_text(tiny_tokenizer, ids, mask) == ["The answer is 4.<|im_end|>"]
+
+
+def test_auto_mode_without_template_is_plain(tiny_tokenizer):
+    import copy
+
+    base = copy.deepcopy(tiny_tokenizer)
+    base.chat_template = None
+    ids, mask = tokenize_conversation(base, CONVO[:2])
+    assert _spans_text(base, ids, mask) == ["The answer is 4.<|im_end|>"]
+    with pytest.raises(DataError, match="no chat template"):
+        tokenize_conversation(base, CONVO[:2], mode="chat")
+
+
+@pytest.mark.parametrize("template, match", [
+    # rewrites the assistant text: the decode-back check can never hold
+    ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>\n{% endfor %}"
+     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "verbatim"),
+    # writes a running message count first: no rendering is a prefix of a longer one
+    ("{{ messages | length }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "prefix-stable"),
+    # no end-of-turn token after the assistant turn: the model could never learn to stop
+    ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+     "{% if add_generation_prompt %}[assistant] {% endif %}", "end-of-turn"),
+])
+def test_unmaskable_template_raises(tiny_tokenizer, template, match):
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = template
+    with pytest.raises(DataError, match=match):
+        tokenize_conversation(tok, CONVO)
+
+
+def test_mask_boundary_inside_token_raises(tiny_tokenizer):
+    import copy
+
+    # "assistant " then the content: byte-level BPE merges the space into the content's first word
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+                         "{% if add_generation_prompt %}assistant {% endif %}")
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer"}]
+    with pytest.raises(DataError, match="token boundary"):
+        tokenize_conversation(tok, convo)
+
+
+# ----------------------------------------------------------------------------------- sources
+
+
+def _cfg(tmp_path, sources, **kw):
+    kw.setdefault("generation", GenerationConfig(max_new_tokens=12, batch_size=4, flush_every=2))
+    return DataConfig(sources=sources, output_dir=str(tmp_path / "out"), **kw)
+
+
+@needs_shared
+def test_every_shared_train_file_loads(tmp_path):
+    sources = [
+        SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl"), prompt="question", domain="math", limit=30),
+        SourceConfig(name="t0", path=str(TRAIN / "t0_prompts.jsonl"), prompt="prompt", limit=200, domain="nlp",
+                     domain_rules=[{"field": "source", "pattern": "xsum|cnn_dailymail|gigaword|samsum|multi_news",
+                                    "domain": "summarization"},
+                                   {"field": "source", "pattern": "qa|quoref|ropes|duorc", "domain": "qa"}]),
+        SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl"),
+                     prompt_template="{instruction}\n\n{instances[0][input]}", domain="general"),
+    ]
+    cfg = _cfg(tmp_path, sources)
+    ps = load_prompts(cfg)
+    counts = ps.domain_counts()
+    assert counts["math"] == 30 and counts["general"] == 175
+    assert {"summarization", "qa", "nlp"} <= set(counts)
+    assert sum(counts.values()) == 30 + 200 + 175 - ps.duplicates
+    seed = [r for r in ps.rows if r.source == "seed"]
+    assert all(r.prompt.strip() == r.prompt and r.prompt for r in seed)
+    # row ids are stable across loads
+    assert [r.row_id for r in load_prompts(cfg).rows] == [r.row_id for r in ps.rows]
+
+
+@needs_shared
+def test_eval_set_schemas_load_as_multi_turn():
+    texts = load_eval_texts([EvalSetConfig(path=str(SHARED / "eval/eagle/alpaca.jsonl"), turns="turns"),
+                             EvalSetConfig(path=str(SHARED / "eval/user_oriented_instructions.jsonl"),
+                                           prompt_template="{instruction}\n\n{instances[0][input]}")], 8)
+    assert len(texts) >= 80 + 252
+
+
+def test_eval_data_cannot_be_a_source(tmp_path):
+    ev = tmp_path / "eval"
+    ev.mkdir()
+    (ev / "x.jsonl").write_text('{"q": "hi"}\n')
+    with pytest.raises(ValueError, match="held-out"):
+        DataConfig(sources=[SourceConfig(name="x", path=str(ev / "x.jsonl"), prompt="q", domain="d")],
+                   output_dir=str(tmp_path / "o"), eval_dirs=[str(ev)])
+
+
+def test_stdlib_code_source_is_deterministic():
+    src = SourceConfig(name="code", type="stdlib", domain="code", limit=12, seed=3)
+    a, b = stdlib_code_rows(src), stdlib_code_rows(src)
+    assert [r.row_id for r in a] == [r.row_id for r in b] and len(a) == 12
+    assert all(r.domain == "code" and "```python" in r.prompt for r in a)
+    fn = [r for r in a if r.prompt.startswith("Complete")]
+    assert fn and all("def " in r.prompt for r in fn)
+    other = stdlib_code_rows(SourceConfig(name="code", type="stdlib", domain="code", limit=12, seed=4))
+    assert [r.row_id for r in other] != [r.row_id for r in a]
+
+
+def _bad_file(tmp_path) -> Path:
+    p = tmp_path / "rows.jsonl"
+    p.write_text("\n".join([
+        json.dumps({"q": "What is the capital of France?"}),  # 1 ok
+        '{"q": "broken',  # 2 bad JSON
+        json.dumps({"question": "wrong field"}),  # 3 missing field
+        json.dumps({"q": "   "}),  # 4 empty prompt
+        json.dumps({"q": "word " * 400}),  # 5 too long
+        json.dumps({"q": "How many legs does a spider have?"}),  # 6 ok
+    ]) + "\n")
+    return p
+
+
+def test_malformed_rows_skip_with_line_numbers(tmp_path, tiny_target):
+    p = _bad_file(tmp_path)
+    cfg = _cfg(tmp_path, [SourceConfig(name="x", path=str(p), prompt="q", domain="d")],
+               generation=GenerationConfig(max_prompt_tokens=64))
+    ps = load_prompts(cfg, prompt_length=lambda r: len(tiny_target.tokenizer(r.prompt)["input_ids"]))
+    assert len(ps.rows) == 2
+    where = {o.rsplit(":", 1)[1]: r for o, r in ps.malformed.items}
+    assert set(where) == {"2", "3", "4", "5"}
+    assert where["2"].startswith("bad JSON") and "missing field 'q'" in where["3"]
+    assert where["4"] == "empty prompt" and where["5"].startswith("prompt too long")
+    assert "4 malformed rows skipped" in ps.malformed.summary()
+
+
+def test_malformed_rows_fail_policy_names_file_and_line(tmp_path):
+    p = _bad_file(tmp_path)
+    cfg = _cfg(tmp_path, [SourceConfig(name="x", path=str(p), prompt="q", domain="d")], malformed="fail")
+    with pytest.raises(DataError, match=rf"{p.name}:2: bad JSON"):
+        load_prompts(cfg)
+
+
+def test_empty_after_filtering_raises(tmp_path):
+    p = tmp_path / "e.jsonl"
+    p.write_text('{"q": ""}\n{"z": 1}\n')
+    with pytest.raises(DataError, match="no prompts left"):
+        load_prompts(_cfg(tmp_path, [SourceConfig(name="x", path=str(p), prompt="q", domain="d")]))
+
+
+def test_hf_dataset_source(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["one prompt", "two prompt", ""]}).save_to_disk(str(tmp_path / "ds"))
+    cfg = _cfg(tmp_path, [SourceConfig(name="hf", type="hf", path=str(tmp_path / "ds"), prompt="text", domain="d")])
+    ps = load_prompts(cfg)
+    assert [r.prompt for r in ps.rows] == ["one prompt", "two prompt"]
+    assert ps.malformed.items[0] == (f"{tmp_path / 'ds'}[2]", "empty prompt")
+
+
+def test_hf_hub_unreachable_is_a_clear_error(tmp_path, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network wait in the test
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cfg = _cfg(tmp_path, [SourceConfig(name="hub", type="hf", path="no-such-org/no-such-set", prompt="t", domain="d")])
+    with pytest.raises(DataError, match="from the Hugging Face hub"):
+        load_prompts(cfg)
+
+
+def test_overlap_detects_exact_substring_and_near(tmp_path):
+    ev = tmp_path / "eval.jsonl"
+    q1 = "Darrell and Allen's ages are in the ratio of 7:11. If their total age now is 162, calculate Allen's age."
+    q2 = "Write a short poem about the sea at night with the moon shining over the quiet waves and sand."
+    ev.write_text(json.dumps({"turns": [q1]}) + "\n" + json.dumps({"turns": [q2]}) + "\n")
+    tr = tmp_path / "train.jsonl"
+    tr.write_text("\n".join(json.dumps({"q": q}) for q in [
+        q1.upper(),  # exact after normalisation
+        "Read the story about the family first and think about every number in it carefully before you "
+        "answer, then solve the following problem step by step and explain each step to a young student: "
+        + q1 + " Show your work.",  # eval question pasted inside a longer prompt
+        q2.replace("quiet", "calm"),  # near-duplicate
+        "Completely unrelated question about cooking pasta for dinner tonight with friends.",
+    ]) + "\n")
+    cfg = _cfg(tmp_path, [SourceConfig(name="t", path=str(tr), prompt="q", domain="d")])
+    rows = load_prompts(cfg).rows
+    rep = find_overlap(rows, load_eval_texts([EvalSetConfig(path=str(ev), turns="turns")], 8), 8, 0.5)
+    assert rep.rows == {0, 1, 2}
+    assert set(rep.counts()) == {"exact", "substring", "near-duplicate"}
+
+
+# ----------------------------------------------------------------------------------- engine
+
+
+def _random_requests(vocab: int, n: int = 13, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(i, [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 25))], rng.randrange(1, 30))
+            for i in range(n)]
+
+
+def _run(target, reqs, bs, **kw):
+    out = {}
+    ContinuousBatcher(target.model, [target.tokenizer.eos_token_id, 5], target.tokenizer.pad_token_id,
+                      batch_size=bs, **kw).run(reqs, lambda c: out.__setitem__(c.key, c))
+    return out
+
+
+def test_batched_greedy_equals_one_at_a_time(tiny_target):
+    reqs = _random_requests(tiny_target.vocab_size)
+    single = _run(tiny_target, reqs, 1)
+    for bs in (4, 13):
+        batched = _run(tiny_target, reqs, bs)
+        assert {k: c.tokens for k, c in batched.items()} == {k: c.tokens for k, c in single.items()}
+    # and equals transformers' own greedy generate, one prompt at a time
+    ref = {}
+    hf_generate(tiny_target.model, reqs, [tiny_target.tokenizer.eos_token_id, 5], tiny_target.tokenizer.pad_token_id,
+                1, Sampling(), lambda c: ref.__setitem__(c.key, c))
+    assert {k: c.tokens for k, c in ref.items()} == {k: c.tokens for k, c in single.items()}
+    assert all(single[r.key].stopped or len(single[r.key].tokens) == r.max_new_tokens for r in reqs)
+
+
+def test_sampling_is_seeded_per_row(tiny_target):
+    reqs = _random_requests(tiny_target.vocab_size, n=9)
+    s = Sampling(do_sample=True, temperature=4.0, top_p=0.95)
+    a, b = _run(tiny_target, reqs, 1, sampling=s), _run(tiny_target, reqs, 5, sampling=s)
+    assert {k: c.tokens for k, c in a.items()} == {k: c.tokens for k, c in b.items()}
+    greedy = _run(tiny_target, reqs, 5)
+    assert {k: c.tokens for k, c in a.items()} != {k: c.tokens for k, c in greedy.items()}
+
+
+def test_capture_matches_a_full_forward(tiny_target):
+    from draftsmith.targets.capture import capture_forward
+
+    reqs = _random_requests(tiny_target.vocab_size, n=6)
+    got = _run(tiny_target, reqs, 3, capture=CaptureSpec(layers=[0, -1], topk=4, last_hidden=True,
+                                                          dtype=torch.float32))
+    for c in got.values():
+        ids = torch.tensor([c.prompt_ids + c.tokens])
+        ref = capture_forward(tiny_target.model, ids, layers=[0, -1])
+        T = ids.shape[1]  # every position, the final token included (one extra step fed it)
+        assert c.capture["layers"][0].shape == (T, tiny_target.hidden_size)
+        torch.testing.assert_close(c.capture["layers"][-1], ref.layers[-1][0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(c.capture["last_hidden"], ref.last_hidden[0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(c.capture["topk_values"], ref.logits[0].topk(4).values, atol=2e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------- end to end
+
+
+def _gen_cfg(tmp_path, prompts: list[str], name="out", **kw) -> DataConfig:
+    p = tmp_path / "prompts.jsonl"
+    if not p.exists():
+        p.write_text("".join(json.dumps({"q": q, "t": ["Hello there", "Say more"]}) + "\n" for q in prompts))
+    kw.setdefault("generation", GenerationConfig(max_new_tokens=10, batch_size=3, flush_every=2))
+    return DataConfig(sources=[SourceConfig(name="p", path=str(p), prompt="q", domain="general")],
+                      output_dir=str(tmp_path / name), **kw)
+
+
+PROMPTS = [f"Question number {i}: what is {i} plus {i * 3}?" for i in range(9)]
+
+
+def test_generate_resume_after_crash_equals_uninterrupted(tmp_path, tiny_target):
+    clean = load_distilled(generate_dataset(_gen_cfg(tmp_path, PROMPTS, "clean"), tiny_target, progress=False))
+
+    cfg = _gen_cfg(tmp_path, PROMPTS, "crashy")
+    seen = []
+
+    def crash(rec):
+        seen.append(rec["row_id"])
+        if len(seen) == 5:
+            raise KeyboardInterrupt("simulated kill")
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(cfg, tiny_target, progress=False, on_row=crash)
+    assert not (Path(cfg.output_dir) / "dataset").exists()
+    chunks = list((Path(cfg.output_dir) / "chunks").glob("chunk-*.jsonl"))
+    assert chunks  # finished rows survived the crash
+    again = []
+    out = generate_dataset(cfg, tiny_target, progress=False, on_row=lambda r: again.append(r["row_id"]))
+    resumed = load_distilled(out, tiny_target)
+    assert len(again) < len(PROMPTS)  # the rerun skipped rows already generated
+    assert len(set(resumed["row_id"])) == len(resumed) == len(PROMPTS)  # no duplicates, no gaps
+    assert resumed["row_id"] == clean["row_id"]
+    assert resumed["input_ids"] == clean["input_ids"] and resumed["response"] == clean["response"]
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["timing"]["resumed_rows"] == len(PROMPTS) - len(again)
+
+
+def test_dataset_rows_are_masked_and_decode_back(tmp_path, tiny_target):
+    out = generate_dataset(_gen_cfg(tmp_path, PROMPTS[:4]), tiny_target, progress=False)
+    ds = load_distilled(out)
+    assert set(ds.column_names) >= {"input_ids", "loss_mask", "domain", "row_id", "source", "prompt", "response"}
+    tok = tiny_target.tokenizer
+    for row in ds:
+        spans = masked_spans(row["input_ids"], row["loss_mask"])
+        assert len(spans) == 1
+        text = tok.decode(row["input_ids"][spans[0][0]:spans[0][1]], skip_special_tokens=False)
+        assert text == row["response"] + ("<|im_end|>" if row["stopped"] else "")
+        assert tok.decode(row["input_ids"][: spans[0][0]]).endswith("<|im_start|>assistant\n")
+    with pytest.raises(DataError, match="already holds"):
+        generate_dataset(_gen_cfg(tmp_path, PROMPTS[:4]), tiny_target, progress=False)
+
+
+def test_multi_turn_rows_mask_every_assistant_turn(tmp_path, tiny_target):
+    p = tmp_path / "mt.jsonl"
+    p.write_text(json.dumps({"turns": ["Hello there", "Say more"]}) + "\n")
+    cfg = DataConfig(sources=[SourceConfig(name="mt", path=str(p), turns="turns", domain="chat")],
+                     output_dir=str(tmp_path / "mt"), generation=GenerationConfig(max_new_tokens=8, batch_size=2))
+    row = load_distilled(generate_dataset(cfg, tiny_target, progress=False))[0]
+    assert row["n_turns"] == 2
+    assert len(masked_spans(row["input_ids"], row["loss_mask"])) == 2
+
+
+def test_plain_continuation_dataset(tmp_path, tiny_target):
+    cfg = _gen_cfg(tmp_path, PROMPTS[:3], chat=ChatConfig(mode="plain"))
+    ds = load_distilled(generate_dataset(cfg, tiny_target, progress=False))
+    assert all("<|im_start|>user" not in tiny_target.tokenizer.decode(ids) for ids in ds["input_ids"])
+    assert all(sum(m) == len(m) - m.index(1) for m in ds["loss_mask"])  # the mask is the generated tail
+
+
+def test_fingerprint_mismatch_on_load(tmp_path, tiny_target, other_target):
+    out = generate_dataset(_gen_cfg(tmp_path, PROMPTS[:2]), tiny_target, progress=False)
+    with pytest.raises(FingerprintMismatch, match="tokenizer_hash|vocab_size"):
+        load_distilled(out, other_target)
+
+
+def test_overlapping_prompts_are_dropped(tmp_path, tiny_target):
+    ev = tmp_path / "heldout.jsonl"
+    ev.write_text(json.dumps({"turns": [PROMPTS[1]]}) + "\n")
+    cfg = _gen_cfg(tmp_path, PROMPTS[:4], eval_sets=[EvalSetConfig(path=str(ev), turns="turns")])
+    out = generate_dataset(cfg, tiny_target, progress=False)
+    ds = load_distilled(out)
+    assert PROMPTS[1] not in ds["prompt"] and len(ds) == 3
+    assert json.loads((out / "provenance.json").read_text())["counts"]["overlap"]["overlapping"] == 1
+    cfg2 = _gen_cfg(tmp_path, PROMPTS[:4], name="o2", overlap="fail",
+                    eval_sets=[EvalSetConfig(path=str(ev), turns="turns")])
+    with pytest.raises(DataError, match="overlap the eval sets"):
+        generate_dataset(cfg2, tiny_target, progress=False)
+
+
+def test_capture_during_generation_writes_shards(tmp_path, tiny_target):
+    from draftsmith.targets.cache_shards import ShardReader
+
+    cfg = _gen_cfg(tmp_path, PROMPTS[:5], capture=CaptureConfig(enabled=True, layers=[-1], topk=3))
+    out = generate_dataset(cfg, tiny_target, progress=False)
+    ds = load_distilled(out)
+    reader = ShardReader(out / "capture")
+    for row in ds:
+        got = reader.get(row["row_id"])
+        assert got["layer.-1"].shape[0] == len(row["input_ids"])
+        assert got["topk_indices"].shape == (len(row["input_ids"]), 3)
+
+
+# ----------------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("preset", ["configs/smollm2-135m/data.yaml", "configs/gemma3-270m/data.yaml"])
+def test_presets_load(preset):
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / preset)
+    assert isinstance(cfg, DataConfig) and cfg.eval_sets
+
+
+def test_bad_config_values_fail_at_load(tmp_path):
+    with pytest.raises(ConfigError, match="top_p"):
+        load_config(None, ["sources=[{name: a, path: x, prompt: q, domain: d}]", "output_dir=o",
+                           "generation.top_p=1.5"], cls=DataConfig)
+    with pytest.raises(ConfigError, match="exactly one of"):
+        load_config(None, ["sources=[{name: a, path: x, domain: d}]", "output_dir=o"], cls=DataConfig)
