@@ -137,6 +137,8 @@ class EvalSpec:
     limit_per_domain: int | None = 8
     max_new_tokens: int = 64
     k: int = 4  # draft tokens per step
+    hf_reference: bool = False  # also time HF generate / assisted generation (doubles the eval time)
+    cost_model: bool = True  # measure v(k) and c on this machine -> recommended k
 
     def __post_init__(self):
         if self.limit_per_domain is not None and self.limit_per_domain < 1:

@@ -324,19 +324,28 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None) ->
 
 
 def evaluate_artifact(cfg: DistillConfig, target, path: Path) -> dict | None:
-    """Run the evaluator on the draft (proposer `draft:PATH`) and write its report into the artifact."""
+    """Run the evaluator with the draft as proposer (`draft:PATH`) on the eval prompts; write report.json /
+    report.md / plots into `<artifact>/eval/` and the per-domain summary into the manifest's `eval`."""
     try:
-        from draftsmith import evaluation
-        evaluate = evaluation.evaluate
-    except (ImportError, AttributeError):
+        from draftsmith.evaluation.evaluate import evaluate
+        from draftsmith.evaluation.report import write_report
+    except ImportError:
         log.warning("draftsmith.evaluation is not available: the artifact has no eval report")
         return None
     ev = cfg.evaluate
-    kwargs: dict[str, Any] = {"limit_per_domain": ev.limit_per_domain, "max_new_tokens": ev.max_new_tokens,
-                              "k": ev.k, "out_dir": Path(path) / "eval"}
-    if ev.prompts:
-        kwargs["prompts"] = ev.prompts
-    report = evaluate(target, f"draft:{path}", **kwargs)
-    summary = report if isinstance(report, dict) else getattr(report, "to_dict", lambda: {"report": str(report)})()
+    report = evaluate(target, f"draft:{path}", prompts=ev.prompts or None, limit_per_domain=ev.limit_per_domain,
+                      max_new_tokens=ev.max_new_tokens, k=ev.k, hf_reference=ev.hf_reference,
+                      cost_model=ev.cost_model, command=f"draftsmith distill (output {path})")
+    write_report(report, Path(path) / "eval")
+    keep = ("n_prompts", "alpha", "tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "lossless",
+            "per_position_acceptance", "predicted_speedup")
+    summary = {
+        "settings": report.get("settings"),
+        "domains": {d: {k: v for k, v in r.items() if k in keep} for d, r in report.get("domains", {}).items()},
+        "overall": {k: v for k, v in report.get("overall", {}).items() if k in keep},
+        "recommended_k": report.get("recommended_k"),
+        "policy": report.get("policy"),
+        "report": "eval/report.json",
+    }
     artifact.update_manifest(path, eval=summary)
     return summary

@@ -158,8 +158,12 @@ def _eval_kd(job, module) -> float:
 def test_short_distillation_lowers_kd_and_artifact_works(tiny_target, rows, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    prompts = tmp_path / "math.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [q], "category": "math"}) + "\n" for q in PROMPTS[:2]))
     cfg = tiny_cfg(tmp_path, "train.max_steps=30", "train.lr=1e-2", "draft.init=fresh", "draft.hidden_size=32",
-                   "draft.num_attention_heads=4", "draft.num_key_value_heads=2", "kd.divergence=jsd")
+                   "draft.num_attention_heads=4", "draft.num_key_value_heads=2", "kd.divergence=jsd",
+                   "evaluate.enabled=true", f"evaluate.prompts=[{prompts}]", "evaluate.limit_per_domain=2",
+                   "evaluate.max_new_tokens=8", "evaluate.cost_model=false")
     job = DistillJob(cfg, tiny_target, rows)
     torch.manual_seed(cfg.train.seed)
     before = _eval_kd(job, job.build_module())
@@ -171,6 +175,11 @@ def test_short_distillation_lowers_kd_and_artifact_works(tiny_target, rows, tmp_
     assert manifest["kind"] == "draft" and manifest["target"]["tokenizer_hash"] == tiny_target.fingerprint()["tokenizer_hash"]
     assert manifest["config"]["kd"]["divergence"] == "jsd" and manifest["train_seconds"] > 0
     assert (path / "tokenizer.json").is_file() and (path / "model.safetensors").is_file()
+    # the evaluator ran on the draft and its report is in the artifact
+    assert (path / "eval" / "report.json").is_file()
+    math_eval = manifest["eval"]["domains"]["math"]
+    assert math_eval["n_prompts"] == 2 and math_eval["lossless"] is True and 0.0 <= math_eval["alpha"] <= 1.0
+    assert math_eval["tau"] >= 1.0
 
     # a plain HF folder: transformers loads it, and assisted generation with it is the target's greedy output
     draft = AutoModelForCausalLM.from_pretrained(path).eval()
