@@ -62,9 +62,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     if not 0 <= args.row < len(ds):
         raise DataError(f"--row {args.row} is out of range (0..{len(ds) - 1})")
     row = ds[args.row]
-    from draftsmith.targets import load_target
-
-    tok = load_target(prov["target"]["spec"]).tokenizer
+    tok = _tokenizer(prov["target"])
     ids, mask = row["input_ids"], row["loss_mask"]
     pieces, last = [], 0
     for a, b in masked_spans(ids, mask):
@@ -75,3 +73,15 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"--- row {args.row} ({row['domain']}, {row['origin']}); learned tokens in reverse video ---")
     print("".join(pieces))
     return 0
+
+
+def _tokenizer(target_info: dict):
+    """The dataset's tokenizer: from the target's HF folder when recorded, else by loading the target."""
+    from transformers import AutoTokenizer
+
+    folder = target_info.get("folder")
+    if folder and Path(folder).is_dir():
+        return AutoTokenizer.from_pretrained(folder)
+    from draftsmith.targets import load_target
+
+    return load_target(target_info["spec"]).tokenizer

@@ -339,7 +339,8 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, stats: dic
     lengths = [len(r["input_ids"]) for r in records]
     learned = [sum(r["loss_mask"]) for r in records]
     provenance = {
-        "target": {"name": target.name, "spec": target.spec, "fingerprint": target.fingerprint()},
+        "target": {"name": target.name, "spec": target.spec, "folder": str(target.folder) if target.folder else None,
+                   "fingerprint": target.fingerprint()},
         "config": to_dict(config),
         "sampling": _generation_key(config, target.fingerprint())["sampling"],
         "counts": {

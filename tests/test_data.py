@@ -11,7 +11,14 @@ import torch
 
 from draftsmith.config import load_config
 from draftsmith.data import generate_dataset, load_distilled, load_prompts, tokenize_conversation
-from draftsmith.data.config import CaptureConfig, ChatConfig, DataConfig, EvalSetConfig, GenerationConfig, SourceConfig
+from draftsmith.data.config import (
+    CaptureConfig,
+    ChatConfig,
+    DataConfig,
+    EvalSetConfig,
+    GenerationConfig,
+    SourceConfig,
+)
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
 from draftsmith.data.masks import masked_spans
 from draftsmith.data.overlap import find_overlap, load_eval_texts
