@@ -90,7 +90,7 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
         if c is not None:
             state[c], names[c] = v, k
     tcfg = target.text_config.to_dict() if target is not None else {}
-    src = {**tcfg, **{k: v for k, v in acfg.items() if v is not None}}
+    src = {**tcfg, **(acfg.get("layer_config") or {}), **{k: v for k, v in acfg.items() if v is not None}}
     cfg = {k: src[k] for k in LAYER_FIELDS if src.get(k) is not None}
     H = state["fc.weight"].shape[0]
     cfg["hidden_size"] = H
@@ -249,6 +249,9 @@ def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None) -> list[
         for key in ("speculators_config", "norm_before_residual", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"):
             if key not in config:
                 problems.append(f"config lacks {key}")
+        ids = config.get("eagle_aux_hidden_state_layer_ids") or []
+        if len(set(ids)) != len(ids):
+            problems.append(f"aux layer ids {ids} repeat a layer (vLLM/speculators need distinct ids)")
     if fmt == MIDLAYER:
         for key in ("draft_vocab_size", "torch_dtype", "eagle_config"):
             if key not in config:
