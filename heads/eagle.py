@@ -36,8 +36,10 @@ draft's KV cache holds step-0 entries for committed positions only; chain/tree e
 mask over the concatenated keys [K^0 | K^1 | ... | K^j] is therefore [causal | I | ... | I].
 
 The decoder layer is the TARGET'S OWN ARCHITECTURE (LlamaDecoderLayer, Gemma3DecoderLayer, built from the
-target's config class with layer_idx 0, full attention); for EAGLE-3 its q/k/v projections are widened to
-2H and a pre-hook on the attention concatenates the normed embedding in front of the normed feature.
+target's config class with layer_idx 0, full attention). EAGLE-1 runs it as is, minus its input norm (as
+the original EAGLE-1 does); EAGLE-3 widens its q/k/v projections to 2H and runs its submodules with the
+EAGLE-3 residual layout, under the serving stacks' names (layer.input_layernorm normalises the embedding,
+layer.hidden_norm the feature), so `export/eagle.py` maps them one to one.
 The target's embedding (and, for EAGLE-1, its final norm and lm_head) is attached by reference
 (`attach_target`): it is not a parameter, not trained, not saved. Export writers take `embed_tokens` from
 the target the manifest's fingerprint names (config.json says `"embeddings": "target"`).
@@ -71,7 +73,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str, str | None]] = {
 class EagleConfig:
     """Shape of an EAGLE head (stored as the artifact's config.json, with the decoder layer's HF config)."""
 
-    version: Literal["eagle1", "eagle3"]
+    version: int  # 1 = EAGLE-1, 3 = EAGLE-3 (an int, as the export layouts read it)
     hidden_size: int
     vocab_size: int  # the target's
     target_layers: list[int]  # resolved (non-negative) feature layers: [last] for EAGLE-1, [low, mid, high]
@@ -82,9 +84,9 @@ class EagleConfig:
     layer_config: dict = field(default_factory=dict)  # the target's text config (to_dict), model_type included
 
     def __post_init__(self):
-        if self.version not in ("eagle1", "eagle3"):
-            raise ValueError(f"version must be eagle1 or eagle3, got {self.version!r}")
-        if self.version == "eagle3":
+        if self.version not in (1, 3):
+            raise ValueError(f"EAGLE version must be 1 or 3, got {self.version!r}")
+        if self.version == 3:
             if len(self.target_layers) != 3:
                 raise ValueError(f"EAGLE-3 fuses 3 target layers, got {self.target_layers}")
             if self.draft_vocab_size is None or not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -96,11 +98,19 @@ class EagleConfig:
 
     @property
     def eagle3(self) -> bool:
-        return self.version == "eagle3"
+        return self.version == 3
 
     @property
     def model_type(self) -> str:
         return self.layer_config.get("model_type", "?")
+
+
+def parse_version(version: str | int) -> int:
+    """"eagle3" / "eagle1" / 3 / 1 -> 3 / 1."""
+    v = {"eagle1": 1, "eagle3": 3, 1: 1, 3: 3}.get(version)
+    if v is None:
+        raise ConfigError(f"EAGLE version must be eagle1 or eagle3, got {version!r}")
+    return v
 
 
 def _text_config(config):
@@ -176,11 +186,13 @@ class DraftKV:
             self.values = self.values[..., :length, :]
 
 
-def _concat_embeds(_module, args, kwargs):
-    """EAGLE-3 attention pre-hook: attention input = [norm_e(embedding); norm_h(feature)] (2H)."""
-    emb = kwargs.pop("eagle_embeds")
-    kwargs["hidden_states"] = torch.cat([emb, kwargs["hidden_states"]], dim=-1)
-    return args, kwargs
+def _after_attention(layer: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer after its attention, in the target architecture's residual layout."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: sandwich norms around attention and MLP
+        h = residual + layer.post_attention_layernorm(attn_out)
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    h = residual + attn_out  # Llama
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -223,18 +235,16 @@ class EagleHead(nn.Module):
             for name in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding; feature]
                 old = getattr(attn, name)
                 setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
-            attn.register_forward_pre_hook(_concat_embeds, with_kwargs=True)
-            self.embed_norm = norm_cls(H, eps=eps)
-            if config.norm_before_residual:
-                # the residual stream starts from the NORMED feature: norm once, outside the layer
-                self.hidden_norm = norm_cls(H, eps=eps)
-                self.layer.input_layernorm = nn.Identity()
+            # EAGLE-3 names (the serving stacks' layout): layer.input_layernorm normalises the EMBEDDING,
+            # layer.hidden_norm the feature
+            self.layer.hidden_norm = norm_cls(H, eps=eps)
             self.norm = norm_cls(H, eps=eps)
             self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         else:
             self.fc = nn.Linear(2 * H, H, bias=True)
+            self.layer.input_layernorm = nn.Identity()  # EAGLE-1 feeds fc's output to attention un-normed
         self.rotary = getattr(module, rotary_cls)(lc)  # buffers are non-persistent: not in the artifact
         # frozen target modules, by reference (outside the module tree: not trained, saved or DDP-synced)
         object.__setattr__(self, "_embed", None)
@@ -243,7 +253,7 @@ class EagleHead(nn.Module):
 
     # --- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_target(cls, target_model, version: str = "eagle3", target_layers: list[int] | None = None,
+    def from_target(cls, target_model, version: str | int = "eagle3", target_layers: list[int] | None = None,
                     draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None, ttt_steps: int | None = None,
                     ttt_tokens: str = "target", norm_before_residual: bool = False) -> EagleHead:
         """A fresh head shaped for `target_model` (an HF causal LM), target modules attached.
@@ -254,21 +264,22 @@ class EagleHead(nn.Module):
         from draftsmith.targets.capture import decoder_layers, default_eagle3_layers, resolve_layers
 
         check_architecture(target_model.config)
+        version = parse_version(version)
         tc = _text_config(target_model.config)
         L = len(decoder_layers(target_model))
-        if version == "eagle3":
+        if version == 3:
             layers = resolve_layers(list(target_layers or default_eagle3_layers(L)), L)
         else:
             layers = resolve_layers(list(target_layers or [-1]), L)
         d2t, t2d = draft_vocab if draft_vocab is not None else (None, None)
         config = EagleConfig(
             version=version, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target_layers=layers,
-            draft_vocab_size=int(d2t.numel()) if (version == "eagle3" and d2t is not None) else None,
-            ttt_steps=ttt_steps or (7 if version == "eagle3" else 1), ttt_tokens=ttt_tokens,
+            draft_vocab_size=int(d2t.numel()) if (version == 3 and d2t is not None) else None,
+            ttt_steps=ttt_steps or (7 if version == 3 else 1), ttt_tokens=ttt_tokens,
             norm_before_residual=norm_before_residual, layer_config=layer_config_dict(target_model.config),
         )
         head = cls(config)
-        if version == "eagle3":
+        if version == 3:
             head.set_draft_vocab(d2t, t2d)
             with torch.no_grad():
                 w = target_model.get_output_embeddings().weight
@@ -313,16 +324,22 @@ class EagleHead(nn.Module):
         feature, emb: [B, q, H]; positions: [1|B, q] position ids; kv: the keys/values so far (the new
         ones are appended); allowed: bool [q, len(kv)+q] or [B, q, len(kv)+q]. Returns a [B, q, H].
         """
-        if self.config.eagle3:
-            x = self.hidden_norm(feature) if self.config.norm_before_residual else feature
-            extra = {"eagle_embeds": self.embed_norm(emb)}
-        else:
-            x = self.fc(torch.cat([emb, feature], dim=-1))  # EAGLE-1: fc([e(x_{t+1}); f_t])
-            extra = {}
-        pe = self.rotary(x, positions) if self._rope_type is None else self.rotary(x, positions, self._rope_type)
-        out = self.layer(hidden_states=x, attention_mask=additive_mask(allowed, x.dtype), position_ids=positions,
-                         past_key_values=kv, position_embeddings=pe, **extra)
-        return out[0] if isinstance(out, tuple) else out
+        mask = additive_mask(allowed, feature.dtype)
+        pe = self.rotary(feature, positions) if self._rope_type is None else \
+            self.rotary(feature, positions, self._rope_type)
+        if not self.config.eagle3:  # EAGLE-1: u = fc([e(x_{t+1}); f_t]) through the layer as the target runs it
+            x = self.fc(torch.cat([emb, feature], dim=-1))
+            out = self.layer(hidden_states=x, attention_mask=mask, position_ids=positions, past_key_values=kv,
+                             position_embeddings=pe)
+            return out[0] if isinstance(out, tuple) else out
+        # EAGLE-3: attention over [norm_e(e); norm_h(g)] (2H), residual over g (or norm_h(g))
+        layer = self.layer
+        normed = layer.hidden_norm(feature)
+        residual = normed if self.config.norm_before_residual else feature
+        attn_in = torch.cat([layer.input_layernorm(emb), normed], dim=-1)
+        attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=pe, attention_mask=mask,
+                                      position_ids=positions, past_key_values=kv)
+        return _after_attention(layer, residual, attn_out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., H] -> [.., N] draft-vocab logits (EAGLE-3) or [.., V] via the target's frozen head (EAGLE-1)."""

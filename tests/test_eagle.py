@@ -1,0 +1,320 @@
+"""EAGLE heads: draft vocabulary, TTT masks, TTT forward vs a step-by-step reference, architectures,
+training through the one loop (online and offline features), artifact round trip, lossless proposing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.errors import ConfigError
+from draftsmith.heads.eagle import (
+    DraftKV,
+    EagleHead,
+    build_draft_vocab,
+    check_draft_vocab,
+    eagle3_loss,
+    shift_left,
+    token_counts,
+    ttt_mask,
+    vocab_coverage,
+)
+from draftsmith.heads.eagle_job import EagleEvalConfig, EagleJob, EagleJobConfig, load_eagle
+from draftsmith.training import TrainConfig, train
+
+torch.set_num_threads(2)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import make_target  # noqa: E402
+
+
+# --- fixtures ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target4(tiny_tokenizer, tmp_path_factory):
+    """A 4-layer tiny Llama target (so the three EAGLE-3 layers are distinct)."""
+    return make_target(tiny_tokenizer, seed=3, layers=4, folder=tmp_path_factory.mktemp("target4"))
+
+
+def distilled_rows(target, n: int = 48, prompt_len: int = 4, new: int = 24, seed: int = 0) -> list[dict]:
+    """Self-distilled rows: random prompts answered greedily by the target (loss on the answer)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, target.vocab_size, (n, prompt_len), generator=g)
+    with torch.no_grad():
+        out = target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                                    min_new_tokens=new, do_sample=False)
+    return [{"input_ids": row.tolist(), "loss_mask": [0] * prompt_len + [1] * new, "domain": "synthetic",
+             "row_id": i} for i, row in enumerate(out)]
+
+
+def vocab_for(target, n: int = 96):
+    counts = torch.arange(target.vocab_size).flip(0)  # any deterministic counts
+    return build_draft_vocab(counts, n)
+
+
+def job_config(tmp: Path, version: str, steps: int = 30, **kw) -> EagleJobConfig:
+    return EagleJobConfig(
+        target="tiny", data="in-memory", output=str(tmp / f"{version}-artifact"), version=version,
+        target_layers=[0, 2, 3] if version == "eagle3" else None, ttt_steps=3, draft_vocab_size=128,
+        train=TrainConfig(lr=3e-3, max_steps=steps, batch_size=8, warmup_steps=2, output_dir=str(tmp / f"{version}-run"),
+                          resume="never", progress=False, log_every=5, eval_every=0),
+        evaluate=EagleEvalConfig(enabled=False), **kw)
+
+
+# --- draft vocabulary ------------------------------------------------------------------------------------------
+def test_draft_vocab_invariants():
+    counts = torch.tensor([0, 5, 3, 9, 3, 0, 7, 1])
+    d2t, t2d = build_draft_vocab(counts, 4)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.shape == (8,)
+    # top-4 by count: 3 (9), 6 (7), 1 (5), then the tie 2/4 (3) goes to the lower id 2; sorted by id
+    assert torch.nonzero(t2d).flatten().tolist() == [1, 2, 3, 6]
+    assert torch.equal(torch.nonzero(t2d).flatten(), torch.arange(4) + d2t)
+    check_draft_vocab(d2t, t2d)
+    assert vocab_coverage(counts, t2d) == pytest.approx((5 + 3 + 9 + 7) / 28)
+    with pytest.raises(ConfigError):
+        check_draft_vocab(d2t.flip(0), t2d)
+    with pytest.raises(ConfigError):
+        build_draft_vocab(counts, 9)
+
+
+def test_token_counts_only_target_written():
+    rows = [{"input_ids": [5, 6, 7, 7], "loss_mask": [0, 0, 1, 1]}, {"input_ids": [5, 8], "loss_mask": [1, 0]}]
+    counts = token_counts(rows, 10)
+    assert counts.tolist() == [0, 0, 0, 0, 0, 1, 0, 2, 0, 0]
+
+
+# --- TTT masks and the unrolled forward ------------------------------------------------------------------------
+def test_ttt_mask_shape_and_pattern():
+    m = ttt_mask(3, 2)
+    assert m.shape == (3, 9)
+    expected = torch.tensor([[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                             [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                             [1, 1, 1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(m, expected)
+
+
+def reference_unroll(head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Slow reference: for every base t, recompute from scratch what inference does when the committed context
+    ends at t — step-0 entries of positions 0..t in a fresh cache, then a chain of steps, each entry attending
+    the committed entries and its own chain. Returns per step [B, T, H]."""
+    B, T = ids.shape
+    out = [torch.zeros(B, T, head.config.hidden_size) for _ in range(steps)]
+    g = head.fuse(feats)
+    for b in range(B):
+        for t in range(T):
+            kv = DraftKV()
+            pos = torch.arange(t + 1)[None]
+            tok0 = shift_left(ids[b:b + 1], 1)[0, : t + 1]
+            a = head.layer_step(g[b:b + 1, : t + 1], head.embed(tok0)[None], pos, kv,
+                                torch.ones(t + 1, t + 1, dtype=torch.bool).tril())[0, -1]
+            out[0][b, t] = a
+            for j in range(1, steps):
+                if head.config.ttt_tokens == "target":
+                    tok = ids[b, t + 1 + j] if t + 1 + j < T else torch.tensor(0)
+                else:
+                    tok = head.to_target_ids(head.logits(a).argmax())
+                a = head.layer_step(a[None, None], head.embed(tok.view(1))[None], torch.tensor([[t + j]]), kv,
+                                    torch.ones(1, len(kv) + 1, dtype=torch.bool))[0, 0]
+                out[j][b, t] = a
+    return out
+
+
+def gemma3_target(tokenizer):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from draftsmith.targets import Target, freeze
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                           sliding_window=8, query_pre_attn_scalar=16)
+    return Target("tiny-gemma3", freeze(Gemma3ForCausalLM(cfg).eval()), tokenizer, "tiny-gemma3")
+
+
+@pytest.mark.parametrize("arch,version,ttt_tokens", [
+    ("llama", "eagle3", "target"), ("llama", "eagle3", "draft"), ("llama", "eagle1", "target"),
+    ("gemma3", "eagle3", "target"),
+])
+def test_ttt_forward_equals_step_by_step_reference(target4, tiny_tokenizer, arch, version, ttt_tokens):
+    target = target4 if arch == "llama" else gemma3_target(tiny_tokenizer)
+    torch.manual_seed(1)
+    head = EagleHead.from_target(target.model, version, [0, 2, 3] if version == "eagle3" else None,
+                                 draft_vocab=vocab_for(target), ttt_steps=4, ttt_tokens=ttt_tokens).eval()
+    ids = torch.randint(3, target.vocab_size, (2, 7))
+    F = 3 * 64 if version == "eagle3" else 64
+    feats = torch.randn(2, 7, F)
+    with torch.no_grad():
+        fast = head(ids, feats).hidden
+        slow = reference_unroll(head, ids, feats, 4)
+    for j in range(4):
+        torch.testing.assert_close(fast[j], slow[j], atol=2e-5, rtol=1e-4, msg=f"step {j}")
+
+
+def test_ttt_step_sees_only_its_context_and_chain(target4):
+    """Changing the input at base t' changes no output at bases t < t' (any step) but every step at t'; a
+    token changes step j at base t only if t's own context or chain reads it."""
+    torch.manual_seed(2)
+    head = EagleHead.from_target(target4.model, "eagle3", [0, 2, 3], draft_vocab=vocab_for(target4), ttt_steps=3)
+    ids = torch.randint(3, target4.vocab_size, (1, 8))
+    feats = torch.randn(1, 8, 192)
+    with torch.no_grad():
+        base = head(ids, feats).hidden
+        feats2 = feats.clone()
+        feats2[0, 5] += 1.0
+        moved = head(ids, feats2).hidden
+    for j in range(3):
+        torch.testing.assert_close(moved[j][0, :5], base[j][0, :5])
+        assert not torch.allclose(moved[j][0, 5], base[j][0, 5])
+    # x_5 is read by step 0 at base 4 (then by every later base through the step-0 keys), by step 1 at base 3
+    # and by step 2 at base 2: step 2 at bases 0 and 1 must not move, at base 2 it must
+    ids2 = ids.clone()
+    ids2[0, 5] = (ids[0, 5] + 1) % target4.vocab_size
+    with torch.no_grad():
+        moved = head(ids2, feats).hidden
+    torch.testing.assert_close(moved[2][0, :2], base[2][0, :2])
+    torch.testing.assert_close(moved[1][0, :3], base[1][0, :3])
+    assert not torch.allclose(moved[2][0, 2], base[2][0, 2])
+    assert not torch.allclose(moved[1][0, 3], base[1][0, 3])
+
+
+def test_eagle3_loss_soft_targets_and_accuracy():
+    d2t = torch.tensor([1, 1, 2])  # draft ids 0,1,2 -> target ids 1,2,4
+    logits = [torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.0, 5.0]], requires_grad=True)]
+    teacher = [logits[0].detach().clone()]
+    loss, m = eagle3_loss(logits, teacher, [torch.tensor([1, 3])], d2t, [1.0])
+    assert m["step0/acc"] == 0.5  # row 0: target 1 == 0 + d2t[0]; row 1: target 3 is outside the draft vocab
+    p = torch.softmax(teacher[0], -1)
+    assert float(loss.detach()) == pytest.approx(float(-(p * torch.log_softmax(teacher[0], -1)).sum(-1).mean()), rel=1e-5)
+    loss.backward()
+    assert logits[0].grad.abs().max() < 1e-6  # the minimum of the soft CE is the teacher itself
+
+
+def test_unsupported_architecture_is_a_clear_error(tiny_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(tiny_tokenizer)))
+    with pytest.raises(ConfigError, match="'gpt2' architecture"):
+        EagleHead.from_target(gpt2, "eagle1")
+
+
+# --- training through the one loop ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(target4, tmp_path_factory):
+    """A short EAGLE-3 run on the tiny target's own greedy outputs: (job, result, rows)."""
+    tmp = tmp_path_factory.mktemp("eagle3-train")
+    rows = distilled_rows(target4)
+    cfg = job_config(tmp, "eagle3", steps=30)
+    job = EagleJob(cfg, target4, rows)
+    return job, train(job, cfg.train), rows
+
+
+def test_training_lowers_the_loss_and_logs_step_accuracy(trained):
+    _, result, _ = trained
+    logs = [r for r in result.history if r["type"] == "train"]
+    assert logs[-1]["loss"] < 0.5 * logs[0]["loss"]
+    for j in range(3):
+        assert f"step{j}/acc" in logs[-1]
+    assert logs[-1]["step0/acc"] > logs[0]["step0/acc"]
+
+
+def test_artifact_round_trip(trained, target4):
+    job, result, _ = trained
+    path = Path(result.artifact)
+    assert path == Path(job.cfg.output)
+    weights = load_file(str(path / "model.safetensors"))
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert torch.equal(torch.nonzero(weights["t2d"]).flatten(), torch.arange(128) + weights["d2t"])
+    assert not any("embed" in k for k in weights)  # the target's embedding is shared, not saved
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["version"] == 3 and cfg["target_layers"] == [0, 2, 3] and cfg["ttt_steps"] == 3
+    assert cfg["draft_vocab_size"] == 128 and cfg["embeddings"] == "target" and "norm_before_residual" in cfg
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["kind"] == "eagle" and manifest["target"] == target4.fingerprint()
+    head, _ = load_eagle(path, target4)
+    trained_state = result.module.state_dict()
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, trained_state[k].to(v.dtype)), k
+
+
+def test_offline_features_give_the_online_loss(trained, target4, tmp_path):
+    from draftsmith.targets.cache_shards import capture_dataset
+
+    job, result, rows = trained
+    capture_dataset(target4, rows, tmp_path / "cache", layers=[0, 2, 3], topk=1, last_hidden=True,
+                    hidden_dtype=torch.float32, progress=False)
+    offline = EagleJob(job_config(tmp_path, "eagle3", capture_cache=str(tmp_path / "cache")), target4, rows)
+    batch = job.collate(rows[:8])
+    module = result.module.eval()
+    with torch.no_grad():
+        on, m_on = job.loss(module, batch)
+        off, m_off = offline.loss(module, batch)
+    assert float(off) == pytest.approx(float(on), rel=1e-5)
+    assert m_on == pytest.approx(m_off, rel=1e-5)
+
+
+def test_eagle1_trains(target4, tmp_path):
+    rows = distilled_rows(target4, n=32)
+    cfg = job_config(tmp_path, "eagle1", steps=16)
+    result = train(EagleJob(cfg, target4, rows), cfg.train)
+    logs = [r for r in result.history if r["type"] == "train"]
+    assert logs[-1]["loss"] < logs[0]["loss"] and "step0/reg" in logs[-1]
+    head, _ = load_eagle(result.artifact, target4)
+    assert head.config.version == 1 and not hasattr(head, "lm_head")
+
+
+# --- proposing ------------------------------------------------------------------------------------------------
+def test_proposer_chain_equals_the_ttt_draft_chain(target4):
+    """The proposer's chain from a context = the TTT forward's greedy chain at the last base (draft tokens)."""
+    from draftsmith.decoding.proposer import AcceptResult, TargetFeatures, TreeSpec
+    from draftsmith.heads.eagle_proposer import EagleProposer
+    from draftsmith.targets.capture import capture_forward
+
+    torch.manual_seed(4)
+    head = EagleHead.from_target(target4.model, "eagle3", [0, 2, 3], draft_vocab=vocab_for(target4), ttt_steps=4,
+                                 ttt_tokens="draft").eval()
+    ctx = torch.randint(3, target4.vocab_size, (10,))
+    cap = capture_forward(target4.model, ctx[None], layers=[0, 2, 3], want_logits=False)
+    feats = {i: cap.layers[i][0] for i in (0, 2, 3)}
+    prop = EagleProposer(head, tree=False)
+    # features arrive in two pieces, as from begin() and accept()
+    prop.begin(ctx[:7], TargetFeatures(None, {i: f[:6] for i, f in feats.items()}))
+    prop.accept(AcceptResult(None, [], [], ctx, TargetFeatures(None, {i: f[6:9] for i, f in feats.items()})))
+    tokens = prop.propose(ctx, TreeSpec.chain(4), None, None).tokens.tolist()
+    assert len(prop.kv) == 9  # only committed positions stay cached
+    with torch.no_grad():
+        out = head(ctx[None], torch.cat([feats[i] for i in (0, 2, 3)], -1)[None])
+    t = 8  # the last committed position; ctx[9] is pending
+    expected = [int(out.tokens[j][0, t]) for j in range(1, 4)] + [int(head.argmax_target_ids(out.hidden[3])[0, t])]
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculative_greedy_equals_target_greedy(trained, target4, tree):
+    from draftsmith.decoding.generate import speculative_generate
+    from draftsmith.decoding.proposer import build_proposer
+
+    job, result, rows = trained
+    proposer = build_proposer(f"eagle:{result.artifact}", target4, tree=tree, depth=4, topk=3, max_nodes=12)
+    prompts = [r["input_ids"][:4] for r in rows[:2]] + [[5]]
+    plain = speculative_generate(target4, None, prompts, 16, k=0)
+    spec = proposer.default_tree_spec()
+    fast = speculative_generate(target4, proposer, prompts, 16, k=None if tree else 4, tree=spec if tree else None)
+    assert fast.tokens == plain.tokens
+    # trained on these very continuations: drafts are accepted (α counts every tree node, so it is lower there)
+    assert fast.stats.alpha > (0.05 if tree else 0.1)
+    assert fast.stats.tau > 1.5
+    assert fast.stats.target_forwards < plain.stats.target_forwards
+
+
+def test_presets_load():
+    from draftsmith.config import load_config
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    presets = sorted(root.glob("*/eagle*.yaml"))
+    assert len(presets) >= 3
+    for p in presets:
+        cfg = load_config(p)
+        assert isinstance(cfg, EagleJobConfig), p
