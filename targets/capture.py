@@ -40,8 +40,15 @@ def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
 
 
 def default_eagle3_layers(num_layers: int) -> list[int]:
-    """Low, middle and high layers for EAGLE-3 fusion (the EAGLE-3 paper's choice: 2, L/2, L-3)."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    """Low, middle and high layers for EAGLE-3 fusion (the EAGLE-3 paper's choice: 2, L/2, L-3).
+
+    Always distinct and ascending (serving stacks reject repeated ids); shallow targets fall back to
+    first / middle / last.
+    """
+    picked = sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+    if len(picked) < min(3, num_layers):
+        picked = sorted({0, num_layers // 2, num_layers - 1})
+    return picked
 
 
 @dataclass

@@ -21,3 +21,9 @@ def test_layers_are_pre_norm_outputs(tiny_target):
 
 def test_default_eagle3_layers():
     assert default_eagle3_layers(30) == [2, 15, 27]
+    assert default_eagle3_layers(18) == [2, 9, 15]
+    assert default_eagle3_layers(4) == [0, 2, 3]
+    assert default_eagle3_layers(2) == [0, 1]
+    for n in range(1, 40):
+        layers = default_eagle3_layers(n)
+        assert layers == sorted(set(layers)) and all(0 <= i < n for i in layers)
