@@ -16,6 +16,7 @@ baseline time / speculative time when, as in greedy decoding, both emit the same
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import os
 import platform
 import resource
@@ -30,6 +31,8 @@ from draftsmith.decoding.proposer import Proposer, TreeSpec, build_proposer
 from draftsmith.evaluation import cost
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
+
+log = logging.getLogger(__name__)
 
 
 def _sync(device: torch.device) -> None:
@@ -176,6 +179,12 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
                 rec["assisted_tokens"], rec["assisted_time"] = len(as_tokens), as_time
                 rec["assisted_matches_baseline"] = (as_tokens == base.tokens[0]) if cfg.temperature == 0 else None
         per_prompt.append(rec)
+        log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s%s", i + 1, len(rows),
+                 row.domain, row.source, rec["new_tokens"], f"{sp.stats.alpha:.2f}" if sp.stats.alpha is not None
+                 else "-", sp.stats.tau or 0, sp.stats.new_tokens / sp.stats.wall_time,
+                 base.stats.new_tokens / base.stats.wall_time,
+                 f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "",
+                 "" if rec["lossless"] is not False else " NOT LOSSLESS")
 
     def aggregate(recs: list[dict]) -> dict:
         s, b = GenerationStats(), GenerationStats()
@@ -205,6 +214,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     recommended: dict = {}
     policy: dict = {}
     if cfg.cost_model:
+        log.info("measuring the cost model v(k), k = 0..%d", max(cfg.cost_k_max, spec.depth))
         cost_model.update(cost.measure_verify_cost(target, cfg.cost_context, max(cfg.cost_k_max, spec.depth),
                                                    cfg.cost_repeats, cfg.seed))
         v = cost_model["v"]

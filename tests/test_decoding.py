@@ -434,3 +434,37 @@ def test_sampling_end_to_end_first_token(small_tables):
     exp1 = {i: float(t["exact0"][i]) for i in range(VOCAB) if t["exact0"][i] > 0}
     ok, stat, crit = chi_square_ok(counts, exp1, n)
     assert ok, f"chi2 {stat:.1f} >= {crit:.1f}"
+
+
+class FeatureRecorder(TreeStub):
+    """A tree proposer that declares target features (like Medusa + EAGLE-3) and records what it is given."""
+
+    needs_last_hidden = True
+    target_layers = [0, -1]
+
+    def begin(self, prompt_ids, features):
+        self.hidden, self.layers = [features.last_hidden], {i: [h] for i, h in features.layers.items()}
+
+    def accept(self, result):
+        assert len(result.features) == len(result.accepted_nodes) + 1  # root + accepted nodes
+        self.hidden.append(result.features.last_hidden)
+        for i, h in result.features.layers.items():
+            self.layers[i].append(h)
+
+
+def test_target_features_reach_the_proposer(target, draft, prompts):
+    """Features handed to begin/accept, concatenated, are the target's features of every cached position."""
+    from draftsmith.targets.capture import capture_forward
+
+    rec = FeatureRecorder(target)
+    res = speculative_generate(target, rec, [prompts[1]], 12, k=None, tree=(2, 2), eos_ids=[])
+    assert res.stats.accepted > 0
+    context = torch.tensor(prompts[1] + res.tokens[0])
+    cached = context[: len(prompts[1]) + sum(1 for _ in res.tokens[0]) - 1]
+    ref = capture_forward(target, cached[None], layers=[0, -1])
+    got = torch.cat(rec.hidden)
+    n = got.shape[0]  # the last step's features cover up to its bonus position
+    assert n >= len(prompts[1]) + 8
+    torch.testing.assert_close(got, ref.last_hidden[0, :n], atol=1e-4, rtol=1e-4)
+    for i in (0, -1):
+        torch.testing.assert_close(torch.cat(rec.layers[i]), ref.layers[i][0, :n], atol=1e-4, rtol=1e-4)
