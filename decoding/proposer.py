@@ -199,6 +199,7 @@ class Proposer(ABC):
 
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
         """Start a new sequence. prompt_ids: [T] long; features cover prompt[:-1] (None if not declared)."""
+        return None
 
     @abstractmethod
     def propose(self, context: torch.Tensor, spec: TreeSpec, sampling: SamplingConfig,
@@ -207,6 +208,7 @@ class Proposer(ABC):
 
     def accept(self, result: AcceptResult) -> None:
         """Told after every verification step (roll back own caches here)."""
+        return None
 
 
 class NullProposer(Proposer):
