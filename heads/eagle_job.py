@@ -57,7 +57,11 @@ class EagleEvalConfig:
     prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
     limit_per_domain: int | None = 8
     max_new_tokens: int = 64
-    tree: bool = True  # EAGLE-2 dynamic tree (else chain)
+    tree: bool = True  # EAGLE-2 dynamic tree (else a chain of k)
+    k: int = 5  # chain length
+    tree_depth: int = 5  # tree: depth and per-node branching (the proposer keeps its best 24 nodes)
+    tree_topk: int = 4
+    hf_reference: bool = False  # also time HF generate (slower; the evaluator's outside reference)
 
 
 @register_config("eagle")
@@ -261,8 +265,9 @@ def evaluate_into_artifact(path: Path, target, opts: EagleEvalConfig) -> dict | 
     except ImportError:
         log.warning("draftsmith.evaluation has no evaluate(): skipping the end-of-training evaluation")
         return None
+    tree = [opts.tree_topk] * opts.tree_depth if opts.tree else None
     report = evaluate(target, f"eagle:{path}", prompts=opts.prompts or None, limit_per_domain=opts.limit_per_domain,
-                      max_new_tokens=opts.max_new_tokens, tree=opts.tree)
+                      max_new_tokens=opts.max_new_tokens, tree=tree, k=opts.k, hf_reference=opts.hf_reference)
     write_report(report, path / "eval")
     artifact.update_manifest(path, eval={"overall": report.get("overall"), "report": "eval/report.json"})
     return report
