@@ -23,8 +23,9 @@ back during generation, so with capture on a finished row stays for one extra st
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,51 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from draftsmith.targets.capture import capture_forward
+
+GQA_SDPA = "draftsmith_sdpa_gqa"
+
+
+def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """SDPA with grouped-query attention done by torch (enable_gqa) even with a padding mask.
+
+    transformers' sdpa path copies K and V `num_key_value_groups` times (repeat_kv) whenever a mask is
+    given, which on CPU costs more than the attention itself for long batched caches.
+    """
+    # transformers skips the mask when it is purely causal (no padding): then causality is on us
+    causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=causal,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_gqa_attention() -> None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if GQA_SDPA not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(GQA_SDPA, _sdpa_gqa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_SDPA, sdpa_mask)
+
+
+@contextlib.contextmanager
+def gqa_attention(model) -> Iterator[None]:
+    """Use `_sdpa_gqa` for this model while decoding (only where it was using plain sdpa)."""
+    configs = [c for c in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
+                           if c is not None}.values()]
+    old = [c._attn_implementation for c in configs]
+    if "sdpa" not in old:
+        yield
+        return
+    _register_gqa_attention()
+    try:
+        for c, o in zip(configs, old):
+            if o == "sdpa":
+                c._attn_implementation = GQA_SDPA
+        yield
+    finally:
+        for c, o in zip(configs, old):
+            c._attn_implementation = o
 
 
 @dataclass
@@ -194,7 +240,7 @@ class ContinuousBatcher:
 
     def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 32,
                  sampling: Sampling | None = None, capture: CaptureSpec | None = None,
-                 refill_fraction: float = 0.25):
+                 refill_fraction: float = 0.25, gqa_sdpa: bool = False):
         self.model = model
         self.eos = set(int(e) for e in eos_token_ids)
         self.pad = int(pad_token_id)
@@ -203,6 +249,7 @@ class ContinuousBatcher:
         self.capture = capture
         # admit new prompts once this many slots are free (prefills are batched, not one by one)
         self.refill = max(1, int(batch_size * refill_fraction))
+        self.gqa_sdpa = gqa_sdpa  # opt-in: torch's enable_gqa instead of repeat_kv (not yet measured faster)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = cfg.num_hidden_layers
 
@@ -288,10 +335,14 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ main loop
 
-    @torch.inference_mode()
     def run(self, requests: Sequence[Request], on_done: Callable[[Completion], None],
             on_tokens: Callable[[int], None] | None = None, sort_by_length: bool = True) -> dict[str, float]:
         """Generate for every request; `on_done` gets each Completion as soon as its row finishes."""
+        with gqa_attention(self.model) if self.gqa_sdpa else contextlib.nullcontext():
+            return self._run(requests, on_done, on_tokens, sort_by_length)
+
+    @torch.inference_mode()
+    def _run(self, requests, on_done, on_tokens, sort_by_length) -> dict[str, float]:
         queue = sorted(requests, key=lambda r: len(r.prompt_ids)) if sort_by_length else list(requests)
         queue.reverse()  # pop() from the end = shortest first
         if not queue:

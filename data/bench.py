@@ -1,0 +1,58 @@
+"""Benchmark the decode engines on the same prompts in one process.
+
+    nice python -m draftsmith.data.bench 32 128 cb:32,cap:32,hf:16,cb:1
+
+cb:B = continuous batching at batch B (cb:1 = one prompt at a time), cap:B = the same with capture of
+layers 2/15/27 + top-64 logits + last hidden, hf:B = transformers `generate` on static length-sorted batches.
+Prompts: the first N/2 GSM8K questions and the first N/2 self-instruct seed tasks, chat-formatted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.masks import tokenize_conversation
+from draftsmith.targets import load_target
+
+TRAIN = "/work/shared/data/train"
+
+
+def main(argv: list[str]) -> dict:
+    n, max_new, specs = int(argv[0]), int(argv[1]), argv[2]
+    torch.set_num_threads(2)
+    t = load_target("smollm2-135m")
+    with open(f"{TRAIN}/gsm8k_train.jsonl") as f:
+        rows = [json.loads(line) for line in f][: n // 2]
+    with open(f"{TRAIN}/self_instruct_seed_tasks.jsonl") as f:
+        rows += [json.loads(line) for line in f][: n - n // 2]
+    texts = [r.get("question") or (r["instruction"] + "\n\n" + r["instances"][0]["input"]).strip() for r in rows]
+    reqs = [Request(i, tokenize_conversation(t.tokenizer, [{"role": "user", "content": q}],
+                                             add_generation_prompt=True)[0], max_new) for i, q in enumerate(texts)]
+    pad = t.tokenizer.pad_token_id
+    res = {}
+    for spec in specs.split(","):
+        kind, bs = spec.split(":")
+        bs = int(bs)
+        out: dict = {}
+        done = lambda c, out=out: out.__setitem__(c.key, c.tokens)  # noqa: E731
+        if kind == "cb":
+            name, st = f"continuous_b{bs}", ContinuousBatcher(t.model, t.eos_token_ids, pad, bs).run(reqs, done)
+        elif kind == "cap":
+            cap = CaptureSpec(layers=[2, 15, 27], topk=64, last_hidden=True)
+            name = f"continuous_b{bs}_capture"
+            st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, capture=cap).run(reqs, done)
+        else:
+            name, st = f"hf_generate_b{bs}", hf_generate(t.model, reqs, t.eos_token_ids, pad, bs, Sampling(), done)
+        res[name] = {"tokens": st["generated_tokens"], "seconds": round(st["seconds"], 1),
+                     "tok_s": round(st["tokens_per_s"], 1)}
+        print(name, res[name], flush=True)
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
