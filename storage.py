@@ -116,3 +116,18 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def shared_data_dir() -> Path:
+    """The public prompt sets (train/ and eval/): `$DRAFTSMITH_DATA`, else `shared/data` beside the checkout.
+
+    Presets name them relative to the repository root (`../shared/data/...`), where the commands run.
+    """
+    env = os.environ.get("DRAFTSMITH_DATA")
+    if env:
+        return Path(env).expanduser()
+    repo = Path(__file__).resolve().parent  # the package directory is the repository root
+    for candidate in (repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"):
+        if candidate.is_dir():
+            return candidate
+    return repo.parent / "shared" / "data"

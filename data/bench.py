@@ -16,9 +16,10 @@ import torch
 
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
 from draftsmith.data.masks import tokenize_conversation
+from draftsmith.storage import shared_data_dir
 from draftsmith.targets import load_target
 
-TRAIN = "/work/shared/data/train"
+TRAIN = shared_data_dir() / "train"
 
 
 def main(argv: list[str]) -> dict:
