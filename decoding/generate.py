@@ -34,6 +34,7 @@ class GenerationStats:
     target_forwards: int = 0  # verification forwards (prefill not included)
     prefill_forwards: int = 0
     new_tokens: int = 0
+    prefill_tokens: int = 0  # first tokens, produced by the prefill forward
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     proposer_time: float = 0.0
@@ -44,7 +45,8 @@ class GenerationStats:
         self.proposed += s.proposed
         self.accepted += s.accepted
         self.target_forwards += s.steps
-        self.prefill_forwards += 1
+        self.prefill_forwards += 1 if new_tokens else 0
+        self.prefill_tokens += 1 if new_tokens else 0
         self.new_tokens += new_tokens
         for mine, theirs in ((self.proposed_per_position, s.proposed_at), (self.accepted_per_position, s.accepted_at)):
             while len(mine) < len(theirs):
@@ -56,7 +58,7 @@ class GenerationStats:
 
     def merge(self, other: GenerationStats) -> None:
         """Add another call's counters and times (e.g. to aggregate prompts into a domain)."""
-        for name in ("proposed", "accepted", "target_forwards", "prefill_forwards", "new_tokens",
+        for name in ("proposed", "accepted", "target_forwards", "prefill_forwards", "prefill_tokens", "new_tokens",
                      "proposer_time", "target_time", "wall_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.proposed_per_position, other.proposed_per_position),
@@ -73,8 +75,10 @@ class GenerationStats:
 
     @property
     def tau(self) -> float | None:
-        """τ = tokens emitted per verification forward, bonus included (1.0 = plain decoding)."""
-        return self.new_tokens / self.target_forwards if self.target_forwards else None
+        """τ = tokens emitted per verification forward, bonus included (1.0 = plain decoding). The first
+        token of each row comes from the prefill forward and is counted in neither."""
+        steps_tokens = self.new_tokens - self.prefill_tokens
+        return steps_tokens / self.target_forwards if self.target_forwards else None
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -84,7 +88,8 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "proposed": self.proposed, "accepted": self.accepted, "target_forwards": self.target_forwards,
-            "prefill_forwards": self.prefill_forwards, "new_tokens": self.new_tokens,
+            "prefill_forwards": self.prefill_forwards, "prefill_tokens": self.prefill_tokens,
+            "new_tokens": self.new_tokens,
             "proposed_per_position": list(self.proposed_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "per_position_acceptance": self.per_position_acceptance, "alpha": self.alpha, "tau": self.tau,
@@ -157,8 +162,8 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
         seq = SequenceVerifier(model, proposer, sampling, generator, vocab)
         new: list[int] = []
         if max_new_tokens > 0:
-            seq.begin(row)
-            while len(new) < max_new_tokens:
+            new.append(seq.begin(row))
+            while len(new) < max_new_tokens and new[-1] not in eos:
                 remaining = max_new_tokens - len(new)
                 step_tokens = seq.step(spec.truncated(min(spec.depth, remaining - 1)))
                 done = False

@@ -2,7 +2,9 @@
 
 Protocol for one sequence (the verifier drives it, see `decoding/verify.py`):
 
-    proposer.begin(prompt_ids, features)          once, after the target's prefill of prompt[:-1]
+    proposer.begin(prompt_ids, features)          once, after the target's prefill of the prompt;
+                                                   prompt_ids = prompt + the first token the prefill
+                                                   produced (pending), features cover prompt_ids[:-1]
     loop:
         proposal = proposer.propose(context, spec) context = every committed token (prompt + output);
                                                    its last token is "pending": the target has not
@@ -24,7 +26,7 @@ Target features: a proposer that drafts from the target's hidden states declares
     target_layers = [2, 15, 27]   pre-norm outputs of these decoder layers (EAGLE / EAGLE-3; the layer
                                   convention of `targets/capture.py`)
 The verifier then captures them in its own forward pass (no extra target forward) and hands the
-features of the newly CACHED positions to `begin` / `accept`: for `accept`, the root (old pending token)
+features of the CACHED positions to `begin` (every prompt position) / `accept`: for `accept`, the root (old pending token)
 and every accepted node, in order. The last of these positions is the one whose logits produced the new
 pending token (the "bonus position"), which is what Medusa heads and EAGLE's next draft start from.
 
@@ -198,7 +200,8 @@ class Proposer(ABC):
         return self.needs_last_hidden or bool(self.target_layers)
 
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
-        """Start a new sequence. prompt_ids: [T] long; features cover prompt[:-1] (None if not declared)."""
+        """Start a new sequence. prompt_ids: [T] long, the prompt plus the target's first (pending) token;
+        features cover prompt_ids[:-1], i.e. every prompt position (None if not declared)."""
         return None
 
     @abstractmethod

@@ -1,7 +1,8 @@
 """The one verifier: a proposal tree checked by ONE target forward, greedy or lossless sampling.
 
 Cache convention: the target's KV cache holds every committed token except the last one, the "pending"
-token (the target's own previous output, or the prompt's last token). A step feeds [pending, node_0, ...,
+token (the target's own latest output; the prefill of the prompt produces the first one, as HF generate
+does). A step feeds [pending, node_0, ...,
 node_{N-1}] in one forward:
 
     position ids   = cache_length + depth      (root depth 0)
@@ -169,42 +170,51 @@ class SequenceVerifier:
 
     # -- target forward ------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                 want_logits: bool = True) -> tuple[torch.Tensor | None, TargetFeatures | None]:
+                 want_logits: bool = True) -> tuple[torch.Tensor, TargetFeatures | None]:
+        """Logits of every fed position (want_logits) or of the last one only, plus declared features."""
         prop = self.proposer
         if prop.needs_features:
             from draftsmith.targets.capture import capture_forward
 
             cap = capture_forward(self.model, ids, attention_mask=mask, layers=list(prop.target_layers),
-                                  want_logits=want_logits, past_key_values=self.cache, position_ids=positions,
+                                  want_logits=True, past_key_values=self.cache, position_ids=positions,
                                   use_cache=True, logits_to_keep=0 if want_logits else 1)
             feats = TargetFeatures(cap.last_hidden[0] if prop.needs_last_hidden else None,
                                    {i: h[0] for i, h in cap.layers.items()})
-            return (cap.logits[0] if want_logits else None), feats
+            return cap.logits[0], feats
         out = self.model(input_ids=ids, attention_mask=mask, past_key_values=self.cache, position_ids=positions,
                          use_cache=True, logits_to_keep=0 if want_logits else 1)
-        return (out.logits[0] if want_logits else None), None
+        return out.logits[0], None
 
     # -- sequence lifecycle --------------------------------------------------------------------------
     @torch.no_grad()
-    def begin(self, prompt: torch.Tensor) -> None:
-        """Prefill prompt[:-1] into a fresh cache; prompt[-1] becomes the pending token."""
+    def begin(self, prompt: torch.Tensor) -> int:
+        """Prefill the whole prompt into a fresh cache and take the first token from its last logits (as
+        HF generate does, so plain decoding does no extra forward). That token becomes the pending token;
+        the proposer is told the context (prompt + first token) and the features of every prompt position.
+        Returns the first token."""
         prompt = prompt.to(self.device).reshape(-1)
         if prompt.numel() == 0:
             raise DraftsmithError("empty prompt")
         self.cache = kvcache.new_cache(self.model)
-        self.context = prompt.clone()
         self.stats = StepStats()
-        feats = None
         t0 = time.perf_counter()
-        if prompt.numel() > 1:
-            head = prompt[:-1][None]
-            pos = torch.arange(head.shape[1], device=self.device)[None]
-            _, feats = self._forward(head, pos, None, want_logits=False)
+        pos = torch.arange(prompt.numel(), device=self.device)[None]
+        logits, feats = self._forward(prompt[None], pos, None, want_logits=False)  # last position only
+        last = logits[-1]
+        if self.sampling.greedy:
+            first = int(last.argmax())
+        else:
+            from draftsmith.decoding.sampling import probs_from_logits
+
+            first = sample(probs_from_logits(last, self.sampling), self.generator)
+        self.context = torch.cat([prompt, torch.tensor([first], dtype=torch.long, device=self.device)])
         _sync(self.device)
         self.stats.target_time += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.proposer.begin(self.context, feats)
         self.stats.proposer_time += time.perf_counter() - t0
+        return first
 
     @torch.no_grad()
     def step(self, spec: TreeSpec) -> list[int]:

@@ -26,7 +26,7 @@ class EvalConfig:
     cost_model: bool = True
     cost_context: int = 256
     cost_k_max: int = 16
-    cost_repeats: int = 5
+    cost_repeats: int = 9
     policy_threshold: float = 1.0  # disable speculation where the speedup is below this
     device: str = "auto"
     dtype: str = "auto"

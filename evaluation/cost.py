@@ -27,7 +27,7 @@ from draftsmith.decoding.proposer import as_model
 
 
 @torch.no_grad()
-def measure_verify_cost(target, context_length: int = 256, k_max: int = 16, repeats: int = 5,
+def measure_verify_cost(target, context_length: int = 256, k_max: int = 16, repeats: int = 9,
                         seed: int = 0) -> dict:
     """v(k) for k = 0..k_max: median time of a (k+1)-token forward on a `context_length` cache / 1-token time."""
     model = as_model(target)
@@ -87,15 +87,40 @@ def expected_tokens(accepted_at: list[int], steps: int, k: int) -> float:
     return e
 
 
-def predicted_speedup(accepted_at: list[int], steps: int, k: int, v: dict[str, float], c: float) -> float:
-    return expected_tokens(accepted_at, steps, k) / (v[str(k)] + k * c)
+def expected_cost(proposed_at: list[int], steps: int, k: int, v: dict[str, float], c: float) -> float:
+    """Mean cost of one step, in target steps, if the chain limit were k: Σ_steps v(l) + l·c over the
+    steps' proposal lengths l (from the measured length distribution, cut at k). A proposer that always
+    fills its chain (a draft model) gives v(k) + k·c; n-gram proposals are often shorter or empty, and a
+    step with an empty proposal costs v(0) = 1. Steps that filled the measured limit are assumed to fill k."""
+    if steps <= 0:
+        return v["0"]
+    depth = len(proposed_at)
+    reached = [steps] + list(proposed_at) + [0]
+    total = 0.0
+    for length in range(depth + 1):
+        n = reached[length] - reached[length + 1]  # steps whose proposal had exactly this length
+        if n <= 0:
+            continue
+        used = k if length == depth else min(length, k)
+        total += n * (v[str(used)] + used * c)
+    return total / steps
 
 
-def recommend_k(accepted_at: list[int], steps: int, v: dict[str, float], c: float) -> dict:
-    """argmax_k S(k) over the measured v(k) (k = 0 means: do not speculate)."""
-    table = {k: predicted_speedup(accepted_at, steps, int(k), v, c) for k in map(int, v)}
+def predicted_speedup(accepted_at: list[int], proposed_at: list[int], steps: int, k: int, v: dict[str, float],
+                      c: float) -> float:
+    """S(k) = E[tokens | k] / E[cost | k] (module docstring)."""
+    return expected_tokens(accepted_at, steps, k) / expected_cost(proposed_at, steps, k, v, c)
+
+
+def recommend_k(accepted_at: list[int], proposed_at: list[int], steps: int, v: dict[str, float], c: float,
+                k_max: int | None = None) -> dict:
+    """argmax_k S(k) over k = 0..k_max (k = 0: do not speculate). k_max defaults to the measured depth, so
+    the recommendation never rests on extrapolated acceptance; evaluate with a larger k to look further."""
+    k_max = len(proposed_at) if k_max is None else k_max
+    ks = [k for k in map(int, v) if k <= k_max]
+    table = {k: predicted_speedup(accepted_at, proposed_at, steps, k, v, c) for k in ks}
     best = max(table, key=lambda k: (round(table[k], 9), -k))
-    return {"k": best, "predicted_speedup": table[best], "predicted_speedup_by_k": {str(k): s for k, s in table.items()}}
+    return {"k": best, "predicted_speedup": table[best], "predicted_speedup_by_k": {str(k): x for k, x in table.items()}}
 
 
 def tau_from_alpha(alpha: float | None, k: int) -> float | None:

@@ -162,19 +162,21 @@ def test_never_always_sometimes_accept(target, prompts):
     prompt, n, vocab = prompts[0], 20, target.config.vocab_size
     ref = hf_greedy(target, prompt, n)
 
+    # The prefill forward produces output position 0; verification steps start at position 1.
     never = speculative_generate(target, ScriptedStub(len(prompt), ref, set(range(n)), vocab), [prompt], n, k=4,
                                  eos_ids=[])
     assert never.tokens[0] == ref
     s = never.stats
-    assert (s.accepted, s.target_forwards, s.tau, s.alpha) == (0, n, 1.0, 0.0)
+    assert (s.accepted, s.target_forwards, s.tau, s.alpha) == (0, n - 1, 1.0, 0.0)
 
     always = speculative_generate(target, ScriptedStub(len(prompt), ref, set(), vocab), [prompt], n, k=4, eos_ids=[])
     s = always.stats
-    # steps emit 5, 5, 5, 5 tokens (the last with k=4 still fits: 4 remaining-1 = 4 ... see below)
-    assert always.tokens[0] == ref and s.alpha == 1.0 and s.target_forwards == 4 and s.tau == 5.0
+    # steps at positions 1, 6, 11 emit 5 each; at 16 four remain, so k = 3 and it emits 4
+    assert always.tokens[0] == ref and s.alpha == 1.0
+    assert (s.proposed, s.target_forwards, s.tau) == (15, 4, 19 / 4)
 
     # Script: k=4, 20 tokens, output positions 2 and 9 corrupted.
-    # step 1 at pos 0 proposes 0..3, rejects 2: accepts 2, emits 3 -> pos 3
+    # step 1 at pos 1 proposes 1..4, rejects 2: accepts 1, emits 2 -> pos 3
     # step 2 at pos 3 proposes 3..6: accepts 4, emits 5 -> pos 8
     # step 3 at pos 8 proposes 8..11, rejects 9: accepts 1, emits 2 -> pos 10
     # step 4 at pos 10 proposes 10..13: accepts 4, emits 5 -> pos 15
@@ -182,10 +184,10 @@ def test_never_always_sometimes_accept(target, prompts):
     some = speculative_generate(target, ScriptedStub(len(prompt), ref, {2, 9}, vocab), [prompt], n, k=4, eos_ids=[])
     s = some.stats
     assert some.tokens[0] == ref
-    assert (s.proposed, s.accepted, s.target_forwards) == (20, 15, 5)
-    assert s.alpha == 0.75 and s.tau == 4.0
-    assert s.proposed_per_position == [5, 5, 5, 5] and s.accepted_per_position == [5, 4, 3, 3]
-    assert s.per_position_acceptance == [1.0, 0.8, 0.6, 0.6]
+    assert (s.proposed, s.accepted, s.target_forwards) == (20, 14, 5)
+    assert s.alpha == 0.7 and s.tau == 19 / 5
+    assert s.proposed_per_position == [5, 5, 5, 5] and s.accepted_per_position == [5, 3, 3, 3]
+    assert s.per_position_acceptance == [1.0, 0.6, 0.6, 0.6]
 
 
 def test_ngram_lookup():
@@ -420,19 +422,21 @@ def test_sampling_rejects_a_wrong_distribution(small_tables):
     assert not chi_square_ok(counts, exp1, n)[0]
 
 
-def test_sampling_end_to_end_first_token(small_tables):
-    """speculative_generate itself (draft proposer, k=2, temperature/top-k/top-p) over many seeds."""
+def test_sampling_end_to_end_two_tokens(small_tables):
+    """speculative_generate itself (draft proposer, temperature/top-k/top-p): the first token comes from the
+    prefill, the second from a speculative step (k = 1 within a budget of 3); their joint distribution is p."""
     t = small_tables
-    n = 400
-    counts: dict[int, int] = {}
-    res = speculative_generate(t["tgt"], DraftProposer(t["drf"]), [t["ctx"]] * n, 2, k=2,
+    n = 600
+    res = speculative_generate(t["tgt"], DraftProposer(t["drf"]), [t["ctx"]] * n, 3, k=2,
                                temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, top_p=SAMPLING.top_p,
                                seed=11, eos_ids=[])
-    for row in res.tokens:
-        counts[row[0]] = counts.get(row[0], 0) + 1
     assert 0 < res.stats.accepted < res.stats.proposed  # both branches of the rule were exercised
-    exp1 = {i: float(t["exact0"][i]) for i in range(VOCAB) if t["exact0"][i] > 0}
-    ok, stat, crit = chi_square_ok(counts, exp1, n)
+    pairs: dict = {}
+    for a, b, *_ in res.tokens:
+        pairs[(a, b)] = pairs.get((a, b), 0) + 1
+    exp = {(a, b): float(t["exact0"][a] * t["exact1"][a, b]) for a in range(VOCAB) for b in range(VOCAB)
+           if t["exact0"][a] * t["exact1"][a, b] > 0}
+    ok, stat, crit = chi_square_ok(pairs, exp, n)
     assert ok, f"chi2 {stat:.1f} >= {crit:.1f}"
 
 
@@ -443,6 +447,7 @@ class FeatureRecorder(TreeStub):
     target_layers = [0, -1]
 
     def begin(self, prompt_ids, features):
+        assert len(features) == prompt_ids.numel() - 1  # every prompt position; the last id is pending
         self.hidden, self.layers = [features.last_hidden], {i: [h] for i, h in features.layers.items()}
 
     def accept(self, result):
@@ -452,15 +457,14 @@ class FeatureRecorder(TreeStub):
             self.layers[i].append(h)
 
 
-def test_target_features_reach_the_proposer(target, draft, prompts):
+def test_target_features_reach_the_proposer(target, prompts):
     """Features handed to begin/accept, concatenated, are the target's features of every cached position."""
     from draftsmith.targets.capture import capture_forward
 
     rec = FeatureRecorder(target)
     res = speculative_generate(target, rec, [prompts[1]], 12, k=None, tree=(2, 2), eos_ids=[])
     assert res.stats.accepted > 0
-    context = torch.tensor(prompts[1] + res.tokens[0])
-    cached = context[: len(prompts[1]) + sum(1 for _ in res.tokens[0]) - 1]
+    cached = torch.tensor(prompts[1] + res.tokens[0])[:-1]
     ref = capture_forward(target, cached[None], layers=[0, -1])
     got = torch.cat(rec.hidden)
     n = got.shape[0]  # the last step's features cover up to its bonus position

@@ -60,10 +60,17 @@ def test_cost_arithmetic():
     # past the data: geometric with the last conditional rate 0.2/0.5
     assert cost.expected_tokens(acc, 10, 4) == pytest.approx(2.5 + 0.2 * 0.4)
     v = {"0": 1.0, "1": 1.1, "2": 1.3, "3": 2.5}
-    rec = cost.recommend_k(acc, 10, v, c=0.05)
+    full = [10, 10, 10]  # every step proposed 3 tokens: cost is v(k) + k·c
+    assert cost.expected_cost(full, 10, 2, v, 0.05) == pytest.approx(1.3 + 0.1)
+    # 10 steps: 4 empty proposals, 2 of length 1, 4 of length 3
+    short = [6, 4, 4]
+    assert cost.expected_cost(short, 10, 3, v, 0.0) == pytest.approx((4 * 1.0 + 2 * 1.1 + 4 * 2.5) / 10)
+    assert cost.expected_cost(short, 10, 1, v, 0.0) == pytest.approx((4 * 1.0 + 6 * 1.1) / 10)
+    rec = cost.recommend_k(acc, full, 10, v, c=0.05)
     table = {k: cost.expected_tokens(acc, 10, k) / (v[str(k)] + k * 0.05) for k in range(4)}
     assert rec["k"] == max(table, key=table.get)
-    assert cost.recommend_k([0, 0], 10, v, c=0.0)["k"] == 0  # never accepted: do not speculate
+    assert cost.recommend_k([0, 0], [10, 10], 10, v, c=0.0)["k"] == 0  # never accepted: do not speculate
+    assert cost.recommend_k(acc, full[:2], 10, v, c=0.0)["k"] <= 2  # never beyond the measured depth
     assert cost.tau_from_alpha(0.5, 3) == pytest.approx(1.875) and cost.tau_from_alpha(1.0, 3) == 4.0
 
 
