@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.errors import DataError
+from draftsmith.storage import shared_data_dir
 
-DEFAULT_EVAL_DIR = Path("/work/shared/data/eval")
 DEFAULT_PROMPT_FILES = ["eagle/alpaca.jsonl", "eagle/gsm8k.jsonl", "eagle/humaneval.jsonl",
                         "user_oriented_instructions.jsonl"]
 
@@ -42,7 +42,7 @@ class EvalPrompt:
 
 
 def default_prompt_files(root: str | Path | None = None) -> list[Path]:
-    root = Path(root) if root else DEFAULT_EVAL_DIR
+    root = Path(root) if root else shared_data_dir() / "eval"  # $DRAFTSMITH_DATA/eval or shared/data/eval
     return [root / f for f in DEFAULT_PROMPT_FILES]
 
 
