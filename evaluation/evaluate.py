@@ -149,7 +149,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     files = cfg.prompts or [str(p) for p in default_prompt_files()]
     rows: list[EvalPrompt] = load_prompts(files, cfg.limit_per_domain, cfg.seed)
     gen_kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos)
-    spec_kw = dict(tree=spec) if cfg.tree else dict(k=cfg.k)
+    spec_kw = dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k)
     assistant = prop.model if isinstance(prop, DraftProposer) and cfg.hf_reference else None
 
     # warm-up (not counted): every code path once

@@ -41,7 +41,9 @@ class EvalAfterTraining:
     prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
     limit_per_domain: int | None = 8
     max_new_tokens: int = 64
-    tree: bool = True  # evaluate with the calibrated tree (else chain)
+    tree: bool = True  # evaluate with the calibrated tree (else a chain of k)
+    k: int = 4
+    hf_reference: bool = False  # also time HF generate in the same run
 
 
 @register_config("medusa")
@@ -242,12 +244,22 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def tree_branching(path: str | Path) -> list[int] | None:
+    """Per-depth branching factors the artifact's calibrated tree needs (the evaluator's `tree=`)."""
+    tree_file = Path(path) / "tree.json"
+    if not tree_file.is_file():
+        return None
+    paths = MedusaTree.from_json(read_json(tree_file)).paths
+    depth = max(len(p) for p in paths)
+    return [1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)]
+
+
 def evaluate_into_artifact(path: Path, target, opts: EvalAfterTraining) -> dict:
     from draftsmith.evaluation import evaluate, write_report
 
-    proposer = f"medusa:{path}"
-    report = evaluate(target, proposer, prompts=opts.prompts or None, limit_per_domain=opts.limit_per_domain,
-                      max_new_tokens=opts.max_new_tokens, tree=opts.tree)
+    tree = tree_branching(path) if opts.tree else None
+    report = evaluate(target, f"medusa:{path}", prompts=opts.prompts or None, limit_per_domain=opts.limit_per_domain,
+                      max_new_tokens=opts.max_new_tokens, tree=tree, k=opts.k, hf_reference=opts.hf_reference)
     write_report(report, path / "eval")
     artifact.update_manifest(path, eval={"overall": report.get("overall"), "report": "eval/report.json"})
     return report

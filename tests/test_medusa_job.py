@@ -73,3 +73,23 @@ def test_medusa_decoding_is_lossless(medusa_artifact, tiny_target, mode):
     sampled = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=12, temperature=1.0,
                                    eos_ids=[], seed=3, **kwargs)
     assert all(len(t) == 12 for t in sampled.tokens)
+
+
+def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_target, tmp_path):
+    import shutil
+
+    from draftsmith.heads.medusa_job import EvalAfterTraining, evaluate_into_artifact, tree_branching
+
+    art = tmp_path / "art"
+    shutil.copytree(medusa_artifact[1], art)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"category": d, "turns": [f"add {i} and {i}"]})
+                                 for d in ("math", "code") for i in range(2)) + "\n")
+    branching = tree_branching(art)
+    assert branching and all(b >= 1 for b in branching)
+    report = evaluate_into_artifact(art, tiny_target, EvalAfterTraining(
+        prompts=[str(prompts)], limit_per_domain=2, max_new_tokens=8))
+    assert set(report["domains"]) == {"math", "code"}
+    assert all(row["lossless"] for row in report["domains"].values())
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["eval"]["report"] == "eval/report.json" and (art / "eval" / "report.md").is_file()
