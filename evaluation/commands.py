@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     for flag, (_, tp) in FLAGS.items():
         p.add_argument(flag, type=tp, default=None)
     p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the shared eval sets)")
-    p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1")
+    p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1; `auto` = the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)")
     p.add_argument("--no-hf-reference", action="store_true", help="skip timing HF generate")
     p.add_argument("--no-cost-model", action="store_true", help="skip measuring v(k)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
@@ -49,7 +49,9 @@ def build_config(args):
             overrides.append(f"{name}={value}")
     if args.prompts:
         overrides.append("prompts=[" + ", ".join(f"'{p}'" for p in args.prompts) + "]")
-    if args.tree:
+    if args.tree == "auto":
+        overrides.append("tree_from_proposer=true")
+    elif args.tree:
         try:
             overrides.append("tree=[" + ", ".join(str(int(b)) for b in args.tree.split(",")) + "]")
         except ValueError:

@@ -16,6 +16,7 @@ class EvalConfig:
     max_new_tokens: int = 128
     k: int = 4  # chain length (ignored when tree is given)
     tree: list[int] | None = None  # branching factor per depth, e.g. [4, 2, 1]
+    tree_from_proposer: bool = False  # use the proposer's own tree (Medusa's calibrated tree, EAGLE-2's budget)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

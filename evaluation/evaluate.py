@@ -28,6 +28,7 @@ import torch
 from draftsmith.decoding.draft import DraftProposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
 from draftsmith.decoding.proposer import Proposer, TreeSpec, build_proposer
+from draftsmith.errors import ConfigError
 from draftsmith.evaluation import cost
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
@@ -145,7 +146,13 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     eos = list(target.eos_token_ids)
     eos_set = set(eos)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else None)
-    spec = TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)
+    if cfg.tree_from_proposer:
+        if not hasattr(prop, "default_tree_spec"):
+            raise ConfigError(f"proposer '{cfg.proposer}' has no tree of its own: give tree branching factors")
+        spec = prop.default_tree_spec()
+        cfg = dataclasses.replace(cfg, tree=list(spec.branching))
+    else:
+        spec = TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)
     files = cfg.prompts or [str(p) for p in default_prompt_files()]
     rows: list[EvalPrompt] = load_prompts(files, cfg.limit_per_domain, cfg.seed)
     gen_kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos)
@@ -270,6 +277,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         "proposer": cfg.proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__),
         "settings": {
             "max_new_tokens": cfg.max_new_tokens, "k": None if cfg.tree else cfg.k, "tree": cfg.tree,
+            "tree_max_nodes": spec.max_nodes,
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
         },

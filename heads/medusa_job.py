@@ -244,22 +244,12 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def tree_branching(path: str | Path) -> list[int] | None:
-    """Per-depth branching factors the artifact's calibrated tree needs (the evaluator's `tree=`)."""
-    tree_file = Path(path) / "tree.json"
-    if not tree_file.is_file():
-        return None
-    paths = MedusaTree.from_json(read_json(tree_file)).paths
-    depth = max(len(p) for p in paths)
-    return [1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)]
-
-
 def evaluate_into_artifact(path: Path, target, opts: EvalAfterTraining) -> dict:
     from draftsmith.evaluation import evaluate, write_report
 
-    tree = tree_branching(path) if opts.tree else None
     report = evaluate(target, f"medusa:{path}", prompts=opts.prompts or None, limit_per_domain=opts.limit_per_domain,
-                      max_new_tokens=opts.max_new_tokens, tree=tree, k=opts.k, hf_reference=opts.hf_reference)
+                      max_new_tokens=opts.max_new_tokens, tree_from_proposer=opts.tree, k=opts.k,
+                      hf_reference=opts.hf_reference)
     write_report(report, path / "eval")
     artifact.update_manifest(path, eval={"overall": report.get("overall"), "report": "eval/report.json"})
     return report

@@ -78,18 +78,17 @@ def test_medusa_decoding_is_lossless(medusa_artifact, tiny_target, mode):
 def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_target, tmp_path):
     import shutil
 
-    from draftsmith.heads.medusa_job import EvalAfterTraining, evaluate_into_artifact, tree_branching
+    from draftsmith.heads.medusa_job import EvalAfterTraining, evaluate_into_artifact
 
     art = tmp_path / "art"
     shutil.copytree(medusa_artifact[1], art)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"category": d, "turns": [f"add {i} and {i}"]})
                                  for d in ("math", "code") for i in range(2)) + "\n")
-    branching = tree_branching(art)
-    assert branching and all(b >= 1 for b in branching)
     report = evaluate_into_artifact(art, tiny_target, EvalAfterTraining(
         prompts=[str(prompts)], limit_per_domain=2, max_new_tokens=8))
     assert set(report["domains"]) == {"math", "code"}
+    assert report["settings"]["tree"] == list(build_proposer(f"medusa:{art}", tiny_target).default_tree_spec().branching)
     assert all(row["lossless"] for row in report["domains"].values())
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["eval"]["report"] == "eval/report.json" and (art / "eval" / "report.md").is_file()
