@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +99,7 @@ class Registry:
 
     def write_run_record(self, record: dict) -> Path:
         stamp = record.get("started", now_iso()).replace(":", "").replace("+", "_")
-        path = self.base / "runs" / f"{stamp}.json"
+        path = self.base / "runs" / f"{stamp}-{os.getpid()}-{time.time_ns() % 10**9:09d}.json"  # unique per run
         atomic_write_json(path, record)
         return path
 

@@ -42,8 +42,10 @@ EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_NO_TRAFFIC = 0, 1, 10, 11
 def _measure(target, kind: str, path: Path, prompts: list[str] | None, limit: int | None, cfg: RetrainConfig) -> dict:
     from draftsmith.evaluation import evaluate
 
+    # α and losslessness only: no HF reference timing, no cost model (they do not move the decision)
     return evaluate(target, f"{kind}:{path}", prompts=prompts, limit_per_domain=limit,
-                    max_new_tokens=cfg.measure.max_new_tokens, k=cfg.measure.k, seed=cfg.traffic.seed)
+                    max_new_tokens=cfg.measure.max_new_tokens, k=cfg.measure.k, seed=cfg.traffic.seed,
+                    hf_reference=False, cost_model=False)
 
 
 def _summary(report: dict) -> dict:
@@ -140,14 +142,14 @@ def retrain_once(cfg: RetrainConfig, init: str | None = None) -> tuple[int, dict
     """Run one scheduled retraining. Returns (exit code, run record)."""
     from draftsmith.targets import load_target
 
-    target_name = cfg.target.replace("/", "_")
-    reg = Registry(Path(cfg.registry), target_name, cfg.artifact_kind)
+    target = load_target(cfg.target)
+    reg = Registry(Path(cfg.registry), target.name, cfg.artifact_kind)
     record: dict = {"started": now_iso(), "config": to_dict(cfg), "registry": str(reg.base)}
     with RunLock(reg.base / ".lock") as lock:
         if lock.broke_stale:
             record["broke_stale_lock"] = lock.broke_stale
         try:
-            code = _run(cfg, reg, record, load_target(cfg.target), init)
+            code = _run(cfg, reg, record, target, init)
         except DraftsmithError as e:
             record.update(outcome="error", error=str(e))
             code = EXIT_ERROR

@@ -22,11 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+from tiny_models import build_tiny_tokenizer, make_target  # noqa: E402
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from conftest import build_tiny_tokenizer, make_target  # noqa: E402
 
 from draftsmith.artifact import make_manifest, save_artifact  # noqa: E402
 from draftsmith.training import CaptureSource, TrainConfig, train  # noqa: E402

@@ -4,14 +4,9 @@ features online (target in the step) and offline (from the cache) within bf16 to
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from _train_job import make_rows  # noqa: E402
 
 from draftsmith.errors import DataError, FingerprintMismatch  # noqa: E402

@@ -4,7 +4,6 @@ training through the one loop (online and offline features), artifact round trip
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +26,8 @@ from draftsmith.heads.eagle_job import EagleEvalConfig, EagleJob, EagleJobConfig
 from draftsmith.training import TrainConfig, train
 
 torch.set_num_threads(2)
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import make_target  # noqa: E402
+from tiny_models import make_target  # noqa: E402
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------

@@ -19,11 +19,8 @@ H, NH, NKV, HD, INTER = 64, 4, 2, 16, 128
 @pytest.fixture(scope="module")
 def deep_target(tiny_tokenizer, tmp_path_factory):
     """A 4-layer tiny target: EAGLE-3 needs three distinct feature layers."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import make_target
+    from tiny_models import make_target
 
     return make_target(tiny_tokenizer, seed=5, layers=4, folder=tmp_path_factory.mktemp("deep_target"))
 

@@ -14,11 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from _train_job import NextTokenJob  # noqa: E402
+from safetensors.torch import load_file
 
 from draftsmith.config import from_dict  # noqa: E402
 from draftsmith.errors import ConfigError, TrainingError  # noqa: E402

@@ -1,0 +1,188 @@
+"""Retraining end to end on tiny models: v1 trained on domain A; traffic moves to domain B.
+
+The scenario the issue names: the job detects staleness, retrains, promotes v2 (higher α on B); a
+second run right after does nothing; a run whose candidate is no better keeps the current version and
+exits with the "rejected" code; a run killed mid-training leaves current untouched and the next run
+completes. Everything is real: the data pipeline writes the traffic responses with the target, the
+one training loop trains Medusa heads, the evaluator measures α.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.config import load_config
+from draftsmith.retrain.config import RetrainConfig
+from draftsmith.retrain.registry import Registry
+from draftsmith.retrain.run import EXIT_OK, EXIT_REJECTED, retrain_once
+
+# Two domains the tiny target learns by heart, so its greedy continuations are varied, domain-specific text.
+A_LINES = ["the quick brown fox jumps over the lazy dog and runs far away",
+           "a stitch in time saves nine and a penny saved is a penny earned",
+           "summarize the following passage in one sentence for the reader",
+           "natalia sold clips to her friends in april and then in may",
+           "question what is the capital of france answer paris is the capital",
+           "translate the sentence into french before you answer the question"]
+B_LINES = ["def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+           "for i in range(10):\n    print(i * i)\n    total += i",
+           "import os\nimport sys\n\nclass Foo:\n    def __init__(self, x):",
+           "class Foo:\n    def __init__(self, x):\n        self.x = x\n        self.y = x",
+           "while True:\n    x = x + 1\n    if x > 10:\n        break",
+           "def mul(a, b):\n    \"\"\"Return a times b.\"\"\"\n    return a * b"]
+
+
+def _prompt(line: str, words: int = 3) -> str:
+    return " ".join(line.split(" ")[:words])
+
+
+def _learned_target(tokenizer, folder: Path):
+    """A 2-layer Llama trained to reproduce A_LINES and B_LINES after their first words."""
+    import torch
+    from tiny_models import make_target
+
+    target = make_target(tokenizer, seed=5)
+    model = target.model
+    model.train().requires_grad_(True)
+    # chat-formatted, as the data pipeline and the evaluator will present prompts: user = the first
+    # words, assistant = the rest of the line
+    seqs = []
+    for line in A_LINES + B_LINES:
+        for w in (1, 2, 3, 4):
+            rest = line[len(_prompt(line, w)):].lstrip(" ")
+            text = tokenizer.apply_chat_template([{"role": "user", "content": _prompt(line, w)},
+                                                  {"role": "assistant", "content": rest}], tokenize=False)
+            seqs.append(tokenizer(text).input_ids)
+    T = max(map(len, seqs))
+    ids = torch.full((len(seqs), T), tokenizer.pad_token_id)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    labels = ids.masked_fill(mask == 0, -100)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(200):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().requires_grad_(False)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    from draftsmith.targets import load_target
+
+    return load_target(str(folder))
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def scenario(tiny_tokenizer, tmp_path_factory):
+    """Config files and the initial version v1, trained briefly on domain A."""
+    from draftsmith.data import generate_dataset
+    from draftsmith.data.generate import load_data_config
+    from draftsmith.heads.medusa_job import run_train_medusa
+
+    root = tmp_path_factory.mktemp("retrain")
+    target = _learned_target(tiny_tokenizer, root / "target")
+    target_dir = str(target.folder)
+    a_file = _write_jsonl(root / "a.jsonl", [{"prompt": _prompt(line, w)} for line in A_LINES for w in (2, 3, 4)])
+    data_yaml = root / "data.yaml"
+    data_yaml.write_text(yaml.safe_dump({
+        "kind": "data", "target": target_dir, "output_dir": str(root / "data-a"),
+        "sources": [{"name": "a", "type": "jsonl", "path": str(a_file), "prompt": "prompt", "domain": "A"}],
+        "generation": {"max_new_tokens": 20, "batch_size": 8, "threads": 1},
+    }))
+    generate_dataset(load_data_config(data_yaml), target, progress=False)
+    job_yaml = root / "medusa.yaml"
+    job_yaml.write_text(yaml.safe_dump({
+        "kind": "medusa", "target": target_dir, "data": str(root / "data-a"), "output": str(root / "v1"),
+        "num_heads": 2, "num_layers": 1, "eval_fraction": 0.2, "calibration_rows": 4, "tree_budget": 4,
+        "tree_max_rank": 2, "max_length": 64,
+        "train": {"lr": 1e-2, "max_steps": 40, "batch_size": 4, "warmup_steps": 0, "progress": False,
+                  "output_dir": str(root / "v1.train"), "log_every": 1, "save_every": 2},
+        "evaluate": {"enabled": False},
+    }))
+    v1 = run_train_medusa(str(job_yaml), [])
+    traffic = root / "traffic"
+    traffic.mkdir()
+    now = time.time()
+    _write_jsonl(traffic / "gateway-1.jsonl", [
+        {"prompt": _prompt(line, w), "domain": "code", "timestamp": now - 60 * w} for line in B_LINES for w in (1, 2, 3)])
+    retrain_yaml = root / "retrain.yaml"
+    retrain_yaml.write_text(yaml.safe_dump({
+        "kind": "retrain", "artifact_kind": "medusa", "target": target_dir, "registry": str(root / "registry"),
+        "job_config": str(job_yaml), "data_config": str(data_yaml),
+        "traffic": {"dir": str(traffic), "max_per_domain": 24, "eval_share": 0.25, "max_eval_per_domain": 4},
+        "measure": {"baseline_prompts": [str(a_file)], "baseline_limit_per_domain": 4, "max_new_tokens": 16,
+                    "k": 2},
+        "thresholds": {"alpha_floor": 0.2, "max_drop": 0.1, "min_domain_prompts": 1},
+        "gate": {"min_gain": 0.02, "baseline_margin": 0.5},
+        "budget": {"max_steps": 30, "replay_fraction": 0.25,
+                   "job_overrides": ["train.save_every=5", "train.lr=1e-2"]},
+        "policy_alpha_floor": 0.3,
+    }))
+    return root, retrain_yaml, Path(v1), target
+
+
+def _cfg(path: Path, *overrides: str) -> RetrainConfig:
+    return load_config(path, list(overrides), cls=RetrainConfig)
+
+
+def test_scenario(scenario):
+    root, retrain_yaml, v1, target = scenario
+    cfg = _cfg(retrain_yaml)
+    reg = Registry(root / "registry", Path(cfg.target).name, "medusa")
+
+    code, rec = retrain_once(cfg, init=str(v1))
+    assert code == EXIT_OK and rec["outcome"] == "initialised" and reg.current() == "v0001"
+
+    # A killed run (SIGKILL once training has checkpointed) leaves v1 current; the next run completes it.
+    proc = subprocess.Popen([sys.executable, "-m", "draftsmith.cli", "retrain", "--config", str(retrain_yaml)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not list(reg.staging.glob("*/train/checkpoints/step-*/state.json")):
+            assert proc.poll() is None, "the run ended before it was killed"
+            assert time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert reg.current() == "v0001" and reg.versions() == ["v0001"]
+
+    code, rec = retrain_once(cfg)
+    assert code == EXIT_OK, rec
+    assert rec["outcome"] == "promoted" and rec["stale"]["yes"] and rec.get("broke_stale_lock")
+    assert reg.current() == "v0002" and reg.manifest("v0002")["parent"] == "v0001"
+    before = rec["current_traffic"]["domains"]["code"]["alpha"]
+    after = rec["candidate_traffic"]["domains"]["code"]["alpha"]
+    assert before < cfg.thresholds.alpha_floor <= after
+    assert reg.manifest("v0002")["lineage"]["attempt"] == rec["attempt"]
+    policy = json.loads((reg.base / "policy.json").read_text())
+    assert policy["version"] == "v0002" and "code" in policy["domains"]
+
+    # Right after, with the same configuration: nothing to do.
+    code, rec = retrain_once(cfg)
+    assert code == EXIT_OK and rec["outcome"] == "fresh" and reg.current() == "v0002"
+
+    # Stale by rule, but the candidate cannot beat the current version by the required margin.
+    code, rec = retrain_once(_cfg(retrain_yaml, "thresholds.alpha_floor=1.0", "gate.min_gain=0.9",
+                                  "budget.max_steps=1"))
+    assert code == EXIT_REJECTED and rec["outcome"] == "rejected" and reg.current() == "v0002"
+    assert any("does not beat" in r for r in rec["gate"]["reasons"])
+    records = sorted((reg.base / "runs").glob("*.json"))
+    assert len(records) >= 4 and all(json.loads(p.read_text())["exit_code"] in (0, 10) for p in records)
