@@ -1,0 +1,132 @@
+"""`make demo`: the main job on the embedded default target, end to end, in about 15 minutes on 2 cores.
+
+    target  load smollm2-135m (dequantised once, then from the safetensors cache)
+    data    the target answers a mixed prompt set (math, NLP tasks, general, code) itself
+    train   Medusa heads on the frozen target through the one training loop
+    eval    plain decoding vs n-gram lookup vs Medusa (chain and tree) per domain: α, τ, speedup, lossless
+    export  the Medusa heads in vLLM's layout, verified by reloading
+
+Every stage is resumable: rerunning `make demo` skips what is already complete. Outputs: runs/demo/.
+Budget knobs: DEMO_ROWS, DEMO_STEPS, DEMO_EVAL_LIMIT (environment variables).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from draftsmith.cli import run_entry_point
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(os.environ.get("DEMO_OUT", ROOT / "runs" / "demo"))
+ROWS = int(os.environ.get("DEMO_ROWS", "160"))
+STEPS = int(os.environ.get("DEMO_STEPS", "150"))
+EVAL_LIMIT = int(os.environ.get("DEMO_EVAL_LIMIT", "3"))
+
+
+def stage(name: str):
+    def deco(fn):
+        def run(*args, **kwargs):
+            print(f"\n=== {name} ===", flush=True)
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            print(f"--- {name}: done in {time.perf_counter() - start:.0f} s", flush=True)
+            return result
+        return run
+    return deco
+
+
+@stage("target")
+def load():
+    from draftsmith.targets import load_target
+
+    target = load_target("smollm2-135m")
+    fp = target.fingerprint()
+    print(f"smollm2-135m: {sum(p.numel() for p in target.model.parameters()) / 1e6:.1f}M params, "
+          f"vocab {fp['vocab_size']}, {fp['architecture']['num_hidden_layers']} layers, "
+          f"tokenizer {fp['tokenizer_hash'][:12]}, cached in {target.folder}")
+    return target
+
+
+@stage("data: self-distillation by the target")
+def data(target) -> Path:
+    from draftsmith.data import generate_dataset, read_provenance
+    from draftsmith.data.generate import load_data_config
+
+    out = OUT / "data"
+    if not (out / "provenance.json").is_file():
+        cfg = load_data_config(ROOT / "configs/smollm2-135m/data.yaml", [
+            f"output_dir={out}", f"max_rows={ROWS}", "generation.max_new_tokens=96"])
+        generate_dataset(cfg, target)
+    prov = read_provenance(out)
+    print(f"dataset: {out} ({prov.get('counts', {})})")
+    return out
+
+
+@stage("train: Medusa heads on the frozen target")
+def train(target, data_path: Path) -> Path:
+    from draftsmith.config import load_config
+    from draftsmith.heads.medusa_job import MedusaJobConfig, train_medusa
+
+    out = OUT / "medusa"
+    if (out / "manifest.json").is_file():
+        print(f"artifact exists: {out}")
+        return out
+    cfg = load_config(ROOT / "configs/smollm2-135m/medusa.yaml", [
+        f"data={data_path}", f"output={out}", f"train.output_dir={OUT / 'medusa.train'}",
+        f"train.max_steps={STEPS}", "train.eval_every=50", "train.save_every=50", "train.log_every=10",
+        "max_length=256", "evaluate.enabled=false", "calibration_rows=48"], cls=MedusaJobConfig)
+    return train_medusa(cfg)
+
+
+@stage("evaluate: plain vs n-gram vs Medusa, per domain")
+def evaluate(target, medusa: Path) -> dict:
+    from draftsmith.evaluation import evaluate as run_eval
+    from draftsmith.evaluation import write_report
+
+    reports = {}
+    for name, spec, opts in [("ngram", "ngram", {"k": 4}), ("medusa-chain", f"medusa:{medusa}", {"k": 4}),
+                             ("medusa-tree", f"medusa:{medusa}", {"tree_from_proposer": True})]:
+        out = OUT / "eval" / name
+        report = run_eval(target, spec, limit_per_domain=EVAL_LIMIT, max_new_tokens=64, hf_reference=False,
+                          cost_repeats=3, command=f"scripts/demo.py ({name})", **opts)
+        write_report(report, out)
+        reports[name] = report
+        print(f"{name}: report in {out}/report.md")
+    return reports
+
+
+@stage("export: Medusa heads for vLLM")
+def export(target, medusa: Path) -> Path:
+    from draftsmith.export import export_artifact
+
+    result = export_artifact(medusa, "vllm", OUT / "export" / "vllm", target=target)
+    print(result.summary())
+    print(f"launch command: {result.out / 'serve.md'}")
+    return result.out
+
+
+def summary(reports: dict) -> None:
+    print("\n=== summary (greedy, this machine) ===")
+    print(f"{'proposer':<14} {'domain':<14} {'alpha':>6} {'tau':>5} {'speedup':>8} lossless")
+    for name, report in reports.items():
+        for domain, row in sorted(report["domains"].items()):
+            print(f"{name:<14} {domain:<14} {row['alpha'] or 0:6.3f} {row['tau'] or 0:5.2f} "
+                  f"{row['speedup'] or 0:8.2f} {row['lossless']}")
+    print(f"\noutputs: {OUT}")
+
+
+def main() -> int:
+    target = load()
+    data_path = data(target)
+    medusa = train(target, data_path)
+    reports = evaluate(target, medusa)
+    export(target, medusa)
+    summary(reports)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_entry_point(main))
