@@ -40,11 +40,12 @@ test-fast: setup
 demo: setup
 	$(BIN)/python scripts/demo.py
 
+# Published numbers (BENCHMARKS.md): the data engine and every artifact passed as ARTIFACTS="medusa:PATH ..."
 bench: setup
-	$(BIN)/draftsmith bench --config configs/bench/smollm2-135m.yaml
+	$(BIN)/python scripts/bench.py $(foreach a,$(ARTIFACTS),--artifact $(a))
 
 bench-quick: setup
-	$(BIN)/draftsmith bench --config configs/bench/smollm2-135m.yaml --quick
+	$(BIN)/python scripts/bench.py --quick $(foreach a,$(ARTIFACTS),--artifact $(a))
 
 lint: setup
 	$(BIN)/ruff check .

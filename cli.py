@@ -24,7 +24,6 @@ COMMAND_MODULES = [
     "draftsmith.evaluation.commands",
     "draftsmith.export.commands",
     "draftsmith.retrain.commands",
-    "draftsmith.evaluation.bench_commands",
 ]
 
 
