@@ -14,6 +14,7 @@ from typing import Literal
 
 from draftsmith.config import register_config
 from draftsmith.distill.losses import DIVERGENCES
+from draftsmith.evaluation.after_training import EvalAfterTraining
 from draftsmith.training.config import TrainConfig
 
 
@@ -128,25 +129,6 @@ class OnPolicySpec:
             raise ValueError("temperature must be > 0")
 
 
-@dataclass
-class EvalSpec:
-    """The evaluator run at the end of training (when draftsmith.evaluation exists)."""
-
-    enabled: bool = True
-    prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
-    limit_per_domain: int | None = 8
-    max_new_tokens: int = 64
-    k: int = 4  # draft tokens per step
-    hf_reference: bool = False  # also time HF generate / assisted generation (doubles the eval time)
-    cost_model: bool = True  # measure v(k) and c on this machine -> recommended k
-
-    def __post_init__(self):
-        if self.limit_per_domain is not None and self.limit_per_domain < 1:
-            raise ValueError("limit_per_domain must be >= 1 or null")
-        if self.max_new_tokens < 1 or self.k < 1:
-            raise ValueError("max_new_tokens and k must be >= 1")
-
-
 @register_config("distill")
 @dataclass
 class DistillConfig:
@@ -158,7 +140,7 @@ class DistillConfig:
     data: DataSpec = field(default_factory=DataSpec)
     on_policy: OnPolicySpec = field(default_factory=OnPolicySpec)
     train: TrainConfig = field(default_factory=TrainConfig)
-    evaluate: EvalSpec = field(default_factory=EvalSpec)
+    evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
 
     def __post_init__(self):
         if self.data.mode == "offline" and self.kd.ce_weight < 1.0:

@@ -37,6 +37,7 @@ from draftsmith.distill.builders import apply_lora, build_draft, plain_model, si
 from draftsmith.distill.config import DistillConfig
 from draftsmith.distill.losses import distill_loss
 from draftsmith.errors import DataError
+from draftsmith.evaluation.after_training import evaluate_into_artifact
 
 log = logging.getLogger(__name__)
 
@@ -319,33 +320,9 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None) ->
     if result.artifact is not None:
         artifact.update_manifest(result.artifact, train_seconds=seconds)
         if cfg.evaluate.enabled:
-            out["eval"] = evaluate_artifact(cfg, target, result.artifact)
+            evaluate_into_artifact(result.artifact, target, "draft", cfg.evaluate,
+                                   command=f"draftsmith distill (output {result.artifact})")
+            out["eval"] = artifact.load_manifest(result.artifact)["eval"]
     return out
 
 
-def evaluate_artifact(cfg: DistillConfig, target, path: Path) -> dict | None:
-    """Run the evaluator with the draft as proposer (`draft:PATH`) on the eval prompts; write report.json /
-    report.md / plots into `<artifact>/eval/` and the per-domain summary into the manifest's `eval`."""
-    try:
-        from draftsmith.evaluation.evaluate import evaluate
-        from draftsmith.evaluation.report import write_report
-    except ImportError:
-        log.warning("draftsmith.evaluation is not available: the artifact has no eval report")
-        return None
-    ev = cfg.evaluate
-    report = evaluate(target, f"draft:{path}", prompts=ev.prompts or None, limit_per_domain=ev.limit_per_domain,
-                      max_new_tokens=ev.max_new_tokens, k=ev.k, hf_reference=ev.hf_reference,
-                      cost_model=ev.cost_model, command=f"draftsmith distill (output {path})")
-    write_report(report, Path(path) / "eval")
-    keep = ("n_prompts", "alpha", "tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "lossless",
-            "per_position_acceptance", "predicted_speedup")
-    summary = {
-        "settings": report.get("settings"),
-        "domains": {d: {k: v for k, v in r.items() if k in keep} for d, r in report.get("domains", {}).items()},
-        "overall": {k: v for k, v in report.get("overall", {}).items() if k in keep},
-        "recommended_k": report.get("recommended_k"),
-        "policy": report.get("policy"),
-        "report": "eval/report.json",
-    }
-    artifact.update_manifest(path, eval=summary)
-    return summary

@@ -30,6 +30,7 @@ import torch
 from draftsmith import artifact
 from draftsmith.config import load_config, register_config, to_dict
 from draftsmith.errors import ConfigError
+from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
 from draftsmith.heads.eagle import (
     EagleConfig,
     EagleHead,
@@ -47,21 +48,6 @@ from draftsmith.storage import read_json
 from draftsmith.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EagleEvalConfig:
-    """Evaluation run at the end of training; its report is written into the artifact (eval/)."""
-
-    enabled: bool = True
-    prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
-    limit_per_domain: int | None = 8
-    max_new_tokens: int = 64
-    tree: bool = True  # EAGLE-2 dynamic tree (else a chain of k)
-    k: int = 5  # chain length
-    tree_depth: int = 5  # tree: depth and per-node branching (the proposer keeps its best 24 nodes)
-    tree_topk: int = 4
-    hf_reference: bool = False  # also time HF generate (slower; the evaluator's outside reference)
 
 
 @register_config("eagle")
@@ -82,7 +68,7 @@ class EagleJobConfig:
     eval_fraction: float = 0.05
     capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
     train: TrainConfig = field(default_factory=TrainConfig)
-    evaluate: EagleEvalConfig = field(default_factory=EagleEvalConfig)
+    evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
 
     def __post_init__(self):
         if not 1 <= self.ttt_steps <= 16:
@@ -254,23 +240,8 @@ def train_eagle(cfg: EagleJobConfig) -> Path:
     result = train(job, cfg.train)
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and int(os.environ.get("RANK", "0")) == 0:
-        evaluate_into_artifact(out, target, cfg.evaluate)
+        evaluate_into_artifact(out, target, "eagle", cfg.evaluate)
     return out
-
-
-def evaluate_into_artifact(path: Path, target, opts: EagleEvalConfig) -> dict | None:
-    """Run the evaluator (when this build has one) on the artifact and store its report in eval/."""
-    try:
-        from draftsmith.evaluation import evaluate, write_report
-    except ImportError:
-        log.warning("draftsmith.evaluation has no evaluate(): skipping the end-of-training evaluation")
-        return None
-    tree = [opts.tree_topk] * opts.tree_depth if opts.tree else None
-    report = evaluate(target, f"eagle:{path}", prompts=opts.prompts or None, limit_per_domain=opts.limit_per_domain,
-                      max_new_tokens=opts.max_new_tokens, tree=tree, k=opts.k, hf_reference=opts.hf_reference)
-    write_report(report, path / "eval")
-    artifact.update_manifest(path, eval={"overall": report.get("overall"), "report": "eval/report.json"})
-    return report
 
 
 def run_train_eagle(config_path: str | None, overrides: list[str]) -> Path:

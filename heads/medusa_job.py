@@ -16,6 +16,7 @@ import torch
 from draftsmith import artifact
 from draftsmith.config import load_config, register_config, to_dict
 from draftsmith.errors import ConfigError
+from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
 from draftsmith.heads.medusa import (
     MedusaHeads,
     MedusaHeadsConfig,
@@ -31,19 +32,6 @@ from draftsmith.storage import atomic_write_json, read_json
 from draftsmith.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EvalAfterTraining:
-    """Evaluation run at the end of training; its report is written into the artifact."""
-
-    enabled: bool = True
-    prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
-    limit_per_domain: int | None = 8
-    max_new_tokens: int = 64
-    tree: bool = True  # evaluate with the calibrated tree (else a chain of k)
-    k: int = 4
-    hf_reference: bool = False  # also time HF generate in the same run
 
 
 @register_config("medusa")
@@ -234,7 +222,7 @@ def train_medusa(cfg: MedusaJobConfig) -> Path:
     result = train(job, cfg.train)
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and _is_main_process():
-        evaluate_into_artifact(out, target, cfg.evaluate)
+        evaluate_into_artifact(out, target, "medusa", cfg.evaluate)
     return out
 
 
@@ -242,17 +230,6 @@ def _is_main_process() -> bool:
     import os
 
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def evaluate_into_artifact(path: Path, target, opts: EvalAfterTraining) -> dict:
-    from draftsmith.evaluation import evaluate, write_report
-
-    report = evaluate(target, f"medusa:{path}", prompts=opts.prompts or None, limit_per_domain=opts.limit_per_domain,
-                      max_new_tokens=opts.max_new_tokens, tree_from_proposer=opts.tree, k=opts.k,
-                      hf_reference=opts.hf_reference)
-    write_report(report, path / "eval")
-    artifact.update_manifest(path, eval={"overall": report.get("overall"), "report": "eval/report.json"})
-    return report
 
 
 def run_train_medusa(config_path: str | None, overrides: list[str]) -> Path:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.errors import ConfigError
+from draftsmith.evaluation.after_training import EvalAfterTraining
 from draftsmith.heads.eagle import (
     DraftKV,
     EagleHead,
@@ -22,7 +23,7 @@ from draftsmith.heads.eagle import (
     ttt_mask,
     vocab_coverage,
 )
-from draftsmith.heads.eagle_job import EagleEvalConfig, EagleJob, EagleJobConfig, load_eagle
+from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig, load_eagle
 from draftsmith.training import TrainConfig, train
 
 torch.set_num_threads(2)
@@ -59,7 +60,7 @@ def job_config(tmp: Path, version: str, steps: int = 30, **kw) -> EagleJobConfig
         target_layers=[0, 2, 3] if version == "eagle3" else None, ttt_steps=3, draft_vocab_size=128,
         train=TrainConfig(lr=3e-3, max_steps=steps, batch_size=8, warmup_steps=2, output_dir=str(tmp / f"{version}-run"),
                           resume="never", progress=False, log_every=5, eval_every=0),
-        evaluate=EagleEvalConfig(enabled=False), **kw)
+        evaluate=EvalAfterTraining(enabled=False), **kw)
 
 
 # --- draft vocabulary ------------------------------------------------------------------------------------------

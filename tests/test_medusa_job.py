@@ -78,14 +78,14 @@ def test_medusa_decoding_is_lossless(medusa_artifact, tiny_target, mode):
 def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_target, tmp_path):
     import shutil
 
-    from draftsmith.heads.medusa_job import EvalAfterTraining, evaluate_into_artifact
+    from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
 
     art = tmp_path / "art"
     shutil.copytree(medusa_artifact[1], art)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"category": d, "turns": [f"add {i} and {i}"]})
                                  for d in ("math", "code") for i in range(2)) + "\n")
-    report = evaluate_into_artifact(art, tiny_target, EvalAfterTraining(
+    report = evaluate_into_artifact(art, tiny_target, "medusa", EvalAfterTraining(
         prompts=[str(prompts)], limit_per_domain=2, max_new_tokens=8))
     assert set(report["domains"]) == {"math", "code"}
     assert report["settings"]["tree"] == list(build_proposer(f"medusa:{art}", tiny_target).default_tree_spec().branching)
