@@ -169,7 +169,15 @@ class MedusaJob:
     def calibrate(self, module) -> list[list[float]]:
         """acc[i][r]: how often head i's rank-r candidate is the right token, on held-out rows."""
         module.eval()
-        rows = list(self.eval_set)[: self.cfg.calibration_rows] or list(self.train_set)[: self.cfg.calibration_rows]
+        acc = self._rank_accuracies(module, list(self.eval_set)[: self.cfg.calibration_rows])
+        if acc is None:  # held-out rows with no assistant token inside max_length: fall back to training rows
+            log.warning("no held-out assistant tokens: calibrating the tree on training rows")
+            acc = self._rank_accuracies(module, list(self.train_set)[: self.cfg.calibration_rows])
+        if acc is None:
+            raise ConfigError("no assistant tokens within max_length to calibrate the Medusa tree on")
+        return acc
+
+    def _rank_accuracies(self, module, rows) -> list[list[float]] | None:
         R, K = self.cfg.tree_max_rank, self.cfg.num_heads
         hits = [[] for _ in range(K)]
         device = next(module.parameters()).device
@@ -188,7 +196,7 @@ class MedusaJob:
         stacked = [torch.cat(h) if h else torch.zeros(0, R, dtype=torch.bool) for h in hits]
         n = min(len(h) for h in stacked)
         if n == 0:
-            raise ConfigError("no held-out assistant tokens to calibrate the Medusa tree on")
+            return None
         return rank_accuracies(torch.stack([h[:n] for h in stacked]))
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import make_target  # noqa: E402
 
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.after_training import EvalAfterTraining
@@ -25,10 +26,6 @@ from draftsmith.heads.eagle import (
 )
 from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig, load_eagle
 from draftsmith.training import TrainConfig, train
-
-torch.set_num_threads(2)
-
-from tiny_models import make_target  # noqa: E402
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------
