@@ -21,9 +21,9 @@ from draftsmith.cli import run_entry_point
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("DEMO_OUT", ROOT / "runs" / "demo"))
-ROWS = int(os.environ.get("DEMO_ROWS", "160"))
-STEPS = int(os.environ.get("DEMO_STEPS", "150"))
-EVAL_LIMIT = int(os.environ.get("DEMO_EVAL_LIMIT", "3"))
+ROWS = int(os.environ.get("DEMO_ROWS", "96"))
+STEPS = int(os.environ.get("DEMO_STEPS", "40"))
+EVAL_LIMIT = int(os.environ.get("DEMO_EVAL_LIMIT", "2"))
 
 
 def stage(name: str):
@@ -76,7 +76,7 @@ def train(target, data_path: Path) -> Path:
         return out
     cfg = load_config(ROOT / "configs/smollm2-135m/medusa.yaml", [
         f"data={data_path}", f"output={out}", f"train.output_dir={OUT / 'medusa.train'}",
-        f"train.max_steps={STEPS}", "train.eval_every=50", "train.save_every=50", "train.log_every=10",
+        f"train.max_steps={STEPS}", "train.eval_every=0", "train.save_every=20", "train.log_every=5",
         "max_length=256", "evaluate.enabled=false", "calibration_rows=48"], cls=MedusaJobConfig)
     return train_medusa(cfg)
 
