@@ -12,6 +12,8 @@ DEFAULT_CONFIG = "configs/smollm2-135m/distill.yaml"
 def register(subparsers) -> None:
     p = subparsers.add_parser("distill", help="train a draft model on the target's next-token distribution")
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML preset (kind: distill; default {DEFAULT_CONFIG})")
+    p.add_argument("--init-only", action="store_true",
+                   help="save and evaluate the draft as built, untrained: the no-distillation baseline")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. kd.divergence=tvd train.max_steps=100")
     p.set_defaults(func=run)
 
@@ -21,7 +23,7 @@ def run(args) -> int:
     from draftsmith.distill.job import run_distill
 
     cfg = load_config(args.config, args.overrides, cls=DistillConfig)
-    out = run_distill(cfg)
+    out = run_distill(cfg, init_only=getattr(args, "init_only", False))
     if out["artifact"] is not None:  # rank 0 only
         print(f"artifact: {out['artifact']}")
         print(f"train_seconds: {out['train_seconds']:.1f}")

@@ -297,9 +297,12 @@ def copy_tokenizer(target, dest: Path) -> None:
 
 # ---- run -----------------------------------------------------------------------------------------
 
-def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None) -> dict[str, Any]:
+def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
+                init_only: bool = False) -> dict[str, Any]:
     """Train a draft (the one loop), save the artifact, evaluate it when the evaluator exists.
 
+    `init_only` saves and evaluates the draft as built, before any training: the "same architecture,
+    no distillation" baseline a distilled draft is compared with (written to `train.output_dir`/artifact).
     Returns {"artifact", "train_seconds", "metrics", "eval"}.
     """
     from draftsmith.targets import load_target
@@ -314,15 +317,21 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None) ->
              d["non_embedding_params"] / 1e6, d["flops_per_token"] / 1e6, t["params"] / 1e6,
              t["non_embedding_params"] / 1e6, t["flops_per_token"] / 1e6)
     t0 = time.perf_counter()
-    result = train(job, cfg.train, accelerator)
-    seconds = time.perf_counter() - t0
-    out = {"artifact": result.artifact, "train_seconds": seconds, "metrics": result.metrics, "eval": None}
-    if result.artifact is not None:
-        artifact.update_manifest(result.artifact, train_seconds=seconds)
+    if init_only:
+        path = job.save_artifact(job.build_module(), Path(cfg.train.output_dir) / "artifact", {"steps": 0})
+        out = {"artifact": path, "train_seconds": 0.0, "metrics": {"steps": 0}, "eval": None}
+    else:
+        result = train(job, cfg.train, accelerator)
+        out = {"artifact": result.artifact, "train_seconds": time.perf_counter() - t0, "metrics": result.metrics,
+               "eval": None}
+    seconds = out["train_seconds"]
+    if out["artifact"] is not None:
+        result_artifact = out["artifact"]
+        artifact.update_manifest(result_artifact, train_seconds=seconds)
         if cfg.evaluate.enabled:
-            evaluate_into_artifact(result.artifact, target, "draft", cfg.evaluate,
-                                   command=f"draftsmith distill (output {result.artifact})")
-            out["eval"] = artifact.load_manifest(result.artifact)["eval"]
+            evaluate_into_artifact(result_artifact, target, "draft", cfg.evaluate,
+                                   command=f"draftsmith distill (output {result_artifact})")
+            out["eval"] = artifact.load_manifest(result_artifact)["eval"]
     return out
 
 

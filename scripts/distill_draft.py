@@ -16,6 +16,7 @@ from draftsmith.distill.commands import DEFAULT_CONFIG, run
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--init-only", action="store_true", help="save and evaluate the untrained draft")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     return run_entry_point(lambda: run(args))

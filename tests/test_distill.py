@@ -271,3 +271,23 @@ def test_cli_and_preset(tiny_target, rows, tmp_path):
                  "evaluate.enabled=false", "data.eval_fraction=0.2", "train.save_every=0"])
     assert code == 0
     assert (tmp_path / "cli" / "artifact" / "manifest.json").is_file()
+
+
+def test_init_only_saves_and_evaluates_the_untrained_draft(tiny_target, rows, tmp_path):
+    """The "same architecture before distillation" baseline: the built draft, no step taken, evaluated."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = tmp_path / "math.jsonl"
+    prompts.write_text(json.dumps({"turns": [PROMPTS[0]], "category": "math"}) + "\n")
+    cfg = tiny_cfg(tmp_path, "evaluate.enabled=true", f"evaluate.prompts=[{prompts}]", "evaluate.max_new_tokens=8",
+                   "evaluate.cost_model=false")
+    out = run_distill(cfg, tiny_target, rows, init_only=True)
+    path = Path(out["artifact"])
+    assert out["train_seconds"] == 0.0 and path == Path(cfg.train.output_dir) / "artifact"
+    assert not (Path(cfg.train.output_dir) / "checkpoints").exists()  # the loop never ran
+    built = DistillJob(cfg, tiny_target, rows).build_module()
+    saved = AutoModelForCausalLM.from_pretrained(path)
+    for name, p in built.state_dict().items():
+        assert torch.equal(p, saved.state_dict()[name]), name
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["metrics"] == {"steps": 0} and manifest["eval"]["overall"]["lossless"] is True
