@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "draftsmith.evaluation.commands",
     "draftsmith.export.commands",
     "draftsmith.retrain.commands",
+    "draftsmith.ops.commands",
 ]
 
 

@@ -102,6 +102,7 @@ class GenerationResult:
     tokens: list[list[int]]  # new tokens per row (EOS included when produced)
     stats: GenerationStats
     row_stats: list[StepStats]
+    k_history: list[list[int]] = field(default_factory=list)  # adaptive k: the chain length of every step, per row
 
 
 def _rows(input_ids, attention_mask) -> list[torch.Tensor]:
@@ -131,12 +132,15 @@ def _spec(k: int | None, tree: TreeSpec | tuple[int, ...] | list[int] | None) ->
 def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_tokens: int, k: int | None = 4,
                          tree: TreeSpec | tuple[int, ...] | None = None, temperature: float = 0.0,
                          top_p: float = 1.0, top_k: int = 0, seed: int | None = 0,
-                         eos_ids: list[int] | None = None, attention_mask=None) -> GenerationResult:
+                         eos_ids: list[int] | None = None, attention_mask=None,
+                         adaptive=None) -> GenerationResult:
     """Generate up to `max_new_tokens` per row with `proposer` verified by `target`.
 
     target: a `Target` or an HF causal LM. input_ids: [B, T] tensor (with `attention_mask` for padding),
     a 1-D tensor, or a list of token lists. k: chain length (0 = plain decoding); tree: branching factors
     per depth instead of k. eos_ids: default = the target's EOS ids. seed: sampling seed (per call).
+    adaptive: a `decoding.adaptive.AdaptiveK` controller: every step's chain length is chosen by it (at most
+    k), 0 meaning a plain step; it is reset for every row.
     """
     model = as_model(target)
     if eos_ids is None:
@@ -155,17 +159,28 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
     vocab = getattr(target, "vocab_size", None)
 
     stats = GenerationStats()
+    if adaptive is not None and not spec.is_chain:
+        raise ConfigError("adaptive k chooses chain lengths: give k, not a tree")
     out_tokens: list[list[int]] = []
     row_stats: list[StepStats] = []
+    k_history: list[list[int]] = []
     wall0 = time.perf_counter()
     for row in _rows(input_ids, attention_mask):
         seq = SequenceVerifier(model, proposer, sampling, generator, vocab)
+        if adaptive is not None:
+            adaptive.reset()
         new: list[int] = []
         if max_new_tokens > 0:
             new.append(seq.begin(row))
             while len(new) < max_new_tokens and new[-1] not in eos:
                 remaining = max_new_tokens - len(new)
-                step_tokens = seq.step(spec.truncated(min(spec.depth, remaining - 1)))
+                depth = min(spec.depth, remaining - 1)
+                if adaptive is not None:
+                    k_step = min(adaptive.next_k(), depth)
+                    step_tokens = seq.step(TreeSpec.chain(k_step))
+                    adaptive.update(k_step, *seq.last_step)
+                else:
+                    step_tokens = seq.step(spec.truncated(depth))
                 done = False
                 for t in step_tokens:
                     new.append(t)
@@ -177,8 +192,9 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
                     break
         out_tokens.append(new)
         row_stats.append(seq.stats)
+        k_history.append(list(adaptive.history) if adaptive is not None else [])
         stats.add(seq.stats, len(new))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats.wall_time = time.perf_counter() - wall0
-    return GenerationResult(out_tokens, stats, row_stats)
+    return GenerationResult(out_tokens, stats, row_stats, k_history)

@@ -31,7 +31,8 @@ and every accepted node, in order. The last of these positions is the one whose 
 pending token (the "bonus position"), which is what Medusa heads and EAGLE's next draft start from.
 
 Registry: `build_proposer(spec, target, **opts)` with spec `ngram`, `draft:PATH`, `medusa:PATH`,
-`eagle:PATH`. Medusa and EAGLE live in `draftsmith.heads.medusa` / `draftsmith.heads.eagle`, imported
+`eagle:PATH`, `multi:A+B` (one merged tree, decoding/multi.py) and `route:POLICY` (per-domain routing,
+decoding/routing.py). Medusa and EAGLE live in `draftsmith.heads.medusa` / `draftsmith.heads.eagle`, imported
 lazily; each must define
 
     def build_proposer(target, path: str, **opts) -> Proposer
@@ -238,6 +239,16 @@ def build_proposer(spec: str, target, **opts) -> Proposer:
     kind = kind.strip().lower()
     if kind in ("none", "plain"):
         return NullProposer()
+    if kind == "multi":
+        from draftsmith.decoding.multi import build_multi
+
+        return build_multi(arg, target, **opts)
+    if kind == "route":
+        from draftsmith.decoding.routing import RoutedProposer
+
+        if not arg:
+            raise ConfigError("proposer 'route' needs a routing policy file: route:PATH")
+        return RoutedProposer.from_file(arg, target, **opts)
     if kind == "ngram":
         from draftsmith.decoding.ngram import NgramProposer
 
@@ -267,4 +278,5 @@ def build_proposer(spec: str, target, **opts) -> Proposer:
         if factory is None:
             raise DraftsmithError(f"proposer '{kind}' is not available: {module_name} has no build_proposer(target, path, **opts)")
         return factory(target, arg, **opts)
-    raise ConfigError(f"unknown proposer '{spec}' (use ngram, draft:PATH, medusa:PATH, eagle:PATH or none)")
+    raise ConfigError(f"unknown proposer '{spec}' (use ngram, draft:PATH, medusa:PATH, eagle:PATH, multi:A+B, "
+                      "route:POLICY or none)")

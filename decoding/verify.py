@@ -167,6 +167,7 @@ class SequenceVerifier:
         self.cache = None
         self.context: torch.Tensor | None = None
         self.stats = StepStats()
+        self.last_step: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)  # proposed, accepted, proposer s, target s
 
     # -- target forward ------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -252,6 +253,7 @@ class SequenceVerifier:
         t2 = time.perf_counter()
         self.stats.target_time += t2 - t1
         self.stats.record(proposal, len(path))
+        self.last_step = (len(proposal), len(path), t1 - t0, t2 - t1)
 
         if feats is not None:
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)

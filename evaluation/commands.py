@@ -3,6 +3,10 @@
     draftsmith evaluate --target smollm2-135m --proposer ngram --prompts FILE [FILE ...] \
         --max-new-tokens 128 --k 4 --temperature 0 --limit-per-domain 6 --out DIR
     draftsmith evaluate --config configs/eval/ngram.yaml k=6 limit_per_domain=3
+    draftsmith evaluate --proposer medusa:PATH --temperature 0 0.7 1.0      (a temperature sweep)
+    draftsmith evaluate --proposer draft:PATH --k 6 --adaptive              (fixed k vs adaptive k)
+    draftsmith evaluate --proposer multi:ngram+medusa:PATH --tree auto      (one merged tree)
+    draftsmith evaluate --proposer route:policy.json --tree auto            (per-domain routing)
 
 Flags override the `--config` file, which trailing key=value overrides update first.
 """
@@ -15,7 +19,7 @@ import sys
 
 FLAGS = {  # flag -> (EvalConfig field, type)
     "--target": ("target", str), "--proposer": ("proposer", str), "--max-new-tokens": ("max_new_tokens", int),
-    "--k": ("k", int), "--temperature": ("temperature", float), "--top-p": ("top_p", float),
+    "--k": ("k", int), "--top-p": ("top_p", float),
     "--top-k": ("top_k", int), "--limit-per-domain": ("limit_per_domain", int), "--seed": ("seed", int),
     "--out": ("out", str), "--device": ("device", str), "--dtype": ("dtype", str),
     "--cost-repeats": ("cost_repeats", int), "--cost-k-max": ("cost_k_max", int),
@@ -29,6 +33,10 @@ def register(subparsers) -> None:
     p.add_argument("--config", help="a YAML preset with kind: eval")
     for flag, (_, tp) in FLAGS.items():
         p.add_argument(flag, type=tp, default=None)
+    p.add_argument("--temperature", type=float, nargs="+", default=None,
+                   help="sampling temperature; several values run a sweep (one report per temperature + sweep.md)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also decode with adaptive k (chains up to --k) and compare it with fixed k")
     p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the shared eval sets)")
     p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1; `auto` = the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)")
     p.add_argument("--no-hf-reference", action="store_true", help="skip timing HF generate")
@@ -47,6 +55,13 @@ def build_config(args):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             overrides.append(f"{name}={value}")
+    temps = getattr(args, "temperature", None)
+    if temps and len(temps) == 1:
+        overrides.append(f"temperature={temps[0]}")
+    elif temps:
+        overrides.append("temperatures=[" + ", ".join(str(t) for t in temps) + "]")
+    if getattr(args, "adaptive", False):
+        overrides.append("adaptive=true")
     if args.prompts:
         overrides.append("prompts=[" + ", ".join(f"'{p}'" for p in args.prompts) + "]")
     if args.tree == "auto":
@@ -69,6 +84,13 @@ def run(args) -> int:
 
     cfg = build_config(args)
     command = "draftsmith " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    if cfg.temperatures:
+        from draftsmith.evaluation.sweep import render, sweep_temperatures
+
+        summary = sweep_temperatures(cfg, command=command)
+        print(render(summary))
+        print(f"sweep: {cfg.out}/sweep.md")
+        return 0
     report = evaluate(cfg.target, cfg.proposer, config=cfg, command=command)
     out = write_report(report, cfg.out)
     o = report["overall"]

@@ -29,6 +29,8 @@ class EvalConfig:
     cost_k_max: int = 16
     cost_repeats: int = 9
     policy_threshold: float = 1.0  # disable speculation where the speedup is below this
+    adaptive: bool = False  # also decode every prompt with adaptive k (chains up to k) and compare with fixed k
+    temperatures: list[float] | None = None  # a sweep: one evaluation per temperature (evaluation/sweep.py)
     device: str = "auto"
     dtype: str = "auto"
 
@@ -43,5 +45,9 @@ class EvalConfig:
             raise ValueError("sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0")
         if self.limit_per_domain is not None and self.limit_per_domain < 1:
             raise ValueError(f"limit_per_domain must be >= 1, got {self.limit_per_domain}")
+        if self.temperatures is not None and (not self.temperatures or any(t < 0 for t in self.temperatures)):
+            raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {self.temperatures}")
+        if self.adaptive and (self.tree is not None or self.tree_from_proposer or self.k < 1):
+            raise ValueError("adaptive k chooses chain lengths: use it with k >= 1, not with a tree")
         if self.cost_k_max < 1 or self.cost_repeats < 1 or self.cost_context < 1:
             raise ValueError("cost_k_max, cost_repeats and cost_context must be >= 1")

@@ -158,6 +158,16 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     gen_kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos)
     spec_kw = dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k)
     assistant = prop.model if isinstance(prop, DraftProposer) and cfg.hf_reference else None
+    routed = hasattr(prop, "route")  # decoding.routing.RoutedProposer: pick each request's route first
+    branches = hasattr(prop, "branch_stats")  # decoding.multi.MultiProposer: whose branch was accepted
+    controller = None
+    if cfg.adaptive:
+        from draftsmith.decoding.adaptive import AdaptiveK
+
+        log.info("adaptive k: measuring v(k), k = 0..%d, for the controller", cfg.k)
+        controller = AdaptiveK(cost.measure_verify_cost(target, cfg.cost_context, cfg.k, 3, cfg.seed)["v"], k_max=cfg.k)
+    if routed:
+        prop.route(domain=rows[0].domain, text=rows[0].text)
 
     # warm-up (not counted): every code path once
     warm = format_prompt(tok, rows[0].text)
@@ -172,18 +182,37 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         seed = cfg.seed + i
         # the three runs rotate their order prompt by prompt, so a drift in machine load hits each alike
         runs: dict = {}
-        for name in ["base", "spec", "hf"][i % 3:] + ["base", "spec", "hf"][: i % 3]:
+        route = prop.route(domain=row.domain, text=row.text) if routed else None
+        if branches:
+            prop.reset_stats()
+        order = ["base", "spec", "hf"] + (["adaptive"] if controller is not None else [])
+        for name in order[i % len(order):] + order[: i % len(order)]:
             if name == "base":
                 runs["base"] = speculative_generate(target, None, [ids], cfg.max_new_tokens, k=0, seed=seed, **gen_kw)
             elif name == "spec":
                 runs["spec"] = speculative_generate(target, prop, [ids], cfg.max_new_tokens, seed=seed, **spec_kw,
                                                     **gen_kw)
+                if branches:
+                    runs["branches"] = prop.branch_stats()
+            elif name == "adaptive":
+                runs["adaptive"] = speculative_generate(target, prop, [ids], cfg.max_new_tokens, k=cfg.k, seed=seed,
+                                                        adaptive=controller, **gen_kw)
             elif cfg.hf_reference:
                 runs["hf"] = _hf_generate(model, ids, cfg, eos, pad)
         base, sp = runs["base"], runs["spec"]
         rec = {"domain": row.domain, "source": row.source, "prompt_tokens": len(ids), "base": base.stats,
                "spec": sp.stats, "new_tokens": len(sp.tokens[0]),
                "lossless": (sp.tokens[0] == base.tokens[0]) if cfg.temperature == 0 else None}
+        if routed:
+            rec["route"] = _route_name(prop)
+            rec["routed_as"] = route
+        if branches:
+            rec["branches"] = runs["branches"]
+        if "adaptive" in runs:
+            ad = runs["adaptive"]
+            rec["adaptive"] = ad.stats
+            rec["adaptive_k"] = ad.k_history[0]
+            rec["adaptive_lossless"] = (ad.tokens[0] == base.tokens[0]) if cfg.temperature == 0 else None
         if cfg.hf_reference:
             hf_tokens, hf_time = runs["hf"]
             hf_tokens = _strip_after_eos(hf_tokens, eos_set)
@@ -212,6 +241,25 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         out = _summary(s, b, len(recs), lossless, spec.depth, sum(r.get("hf_tokens", 0) for r in recs),
                        sum(r.get("hf_time", 0.0) for r in recs))
         out["_stats"] = s
+        if routed:
+            counts: dict[str, int] = {}
+            for r in recs:
+                counts[r["route"]] = counts.get(r["route"], 0) + 1
+            out["route"] = max(counts, key=counts.get)
+            out["routes"] = counts
+        if branches:
+            out["branches"] = _sum_branches([r["branches"] for r in recs])
+        if controller is not None:
+            a = GenerationStats()
+            for r in recs:
+                a.merge(r["adaptive"])
+            aflags = [r["adaptive_lossless"] for r in recs]
+            ks = [k for r in recs for k in r["adaptive_k"]]
+            summ = _summary(a, b, len(recs), None if any(f is None for f in aflags) else all(aflags), cfg.k, 0, 0.0)
+            out["adaptive"] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup", "lossless",
+                                                          "proposed", "accepted", "target_forwards")}
+            out["adaptive"]["mean_k"] = sum(ks) / len(ks) if ks else None
+            out["adaptive"]["plain_step_share"] = sum(1 for k in ks if k == 0) / len(ks) if ks else None
         return out
 
     domains = {}
@@ -280,6 +328,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
             "tree_max_nodes": spec.max_nodes,
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
+            "adaptive": cfg.adaptive,
         },
         "domains": domains,
         "overall": overall,
@@ -288,12 +337,29 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         "policy": policy,
         "memory": memory_info(device),
         "references": references,
-        "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec")} | {
+        "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec", "adaptive", "adaptive_k")} | {
             "alpha": r["spec"].alpha, "tau": r["spec"].tau,
             "tokens_per_s": r["spec"].new_tokens / r["spec"].wall_time if r["spec"].wall_time else None,
             "baseline_tokens_per_s": r["base"].new_tokens / r["base"].wall_time if r["base"].wall_time else None,
         } for r in per_prompt],
     }
+
+
+def _route_name(prop) -> str:
+    return getattr(prop, "active_spec", None) or ("off" if prop.active is None else prop.active[0].name)
+
+
+def _sum_branches(items: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for item in items:
+        for name, s in item.items():
+            o = out.setdefault(name, {"proposed": 0, "accepted": 0, "wins": 0, "steps": 0})
+            for key in o:
+                o[key] += s[key]
+    for o in out.values():
+        o["alpha"] = o["accepted"] / o["proposed"] if o["proposed"] else None
+        o["win_rate"] = o["wins"] / o["steps"] if o["steps"] else None
+    return out
 
 
 def _policy(d: dict, rec: dict | None, threshold: float) -> dict:

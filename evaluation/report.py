@@ -42,6 +42,30 @@ def render_markdown(report: dict) -> str:
         vals = [(report["domains"].get(n) or report["overall"]).get(f) if n != "overall" else report["overall"].get(f)
                 for n in names]
         lines.append(f"| {f} | " + " | ".join(_fmt(v) for v in vals) + " |")
+    doms = list(report["domains"].items()) + [("overall", report["overall"])]
+    if any("route" in d for _, d in doms):
+        lines += ["", "## Routes (routing policy)", "", "| domain | route | requests per route |", "|---|---|---|"]
+        for n, d in doms:
+            routes = ", ".join(f"{k}: {v}" for k, v in d.get("routes", {}).items())
+            lines.append(f"| {n} | {d.get('route', '–')} | {routes} |")
+    if any("branches" in d for _, d in doms):
+        lines += ["", "## Multi-proposer tree: accepted branches", "",
+                  "| domain | proposer | proposed | accepted on its branch | α of its nodes | wins (share of steps) |",
+                  "|---|---|---|---|---|---|"]
+        for n, d in doms:
+            for name, b in d.get("branches", {}).items():
+                lines.append(f"| {n} | {name} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
+                             f"{b['wins']} ({_fmt(b['win_rate'])}) |")
+    if any("adaptive" in d for _, d in doms):
+        lines += ["", f"## Fixed k = {s['k']} vs adaptive k (same prompts, same run)", "",
+                  "| domain | fixed τ | fixed speedup | adaptive τ | adaptive speedup | mean k | plain steps | "
+                  "adaptive lossless |", "|---|---|---|---|---|---|---|---|"]
+        for n, d in doms:
+            a = d.get("adaptive")
+            if a:
+                lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(d['speedup'])} | {_fmt(a['tau'])} | "
+                             f"{_fmt(a['speedup'])} | {_fmt(a['mean_k'])} | {_fmt(a['plain_step_share'])} | "
+                             f"{_fmt(a['lossless'])} |")
     lines += ["", "## Policy", "", "| domain | enable | measured | predicted | recommended k | reason |",
               "|---|---|---|---|---|---|"]
     for n, p in report.get("policy", {}).items():

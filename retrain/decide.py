@@ -59,7 +59,7 @@ def staleness(traffic_report: dict, recorded_alpha: dict[str, float], fingerprin
     if weights_changed:
         reasons.append("target weights changed since this version was trained")
     for domain, row in sorted(_domains(traffic_report).items()):
-        if row.get("n_prompts", 0) < th.min_domain_prompts:
+        if row.get("n_prompts", 0) < th.min_domain_prompts or row.get("alpha") is None:
             continue
         alpha = row["alpha"]
         if alpha < th.alpha_floor:

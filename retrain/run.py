@@ -202,6 +202,15 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
     recorded = {d: row["alpha"] for d, row in ((manifest.get("traffic_eval") or {}).get("domains") or {}).items()
                 if row.get("alpha") is not None}
     verdict = staleness(cur_traffic, recorded, hard, weights_changed, cfg.thresholds)
+    if cfg.measure.production and not hard:
+        from draftsmith.ops.production import production_alpha
+
+        prod = production_alpha(cfg.measure.production, cfg.measure.production_since,
+                                cfg.measure.production_model_domains)
+        record["production"] = {"source": prod["source"], "domains": prod["domains"], "overall": prod["overall"]}
+        seen = staleness(prod, recorded, [], False, cfg.thresholds)
+        verdict.reasons += [f"production: {r}" for r in seen.reasons]
+        verdict.yes = verdict.yes or seen.yes
     record["current_traffic"] = _summary(cur_traffic) if cur_traffic else None
     record["stale"] = verdict.to_json()
     if not verdict.yes:

@@ -1,0 +1,252 @@
+"""Per-domain routing: which proposer (and k / tree), or none, serves each domain.
+
+A routing policy is built from evaluation reports of several artifacts on the same target
+(`build_policy`): for each domain the lossless run with the highest measured speedup wins, and a domain
+whose best speedup stays below `threshold` is routed "off" (plain decoding). The policy file (JSON):
+
+    {"kind": "routing_policy", "threshold": 1.0, "target": {fingerprint},
+     "router": {"kind": "declared", "keywords": {...}},      # how a request without a domain is classified
+     "default": "off" | {route},                              # requests of an unknown domain
+     "domains": {"code": {"proposer": "ngram", "k": 4, "tree": null, "tree_max_nodes": null,
+                          "speedup": 1.33, "alpha": 0.4, "report": "runs/eval/ngram/report.json",
+                          "candidates": {"ngram": 1.33, "medusa:...": 0.6}},
+                 "general": "off", ...}}
+
+`RoutedProposer` is the decoder mode that follows it: `route(domain=..., text=...)` picks the route of a
+request before it is decoded (the evaluator calls it with each prompt's declared domain); the classifier
+hook is `router.classify(text)` — the declared domain when there is one, else a keyword router (counts of
+per-domain keywords, ties and no hits -> the default route). Sub-proposers are built once per distinct spec.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec
+from draftsmith.errors import ConfigError
+
+OFF = "off"
+
+# a deliberately small default vocabulary per domain of the shared eval sets; override in the policy
+DEFAULT_KEYWORDS = {
+    "code": ["def ", "return", "python", "function", "import ", "class ", "code", "```", "script", "(self", "list",
+             "string", "array", ">>>"],
+    "math": ["how many", "how much", "total", "each", "per ", "calculate", "dollars", "$", "percent", "sum",
+             "times", "half", "twice", "left?"],
+    "instructions": ["write a", "make a", "create a", "give me", "suggest", "list of", "email", "plan",
+                     "recipe", "tweet", "summarize"],
+    "general": ["what is", "explain", "describe", "why", "who", "tell me"],
+}
+
+
+class KeywordRouter:
+    """domain = the one whose keywords occur most often in the (lower-cased) text; None when no hit or a tie."""
+
+    def __init__(self, keywords: dict[str, list[str]] | None = None):
+        self.keywords = {d: [k.lower() for k in ks] for d, ks in (keywords or DEFAULT_KEYWORDS).items()}
+
+    def classify(self, text: str) -> str | None:
+        low = (text or "").lower()
+        scores = {d: sum(low.count(k) for k in ks) for d, ks in self.keywords.items()}
+        best = max(scores.values(), default=0)
+        winners = [d for d, s in scores.items() if s == best]
+        return winners[0] if best > 0 and len(winners) == 1 else None
+
+
+def _route_entry(report: dict, domain: dict) -> dict:
+    s = report.get("settings", {})
+    return {"proposer": report["proposer"], "k": s.get("k"), "tree": s.get("tree"),
+            "tree_max_nodes": s.get("tree_max_nodes"), "speedup": domain.get("speedup"),
+            "alpha": domain.get("alpha"), "tau": domain.get("tau"), "report": report.get("_path")}
+
+
+def build_policy(reports: list[dict | str | Path], threshold: float = 1.0, router: str = "declared",
+                 keywords: dict[str, list[str]] | None = None) -> dict:
+    """The routing policy of a set of evaluation reports (dicts or report.json paths) on one target."""
+    loaded = []
+    for r in reports:
+        if not isinstance(r, dict):
+            path = Path(r)
+            path = path / "report.json" if path.is_dir() else path
+            if not path.is_file():
+                raise ConfigError(f"evaluation report not found: {path}")
+            r = {**json.loads(path.read_text()), "_path": str(path)}
+        loaded.append(r)
+    if not loaded:
+        raise ConfigError("routing needs at least one evaluation report")
+    hashes = {json.dumps(r.get("target", {}).get("fingerprint", {}), sort_keys=True) for r in loaded}
+    if len(hashes) > 1:
+        raise ConfigError("the reports were measured on different targets (fingerprints differ): route one target")
+    if router not in ("declared", "keyword"):
+        raise ConfigError(f"router must be 'declared' or 'keyword', got {router!r}")
+    domains: dict = {}
+    for name in sorted({d for r in loaded for d in r.get("domains", {})}):
+        cands = []
+        for r in loaded:
+            d = r.get("domains", {}).get(name)
+            if d is None or d.get("speedup") is None or d.get("lossless") is False:
+                continue  # a run that was not lossless never serves traffic
+            cands.append((d["speedup"], r, d))
+        table = {r["proposer"]: sp for sp, r, _ in cands}
+        if not cands:
+            domains[name] = OFF
+            continue
+        sp, r, d = max(cands, key=lambda c: c[0])
+        domains[name] = {**_route_entry(r, d), "candidates": table} if sp >= threshold else OFF
+    return {"kind": "routing_policy", "threshold": threshold, "target": loaded[0].get("target", {}),
+            "router": {"kind": router, "keywords": keywords or DEFAULT_KEYWORDS}, "default": OFF,
+            "domains": domains}
+
+
+def write_policy(policy: dict, path: str | Path) -> Path:
+    from draftsmith.storage import atomic_write_json
+
+    path = Path(path)
+    atomic_write_json(path, policy)
+    return path
+
+
+def load_policy(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"routing policy not found: {path}")
+    try:
+        policy = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not a JSON routing policy ({e})") from None
+    if policy.get("kind") != "routing_policy" or not isinstance(policy.get("domains"), dict):
+        raise ConfigError(f"{path}: not a routing policy (kind: routing_policy with a domains map)")
+    return policy
+
+
+def route_spec(route: dict, proposer: Proposer) -> TreeSpec:
+    if route.get("tree"):
+        return TreeSpec(tuple(int(b) for b in route["tree"]), route.get("tree_max_nodes"))
+    k = route.get("k")
+    if k is None and hasattr(proposer, "default_tree_spec"):
+        return proposer.default_tree_spec()
+    return TreeSpec.chain(int(k if k is not None else 4))
+
+
+class RoutedProposer(Proposer):
+    """Delegates each request to the route of its domain (see module docstring)."""
+
+    def __init__(self, policy: dict, proposers: dict[str, Proposer]):
+        self.policy = policy
+        self.proposers = proposers  # proposer spec -> built proposer
+        router = policy.get("router") or {}
+        self.router_kind = router.get("kind", "declared")
+        self.keyword_router = KeywordRouter(router.get("keywords"))
+        self.name = "route"
+        self.active: tuple[Proposer, TreeSpec] | None = None
+        self.active_domain: str | None = None
+        self.active_spec: str = OFF
+        self.counts: dict[str, int] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path, target, **opts) -> RoutedProposer:
+        from draftsmith.decoding.proposer import build_proposer
+        from draftsmith.targets.fingerprint import check_compatible
+
+        policy = load_policy(path)
+        if policy.get("target", {}).get("fingerprint"):
+            check_compatible(policy["target"]["fingerprint"], target.fingerprint(), what=f"routing policy {path}")
+        specs = {r["proposer"] for r in list(policy["domains"].values()) + [policy.get("default")]
+                 if isinstance(r, dict)}
+        opts.pop("k", None)
+        proposers = {s: build_proposer(s, target, **opts) for s in sorted(specs)}
+        return cls(policy, proposers)
+
+    # --- routing ----------------------------------------------------------------------------------
+    def classify(self, domain: str | None, text: str | None) -> str | None:
+        """The domain a request is routed by: its declared one (router 'declared'), else the keywords'."""
+        if domain and self.router_kind == "declared":
+            return domain
+        return self.keyword_router.classify(text or "")
+
+    def route(self, domain: str | None = None, text: str | None = None) -> str | None:
+        """Choose the route for the next request; returns the domain used (None = the default route)."""
+        name = self.classify(domain, text)
+        entry = self.policy["domains"].get(name) if name is not None else None
+        if entry is None:
+            entry = self.policy.get("default", OFF)
+        self.active_spec = entry["proposer"] if isinstance(entry, dict) else OFF
+        if entry == OFF or entry is None:
+            self.active = None
+        else:
+            prop = self.proposers[entry["proposer"]]
+            self.active = (prop, route_spec(entry, prop))
+        self.active_domain = name
+        key = f"{name or 'default'}->{entry['proposer'] if isinstance(entry, dict) else OFF}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return name
+
+    def default_tree_spec(self) -> TreeSpec:
+        """A verifier budget wide enough for every route (per-depth max branching, max node count)."""
+        specs = [route_spec(r, self.proposers[r["proposer"]]) for r in self.policy["domains"].values()
+                 if isinstance(r, dict)]
+        if not specs:
+            return TreeSpec.chain(1)
+        depth = max(s.depth for s in specs)
+        branching = tuple(max([s.branching[d] for s in specs if d < s.depth] or [1]) for d in range(depth))
+        return TreeSpec(branching, max(s.capacity() for s in specs))
+
+    # --- the proposer protocol, delegated ---------------------------------------------------------
+    @property
+    def needs_last_hidden(self) -> bool:  # read by the verifier at every forward: only the active route's needs
+        return bool(self.active and self.active[0].needs_last_hidden)
+
+    @property
+    def target_layers(self) -> list[int]:
+        return list(self.active[0].target_layers) if self.active else []
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
+        if self.active:
+            self.active[0].begin(prompt_ids, features)
+
+    def propose(self, context, spec: TreeSpec, sampling, generator) -> Proposal:
+        if not self.active:
+            return Proposal.empty(context.device)
+        prop, own = self.active
+        depth = min(own.depth, spec.depth)
+        if depth == 0:
+            return Proposal.empty(context.device)
+        # the route's own shape, inside the verifier's budget
+        branching = tuple(min(a, b) for a, b in zip(own.branching[:depth], spec.branching[:depth]))
+        caps = [c for c in (own.max_nodes, spec.max_nodes) if c is not None]
+        return prop.propose(context, TreeSpec(branching, min(caps) if caps else None), sampling, generator)
+
+    def accept(self, result) -> None:
+        if self.active:
+            self.active[0].accept(result)
+
+
+def _fmt(v) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def compare_table(routed: dict, singles: list[dict], noise: float = 0.03) -> tuple[str, dict]:
+    """Markdown: per domain, the routed run's speedup next to every single artifact's and the best choice
+    among them and plain decoding (speedup 1.0, what an "off" route gets). `ratio` = routed / best; a ratio
+    in [1 - noise, 1) is reported as "within noise" (separate runs on a shared CPU differ by a few percent).
+    Returns (markdown, {domain: {"routed", "route", "best", "best_choice", "ratio", "verdict"}})."""
+    names = [s["proposer"] for s in singles]
+    lines = ["| domain | routed (route) | " + " | ".join(n.replace("|", "/") for n in names) +
+             " | best choice | routed / best | |", "|" + "---|" * (len(names) + 5)]
+    out = {}
+    for dom, d in sorted(routed["domains"].items()):
+        single = [s["domains"].get(dom, {}).get("speedup") for s in singles]
+        choices = [(v, n) for v, n in zip(single, names) if v is not None] + [(1.0, "plain")]
+        best_v, best_n = max(choices, key=lambda c: c[0])
+        r = d.get("speedup")
+        ratio = r / best_v if r is not None else None
+        verdict = "–" if ratio is None else ("yes" if ratio >= 1.0 else "within noise" if ratio >= 1 - noise else "no")
+        route = d.get("route", "?")
+        out[dom] = {"routed": r, "route": route, "best": best_v, "best_choice": best_n, "ratio": ratio,
+                    "verdict": verdict}
+        lines.append(f"| {dom} | {_fmt(r)} ({route}) | " + " | ".join(_fmt(v) for v in single) +
+                     f" | {best_n} {_fmt(best_v)} | {_fmt(ratio)} | {verdict} |")
+    return "\n".join(lines) + "\n", out

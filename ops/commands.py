@@ -1,0 +1,134 @@
+"""Operator commands: `draftsmith plan` (memory), `draftsmith route build|compare` (per-domain routing),
+`draftsmith alpha` (production acceptance from a serving engine's metrics or request logs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="memory plan for a target + artifact on a GPU (weights, KV, headroom)")
+    p.add_argument("--target", required=True, help="config.json, HF model folder or embedded target name")
+    p.add_argument("--artifact", default=None, help="a draftsmith artifact (draft, medusa or eagle)")
+    p.add_argument("--gpu", default="H100-80GB", help="H100-80GB, A100-40GB, ..., cpu, or a size in bytes")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--k", type=int, default=4, help="draft tokens verified per step")
+    p.add_argument("--utilization", type=float, default=0.9, help="share of device memory the engine may use")
+    p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill forward (chunked prefill)")
+    p.add_argument("--measure", action="store_true",
+                   help="also build the models on this CPU (fp32) and compare the plan with measured bytes")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run_plan)
+
+    r = subparsers.add_parser("route", help="per-domain routing policy from evaluation reports")
+    rs = r.add_subparsers(dest="route_cmd", required=True)
+    b = rs.add_parser("build", help="pick the fastest lossless artifact per domain (or off)")
+    b.add_argument("--reports", nargs="+", required=True, help="evaluation report.json files or their folders")
+    b.add_argument("--out", required=True, help="policy file to write (JSON)")
+    b.add_argument("--threshold", type=float, default=1.0, help="route a domain off below this speedup")
+    b.add_argument("--router", choices=["declared", "keyword"], default="declared",
+                   help="classify requests by their declared domain (keywords when missing) or by keywords only")
+    b.set_defaults(func=run_route_build)
+    c = rs.add_parser("compare", help="the routed run against every single artifact, per domain")
+    c.add_argument("--routed", required=True, help="report of `draftsmith evaluate --proposer route:POLICY`")
+    c.add_argument("--reports", nargs="+", required=True, help="the single-artifact reports")
+    c.add_argument("--out", default=None, help="write the table (markdown) here too")
+    c.set_defaults(func=run_route_compare)
+
+    a = subparsers.add_parser("alpha", help="per-domain acceptance from vLLM /metrics dumps or request logs")
+    a.add_argument("source", help="a Prometheus text dump (vLLM /metrics) or a folder / .jsonl of request logs")
+    a.add_argument("--since", default=None, help="an earlier dump: report the window between the two")
+    a.add_argument("--model-domain", action="append", default=[], metavar="MODEL=DOMAIN",
+                   help="map a served model_name to a domain (repeatable)")
+    a.add_argument("--out", default=None, help="write the table as JSON (the shape retraining reads)")
+    a.set_defaults(func=run_alpha)
+
+
+def run_plan(args) -> int:
+    from draftsmith.ops import memory
+
+    cfg = memory.load_config(args.target)
+    shape = memory.artifact_shape(args.artifact, cfg)
+    gpu = int(float(args.gpu)) if args.gpu.replace(".", "").replace("e", "").isdigit() else args.gpu
+    p = memory.plan(cfg, shape, gpu, args.batch, args.context, args.dtype, args.k, args.prefill_chunk,
+                    args.utilization)
+    if args.measure:
+        # a fresh process, so its peak RSS is this measurement's alone
+        code = ("import json,sys; from draftsmith.ops.memory import measure_cpu; "
+                "print(json.dumps(measure_cpu(*json.loads(sys.argv[1]))))")
+        argv = json.dumps([args.target, args.artifact, args.batch, args.context, args.k])
+        out = subprocess.run([sys.executable, "-c", code, argv], capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"measurement failed: {out.stderr.strip().splitlines()[-1] if out.stderr else '?'}")
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
+        cpu = memory.plan(cfg, shape, "cpu", args.batch, args.context, "fp32", args.k, args.prefill_chunk, 1.0,
+                          overhead_bytes=0)
+        p["cpu_check"] = {"planned_fp32": {"weights": sum(cpu["weights_bytes"].values()) if shape.kind == "draft"
+                                           else cpu["weights_bytes"]["target"],
+                                           "kv": cpu["kv_bytes"]["target"] + cpu["kv_bytes"]["artifact"],
+                                           "activations": cpu["activation_bytes"]},
+                          "measured": measured}
+    if args.json:
+        print(json.dumps(p, indent=2))
+        return 0
+    print(memory.render(p))
+    if "cpu_check" in p:
+        c = p["cpu_check"]
+        pl, me = c["planned_fp32"], c["measured"]
+        mib = lambda x: f"{x / 2**20:.1f} MiB"  # noqa: E731
+        print(f"CPU check (fp32, batch {args.batch}, context {args.context}): weights planned {mib(pl['weights'])} "
+              f"vs counted {mib(me['weights_bytes'])}; KV planned {mib(pl['kv'])} vs counted {mib(me['kv_bytes'])}; "
+              f"KV + activations planned {mib(pl['kv'] + pl['activations'])} vs peak RSS increase "
+              f"{mib(me['peak_rss_increase_bytes'])}")
+    return 0
+
+
+def run_route_build(args) -> int:
+    from draftsmith.decoding.routing import build_policy, write_policy
+
+    policy = build_policy(args.reports, args.threshold, args.router)
+    path = write_policy(policy, args.out)
+    for d, r in policy["domains"].items():
+        print(f"{d}: " + ("off" if r == "off" else f"{r['proposer']} (speedup {r['speedup']:.2f}, "
+                                                 f"k={r['k']}, tree={r['tree']})"))
+    print(f"policy: {path}")
+    return 0
+
+
+def run_route_compare(args) -> int:
+    from pathlib import Path
+
+    from draftsmith.decoding.routing import compare_table
+    from draftsmith.storage import atomic_write_text
+
+    def load(p):
+        p = Path(p)
+        return json.loads((p / "report.json" if p.is_dir() else p).read_text())
+
+    md, _ = compare_table(load(args.routed), [load(p) for p in args.reports])
+    print(md)
+    if args.out:
+        atomic_write_text(Path(args.out), md)
+    return 0
+
+
+def run_alpha(args) -> int:
+    from draftsmith.errors import ConfigError
+    from draftsmith.ops.production import production_alpha, render
+    from draftsmith.storage import atomic_write_json
+
+    mapping = {}
+    for item in args.model_domain:
+        model, sep, domain = item.partition("=")
+        if not sep or not model or not domain:
+            raise ConfigError(f"--model-domain {item!r}: expected MODEL=DOMAIN")
+        mapping[model] = domain
+    table = production_alpha(args.source, args.since, mapping)
+    print(render(table))
+    if args.out:
+        atomic_write_json(args.out, table)
+    return 0

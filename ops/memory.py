@@ -1,0 +1,274 @@
+"""Memory planning for a target + speculative artifact on a given accelerator.
+
+    draftsmith plan --target CONFIG --artifact PATH --gpu H100-80GB --batch 32 --context 8192 --dtype bf16
+
+What is counted (bytes; GiB = 2**30 in the printout):
+  weights      exact parameter counts (the model built on the `meta` device from its config, so nothing is
+               allocated) × dtype size, for the target and the artifact (a draft model's config; Medusa /
+               EAGLE heads from their safetensors header, without reading the tensors; shared target
+               embeddings are not counted twice).
+  KV cache     2 (K and V) × layers × kv_heads × head_dim × dtype size per token and sequence; sliding-
+               window layers (Gemma 3 local layers) hold min(context, window) tokens. Target over
+               `context` tokens; a draft model the same; an EAGLE head one layer of its own shape; Medusa none.
+               Speculation also caches the k+1 in-flight positions of every sequence.
+  activations  the transient workspace of one forward, which inference frees layer by layer: the largest
+               layer's residual, q/k/v, attention output and MLP intermediates for every token in flight,
+               plus fp32 logits for the positions that are sampled/verified. Tokens in flight = max(batch ×
+               (k+1) verified tokens, the prefill chunk).
+  overhead     CUDA context, allocator fragmentation, graphs: a fixed allowance (default 1.5 GiB on a GPU).
+Budget = device memory × utilisation (vLLM's gpu_memory_utilization, default 0.9). The largest batch that
+fits solves  fixed + batch × per_sequence <= budget  with per_sequence = KV (target + draft) + activations.
+
+`measure_cpu` checks the arithmetic here on this machine: it builds the real models on CPU, counts the
+bytes of the parameters and of the filled KV caches (exact), and reports the peak RSS increase of a
+prefill + verify step next to the planned total.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.errors import ConfigError
+
+GIB = 2**30
+GPUS = {  # usable device memory in bytes (marketing GB -> bytes as the driver reports them)
+    "H100-80GB": 80 * 10**9, "H100-94GB": 94 * 10**9, "H200-141GB": 141 * 10**9,
+    "A100-40GB": 40 * 10**9, "A100-80GB": 80 * 10**9, "L40S-48GB": 48 * 10**9, "A10G-24GB": 24 * 10**9,
+    "L4-24GB": 24 * 10**9, "RTX4090-24GB": 24 * 10**9, "T4-16GB": 16 * 10**9,
+}
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1, "int8": 1}
+
+
+def _text_config(cfg):
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def load_config(spec: str | Path):
+    """An HF config from a config.json, a model folder, or an embedded target name (no weights loaded)."""
+    from transformers import AutoConfig
+
+    path = Path(str(spec)).expanduser()
+    if path.is_file() and path.name.endswith(".json"):
+        return AutoConfig.from_pretrained(path.parent) if path.name == "config.json" else \
+            AutoConfig.for_model(**json.loads(path.read_text()))
+    if path.is_dir() and (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(path)
+    from draftsmith.targets.embedded import EMBEDDED
+
+    if str(spec) in EMBEDDED:
+        from draftsmith.targets.loading import materialize_gguf
+
+        return AutoConfig.from_pretrained(materialize_gguf(EMBEDDED[str(spec)].gguf_path(), name=str(spec)))
+    raise ConfigError(f"--target {spec}: give a config.json, an HF model folder or an embedded target name")
+
+
+def count_params(config) -> int:
+    """Exact parameter count of the causal LM `config` describes (built on the meta device; tied weights once)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen, total = set(), 0
+    for p in model.parameters():  # parameters() yields a tied tensor once
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def kv_bytes_per_token(config, dtype_bytes: int, context: int) -> float:
+    """KV bytes one sequence of `context` tokens holds, divided by context (sliding layers hold less)."""
+    c = _text_config(config)
+    layers = c.num_hidden_layers
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_layer_token = 2 * kv_heads * head_dim * dtype_bytes
+    types = getattr(c, "layer_types", None)
+    window = getattr(c, "sliding_window", None)
+    if types and window:
+        total = sum(per_layer_token * (min(context, window) if t == "sliding_attention" else context) for t in types)
+        return total / context
+    return layers * per_layer_token
+
+
+def activation_bytes(config, tokens: int, sampled: int, dtype_bytes: int) -> int:
+    """One forward's transient workspace for `tokens` tokens in flight, `sampled` of them through lm_head."""
+    c = _text_config(config)
+    h = c.hidden_size
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    inter = getattr(c, "intermediate_size", 4 * h)
+    per_token = (2 * h  # residual + normed input
+                 + (heads + 2 * kv_heads) * head_dim  # q, k, v
+                 + heads * head_dim  # attention output
+                 + 3 * inter)  # gate, up, act(gate) * up
+    return tokens * per_token * dtype_bytes + sampled * c.vocab_size * 4  # logits in fp32
+
+
+@dataclass
+class ArtifactShape:
+    kind: str  # none | draft | medusa | eagle
+    params: int = 0  # parameters not shared with the target
+    kv_config: object | None = None  # the config whose KV formula applies (a draft; an EAGLE layer), or None
+    kv_layers: int = 0
+
+
+def artifact_shape(path: str | Path | None, target_config) -> ArtifactShape:
+    if path is None:
+        return ArtifactShape("none")
+    from safetensors import safe_open
+
+    path = Path(path)
+    manifest = json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else {}
+    kind = manifest.get("kind", "draft")
+    if kind == "draft" or not (path / "model.safetensors").is_file():
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(path)
+        return ArtifactShape("draft", count_params(cfg), cfg, _text_config(cfg).num_hidden_layers)
+    total = 0
+    with safe_open(str(path / "model.safetensors"), "pt") as f:  # header only
+        for name in f.keys():
+            total += math.prod(f.get_slice(name).get_shape())
+    if kind == "medusa":
+        return ArtifactShape("medusa", total)
+    if kind == "eagle":
+        c = json.loads((path / "config.json").read_text())
+        t = _text_config(target_config)
+
+        class _Layer:  # one decoder layer of the head, attention shaped like the target's (or its own config)
+            num_hidden_layers = 1
+            num_attention_heads = c.get("num_attention_heads", t.num_attention_heads)
+            num_key_value_heads = c.get("num_key_value_heads", getattr(t, "num_key_value_heads", None))
+            hidden_size = c.get("hidden_size", t.hidden_size)
+            head_dim = c.get("head_dim", getattr(t, "head_dim", None))
+
+        return ArtifactShape("eagle", total, _Layer(), 1)
+    raise ConfigError(f"{path}: unknown artifact kind {kind!r}")
+
+
+def plan(target_config, artifact: ArtifactShape, gpu: str | int, batch: int, context: int, dtype: str = "bf16",
+         k: int = 4, prefill_chunk: int = 8192, utilization: float = 0.9, overhead_bytes: int | None = None) -> dict:
+    """The memory plan (module docstring). `gpu`: a name from GPUS, "cpu", or a byte count."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_BYTES))}")
+    if batch < 1 or context < 1 or k < 0:
+        raise ConfigError("batch and context must be >= 1 and k >= 0")
+    b = DTYPE_BYTES[dtype]
+    if isinstance(gpu, int):
+        device_bytes, gpu_name = gpu, f"{gpu / GIB:.1f} GiB"
+    elif gpu.lower() == "cpu":
+        import psutil
+
+        device_bytes, gpu_name = psutil.virtual_memory().total, "cpu"
+    elif gpu in GPUS:
+        device_bytes, gpu_name = GPUS[gpu], gpu
+    else:
+        raise ConfigError(f"unknown --gpu {gpu!r}: one of {', '.join(GPUS)}, cpu, or a size like 80e9")
+    overhead = overhead_bytes if overhead_bytes is not None else (0 if gpu_name == "cpu" else int(1.5 * GIB))
+    budget = device_bytes * utilization
+
+    t_params = count_params(target_config)
+    weights = {"target": t_params * b, "artifact": artifact.params * b}
+    in_flight = context + (k + 1 if artifact.kind != "none" else 0)
+    kv_t = kv_bytes_per_token(target_config, b, in_flight) * in_flight
+    kv_d = kv_bytes_per_token(artifact.kv_config, b, in_flight) * in_flight if artifact.kv_config is not None else 0
+    verify_tokens = k + 1 if artifact.kind != "none" else 1
+
+    def act(n_seq: int) -> float:
+        tokens = max(n_seq * verify_tokens, min(prefill_chunk, n_seq * context))
+        return activation_bytes(target_config, tokens, n_seq * verify_tokens, b)
+
+    fixed = weights["target"] + weights["artifact"] + overhead
+    per_seq = kv_t + kv_d
+    total = fixed + batch * per_seq + act(batch)
+    # largest batch: fixed + n·per_seq + act(n) <= budget (act is monotone in n: bisect)
+    lo, hi = 0, 1
+    while fixed + hi * per_seq + act(hi) <= budget and hi < 1 << 20:
+        hi *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fixed + mid * per_seq + act(mid) <= budget else (lo, mid)
+    return {
+        "gpu": gpu_name, "device_bytes": device_bytes, "utilization": utilization, "budget_bytes": budget,
+        "dtype": dtype, "batch": batch, "context": context, "k": k, "artifact_kind": artifact.kind,
+        "params": {"target": t_params, "artifact": artifact.params},
+        "weights_bytes": weights,
+        "kv_bytes": {"target": batch * kv_t, "artifact": batch * kv_d,
+                     "per_sequence_target": kv_t, "per_sequence_artifact": kv_d},
+        "activation_bytes": act(batch), "overhead_bytes": overhead,
+        "total_bytes": total, "headroom_bytes": budget - total, "fits": total <= budget,
+        "max_batch": lo,
+    }
+
+
+def render(p: dict) -> str:
+    g = lambda x: f"{x / GIB:8.2f} GiB"  # noqa: E731
+    lines = [f"memory plan: {p['gpu']} ({p['utilization']:.0%} of {p['device_bytes'] / GIB:.1f} GiB = "
+             f"{p['budget_bytes'] / GIB:.1f} GiB), {p['dtype']}, batch {p['batch']}, context {p['context']}, "
+             f"k {p['k']}, artifact {p['artifact_kind']}",
+             f"  weights   target   {g(p['weights_bytes']['target'])}  ({p['params']['target'] / 1e6:.1f}M params)",
+             f"  weights   artifact {g(p['weights_bytes']['artifact'])}  ({p['params']['artifact'] / 1e6:.1f}M params)",
+             f"  KV cache  target   {g(p['kv_bytes']['target'])}  ({p['kv_bytes']['per_sequence_target'] / 2**20:.1f} MiB/seq)",
+             f"  KV cache  artifact {g(p['kv_bytes']['artifact'])}",
+             f"  activations        {g(p['activation_bytes'])}",
+             f"  overhead           {g(p['overhead_bytes'])}",
+             f"  total              {g(p['total_bytes'])}",
+             f"  headroom           {g(p['headroom_bytes'])}  -> {'fits' if p['fits'] else 'DOES NOT FIT'}",
+             f"  largest batch that fits at this context: {p['max_batch']}"]
+    return "\n".join(lines)
+
+
+def measure_cpu(target_spec: str, artifact_path: str | None, batch: int, context: int, k: int = 4) -> dict:
+    """Build the real target (and draft) on CPU in fp32, prefill `batch` × `context` tokens, run one verify
+    step of k+1 tokens; count parameter and KV-cache bytes exactly and the peak RSS increase. Meant to run in
+    a fresh process (`draftsmith plan --measure`) so that peak RSS belongs to this measurement."""
+    import resource
+
+    import torch
+
+    from draftsmith.decoding import kvcache
+    from draftsmith.targets import load_target
+
+    def rss() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+
+    target = load_target(target_spec, device="cpu", dtype="float32")
+    model = target.model
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    draft = None
+    if artifact_path is not None and json.loads((Path(artifact_path) / "manifest.json").read_text()).get("kind") == "draft":
+        from transformers import AutoModelForCausalLM
+
+        draft = AutoModelForCausalLM.from_pretrained(artifact_path, dtype=torch.float32).eval()
+        weights += sum(p.numel() * p.element_size() for p in draft.parameters())
+    before = rss()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (batch, context), generator=g)
+    kv_bytes = 0
+    with torch.no_grad():
+        for m in [model] + ([draft] if draft is not None else []):
+            cache = kvcache.new_cache(m)
+            m(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            step = torch.randint(0, target.vocab_size, (batch, k + 1), generator=g)
+            pos = torch.arange(context, context + k + 1)[None].expand(batch, -1)
+            m(input_ids=step, past_key_values=cache, position_ids=pos, use_cache=True)
+            kv_bytes += _cache_bytes(cache)
+    peak = rss() - before
+    return {"weights_bytes": weights, "kv_bytes": kv_bytes, "peak_rss_increase_bytes": peak,
+            "batch": batch, "context": context, "k": k}
+
+
+def _cache_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total

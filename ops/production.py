@@ -1,0 +1,203 @@
+"""Production α: acceptance counters from a serving engine, as the per-domain table retraining reads.
+
+Two sources, one output shape (the `domains` / `overall` rows of an evaluation report, which is what
+`retrain.decide.staleness` and `domain_policy` consume):
+
+1. vLLM's Prometheus text exposition (`curl http://host:8000/metrics > dump.prom`). vLLM (v1 engine,
+   `vllm/v1/spec_decode/metrics.py`) counts, per `model_name` (and `engine`) label,
+       vllm:spec_decode_num_drafts_total                 verification steps that carried a draft
+       vllm:spec_decode_num_draft_tokens_total           drafted tokens
+       vllm:spec_decode_num_accepted_tokens_total        accepted drafted tokens
+       vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}
+   and finished requests in vllm:request_success_total. α = accepted / draft tokens, τ = 1 + accepted /
+   drafts (vLLM's own "mean acceptance length"), per-position acceptance = accepted_per_pos[i] / drafts.
+   The counters are cumulative since the server started: give an earlier dump as `since` to get the window
+   between the two. vLLM has no notion of a domain: `model_domains` maps a served model name (one per
+   deployment, or a LoRA/adapter name per traffic class) to a domain; unmapped models keep their name.
+2. Request logs (a folder of *.jsonl, the traffic format of retrain/traffic.py) whose rows carry the
+   engine's per-request counters: `draft_tokens` + `accepted_tokens` (+ optional `drafts`), or SGLang's
+   `meta_info` style `spec_verify_ct` + `completion_tokens` (τ = completion_tokens / spec_verify_ct).
+   Rows are grouped by their `domain` field (else "unknown").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from draftsmith.errors import DataError
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+PREFIX = "vllm:spec_decode_"
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) for every sample line of a Prometheus text exposition (comments skipped)."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            raise DataError(f"metrics line {n}: not a Prometheus sample: {line[:80]!r}")
+        labels = {k: re.sub(r'\\(.)', lambda e: "\n" if e[1] == "n" else e[1], v)
+                  for k, v in _LABEL.findall(m["labels"] or "")}
+        try:
+            value = float(m["value"])
+        except ValueError:
+            raise DataError(f"metrics line {n}: value {m['value']!r} is not a number") from None
+        out.append((m["name"], labels, value))
+    return out
+
+
+def _counter(name: str) -> str:
+    """Counter samples are exposed as <name>_total; `_created` timestamps are not counts."""
+    return name[:-6] if name.endswith("_total") else name
+
+
+def _vllm_counts(text: str, label: str) -> dict[str, dict]:
+    counts: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
+                                                   "per_pos": defaultdict(float), "requests": 0.0})
+    for name, labels, value in parse_prometheus(text):
+        if name.endswith("_created") or math.isnan(value):
+            continue
+        base = _counter(name)
+        model = labels.get(label, "")
+        if base == "vllm:request_success":
+            counts[model]["requests"] += value
+            continue
+        if not base.startswith(PREFIX):
+            continue
+        key = base[len(PREFIX):]
+        c = counts[model]
+        if key == "num_drafts":
+            c["drafts"] += value
+        elif key == "num_draft_tokens":
+            c["draft_tokens"] += value
+        elif key == "num_accepted_tokens":
+            c["accepted"] += value
+        elif key == "num_accepted_tokens_per_pos":
+            c["per_pos"][int(labels.get("position", 0))] += value
+    return counts
+
+
+def _row(drafts: float, draft_tokens: float, accepted: float, per_pos: dict[int, float], requests: float) -> dict:
+    positions = [per_pos[i] for i in sorted(per_pos)]
+    return {
+        "n_prompts": int(requests),
+        "drafts": int(drafts),
+        "proposed": int(draft_tokens),
+        "accepted": int(accepted),
+        "alpha": accepted / draft_tokens if draft_tokens else None,
+        "tau": 1.0 + accepted / drafts if drafts else None,
+        # vLLM's per-position rate: P(position i accepted) over all drafts (already cumulative in i)
+        "per_position_acceptance": [p / drafts for p in positions] if drafts else [],
+    }
+
+
+def _table(groups: dict[str, dict], source: str) -> dict:
+    domains = {d: _row(g["drafts"], g["draft_tokens"], g["accepted"], g["per_pos"], g["requests"])
+               for d, g in sorted(groups.items()) if g["draft_tokens"] > 0 or g["drafts"] > 0}
+    if not domains:
+        raise DataError(f"{source}: no speculative-decoding counters with drafted tokens found")
+    tot: dict = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": defaultdict(float), "requests": 0.0}
+    for g in groups.values():
+        for k in ("drafts", "draft_tokens", "accepted", "requests"):
+            tot[k] += g[k]
+        for i, v in g["per_pos"].items():
+            tot["per_pos"][i] += v
+    return {"kind": "production_alpha", "source": source, "domains": domains,
+            "overall": _row(tot["drafts"], tot["draft_tokens"], tot["accepted"], tot["per_pos"], tot["requests"])}
+
+
+def vllm_alpha(text: str, since: str | None = None, model_domains: dict[str, str] | None = None,
+               label: str = "model_name", source: str = "vllm metrics") -> dict:
+    """Per-domain α table from a vLLM /metrics dump (minus an earlier dump `since`, if given)."""
+    now = _vllm_counts(text, label)
+    before = _vllm_counts(since, label) if since else {}
+    groups: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
+                                                   "per_pos": defaultdict(float), "requests": 0.0})
+    for model, c in now.items():
+        b = before.get(model)
+        g = groups[(model_domains or {}).get(model, model)]
+        for k in ("drafts", "draft_tokens", "accepted", "requests"):
+            delta = c[k] - (b[k] if b else 0.0)
+            if delta < 0:
+                raise DataError(f"{source}: counter {k} of model {model!r} went down since the earlier dump "
+                                "(the server restarted): use a dump taken after the restart")
+            g[k] += delta
+        for i, v in c["per_pos"].items():
+            g["per_pos"][i] += v - (b["per_pos"].get(i, 0.0) if b else 0.0)
+    return _table(groups, source)
+
+
+def log_alpha(folder: str | Path) -> dict:
+    """Per-domain α table from request logs carrying per-request speculative counters (module docstring)."""
+    folder = Path(folder)
+    files = sorted([*folder.glob("*.jsonl")]) if folder.is_dir() else [folder] if folder.is_file() else []
+    if not files:
+        raise DataError(f"no request logs (*.jsonl) at {folder}")
+    groups: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
+                                                   "per_pos": defaultdict(float), "requests": 0.0})
+    malformed = 0
+    for path in files:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                meta = row.get("meta_info") or row
+                if "draft_tokens" in meta and "accepted_tokens" in meta:
+                    drafted, accepted = float(meta["draft_tokens"]), float(meta["accepted_tokens"])
+                    drafts = float(meta.get("drafts", 0.0))
+                elif "spec_verify_ct" in meta and "completion_tokens" in meta:
+                    # SGLang: completion tokens = verify steps + accepted drafts; drafted count is not reported,
+                    # so α is left to the engines that report it and only τ is exact
+                    drafts = float(meta["spec_verify_ct"])
+                    accepted = float(meta["completion_tokens"]) - drafts
+                    drafted = float(meta["draft_tokens"]) if "draft_tokens" in meta else 0.0
+                else:
+                    continue  # a request served without speculation
+            except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
+                malformed += 1
+                continue
+            g = groups[str(row.get("domain") or "unknown")]
+            g["drafts"] += drafts
+            g["draft_tokens"] += drafted
+            g["accepted"] += accepted
+            g["requests"] += 1
+    if not any(g["draft_tokens"] > 0 or g["drafts"] > 0 for g in groups.values()):
+        raise DataError(f"{folder}: no request carries speculative-decoding counters (draft_tokens + "
+                        f"accepted_tokens, or spec_verify_ct + completion_tokens; {malformed} malformed lines)")
+    table = _table(groups, str(folder))
+    table["malformed"] = malformed
+    return table
+
+
+def production_alpha(path: str | Path, since: str | Path | None = None,
+                     model_domains: dict[str, str] | None = None) -> dict:
+    """A Prometheus dump (a file) or request logs (a folder / a .jsonl file) -> the per-domain α table."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"production metrics not found: {path}")
+    if path.is_dir() or path.suffix == ".jsonl":
+        return log_alpha(path)
+    earlier = Path(since).read_text(encoding="utf-8") if since else None
+    return vllm_alpha(path.read_text(encoding="utf-8"), earlier, model_domains, source=str(path))
+
+
+def render(table: dict) -> str:
+    f = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [f"# Production acceptance ({table['source']})", "",
+             "| domain | requests | drafts | drafted | accepted | α | τ | per-position |", "|---|---|---|---|---|---|---|---|"]
+    for d, r in list(table["domains"].items()) + [("overall", table["overall"])]:
+        pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"][:8])
+        lines.append(f"| {d} | {r['n_prompts']} | {r['drafts']} | {r['proposed']} | {r['accepted']} | "
+                     f"{f(r['alpha'])} | {f(r['tau'])} | {pos} |")
+    return "\n".join(lines) + "\n"
