@@ -1,4 +1,4 @@
-"""`draftsmith data ...` subcommands: generate a self-distilled dataset, inspect one."""
+"""`draftsmith data ...` subcommands: generate a self-distilled dataset, inspect one, take a domain subset."""
 
 from __future__ import annotations
 
@@ -24,6 +24,14 @@ def register(subparsers) -> None:
     ins.add_argument("path", help="output_dir of `data generate`")
     ins.add_argument("--row", type=int, default=0, help="which row to show")
     ins.set_defaults(func=run_inspect)
+
+    sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains")
+    sel.add_argument("path", help="output_dir of `data generate`")
+    sel.add_argument("--out", required=True, help="the new dataset folder")
+    group = sel.add_mutually_exclusive_group(required=True)
+    group.add_argument("--domains", nargs="+", help="keep these domains")
+    group.add_argument("--exclude", nargs="+", help="keep every domain but these")
+    sel.set_defaults(func=run_subset)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -72,6 +80,44 @@ def run_inspect(args: argparse.Namespace) -> int:
     pieces.append(tok.decode(ids[last:], skip_special_tokens=False))
     print(f"--- row {args.row} ({row['domain']}, {row['origin']}); learned tokens in reverse video ---")
     print("".join(pieces))
+    return 0
+
+
+def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None = None,
+                   exclude: list[str] | None = None) -> Path:
+    """Copy the rows of `domains` (or of every domain not in `exclude`) into a new dataset folder whose
+    provenance records the parent and the filter. Unknown domain names are an error, not an empty set."""
+    from draftsmith.data.generate import DATASET_DIR, PROVENANCE, load_distilled, read_provenance
+    from draftsmith.errors import DataError
+    from draftsmith.storage import atomic_dir, atomic_write_json
+
+    path, out = Path(path), Path(out)
+    prov = read_provenance(path)
+    ds = load_distilled(path)
+    present = set(ds["domain"])
+    asked = set(domains or exclude or [])
+    if asked - present:
+        raise DataError(f"{path}: no rows of domain(s) {sorted(asked - present)}; it has {sorted(present)}")
+    keep = asked if domains else present - asked
+    sub = ds.filter(lambda r: r["domain"] in keep)
+    if len(sub) == 0:
+        raise DataError(f"{path}: the filter leaves no rows")
+    prov = {**prov, "subset": {"parent": str(path), "domains": sorted(keep), "rows": len(sub),
+                               "parent_rows": len(ds)}}
+    prov.setdefault("counts", {})["rows"] = len(sub)
+    prov["counts"]["per_domain"] = dict(Counter(sub["domain"]))
+    with atomic_dir(out, overwrite=True) as tmp:
+        sub.save_to_disk(str(tmp / DATASET_DIR))
+        atomic_write_json(tmp / PROVENANCE, prov)
+    return out
+
+
+def run_subset(args: argparse.Namespace) -> int:
+    out = subset_dataset(args.path, args.out, args.domains, args.exclude)
+    from draftsmith.data.generate import read_provenance
+
+    s = read_provenance(out)["subset"]
+    print(f"wrote {s['rows']} of {s['parent_rows']} rows ({', '.join(s['domains'])}) to {out}")
     return 0
 
 

@@ -13,6 +13,7 @@ from draftsmith.config import load_config
 from draftsmith.data import generate_dataset, load_distilled, load_prompts, tokenize_conversation
 from draftsmith.data.config import (
     CaptureConfig,
+    DomainRule,
     ChatConfig,
     DataConfig,
     EvalSetConfig,
@@ -426,3 +427,20 @@ def test_bad_config_values_fail_at_load(tmp_path):
                            "generation.top_p=1.5"], cls=DataConfig)
     with pytest.raises(ConfigError, match="exactly one of"):
         load_config(None, ["sources=[{name: a, path: x, domain: d}]", "output_dir=o"], cls=DataConfig)
+
+
+def test_subset_by_domain(tmp_path, tiny_target):
+    from draftsmith.data.commands import subset_dataset
+
+    cfg = _gen_cfg(tmp_path, PROMPTS[:4])
+    cfg.sources[0].domain_rules = [DomainRule("q", "number [02]", "even")]
+    out = generate_dataset(cfg, tiny_target, progress=False)
+    sub = subset_dataset(out, tmp_path / "even", domains=["even"])
+    ds = load_distilled(sub, tiny_target)  # still the target's dataset: fingerprint checked
+    assert sorted(ds["domain"]) == ["even", "even"]
+    prov = json.loads((sub / "provenance.json").read_text())
+    assert prov["subset"] == {"parent": str(out), "domains": ["even"], "rows": 2, "parent_rows": 4}
+    rest = load_distilled(subset_dataset(out, tmp_path / "rest", exclude=["even"]))
+    assert set(rest["domain"]) == {"general"} and len(rest) == 2
+    with pytest.raises(DataError, match="no rows of domain"):
+        subset_dataset(out, tmp_path / "x", domains=["code"])
