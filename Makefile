@@ -40,12 +40,14 @@ test-fast: setup
 demo: setup
 	$(BIN)/python scripts/demo.py
 
-# Published numbers (BENCHMARKS.md): the data engine and every artifact passed as ARTIFACTS="medusa:PATH ..."
+# Published numbers (BENCHMARKS.md): data, training, evaluation of every artifact, in one run (BENCH_CONFIG=...)
+BENCH_CONFIG ?= configs/bench/smollm2-135m.yaml
+
 bench: setup
-	$(BIN)/python scripts/bench.py $(foreach a,$(ARTIFACTS),--artifact $(a))
+	$(BIN)/draftsmith bench --config $(BENCH_CONFIG)
 
 bench-quick: setup
-	$(BIN)/python scripts/bench.py --quick $(foreach a,$(ARTIFACTS),--artifact $(a))
+	$(BIN)/draftsmith bench --config $(BENCH_CONFIG) --quick
 
 lint: setup
 	$(BIN)/ruff check .

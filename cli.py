@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "draftsmith.export.commands",
     "draftsmith.retrain.commands",
     "draftsmith.ops.commands",
+    "draftsmith.benchmark.commands",
 ]
 
 
@@ -79,18 +80,31 @@ def run_entry_point(fn, verbose: bool = False) -> int:
         return 1
 
 
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """parse_args, except that trailing key=value overrides may follow an option (`train medusa --config X
+    a=1 b=2`): argparse assigns a subcommand's positionals in one go before its options, so overrides after
+    an option would otherwise be refused as unrecognized."""
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+            args.overrides = list(args.overrides or []) + rest
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def script_main(train_fn, default_config: str, doc: str | None) -> int:
     """The body of a thin training script: `--config PATH [key=value ...]` → `train_fn(config, overrides)`."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=default_config)
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=100")
-    args = parser.parse_args()
+    args = parse_with_overrides(parser)
     return run_entry_point(lambda: print(f"artifact: {train_fn(args.config, args.overrides)}"))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_with_overrides(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -214,6 +214,7 @@ CONFIG_MODULES = [
     "draftsmith.heads.eagle_job",
     "draftsmith.distill.config",
     "draftsmith.retrain.config",
+    "draftsmith.benchmark.config",
 ]
 
 

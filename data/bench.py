@@ -1,9 +1,9 @@
 """Benchmark the decode engines on the same prompts in one process.
 
-    nice python -m draftsmith.data.bench 32 128 cb:32,cap:32,hf:16,cb:1
+    nice python -m draftsmith.data.bench 32 128 cb:32,cap:32,hf:16,cb:1 [TARGET] [--json OUT]
 
 cb:B = continuous batching at batch B (cb:1 = one prompt at a time), cap:B = the same with capture of
-layers 2/15/27 + top-64 logits + last hidden, hf:B = transformers `generate` on static length-sorted batches.
+the EAGLE-3 layers (low/middle/high, targets.capture.default_eagle3_layers) + top-64 logits + last hidden, hf:B = transformers `generate` on static length-sorted batches.
 Prompts: the first N/2 GSM8K questions and the first N/2 self-instruct seed tasks, chat-formatted.
 """
 
@@ -18,14 +18,23 @@ from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Samp
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.storage import shared_data_dir
 from draftsmith.targets import load_target
+from draftsmith.targets.capture import default_eagle3_layers
 
 TRAIN = shared_data_dir() / "train"
 
 
 def main(argv: list[str]) -> dict:
+    argv = list(argv)
+    json_out = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        json_out = argv[i + 1]
+        del argv[i:i + 2]
     n, max_new, specs = int(argv[0]), int(argv[1]), argv[2]
+    target_spec = argv[3] if len(argv) > 3 else "smollm2-135m"
     torch.set_num_threads(2)
-    t = load_target("smollm2-135m")
+    t = load_target(target_spec)
+    layers = default_eagle3_layers(t.num_layers)
     with open(f"{TRAIN}/gsm8k_train.jsonl") as f:
         rows = [json.loads(line) for line in f][: n // 2]
     with open(f"{TRAIN}/self_instruct_seed_tasks.jsonl") as f:
@@ -43,7 +52,7 @@ def main(argv: list[str]) -> dict:
         if kind == "cb":
             name, st = f"continuous_b{bs}", ContinuousBatcher(t.model, t.eos_token_ids, pad, bs).run(reqs, done)
         elif kind == "cap":
-            cap = CaptureSpec(layers=[2, 15, 27], topk=64, last_hidden=True)
+            cap = CaptureSpec(layers=layers, topk=64, last_hidden=True)
             name = f"continuous_b{bs}_capture"
             st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, capture=cap).run(reqs, done)
         else:
@@ -52,6 +61,10 @@ def main(argv: list[str]) -> dict:
                      "tok_s": round(st["tokens_per_s"], 1)}
         print(name, res[name], flush=True)
     print(json.dumps(res))
+    if json_out:
+        from draftsmith.storage import atomic_write_json
+
+        atomic_write_json(json_out, {"target": target_spec, "prompts": n, "max_new_tokens": max_new, "engines": res})
     return res
 
 

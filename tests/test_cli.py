@@ -38,3 +38,18 @@ def test_manifest_is_json(tmp_path, tiny_target):
     art = save_artifact(tmp_path / "a", make_manifest("draft", tiny_target.fingerprint(), {"x": 1}), state={})
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["kind"] == "draft" and manifest["target"]["vocab_size"] == tiny_target.vocab_size
+
+
+def test_overrides_may_follow_options():
+    """`draftsmith train medusa --config X a=1 b=2`: argparse alone refuses overrides after an option."""
+    import pytest
+
+    from draftsmith.cli import build_parser, parse_with_overrides
+
+    p = build_parser()
+    args = parse_with_overrides(p, ["train", "medusa", "--config", "c.yaml", "a=1", "b=2"])
+    assert args.job == "medusa" and args.config == "c.yaml" and args.overrides == ["a=1", "b=2"]
+    args = parse_with_overrides(p, ["train", "medusa", "a=1", "--config", "c.yaml", "b=2"])
+    assert args.overrides == ["a=1", "b=2"]
+    with pytest.raises(SystemExit):
+        parse_with_overrides(p, ["train", "medusa", "--config", "c.yaml", "--bogus"])

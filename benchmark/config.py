@@ -1,0 +1,106 @@
+"""`BenchConfig` (YAML `kind: bench`): every published number of one target, with its budgets.
+
+    kind: bench
+    target: smollm2-135m
+    data: {config: configs/smollm2-135m/data.yaml}        # or {path: runs/data/...} to reuse a dataset
+    artifacts:                                           # trained inside the bench, then evaluated
+      - {name: draft,  job: distill, config: configs/smollm2-135m/distill.yaml, eval: {k: 4}}
+      - {name: medusa, job: medusa,  config: configs/smollm2-135m/medusa.yaml, eval: {tree: auto}}
+      - {name: eagle3, job: eagle,   config: configs/smollm2-135m/eagle3.yaml, eval: {tree: auto}}
+    baselines: [{name: ngram, proposer: ngram, eval: {k: 4}}]   # proposers that need no training
+    budgets:
+      full:  {data_rows: 2000, train_steps: {draft: 300, medusa: 300, eagle3: 300}, limit_per_domain: 8, ...}
+      quick: {data_rows: 24, train_steps: {draft: 4, medusa: 4, eagle3: 4}, limit_per_domain: 1, ...}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from draftsmith.config import register_config
+
+JOBS = ("distill", "medusa", "eagle")
+
+
+@dataclass
+class DataStage:
+    config: str | None = None  # a data preset (kind: data): generated inside the bench
+    path: str | None = None  # or an existing self-distilled dataset (its rows are not regenerated)
+    overrides: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if (self.config is None) == (self.path is None):
+            raise ValueError("bench data: give exactly one of config (generate) or path (reuse)")
+
+
+@dataclass
+class EvalSpec:
+    k: int = 4
+    tree: str | None = None  # "auto" = the artifact's own tree
+
+
+@dataclass
+class ArtifactStage:
+    name: str
+    job: Literal["distill", "medusa", "eagle"]
+    config: str
+    overrides: list[str] = field(default_factory=list)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+
+    def __post_init__(self):
+        if self.job not in JOBS:
+            raise ValueError(f"bench artifact {self.name!r}: job must be one of {JOBS}, got {self.job!r}")
+        if isinstance(self.eval, dict):
+            self.eval = EvalSpec(**self.eval)
+
+
+@dataclass
+class Baseline:
+    name: str
+    proposer: str
+    eval: EvalSpec = field(default_factory=EvalSpec)
+
+    def __post_init__(self):
+        if isinstance(self.eval, dict):
+            self.eval = EvalSpec(**self.eval)
+
+
+@dataclass
+class Budget:
+    data_rows: int | None = None  # None: every row the data preset yields
+    data_new_tokens: int | None = None
+    train_steps: dict[str, int] = field(default_factory=dict)  # artifact name -> max steps
+    limit_per_domain: int | None = 8
+    max_new_tokens: int = 128
+    hf_reference: bool = True
+    engine_prompts: int = 32
+    engine_new_tokens: int = 128
+    cost_repeats: int = 9
+
+    def __post_init__(self):
+        if any(v < 1 for v in self.train_steps.values()):
+            raise ValueError("bench budget: train_steps must be >= 1")
+
+
+@register_config("bench")
+@dataclass
+class BenchConfig:
+    target: str = "smollm2-135m"
+    out: str = "bench/results"  # results go to <out>/<date>[-quick]/
+    benchmarks_md: str = "BENCHMARKS.md"  # the generated block of this target/budget is replaced there
+    data: DataStage = field(default_factory=lambda: DataStage(config="configs/smollm2-135m/data.yaml"))
+    artifacts: list[ArtifactStage] = field(default_factory=list)
+    baselines: list[Baseline] = field(default_factory=lambda: [Baseline("ngram", "ngram")])
+    prompts: list[str] = field(default_factory=list)  # extra prompt files (default: ../shared/data/eval)
+    budgets: dict[str, Budget] = field(default_factory=lambda: {"full": Budget(), "quick": Budget()})
+
+    def __post_init__(self):
+        if isinstance(self.data, dict):
+            self.data = DataStage(**self.data)
+        self.artifacts = [a if isinstance(a, ArtifactStage) else ArtifactStage(**a) for a in self.artifacts]
+        self.baselines = [b if isinstance(b, Baseline) else Baseline(**b) for b in self.baselines]
+        self.budgets = {k: v if isinstance(v, Budget) else Budget(**v) for k, v in self.budgets.items()}
+        names = [a.name for a in self.artifacts] + [b.name for b in self.baselines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"bench: artifact and baseline names must be unique, got {names}")

@@ -1,0 +1,68 @@
+"""`draftsmith bench` end to end on a tiny target: every stage a real subprocess, then resume and the
+generated BENCHMARKS.md block."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from draftsmith.benchmark.run import BEGIN, END, run_bench, update_benchmarks_md
+
+
+def test_update_benchmarks_md_replaces_only_its_block(tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nhand-written text\n")
+    update_benchmarks_md(md, "t:quick", "first")
+    update_benchmarks_md(md, "t:full", "other")
+    update_benchmarks_md(md, "t:quick", "second")
+    text = md.read_text()
+    assert "hand-written text" in text and "first" not in text and "second" in text and "other" in text
+    assert text.count(BEGIN.format(key="t:quick")) == 1 and text.count(END.format(key="t:full")) == 1
+
+
+def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    folder = str(tiny_target.folder)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"q": f"Question {i}: what is {i} plus {i}?"}) + "\n" for i in range(6)))
+    (tmp_path / "data.yaml").write_text(yaml.safe_dump({
+        "kind": "data", "target": folder, "output_dir": "unused",
+        "sources": [{"name": "p", "type": "jsonl", "path": str(prompts), "prompt": "q", "domain": "math"}],
+        "generation": {"max_new_tokens": 8, "batch_size": 4}, "eval_sets": []}))
+    (tmp_path / "medusa.yaml").write_text(yaml.safe_dump({
+        "kind": "medusa", "target": folder, "num_heads": 2, "eval_fraction": 0.2, "calibration_rows": 2,
+        "tree_budget": 4, "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 0, "loggers": ["jsonl"]}}))
+    (tmp_path / "bench.yaml").write_text(yaml.safe_dump({
+        "kind": "bench", "target": folder, "out": str(tmp_path / "results"), "benchmarks_md": "BENCH.md",
+        "data": {"config": "data.yaml"},
+        "artifacts": [{"name": "medusa", "job": "medusa", "config": "medusa.yaml", "eval": {"tree": "auto"}}],
+        "baselines": [{"name": "ngram", "proposer": "ngram", "eval": {"k": 2}}],
+        "budgets": {"quick": {"data_rows": 5, "data_new_tokens": 8, "train_steps": {"medusa": 2},
+                              "limit_per_domain": 1, "max_new_tokens": 6, "hf_reference": False,
+                              "engine_prompts": 2, "engine_new_tokens": 4, "cost_repeats": 1}}}))
+    out = tmp_path / "results" / "run"
+    summary = run_bench("bench.yaml", [], quick=True, out=str(out), progress=False)
+
+    assert summary["data"]["rows"] == 5
+    assert set(summary["engine"]["engines"]) == {"continuous_b2", "continuous_b2_capture", "hf_generate_b2",
+                                                 "continuous_b1"}
+    assert summary["training"]["medusa"]["steps"] == 2
+    assert set(summary["reports"]) == {"ngram", "medusa"}
+    for name, r in summary["reports"].items():
+        assert r["overall"]["lossless"] is True, name
+        assert r["command"].split()[3:5] == ["evaluate", "--target"]  # the exact command is kept
+        assert (out / "eval" / name / "report.md").is_file()
+    assert all(s["returncode"] == 0 and s["seconds"] > 0 for s in summary["stages"].values())
+    for name in ("summary.md", "summary.json", "acceptance.png", "verify_cost.png", "logs/train_medusa.log"):
+        assert (out / name).is_file(), name
+    md = (tmp_path / "BENCH.md").read_text()
+    # the tables in BENCHMARKS.md are the results folder's: every overall speedup appears there
+    for r in summary["reports"].values():
+        assert f"{r['overall']['speedup']:.2f}" in md
+
+    # resume: every stage is done, nothing runs again, the block is replaced (not appended)
+    again = run_bench("bench.yaml", [], quick=True, out=str(out), progress=False)
+    assert all(s.get("skipped_on_resume") for s in again["stages"].values())
+    assert (tmp_path / "BENCH.md").read_text().count(BEGIN.format(key=f"{folder}:quick")) == 1
