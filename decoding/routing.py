@@ -228,23 +228,40 @@ def _fmt(v) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
-def compare_table(routed: dict, singles: list[dict], noise: float = 0.03) -> tuple[str, dict]:
+def short_name(spec: str) -> str:
+    """`medusa:runs/medusa/smollm2-135m` -> `medusa:smollm2-135m` (table headers)."""
+    kind, sep, arg = spec.partition(":")
+    return f"{kind}:{Path(arg).name}" if sep and "/" in arg else spec
+
+
+def compare_table(routed: dict, singles: list[dict] | None = None, noise: float = 0.03) -> tuple[str, dict]:
     """Markdown: per domain, the routed run's speedup next to every single artifact's and the best choice
-    among them and plain decoding (speedup 1.0, what an "off" route gets). `ratio` = routed / best; a ratio
-    in [1 - noise, 1) is reported as "within noise" (separate runs on a shared CPU differ by a few percent).
-    Returns (markdown, {domain: {"routed", "route", "best", "best_choice", "ratio", "verdict"}})."""
-    names = [s["proposer"] for s in singles]
-    lines = ["| domain | routed (route) | " + " | ".join(n.replace("|", "/") for n in names) +
+    among them and plain decoding (speedup 1.0, what an "off" route gets). The singles are the proposers the
+    routed evaluation decoded side by side (`evaluate --compare ...`, same prompts, same run) unless
+    `singles` (separate reports) are given. `ratio` = routed / best; a ratio in [1 - noise, 1) is reported
+    as "within noise". Returns (markdown, {domain: {"routed", "route", "best", "best_choice", "ratio",
+    "verdict"}})."""
+    if singles:
+        names = [s["proposer"] + ("" if not s.get("settings", {}).get("tree") else " (tree)") for s in singles]
+        lookup = lambda dom, i: singles[i]["domains"].get(dom, {}).get("speedup")  # noqa: E731
+    else:
+        first = next((d["compare"] for d in routed["domains"].values() if d.get("compare")), None)
+        if not first:
+            raise ConfigError("the routed report has no side-by-side runs (evaluate --compare) and no reports were given")
+        names = list(first)
+        lookup = lambda dom, i: (routed["domains"][dom].get("compare") or {}).get(names[i], {}).get("speedup")  # noqa: E731
+    headers = [short_name(n) for n in names]
+    lines = ["| domain | routed (route) | " + " | ".join(h.replace("|", "/") for h in headers) +
              " | best choice | routed / best | |", "|" + "---|" * (len(names) + 5)]
     out = {}
     for dom, d in sorted(routed["domains"].items()):
-        single = [s["domains"].get(dom, {}).get("speedup") for s in singles]
-        choices = [(v, n) for v, n in zip(single, names) if v is not None] + [(1.0, "plain")]
+        single = [lookup(dom, i) for i in range(len(names))]
+        choices = [(v, n) for v, n in zip(single, headers) if v is not None] + [(1.0, "plain")]
         best_v, best_n = max(choices, key=lambda c: c[0])
         r = d.get("speedup")
         ratio = r / best_v if r is not None else None
         verdict = "–" if ratio is None else ("yes" if ratio >= 1.0 else "within noise" if ratio >= 1 - noise else "no")
-        route = d.get("route", "?")
+        route = short_name(d.get("route", "?"))
         out[dom] = {"routed": r, "route": route, "best": best_v, "best_choice": best_n, "ratio": ratio,
                     "verdict": verdict}
         lines.append(f"| {dom} | {_fmt(r)} ({route}) | " + " | ".join(_fmt(v) for v in single) +

@@ -37,6 +37,8 @@ def register(subparsers) -> None:
                    help="sampling temperature; several values run a sweep (one report per temperature + sweep.md)")
     p.add_argument("--adaptive", action="store_true",
                    help="also decode with adaptive k (chains up to --k) and compare it with fixed k")
+    p.add_argument("--compare", nargs="+", default=None, metavar="PROPOSER",
+                   help="more proposers decoded on the same prompts in the same run (side-by-side speedups)")
     p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the shared eval sets)")
     p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1; `auto` = the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)")
     p.add_argument("--no-hf-reference", action="store_true", help="skip timing HF generate")
@@ -60,6 +62,8 @@ def build_config(args):
         overrides.append(f"temperature={temps[0]}")
     elif temps:
         overrides.append("temperatures=[" + ", ".join(str(t) for t in temps) + "]")
+    if getattr(args, "compare", None):
+        overrides.append("compare=[" + ", ".join(f"'{c}'" for c in args.compare) + "]")
     if getattr(args, "adaptive", False):
         overrides.append("adaptive=true")
     if args.prompts:

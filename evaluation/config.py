@@ -31,6 +31,7 @@ class EvalConfig:
     policy_threshold: float = 1.0  # disable speculation where the speedup is below this
     adaptive: bool = False  # also decode every prompt with adaptive k (chains up to k) and compare with fixed k
     temperatures: list[float] | None = None  # a sweep: one evaluation per temperature (evaluation/sweep.py)
+    compare: list[str] = field(default_factory=list)  # more proposers decoded on the same prompts in the same run
     device: str = "auto"
     dtype: str = "auto"
 

@@ -168,11 +168,19 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         controller = AdaptiveK(cost.measure_verify_cost(target, cfg.cost_context, cfg.k, 3, cfg.seed)["v"], k_max=cfg.k)
     if routed:
         prop.route(domain=rows[0].domain, text=rows[0].text)
+    # side-by-side proposers: same prompts, same process, same rotation (each with its own tree, or chain k)
+    others = {}
+    for s in cfg.compare:
+        other = build_proposer(s, target)
+        own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
+        others[s] = (other, dict(tree=own, k=None) if own is not None else dict(k=cfg.k))
 
     # warm-up (not counted): every code path once
     warm = format_prompt(tok, rows[0].text)
     speculative_generate(target, None, [warm], min(8, cfg.max_new_tokens), k=0, seed=cfg.seed, **gen_kw)
     speculative_generate(target, prop, [warm], min(8, cfg.max_new_tokens), seed=cfg.seed, **spec_kw, **gen_kw)
+    for other, kw in others.values():
+        speculative_generate(target, other, [warm], min(8, cfg.max_new_tokens), seed=cfg.seed, **kw, **gen_kw)
     if cfg.hf_reference:
         _hf_generate(model, warm[:], dataclasses.replace(cfg, max_new_tokens=min(8, cfg.max_new_tokens)), eos, pad)
 
@@ -185,7 +193,8 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         route = prop.route(domain=row.domain, text=row.text) if routed else None
         if branches:
             prop.reset_stats()
-        order = ["base", "spec", "hf"] + (["adaptive"] if controller is not None else [])
+        order = ["base", "spec", "hf"] + (["adaptive"] if controller is not None else []) + \
+            [f"cmp:{s}" for s in others]
         for name in order[i % len(order):] + order[: i % len(order)]:
             if name == "base":
                 runs["base"] = speculative_generate(target, None, [ids], cfg.max_new_tokens, k=0, seed=seed, **gen_kw)
@@ -194,6 +203,9 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
                                                     **gen_kw)
                 if branches:
                     runs["branches"] = prop.branch_stats()
+            elif name.startswith("cmp:"):
+                other, kw = others[name[4:]]
+                runs[name] = speculative_generate(target, other, [ids], cfg.max_new_tokens, seed=seed, **kw, **gen_kw)
             elif name == "adaptive":
                 runs["adaptive"] = speculative_generate(target, prop, [ids], cfg.max_new_tokens, k=cfg.k, seed=seed,
                                                         adaptive=controller, **gen_kw)
@@ -208,6 +220,9 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
             rec["routed_as"] = route
         if branches:
             rec["branches"] = runs["branches"]
+        if others:
+            rec["compare"] = {s: (runs[f"cmp:{s}"].stats, (runs[f"cmp:{s}"].tokens[0] == base.tokens[0])
+                                  if cfg.temperature == 0 else None) for s in others}
         if "adaptive" in runs:
             ad = runs["adaptive"]
             rec["adaptive"] = ad.stats
@@ -249,6 +264,16 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
             out["routes"] = counts
         if branches:
             out["branches"] = _sum_branches([r["branches"] for r in recs])
+        if others:
+            out["compare"] = {}
+            for name in others:
+                c = GenerationStats()
+                for r in recs:
+                    c.merge(r["compare"][name][0])
+                cflags = [r["compare"][name][1] for r in recs]
+                summ = _summary(c, b, len(recs), None if any(f is None for f in cflags) else all(cflags), 0, 0, 0.0)
+                out["compare"][name] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup",
+                                                                   "lossless")}
         if controller is not None:
             a = GenerationStats()
             for r in recs:
@@ -328,7 +353,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
             "tree_max_nodes": spec.max_nodes,
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
-            "adaptive": cfg.adaptive,
+            "adaptive": cfg.adaptive, "compare": list(cfg.compare),
         },
         "domains": domains,
         "overall": overall,
@@ -337,7 +362,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         "policy": policy,
         "memory": memory_info(device),
         "references": references,
-        "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec", "adaptive", "adaptive_k")} | {
+        "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec", "adaptive", "adaptive_k", "compare")} | {
             "alpha": r["spec"].alpha, "tau": r["spec"].tau,
             "tokens_per_s": r["spec"].new_tokens / r["spec"].wall_time if r["spec"].wall_time else None,
             "baseline_tokens_per_s": r["base"].new_tokens / r["base"].wall_time if r["base"].wall_time else None,

@@ -56,6 +56,14 @@ def render_markdown(report: dict) -> str:
             for name, b in d.get("branches", {}).items():
                 lines.append(f"| {n} | {name} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
                              f"{b['wins']} ({_fmt(b['win_rate'])}) |")
+    if any("compare" in d for _, d in doms):
+        names = list(next(d["compare"] for _, d in doms if "compare" in d))
+        lines += ["", "## Side by side (same prompts, same run): speedup (α)", "",
+                  f"| domain | {report['proposer']} | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for n, d in doms:
+            cells = [f"{_fmt(c['speedup'])} ({_fmt(c['alpha'])}){'' if c['lossless'] is not False else ' NOT LOSSLESS'}"
+                     for c in (d.get("compare") or {}).values()]
+            lines.append(f"| {n} | {_fmt(d['speedup'])} ({_fmt(d['alpha'])}) | " + " | ".join(cells) + " |")
     if any("adaptive" in d for _, d in doms):
         lines += ["", f"## Fixed k = {s['k']} vs adaptive k (same prompts, same run)", "",
                   "| domain | fixed τ | fixed speedup | adaptive τ | adaptive speedup | mean k | plain steps | "

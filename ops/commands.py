@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     b.set_defaults(func=run_route_build)
     c = rs.add_parser("compare", help="the routed run against every single artifact, per domain")
     c.add_argument("--routed", required=True, help="report of `draftsmith evaluate --proposer route:POLICY`")
-    c.add_argument("--reports", nargs="+", required=True, help="the single-artifact reports")
+    c.add_argument("--reports", nargs="+", default=None,
+                   help="single-artifact reports from other runs (default: the routed run's own --compare runs)")
     c.add_argument("--out", default=None, help="write the table (markdown) here too")
     c.set_defaults(func=run_route_compare)
 
@@ -109,7 +110,7 @@ def run_route_compare(args) -> int:
         p = Path(p)
         return json.loads((p / "report.json" if p.is_dir() else p).read_text())
 
-    md, _ = compare_table(load(args.routed), [load(p) for p in args.reports])
+    md, _ = compare_table(load(args.routed), [load(p) for p in args.reports] if args.reports else None)
     print(md)
     if args.out:
         atomic_write_text(Path(args.out), md)

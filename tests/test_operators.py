@@ -221,11 +221,15 @@ def test_evaluate_with_a_route_policy_and_compare(tiny_target, tiny_tokenizer, t
     single = evaluate(tiny_target, "ngram", **kw, k=2)
     policy = build_policy([single | {"_path": "x"}], threshold=0.0)
     path = write_policy(policy, tmp_path / "policy.json")
-    routed = evaluate(tiny_target, f"route:{path}", **kw, tree_from_proposer=True)
+    routed = evaluate(tiny_target, f"route:{path}", **kw, tree_from_proposer=True, compare=["ngram", "none"])
     assert routed["overall"]["lossless"] is True
     assert {d["route"] for d in routed["domains"].values()} == {"ngram"}
-    md, verdict = compare_table(routed, [single])
-    assert set(verdict) == {"code", "math"} and "routed / best" in md
+    side = routed["domains"]["code"]["compare"]
+    assert set(side) == {"ngram", "none"} and side["none"]["alpha"] is None and side["ngram"]["lossless"] is True
+    md, verdict = compare_table(routed)  # against the side-by-side runs of the same evaluation
+    assert set(verdict) == {"code", "math"} and "routed / best" in md and " none " in md.splitlines()[0]
+    md2, _ = compare_table(routed, [single])  # or against separate reports
+    assert "ngram" in md2
     # a policy made for another target is refused
     other = dict(policy, target={"fingerprint": {**policy["target"]["fingerprint"], "tokenizer_hash": "x"}})
     write_policy(other, tmp_path / "other.json")
