@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -62,7 +63,9 @@ def run_plan(args) -> int:
         code = ("import json,sys; from draftsmith.ops.memory import measure_cpu; "
                 "print(json.dumps(measure_cpu(*json.loads(sys.argv[1]))))")
         argv = json.dumps([args.target, args.artifact, args.batch, args.context, args.k])
-        out = subprocess.run([sys.executable, "-c", code, argv], capture_output=True, text=True, check=False)
+        # a fixed mmap threshold makes glibc return freed large blocks at once, so RSS tracks live tensors
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+        out = subprocess.run([sys.executable, "-c", code, argv], capture_output=True, text=True, check=False, env=env)
         if out.returncode != 0:
             raise RuntimeError(f"measurement failed: {out.stderr.strip().splitlines()[-1] if out.stderr else '?'}")
         measured = json.loads(out.stdout.strip().splitlines()[-1])

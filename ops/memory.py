@@ -247,6 +247,9 @@ def measure_cpu(target_spec: str, artifact_path: str | None, batch: int, context
 
         draft = AutoModelForCausalLM.from_pretrained(artifact_path, dtype=torch.float32).eval()
         weights += sum(p.numel() * p.element_size() for p in draft.parameters())
+    with torch.no_grad():  # warm-up: lazy kernels, thread pools and allocator state are not the plan's business
+        for m in [model] + ([draft] if draft is not None else []):
+            m(input_ids=torch.zeros(1, 4, dtype=torch.long), logits_to_keep=1)
     before = rss()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (batch, context), generator=g)
