@@ -29,6 +29,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -74,15 +75,18 @@ def _shard_meta(path: Path) -> dict:
 
 
 class ShardWriter:
-    """Append rows, flush a shard every `shard_tokens` tokens, write index.json on close. Resumable."""
+    """Append rows, flush a shard every `shard_tokens` tokens or `flush_seconds` seconds (whichever comes
+    first, so a killed capture loses at most that much work), write index.json on close. Resumable."""
 
     def __init__(self, out_dir: str | Path, layers: list[int], topk: int, hidden_dtype: torch.dtype = torch.bfloat16,
-                 shard_tokens: int = 1 << 18, fingerprint: dict | None = None) -> None:
+                 shard_tokens: int = 1 << 18, fingerprint: dict | None = None, flush_seconds: float = 60.0) -> None:
         self.out_dir = Path(out_dir)
         self.layers = [int(i) for i in layers]
         self.topk = int(topk)
         self.hidden_dtype = hidden_dtype
         self.shard_tokens = int(shard_tokens)
+        self.flush_seconds = float(flush_seconds)
+        self._buf_since: float | None = None
         self.fingerprint = fingerprint
         self.hidden_size: int | None = None
         self.has_last_hidden: bool | None = None
@@ -154,7 +158,9 @@ class ShardWriter:
                     raise DataError(f"row {row_id}: hidden size {t.shape[1]}, cache has {self.hidden_size}")
         self._buf.append((int(row_id), tensors))
         self._buf_tokens += T
-        if self._buf_tokens >= self.shard_tokens:
+        if self._buf_since is None:
+            self._buf_since = time.monotonic()
+        if self._buf_tokens >= self.shard_tokens or time.monotonic() - self._buf_since >= self.flush_seconds:
             self.flush()
         return True
 
@@ -182,7 +188,7 @@ class ShardWriter:
         for row_id, o, n in rows:
             self.rows[row_id] = (idx, o, n)
         self._next_shard = idx + 1
-        self._buf, self._buf_tokens = [], 0
+        self._buf, self._buf_tokens, self._buf_since = [], 0, None
 
     def close(self) -> Path:
         """Flush and write index.json. Returns its path."""

@@ -142,3 +142,14 @@ def test_training_offline_matches_online(tiny_target, tmp_path):
         diff = (offline.module.state_dict()[k] - v).abs()
         assert diff.max() < 1e-2 and (diff > 2e-3).float().mean() < 1e-3, k
     assert offline.metrics["eval/loss"] == pytest.approx(online.metrics["eval/loss"], abs=1e-3)
+
+
+def test_time_based_flush_bounds_what_a_kill_loses(tmp_path):
+    """A top-k-only cache fits in one token-sized shard; the time bound still writes shards as it goes, so a
+    writer that dies unclosed (SIGKILL: no __exit__) leaves its flushed rows for the next run."""
+    w = ShardWriter(tmp_path, layers=[], topk=2, shard_tokens=1 << 30, flush_seconds=0.0)
+    for rid in range(3):
+        w.add(rid, {}, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int32))
+    del w  # never closed
+    again = ShardWriter(tmp_path, layers=[], topk=2)
+    assert all(rid in again for rid in range(3))
