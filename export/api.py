@@ -42,6 +42,10 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
     else:
         manifest, cfg, state, names = eagle.read_eagle_artifact(artifact_dir, target)
         sub, tree = f"eagle{cfg['version']}", None
+        if cfg["layer_model_type"] != "llama":
+            raise ConfigError(f"{artifact_dir}: this EAGLE head's decoder layer is a {cfg['layer_model_type']} layer; "
+                              "the EAGLE drafters of vLLM, SGLang, TensorRT-LLM and speculators are Llama layers: "
+                              "retrain it with draft_layer: llama")
     formats = module.FORMATS if stack != "hf" else module._head_formats()
     if sub not in formats:
         reason = getattr(module, "UNSUPPORTED", {}).get(sub, f"{stack} does not take {sub} heads")

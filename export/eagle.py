@@ -92,6 +92,7 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
     tcfg = target.text_config.to_dict() if target is not None else {}
     src = {**tcfg, **(acfg.get("layer_config") or {}), **{k: v for k, v in acfg.items() if v is not None}}
     cfg = {k: src[k] for k in LAYER_FIELDS if src.get(k) is not None}
+    cfg["layer_model_type"] = (acfg.get("layer_config") or {}).get("model_type") or acfg.get("model_type") or "llama"
     H = state["fc.weight"].shape[0]
     cfg["hidden_size"] = H
     cfg.setdefault("head_dim", H // cfg["num_attention_heads"])

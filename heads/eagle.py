@@ -117,11 +117,34 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def layer_config_dict(target_config) -> dict:
-    """The target's text config as a plain dict (what config.json stores to rebuild the decoder layer)."""
-    d = _text_config(target_config).to_dict()
+def layer_config_dict(target_config, draft_layer: str = "target") -> dict:
+    """The decoder layer's HF config as a plain dict (what config.json stores to rebuild it).
+
+    draft_layer "target": the target's own architecture. "llama": a Llama decoder layer with the target's
+    shapes (hidden, heads, kv heads, head_dim, MLP width, norm eps, full-attention RoPE base) — the layer
+    the serving stacks' EAGLE drafters are built from (vLLM `llama_eagle3`, SGLang `LlamaForCausalLMEagle3`,
+    speculators), which is how SpecForge / speculators train heads for non-Llama targets too.
+    """
+    tc = _text_config(target_config)
+    d = tc.to_dict()
     d.pop("quantization_config", None)
-    return d
+    if draft_layer == "target" or d.get("model_type") == "llama":
+        return d
+    if draft_layer != "llama":
+        raise ConfigError(f"draft_layer must be 'target' or 'llama', got {draft_layer!r}")
+    rope = d.get("rope_theta")
+    params = d.get("rope_parameters") or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # Gemma 3: per layer type
+        rope = params["full_attention"].get("rope_theta", rope)
+    elif isinstance(params, dict) and params.get("rope_theta") is not None:
+        rope = params["rope_theta"]
+    heads = d["num_attention_heads"]
+    return {"model_type": "llama", "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],
+            "num_attention_heads": heads, "num_key_value_heads": d.get("num_key_value_heads") or heads,
+            "head_dim": d.get("head_dim") or d["hidden_size"] // heads, "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
+            "rope_theta": float(rope or 10000.0), "max_position_embeddings": d.get("max_position_embeddings", 8192),
+            "vocab_size": d["vocab_size"], "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "num_hidden_layers": 1, "tie_word_embeddings": False}
 
 
 def _hf_layer_config(layer_config: dict):
@@ -255,11 +278,13 @@ class EagleHead(nn.Module):
     @classmethod
     def from_target(cls, target_model, version: str | int = "eagle3", target_layers: list[int] | None = None,
                     draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None, ttt_steps: int | None = None,
-                    ttt_tokens: str = "target", norm_before_residual: bool = False) -> EagleHead:
+                    ttt_tokens: str = "target", norm_before_residual: bool = False,
+                    draft_layer: str = "target") -> EagleHead:
         """A fresh head shaped for `target_model` (an HF causal LM), target modules attached.
 
         EAGLE-3 needs `draft_vocab = (d2t, t2d)` (see `build_draft_vocab`); its lm_head and final norm start
         as copies of the target's rows / norm, so the draft starts out reading features like the target does.
+        `draft_layer`: "target" (the target's decoder layer class) or "llama" (see `layer_config_dict`).
         """
         from draftsmith.targets.capture import decoder_layers, default_eagle3_layers, resolve_layers
 
@@ -276,7 +301,8 @@ class EagleHead(nn.Module):
             version=version, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target_layers=layers,
             draft_vocab_size=int(d2t.numel()) if (version == 3 and d2t is not None) else None,
             ttt_steps=ttt_steps or (7 if version == 3 else 1), ttt_tokens=ttt_tokens,
-            norm_before_residual=norm_before_residual, layer_config=layer_config_dict(target_model.config),
+            norm_before_residual=norm_before_residual,
+            layer_config=layer_config_dict(target_model.config, draft_layer),
         )
         head = cls(config)
         if version == 3:

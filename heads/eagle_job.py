@@ -62,6 +62,10 @@ class EagleJobConfig:
     ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (heads/eagle.py)
     step_decay: float = 0.8  # step j weighs step_decay**j
     norm_before_residual: bool = False
+    # the draft's decoder layer: "target" = the target's own architecture; "llama" = a Llama layer with the
+    # target's shapes, what vLLM / SGLang / TensorRT-LLM / speculators EAGLE drafters load (needed to export a
+    # head of a non-Llama target such as Gemma 3)
+    draft_layer: Literal["target", "llama"] = "target"
     draft_vocab_size: int = 8192  # EAGLE-3 only (see module docstring)
     w_cls: float = 0.1  # EAGLE-1: weight of the token loss next to the feature regression
     max_length: int = 512
@@ -133,7 +137,8 @@ class EagleJob:
         return EagleHead.from_target(
             self.target.model, self.cfg.version, self.layers,
             draft_vocab=(self.d2t, self.t2d) if self.eagle3 else None, ttt_steps=self.cfg.ttt_steps,
-            ttt_tokens=self.cfg.ttt_tokens, norm_before_residual=self.cfg.norm_before_residual)
+            ttt_tokens=self.cfg.ttt_tokens, norm_before_residual=self.cfg.norm_before_residual,
+            draft_layer=self.cfg.draft_layer)
 
     def setup(self, accelerator) -> None:
         from draftsmith.training.frozen import place_frozen

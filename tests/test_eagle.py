@@ -132,13 +132,16 @@ def gemma3_target(tokenizer):
 
 @pytest.mark.parametrize("arch,version,ttt_tokens", [
     ("llama", "eagle3", "target"), ("llama", "eagle3", "draft"), ("llama", "eagle1", "target"),
-    ("gemma3", "eagle3", "target"),
+    ("gemma3", "eagle3", "target"), ("gemma3+llama-layer", "eagle3", "target"),
 ])
 def test_ttt_forward_equals_step_by_step_reference(target4, tiny_tokenizer, arch, version, ttt_tokens):
     target = target4 if arch == "llama" else gemma3_target(tiny_tokenizer)
     torch.manual_seed(1)
     head = EagleHead.from_target(target.model, version, [0, 2, 3] if version == "eagle3" else None,
-                                 draft_vocab=vocab_for(target), ttt_steps=4, ttt_tokens=ttt_tokens).eval()
+                                 draft_vocab=vocab_for(target), ttt_steps=4, ttt_tokens=ttt_tokens,
+                                 draft_layer="llama" if arch.endswith("llama-layer") else "target").eval()
+    want = "LlamaDecoderLayer" if arch.startswith("llama") or arch.endswith("llama-layer") else "Gemma3DecoderLayer"
+    assert type(head.layer).__name__ == want
     ids = torch.randint(3, target.vocab_size, (2, 7))
     F = 3 * 64 if version == "eagle3" else 64
     feats = torch.randn(2, 7, F)
@@ -186,6 +189,18 @@ def test_eagle3_loss_soft_targets_and_accuracy():
     assert float(loss.detach()) == pytest.approx(float(-(p * torch.log_softmax(teacher[0], -1)).sum(-1).mean()), rel=1e-5)
     loss.backward()
     assert logits[0].grad.abs().max() < 1e-6  # the minimum of the soft CE is the teacher itself
+
+
+def test_llama_draft_layer_for_gemma_has_the_targets_shapes(tiny_tokenizer):
+    from draftsmith.heads.eagle import layer_config_dict
+
+    target = gemma3_target(tiny_tokenizer)
+    d = layer_config_dict(target.model.config, "llama")
+    assert d["model_type"] == "llama" and d["hidden_act"] == "silu"
+    assert (d["hidden_size"], d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"]) == (64, 4, 2, 16)
+    assert layer_config_dict(target.model.config)["model_type"] == "gemma3_text"
+    with pytest.raises(ConfigError, match="draft_layer"):
+        layer_config_dict(target.model.config, "mamba")
 
 
 def test_unsupported_architecture_is_a_clear_error(tiny_tokenizer):

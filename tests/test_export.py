@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import artifact
+from draftsmith.errors import ConfigError
 from draftsmith.export.api import export_artifact, import_export
 from draftsmith.export.verify import VerificationError, read_header, verify_export
 
@@ -216,6 +217,17 @@ def test_eagle3_speculators_layout_and_layer_ids(deep_target, tmp_path):
     assert ds == [0, 1, 3]  # [0, 1, -1] resolved on the 4-layer target
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # vLLM id = draftsmith id + 1
     assert '"method": "eagle3"' in (res.out / "serve.md").read_text()
+
+
+def test_eagle_head_with_a_non_llama_layer_is_refused(deep_target, tmp_path):
+    """The stacks' EAGLE drafters are Llama layers: a head trained with a Gemma 3 layer cannot be served."""
+    art = make_eagle_artifact(deep_target, tmp_path / "e")
+    cfg = json.loads((art / "config.json").read_text())
+    cfg["layer_config"] = {"model_type": "gemma3_text"}
+    (art / "config.json").write_text(json.dumps(cfg))
+    for stack in ("vllm", "sglang", "trtllm", "hf"):
+        with pytest.raises(ConfigError, match="draft_layer: llama"):
+            export_artifact(art, stack, tmp_path / stack, deep_target)
 
 
 @pytest.mark.parametrize("stack", ["sglang", "trtllm"])
