@@ -291,3 +291,18 @@ def test_init_only_saves_and_evaluates_the_untrained_draft(tiny_target, rows, tm
         assert torch.equal(p, saved.state_dict()[name]), name
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["metrics"] == {"steps": 0} and manifest["eval"]["overall"]["lossless"] is True
+
+
+def test_warm_start_from_a_tied_draft(tiny_target, rows, tmp_path):
+    """A draft with a tied lm_head is saved without lm_head.weight; warm-starting from it (what retraining
+    does) loads the head through the embedding it shares."""
+    from transformers import AutoModelForCausalLM
+
+    first = run_distill(tiny_cfg(tmp_path / "a"), tiny_target, rows)["artifact"]
+    saved = AutoModelForCausalLM.from_pretrained(first)
+    assert saved.config.tie_word_embeddings
+    cfg = tiny_cfg(tmp_path / "b", f"train.warm_start={first}", "train.max_steps=1", "train.lr=1e-12",
+                   "train.schedule=constant")
+    second = AutoModelForCausalLM.from_pretrained(run_distill(cfg, tiny_target, rows)["artifact"])
+    for name, p in saved.state_dict().items():
+        torch.testing.assert_close(second.state_dict()[name], p, atol=1e-6, rtol=0, msg=name)

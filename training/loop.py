@@ -230,6 +230,10 @@ class Trainer:
             self.job.load_weights(module, weights)
             return
         missing, unexpected = module.load_state_dict(weights, strict=False)
+        # a tied weight (an LM head sharing the embedding) is saved once: it is loaded through its twin
+        state = module.state_dict()
+        loaded_ptrs = {state[k].data_ptr() for k in weights if k in state}
+        missing = [k for k in missing if state[k].data_ptr() not in loaded_ptrs]
         if missing or unexpected:
             raise TrainingError(f"train.warm_start {self.cfg.warm_start}: weights do not fit the module "
                                 f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
