@@ -141,6 +141,11 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
 
         target = load_target(target, device=cfg.device, dtype=cfg.dtype)
     prop = proposer if isinstance(proposer, Proposer) else build_proposer(cfg.proposer, target)
+    original_target = None
+    if getattr(prop, "verifier_target", None) is not None:
+        # Medusa-2: lossless with respect to the target with the artifact's adapter merged (heads/medusa2.py);
+        # plain decoding, HF generate and the cost model all use that target too
+        original_target, target = target, prop.verifier_target
     model, tok = target.model, target.tokenizer
     device = target.device
     eos = list(target.eos_token_ids)
@@ -346,7 +351,8 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         "command": command or " ".join(sys.argv),
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "machine": machine_info(device),
-        "target": {"name": target.name, "spec": target.spec, "fingerprint": target.fingerprint()},
+        "target": {"name": target.name, "spec": target.spec, "fingerprint": (original_target or target).fingerprint(),
+                   **({"adapted": "the artifact's LoRA adapter merged (Medusa-2)"} if original_target else {})},
         "proposer": cfg.proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__),
         "settings": {
             "max_new_tokens": cfg.max_new_tokens, "k": None if cfg.tree else cfg.k, "tree": cfg.tree,

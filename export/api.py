@@ -57,6 +57,16 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
     target_arch = list(getattr(target.config, "architectures", None) or []) if target is not None else []
     with atomic_dir(out, overwrite=True) as tmp:
         if sub == "medusa":
+            from draftsmith.heads.medusa2 import adapted_target, has_adapter
+
+            if has_adapter(artifact_dir):  # Medusa-2: the heads belong to the adapted target; ship it merged
+                if target is None:
+                    raise ConfigError(f"{artifact_dir} is a Medusa-2 artifact: give the target, whose adapted "
+                                      "(merged) copy is exported next to the heads")
+                merged = adapted_target(target, artifact_dir)
+                merged.model.save_pretrained(tmp / "adapted_target", safe_serialization=True)
+                target.tokenizer.save_pretrained(tmp / "adapted_target")
+                target_ref = str(out / "adapted_target")
             medusa.write_layout(tmp, fmt, cfg, state, target_ref)
         else:
             eagle.write_layout(tmp, fmt, cfg, state, target_ref, target_arch, num_speculative_tokens)

@@ -271,4 +271,9 @@ def build_proposer(target, path: str, **opts):
     from draftsmith.heads.medusa_proposer import MedusaProposer
 
     heads, tree, _ = load_medusa(path, target)
-    return MedusaProposer(heads, tree if opts.get("tree", True) else None)
+    prop = MedusaProposer(heads, tree if opts.get("tree", True) else None)
+    from draftsmith.heads.medusa2 import adapted_target, has_adapter
+
+    if has_adapter(path):  # Medusa-2: the heads read, and the verifier must be, the adapted target
+        prop.verifier_target = adapted_target(target, path)
+    return prop

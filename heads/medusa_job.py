@@ -1,7 +1,8 @@
-"""Training Medusa heads on a frozen target (Medusa-1) through the one training loop.
+"""Training Medusa heads through the one training loop: on a frozen target (Medusa-1) or jointly with a
+LoRA adapter on the target (Medusa-2, `medusa2.enabled`, see heads/medusa2.py).
 
-The job differs from its siblings only by its module (MedusaHeads), its batches (self-distilled rows)
-and its loss (`heads.medusa.medusa_loss`). After training, the heads are calibrated on held-out rows:
+The job differs from its siblings only by its module (MedusaHeads, or heads + adapted target), its
+batches (self-distilled rows) and its loss (`heads.medusa.medusa_loss`, plus Medusa-2's KL term). After training, the heads are calibrated on held-out rows:
 per-head rank accuracies give the sparse candidate tree saved with the artifact.
 """
 
@@ -28,6 +29,7 @@ from draftsmith.heads.medusa import (
     medusa_loss,
     rank_accuracies,
 )
+from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
 from draftsmith.storage import atomic_write_json, read_json
 from draftsmith.training.config import TrainConfig
 
@@ -52,6 +54,7 @@ class MedusaJobConfig:
     tree_budget: int = 48  # nodes of the sparse candidate tree
     tree_max_rank: int = 8  # candidates per head considered by the tree builder
     capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
+    medusa2: Medusa2Config = field(default_factory=Medusa2Config)  # joint LoRA training of the target
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
 
@@ -66,6 +69,11 @@ class MedusaJobConfig:
             raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
         if self.tree_budget < 1 or self.tree_max_rank < 1 or self.max_length < 8:
             raise ValueError("tree_budget, tree_max_rank must be >= 1 and max_length >= 8")
+        if isinstance(self.medusa2, dict):
+            self.medusa2 = Medusa2Config(**self.medusa2)
+        if self.medusa2.enabled and self.capture_cache:
+            raise ValueError("medusa2 trains the target's adapter: its features change every step, so no "
+                             "capture_cache (offline features) can be used")
 
 
 def split_rows(dataset, eval_fraction: float, seed: int):
@@ -112,12 +120,21 @@ class MedusaJob:
                                       cache_dir=cfg.capture_cache)
 
     # --- the job protocol -------------------------------------------------------------------------
-    def build_module(self) -> MedusaHeads:
-        return MedusaHeads.from_target(self.target.config, self.cfg.num_heads, self.cfg.num_layers,
-                                       self.cfg.share_lm_head, lm_head=self.target.model.lm_head)
+    @property
+    def medusa2(self) -> bool:
+        return self.cfg.medusa2.enabled
+
+    def build_module(self):
+        heads = MedusaHeads.from_target(self.target.config, self.cfg.num_heads, self.cfg.num_layers,
+                                        self.cfg.share_lm_head, lm_head=self.target.model.lm_head)
+        if not self.medusa2:
+            return heads
+        from draftsmith.heads.medusa2 import Medusa2Module
+
+        return Medusa2Module(heads, self.target.model, self.cfg.medusa2)
 
     def setup(self, accelerator) -> None:
-        self.features.place(accelerator)
+        self.features.place(accelerator)  # Medusa-2: the frozen original target, the teacher of the KL term
 
     def train_rows(self):
         return self.train_set
@@ -128,29 +145,61 @@ class MedusaJob:
     def collate(self, rows):
         return pad_batch(rows, self.pad_id, self.cfg.max_length)
 
-    def target_outputs(self, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Post-norm last hidden state [B, T, H] (and top-k logits when KD is on), online or from the cache."""
+    def target_outputs(self, batch, module=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Post-norm last hidden state [B, T, H] (and top-k logits when KD is on), online or from the cache;
+        for Medusa-2 the ADAPTED target's (no grad: calibration)."""
+        if self.medusa2 and module is not None:
+            with torch.no_grad():
+                hidden, _ = _unwrap(module).hidden_and_logits(batch, None)
+            feats = self.features(batch) if self.cfg.kd_weight > 0 else {}
+            teacher = (feats["topk_values"], feats["topk_indices"]) if self.cfg.kd_weight > 0 else None
+            return hidden, teacher
         feats = self.features(batch)
         teacher = (feats["topk_values"], feats["topk_indices"]) if self.cfg.kd_weight > 0 else None
         return feats["last_hidden"], teacher
 
     def loss(self, module, batch):
-        hidden, teacher = self.target_outputs(batch)
-        dtype = next(module.parameters()).dtype
         ids, mask = batch["input_ids"], batch["loss_mask"]
         sels = [head_positions(mask, i) for i in range(self.cfg.num_heads)]
-        # each head sees only the positions whose label is an assistant token
-        logits = module([hidden[sel].to(dtype) for sel in sels])
+        base_kl = None
+        if self.medusa2:
+            from draftsmith.heads.medusa2 import base_kl as kl_fn
+
+            select = torch.zeros_like(mask, dtype=torch.bool)
+            select[:, :-1] = mask[:, 1:].bool()  # positions whose next token is learned
+            adapted, logits = module(batch, select, sels)  # heads read the ADAPTED target (grad flows into LoRA)
+            feats = self.features(batch)  # the frozen original target
+            with torch.no_grad():
+                original = self.target.model.get_output_embeddings()(feats["last_hidden"][select])
+            base_kl = kl_fn(adapted, original)
+            teacher = (feats["topk_values"], feats["topk_indices"]) if self.cfg.kd_weight > 0 else None
+        else:
+            hidden, teacher = self.target_outputs(batch)
+            dtype = next(module.parameters()).dtype
+            # each head sees only the positions whose label is an assistant token
+            logits = module([hidden[sel].to(dtype) for sel in sels])
         labels = [head_labels(ids, sel, i) for i, sel in enumerate(sels)]
         t = None
         if teacher is not None:  # the target at t+1+i is the teacher of head i at t
             t = [tuple(torch.roll(x, shifts=-(i + 1), dims=1)[sel] for x in teacher) for i, sel in enumerate(sels)]
-        return medusa_loss(logits, labels, self.weights, t, self.cfg.kd_weight)
+        loss, metrics = medusa_loss(logits, labels, self.weights, t, self.cfg.kd_weight)
+        if base_kl is not None:
+            loss = loss + self.cfg.medusa2.base_weight * base_kl
+            metrics["base/kl"] = float(base_kl.detach())
+        return loss, metrics
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
         acc = self.calibrate(module)
         tree = build_tree(acc, self.cfg.tree_budget)
-        config = {**asdict(module.config), "target_layer": "last_hidden (post-norm)"}
+        heads = module.heads if self.medusa2 else module
+        config = {**asdict(heads.config), "target_layer": "last_hidden (post-norm)"}
+        adapter = None
+        if self.medusa2:
+            from draftsmith.heads.medusa2 import adapter_state
+
+            adapter = adapter_state(module)
+            config["medusa2"] = {"adapter": ADAPTER_WEIGHTS, "base_weight": self.cfg.medusa2.base_weight,
+                                 "note": "verify with the adapted target (the adapter merged into the target)"}
         manifest = artifact.make_manifest(
             "medusa", self.target.fingerprint(), to_dict(self.cfg),
             data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set)},
@@ -159,9 +208,14 @@ class MedusaJob:
 
         def write_tree(tmp: Path) -> None:
             atomic_write_json(tmp / "tree.json", tree.to_json())
+            if adapter is not None:
+                from safetensors.torch import save_file
+
+                save_file(adapter[0], str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+                atomic_write_json(tmp / ADAPTER_CONFIG, adapter[1])
 
         # the artifact goes where the config says (the loop's default is <train.output_dir>/artifact)
-        return artifact.save_artifact(self.cfg.output or out_dir, manifest, module.state_dict(), config,
+        return artifact.save_artifact(self.cfg.output or out_dir, manifest, heads.state_dict(), config,
                                       writer=write_tree)
 
     # --- calibration ------------------------------------------------------------------------------
@@ -180,10 +234,12 @@ class MedusaJob:
     def _rank_accuracies(self, module, rows) -> list[list[float]] | None:
         R, K = self.cfg.tree_max_rank, self.cfg.num_heads
         hits = [[] for _ in range(K)]
+        full = module
+        module = module.heads if self.medusa2 else module
         device = next(module.parameters()).device
         for start in range(0, len(rows), 8):
             batch = {k: v.to(device) for k, v in self.collate(rows[start : start + 8]).items()}
-            hidden, _ = self.target_outputs(batch)
+            hidden, _ = self.target_outputs(batch, full if self.medusa2 else None)
             T = batch["input_ids"].shape[1]
             for i in range(K):
                 shift = i + 2
@@ -198,6 +254,11 @@ class MedusaJob:
         if n == 0:
             return None
         return rank_accuracies(torch.stack([h[:n] for h in stacked]))
+
+
+def _unwrap(module):
+    """The job's module under a DDP / accelerate wrapper."""
+    return getattr(module, "module", module)
 
 
 def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree | None, dict]:

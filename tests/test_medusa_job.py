@@ -92,3 +92,77 @@ def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_ta
     assert all(row["lossless"] for row in report["domains"].values())
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["eval"]["report"] == "eval/report.json" and (art / "eval" / "report.md").is_file()
+
+
+# --- Medusa-2: heads + a LoRA adapter on the target -------------------------------------------------------
+
+def test_medusa2_trains_adapter_and_heads_and_decodes_losslessly_with_the_adapted_target(tiny_target, tmp_path):
+    from peft import PeftModel
+
+    from draftsmith.heads.medusa2 import Medusa2Config
+    from draftsmith.training import TrainConfig, train
+
+    rows = self_distilled_rows(tiny_target)
+    before = {k: v.clone() for k, v in tiny_target.model.state_dict().items()}
+    cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "artifact"), num_heads=2,
+                          num_layers=1, eval_fraction=0.125, calibration_rows=8, tree_budget=6, tree_max_rank=3,
+                          medusa2=Medusa2Config(enabled=True, r=4, alpha=8, base_weight=1.0),
+                          train=TrainConfig(lr=3e-3, max_steps=12, batch_size=4, warmup_steps=0,
+                                            output_dir=str(tmp_path / "run"), log_every=1, progress=False))
+    cfg.evaluate.enabled = False
+    job = MedusaJob(cfg, tiny_target, rows)
+    module = job.build_module()
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("heads.") or "lora_" in n for n in trainable)
+    # at step 0 the adapter is the identity (LoRA B = 0): the KL to the original target is zero
+    _, m0 = job.loss(module, job.collate(list(job.train_rows())[:4]))
+    assert m0["base/kl"] == pytest.approx(0.0, abs=1e-6)
+
+    result = train(job, cfg.train)
+    path = result.artifact
+    train_log = [r for r in result.history if r["type"] == "train"]
+    assert train_log[-1]["base/kl"] > 0.0  # the adapter moved the target, and the KL term measured it
+    for k, v in tiny_target.model.state_dict().items():  # the shared original target is untouched
+        assert torch.equal(v, before[k]), k
+    assert (path / "adapter_model.safetensors").is_file() and (path / "adapter_config.json").is_file()
+    # peft itself loads the adapter (a real consumer of the layout)
+    import copy
+
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(tiny_target.model), str(path))
+    assert any("lora_A" in n for n, _ in peft_model.named_parameters())
+
+    proposer = build_proposer(f"medusa:{path}", tiny_target)
+    adapted = proposer.verifier_target
+    assert adapted is not None
+    prompts = torch.randint(3, tiny_target.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    ref = adapted.model.generate(prompts, max_new_tokens=16, do_sample=False, pad_token_id=0)[:, 5:]
+    out = speculative_generate(adapted, proposer, prompts, max_new_tokens=16, eos_ids=[], k=None,
+                               tree=proposer.default_tree_spec())
+    assert out.tokens == ref.tolist()  # lossless with respect to the adapted target
+    merged_diff = sum(float((adapted.model.state_dict()[k] - v).abs().sum()) for k, v in before.items()
+                      if k in adapted.model.state_dict())
+    assert merged_diff > 0  # the adapter really is merged into the verifier
+
+
+def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
+    """A Medusa-2 export carries the merged target next to the heads, and serve.md points at it."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.export.api import export_artifact
+    from draftsmith.heads.medusa2 import Medusa2Config
+    from draftsmith.training import TrainConfig, train
+
+    rows = self_distilled_rows(tiny_target, n=12)
+    cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "artifact"), num_heads=2,
+                          num_layers=1, eval_fraction=0.2, calibration_rows=4, tree_budget=4, tree_max_rank=2,
+                          medusa2=Medusa2Config(enabled=True, r=2, alpha=4),
+                          train=TrainConfig(lr=1e-2, max_steps=3, batch_size=4, warmup_steps=0,
+                                            output_dir=str(tmp_path / "run"), progress=False))
+    cfg.evaluate.enabled = False
+    path = train(MedusaJob(cfg, tiny_target, rows), cfg.train).artifact
+    res = export_artifact(path, "vllm", tmp_path / "export", tiny_target)
+    merged = AutoModelForCausalLM.from_pretrained(res.out / "adapted_target")
+    want = build_proposer(f"medusa:{path}", tiny_target).verifier_target.model.state_dict()
+    for k, v in merged.state_dict().items():
+        torch.testing.assert_close(v, want[k], msg=k)
+    assert str(res.out / "adapted_target") in (res.out / "serve.md").read_text()

@@ -1,0 +1,129 @@
+"""Medusa-2: the heads trained jointly with a LoRA adapter on the target (Cai et al. 2024, §2.2.2).
+
+Medusa-1 freezes the target, so the heads can only read what the last hidden state already carries.
+Medusa-2 also trains low-rank adapters on the target's projections, with a combined loss that keeps the
+target's own next-token distribution:
+
+    L = L_medusa(heads on the ADAPTED target's last hidden state) + λ · KL(p_original ‖ p_adapted)
+
+over the learned positions, where p_original is the frozen target's distribution (the adapted model is
+distilled towards the model it started as, the paper's self-distillation form of its "combined loss"),
+λ = `base_weight`. The adapted target is a different model: speculative decoding with these heads is
+lossless with respect to the ADAPTED target (the merged target ships with the artifact's export, and the
+evaluator verifies with it), and the KL term is what keeps that target close to the original.
+
+Artifact: model.safetensors holds the heads (as for Medusa-1), `adapter_model.safetensors` +
+`adapter_config.json` the LoRA adapter (peft layout, loadable with `PeftModel.from_pretrained`), and
+config.json `"medusa2": {...}`. `adapted_target(target, path)` merges the adapter into a copy of the target.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.errors import ArtifactError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+DEFAULT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class Medusa2Config:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_MODULES))
+    base_weight: float = 1.0  # λ: weight of KL(original target ‖ adapted target) next to the heads' loss
+
+    def __post_init__(self):
+        if self.r < 1 or self.alpha < 1 or not 0 <= self.dropout < 1:
+            raise ValueError("medusa2: r and alpha must be >= 1 and dropout in [0, 1)")
+        if self.base_weight < 0:
+            raise ValueError("medusa2.base_weight must be >= 0")
+
+
+def lora_config(cfg: Medusa2Config):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
+                      bias="none", task_type="CAUSAL_LM")
+
+
+class Medusa2Module(nn.Module):
+    """What the training loop optimises: the heads and a LoRA-wrapped COPY of the target (the shared target
+    object stays the frozen original, the teacher of the KL term)."""
+
+    def __init__(self, heads: nn.Module, target_model: nn.Module, cfg: Medusa2Config):
+        super().__init__()
+        from peft import get_peft_model
+
+        self.heads = heads
+        backbone = copy.deepcopy(target_model)
+        backbone.requires_grad_(False)
+        self.backbone = get_peft_model(backbone, lora_config(cfg))  # only the adapters train
+
+    def forward(self, batch: dict[str, torch.Tensor], select: torch.Tensor, sels: list[torch.Tensor]):
+        """One forward for the loss (through __call__, so a DDP wrapper sees it): the adapted target's logits at
+        `select` [N, V] and head i's logits at its positions `sels[i]`."""
+        hidden, logits = self.hidden_and_logits(batch, select)
+        dtype = next(self.heads.parameters()).dtype
+        return logits, self.heads([hidden[sel].to(dtype) for sel in sels])
+
+    def hidden_and_logits(self, batch: dict[str, torch.Tensor], select: torch.Tensor | None):
+        """Post-norm last hidden state [B, T, H] of the adapted target, and its logits at `select` [N, V]."""
+        out = self.backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            output_hidden_states=True, logits_to_keep=1)
+        hidden = out.hidden_states[-1]
+        logits = self.backbone.get_output_embeddings()(hidden[select]) if select is not None else None
+        return hidden, logits
+
+
+def base_kl(adapted_logits: torch.Tensor, original_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_original ‖ p_adapted), mean over positions (full vocabulary)."""
+    log_p = F.log_softmax(original_logits.float(), -1)
+    log_q = F.log_softmax(adapted_logits.float(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+def adapter_state(module: Medusa2Module) -> tuple[dict[str, torch.Tensor], dict]:
+    from peft import get_peft_model_state_dict
+
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(module.backbone).items()}
+    cfg = module.backbone.peft_config["default"].to_dict()
+    cfg["target_modules"] = sorted(cfg["target_modules"]) if cfg.get("target_modules") else None
+    return state, json.loads(json.dumps(cfg, default=str))
+
+
+def has_adapter(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_WEIGHTS).is_file()
+
+
+def adapted_target(target, path: str | Path):
+    """A new Target: a copy of `target`'s model with the artifact's LoRA adapter merged in."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from draftsmith.targets import Target, freeze
+
+    path = Path(path)
+    if not has_adapter(path):
+        raise ArtifactError(f"{path}: no {ADAPTER_WEIGHTS} (not a Medusa-2 artifact)")
+    raw = json.loads((path / ADAPTER_CONFIG).read_text())
+    fields = {k: raw[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules", "bias") if k in raw}
+    model = copy.deepcopy(target.model)
+    peft = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **fields))
+    result = set_peft_model_state_dict(peft, load_file(str(path / ADAPTER_WEIGHTS)))
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if missing:
+        raise ArtifactError(f"{path}: the adapter misses {missing[:3]}")
+    merged = peft.merge_and_unload()
+    return Target(f"{target.name}+medusa2", freeze(merged), target.tokenizer, f"{target.spec}+{path}", None)
