@@ -21,41 +21,31 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.distill.config import LoraSpec
 from draftsmith.errors import ArtifactError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-DEFAULT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @dataclass
-class Medusa2Config:
-    enabled: bool = False
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_MODULES))
-    base_weight: float = 1.0  # λ: weight of KL(original target ‖ adapted target) next to the heads' loss
+class Medusa2Config(LoraSpec):
+    """The LoRA adapter on the target (r, alpha, dropout, target_modules: None = attention and MLP
+    projections) and λ, the weight of KL(original target ‖ adapted target) next to the heads' loss."""
+
+    base_weight: float = 1.0
 
     def __post_init__(self):
-        if self.r < 1 or self.alpha < 1 or not 0 <= self.dropout < 1:
-            raise ValueError("medusa2: r and alpha must be >= 1 and dropout in [0, 1)")
+        super().__post_init__()
         if self.base_weight < 0:
             raise ValueError("medusa2.base_weight must be >= 0")
-
-
-def lora_config(cfg: Medusa2Config):
-    from peft import LoraConfig
-
-    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
-                      bias="none", task_type="CAUSAL_LM")
 
 
 class Medusa2Module(nn.Module):
@@ -64,12 +54,12 @@ class Medusa2Module(nn.Module):
 
     def __init__(self, heads: nn.Module, target_model: nn.Module, cfg: Medusa2Config):
         super().__init__()
-        from peft import get_peft_model
+        from draftsmith.distill.builders import apply_lora
 
         self.heads = heads
         backbone = copy.deepcopy(target_model)
         backbone.requires_grad_(False)
-        self.backbone = get_peft_model(backbone, lora_config(cfg))  # only the adapters train
+        self.backbone = apply_lora(backbone, cfg.r, cfg.alpha, cfg.dropout, cfg.target_modules)  # adapters train
 
     def forward(self, batch: dict[str, torch.Tensor], select: torch.Tensor, sels: list[torch.Tensor]):
         """One forward for the loss (through __call__, so a DDP wrapper sees it): the adapted target's logits at

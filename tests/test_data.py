@@ -13,9 +13,9 @@ from draftsmith.config import load_config
 from draftsmith.data import generate_dataset, load_distilled, load_prompts, tokenize_conversation
 from draftsmith.data.config import (
     CaptureConfig,
-    DomainRule,
     ChatConfig,
     DataConfig,
+    DomainRule,
     EvalSetConfig,
     GenerationConfig,
     SourceConfig,

@@ -431,13 +431,18 @@ def test_sampling_end_to_end_two_tokens(small_tables):
                                temperature=SAMPLING.temperature, top_k=SAMPLING.top_k, top_p=SAMPLING.top_p,
                                seed=11, eos_ids=[])
     assert 0 < res.stats.accepted < res.stats.proposed  # both branches of the rule were exercised
+    ok, stat, crit = first_two_tokens_match(t, res.tokens)
+    assert ok, f"chi2 {stat:.1f} >= {crit:.1f}"
+
+
+def first_two_tokens_match(t: dict, rows: list[list[int]]) -> tuple[bool, float, float]:
+    """Chi-square of the rows' first two tokens against the exact target pair distribution of `small_tables`."""
     pairs: dict = {}
-    for a, b, *_ in res.tokens:
+    for a, b, *_ in rows:
         pairs[(a, b)] = pairs.get((a, b), 0) + 1
     exp = {(a, b): float(t["exact0"][a] * t["exact1"][a, b]) for a in range(VOCAB) for b in range(VOCAB)
            if t["exact0"][a] * t["exact1"][a, b] > 0}
-    ok, stat, crit = chi_square_ok(pairs, exp, n)
-    assert ok, f"chi2 {stat:.1f} >= {crit:.1f}"
+    return chi_square_ok(pairs, exp, len(rows))
 
 
 class FeatureRecorder(TreeStub):
