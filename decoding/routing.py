@@ -65,7 +65,8 @@ def _route_entry(report: dict, domain: dict) -> dict:
 
 def build_policy(reports: list[dict | str | Path], threshold: float = 1.0, router: str = "declared",
                  keywords: dict[str, list[str]] | None = None) -> dict:
-    """The routing policy of a set of evaluation reports (dicts or report.json paths) on one target."""
+    """The routing policy of a set of evaluation reports (dicts or report.json paths) on one target; the
+    proposers a report decoded side by side (`evaluate --compare`) are candidates too."""
     loaded = []
     for r in reports:
         if not isinstance(r, dict):
@@ -77,6 +78,8 @@ def build_policy(reports: list[dict | str | Path], threshold: float = 1.0, route
         loaded.append(r)
     if not loaded:
         raise ConfigError("routing needs at least one evaluation report")
+    # side-by-side runs are candidates; a routed run itself is not (routes do not nest)
+    loaded = [x for r in loaded for x in [r, *_compared(r)] if not str(x["proposer"]).startswith("route:")]
     hashes = {json.dumps(r.get("target", {}).get("fingerprint", {}), sort_keys=True) for r in loaded}
     if len(hashes) > 1:
         raise ConfigError("the reports were measured on different targets (fingerprints differ): route one target")
@@ -99,6 +102,17 @@ def build_policy(reports: list[dict | str | Path], threshold: float = 1.0, route
     return {"kind": "routing_policy", "threshold": threshold, "target": loaded[0].get("target", {}),
             "router": {"kind": router, "keywords": keywords or DEFAULT_KEYWORDS}, "default": OFF,
             "domains": domains}
+
+
+def _compared(report: dict) -> list[dict]:
+    """The proposers an evaluation decoded side by side (`evaluate --compare`), as report-shaped dicts."""
+    specs = (report.get("settings") or {}).get("compare_settings") or {}
+    out = []
+    for name, settings in specs.items():
+        domains = {d: v["compare"][name] for d, v in report.get("domains", {}).items() if name in (v.get("compare") or {})}
+        out.append({"proposer": name, "target": report.get("target", {}), "settings": settings, "domains": domains,
+                    "_path": f"{report.get('_path', '')} (--compare {name})"})
+    return out
 
 
 def write_policy(policy: dict, path: str | Path) -> Path:

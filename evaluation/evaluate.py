@@ -360,6 +360,9 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
+            "compare_settings": {name: {"k": kw["k"], "tree": list(kw["tree"].branching) if kw.get("tree") else None,
+                                        "tree_max_nodes": kw["tree"].max_nodes if kw.get("tree") else None}
+                                 for name, (_, kw) in others.items()},
         },
         "domains": domains,
         "overall": overall,

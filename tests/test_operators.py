@@ -195,6 +195,10 @@ def test_evaluate_with_a_route_policy_and_compare(tiny_target, tiny_tokenizer, t
     assert set(verdict) == {"code", "math"} and "routed / best" in md and " none " in md.splitlines()[0]
     md2, _ = compare_table(routed, [single])  # or against separate reports
     assert "ngram" in md2
+    # a report's side-by-side runs are routing candidates too (a calibration run with --compare)
+    again = build_policy([routed], threshold=0.0)
+    assert {r["proposer"] for r in again["domains"].values()} <= {"ngram", "none"}  # never the routed run itself
+    assert any(c in again["domains"]["code"]["candidates"] for c in ("ngram", "none"))
     # a policy made for another target is refused
     other = dict(policy, target={"fingerprint": {**policy["target"]["fingerprint"], "tokenizer_hash": "x"}})
     write_policy(other, tmp_path / "other.json")
