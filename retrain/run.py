@@ -191,6 +191,7 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
     record["traffic"] = {"per_domain": sample.per_domain, "malformed": sample.malformed, "files": sample.files}
     held, train_rows = split_traffic(sample.rows, cfg.traffic.eval_share, cfg.traffic.max_eval_per_domain,
                                      cfg.traffic.seed)
+    traffic_digest = sha256_json(sorted(r.prompt for r in sample.rows))[:16]
     attempt = sha256_json([current, sorted(r.prompt for r in sample.rows)])[:12]
     work = reg.staging / attempt
     work.mkdir(parents=True, exist_ok=True)
@@ -221,6 +222,18 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
     if not train_rows:
         record["outcome"] = "stale_no_traffic"
         return EXIT_NO_TRAFFIC
+    if not hard and not weights_changed and (manifest.get("lineage") or {}).get("traffic_digest") == traffic_digest:
+        # the current version was trained on exactly this traffic: retraining would repeat that run
+        reg.write_policy(domain_policy(cur_traffic, cfg.policy_alpha_floor, current))
+        shutil.rmtree(work, ignore_errors=True)
+        record["outcome"] = "stale_same_traffic"
+        record["note"] = "still stale, but the current version was trained on this same traffic; waiting for new traffic"
+        return EXIT_OK
+    if (reg.base / "rejected" / attempt).exists():
+        # this exact candidate (same current version, same traffic) was trained and rejected before
+        record.update(outcome="rejected_before", rejected_candidate=str(reg.base / "rejected" / attempt))
+        shutil.rmtree(work, ignore_errors=True)
+        return EXIT_REJECTED
 
     record["attempt"] = attempt
     data_path = _build_data(cfg, target, work, train_rows, (manifest.get("data") or {}).get("path"))
@@ -246,6 +259,7 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
     update_manifest(candidate, traffic_eval=_summary(cand_traffic), baseline_eval=_summary(cand_base))
     version = reg.publish(candidate, {
         "parent": current, "reason": verdict.reasons, "attempt": attempt, "data": str(data_path),
+        "traffic_digest": traffic_digest,
         "budget": asdict(cfg.budget), "gate": decision.reasons,
     })
     reg.set_current(version, "; ".join(decision.reasons))

@@ -179,10 +179,21 @@ def test_scenario(scenario):
     code, rec = retrain_once(cfg)
     assert code == EXIT_OK and rec["outcome"] == "fresh" and reg.current() == "v0002"
 
-    # Stale by rule, but the candidate cannot beat the current version by the required margin.
-    code, rec = retrain_once(_cfg(retrain_yaml, "thresholds.alpha_floor=1.0", "gate.min_gain=0.9",
-                                  "budget.max_steps=1"))
+    # Stale by rule, but v0002 was trained on exactly this traffic: nothing new to learn, nothing trained.
+    strict = ("thresholds.alpha_floor=1.0", "gate.min_gain=0.9", "budget.max_steps=1")
+    code, rec = retrain_once(_cfg(retrain_yaml, *strict))
+    assert code == EXIT_OK and rec["outcome"] == "stale_same_traffic" and rec["stale"]["yes"]
+    assert reg.current() == "v0002" and not list(reg.staging.glob("*/candidate"))
+
+    # New traffic arrives; still stale, but the candidate cannot beat the current version by the margin.
+    traffic = Path(cfg.traffic.dir)
+    _write_jsonl(traffic / "gateway-2.jsonl", [{"prompt": _prompt(line, 2) + " again", "domain": "code",
+                                                "timestamp": time.time()} for line in B_LINES])
+    code, rec = retrain_once(_cfg(retrain_yaml, *strict))
     assert code == EXIT_REJECTED and rec["outcome"] == "rejected" and reg.current() == "v0002"
     assert any("does not beat" in r for r in rec["gate"]["reasons"])
+    # the same attempt again is not retrained: the scheduler keeps getting the "rejected" code
+    code, rec = retrain_once(_cfg(retrain_yaml, *strict))
+    assert code == EXIT_REJECTED and rec["outcome"] == "rejected_before"
     records = sorted((reg.base / "runs").glob("*.json"))
-    assert len(records) >= 4 and all(json.loads(p.read_text())["exit_code"] in (0, 10) for p in records)
+    assert len(records) >= 6 and all(json.loads(p.read_text())["exit_code"] in (0, 10) for p in records)
