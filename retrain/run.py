@@ -19,6 +19,7 @@ import logging
 import random
 import re
 import shutil
+import sys
 import traceback
 from dataclasses import asdict
 from pathlib import Path
@@ -156,6 +157,11 @@ def retrain_once(cfg: RetrainConfig, init: str | None = None) -> tuple[int, dict
         except Exception as e:  # a bug: still recorded, so the scheduler's alert has something to show
             record.update(outcome="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
             code = EXIT_ERROR
+        except (KeyboardInterrupt, SystemExit) as e:  # SIGTERM from the scheduler (see run_retrain), Ctrl-C
+            record.update(outcome="interrupted", error=f"{type(e).__name__}: the run was stopped; the next run "
+                          "resumes it", finished=now_iso(), exit_code=EXIT_ERROR, current=_safe_current(reg))
+            record["record_path"] = str(reg.write_run_record(record))
+            raise
         record.update(finished=now_iso(), exit_code=code, current=_safe_current(reg))
         record["record_path"] = str(reg.write_run_record(record))
     return code, record
@@ -270,7 +276,12 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
 
 
 def run_retrain(config_path: str | None, overrides: list[str], init: str | None = None) -> int:
+    import signal
+
     cfg = load_config(config_path, overrides, cls=RetrainConfig)
+    # a scheduler stops a job with SIGTERM (Kubernetes activeDeadlineSeconds, systemd TimeoutStopSec): turn it
+    # into SystemExit so the run record is still written and the lock released (143 = 128 + SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     code, record = retrain_once(cfg, init)
     outcome = record.get("outcome")
     print(f"retrain: {outcome} (exit {code}); current = {record.get('current')}; record: {record.get('record_path')}")

@@ -124,3 +124,29 @@ def test_schedule_examples_run_the_retrain_command():
     assert cfg.registry == "/data/registry"
     service = (root / "configs/schedule/draftsmith-retrain.service").read_text()
     assert "draftsmith retrain --config configs/retrain.yaml" in service and "SuccessExitStatus=10 11" in service
+
+
+def test_a_stopped_run_still_writes_its_record(tmp_path, tiny_target, monkeypatch):
+    """SIGTERM (a scheduler's deadline) becomes SystemExit in `run_retrain`: the record says "interrupted",
+    the lock is released, and the exit propagates."""
+    import json
+
+    import pytest
+
+    from draftsmith.config import load_config
+    from draftsmith.retrain import run as runmod
+    from draftsmith.retrain.config import RetrainConfig
+
+    cfg = load_config(None, [f"registry={tmp_path / 'reg'}", f"target={tiny_target.folder}"], cls=RetrainConfig)
+    monkeypatch.setattr("draftsmith.targets.load_target", lambda *a, **k: tiny_target)
+
+    def stopped(*_a, **_k):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(runmod, "_run", stopped)
+    with pytest.raises(SystemExit):
+        runmod.retrain_once(cfg)
+    records = list((tmp_path / "reg").rglob("runs/*.json"))
+    assert len(records) == 1 and json.loads(records[0].read_text())["outcome"] == "interrupted"
+    with pytest.raises(SystemExit):  # the lock was released: a second run gets in
+        runmod.retrain_once(cfg)
