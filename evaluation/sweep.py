@@ -62,10 +62,11 @@ def summarize(runs: dict[str, dict], proposer: str, command: str | None) -> dict
         for t, r in runs.items():
             x = r["overall"] if d == "overall" else r["domains"].get(d, {})
             row[t] = {k: x.get(k) for k in ("alpha", "tau", "speedup", "tokens_per_s", "lossless")}
-        a0 = row[temps[0]]["alpha"]
-        for t in temps:
-            a = row[t]["alpha"]
-            row[t]["alpha_change"] = (a - a0) if a is not None and a0 is not None else None
+        for key in ("alpha", "tau"):  # for trees α is per node; τ is the number to compare
+            x0 = row[temps[0]][key]
+            for t in temps:
+                x = row[t][key]
+                row[t][f"{key}_change"] = (x - x0) if x is not None and x0 is not None else None
         table[d] = row
     return {"kind": "temperature_sweep", "proposer": proposer, "target": first["target"]["name"],
             "command": command, "date": first["date"], "machine": first["machine"], "temperatures": temps,
@@ -76,11 +77,13 @@ def render(summary: dict) -> str:
     temps = summary["temperatures"]
     lines = [f"# Temperature sweep: {summary['proposer']} on {summary['target']}", "",
              f"- date: {summary['date']}", f"- command: `{summary['command']}`", "",
-             "| domain | " + " | ".join(f"T={t}: α / τ / speedup" for t in temps) + f" | Δα (T={temps[-1]} vs T={temps[0]}) |",
-             "|---|" + "---|" * (len(temps) + 1)]
+             "| domain | " + " | ".join(f"T={t}: α / τ / speedup" for t in temps) +
+             f" | Δα (T={temps[-1]} vs T={temps[0]}) | Δτ |",
+             "|---|" + "---|" * (len(temps) + 2)]
     for d, row in summary["domains"].items():
         cells = [f"{_fmt(row[t]['alpha'])} / {_fmt(row[t]['tau'])} / {_fmt(row[t]['speedup'])}" for t in temps]
-        lines.append(f"| {d} | " + " | ".join(cells) + f" | {_fmt(row[temps[-1]]['alpha_change'])} |")
+        last = row[temps[-1]]
+        lines.append(f"| {d} | " + " | ".join(cells) + f" | {_fmt(last['alpha_change'])} | {_fmt(last['tau_change'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -267,7 +267,7 @@ def test_temperature_sweep(tiny_target, tmp_path, monkeypatch):
     assert summary["temperatures"] == ["0", "1"]
     row = summary["domains"]["code"]
     assert row["0"]["lossless"] is True and row["1"]["lossless"] is None  # checked by the chi-square tests
-    assert row["0"]["alpha_change"] == 0.0
+    assert row["0"]["alpha_change"] == 0.0 and row["0"]["tau_change"] == 0.0
     for name in ("sweep.json", "sweep.md", "sweep.png", "T=0/report.json", "T=1/report.json"):
         assert (tmp_path / "sweep" / name).is_file(), name
 
