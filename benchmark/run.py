@@ -93,6 +93,19 @@ class Bench:
         self.progress = progress
         self.state_file = out / "stages.json"
         self.stages: dict[str, dict] = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
+        from draftsmith.config import to_dict
+        from draftsmith.storage import sha256_json
+
+        # what this folder's results belong to: resuming is only allowed into the same bench
+        self.identity = {"target": cfg.target, "budget": budget,
+                         "config": sha256_json([to_dict(cfg.data), to_dict(cfg.artifacts), to_dict(cfg.baselines),
+                                                to_dict(self.b), self.prompts])[:16]}
+        found = self.stages.get("_bench")
+        if found is not None and found != self.identity:
+            raise DraftsmithError(f"{out} holds results of another bench ({found['target']}, budget {found['budget']}, "
+                                  f"config {found['config']}; this one is {cfg.target}, {budget}, "
+                                  f"{self.identity['config']}): give another --out")
+        self.stages["_bench"] = self.identity
 
     # --- bookkeeping ------------------------------------------------------------------------------
     def _record(self, rec: dict) -> None:
@@ -189,6 +202,7 @@ class Bench:
         from tqdm.auto import tqdm
 
         self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.state_file, self.stages)  # claims the folder for this bench (see __init__)
         steps = self.plan()
         bar = tqdm(total=len(steps), desc=f"bench {self.cfg.target} ({self.budget_name})", unit="stage",
                    disable=not self.progress)
@@ -244,7 +258,8 @@ def summarize(bench: Bench) -> dict:
             "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count(),
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version()},
-            "data": data, "engine": engine, "training": training, "stages": bench.stages,
+            "data": data, "engine": engine, "training": training,
+            "stages": {k: v for k, v in bench.stages.items() if k != "_bench"},
             "reports": {n: _report_rows(r, bench.stages.get(f"eval/{n}", {})) for n, r in reports.items()}}
 
 
@@ -373,7 +388,8 @@ def run_bench(config_path: str, overrides: list[str], quick: bool = False, out: 
 
     cfg = load_config(config_path, overrides, cls=BenchConfig)
     budget = "quick" if quick else "full"
-    folder = Path(out) if out else Path(cfg.out) / (dt.date.today().isoformat() + ("-quick" if quick else ""))
+    name = Path(str(cfg.target)).name  # an embedded name, or the folder name of a path target
+    folder = Path(out) if out else Path(cfg.out) / f"{dt.date.today().isoformat()}-{name}{'-quick' if quick else ''}"
     summary = Bench(cfg, budget, folder, prompts, progress).run()
     if update_md:
         update_benchmarks_md(Path(cfg.benchmarks_md), f"{cfg.target}:{budget}", render(summary))

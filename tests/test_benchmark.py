@@ -66,3 +66,11 @@ def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
     again = run_bench("bench.yaml", [], quick=True, out=str(out), progress=False)
     assert all(s.get("skipped_on_resume") for s in again["stages"].values())
     assert (tmp_path / "BENCH.md").read_text().count(BEGIN.format(key=f"{folder}:quick")) == 1
+
+    # a folder holds one bench: another configuration (here another budget) may not resume into it
+    import pytest
+
+    from draftsmith.errors import DraftsmithError
+
+    with pytest.raises(DraftsmithError, match="another bench"):
+        run_bench("bench.yaml", ["budgets.quick.limit_per_domain=2"], quick=True, out=str(out), progress=False)
