@@ -59,6 +59,9 @@ def main(argv: list[str]) -> dict:
             name, st = f"hf_generate_b{bs}", hf_generate(t.model, reqs, t.eos_token_ids, pad, bs, Sampling(), done)
         res[name] = {"tokens": st["generated_tokens"], "seconds": round(st["seconds"], 1),
                      "tok_s": round(st["tokens_per_s"], 1)}
+        for key in ("prompt_tokens", "prefill_seconds", "mean_batch"):
+            if key in st:
+                res[name][key] = round(st[key], 1)
         print(name, res[name], flush=True)
     print(json.dumps(res))
     if json_out:

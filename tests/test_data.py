@@ -268,8 +268,8 @@ def _run(target, reqs, bs, **kw):
 def test_batched_greedy_equals_one_at_a_time(tiny_target):
     reqs = _random_requests(tiny_target.vocab_size)
     single = _run(tiny_target, reqs, 1)
-    for bs in (4, 13):
-        batched = _run(tiny_target, reqs, bs)
+    for bs, pad in ((4, 0.15), (13, 0.15), (13, 0.0), (13, 100.0)):  # prefill groups: many, one per length, one
+        batched = _run(tiny_target, reqs, bs, max_padding=pad)
         assert {k: c.tokens for k, c in batched.items()} == {k: c.tokens for k, c in single.items()}
     # and equals transformers' own greedy generate, one prompt at a time
     ref = {}
@@ -277,6 +277,31 @@ def test_batched_greedy_equals_one_at_a_time(tiny_target):
                 1, Sampling(), lambda c: ref.__setitem__(c.key, c))
     assert {k: c.tokens for k, c in ref.items()} == {k: c.tokens for k, c in single.items()}
     assert all(single[r.key].stopped or len(single[r.key].tokens) == r.max_new_tokens for r in reqs)
+
+
+def test_prefill_groups_bound_padding():
+    from draftsmith.data.engine import length_groups
+
+    lengths = [36, 38, 41, 45, 50, 90, 95, 101, 1350, 40]
+    reqs = [Request(i, [7] * n, 4) for i, n in enumerate(lengths)]
+    groups = length_groups(reqs, 0.15)
+    assert sorted(r.key for g in groups for r in g) == list(range(len(lengths)))  # every request once
+    for g in groups:
+        tokens = sum(len(r.prompt_ids) for r in g)
+        assert len(g) * max(len(r.prompt_ids) for r in g) <= 1.15 * tokens
+    assert [len(r.prompt_ids) for r in groups[-1]] == [1350]  # the long prompt does not pad the short ones
+    assert len(length_groups(reqs, 100.0)) == 1
+
+
+@pytest.mark.parametrize("src,dst,length", [(5, 0, 40), (0, 5, 40), (30, 0, 20), (0, 1, 30), (12, 3, 9)])
+def test_cache_columns_move_like_a_copy(src, dst, length):
+    from draftsmith.data.engine import _move_columns
+
+    buf = torch.randn(3, 2, 64, 4)
+    want = buf.clone()
+    want[:2, :, dst : dst + length] = buf[:2, :, src : src + length].clone()
+    _move_columns(buf, 2, src, dst, length)
+    assert torch.equal(buf, want)
 
 
 def test_sampling_is_seeded_per_row(tiny_target):
