@@ -251,6 +251,26 @@ class _Prefill:
     mask: torch.Tensor  # [b, P], left padding = 0
 
 
+@dataclass
+class _Prefix:
+    length: int
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, S, head_dim]
+    values: list[torch.Tensor]
+    cap: dict[str, Any] | None = None  # captured states of the prefix positions, shared by every row
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix shared by every sequence."""
+    first = seqs[0]
+    n = min(len(x) for x in seqs)
+    for x in seqs[1:]:
+        i = 0
+        while i < n and x[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
 def length_groups(reqs: Sequence[Request], max_padding: float) -> list[list[Request]]:
     """Split requests into prefill groups, by length, each padded with at most `max_padding` x its tokens.
 
@@ -297,7 +317,8 @@ class ContinuousBatcher:
 
     def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 32,
                  sampling: Sampling | None = None, capture: CaptureSpec | None = None,
-                 refill_fraction: float = 0.25, gqa_sdpa: bool = True, max_padding: float = 0.15):
+                 refill_fraction: float = 0.25, gqa_sdpa: bool = True, max_padding: float = 0.15,
+                 shared_prefix: bool = True, min_prefix: int = 8):
         self.model = model
         self.eos = set(int(e) for e in eos_token_ids)
         self.pad = int(pad_token_id)
@@ -310,6 +331,9 @@ class ContinuousBatcher:
         # at batch 32-64 on SmolLM2 (2 CPU cores, 2026-11-23)
         self.gqa_sdpa = gqa_sdpa
         self.max_padding = max_padding  # prefill groups pad at most this fraction of their tokens
+        # the prompts' common prefix (a chat template's system preamble) is prefilled once per run
+        self.shared_prefix, self.min_prefix = shared_prefix, min_prefix
+        self._prefix: _Prefix | None = None
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = cfg.num_hidden_layers
 
@@ -345,17 +369,44 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ admission
 
+    def _new_capture(self) -> dict[str, Any]:
+        """A row's capture lists; they start with the shared prefix's states when there is one."""
+        pre = self._prefix.cap if self._prefix is not None else None
+        return {"layers": {i: list(pre["layers"][i]) if pre else [] for i in self.capture.layers},
+                **{k: list(pre[k]) if pre else [] for k in ("last_hidden", "topk_values", "topk_indices")}}
+
+    def _prefix_forward(self, ids: list[int]) -> _Prefix:
+        """The shared prefix's keys / values (and captured states), computed once per run."""
+        x = torch.tensor([ids], dtype=torch.long)
+        cache = DynamicCache()
+        logits, cap = self._forward(x, torch.ones_like(x), torch.arange(len(ids)).unsqueeze(0), cache,
+                                    all_logits=self.capture is not None and bool(self.capture.topk))
+        prefix = _Prefix(len(ids), [lay.keys for lay in cache.layers], [lay.values for lay in cache.layers])
+        if cap is not None:
+            row = _Row(Request(None, ids, 0), pos=len(ids), cap=self._new_capture())
+            self._record([row], cap, logits, [(0, len(ids))])
+            prefix.cap = row.cap
+        return prefix
+
     def _prefill(self, reqs: list[Request]) -> _Prefill:
-        """One left-padded forward over `reqs` (similar lengths: see `length_groups`)."""
-        P = max(len(r.prompt_ids) for r in reqs)
+        """One left-padded forward over `reqs` (similar lengths: see `length_groups`).
+
+        With a shared prefix only the suffixes are fed; the prefix's keys / values are the past, so a row's
+        columns are [prefix | left padding | suffix] and its position ids continue after the prefix."""
+        S = self._prefix.length if self._prefix is not None else 0
+        P = max(len(r.prompt_ids) for r in reqs) - S
         b = len(reqs)
         ids = torch.full((b, P), self.pad, dtype=torch.long)
-        mask = torch.zeros(b, P, dtype=torch.long)
+        mask = torch.ones(b, S + P, dtype=torch.long)
         for i, r in enumerate(reqs):
-            ids[i, P - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[i, P - len(r.prompt_ids):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            n = len(r.prompt_ids) - S
+            ids[i, P - n :] = torch.tensor(r.prompt_ids[S:], dtype=torch.long)
+            mask[i, S : S + P - n] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, S:]
         cache = DynamicCache()
+        if S:
+            for li, (k, v) in enumerate(zip(self._prefix.keys, self._prefix.values)):
+                cache.update(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), li)
         logits, cap = self._forward(ids, mask, pos, cache, all_logits=self.capture is not None and bool(self.capture.topk))
         rows = []
         for r in reqs:
@@ -363,11 +414,10 @@ class ContinuousBatcher:
             if self.sampling.do_sample:
                 row.gen = _seed_generator(r.seed)
             if self.capture is not None:
-                row.cap = {"layers": {i: [] for i in self.capture.layers}, "last_hidden": [],
-                           "topk_values": [], "topk_indices": []}
+                row.cap = self._new_capture()
             rows.append(row)
         if cap is not None:
-            self._record(rows, cap, logits, [(P - len(r.prompt_ids), P) for r in reqs])
+            self._record(rows, cap, logits, [(P - (len(r.prompt_ids) - S), P) for r in reqs])
         first = sample_next(logits[:, -1], self.sampling, [r.gen for r in rows])
         return _Prefill(rows, first, cache, mask)
 
@@ -417,6 +467,11 @@ class ContinuousBatcher:
         queue.reverse()  # pop() from the end = shortest first
         if not queue:
             return {"generated_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+        self._prefix = None
+        if self.shared_prefix:
+            S = min(common_prefix_length([r.prompt_ids for r in queue]), min(len(r.prompt_ids) for r in queue) - 1)
+            if S >= self.min_prefix:
+                self._prefix = self._prefix_forward(queue[0].prompt_ids[:S])
         longest = max(len(r.prompt_ids) for r in queue)
         max_new = max(r.max_new_tokens for r in queue)
         store = _SlotStore(self.num_layers, self.batch_size, longest + max_new + 8)

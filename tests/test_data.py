@@ -252,9 +252,11 @@ def test_overlap_detects_exact_substring_and_near(tmp_path):
 # ----------------------------------------------------------------------------------- engine
 
 
-def _random_requests(vocab: int, n: int = 13, seed: int = 0) -> list[Request]:
+def _random_requests(vocab: int, n: int = 13, seed: int = 0, prefix: int = 0) -> list[Request]:
+    """Random prompts; with `prefix`, all start with the same `prefix` tokens (a chat preamble)."""
     rng = random.Random(seed)
-    return [Request(i, [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 25))], rng.randrange(1, 30))
+    shared = [rng.randrange(3, vocab) for _ in range(prefix)]
+    return [Request(i, shared + [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 25))], rng.randrange(1, 30))
             for i in range(n)]
 
 
@@ -313,10 +315,23 @@ def test_sampling_is_seeded_per_row(tiny_target):
     assert {k: c.tokens for k, c in a.items()} != {k: c.tokens for k, c in greedy.items()}
 
 
-def test_capture_matches_a_full_forward(tiny_target):
+def test_shared_prefix_is_prefilled_once_and_changes_nothing(tiny_target):
+    reqs = _random_requests(tiny_target.vocab_size, prefix=12)
+    single = _run(tiny_target, reqs, 1, shared_prefix=False)
+    engine = ContinuousBatcher(tiny_target.model, [tiny_target.tokenizer.eos_token_id, 5],
+                               tiny_target.tokenizer.pad_token_id, batch_size=5)
+    out = {}
+    stats = engine.run(reqs, lambda c: out.__setitem__(c.key, c))
+    assert engine._prefix is not None and engine._prefix.length == 12
+    assert stats["prompt_tokens"] == sum(len(r.prompt_ids) for r in reqs)  # the rows still hold every token
+    assert {k: c.tokens for k, c in out.items()} == {k: c.tokens for k, c in single.items()}
+
+
+@pytest.mark.parametrize("prefix", [0, 12])
+def test_capture_matches_a_full_forward(tiny_target, prefix):
     from draftsmith.targets.capture import capture_forward
 
-    reqs = _random_requests(tiny_target.vocab_size, n=6)
+    reqs = _random_requests(tiny_target.vocab_size, n=6, prefix=prefix)
     got = _run(tiny_target, reqs, 3, capture=CaptureSpec(layers=[0, -1], topk=4, last_hidden=True,
                                                           dtype=torch.float32))
     for c in got.values():
