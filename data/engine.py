@@ -10,8 +10,12 @@ token). Here the loop calls the model directly:
   [n - P, n) when it is admitted and the columns before it are masked out (left padding). Position ids
   are per row (its own token count), so RoPE sees each row as if it were alone;
 - a finished row leaves at once and the last active row moves into its slot, so the batch stays dense;
-  when enough slots are free, the next prompts (sorted by length) are prefilled together and merged in
-  (continuous batching). If the cache runs out of columns, columns masked for every row are dropped.
+  when enough slots are free, the next prompts (sorted by length) are prefilled and merged in
+  (continuous batching), in groups of similar length so that no prompt pays for a longer one's padding;
+- the prompts' common prefix (a chat template's system preamble) is prefilled once per run and is the past
+  of every prefill;
+- every row attends over all used columns, so leading columns no row needs any more (rows that left) are
+  dropped once they are a quarter of them, or when the cache runs out of columns.
 
 Sampling is per row with a generator seeded by the row's own seed, so a row's sample does not depend on
 which other rows share its batch; greedy decoding equals one-prompt-at-a-time decoding up to float noise.
@@ -247,8 +251,8 @@ def _seed_generator(seed: int) -> torch.Generator:
 class _Prefill:
     rows: list[_Row]
     first: list[int]  # each row's first generated token
-    cache: DynamicCache  # [b, kv_heads, P, head_dim] per layer
-    mask: torch.Tensor  # [b, P], left padding = 0
+    cache: DynamicCache  # [b, kv_heads, S + P, head_dim] per layer (S: shared prefix, P: longest suffix)
+    mask: torch.Tensor  # [b, S + P], left padding of the suffixes = 0
 
 
 @dataclass
@@ -271,18 +275,22 @@ def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
     return n
 
 
-def length_groups(reqs: Sequence[Request], max_padding: float) -> list[list[Request]]:
-    """Split requests into prefill groups, by length, each padded with at most `max_padding` x its tokens.
+def length_groups(reqs: Sequence[Request], max_padding: float, max_tokens: int | None = None) -> list[list[Request]]:
+    """Split requests into prefill groups, by length, each padded with at most `max_padding` x its tokens
+    and, when `max_tokens` is given, holding at most that many padded tokens (one longer prompt alone excepted).
 
     A left-padded prefill costs rows x longest prompt: one long prompt among short ones would make every
     row pay for its length (a 1,350-token prompt in a group of 16 ~100-token prompts cost 14x the compute).
+    The token bound caps a prefill's activations (and its [rows, tokens, vocab] logits when top-k logits
+    are captured).
     """
     order = sorted(reqs, key=lambda r: len(r.prompt_ids))
     groups: list[list[Request]] = []
     tokens = 0
     for r in order:
         n = len(r.prompt_ids)
-        if groups and (len(groups[-1]) + 1) * n <= (1 + max_padding) * (tokens + n):
+        padded = (len(groups[-1]) + 1) * n if groups else 0  # the last group's size with r in it
+        if groups and (max_tokens is None or padded <= max_tokens) and padded <= (1 + max_padding) * (tokens + n):
             groups[-1].append(r)
             tokens += n
         else:
@@ -318,7 +326,7 @@ class ContinuousBatcher:
     def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 32,
                  sampling: Sampling | None = None, capture: CaptureSpec | None = None,
                  refill_fraction: float = 0.25, gqa_sdpa: bool = True, max_padding: float = 0.15,
-                 shared_prefix: bool = True, min_prefix: int = 8):
+                 shared_prefix: bool = True, min_prefix: int = 8, prefill_tokens: int = 8192):
         self.model = model
         self.eos = set(int(e) for e in eos_token_ids)
         self.pad = int(pad_token_id)
@@ -331,6 +339,12 @@ class ContinuousBatcher:
         # at batch 32-64 on SmolLM2 (2 CPU cores, 2026-11-23)
         self.gqa_sdpa = gqa_sdpa
         self.max_padding = max_padding  # prefill groups pad at most this fraction of their tokens
+        # and hold at most this many tokens; with top-k capture the prefill keeps logits for every position,
+        # so the bound is also sized to keep those near 256 MB (a 24 x 500-token group was 2.4 GB on SmolLM2)
+        self.prefill_tokens = prefill_tokens
+        if capture is not None and capture.topk:
+            vocab = model.get_output_embeddings().weight.shape[0]
+            self.prefill_tokens = max(256, min(prefill_tokens, (256 << 20) // (4 * vocab)))
         # the prompts' common prefix (a chat template's system preamble) is prefilled once per run
         self.shared_prefix, self.min_prefix = shared_prefix, min_prefix
         self._prefix: _Prefix | None = None
@@ -423,7 +437,7 @@ class ContinuousBatcher:
 
     def _admit(self, store: _SlotStore, rows: list[_Row], reqs: list[Request]) -> int:
         """Prefill `reqs` (in groups of similar length) and merge them into the store. Returns prompt tokens."""
-        done = [self._prefill(g) for g in length_groups(reqs, self.max_padding)]
+        done = [self._prefill(g) for g in length_groups(reqs, self.max_padding, self.prefill_tokens)]
         P = max(d.mask.shape[1] for d in done)
         if not store.k:
             store._alloc(done[0].cache.layers[0].keys)
@@ -467,18 +481,18 @@ class ContinuousBatcher:
         queue.reverse()  # pop() from the end = shortest first
         if not queue:
             return {"generated_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+        t0 = time.perf_counter()
         self._prefix = None
         if self.shared_prefix:
             S = min(common_prefix_length([r.prompt_ids for r in queue]), min(len(r.prompt_ids) for r in queue) - 1)
             if S >= self.min_prefix:
                 self._prefix = self._prefix_forward(queue[0].prompt_ids[:S])
+        prefill_s = time.perf_counter() - t0
         longest = max(len(r.prompt_ids) for r in queue)
         max_new = max(r.max_new_tokens for r in queue)
         store = _SlotStore(self.num_layers, self.batch_size, longest + max_new + 8)
         rows: list[_Row] = []
         generated = prompt_tokens = steps = rows_fed = 0
-        prefill_s = 0.0
-        t0 = time.perf_counter()
         while queue or rows:
             free = self.batch_size - store.a
             if queue and (free >= self.refill or not rows):

@@ -270,8 +270,9 @@ def _run(target, reqs, bs, **kw):
 def test_batched_greedy_equals_one_at_a_time(tiny_target):
     reqs = _random_requests(tiny_target.vocab_size)
     single = _run(tiny_target, reqs, 1)
-    for bs, pad in ((4, 0.15), (13, 0.15), (13, 0.0), (13, 100.0)):  # prefill groups: many, one per length, one
-        batched = _run(tiny_target, reqs, bs, max_padding=pad)
+    # prefill groups: by length, one per length, one, and bounded to 40 tokens
+    for bs, pad, budget in ((4, 0.15, 8192), (13, 0.15, 8192), (13, 0.0, 8192), (13, 100.0, 8192), (13, 100.0, 40)):
+        batched = _run(tiny_target, reqs, bs, max_padding=pad, prefill_tokens=budget)
         assert {k: c.tokens for k, c in batched.items()} == {k: c.tokens for k, c in single.items()}
     # and equals transformers' own greedy generate, one prompt at a time
     ref = {}
@@ -293,6 +294,9 @@ def test_prefill_groups_bound_padding():
         assert len(g) * max(len(r.prompt_ids) for r in g) <= 1.15 * tokens
     assert [len(r.prompt_ids) for r in groups[-1]] == [1350]  # the long prompt does not pad the short ones
     assert len(length_groups(reqs, 100.0)) == 1
+    bounded = length_groups(reqs, 100.0, max_tokens=200)  # at most 200 padded tokens, a longer prompt alone
+    assert all(len(g) * max(len(r.prompt_ids) for r in g) <= 200 or len(g) == 1 for g in bounded)
+    assert sum(len(g) for g in bounded) == len(lengths)
 
 
 @pytest.mark.parametrize("src,dst,length", [(5, 0, 40), (0, 5, 40), (30, 0, 20), (0, 1, 30), (12, 3, 9)])
