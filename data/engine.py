@@ -369,16 +369,15 @@ class ContinuousBatcher:
         Conversions and top-k run once over the whole forward, not once per row."""
         spec = self.capture
         first = min(c for c, _ in keep)  # columns left of every row's span are padding only
-        states = {("layers", layer): cap.layers[layer].to(spec.dtype) for layer in spec.layers}
+        states = {("layers", layer): cap.layers[layer][:, first:].to(spec.dtype) for layer in spec.layers}
         if spec.last_hidden:
-            states[("last_hidden", None)] = cap.last_hidden.to(spec.dtype)
+            states[("last_hidden", None)] = cap.last_hidden[:, first:].to(spec.dtype)
         if spec.topk:
             v, ix = torch.topk(logits[:, first:].float(), spec.topk, dim=-1)
             states[("topk_values", None)], states[("topk_indices", None)] = v, ix
         for i, (row, (c0, c1)) in enumerate(zip(rows, keep)):
             for (name, layer), x in states.items():
-                lo = c0 - first if name.startswith("topk") else c0
-                piece = x[i, lo : lo + c1 - c0]
+                piece = x[i, c0 - first : c1 - first]
                 (row.cap[name][layer] if layer is not None else row.cap[name]).append(piece)
 
     # ------------------------------------------------------------------ admission
