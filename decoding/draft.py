@@ -19,6 +19,7 @@ from draftsmith.decoding import kvcache
 from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec, as_model
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
 from draftsmith.errors import ArtifactError, FingerprintMismatch
+from draftsmith.targets.gemm import use_rows_linear
 
 
 class DraftProposer(Proposer):
@@ -50,6 +51,7 @@ class DraftProposer(Proposer):
         except Exception as e:  # transformers raises assorted errors for unreadable folders
             raise ArtifactError(f"draft {path}: cannot load the model ({type(e).__name__}: {e})") from None
         model.eval().requires_grad_(False)
+        use_rows_linear(model)  # a draft re-reads accepted tokens a few rows at a time
         rows = model.get_input_embeddings().weight.shape[0]
         if rows != target.vocab_size:
             raise FingerprintMismatch(f"draft {path}: vocab size {rows} differs from the target's {target.vocab_size}")

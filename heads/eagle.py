@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import ConfigError
+from draftsmith.targets.gemm import rows_linear, use_rows_linear
 
 # model_type -> (module, decoder layer class, rotary class, rotary layer type or None)
 ARCHITECTURES: dict[str, tuple[str, str, str, str | None]] = {
@@ -374,7 +375,7 @@ class EagleHead(nn.Module):
         if self._target_head is None:
             raise ConfigError("EAGLE-1 head has no target lm_head: call attach_target(target_model) first")
         w = self._target_head.weight
-        return F.linear(self._target_norm(hidden.to(w.dtype)), w)
+        return rows_linear(self._target_norm(hidden.to(w.dtype)), w)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target ids (target_id = d + d2t[d]); identity for EAGLE-1."""
@@ -546,4 +547,5 @@ def build_proposer(target, path: str, **opts):
     from draftsmith.heads.eagle_proposer import EagleProposer
 
     head, manifest = load_eagle(path, target)
+    use_rows_linear(head)  # tree expansion feeds a few nodes per forward
     return EagleProposer(head, **opts)

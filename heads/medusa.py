@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import ConfigError
+from draftsmith.targets.gemm import rows_linear, use_rows_linear
 
 
 @dataclass
@@ -111,7 +112,7 @@ class MedusaHeads(nn.Module):
         if self._shared_lm_head is None:
             raise ConfigError("these Medusa heads share the target's lm_head: call attach_lm_head first")
         w = self._shared_lm_head.weight
-        return F.linear(feats.to(w.dtype), w)
+        return rows_linear(feats.to(w.dtype), w)
 
     def forward(self, hidden: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
         """hidden [.., H] -> logits [K, .., V]; or a list of per-head inputs [N_i, H] -> a list of [N_i, V]
@@ -271,6 +272,7 @@ def build_proposer(target, path: str, **opts):
     from draftsmith.heads.medusa_proposer import MedusaProposer
 
     heads, tree, _ = load_medusa(path, target)
+    use_rows_linear(heads)
     prop = MedusaProposer(heads, tree if opts.get("tree", True) else None)
     from draftsmith.heads.medusa2 import adapted_target, has_adapter
 
