@@ -21,8 +21,10 @@ Sampling is per row with a generator seeded by the row's own seed, so a row's sa
 which other rows share its batch; greedy decoding equals one-prompt-at-a-time decoding up to float noise.
 
 Optional capture keeps, for every position of the final sequence, chosen layer outputs (layer convention
-of targets/capture.py), the post-norm last hidden state and top-k logits. The final token is never fed
-back during generation, so with capture on a finished row stays for one extra step that feeds it.
+of targets/capture.py), the post-norm last hidden state and top-k logits. Top-k logits of the prompt
+positions before `Request.logits_from` are zeros: a prefill runs the lm_head over the columns some row
+wants (for a single-turn row, the last prompt position), not over the whole prompt. The final token is
+never fed back during generation, so with capture on a finished row stays for one extra step that feeds it.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     seed: int = 0
+    # with top-k capture: the first prompt position whose logits are wanted (the one before the first learned
+    # token); earlier positions are stored as zeros, which skips the lm_head over most of a prompt.
+    # None: every position.
+    logits_from: int | None = None
 
 
 @dataclass
@@ -342,9 +348,13 @@ class ContinuousBatcher:
         # and hold at most this many tokens; with top-k capture the prefill keeps logits for every position,
         # so the bound is also sized to keep those near 256 MB (a 24 x 500-token group was 2.4 GB on SmolLM2)
         self.prefill_tokens = prefill_tokens
+        # with top-k capture a prefill keeps [rows, columns, vocab] logits for the columns its rows want
+        # (`Request.logits_from`): groups are split to keep those near 256 MB (a 24 x 500-token group of
+        # all-position logits was 2.4 GB on SmolLM2)
+        self.logit_tokens = 0
         if capture is not None and capture.topk:
             vocab = model.get_output_embeddings().weight.shape[0]
-            self.prefill_tokens = max(256, min(prefill_tokens, (256 << 20) // (4 * vocab)))
+            self.logit_tokens = max(1, (256 << 20) // (4 * vocab))
         # the prompts' common prefix (a chat template's system preamble) is prefilled once per run
         self.shared_prefix, self.min_prefix = shared_prefix, min_prefix
         self._prefix: _Prefix | None = None
@@ -353,8 +363,8 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, ids, mask, pos, cache, all_logits: bool):
-        keep = 0 if all_logits else 1  # logits_to_keep=1: the lm_head runs on the last position only
+    def _forward(self, ids, mask, pos, cache, keep: int = 1):
+        """One forward; the lm_head runs on the last `keep` columns only (0: every column)."""
         if self.capture is None:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                              use_cache=True, logits_to_keep=keep)
@@ -363,22 +373,32 @@ class ContinuousBatcher:
                               position_ids=pos, use_cache=True, logits_to_keep=keep)
         return cap.logits, cap
 
-    def _record(self, rows: list[_Row], cap, logits: torch.Tensor, keep: list[tuple[int, int]]) -> None:
+    def _record(self, rows: list[_Row], cap, logits: torch.Tensor, keep: list[tuple[int, int]],
+                logits_start: int = 0) -> None:
         """Append captured states: for row i, columns [c0, c1) of this forward's outputs.
 
-        Conversions and top-k run once over the whole forward, not once per row."""
+        `logits` holds the forward's columns [logits_start, T); top-k entries of the columns left of it are
+        zeros. Conversions and top-k run once over the whole forward, not once per row."""
         spec = self.capture
         first = min(c for c, _ in keep)  # columns left of every row's span are padding only
         states = {("layers", layer): cap.layers[layer][:, first:].to(spec.dtype) for layer in spec.layers}
         if spec.last_hidden:
             states[("last_hidden", None)] = cap.last_hidden[:, first:].to(spec.dtype)
+        lo = max(first, logits_start)
         if spec.topk:
-            v, ix = torch.topk(logits[:, first:].float(), spec.topk, dim=-1)
-            states[("topk_values", None)], states[("topk_indices", None)] = v, ix
+            values, indices = torch.topk(logits[:, lo - logits_start :].float(), spec.topk, dim=-1)
         for i, (row, (c0, c1)) in enumerate(zip(rows, keep)):
             for (name, layer), x in states.items():
                 piece = x[i, c0 - first : c1 - first]
                 (row.cap[name][layer] if layer is not None else row.cap[name]).append(piece)
+            if spec.topk:
+                a = min(max(c0, lo), c1)
+                if a > c0:  # no logits computed for these columns
+                    row.cap["topk_values"].append(torch.zeros(a - c0, spec.topk))
+                    row.cap["topk_indices"].append(torch.zeros(a - c0, spec.topk, dtype=torch.long))
+                if c1 > a:
+                    row.cap["topk_values"].append(values[i, a - lo : c1 - lo])
+                    row.cap["topk_indices"].append(indices[i, a - lo : c1 - lo])
 
     # ------------------------------------------------------------------ admission
 
@@ -388,18 +408,41 @@ class ContinuousBatcher:
         return {"layers": {i: list(pre["layers"][i]) if pre else [] for i in self.capture.layers},
                 **{k: list(pre[k]) if pre else [] for k in ("last_hidden", "topk_values", "topk_indices")}}
 
-    def _prefix_forward(self, ids: list[int]) -> _Prefix:
+    def _prefix_forward(self, ids: list[int], all_logits: bool) -> _Prefix:
         """The shared prefix's keys / values (and captured states), computed once per run."""
         x = torch.tensor([ids], dtype=torch.long)
         cache = DynamicCache()
-        logits, cap = self._forward(x, torch.ones_like(x), torch.arange(len(ids)).unsqueeze(0), cache,
-                                    all_logits=self.capture is not None and bool(self.capture.topk))
+        keep = 0 if all_logits and self.capture is not None and self.capture.topk else 1
+        logits, cap = self._forward(x, torch.ones_like(x), torch.arange(len(ids)).unsqueeze(0), cache, keep)
         prefix = _Prefix(len(ids), [lay.keys for lay in cache.layers], [lay.values for lay in cache.layers])
         if cap is not None:
             row = _Row(Request(None, ids, 0), pos=len(ids), cap=self._new_capture())
-            self._record([row], cap, logits, [(0, len(ids))])
+            self._record([row], cap, logits, [(0, len(ids))], logits_start=len(ids) - logits.shape[1])
             prefix.cap = row.cap
         return prefix
+
+    def _logit_columns(self, r: Request) -> int:
+        """How many of the request's suffix columns (after the shared prefix) need logits."""
+        S = self._prefix.length if self._prefix is not None else 0
+        n = len(r.prompt_ids)
+        if not (self.capture is not None and self.capture.topk):
+            return 1
+        return n - S if r.logits_from is None else n - max(min(r.logits_from, n - 1), S)
+
+    def _logit_groups(self, group: list[Request]) -> list[list[Request]]:
+        """Split a prefill group so that rows x logit columns stays within the logits budget."""
+        if not self.logit_tokens:
+            return [group]
+        out: list[list[Request]] = []
+        widest = 0
+        for r in sorted(group, key=self._logit_columns):
+            w = self._logit_columns(r)
+            if out and (len(out[-1]) + 1) * max(widest, w) <= self.logit_tokens:
+                out[-1].append(r)
+            else:
+                out.append([r])
+            widest = w  # ascending order: the newest row is the widest of its group
+        return out
 
     def _prefill(self, reqs: list[Request]) -> _Prefill:
         """One left-padded forward over `reqs` (similar lengths: see `length_groups`).
@@ -420,7 +463,8 @@ class ContinuousBatcher:
         if S:
             for li, (k, v) in enumerate(zip(self._prefix.keys, self._prefix.values)):
                 cache.update(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), li)
-        logits, cap = self._forward(ids, mask, pos, cache, all_logits=self.capture is not None and bool(self.capture.topk))
+        keep = max(self._logit_columns(r) for r in reqs)
+        logits, cap = self._forward(ids, mask, pos, cache, keep)
         rows = []
         for r in reqs:
             row = _Row(r, pos=len(r.prompt_ids))
@@ -430,13 +474,14 @@ class ContinuousBatcher:
                 row.cap = self._new_capture()
             rows.append(row)
         if cap is not None:
-            self._record(rows, cap, logits, [(P - (len(r.prompt_ids) - S), P) for r in reqs])
+            self._record(rows, cap, logits, [(P - (len(r.prompt_ids) - S), P) for r in reqs], logits_start=P - keep)
         first = sample_next(logits[:, -1], self.sampling, [r.gen for r in rows])
         return _Prefill(rows, first, cache, mask)
 
     def _admit(self, store: _SlotStore, rows: list[_Row], reqs: list[Request]) -> int:
         """Prefill `reqs` (in groups of similar length) and merge them into the store. Returns prompt tokens."""
-        done = [self._prefill(g) for g in length_groups(reqs, self.max_padding, self.prefill_tokens)]
+        groups = [sub for g in length_groups(reqs, self.max_padding, self.prefill_tokens) for sub in self._logit_groups(g)]
+        done = [self._prefill(g) for g in groups]
         P = max(d.mask.shape[1] for d in done)
         if not store.k:
             store._alloc(done[0].cache.layers[0].keys)
@@ -485,7 +530,9 @@ class ContinuousBatcher:
         if self.shared_prefix:
             S = min(common_prefix_length([r.prompt_ids for r in queue]), min(len(r.prompt_ids) for r in queue) - 1)
             if S >= self.min_prefix:
-                self._prefix = self._prefix_forward(queue[0].prompt_ids[:S])
+                wants = [r.logits_from for r in queue]  # does any row want logits inside the prefix?
+                self._prefix = self._prefix_forward(queue[0].prompt_ids[:S],
+                                                    all_logits=any(f is None or f < S - 1 for f in wants))
         prefill_s = time.perf_counter() - t0
         longest = max(len(r.prompt_ids) for r in queue)
         max_new = max(r.max_new_tokens for r in queue)
@@ -512,8 +559,7 @@ class ContinuousBatcher:
             ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
             pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long)
             store.mask[:a, n] = 1
-            logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache,
-                                        all_logits=False)
+            logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache)
             store.n = n + 1
             steps += 1
             rows_fed += a

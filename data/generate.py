@@ -254,7 +254,10 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 else:
                     ids, pmask = fmt(r, responses[r.row_id])
                 masks[r.row_id] = pmask
-                reqs.append(Request(r.row_id, ids, gen.max_new_tokens, seed=_row_seed(gen.seed, r.row_id, turn)))
+                # top-k logits are wanted from the position that predicts the first learned token on
+                learned = next((i for i, m in enumerate(pmask) if m), len(ids))
+                reqs.append(Request(r.row_id, ids, gen.max_new_tokens, seed=_row_seed(gen.seed, r.row_id, turn),
+                                    logits_from=max(learned - 1, 0)))
             _run_engine(target, config, reqs, lambda c, masks=masks: finish(c, masks[c.key]), on_tokens)
             turn += 1
         chunks.flush()

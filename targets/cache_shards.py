@@ -9,7 +9,10 @@ On disk (`out_dir/`):
 
     shard-00000.safetensors   concatenated rows: layer.<i> [N, H] (hidden_dtype), last_hidden [N, H],
                               topk_values [N, k] float32, topk_indices [N, k] int32; the safetensors
-                              metadata holds {"rows": [[row_id, offset, length], ...]}
+                              metadata holds {"rows": [[row_id, offset, length], ...]}. Top-k rows of
+                              positions no loss reads (a prompt's positions before the one that
+                              predicts the first learned token) may be zeros: the data engine skips
+                              their lm_head
     index.json                layers, topk, hidden_size, hidden_dtype, fields, target fingerprint,
                               rows: {row_id: [shard, offset, length]}, shards
 

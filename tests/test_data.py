@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -346,6 +347,43 @@ def test_capture_matches_a_full_forward(tiny_target, prefix):
         torch.testing.assert_close(c.capture["layers"][-1], ref.layers[-1][0], atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(c.capture["last_hidden"], ref.last_hidden[0], atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(c.capture["topk_values"], ref.logits[0].topk(4).values, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("prefix", [0, 12])
+def test_capture_skips_prompt_logits_no_row_wants(tiny_target, prefix):
+    """With `logits_from`, top-k of earlier prompt positions are zeros and everything else is unchanged,
+    also when the logits budget splits a prefill group row by row."""
+    from draftsmith.targets.capture import capture_forward
+
+    reqs = _random_requests(tiny_target.vocab_size, n=6, prefix=prefix)
+    for i, r in enumerate(reqs):  # mostly the last prompt position; a multi-turn-like row wants more
+        r.logits_from = len(r.prompt_ids) - 1 - (5 if i == 2 else 0)
+    spec = CaptureSpec(layers=[0], topk=4, last_hidden=True, dtype=torch.float32)
+    full = _run(tiny_target, copy.deepcopy(reqs), 3, capture=spec)
+    for budget in (None, 1):
+        engine = ContinuousBatcher(tiny_target.model, [tiny_target.tokenizer.eos_token_id, 5],
+                                   tiny_target.tokenizer.pad_token_id, batch_size=3, capture=spec)
+        if budget:
+            engine.logit_tokens = budget  # rows x logit columns per prefill: one row per prefill
+        got, skipped = {}, 0
+        engine.run(reqs, lambda c: got.__setitem__(c.key, c))
+        for r in reqs:
+            c, ref = got[r.key], capture_forward(tiny_target.model, torch.tensor([r.prompt_ids + got[r.key].tokens]))
+            assert c.tokens == full[r.key].tokens
+            lf = max(r.logits_from, 0)
+            vals = c.capture["topk_values"]
+            assert vals.shape[0] == len(r.prompt_ids) + len(c.tokens)
+            torch.testing.assert_close(vals[lf:], ref.logits[0, lf:].topk(4).values, atol=2e-4, rtol=1e-4)
+            zero = (vals[:lf] == 0).all(-1) & (c.capture["topk_indices"][:lf] == 0).all(-1)
+            if budget:  # alone in its prefill, a row gets no logits left of `logits_from` (the shared
+                assert zero[: max(prefix - 1, 0)].all() and zero[prefix:].all()  # prefix's last one aside)
+            else:  # a wider row in the same prefill may give it real ones
+                skipped += int(zero.sum())
+                torch.testing.assert_close(vals[:lf][~zero], ref.logits[0, :lf][~zero].topk(4).values,
+                                           atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(c.capture["last_hidden"], full[r.key].capture["last_hidden"],
+                                       atol=2e-4, rtol=1e-4)
+        assert budget or skipped > 0
 
 
 # ----------------------------------------------------------------------------------- end to end
