@@ -63,3 +63,10 @@ def test_use_rows_linear_swaps_plain_linears_only():
 def test_targets_are_loaded_with_rows_linear(tiny_target):
     kinds = {type(m) for m in tiny_target.model.modules() if isinstance(m, nn.Linear)}
     assert kinds == {RowsLinear}
+
+
+def test_compare_times_both_paths_and_restores_the_switch(tiny_target):
+    saved = gemm.ENABLED
+    res = gemm.compare(tiny_target, [1, 3], context=8, repeats=1)
+    assert set(res) == {1, 3} and all(t["linear"] > 0 and t["rows"] > 0 for t in res.values())
+    assert gemm.ENABLED == saved
