@@ -105,13 +105,16 @@ class MedusaHeads(nn.Module):
             # stored outside the module tree so it is neither trained, saved nor DDP-synchronised
             object.__setattr__(self, "_shared_lm_head", lm_head)
 
+    def _lm_head_weight(self) -> torch.Tensor:
+        if self._shared_lm_head is None:
+            raise ConfigError("these Medusa heads share the target's lm_head: call attach_lm_head first")
+        return self._shared_lm_head.weight
+
     def project(self, i: int, feats: torch.Tensor) -> torch.Tensor:
         head = self.heads[i]
         if head.lm_head is not None:
             return head.lm_head(feats)
-        if self._shared_lm_head is None:
-            raise ConfigError("these Medusa heads share the target's lm_head: call attach_lm_head first")
-        w = self._shared_lm_head.weight
+        w = self._lm_head_weight()
         return rows_linear(feats.to(w.dtype), w)
 
     def forward(self, hidden: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
@@ -119,7 +122,15 @@ class MedusaHeads(nn.Module):
         (training feeds each head only the positions its loss uses; the vocab projection dominates)."""
         if isinstance(hidden, list | tuple):
             return [self.project(i, self.heads[i].features(h)) for i, h in enumerate(hidden)]
-        return torch.stack([self.project(i, head.features(hidden)) for i, head in enumerate(self.heads)])
+        return self.first_logits(len(self.heads), hidden)
+
+    def first_logits(self, n: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of heads 0..n-1, [n, .., V]."""
+        feats = torch.stack([self.heads[i].features(hidden) for i in range(n)])  # [n, .., H]
+        if self.config.share_lm_head:  # one product over every head's rows: at decode time n rows instead
+            w = self._lm_head_weight()  # of n one-row products (4 x 13 ms -> ~10 ms on SmolLM2, 2 CPU cores)
+            return rows_linear(feats.to(w.dtype), w)
+        return torch.stack([self.heads[i].lm_head(f) for i, f in enumerate(feats)])
 
     def head_logits(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         return self.project(i, self.heads[i].features(hidden))

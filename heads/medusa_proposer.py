@@ -54,7 +54,7 @@ class MedusaProposer(Proposer):
         param = next(self.heads.parameters(), None)
         h = self.h.to(param.dtype) if param is not None else self.h
         if spec.is_chain or self.tree is None:
-            tokens = [int(self.heads.head_logits(i, h).argmax()) for i in range(depth)]
+            tokens = self.heads.first_logits(depth, h).argmax(-1).tolist()
             return Proposal.chain(tokens, device=context.device)
         paths = [p for p in self.tree.paths
                  if len(p) <= depth and all(r < spec.branching[d] for d, r in enumerate(p))]
@@ -62,7 +62,8 @@ class MedusaProposer(Proposer):
             paths = paths[: spec.max_nodes]  # tree paths are ordered parents-first: a prefix stays closed
         used_depth = max((len(p) for p in paths), default=0)
         ranks_needed = [1 + max((p[d] for p in paths if len(p) > d), default=0) for d in range(used_depth)]
-        top = [self.heads.head_logits(d, h).topk(ranks_needed[d]).indices.tolist() for d in range(used_depth)]
+        logits = self.heads.first_logits(used_depth, h) if used_depth else None
+        top = [logits[d].topk(ranks_needed[d]).indices.tolist() for d in range(used_depth)]
         index = {p: i for i, p in enumerate(paths)}
         tokens = [top[len(p) - 1][p[-1]] for p in paths]
         parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]

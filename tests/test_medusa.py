@@ -31,6 +31,23 @@ def test_fresh_heads_predict_what_the_target_predicts(tiny_target, share):
         torch.testing.assert_close(logits[i], out.logits)
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_batched_forward_equals_head_by_head(tiny_target, share):
+    """forward() projects every head at once (one product over K rows when the lm_head is shared)."""
+    model = tiny_target.model
+    heads = MedusaHeads.from_target(model.config, num_heads=3, num_layers=1, share_lm_head=share,
+                                    lm_head=model.lm_head)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for shape in ((1, tiny_target.hidden_size), (2, 5, tiny_target.hidden_size)):
+            h = torch.randn(*shape)
+            got = heads(h)
+            for i in range(3):
+                torch.testing.assert_close(got[i], heads.head_logits(i, h), atol=1e-5, rtol=1e-5)
+
+
 def test_every_block_has_its_own_parameters(tiny_target):
     H, V = tiny_target.hidden_size, tiny_target.vocab_size
     heads = MedusaHeads.from_target(tiny_target.model.config, num_heads=4, num_layers=3)
