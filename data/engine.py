@@ -287,8 +287,7 @@ def length_groups(reqs: Sequence[Request], max_padding: float, max_tokens: int |
 
     A left-padded prefill costs rows x longest prompt: one long prompt among short ones would make every
     row pay for its length (a 1,350-token prompt in a group of 16 ~100-token prompts cost 14x the compute).
-    The token bound caps a prefill's activations (and its [rows, tokens, vocab] logits when top-k logits
-    are captured).
+    The token bound caps a prefill's activations.
     """
     order = sorted(reqs, key=lambda r: len(r.prompt_ids))
     groups: list[list[Request]] = []
@@ -345,9 +344,7 @@ class ContinuousBatcher:
         # at batch 32-64 on SmolLM2 (2 CPU cores, 2026-11-23)
         self.gqa_sdpa = gqa_sdpa
         self.max_padding = max_padding  # prefill groups pad at most this fraction of their tokens
-        # and hold at most this many tokens; with top-k capture the prefill keeps logits for every position,
-        # so the bound is also sized to keep those near 256 MB (a 24 x 500-token group was 2.4 GB on SmolLM2)
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens = prefill_tokens  # ... and hold at most this many tokens
         # with top-k capture a prefill keeps [rows, columns, vocab] logits for the columns its rows want
         # (`Request.logits_from`): groups are split to keep those near 256 MB (a 24 x 500-token group of
         # all-position logits was 2.4 GB on SmolLM2)
