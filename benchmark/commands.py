@@ -10,6 +10,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None, help="results folder (default <out>/<date>[-quick]; reuse it to resume)")
     p.add_argument("--prompts", nargs="+", default=None, help="extra prompt files, evaluated with the shared sets")
     p.add_argument("--no-update", action="store_true", help="do not touch BENCHMARKS.md")
+    p.add_argument("--redo", nargs="+", default=None, metavar="STAGE",
+                   help="run these finished stages again when resuming (e.g. eval/medusa after a decoder change)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the bench config")
     p.set_defaults(func=run)
 
@@ -17,6 +19,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from draftsmith.benchmark.run import run_bench
 
-    summary = run_bench(args.config, args.overrides, args.quick, args.out, args.prompts, not args.no_update)
+    summary = run_bench(args.config, args.overrides, args.quick, args.out, args.prompts, not args.no_update,
+                        redo=args.redo)
     print(f"results: {summary['results']}/summary.md")
     return 0

@@ -7,7 +7,7 @@ import json
 
 import yaml
 
-from draftsmith.benchmark.run import BEGIN, END, run_bench, update_benchmarks_md
+from draftsmith.benchmark.run import BEGIN, END, GENERATED_HEADING, run_bench, update_benchmarks_md
 
 
 def test_update_benchmarks_md_replaces_only_its_block(tmp_path):
@@ -19,6 +19,12 @@ def test_update_benchmarks_md_replaces_only_its_block(tmp_path):
     text = md.read_text()
     assert "hand-written text" in text and "first" not in text and "second" in text and "other" in text
     assert text.count(BEGIN.format(key="t:quick")) == 1 and text.count(END.format(key="t:full")) == 1
+    # a third block joins the other two under the one heading, ahead of text written after them
+    md.write_text(md.read_text() + "\n## Hand-written later\n")
+    update_benchmarks_md(md, "u:quick", "third")
+    text = md.read_text()
+    assert text.count(GENERATED_HEADING) == 1
+    assert text.index("other") < text.index("third") < text.index("## Hand-written later")
 
 
 def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
@@ -67,10 +73,19 @@ def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
     assert all(s.get("skipped_on_resume") for s in again["stages"].values())
     assert (tmp_path / "BENCH.md").read_text().count(BEGIN.format(key=f"{folder}:quick")) == 1
 
+    # --redo runs a finished measurement again and keeps the rest; a training stage cannot be redone
+    report = out / "eval" / "ngram" / "report.json"
+    before = report.stat().st_mtime_ns
+    redone = run_bench("bench.yaml", [], quick=True, out=str(out), progress=False, redo=["eval/ngram"])
+    assert report.stat().st_mtime_ns > before and not redone["stages"]["eval/ngram"].get("skipped_on_resume")
+    assert redone["stages"]["eval/medusa"].get("skipped_on_resume")
+
     # a folder holds one bench: another configuration (here another budget) may not resume into it
     import pytest
 
     from draftsmith.errors import DraftsmithError
 
+    with pytest.raises(DraftsmithError, match="cannot redo train/medusa"):
+        run_bench("bench.yaml", [], quick=True, out=str(out), progress=False, redo=["train/medusa"])
     with pytest.raises(DraftsmithError, match="another bench"):
         run_bench("bench.yaml", ["budgets.quick.limit_per_domain=2"], quick=True, out=str(out), progress=False)
