@@ -30,6 +30,7 @@ class GenerationStats:
     """Counters summed over the rows of one call (see `StepStats` for the per-field meaning)."""
 
     proposed: int = 0
+    pruned: int = 0
     accepted: int = 0
     target_forwards: int = 0  # verification forwards (prefill not included)
     prefill_forwards: int = 0
@@ -43,6 +44,7 @@ class GenerationStats:
 
     def add(self, s: StepStats, new_tokens: int) -> None:
         self.proposed += s.proposed
+        self.pruned += s.pruned
         self.accepted += s.accepted
         self.target_forwards += s.steps
         self.prefill_forwards += 1 if new_tokens else 0
@@ -58,7 +60,7 @@ class GenerationStats:
 
     def merge(self, other: GenerationStats) -> None:
         """Add another call's counters and times (e.g. to aggregate prompts into a domain)."""
-        for name in ("proposed", "accepted", "target_forwards", "prefill_forwards", "prefill_tokens", "new_tokens",
+        for name in ("proposed", "pruned", "accepted", "target_forwards", "prefill_forwards", "prefill_tokens", "new_tokens",
                      "proposer_time", "target_time", "wall_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.proposed_per_position, other.proposed_per_position),
@@ -87,7 +89,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return {
-            "proposed": self.proposed, "accepted": self.accepted, "target_forwards": self.target_forwards,
+            "proposed": self.proposed, "pruned": self.pruned, "accepted": self.accepted, "target_forwards": self.target_forwards,
             "prefill_forwards": self.prefill_forwards, "prefill_tokens": self.prefill_tokens,
             "new_tokens": self.new_tokens,
             "proposed_per_position": list(self.proposed_per_position),
@@ -133,7 +135,7 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
                          tree: TreeSpec | tuple[int, ...] | None = None, temperature: float = 0.0,
                          top_p: float = 1.0, top_k: int = 0, seed: int | None = 0,
                          eos_ids: list[int] | None = None, attention_mask=None,
-                         adaptive=None) -> GenerationResult:
+                         adaptive=None, cost=None) -> GenerationResult:
     """Generate up to `max_new_tokens` per row with `proposer` verified by `target`.
 
     target: a `Target` or an HF causal LM. input_ids: [B, T] tensor (with `attention_mask` for padding),
@@ -141,6 +143,8 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
     per depth instead of k. eos_ids: default = the target's EOS ids. seed: sampling seed (per call).
     adaptive: a `decoding.adaptive.AdaptiveK` controller: every step's chain length is chosen by it (at most
     k), 0 meaning a plain step; it is reset for every row.
+    cost: a `decoding.budget.VerifyCost` (v(n) measured on this target): proposals that carry node scores
+    (Medusa, EAGLE-2 trees) are cut every step to the nodes that pay for their verification.
     """
     model = as_model(target)
     if eos_ids is None:
@@ -166,7 +170,7 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
     k_history: list[list[int]] = []
     wall0 = time.perf_counter()
     for row in _rows(input_ids, attention_mask):
-        seq = SequenceVerifier(model, proposer, sampling, generator, vocab)
+        seq = SequenceVerifier(model, proposer, sampling, generator, vocab, cost=cost)
         if adaptive is not None:
             adaptive.reset()
         new: list[int] = []

@@ -86,11 +86,14 @@ class TreeSpec:
 
 @dataclass
 class Proposal:
-    """A token tree (see module docstring). tokens/parents: [N] long; q: [N, V] float32 or None."""
+    """A token tree (see module docstring). tokens/parents: [N] long; q: [N, V] float32 or None; scores:
+    [N] float or None, node i's estimated probability of being accepted with its whole root path (never
+    larger than its parent's), which lets the verifier cut the tree to the nodes that pay (`decoding.budget`)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     q: torch.Tensor | None = None
+    scores: torch.Tensor | None = None  # [N] estimated P(node i's root path is accepted); see decoding/budget.py
     _children: dict[int, list[int]] | None = field(default=None, repr=False)
     _depth: list[int] | None = field(default=None, repr=False)
 
@@ -155,6 +158,8 @@ class Proposal:
             raise DraftsmithError("proposal token id out of the target's vocabulary")
         if self.q is not None and tuple(self.q.shape) != (n, vocab_size):
             raise DraftsmithError(f"proposal q has shape {tuple(self.q.shape)}, expected {(n, vocab_size)}")
+        if self.scores is not None and tuple(self.scores.shape) != (n,):
+            raise DraftsmithError(f"proposal scores have shape {tuple(self.scores.shape)}, expected {(n,)}")
 
 
 @dataclass

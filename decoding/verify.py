@@ -126,7 +126,8 @@ def accept_sampled(proposal: Proposal, p: torch.Tensor, generator: torch.Generat
 class StepStats:
     """Counters of one sequence (summed over sequences by `GenerationStats`)."""
 
-    proposed: int = 0  # proposed draft tokens (tree nodes)
+    proposed: int = 0  # proposed draft tokens (tree nodes) that were verified
+    pruned: int = 0  # proposed nodes the cost model cut before verification (decoding/budget.py)
     accepted: int = 0  # accepted draft tokens
     steps: int = 0  # verification forwards
     emitted: int = 0  # tokens emitted by verification steps (accepted + correction/bonus, after truncation)
@@ -156,7 +157,10 @@ class SequenceVerifier:
     """Speculative decoding state of ONE sequence: target cache, committed tokens, proposer, counters."""
 
     def __init__(self, model, proposer: Proposer, sampling: SamplingConfig, generator: torch.Generator | None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, cost=None):
+        self.cost = cost  # a decoding.budget.VerifyCost: cut scored proposals to the nodes that pay
+        if hasattr(proposer, "use_cost"):  # a proposer that can stop drafting what would be cut (EAGLE-2)
+            proposer.use_cost(cost)
         self.model = model
         self.proposer = proposer
         self.sampling = sampling
@@ -229,6 +233,12 @@ class SequenceVerifier:
         t1 = time.perf_counter()
         self.stats.proposer_time += t1 - t0
         proposal.validate(spec, self.vocab_size)
+        if self.cost is not None and proposal.scores is not None and (proposal.q is None or self.sampling.greedy):
+            from draftsmith.decoding.budget import prune
+
+            n_proposed = len(proposal)
+            proposal = prune(proposal, self.cost, (t1 - t0) / self.cost.t_step_s)
+            self.stats.pruned += n_proposed - len(proposal)
         proposal.tokens = proposal.tokens.to(self.device)
 
         ids = torch.cat([self.context[-1:], proposal.tokens])[None]

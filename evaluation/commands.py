@@ -43,6 +43,8 @@ def register(subparsers) -> None:
     p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1; `auto` = the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)")
     p.add_argument("--no-hf-reference", action="store_true", help="skip timing HF generate")
     p.add_argument("--no-cost-model", action="store_true", help="skip measuring v(k)")
+    p.add_argument("--no-prune-tree", action="store_true",
+                   help="verify every node a tree proposer returns (default: cut scored trees to the nodes that pay)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.set_defaults(func=run)
 
@@ -77,6 +79,8 @@ def build_config(args):
             raise ConfigError(f"--tree {args.tree}: expected comma-separated integers like 4,2,1") from None
     if args.no_hf_reference:
         overrides.append("hf_reference=false")
+    if args.no_prune_tree:
+        overrides.append("prune_tree=false")
     if args.no_cost_model:
         overrides.append("cost_model=false")
     return load_config(args.config, overrides, cls=EvalConfig)

@@ -17,6 +17,7 @@ class EvalConfig:
     k: int = 4  # chain length (ignored when tree is given)
     tree: list[int] | None = None  # branching factor per depth, e.g. [4, 2, 1]
     tree_from_proposer: bool = False  # use the proposer's own tree (Medusa's calibrated tree, EAGLE-2's budget)
+    prune_tree: bool = True  # trees with node scores are cut every step to the nodes that pay (decoding/budget.py)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

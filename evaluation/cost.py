@@ -24,14 +24,20 @@ import torch
 
 from draftsmith.decoding import kvcache
 from draftsmith.decoding.proposer import as_model
+from draftsmith.decoding.verify import tree_attention
 
 
 @torch.no_grad()
 def measure_verify_cost(target, context_length: int = 256, k_max: int = 16, repeats: int = 9,
-                        seed: int = 0) -> dict:
-    """v(k) for k = 0..k_max: median time of a (k+1)-token forward on a `context_length` cache / 1-token time."""
+                        seed: int = 0, tree_mask: bool = False) -> dict:
+    """v(k) for k = 0..k_max: median time of a (k+1)-token forward on a `context_length` cache / 1-token time.
+
+    tree_mask: feed every forward of more than one token with the verifier's 4-D tree mask (a tree's
+    verify forward; a mask's shape, not its pattern, sets the cost) instead of the causal one of a chain.
+    """
     model = as_model(target)
     device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, vocab, (1, context_length), generator=g).to(device)
@@ -41,10 +47,13 @@ def measure_verify_cost(target, context_length: int = 256, k_max: int = 16, repe
 
     def run(n: int) -> float:
         pos = torch.arange(context_length, context_length + n, device=device)[None]
+        mask = None
+        if tree_mask and n > 1:
+            mask, pos = tree_attention(list(range(-1, n - 2)), context_length, dtype, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        model(input_ids=new[:, :n], past_key_values=cache, position_ids=pos, use_cache=True)
+        model(input_ids=new[:, :n], attention_mask=mask, past_key_values=cache, position_ids=pos, use_cache=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from draftsmith.decoding.budget import VerifyCost
 from draftsmith.decoding.draft import DraftProposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
 from draftsmith.decoding.proposer import Proposer, TreeSpec, build_proposer
@@ -109,6 +110,8 @@ def _summary(spec: GenerationStats, base: GenerationStats, n_prompts: int, lossl
         "lossless": lossless,
         "hf_generate_tokens_per_s": hf_tokens / hf_time if hf_time > 0 else None,
         "proposed": spec.proposed,
+        "pruned": spec.pruned,
+        "verified_nodes_per_step": spec.proposed / spec.target_forwards if spec.target_forwards else None,
         "accepted": spec.accepted,
         "proposed_per_position": spec.proposed_per_position,
         "accepted_per_position": spec.accepted_per_position,
@@ -179,6 +182,24 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         other = build_proposer(s, target)
         own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
         others[s] = (other, dict(tree=own, k=None) if own is not None else dict(k=cfg.k))
+    verify_cost = None
+    if cfg.prune_tree and not spec.is_chain:
+        # scored trees (Medusa, EAGLE-2) are cut every step to the nodes that pay: v(n) with a tree mask,
+        # measured here before decoding, over every node count a tree of this run can have
+        n_max = max([spec.capacity()] + [kw["tree"].capacity() for _, kw in others.values() if kw.get("tree")])
+        log.info("measuring v(n), n = 0..%d tree nodes, to size the trees", n_max)
+        verify_cost = VerifyCost.from_measurement(cost.measure_verify_cost(
+            target, cfg.cost_context, n_max, min(cfg.cost_repeats, 5), cfg.seed, tree_mask=True))
+        spec_kw["cost"] = verify_cost
+        if hasattr(prop, "fit_tree"):  # a tree that is the same every step (Medusa's) is cut once, up front
+            spec = prop.fit_tree(spec, verify_cost)
+            spec_kw["tree"] = spec
+            log.info("tree cut to %d nodes, branching %s, by the cost model", spec.capacity(), list(spec.branching))
+        for other, kw in others.values():
+            if kw.get("tree") is not None:
+                kw["cost"] = verify_cost
+                if hasattr(other, "fit_tree"):
+                    kw["tree"] = other.fit_tree(kw["tree"], verify_cost)
 
     # warm-up (not counted): every code path once
     warm = format_prompt(tok, rows[0].text)
@@ -303,8 +324,10 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         base_all.merge(r["base"])
     t_step = base_all.target_time / max(base_all.target_forwards, 1)
     spec_all: GenerationStats = overall["_stats"]
-    c = (spec_all.proposer_time / max(spec_all.proposed, 1)) / t_step if t_step > 0 else 0.0
+    c = (spec_all.proposer_time / max(spec_all.proposed + spec_all.pruned, 1)) / t_step if t_step > 0 else 0.0
     cost_model: dict = {"c": c, "t_step_decode_s": t_step}
+    if verify_cost is not None:
+        cost_model["v_tree"] = {str(n): v for n, v in enumerate(verify_cost.v)}
     recommended: dict = {}
     policy: dict = {}
     if cfg.cost_model:
@@ -356,7 +379,8 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         "proposer": cfg.proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__),
         "settings": {
             "max_new_tokens": cfg.max_new_tokens, "k": None if cfg.tree else cfg.k, "tree": cfg.tree,
-            "tree_max_nodes": spec.max_nodes,
+            "tree_max_nodes": spec.max_nodes, "prune_tree": verify_cost is not None,
+            "tree_verified": list(spec.branching) if cfg.tree else None,  # after a cut by the cost model
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),

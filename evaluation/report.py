@@ -8,7 +8,8 @@ from pathlib import Path
 from draftsmith.storage import atomic_write_json, atomic_write_text
 
 FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "tokens_per_s",
-          "baseline_tokens_per_s", "speedup", "lossless", "hf_generate_tokens_per_s", "predicted_speedup"]
+          "baseline_tokens_per_s", "speedup", "lossless", "hf_generate_tokens_per_s", "predicted_speedup",
+          "verified_nodes_per_step"]
 
 
 def _fmt(v) -> str:
@@ -30,7 +31,9 @@ def render_markdown(report: dict) -> str:
         f"- date: {report['date']}", f"- command: `{report['command']}`",
         f"- settings: max_new_tokens={s['max_new_tokens']}, k={s['k']}, tree={s['tree']}, "
         f"temperature={s['temperature']}, top_p={s['top_p']}, top_k={s['top_k']}, "
-        f"limit_per_domain={s['limit_per_domain']}",
+        f"limit_per_domain={s['limit_per_domain']}"
+        + (f", trees cut to the nodes that pay (v(n) below; verified tree {s.get('tree_verified')}, at most "
+           f"{s.get('tree_max_nodes')} nodes)" if s.get("prune_tree") else ""),
         f"- machine: {report['machine'].get('platform')}, {report['machine'].get('cpu_count')} CPUs, "
         f"device {report['machine'].get('device')}", "",
         "## Per domain", "",
@@ -86,6 +89,11 @@ def render_markdown(report: dict) -> str:
                   f"{cm['t_step_s'] * 1000:.1f} ms at context {cm['context_length']}", "",
                   "| k | " + " | ".join(cm["v"]) + " |", "|---|" + "---|" * len(cm["v"]),
                   "| v(k) | " + " | ".join(f"{x:.2f}" for x in cm["v"].values()) + " |"]
+    if cm.get("v_tree"):
+        vt = cm["v_tree"]
+        lines += ["", "v(n) with the tree mask, used to size the trees (decoding/budget.py):", "",
+                  "| n | " + " | ".join(vt) + " |", "|---|" + "---|" * len(vt),
+                  "| v(n) | " + " | ".join(f"{x:.2f}" for x in vt.values()) + " |"]
     if report.get("recommended_k"):
         lines += ["", "recommended k: " + ", ".join(f"{n} {r['k']} (predicted speedup {r['predicted_speedup']:.2f})"
                                                    for n, r in report["recommended_k"].items())]

@@ -21,6 +21,9 @@ value is the product of its path's draft probabilities, V(node) = Π p_draft (su
      each giving its top-k children (at most spec.branching[d]).
   3. Rerank ALL created nodes by value and keep the best `max_nodes`. A child's value never exceeds its
      parent's (p <= 1; ties broken by depth), so the kept set is closed under ancestors: a valid tree.
+When the verifier cuts trees by a cost model (`decoding/budget.py`, via `use_cost`), the values are the
+scores it cuts by, and step 2 stops at the first depth whose levels no cut could use
+(`budget.worth_deeper`: an upper bound with every new node at the best frontier value).
 Candidates are deterministic given the context (argmax / top-k), so proposals carry q = None and the
 verifier's rule "sample y ~ p, follow the child equal to y" keeps sampling lossless; greedy verification
 reproduces the target's greedy output.
@@ -28,8 +31,12 @@ reproduces the target's greedy output.
 
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 
+from draftsmith.decoding.budget import worth_deeper
 from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
 from draftsmith.errors import ConfigError
 from draftsmith.heads.eagle import DraftKV, EagleHead
@@ -50,6 +57,11 @@ class EagleProposer(Proposer):
         self.n_done = 0  # committed positions with a step-0 entry in self.kv
         self.pending: list[torch.Tensor] = []  # target features [n, F] of positions not yet entered
         self.root: torch.Tensor | None = None  # a^0 at the newest committed position, [H]
+        self.cost = None  # the verifier's VerifyCost, if it cuts trees: then drafting stops where the cut would
+        self.level_s: float | None = None  # running mean time of one tree level (an expansion), seconds
+
+    def use_cost(self, cost) -> None:
+        self.cost = cost
 
     def default_tree_spec(self) -> TreeSpec:
         if not self.tree:
@@ -168,6 +180,7 @@ class EagleProposer(Proposer):
                 i = parent[i]
             return out[::-1]
 
+        t_start = time.perf_counter()
         hidden: dict[int, torch.Tensor] = {}  # expanded node -> its output feature
         add_children(-1, self.head.logits(self.root), 0.0, 1)
         frontier = list(range(len(tok)))
@@ -176,6 +189,16 @@ class EagleProposer(Proposer):
             chosen = sorted(frontier, key=lambda i: -score[i])[: self.topk]
             if not chosen:
                 break
+            if self.cost is not None and self.level_s is not None:
+                # the verifier will cut the tree to the nodes that pay (decoding/budget.py): stop drafting
+                # levels that no cut could use, judged by an upper bound on what they could add
+                t_step = self.cost.t_step_s
+                per_level = [len(chosen) * self.topk] + [self.topk * self.topk] * (depth - d - 1)
+                if not worth_deeper([math.exp(x) for x in score], math.exp(max(score[i] for i in chosen)),
+                                    per_level, budget, self.cost, (time.perf_counter() - t_start) / t_step,
+                                    self.level_s / t_step):
+                    break
+            t_level = time.perf_counter()
             parents_h = torch.stack([self.root if parent[i] < 0 else hidden[parent[i]] for i in chosen])
             anc = [ancestors(parent[i]) if parent[i] >= 0 else [] for i in chosen]
             tokens = torch.tensor([tok[i] for i in chosen], dtype=torch.long, device=self._device)
@@ -188,10 +211,15 @@ class EagleProposer(Proposer):
                 hidden[i] = out[r]
                 add_children(i, logits[r], score[i], d + 1)
             frontier = list(range(first_new, len(tok)))
+            dt = time.perf_counter() - t_level
+            self.level_s = dt if self.level_s is None else 0.8 * self.level_s + 0.2 * dt
         # EAGLE-2 step 3: rerank every node, keep the best `budget` (closed under ancestors, see docstring)
         keep = sorted(range(len(tok)), key=lambda i: (-score[i], node_depth[i], i))[:budget]
         keep.sort()
         new_index = {old: new for new, old in enumerate(keep)}
         parents = [new_index[parent[i]] if parent[i] >= 0 else -1 for i in keep]
+        # the draft's path probability is EAGLE-2's estimate of the node's acceptance: the verifier may cut
+        # the tree to the nodes that pay for their verification (decoding/budget.py)
+        scores = torch.tensor([score[i] for i in keep], dtype=torch.float32).exp()
         return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
-                        torch.tensor(parents, dtype=torch.long, device=device))
+                        torch.tensor(parents, dtype=torch.long, device=device), scores=scores)

@@ -223,13 +223,26 @@ def medusa_loss_dense(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
 class MedusaTree:
     paths: list[tuple[int, ...]] = field(default_factory=list)  # rank paths, parents before children
     expected_length: float = 0.0  # Σ node probabilities (+1 for the bonus token gives τ)
+    probs: list[float] | None = None  # [i] = calibrated P(path i is accepted), the verifier's pruning scores
 
     def to_json(self) -> dict:
-        return {"paths": [list(p) for p in self.paths], "expected_length": self.expected_length}
+        out = {"paths": [list(p) for p in self.paths], "expected_length": self.expected_length}
+        if self.probs is not None:
+            out["probs"] = list(self.probs)
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> MedusaTree:
-        return cls([tuple(p) for p in data["paths"]], float(data.get("expected_length", 0.0)))
+        probs = data.get("probs")
+        return cls([tuple(p) for p in data["paths"]], float(data.get("expected_length", 0.0)),
+                   [float(x) for x in probs] if probs is not None else None)
+
+    def with_probs(self, acc: list[list[float]]) -> MedusaTree:
+        """The same tree with node probabilities from calibration rank accuracies (older artifacts kept
+        only the accuracies, in their manifest's metrics)."""
+        probs = [math.prod(acc[d][r] if d < len(acc) and r < len(acc[d]) else 0.0 for d, r in enumerate(p))
+                 for p in self.paths]
+        return MedusaTree(list(self.paths), self.expected_length, probs)
 
     @classmethod
     def chain(cls, depth: int) -> MedusaTree:
@@ -257,10 +270,12 @@ def build_tree(acc: list[list[float]], budget: int) -> MedusaTree:
         if a > 0:
             heapq.heappush(heap, (-a, (r,)))
     paths: list[tuple[int, ...]] = []
+    probs: list[float] = []
     expected = 0.0
     while heap and len(paths) < budget:
         neg_p, path = heapq.heappop(heap)
         paths.append(path)
+        probs.append(-neg_p)
         expected += -neg_p
         depth = len(path)
         if depth < K:
@@ -269,8 +284,8 @@ def build_tree(acc: list[list[float]], budget: int) -> MedusaTree:
                 if p > 0:
                     heapq.heappush(heap, (-p, path + (r,)))
     if not paths:
-        paths = [(0,)]
-    return MedusaTree(paths, expected)
+        paths, probs = [(0,)], [0.0]
+    return MedusaTree(paths, expected, probs)
 
 
 def tree_expected_length(acc: list[list[float]], tree: MedusaTree) -> float:

@@ -276,6 +276,9 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
     if target is not None:
         heads.to(device=target.device, dtype=target.dtype)
     tree = MedusaTree.from_json(read_json(path / "tree.json")) if (path / "tree.json").is_file() else None
+    acc = (manifest.get("metrics") or {}).get("calibration_rank_accuracy")
+    if tree is not None and tree.probs is None and acc:
+        tree = tree.with_probs(acc)
     return heads.eval(), tree, manifest
 
 

@@ -37,6 +37,52 @@ class MedusaProposer(Proposer):
         branching = tuple(1 + max(p[d] for p in self.tree.paths if len(p) > d) for d in range(depth))
         return TreeSpec(branching, max_nodes=len(self.tree.paths))
 
+    def fit_tree(self, spec: TreeSpec, cost, head_cost: list[float] | None = None) -> TreeSpec:
+        """`spec` cut to the calibrated tree's best-paying prefix under the verify cost model (a
+        `decoding.budget.VerifyCost`). The node probabilities do not depend on the context, so the cut is
+        the same every step and is made once: the heads of depths the cut drops are then never run, and
+        the time of the heads a prefix needs (head_cost[d] for d heads, in target steps; measured here when
+        not given) counts against it."""
+        if self.tree is None or self.tree.probs is None:
+            return spec
+        from draftsmith.decoding.budget import best_size
+
+        kept = [i for i, p in enumerate(self.tree.paths)
+                if len(p) <= spec.depth and all(r < spec.branching[d] for d, r in enumerate(p))]
+        if spec.max_nodes is not None:
+            kept = kept[: spec.max_nodes]
+        if head_cost is None:
+            head_cost = self.measure_head_cost(cost.t_step_s)
+        depth_at = [0]  # depth_at[n]: heads the first n paths need
+        for i in kept:
+            depth_at.append(max(depth_at[-1], len(self.tree.paths[i])))
+        # paths are in build order, most probable first (heads/medusa.py build_tree): a prefix is the top-n
+        n = best_size([self.tree.probs[i] for i in kept], cost, [head_cost[d] for d in depth_at])
+        paths = [self.tree.paths[i] for i in kept[:n]]
+        if not paths:
+            return TreeSpec((), 0)
+        depth = max(len(p) for p in paths)
+        return TreeSpec(tuple(1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)), max_nodes=n)
+
+    @torch.no_grad()
+    def measure_head_cost(self, t_step_s: float, repeats: int = 7) -> list[float]:
+        """[d] = median time of running the first d heads on one hidden state / `t_step_s` (d = 0..K)."""
+        import statistics
+        import time
+
+        param = next(self.heads.parameters())
+        h = torch.randn(self.heads.config.hidden_size, dtype=param.dtype, device=param.device)
+        out = [0.0]
+        for d in range(1, self.num_heads + 1):
+            self.heads.first_logits(d, h)  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.heads.first_logits(d, h).argmax(-1)
+                times.append(time.perf_counter() - t0)
+            out.append(statistics.median(times) / t_step_s)
+        return out
+
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
         self.h = None
         if features is not None and features.last_hidden is not None and len(features):
@@ -56,10 +102,11 @@ class MedusaProposer(Proposer):
         if spec.is_chain or self.tree is None:
             tokens = self.heads.first_logits(depth, h).argmax(-1).tolist()
             return Proposal.chain(tokens, device=context.device)
-        paths = [p for p in self.tree.paths
-                 if len(p) <= depth and all(r < spec.branching[d] for d, r in enumerate(p))]
+        kept = [i for i, p in enumerate(self.tree.paths)
+                if len(p) <= depth and all(r < spec.branching[d] for d, r in enumerate(p))]
         if spec.max_nodes is not None:
-            paths = paths[: spec.max_nodes]  # tree paths are ordered parents-first: a prefix stays closed
+            kept = kept[: spec.max_nodes]  # tree paths are ordered parents-first: a prefix stays closed
+        paths = [self.tree.paths[i] for i in kept]
         used_depth = max((len(p) for p in paths), default=0)
         ranks_needed = [1 + max((p[d] for p in paths if len(p) > d), default=0) for d in range(used_depth)]
         logits = self.heads.first_logits(used_depth, h) if used_depth else None
@@ -67,5 +114,8 @@ class MedusaProposer(Proposer):
         index = {p: i for i, p in enumerate(paths)}
         tokens = [top[len(p) - 1][p[-1]] for p in paths]
         parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+        scores = None
+        if self.tree.probs is not None:  # calibrated path probabilities: the verifier may cut the tree
+            scores = torch.tensor([self.tree.probs[i] for i in kept], dtype=torch.float32)
         return Proposal(torch.tensor(tokens, dtype=torch.long, device=context.device),
-                        torch.tensor(parents, dtype=torch.long, device=context.device))
+                        torch.tensor(parents, dtype=torch.long, device=context.device), scores=scores)

@@ -366,7 +366,7 @@ def test_capture_skips_prompt_logits_no_row_wants(tiny_target, prefix):
         if budget:
             engine.logit_tokens = budget  # rows x logit columns per prefill: one row per prefill
         got, skipped = {}, 0
-        engine.run(reqs, lambda c: got.__setitem__(c.key, c))
+        engine.run(reqs, lambda c, got=got: got.__setitem__(c.key, c))
         for r in reqs:
             c, ref = got[r.key], capture_forward(tiny_target.model, torch.tensor([r.prompt_ids + got[r.key].tokens]))
             assert c.tokens == full[r.key].tokens

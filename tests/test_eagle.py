@@ -318,6 +318,13 @@ def test_speculative_greedy_equals_target_greedy(trained, target4, tree):
     assert fast.stats.alpha > (0.05 if tree else 0.1)
     assert fast.stats.tau > 1.5
     assert fast.stats.target_forwards < plain.stats.target_forwards
+    if tree:  # cut every step by the draft's path probabilities and a steep verify cost: still lossless
+        from draftsmith.decoding.budget import VerifyCost
+
+        cut = speculative_generate(target4, proposer, prompts, 16, k=None, tree=spec,
+                                   cost=VerifyCost(tuple(1.0 + 0.1 * n for n in range(13)), 0.01))
+        assert cut.tokens == plain.tokens
+        assert cut.stats.pruned > 0 and cut.stats.proposed < fast.stats.proposed
 
 
 def test_presets_load():

@@ -75,6 +75,42 @@ def test_medusa_decoding_is_lossless(medusa_artifact, tiny_target, mode):
     assert all(len(t) == 12 for t in sampled.tokens)
 
 
+def test_the_tree_is_cut_once_to_what_pays_and_stays_lossless(medusa_artifact, tiny_target):
+    from draftsmith.decoding.budget import VerifyCost
+
+    proposer = build_proposer(f"medusa:{medusa_artifact[1]}", tiny_target)
+    tree = proposer.tree
+    assert tree.probs is not None and len(tree.probs) == len(tree.paths)
+    assert tree.probs == sorted(tree.probs, reverse=True)  # build order is most probable first
+    full = proposer.default_tree_spec()
+    free = [0.0] * (proposer.num_heads + 1)
+    assert proposer.fit_tree(full, VerifyCost((1.0,) * 20, 0.01), free).capacity() == full.capacity()
+    # each row costs `step`: above p1 / (1 + p0 - p1) the second node no longer pays, below p0 the first does
+    p = sorted(tree.probs, reverse=True)
+    assert p[0] > p[1]
+    step = (p[1] / (1 + p[0] - p[1]) + p[0]) / 2
+    cut = proposer.fit_tree(full, VerifyCost(tuple(1.0 + step * n for n in range(20)), 0.01), free)
+    assert cut.capacity() == 1 and cut.depth == 1
+    # heads that cost time count against the depth that needs them
+    dear = [0.0] + [5.0 * d for d in range(1, proposer.num_heads + 1)]
+    assert proposer.fit_tree(full, VerifyCost((1.0,) * 20, 0.01), dear).capacity() == 0
+    measured = proposer.measure_head_cost(0.01)
+    assert len(measured) == proposer.num_heads + 1 and measured[0] == 0 and all(x > 0 for x in measured[1:])
+    prompts = torch.randint(3, tiny_target.vocab_size, (3, 5), generator=torch.Generator().manual_seed(7))
+    ref = tiny_target.model.generate(prompts, max_new_tokens=20, do_sample=False, pad_token_id=0)[:, 5:]
+    out = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=20, eos_ids=[], k=None, tree=cut)
+    assert out.tokens == ref.tolist()
+    assert out.stats.proposed <= cut.capacity() * out.stats.target_forwards
+    # an older artifact without node probabilities gets them from its manifest's calibration accuracies
+    tree_json = json.loads((medusa_artifact[1] / "tree.json").read_text())
+    assert "probs" in tree_json
+    from draftsmith.heads.medusa import MedusaTree
+
+    acc = json.loads((medusa_artifact[1] / "manifest.json").read_text())["metrics"]["calibration_rank_accuracy"]
+    old = MedusaTree.from_json({k: v for k, v in tree_json.items() if k != "probs"}).with_probs(acc)
+    assert old.probs == pytest.approx(tree.probs)
+
+
 def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_target, tmp_path):
     import shutil
 
