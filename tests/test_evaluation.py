@@ -143,3 +143,34 @@ def test_cli_fingerprint_mismatch(tiny_target, other_target, prompt_files, tmp_p
                  str(prompt_files[0]), "--out", str(tmp_path / "x")])
     assert code == 2
     assert "different target" in capsys.readouterr().err
+
+
+def test_evaluate_cuts_scored_trees_and_survives_a_cut_to_nothing(tiny_target, prompt_files, tmp_path):
+    from test_budget import ScoredTopK
+
+    from draftsmith.decoding.proposer import TreeSpec
+    from draftsmith.evaluation.evaluate import evaluate
+    from draftsmith.evaluation.report import write_report
+
+    class OwnTree(ScoredTopK):
+        def default_tree_spec(self):
+            return TreeSpec((2, 2))
+
+    class CutToNothing(OwnTree):
+        def fit_tree(self, spec, cost):
+            assert cost.v[0] > 0 and len(cost.v) == spec.capacity() + 1  # v(n) for every node count
+            return TreeSpec(())
+
+    kw = dict(prompts=prompt_files, max_new_tokens=8, tree_from_proposer=True, cost_context=16, cost_k_max=4,
+              cost_repeats=1, limit_per_domain=1, hf_reference=False)
+    report = evaluate(tiny_target, OwnTree(tiny_target.model), **kw)
+    assert report["overall"]["lossless"] is True and report["settings"]["prune_tree"] is True
+    assert len(report["cost_model"]["v_tree"]) == 6 + 1
+    assert report["overall"]["proposed"] + report["overall"]["pruned"] > 0
+    assert "trees cut to the nodes that pay" in (write_report(report, tmp_path / "a") / "report.md").read_text()
+    nothing = evaluate(tiny_target, CutToNothing(tiny_target.model), **kw)
+    assert nothing["settings"]["tree_verified"] == [] and nothing["overall"]["proposed"] == 0
+    assert nothing["overall"]["tau"] == 1.0 and nothing["overall"]["lossless"] is True
+    check_report(nothing, write_report(nothing, tmp_path / "b"))
+    whole = evaluate(tiny_target, OwnTree(tiny_target.model), **{**kw, "prune_tree": False})
+    assert whole["overall"]["pruned"] == 0 and "v_tree" not in whole["cost_model"]
