@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -59,10 +60,10 @@ def run_stage(name: str, argv: list[str], log: Path, env: dict | None = None) ->
     import os
 
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = " ".join(shlex.quote(a) for a in argv)
+    cmd = shown_command(argv)
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        f.write(f"$ {cmd}\n")
+        f.write(f"$ {' '.join(shlex.quote(a) for a in argv)}\n")  # the log keeps the exact interpreter
         f.flush()
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         peak, stop = [0.0], threading.Event()
@@ -77,6 +78,25 @@ def run_stage(name: str, argv: list[str], log: Path, env: dict | None = None) ->
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
         raise DraftsmithError(f"bench stage {name} failed (exit {rc}): {tail[0][:300]} — see {log}")
     return rec
+
+
+def shown_command(argv: list[str]) -> str:
+    """The command as a user types it: `draftsmith ...` / `python -m ...` instead of this venv's interpreter
+    path, which would not exist on the reader's machine."""
+    if argv[:3] == _draftsmith():
+        argv = ["draftsmith", *argv[3:]]
+    elif argv[:2] == [sys.executable, "-m"]:
+        argv = ["python", *argv[1:]]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _as_typed(cmd: str | None) -> str | None:
+    """A recorded command with an interpreter path (`/x/.venv/bin/python -m draftsmith.cli ...`, as results
+    folders from before `shown_command` hold) shown as typed."""
+    if not cmd:
+        return cmd
+    cmd = re.sub(r"^\S*/python[0-9.]* -m draftsmith\.cli ", "draftsmith ", cmd)
+    return re.sub(r"^\S*/python[0-9.]* -m ", "python -m ", cmd)
 
 
 def _draftsmith() -> list[str]:
@@ -246,7 +266,7 @@ def summarize(bench: Bench) -> dict:
         if m.is_file():
             man = json.loads(m.read_text())
             training[a.name] = {"job": a.job, "seconds": st.get("seconds"), "peak_rss_mb": st.get("peak_rss_mb"),
-                                "command": st.get("command"), "steps": (man.get("metrics") or {}).get("steps"),
+                                "command": _as_typed(st.get("command")), "steps": (man.get("metrics") or {}).get("steps"),
                                 "train_rows": (man.get("data") or {}).get("train_rows")}
     data = {}
     prov_path = bench.data_path() / "provenance.json"
@@ -255,10 +275,10 @@ def summarize(bench: Bench) -> dict:
         data = {"path": str(bench.data_path()), "rows": prov.get("counts", {}).get("rows"),
                 "tokens": prov.get("counts", {}).get("tokens"), "per_domain": prov.get("counts", {}).get("per_domain"),
                 "generated_tokens_per_s": prov.get("timing", {}).get("tokens_per_s"),
-                "command": bench.stages.get("data", {}).get("command")}
+                "command": _as_typed(bench.stages.get("data", {}).get("command"))}
     engine = json.loads((out / "engine.json").read_text()) if (out / "engine.json").is_file() else None
     if engine:
-        engine["command"] = bench.stages.get("engine", {}).get("command")
+        engine["command"] = _as_typed(bench.stages.get("engine", {}).get("command"))
     import transformers
 
     return {"kind": "bench_summary", "target": bench.cfg.target, "budget": bench.budget_name,
@@ -276,7 +296,7 @@ def _report_rows(r: dict, stage: dict) -> dict:
             "per_position_acceptance", "hf_generate_tokens_per_s")
     cm = r.get("cost_model", {})
     refs = r.get("references", {})
-    return {"proposer": r["proposer"], "command": stage.get("command", r.get("command")),
+    return {"proposer": r["proposer"], "command": _as_typed(stage.get("command", r.get("command"))),
             "peak_rss_mb": stage.get("peak_rss_mb"), "settings": r.get("settings"),
             "domains": {d: {k: v.get(k) for k in keep} for d, v in r["domains"].items()},
             "overall": {k: r["overall"].get(k) for k in keep},
@@ -327,9 +347,14 @@ def render(s: dict) -> str:
             ok = x.get("lossless")
             cells.append(f"{_f(x.get('alpha'))} / {_f(x.get('tau'), '.2f')} / {_f(x.get('speedup'), '.2f')}"
                          + ("" if ok in (True, None) else " (NOT lossless)"))
-            if x.get("speedup") is not None and ok is not False and x["speedup"] > best[0]:
+            # τ = 1 means no draft token was ever accepted: that run was plain decoding plus overhead, and a
+            # speedup above 1 there is timing noise, not a win
+            if x.get("speedup") is not None and ok is not False and x["speedup"] > best[0] and (x.get("tau") or 1) > 1:
                 best = (x["speedup"], n)
         lines.append(f"| {dom} | " + " | ".join(cells) + f" | {best[1]} |")
+    lines += ["", "Winner: the highest speedup above 1 among lossless proposers that accepted any draft token "
+              "(τ > 1). With τ = 1.00 a speedup away from 1 is the timing noise of the run; so is α \"–\": the "
+              "cost model cut every tree to nothing, which is plain decoding."]
     lines += ["", "| proposer | lossless | tokens/s | plain tokens/s | HF generate tokens/s | HF assisted | c | "
               "v(1) | v(2) | v(4) | peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in names:

@@ -79,6 +79,8 @@ class MedusaProposer(Proposer):
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 self.heads.first_logits(d, h).argmax(-1)
+                if h.device.type == "cuda":
+                    torch.cuda.synchronize(h.device)
                 times.append(time.perf_counter() - t0)
             out.append(statistics.median(times) / t_step_s)
         return out

@@ -27,7 +27,6 @@ from draftsmith.storage import atomic_dir, atomic_write_json, cache_dir, sha256_
 from draftsmith.targets.device import select_device, select_dtype
 from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED
 from draftsmith.targets.fingerprint import fingerprint as compute_fingerprint
-from draftsmith.targets.gemm import use_rows_linear
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +98,9 @@ class Target:
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
     """Eval mode, no gradients, and few-row linears computed the fast way on CPU (targets/gemm.py)."""
+    # imported here, not at module level, so that `python -m draftsmith.targets.gemm` runs the module fresh
+    from draftsmith.targets.gemm import use_rows_linear
+
     model.eval()
     model.requires_grad_(False)
     use_rows_linear(model)

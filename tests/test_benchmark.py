@@ -27,6 +27,18 @@ def test_update_benchmarks_md_replaces_only_its_block(tmp_path):
     assert text.index("other") < text.index("third") < text.index("## Hand-written later")
 
 
+def test_recorded_commands_are_shown_as_typed():
+    import sys
+
+    from draftsmith.benchmark.run import _as_typed, shown_command
+
+    assert shown_command([sys.executable, "-m", "draftsmith.cli", "evaluate", "--k", "4"]) == "draftsmith evaluate --k 4"
+    assert shown_command([sys.executable, "-m", "draftsmith.data.bench", "4"]) == "python -m draftsmith.data.bench 4"
+    assert _as_typed("/w/.venv/bin/python -m draftsmith.cli train medusa") == "draftsmith train medusa"
+    assert _as_typed("/usr/bin/python3.11 -m draftsmith.data.bench 32") == "python -m draftsmith.data.bench 32"
+    assert _as_typed("draftsmith evaluate --out 'a b'") == "draftsmith evaluate --out 'a b'"
+
+
 def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -55,10 +67,12 @@ def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
     assert set(summary["engine"]["engines"]) == {"continuous_b2", "continuous_b2_capture", "hf_generate_b2",
                                                  "continuous_b1"}
     assert summary["training"]["medusa"]["steps"] == 2
+    assert summary["engine"]["command"].startswith("python -m draftsmith.data.bench ")
+    assert summary["training"]["medusa"]["command"].startswith("draftsmith train medusa --config ")
     assert set(summary["reports"]) == {"ngram", "medusa"}
     for name, r in summary["reports"].items():
         assert r["overall"]["lossless"] is True, name
-        assert r["command"].split()[3:5] == ["evaluate", "--target"]  # the exact command is kept
+        assert r["command"].split()[:3] == ["draftsmith", "evaluate", "--target"]  # the command, as typed
         assert (out / "eval" / name / "report.md").is_file()
     assert all(s["returncode"] == 0 and s["seconds"] > 0 for s in summary["stages"].values())
     for name in ("summary.md", "summary.json", "acceptance.png", "verify_cost.png", "logs/train_medusa.log"):
