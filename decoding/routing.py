@@ -156,9 +156,33 @@ class RoutedProposer(Proposer):
         self.keyword_router = KeywordRouter(router.get("keywords"))
         self.name = "route"
         self.active: tuple[Proposer, TreeSpec] | None = None
+        self.active_entry: dict | str | None = None
         self.active_domain: str | None = None
         self.active_spec: str = OFF
         self.counts: dict[str, int] = {}
+        self.cost = None  # the verifier's VerifyCost when it cuts trees (decoding/budget.py)
+        self.fitted: dict[tuple[str, TreeSpec], TreeSpec] = {}  # a route's static tree, cut once per cost model
+
+    def use_cost(self, cost) -> None:
+        """Pass the verifier's cost model on: every route's proposer may stop drafting what would be cut
+        (EAGLE-2), and a static tree (Medusa's) is cut once per route."""
+        if cost is not self.cost:
+            self.fitted.clear()
+        self.cost = cost
+        for prop in self.proposers.values():
+            if hasattr(prop, "use_cost"):
+                prop.use_cost(cost)
+        if self.active is not None:  # the route chosen before this verifier existed gets the cut too
+            self.active = (self.active[0], self._route_spec(self.active_entry, self.active[0]))
+
+    def _route_spec(self, entry: dict, prop: Proposer) -> TreeSpec:
+        spec = route_spec(entry, prop)
+        if self.cost is None or not hasattr(prop, "fit_tree"):
+            return spec
+        key = (entry["proposer"], spec)
+        if key not in self.fitted:
+            self.fitted[key] = prop.fit_tree(spec, self.cost)
+        return self.fitted[key]
 
     @classmethod
     def from_file(cls, path: str | Path, target, **opts) -> RoutedProposer:
@@ -192,7 +216,8 @@ class RoutedProposer(Proposer):
             self.active = None
         else:
             prop = self.proposers[entry["proposer"]]
-            self.active = (prop, route_spec(entry, prop))
+            self.active = (prop, self._route_spec(entry, prop))
+        self.active_entry = entry
         self.active_domain = name
         key = f"{name or 'default'}->{entry['proposer'] if isinstance(entry, dict) else OFF}"
         self.counts[key] = self.counts.get(key, 0) + 1

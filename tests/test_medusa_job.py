@@ -111,6 +111,24 @@ def test_the_tree_is_cut_once_to_what_pays_and_stays_lossless(medusa_artifact, t
     assert old.probs == pytest.approx(tree.probs)
 
 
+def test_a_routed_medusa_tree_is_cut_by_the_verifiers_cost_model(medusa_artifact, tiny_target):
+    from draftsmith.decoding.budget import VerifyCost
+    from draftsmith.decoding.routing import RoutedProposer
+
+    medusa = build_proposer(f"medusa:{medusa_artifact[1]}", tiny_target)
+    routed = RoutedProposer({"kind": "routing_policy", "domains": {"chat": {"proposer": "m"}}}, {"m": medusa})
+    routed.route(domain="chat")
+    prompts = torch.randint(3, tiny_target.vocab_size, (2, 5), generator=torch.Generator().manual_seed(7))
+    ref = tiny_target.model.generate(prompts, max_new_tokens=12, do_sample=False, pad_token_id=0)[:, 5:]
+    free = speculative_generate(tiny_target, routed, prompts, 12, eos_ids=[], k=None,
+                                tree=routed.default_tree_spec(), cost=VerifyCost((1.0,) * 20, 0.01))
+    assert free.tokens == ref.tolist() and free.stats.proposed > 0
+    # every node costs ten target steps: the route's tree is cut to nothing, which is plain decoding
+    dear = speculative_generate(tiny_target, routed, prompts, 12, eos_ids=[], k=None,
+                                tree=routed.default_tree_spec(), cost=VerifyCost(tuple(1.0 + 10 * n for n in range(20)), 0.01))
+    assert dear.tokens == ref.tolist() and dear.stats.proposed == 0 and routed.active[1].capacity() == 0
+
+
 def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_target, tmp_path):
     import shutil
 
