@@ -122,7 +122,10 @@ def write_plots(report: dict, out: Path) -> list[Path]:
     ax.set_ylabel("P(first d drafts accepted)")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance per position")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:  # nothing was proposed (e.g. the cost model cut every tree to nothing)
+        ax.text(0.5, 0.5, "no draft token was verified", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     paths.append(out / "acceptance_per_position.png")
     fig.savefig(paths[-1], dpi=110)

@@ -113,8 +113,15 @@ def summary(reports: dict) -> None:
     print(f"{'proposer':<14} {'domain':<14} {'alpha':>6} {'tau':>5} {'speedup':>8} lossless")
     for name, report in reports.items():
         for domain, row in sorted(report["domains"].items()):
-            print(f"{name:<14} {domain:<14} {row['alpha'] or 0:6.3f} {row['tau'] or 0:5.2f} "
+            alpha = f"{row['alpha']:6.3f}" if row["alpha"] is not None else f"{'–':>6}"
+            print(f"{name:<14} {domain:<14} {alpha} {row['tau'] or 0:5.2f} "
                   f"{row['speedup'] or 0:8.2f} {row['lossless']}")
+        s = report["settings"]
+        if s.get("prune_tree") and s.get("tree_verified") is not None:
+            print(f"{'':<14} tree cut by the cost model to {s['tree_max_nodes']} node(s), branching "
+                  f"{s['tree_verified']}" + (" = plain decoding (no node pays on this machine; α '–')"
+                                             if not s["tree_verified"] else ""))
+    print("a speedup with τ = 1.00 is the timing noise of the run")
     print(f"\noutputs: {OUT}")
 
 
