@@ -23,7 +23,9 @@ value is the product of its path's draft probabilities, V(node) = Π p_draft (su
      parent's (p <= 1; ties broken by depth), so the kept set is closed under ancestors: a valid tree.
 When the verifier cuts trees by a cost model (`decoding/budget.py`, via `use_cost`), the values are the
 scores it cuts by, and step 2 stops at the first depth whose levels no cut could use
-(`budget.worth_deeper`: an upper bound with every new node at the best frontier value).
+(`budget.worth_deeper`: an upper bound with every new node at the best frontier value). The scores are
+the values times λ, a running calibration of the draft's confidence against the verifier's acceptances
+(`calibration`; `DRAFTSMITH_EAGLE_CALIBRATE=0` turns it off).
 Candidates are deterministic given the context (argmax / top-k), so proposals carry q = None and the
 verifier's rule "sample y ~ p, follow the child equal to y" keeps sampling lossless; greedy verification
 reproduces the target's greedy output.
@@ -32,6 +34,7 @@ reproduces the target's greedy output.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -47,7 +50,7 @@ class EagleProposer(Proposer):
     needs_last_hidden = False
 
     def __init__(self, head: EagleHead, tree: bool = True, depth: int = 5, topk: int = 4, max_nodes: int = 24,
-                 **_opts):
+                 calibrate: bool | None = None, **_opts):
         if depth < 1 or topk < 1 or max_nodes < 1:
             raise ConfigError(f"EAGLE proposer needs depth, topk, max_nodes >= 1 (got {depth}, {topk}, {max_nodes})")
         self.head = head.eval()
@@ -59,6 +62,26 @@ class EagleProposer(Proposer):
         self.root: torch.Tensor | None = None  # a^0 at the newest committed position, [H]
         self.cost = None  # the verifier's VerifyCost, if it cuts trees: then drafting stops where the cut would
         self.level_s: float | None = None  # running mean time of one tree level (an expansion), seconds
+        # calibration of the draft's confidence against what the verifier accepts (see `calibration`)
+        if calibrate is None:
+            calibrate = os.environ.get("DRAFTSMITH_EAGLE_CALIBRATE", "1") != "0"
+        self.calibrate = calibrate
+        self.seen_accepted = 0.0  # decayed sum of accepted lengths of verified scored proposals
+        self.seen_expected = 0.0  # decayed sum of their raw expected lengths (Σ raw path probabilities)
+        self.scale_used = 1.0  # the calibration factor the last proposal's scores carry
+
+    CALIBRATION_PRIOR = 2.0  # pseudo-steps of "confidence is right" before any evidence
+    CALIBRATION_DECAY = 0.99  # per verified step: the last ~100 steps count
+
+    @property
+    def calibration(self) -> float:
+        """λ: the factor on the draft's path probabilities that makes them predict acceptance, estimated as
+        (accepted + prior) / (expected + prior) over recent steps. A draft's confidence is the EAGLE-2 proxy
+        for acceptance; an undertrained head is overconfident (λ < 1), and without λ the cost-model cut
+        would keep nodes that are never accepted."""
+        if not self.calibrate:
+            return 1.0
+        return (self.seen_accepted + self.CALIBRATION_PRIOR) / (self.seen_expected + self.CALIBRATION_PRIOR)
 
     def use_cost(self, cost) -> None:
         self.cost = cost
@@ -88,6 +111,12 @@ class EagleProposer(Proposer):
         f = self._features(result.features)
         if f is not None:
             self.pending.append(f)
+        prop = result.proposal
+        if self.calibrate and self.cost is not None and prop is not None and prop.scores is not None and len(prop):
+            # the verified (possibly cut) tree: its scores are λ·raw, its expected length Σ raw
+            decay = self.CALIBRATION_DECAY
+            self.seen_accepted = decay * self.seen_accepted + len(result.accepted_nodes)
+            self.seen_expected = decay * self.seen_expected + float(prop.scores.sum()) / self.scale_used
 
     @property
     def _device(self) -> torch.device:
@@ -181,6 +210,7 @@ class EagleProposer(Proposer):
             return out[::-1]
 
         t_start = time.perf_counter()
+        lam = self.calibration if self.cost is not None else 1.0  # the scores' calibration (see `calibration`)
         hidden: dict[int, torch.Tensor] = {}  # expanded node -> its output feature
         add_children(-1, self.head.logits(self.root), 0.0, 1)
         frontier = list(range(len(tok)))
@@ -194,7 +224,7 @@ class EagleProposer(Proposer):
                 # levels that no cut could use, judged by an upper bound on what they could add
                 t_step = self.cost.t_step_s
                 per_level = [len(chosen) * self.topk] + [self.topk * self.topk] * (depth - d - 1)
-                if not worth_deeper([math.exp(x) for x in score], math.exp(max(score[i] for i in chosen)),
+                if not worth_deeper([lam * math.exp(x) for x in score], lam * math.exp(max(score[i] for i in chosen)),
                                     per_level, budget, self.cost, (time.perf_counter() - t_start) / t_step,
                                     self.level_s / t_step):
                     break
@@ -220,6 +250,8 @@ class EagleProposer(Proposer):
         parents = [new_index[parent[i]] if parent[i] >= 0 else -1 for i in keep]
         # the draft's path probability is EAGLE-2's estimate of the node's acceptance: the verifier may cut
         # the tree to the nodes that pay for their verification (decoding/budget.py)
-        scores = torch.tensor([score[i] for i in keep], dtype=torch.float32).exp()
+        # (times λ, the calibration against what was accepted, when the verifier cuts by them)
+        self.scale_used = lam
+        scores = torch.tensor([score[i] for i in keep], dtype=torch.float32).exp() * self.scale_used
         return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
                         torch.tensor(parents, dtype=torch.long, device=device), scores=scores)

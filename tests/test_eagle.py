@@ -327,6 +327,29 @@ def test_speculative_greedy_equals_target_greedy(trained, target4, tree):
         assert cut.stats.pruned > 0 and cut.stats.proposed < fast.stats.proposed
 
 
+def test_confidence_calibration_follows_what_the_verifier_accepts(trained, target4, monkeypatch):
+    from draftsmith.decoding.budget import VerifyCost
+    from draftsmith.decoding.proposer import AcceptResult, Proposal, build_proposer
+
+    job, result, rows = trained
+    prop = build_proposer(f"eagle:{result.artifact}", target4)
+    assert prop.calibrate and prop.calibration == 1.0  # no evidence yet: the draft's confidence as is
+    prop.use_cost(VerifyCost((1.0, 1.1, 1.2), 0.01))
+    tree = Proposal(torch.tensor([5, 6]), torch.tensor([-1, 0]), scores=torch.tensor([0.9, 0.8]))
+    for _ in range(30):  # confident, never accepted: λ falls
+        prop.accept(AcceptResult(tree, [], [7], torch.tensor([1, 7]), None))
+    assert prop.calibration < 0.15
+    prop.seen_accepted = prop.seen_expected = 0.0
+    for _ in range(30):  # both nodes accepted every time, against 1.7 expected: λ rises
+        prop.accept(AcceptResult(tree, [0, 1], [5, 6, 7], torch.tensor([1, 5, 6, 7]), None))
+    assert 1.1 < prop.calibration < 2.0 / 1.7 + 0.01
+    monkeypatch.setenv("DRAFTSMITH_EAGLE_CALIBRATE", "0")
+    raw = build_proposer(f"eagle:{result.artifact}", target4)
+    raw.use_cost(VerifyCost((1.0, 1.1, 1.2), 0.01))
+    raw.accept(AcceptResult(tree, [], [7], torch.tensor([1, 7]), None))
+    assert not raw.calibrate and raw.calibration == 1.0
+
+
 def test_presets_load():
     from draftsmith.config import load_config
 
