@@ -83,16 +83,12 @@ def run_stage(name: str, argv: list[str], log: Path, env: dict | None = None) ->
 def shown_command(argv: list[str]) -> str:
     """The command as a user types it: `draftsmith ...` / `python -m ...` instead of this venv's interpreter
     path, which would not exist on the reader's machine."""
-    if argv[:3] == _draftsmith():
-        argv = ["draftsmith", *argv[3:]]
-    elif argv[:2] == [sys.executable, "-m"]:
-        argv = ["python", *argv[1:]]
-    return " ".join(shlex.quote(a) for a in argv)
+    return _as_typed(" ".join(shlex.quote(a) for a in argv))
 
 
 def _as_typed(cmd: str | None) -> str | None:
-    """A recorded command with an interpreter path (`/x/.venv/bin/python -m draftsmith.cli ...`, as results
-    folders from before `shown_command` hold) shown as typed."""
+    """A command with an interpreter path (`/x/.venv/bin/python -m draftsmith.cli ...`; results folders from
+    before `shown_command` recorded them so) shown as typed."""
     if not cmd:
         return cmd
     cmd = re.sub(r"^\S*/python[0-9.]* -m draftsmith\.cli ", "draftsmith ", cmd)

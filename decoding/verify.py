@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.decoding import kvcache
+from draftsmith.decoding.budget import prune
 from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig, residual, sample, uniform
 from draftsmith.errors import DraftsmithError
@@ -234,8 +235,6 @@ class SequenceVerifier:
         self.stats.proposer_time += t1 - t0
         proposal.validate(spec, self.vocab_size)
         if self.cost is not None and proposal.scores is not None and (proposal.q is None or self.sampling.greedy):
-            from draftsmith.decoding.budget import prune
-
             n_proposed = len(proposal)
             proposal = prune(proposal, self.cost, (t1 - t0) / self.cost.t_step_s)
             self.stats.pruned += n_proposed - len(proposal)

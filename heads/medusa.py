@@ -240,9 +240,7 @@ class MedusaTree:
     def with_probs(self, acc: list[list[float]]) -> MedusaTree:
         """The same tree with node probabilities from calibration rank accuracies (older artifacts kept
         only the accuracies, in their manifest's metrics)."""
-        probs = [math.prod(acc[d][r] if d < len(acc) and r < len(acc[d]) else 0.0 for d, r in enumerate(p))
-                 for p in self.paths]
-        return MedusaTree(list(self.paths), self.expected_length, probs)
+        return MedusaTree(list(self.paths), self.expected_length, [path_probability(acc, p) for p in self.paths])
 
     @classmethod
     def chain(cls, depth: int) -> MedusaTree:
@@ -288,8 +286,14 @@ def build_tree(acc: list[list[float]], budget: int) -> MedusaTree:
     return MedusaTree(paths, expected, probs)
 
 
+def path_probability(acc: list[list[float]], path: tuple[int, ...]) -> float:
+    """Π_d acc[d][r_d]: the path's acceptance probability under independent heads (0 for a rank or head
+    the accuracies do not cover)."""
+    return math.prod(acc[d][r] if d < len(acc) and r < len(acc[d]) else 0.0 for d, r in enumerate(path))
+
+
 def tree_expected_length(acc: list[list[float]], tree: MedusaTree) -> float:
-    return sum(math.prod(acc[d][r] for d, r in enumerate(p)) for p in tree.paths)
+    return sum(path_probability(acc, p) for p in tree.paths)
 
 
 def build_proposer(target, path: str, **opts):

@@ -33,9 +33,14 @@ class MedusaProposer(Proposer):
         """The widest spec the calibrated tree needs (depth, per-depth branching, node count)."""
         if not self.tree or not self.tree.paths:
             return TreeSpec.chain(self.num_heads)
-        depth = max(len(p) for p in self.tree.paths)
-        branching = tuple(1 + max(p[d] for p in self.tree.paths if len(p) > d) for d in range(depth))
-        return TreeSpec(branching, max_nodes=len(self.tree.paths))
+        return TreeSpec(_ranks(self.tree.paths), max_nodes=len(self.tree.paths))
+
+    def _paths_within(self, spec: TreeSpec, depth: int) -> list[int]:
+        """Indices of the calibrated tree's paths that `spec` admits up to `depth`, in build order (parents
+        first, most probable first): the first max_nodes of them are a prefix, closed under parents."""
+        kept = [i for i, p in enumerate(self.tree.paths)
+                if len(p) <= depth and all(r < spec.branching[d] for d, r in enumerate(p))]
+        return kept[: spec.max_nodes] if spec.max_nodes is not None else kept
 
     def fit_tree(self, spec: TreeSpec, cost, head_cost: list[float] | None = None) -> TreeSpec:
         """`spec` cut to the calibrated tree's best-paying prefix under the verify cost model (a
@@ -47,10 +52,7 @@ class MedusaProposer(Proposer):
             return spec
         from draftsmith.decoding.budget import best_size
 
-        kept = [i for i, p in enumerate(self.tree.paths)
-                if len(p) <= spec.depth and all(r < spec.branching[d] for d, r in enumerate(p))]
-        if spec.max_nodes is not None:
-            kept = kept[: spec.max_nodes]
+        kept = self._paths_within(spec, spec.depth)
         if head_cost is None:
             head_cost = self.measure_head_cost(cost.t_step_s)
         depth_at = [0]  # depth_at[n]: heads the first n paths need
@@ -59,10 +61,7 @@ class MedusaProposer(Proposer):
         # paths are in build order, most probable first (heads/medusa.py build_tree): a prefix is the top-n
         n = best_size([self.tree.probs[i] for i in kept], cost, [head_cost[d] for d in depth_at])
         paths = [self.tree.paths[i] for i in kept[:n]]
-        if not paths:
-            return TreeSpec((), 0)
-        depth = max(len(p) for p in paths)
-        return TreeSpec(tuple(1 + max(p[d] for p in paths if len(p) > d) for d in range(depth)), max_nodes=n)
+        return TreeSpec(_ranks(paths), max_nodes=n)
 
     @torch.no_grad()
     def measure_head_cost(self, t_step_s: float, repeats: int = 7) -> list[float]:
@@ -104,13 +103,10 @@ class MedusaProposer(Proposer):
         if spec.is_chain or self.tree is None:
             tokens = self.heads.first_logits(depth, h).argmax(-1).tolist()
             return Proposal.chain(tokens, device=context.device)
-        kept = [i for i, p in enumerate(self.tree.paths)
-                if len(p) <= depth and all(r < spec.branching[d] for d, r in enumerate(p))]
-        if spec.max_nodes is not None:
-            kept = kept[: spec.max_nodes]  # tree paths are ordered parents-first: a prefix stays closed
+        kept = self._paths_within(spec, depth)
         paths = [self.tree.paths[i] for i in kept]
-        used_depth = max((len(p) for p in paths), default=0)
-        ranks_needed = [1 + max((p[d] for p in paths if len(p) > d), default=0) for d in range(used_depth)]
+        ranks_needed = _ranks(paths)
+        used_depth = len(ranks_needed)
         logits = self.heads.first_logits(used_depth, h) if used_depth else None
         top = [logits[d].topk(ranks_needed[d]).indices.tolist() for d in range(used_depth)]
         index = {p: i for i, p in enumerate(paths)}
@@ -121,3 +117,9 @@ class MedusaProposer(Proposer):
             scores = torch.tensor([self.tree.probs[i] for i in kept], dtype=torch.float32)
         return Proposal(torch.tensor(tokens, dtype=torch.long, device=context.device),
                         torch.tensor(parents, dtype=torch.long, device=context.device), scores=scores)
+
+
+def _ranks(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Per depth, how many ranks of that head the paths use (the branching a spec needs for them); () for none."""
+    depth = max((len(p) for p in paths), default=0)
+    return tuple(1 + max(p[d] for p in paths if len(p) > d) for d in range(depth))
