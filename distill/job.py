@@ -38,6 +38,7 @@ from draftsmith.distill.config import DistillConfig
 from draftsmith.distill.losses import distill_loss
 from draftsmith.errors import DataError
 from draftsmith.evaluation.after_training import evaluate_into_artifact
+from draftsmith.training.batching import pad_rows, row_lengths, window
 
 log = logging.getLogger(__name__)
 
@@ -86,24 +87,6 @@ def split_rows(rows, eval_fraction: float, seed: int):
     return [rows[i] for i in tr], [rows[i] for i in ev]
 
 
-def pad_batch(rows: list[dict], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
-    """Right-pad input_ids / loss_mask / attention_mask [B, T] (rows truncated to max_length); keep row_id."""
-    ids = [list(r["input_ids"])[:max_length] for r in rows]
-    masks = [list(r["loss_mask"])[:max_length] for r in rows]
-    T = max(len(x) for x in ids)
-    out = {"input_ids": torch.full((len(rows), T), pad_id, dtype=torch.long),
-           "loss_mask": torch.zeros((len(rows), T), dtype=torch.long),
-           "attention_mask": torch.zeros((len(rows), T), dtype=torch.long)}
-    for b, (x, m) in enumerate(zip(ids, masks)):
-        out["input_ids"][b, : len(x)] = torch.tensor(x)
-        out["loss_mask"][b, : len(m)] = torch.tensor(m)
-        out["attention_mask"][b, : len(x)] = 1
-    out["loss_mask"] *= out["attention_mask"]
-    if "row_id" in rows[0]:
-        out["row_id"] = torch.tensor([int(r["row_id"]) for r in rows], dtype=torch.long)
-    return out
-
-
 def prompt_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
     """Tokens before each row's first learned token (the prompt part)."""
     out = []
@@ -139,7 +122,9 @@ class DistillJob:
         from draftsmith.targets.cache_shards import CaptureSource, capture_dataset
 
         cache = Path(self.cfg.data.capture_cache or Path(self.cfg.train.output_dir) / "capture")
-        need = [{"row_id": int(r["row_id"]), "input_ids": list(r["input_ids"])[: self.cfg.data.max_length]}
+        # each row up to the end of the window it is trained on (training/batching.py)
+        need = [{"row_id": int(r["row_id"]),
+                 "input_ids": list(r["input_ids"])[: window(list(r["loss_mask"]), self.cfg.data.max_length)[1]]}
                 for r in rows]
         capture_dataset(self.target, need, cache, layers=[], topk=self.cfg.data.capture_topk,
                         progress=self.cfg.train.progress)  # prints rows / tokens / estimated disk
@@ -167,7 +152,10 @@ class DistillJob:
         return self.eval_set
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        return pad_batch(rows, self.pad_id, self.cfg.data.max_length)
+        return pad_rows(rows, self.pad_id, self.cfg.data.max_length)
+
+    def row_lengths(self) -> list[int]:
+        return row_lengths(self.train_set, self.cfg.data.max_length)
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["attention_mask"].sum())
@@ -215,7 +203,7 @@ class DistillJob:
             gen = gen[:cut]
             prompt = batch["input_ids"][b, :n].tolist()
             rows.append({"input_ids": prompt + gen, "loss_mask": [0] * n + [1] * len(gen)})
-        new = pad_batch(rows, self.pad_id, self.cfg.data.max_length)
+        new = pad_rows(rows, self.pad_id, self.cfg.data.max_length)
         return {k: v.to(batch["input_ids"].device) for k, v in new.items()}
 
     def loss(self, module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -43,8 +43,9 @@ from draftsmith.heads.eagle import (
     token_counts,
     vocab_coverage,
 )
-from draftsmith.heads.medusa_job import pad_batch, split_rows
+from draftsmith.heads.medusa_job import split_rows
 from draftsmith.storage import read_json
+from draftsmith.training.batching import pad_rows, row_lengths
 from draftsmith.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class EagleJobConfig:
     draft_vocab_size: int = 8192  # EAGLE-3 only (see module docstring)
     w_cls: float = 0.1  # EAGLE-1: weight of the token loss next to the feature regression
     max_length: int = 512
+    # keep at most this many prompt tokens before a row's first learned token (training/batching.py): from
+    # the capture cache every feature has seen the whole row, and the draft layer gets its context from them
+    prompt_context: int | None = None
     eval_fraction: float = 0.05
     capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -87,6 +91,10 @@ class EagleJobConfig:
             raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
         if self.max_length < 8:
             raise ValueError(f"max_length must be >= 8, got {self.max_length}")
+        if self.prompt_context is not None and self.prompt_context < 2:
+            raise ValueError(f"prompt_context must be >= 2 or null, got {self.prompt_context}")
+        if self.prompt_context is not None and not self.capture_cache:
+            log.warning("prompt_context without capture_cache: the target too reads only the cut prompt")
         if self.target_layers is not None and len(self.target_layers) != (3 if self.version == "eagle3" else 1):
             raise ValueError(f"target_layers: {self.version} reads {3 if self.version == 'eagle3' else 1} layer(s), "
                              f"got {self.target_layers}")
@@ -156,7 +164,10 @@ class EagleJob:
         return self.eval_set
 
     def collate(self, rows):
-        return pad_batch(rows, self.pad_id, self.cfg.max_length)
+        return pad_rows(rows, self.pad_id, self.cfg.max_length, prompt_context=self.cfg.prompt_context)
+
+    def row_lengths(self) -> list[int]:
+        return row_lengths(self.train_set, self.cfg.max_length, self.cfg.prompt_context)
 
     def loss(self, module, batch):
         head = _unwrap(module)

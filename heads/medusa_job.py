@@ -31,6 +31,7 @@ from draftsmith.heads.medusa import (
 )
 from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
 from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.training.batching import pad_rows, row_lengths
 from draftsmith.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -87,24 +88,6 @@ def split_rows(dataset, eval_fraction: float, seed: int):
     return [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
 
 
-def pad_batch(rows: list[dict], pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
-    """Right-pad input_ids / loss_mask to the longest row (truncated to max_length)."""
-    ids = [list(r["input_ids"])[:max_length] for r in rows]
-    masks = [list(r["loss_mask"])[:max_length] for r in rows]
-    T = max(len(x) for x in ids)
-    out_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    out_mask = torch.zeros((len(rows), T), dtype=torch.long)
-    attn = torch.zeros((len(rows), T), dtype=torch.long)
-    for b, (x, m) in enumerate(zip(ids, masks)):
-        out_ids[b, : len(x)] = torch.tensor(x)
-        out_mask[b, : len(m)] = torch.tensor(m)
-        attn[b, : len(x)] = 1
-    batch = {"input_ids": out_ids, "loss_mask": out_mask * attn, "attention_mask": attn}
-    if "row_id" in rows[0]:
-        batch["row_id"] = torch.tensor([int(r["row_id"]) for r in rows])
-    return batch
-
-
 class MedusaJob:
     kind = "medusa"
 
@@ -143,7 +126,10 @@ class MedusaJob:
         return self.eval_set
 
     def collate(self, rows):
-        return pad_batch(rows, self.pad_id, self.cfg.max_length)
+        return pad_rows(rows, self.pad_id, self.cfg.max_length)
+
+    def row_lengths(self) -> list[int]:
+        return row_lengths(self.train_set, self.cfg.max_length)
 
     def target_outputs(self, batch, module=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Post-norm last hidden state [B, T, H] (and top-k logits when KD is on), online or from the cache;

@@ -319,7 +319,8 @@ class CaptureSource:
     `source(batch)` returns {"layer.<i>": [B, T, H], "last_hidden": [B, T, H] (if asked),
     "topk_values": [B, T, k], "topk_indices": [B, T, k]}; positions past a row's length are zero.
     Online it runs the frozen target on batch["input_ids"] / ["attention_mask"] (right-padded);
-    offline (`cache_dir` given) it reads rows batch["row_id"] from the capture cache.
+    offline (`cache_dir` given) it reads rows batch["row_id"] from the capture cache, from each row's
+    batch["offset"] on (the window a long row is trained on, training/batching.py).
     """
 
     def __init__(self, target, layers: Sequence[int] = (), topk: int = 0, last_hidden: bool = False,
@@ -380,17 +381,18 @@ class CaptureSource:
         ids = batch["input_ids"]
         B, T = ids.shape
         lengths = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [T] * B
+        offsets = batch["offset"].tolist() if "offset" in batch else [0] * B  # window starts (training/batching.py)
         keys = [f"layer.{i}" for i in self.layers] + (["last_hidden"] if self.last_hidden else [])
         out: dict[str, torch.Tensor] = {}
         for b, row_id in enumerate(batch["row_id"].tolist()):
             row = self.reader.get(row_id)
-            n = int(lengths[b])
+            n, o = int(lengths[b]), int(offsets[b])
             stored = next(iter(row.values())).shape[0]
-            if stored < n:
-                raise DataError(f"capture cache row {row_id} has {stored} tokens, the batch has {n}: "
+            if stored < o + n:
+                raise DataError(f"capture cache row {row_id} has {stored} tokens, the batch needs {o + n}: "
                                 "the cache was made from other data")
             for k in keys + (["topk_values", "topk_indices"] if self.topk else []):
-                t = row[k][:n]
+                t = row[k][o : o + n]
                 if k.startswith("topk"):
                     t = t[:, : self.topk]
                 if k not in out:

@@ -11,7 +11,8 @@ import torch
 from draftsmith.config import load_config
 from draftsmith.distill import builders as B
 from draftsmith.distill.config import DistillConfig
-from draftsmith.distill.job import DistillJob, pad_batch, prompt_lengths, run_distill
+from draftsmith.distill.job import DistillJob, prompt_lengths, run_distill
+from draftsmith.training.batching import pad_rows
 from draftsmith.errors import ConfigError, DraftsmithError
 
 PROMPTS = ["What is the capital of France?", "Add 2 and 3.", "Write a loop in Python.", "Summarize the passage.",
@@ -141,7 +142,7 @@ def test_lora_merge_equivalence(tiny_target):
 def test_pad_batch_and_prompt_lengths():
     rows = [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "row_id": 7},
             {"input_ids": [5, 6], "loss_mask": [0, 1], "row_id": 8}]
-    b = pad_batch(rows, pad_id=0, max_length=3)
+    b = pad_rows(rows, pad_id=0, max_length=3)
     assert b["input_ids"].tolist() == [[1, 2, 3], [5, 6, 0]]
     assert b["loss_mask"].tolist() == [[0, 0, 1], [0, 1, 0]]
     assert b["row_id"].tolist() == [7, 8]

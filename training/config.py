@@ -37,6 +37,9 @@ class TrainConfig:
     max_steps: int | None = None
     epochs: float = 1.0
     batch_size: int = 8  # rows per micro-batch per rank
+    # batches of rows of similar length (less padding; the order is still a function of seed and epoch,
+    # training/batching.py)
+    group_by_length: bool = False
     grad_accum: int = 1
     max_grad_norm: float | None = 1.0  # null disables clipping
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"

@@ -17,9 +17,11 @@ Schedule (per step s of S total, W warmup steps; Goyal et al. 2017 warmup, Loshc
     linear:  lr = lr0 · (m + (1 − m) · (1 − p))
     constant: lr = lr0
 
-Data order is ours, not the DataLoader's: epoch e uses the permutation randperm(n, seed = cfg.seed·1000003 + e);
-micro-batch b of rank r is rows perm[(b·world + r)·B : (b·world + r + 1)·B] (incomplete tail dropped), so a
-position (epoch, b) plus the seed pins every future batch and resume needs no sampler pickles. Logging
+Data order is ours, not the DataLoader's: epoch e uses the permutation randperm(n, seed = cfg.seed·1000003 + e)
+(with `group_by_length`, reordered so that each micro-batch index holds rows of similar length:
+`training/batching.py`); micro-batch b of rank r is rows perm[(b·world + r)·B : (b·world + r + 1)·B]
+(incomplete tail dropped), so a position (epoch, b) plus the seed pins every future batch and resume needs
+no sampler pickles. Logging
 windows are flushed at every checkpoint step, so a resumed run's log equals the uninterrupted one.
 """
 
@@ -38,6 +40,7 @@ from torch import nn
 from draftsmith.config import to_dict
 from draftsmith.errors import DataError, TrainingError
 from draftsmith.training import checkpoint as ckpt
+from draftsmith.training.batching import length_grouped, row_lengths
 from draftsmith.training.config import TrainConfig
 from draftsmith.training.job import Job, count_tokens
 from draftsmith.training.loggers import RunLogger
@@ -179,6 +182,10 @@ class Trainer:
             raise DataError(f"{n} training rows cannot fill one batch of {cfg.batch_size} on each of {self.world} ranks")
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.micro_per_epoch / cfg.grad_accum))
         self.warmup = cfg.resolved_warmup(self.total_steps)
+        self.lengths = None
+        if cfg.group_by_length:  # the job knows its max_length; else whole rows
+            lengths = getattr(self.job, "row_lengths", None)
+            self.lengths = lengths() if lengths is not None else row_lengths(self.train_rows)
 
         self._fill_deepspeed_autos()
         optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
@@ -263,6 +270,8 @@ class Trainer:
         epoch, start = divmod(self.micro, self.micro_per_epoch)
         while True:
             perm = epoch_permutation(len(self.train_rows), cfg.seed, epoch)
+            if self.lengths is not None:
+                perm = length_grouped(perm, self.lengths, cfg.batch_size * self.world, cfg.seed, epoch)
             batches = rank_batches(perm, cfg.batch_size, self.world, self.rank, start)
             loader = DataLoader(self.train_rows, batch_sampler=batches, collate_fn=self.job.collate,
                                 num_workers=cfg.num_workers)
