@@ -180,13 +180,17 @@ class EagleJob:
         x = torch.cat([feats[f"layer.{i}"] for i in self.layers], dim=-1)
         out = module(ids, x, steps=S, select=select)
         if self.eagle3:
+            # step j's teacher at base t is the target at position t+1+j, so every step's teachers are rows of
+            # one product over the positions whose next token is learned (not S products over shifted copies)
             w = self.teacher_rows(head)
-            teacher, target_ids = [], []
-            for j in range(S):
-                lh = shift_left(feats["last_hidden"], 1 + j)[select[j]]
-                teacher.append(lh.to(w.dtype) @ w.T)  # the target's logits on the draft vocabulary
-                target_ids.append(shift_left(feats["topk_indices"][..., 0], 1 + j)[select[j]])
-            return eagle3_loss(out.logits, teacher, target_ids, head.d2t, self.weights)
+            at = shift_left(lmask, 1).bool()
+            row_of = torch.full(lmask.shape, -1, dtype=torch.long, device=lmask.device)
+            row_of[at] = torch.arange(int(at.sum()), device=lmask.device)
+            logits_at = feats["last_hidden"][at].to(w.dtype) @ w.T  # the target's logits on the draft vocabulary
+            top1_at = feats["topk_indices"][..., 0][at]
+            rows = [shift_left(row_of, 1 + j, fill=-1)[select[j]] for j in range(S)]
+            return eagle3_loss(out.logits, [logits_at[r] for r in rows], [top1_at[r] for r in rows], head.d2t,
+                               self.weights)
         f = feats[f"layer.{self.layers[0]}"]
         preds, targets, teacher = [], [], []
         for j in range(S):

@@ -266,6 +266,28 @@ def test_offline_features_give_the_online_loss(trained, target4, tmp_path):
     assert m_on == pytest.approx(m_off, rel=1e-5)
 
 
+def test_eagle3_job_loss_equals_a_per_step_reference(trained, target4):
+    """The job computes every step's teacher as rows of one product; the reference shifts the target's
+    features per step and multiplies S times (the definition: step j at base t learns the target at t+1+j)."""
+    job, result, rows = trained
+    batch = job.collate(rows[:8])
+    batch["loss_mask"][:, 10:13] = 0  # holes in the learned span: per-step selections differ
+    module = result.module.eval()
+    with torch.no_grad():
+        got, m_got = job.loss(module, batch)
+        feats = job.features(batch)
+        S = job.cfg.ttt_steps
+        select = [shift_left(batch["loss_mask"], 2 + j).bool() for j in range(S)]
+        x = torch.cat([feats[f"layer.{i}"] for i in job.layers], dim=-1)
+        out = module(batch["input_ids"], x, steps=S, select=select)
+        w = target4.model.get_output_embeddings().weight[module.t2d]
+        teacher = [shift_left(feats["last_hidden"], 1 + j)[select[j]] @ w.T for j in range(S)]
+        ids = [shift_left(feats["topk_indices"][..., 0], 1 + j)[select[j]] for j in range(S)]
+        want, m_want = eagle3_loss(out.logits, teacher, ids, module.d2t, job.weights)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    assert m_got == pytest.approx(m_want, rel=1e-6)
+
+
 def test_eagle1_trains(target4, tmp_path):
     rows = distilled_rows(target4, n=32)
     cfg = job_config(tmp_path, "eagle1", steps=16)
