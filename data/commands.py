@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     ins = sub.add_parser("inspect", help="counts per domain, token stats, one example with its loss mask")
     ins.add_argument("path", help="output_dir of `data generate`")
     ins.add_argument("--row", type=int, default=0, help="which row to show")
+    ins.add_argument("--max-length", type=int, help="also show what a job with this max_length trains on")
+    ins.add_argument("--prompt-context", type=int, help="... keeping at most this many prompt tokens (EAGLE)")
+    ins.add_argument("--batch-size", type=int, default=8, help="... in batches of this many rows (default 8)")
     ins.set_defaults(func=run_inspect)
 
     sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains")
@@ -67,6 +70,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     srt = sorted(lengths)
     print(f"tokens/row: mean {sum(lengths) / len(lengths):.1f}, median {srt[len(srt) // 2]}, max {srt[-1]}; "
           f"learned/row: mean {sum(learned) / len(learned):.1f}; stopped with EOS: {sum(ds['stopped'])}/{len(ds)}")
+    if args.max_length:
+        from draftsmith.training.batching import batching_report
+
+        r = batching_report(ds["loss_mask"], args.max_length, args.batch_size, args.prompt_context)
+        print(f"max_length {args.max_length}" + (f", prompt_context {args.prompt_context}" if args.prompt_context else "")
+              + f": learned tokens kept {r['learned_kept_window']:.1%} (first {args.max_length} tokens of each row: "
+              f"{r['learned_kept_head']:.1%}); {r['positions']} positions per epoch; with padding, in batches of "
+              f"{args.batch_size}: {r['padded_random']} in random order, {r['padded_grouped']} grouped by length")
     if not 0 <= args.row < len(ds):
         raise DataError(f"--row {args.row} is out of range (0..{len(ds) - 1})")
     row = ds[args.row]

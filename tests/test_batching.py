@@ -9,7 +9,13 @@ import torch
 from _train_job import make_rows  # noqa: E402
 
 from draftsmith.targets.cache_shards import CaptureSource, capture_dataset  # noqa: E402
-from draftsmith.training.batching import length_grouped, pad_rows, row_lengths, window  # noqa: E402
+from draftsmith.training.batching import (  # noqa: E402
+    batching_report,
+    length_grouped,
+    pad_rows,
+    row_lengths,
+    window,
+)
 from draftsmith.training.loop import epoch_permutation, rank_batches  # noqa: E402
 
 
@@ -132,3 +138,13 @@ def test_grouped_training_resumes_exactly(tiny_target, tmp_path):
     plain = train(Ragged(tiny_target), TrainConfig(output_dir=str(tmp_path / "plain"),
                                                    **{**base, "group_by_length": False}))
     assert any(not torch.allclose(plain.module.state_dict()[k], v) for k, v in full.module.state_dict().items())
+
+
+def test_batching_report_counts_what_each_rule_keeps():
+    masks = [[0] * 500 + [1] * 20, [0] * 10 + [1] * 30] * 8
+    r = batching_report(masks, max_length=384, batch_size=4)
+    assert r["rows"] == 16 and r["learned_kept_window"] == 1.0
+    assert r["learned_kept_head"] == pytest.approx(240 / 400)  # the long rows' answers lie past token 384
+    assert r["positions"] == 8 * 384 + 8 * 40
+    assert r["padded_grouped"] == r["positions"] <= r["padded_random"]
+    assert batching_report(masks, 384, 4, prompt_context=16)["positions"] == 8 * 36 + 8 * 40

@@ -101,3 +101,28 @@ def length_grouped(perm: list[int], lengths: Sequence[int], group: int, seed: in
     longest = max(range(len(groups)), key=lambda k: lengths[groups[k][0]])
     order.remove(longest)
     return [i for k in [longest, *order] for i in groups[k]] + tail
+
+
+def batching_report(loss_masks: Sequence[Sequence[int]], max_length: int, batch_size: int,
+                    prompt_context: int | None = None, seed: int = 0) -> dict[str, float]:
+    """What a job's max_length / prompt_context / group_by_length do to one epoch of these rows.
+
+    learned_kept_window / learned_kept_head: fraction of learned tokens inside `window` vs inside the first
+    max_length tokens (the old rule); positions: tokens of the windows; padded_random / padded_grouped:
+    positions computed when batches of `batch_size` are padded to their longest row, in random order and
+    length-grouped (one epoch of `epoch_permutation` order, one rank)."""
+    from draftsmith.training.loop import epoch_permutation, rank_batches
+
+    spans = [window(list(m), max_length, prompt_context=prompt_context) for m in loss_masks]
+    learned = sum(sum(m) for m in loss_masks) or 1
+    kept = sum(sum(list(m)[s:e]) for m, (s, e) in zip(loss_masks, spans))
+    head = sum(sum(list(m)[:max_length]) for m in loss_masks)
+    lengths = [e - s for s, e in spans]
+    perm = epoch_permutation(len(lengths), seed, 0)
+
+    def padded(order: list[int]) -> int:
+        return sum(len(b) * max(lengths[i] for i in b) for b in rank_batches(order, batch_size, 1, 0, 0))
+
+    grouped = length_grouped(perm, lengths, batch_size, seed, 0)
+    return {"rows": len(lengths), "learned_kept_window": kept / learned, "learned_kept_head": head / learned,
+            "positions": sum(lengths), "padded_random": padded(perm), "padded_grouped": padded(grouped)}
