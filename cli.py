@@ -62,7 +62,10 @@ def setup_logging(verbose: bool) -> None:
 
 def run_entry_point(fn, verbose: bool = False) -> int:
     """Run `fn()` with draftsmith's logging and one-line error reporting (for scripts/*.py too)."""
+    from draftsmith.targets.device import tune_cpu_allocator
+
     setup_logging(verbose)
+    tune_cpu_allocator()  # CPU jobs reuse freed memory instead of page-faulting it in again (targets/device.py)
     try:
         return int(fn() or 0)
     except DraftsmithError as e:

@@ -73,3 +73,34 @@ def test_real_smollm2_loads_cached_and_generates(real_target):
     out = real_target.model.generate(ids, max_new_tokens=16, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 16 or out[0, -1].item() in real_target.eos_token_ids
     assert "4" in tok.decode(out[0, ids.shape[1]:])
+
+
+def _allocator_probe(env_extra: dict) -> str:
+    """In a fresh process: did tune_cpu_allocator change glibc's settings, and does a large block then
+    come from the heap (no mmap: freeing it keeps the pages) — read from mallinfo2's mmap counters."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, torch\n"
+        "from draftsmith.targets.device import tune_cpu_allocator\n"
+        "changed = tune_cpu_allocator()\n"
+        "class MI(ctypes.Structure):\n"
+        "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena','ordblks','smblks','hblks','hblkhd','usmblks',"
+        "'fsmblks','uordblks','fordblks','keepcost')]\n"
+        "libc = ctypes.CDLL('libc.so.6'); libc.mallinfo2.restype = MI\n"
+        "x = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MB\n"
+        "print(changed, libc.mallinfo2().hblkhd >= 64 << 20)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "DRAFTSMITH_MALLOC"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **env_extra}, capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc only")
+def test_cpu_allocator_keeps_large_blocks_in_the_heap():
+    assert _allocator_probe({}) == "True False"  # tuned: the 64 MB tensor is not an mmap'ed block
+    assert _allocator_probe({"DRAFTSMITH_MALLOC": "0"}) == "False True"  # glibc's default: mmap per block
+    assert _allocator_probe({"MALLOC_TOP_PAD_": "0"}) == "False True"  # the user's own settings win
