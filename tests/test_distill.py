@@ -12,8 +12,8 @@ from draftsmith.config import load_config
 from draftsmith.distill import builders as B
 from draftsmith.distill.config import DistillConfig
 from draftsmith.distill.job import DistillJob, prompt_lengths, run_distill
-from draftsmith.training.batching import pad_rows
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.training.batching import pad_rows
 
 PROMPTS = ["What is the capital of France?", "Add 2 and 3.", "Write a loop in Python.", "Summarize the passage.",
            "How many clips did Natalia sell?", "Translate the sentence into French.", "def add(a, b):",

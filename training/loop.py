@@ -21,8 +21,8 @@ Data order is ours, not the DataLoader's: epoch e uses the permutation randperm(
 (with `group_by_length`, reordered so that each micro-batch index holds rows of similar length:
 `training/batching.py`); micro-batch b of rank r is rows perm[(b·world + r)·B : (b·world + r + 1)·B]
 (incomplete tail dropped), so a position (epoch, b) plus the seed pins every future batch and resume needs
-no sampler pickles. Logging
-windows are flushed at every checkpoint step, so a resumed run's log equals the uninterrupted one.
+no sampler pickles. Logging windows are flushed at every checkpoint step, so a resumed run's log equals the
+uninterrupted one.
 """
 
 from __future__ import annotations
