@@ -19,7 +19,8 @@ the last `prompt_context` prompt tokens before the answer. A T0 row of a 480-tok
 too: leave it unset there.
 
 Length grouping (`group_by_length`). With rows drawn in random order a batch is padded to its longest
-row; on the self-distilled SmolLM2 set (rows of 40 to 700 tokens) that is about half of every batch.
+row; on the self-distilled SmolLM2 set (rows of up to 768 tokens, max_length 384, batches of 8) padding was
+30% of the positions computed (BENCHMARKS.md).
 `length_grouped` reorders an epoch's permutation in the way of HF Trainer's `group_by_length`: cut it into
 megabatches of `megabatch` steps, sort each by length, cut those into steps and shuffle the steps (the
 longest first, so a batch that does not fit in memory fails at once and not hours in). The order is a
