@@ -49,12 +49,34 @@ def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     transformers' sdpa path copies K and V `num_key_value_groups` times (repeat_kv) whenever a mask is
     given, which on CPU costs more than the attention itself for long batched caches.
     """
+    if query.shape[2] == 1 and query.shape[1] != key.shape[1]:
+        return _decode_gqa(query, key, value, attention_mask, scaling), None
     # transformers skips the mask when it is purely causal (no padding): then causality is on us
     causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=causal,
         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_gqa(query, key, value, attention_mask, scaling):
+    """One decode step's attention as two matmuls per KV head, its query heads stacked as rows.
+
+    query [B, H, 1, D], key/value [B, KV, T, D]. The G = H / KV query heads that share a KV head become the
+    rows of one [G, D] x [D, T] product, so each cached key is read once per KV head and the product has G
+    rows instead of one (SDPA runs H one-row products). Returns [B, 1, H, D]."""
+    b, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else dim ** -0.5
+    q = (query * scale).reshape(b, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(q, key.transpose(-1, -2))  # [B, KV, G, T]
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:  # [B, 1, 1, T], True = attend
+            scores.masked_fill_(~attention_mask, float("-inf"))
+        else:  # additive
+            scores += attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, 1, heads, dim)
 
 
 def _register_gqa_attention() -> None:

@@ -311,6 +311,27 @@ def test_cache_columns_move_like_a_copy(src, dst, length):
     assert torch.equal(buf, want)
 
 
+@pytest.mark.parametrize("additive", [False, True])
+def test_decode_attention_groups_query_heads_like_repeated_kv(additive):
+    from draftsmith.data.engine import _decode_gqa
+
+    torch.manual_seed(0)
+    B, H, KV, T, D = 5, 6, 2, 17, 8
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KV, T, D), torch.randn(B, KV, T, D)
+    keep = torch.ones(B, 1, 1, T, dtype=torch.bool)
+    for b in range(B):
+        keep[b, ..., : 3 * b] = False  # left padding of a different width per row
+    mask = torch.zeros(B, 1, 1, T).masked_fill(~keep, float("-inf")) if additive else keep
+    # reference: every query head against its own copy of its KV head (head h reads KV head h // (H/KV))
+    rk, rv = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    scores = (q @ rk.transpose(-1, -2)) * 0.3
+    ref = (scores.masked_fill(~keep, float("-inf")).softmax(-1) @ rv).transpose(1, 2)
+    got = _decode_gqa(q, k, v, mask, 0.3)
+    assert got.shape == (B, 1, H, D)
+    torch.testing.assert_close(got, ref)
+    assert not torch.allclose(got, _decode_gqa(q, k, v, None, 0.3))  # the mask is applied
+
+
 def test_sampling_is_seeded_per_row(tiny_target):
     reqs = _random_requests(tiny_target.vocab_size, n=9)
     s = Sampling(do_sample=True, temperature=4.0, top_p=0.95)
