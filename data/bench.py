@@ -3,7 +3,8 @@
     nice python -m draftsmith.data.bench 32 128 cb:32,cap:32,hf:16,cb:1 [TARGET] [--json OUT]
 
 cb:B = continuous batching at batch B (cb:1 = one prompt at a time), np:B = the same without prefilling the
-prompts' shared prefix once, cap:B = the same with capture of
+prompts' shared prefix once, sd:B = the same with one SDPA call per decode step over every used column (no
+row ranges, `ContinuousBatcher(decode_spans=0)`), cap:B = the same with capture of
 the EAGLE-3 layers (low/middle/high, targets.capture.default_eagle3_layers) + top-64 logits + last hidden, hf:B = transformers `generate` on static length-sorted batches.
 Prompts: the first N/2 GSM8K questions and the first N/2 self-instruct seed tasks, chat-formatted.
 """
@@ -55,6 +56,9 @@ def main(argv: list[str]) -> dict:
         elif kind == "np":
             name = f"continuous_b{bs}_no_shared_prefix"
             st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, shared_prefix=False).run(reqs, done)
+        elif kind == "sd":
+            name = f"continuous_b{bs}_one_sdpa_call"
+            st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, decode_spans=0).run(reqs, done)
         elif kind == "cap":
             cap = CaptureSpec(layers=layers, topk=64, last_hidden=True)
             name = f"continuous_b{bs}_capture"

@@ -14,8 +14,11 @@ token). Here the loop calls the model directly:
   (continuous batching), in groups of similar length so that no prompt pays for a longer one's padding;
 - the prompts' common prefix (a chat template's system preamble) is prefilled once per run and is the past
   of every prefill;
-- every row attends over all used columns, so leading columns no row needs any more (rows that left) are
-  dropped once they are a quarter of them, or when the cache runs out of columns.
+- leading columns no row needs any more (rows that left) are dropped once they are a quarter of the used
+  ones, or when the cache runs out of columns;
+- a decode step's attention runs over a few ranges of rows (sorted by first column at each admission), each
+  from its rows' first column: a row with a short context does not read the columns in front of it. The
+  query heads that share a KV head are the rows of one product (`_decode_gqa`).
 
 Sampling is per row with a generator seeded by the row's own seed, so a row's sample does not depend on
 which other rows share its batch; greedy decoding equals one-prompt-at-a-time decoding up to float noise.
@@ -30,6 +33,7 @@ never fed back during generation, so with capture on a finished row stays for on
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,22 +45,40 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from draftsmith.targets.capture import capture_forward
 
 GQA_SDPA = "draftsmith_sdpa_gqa"
+# set by the engine around a decode forward: (rows, key columns, [(r0, r1, c0), ...]); see `_decode_spans`
+_DECODE_SPANS: contextvars.ContextVar[tuple[int, int, list[tuple[int, int, int]]] | None] = contextvars.ContextVar(
+    "draftsmith_decode_spans", default=None)
 
 
 def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """SDPA with grouped-query attention done by torch (enable_gqa) even with a padding mask.
 
     transformers' sdpa path copies K and V `num_key_value_groups` times (repeat_kv) whenever a mask is
-    given, which on CPU costs more than the attention itself for long batched caches.
+    given, which on CPU costs more than the attention itself for long batched caches. The engine's decode
+    steps (one query column, `_DECODE_SPANS` set) go to `_decode_spans` instead.
     """
-    if query.shape[2] == 1 and query.shape[1] != key.shape[1]:
-        return _decode_gqa(query, key, value, attention_mask, scaling), None
+    spans = _DECODE_SPANS.get()
+    if spans is not None and query.shape[2] == 1 and spans[0] == query.shape[0] and spans[1] == key.shape[2]:
+        return _decode_spans(query, key, value, attention_mask, scaling, spans[2]), None
     # transformers skips the mask when it is purely causal (no padding): then causality is on us
     causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=causal,
         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_spans(query, key, value, attention_mask, scaling, spans):
+    """A decode step's attention, each range of rows [r0, r1) over columns [c0, T) only.
+
+    Every active row is right-aligned at the shared write column, so a row admitted with a short context
+    has its masked columns (left padding, columns of rows that left) in front of it. Columns every row of a
+    range masks contribute exp(-inf) = 0 to its softmax: skipping them changes nothing but the work."""
+    out = query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+    for r0, r1, c0 in spans:
+        mask = attention_mask[r0:r1, ..., c0:] if attention_mask is not None else None
+        out[r0:r1] = _decode_gqa(query[r0:r1], key[r0:r1, :, c0:], value[r0:r1, :, c0:], mask, scaling)
+    return out
 
 
 def _decode_gqa(query, key, value, attention_mask, scaling):
@@ -251,6 +273,18 @@ class _SlotStore:
         self.mask = torch.nn.functional.pad(self.mask, (0, grow))
         self.capacity = new_cap
 
+    def starts(self, columns: int) -> torch.Tensor:
+        """Each active row's first attended column (every active row attends to at least one)."""
+        return self.mask[: self.a, :columns].argmax(1)
+
+    def reorder(self, order: Sequence[int]) -> None:
+        """Permute the active rows: row i becomes old row order[i]."""
+        a, n = self.a, self.n
+        idx = torch.as_tensor(order, dtype=torch.long)
+        for buf in (*self.k, *self.v):
+            buf[:a, :, :n] = buf[:a, :, :n].index_select(0, idx)
+        self.mask[:a, :n] = self.mask[:a, :n].index_select(0, idx)
+
     def move_row(self, src: int, dst: int) -> None:
         n = self.n
         for buf in (*self.k, *self.v):
@@ -353,7 +387,8 @@ class ContinuousBatcher:
     def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 32,
                  sampling: Sampling | None = None, capture: CaptureSpec | None = None,
                  refill_fraction: float = 0.25, gqa_sdpa: bool = True, max_padding: float = 0.15,
-                 shared_prefix: bool = True, min_prefix: int = 8, prefill_tokens: int = 8192):
+                 shared_prefix: bool = True, min_prefix: int = 8, prefill_tokens: int = 8192,
+                 decode_spans: int = 4):
         self.model = model
         self.eos = set(int(e) for e in eos_token_ids)
         self.pad = int(pad_token_id)
@@ -365,6 +400,9 @@ class ContinuousBatcher:
         # torch's enable_gqa instead of transformers' repeat_kv under a padding mask: 3-6% per decode step
         # at batch 32-64 on SmolLM2 (2 CPU cores, 2026-11-23)
         self.gqa_sdpa = gqa_sdpa
+        # a decode step's attention in this many row ranges, each over the columns its rows attend to (rows
+        # kept sorted by first column); 0 = one SDPA call over every used column. Needs gqa_sdpa.
+        self.decode_spans = decode_spans if gqa_sdpa else 0
         self.max_padding = max_padding  # prefill groups pad at most this fraction of their tokens
         self.prefill_tokens = prefill_tokens  # ... and hold at most this many tokens
         # with top-k capture a prefill keeps [rows, columns, vocab] logits for the columns its rows want
@@ -521,7 +559,22 @@ class ContinuousBatcher:
             for row, tok in zip(d.rows, d.first):
                 self._accept(row, tok)
                 rows.append(row)
+        if self.decode_spans > 1:  # longest context first, so that row ranges share their first columns
+            order = store.starts(n).argsort(stable=True).tolist()
+            if order != list(range(store.a)):
+                store.reorder(order)
+                rows[:] = [rows[i] for i in order]
         return sum(int(d.mask.sum()) for d in done)
+
+    def _spans(self, store: _SlotStore, columns: int) -> tuple[int, int, list[tuple[int, int, int]]] | None:
+        """Split the active rows into `decode_spans` ranges; each range attends from its rows' first column."""
+        if not self.decode_spans:
+            return None
+        a = store.a
+        starts = store.starts(columns)
+        k = min(self.decode_spans, a)
+        bounds = [round(i * a / k) for i in range(k + 1)]
+        return a, columns, [(r0, r1, int(starts[r0:r1].min())) for r0, r1 in zip(bounds, bounds[1:]) if r1 > r0]
 
     def _accept(self, row: _Row, tok: int) -> None:
         row.tokens.append(tok)
@@ -578,7 +631,11 @@ class ContinuousBatcher:
             ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
             pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long)
             store.mask[:a, n] = 1
-            logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache)
+            token = _DECODE_SPANS.set(self._spans(store, n + 1))
+            try:
+                logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache)
+            finally:
+                _DECODE_SPANS.reset(token)
             store.n = n + 1
             steps += 1
             rows_fed += a

@@ -332,6 +332,36 @@ def test_decode_attention_groups_query_heads_like_repeated_kv(additive):
     assert not torch.allclose(got, _decode_gqa(q, k, v, None, 0.3))  # the mask is applied
 
 
+def test_decode_spans_skip_only_masked_columns(tiny_target, monkeypatch):
+    from draftsmith.data import engine
+
+    torch.manual_seed(1)
+    B, H, KV, T, D = 6, 4, 2, 20, 8
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KV, T, D), torch.randn(B, KV, T, D)
+    keep = torch.ones(B, 1, 1, T, dtype=torch.bool)
+    starts = [0, 2, 5, 9, 9, 14]
+    for b, s in enumerate(starts):
+        keep[b, ..., :s] = False
+    spans = [(0, 2, 0), (2, 3, 5), (3, 6, 9)]
+    torch.testing.assert_close(engine._decode_spans(q, k, v, keep, 0.3, spans), engine._decode_gqa(q, k, v, keep, 0.3))
+
+    # in the engine: refills make rows of different first columns share a step; the ranges skip columns,
+    # and every position's state is the full forward's, the tokens those of a single SDPA call per step
+    from draftsmith.targets.capture import capture_forward
+
+    seen = []
+    real = engine._decode_spans
+    monkeypatch.setattr(engine, "_decode_spans", lambda *a: seen.append(a[-1]) or real(*a))
+    reqs = _random_requests(tiny_target.vocab_size, n=17, seed=3)
+    spec = CaptureSpec(layers=[-1], last_hidden=True, dtype=torch.float32)
+    spans4, plain = _run(tiny_target, reqs, 6, capture=spec), _run(tiny_target, reqs, 6, decode_spans=0)
+    assert {k: c.tokens for k, c in spans4.items()} == {k: c.tokens for k, c in plain.items()}
+    assert any(len(s) > 1 and s[-1][2] > s[0][2] for s in seen)  # later ranges start further right
+    for c in spans4.values():
+        ref = capture_forward(tiny_target.model, torch.tensor([c.prompt_ids + c.tokens]), layers=[-1])
+        torch.testing.assert_close(c.capture["last_hidden"], ref.last_hidden[0], atol=2e-4, rtol=1e-4)
+
+
 def test_sampling_is_seeded_per_row(tiny_target):
     reqs = _random_requests(tiny_target.vocab_size, n=9)
     s = Sampling(do_sample=True, temperature=4.0, top_p=0.95)
