@@ -38,7 +38,7 @@ from draftsmith.distill.config import DistillConfig
 from draftsmith.distill.losses import distill_loss
 from draftsmith.errors import DataError
 from draftsmith.evaluation.after_training import evaluate_into_artifact
-from draftsmith.training.batching import pad_rows, row_lengths, window
+from draftsmith.training.batching import pad_rows, row_lengths, split_rows, window
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +74,6 @@ def load_rows(path: str | Path, target, max_rows: int | None = None):
     if len(ds) < 2:
         raise DataError(f"{path}: {len(ds)} rows; need at least 2 (one to train, one to hold out)")
     return ds
-
-
-def split_rows(rows, eval_fraction: float, seed: int):
-    """Deterministic train / held-out split (a seeded permutation)."""
-    n = len(rows)
-    n_eval = max(1, round(n * eval_fraction))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    ev, tr = sorted(order[:n_eval]), sorted(order[n_eval:])
-    if hasattr(rows, "select"):
-        return rows.select(tr), rows.select(ev)
-    return [rows[i] for i in tr], [rows[i] for i in ev]
 
 
 def prompt_lengths(batch: dict[str, torch.Tensor]) -> list[int]:

@@ -43,9 +43,8 @@ from draftsmith.heads.eagle import (
     token_counts,
     vocab_coverage,
 )
-from draftsmith.heads.medusa_job import split_rows
 from draftsmith.storage import read_json
-from draftsmith.training.batching import pad_rows, row_lengths
+from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
 log = logging.getLogger(__name__)

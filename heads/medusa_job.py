@@ -31,7 +31,7 @@ from draftsmith.heads.medusa import (
 )
 from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
 from draftsmith.storage import atomic_write_json, read_json
-from draftsmith.training.batching import pad_rows, row_lengths
+from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -75,17 +75,6 @@ class MedusaJobConfig:
         if self.medusa2.enabled and self.capture_cache:
             raise ValueError("medusa2 trains the target's adapter: its features change every step, so no "
                              "capture_cache (offline features) can be used")
-
-
-def split_rows(dataset, eval_fraction: float, seed: int):
-    """Deterministic train / held-out split of a datasets.Dataset (or list)."""
-    n = len(dataset)
-    n_eval = max(1, int(round(n * eval_fraction))) if n > 1 else 0
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
-    if hasattr(dataset, "select"):
-        return dataset.select(train_idx), dataset.select(eval_idx)
-    return [dataset[i] for i in train_idx], [dataset[i] for i in eval_idx]
 
 
 class MedusaJob:

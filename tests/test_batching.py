@@ -14,6 +14,7 @@ from draftsmith.training.batching import (  # noqa: E402
     length_grouped,
     pad_rows,
     row_lengths,
+    split_rows,
     window,
 )
 from draftsmith.training.loop import epoch_permutation, rank_batches  # noqa: E402
@@ -148,3 +149,18 @@ def test_batching_report_counts_what_each_rule_keeps():
     assert r["positions"] == 8 * 384 + 8 * 40
     assert r["padded_grouped"] == r["positions"] <= r["padded_random"]
     assert batching_report(masks, 384, 4, prompt_context=16)["positions"] == 8 * 36 + 8 * 40
+
+
+def test_split_rows_is_a_seeded_partition():
+    import datasets
+
+    rows = [{"input_ids": [i], "loss_mask": [1]} for i in range(40)]
+    train, held = split_rows(rows, 0.1, seed=3)
+    assert len(held) == 4 and len(train) == 36
+    assert sorted(r["input_ids"][0] for r in train + held) == list(range(40))
+    assert split_rows(rows, 0.1, seed=3) == (train, held)
+    assert split_rows(rows, 0.1, seed=4)[1] != held
+    ds_train, ds_held = split_rows(datasets.Dataset.from_list(rows), 0.1, seed=3)  # the same rows via select
+    assert ds_held["input_ids"] == [r["input_ids"] for r in held] and len(ds_train) == 36
+    assert split_rows(rows[:2], 0.01, seed=0)[1] != []  # at least one row held out
+    assert split_rows(rows[:1], 0.5, seed=0) == (rows[:1], [])  # ... except from a one-row set

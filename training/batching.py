@@ -36,6 +36,19 @@ import torch
 CONTEXT = 32  # prompt tokens kept before the first learned token when a row's window cannot hold it all
 
 
+def split_rows(rows, eval_fraction: float, seed: int):
+    """Deterministic (train, held-out) split of a datasets.Dataset or a list: a seeded permutation.
+
+    At least one row is held out, except from a one-row set, which is all training."""
+    n = len(rows)
+    n_eval = max(1, round(n * eval_fraction)) if n > 1 else 0
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    held, train = sorted(order[:n_eval]), sorted(order[n_eval:])
+    if hasattr(rows, "select"):
+        return rows.select(train), rows.select(held)
+    return [rows[i] for i in train], [rows[i] for i in held]
+
+
 def window(loss_mask: Sequence[int], max_length: int, context: int = CONTEXT,
            prompt_context: int | None = None) -> tuple[int, int]:
     """[start, end) of the tokens of a row to train on (module docstring). A row that fits is taken whole;
