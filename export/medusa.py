@@ -6,10 +6,14 @@ vLLM (`model_type: medusa`, models/medusa.py + transformers_utils/configs/medusa
                                 blocks.{h}.layers.{l}.weight/.bias   (bias read only when medusa_fc_bias)
                                 lm_heads.{h}.weight
                                 config: num_heads, num_hidden_layers, hidden_size, vocab_size,
-                                truncated_vocab_size (= vocab_size: no token_map), medusa_fc_bias
+                                truncated_vocab_size, medusa_fc_bias
+                                token_map [N] int64: the target ids of a draft vocabulary's rows (heads
+                                with draft_vocab_size N; absent, and truncated_vocab_size = vocab_size,
+                                without one). vLLM scatters each head's N logits into the full vocabulary.
 FasterDecoding / TensorRT-LLM (`medusa_lm_head.safetensors`; head h is an nn.Sequential of L ResBlocks
 then the Linear projection):    {h}.{l}.linear.weight/.bias, {h}.{L}.weight
                                 config: medusa_num_heads, medusa_num_layers, hidden_size, vocab_size
+                                (no token map: heads over a draft vocabulary cannot be written here)
 
 Both compute the same function as draftsmith (Cai et al. 2024, eq. 1): head_h(x) = W_h · ResBlocks(x),
 ResBlock(x) = x + SiLU(A x + b). With share_lm_head the target's lm_head is written into every head,
@@ -65,12 +69,15 @@ def to_vllm(cfg: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, 
             out[f"blocks.{h}.layers.{ell}.weight"] = state[f"heads.{h}.blocks.{ell}.linear.weight"]
             out[f"blocks.{h}.layers.{ell}.bias"] = state[f"heads.{h}.blocks.{ell}.linear.bias"]
         out[f"lm_heads.{h}.weight"] = state[f"heads.{h}.lm_head.weight"]
+    n = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    if cfg.get("draft_vocab_size"):
+        out["token_map"] = torch.nonzero(state["t2d"]).flatten().to(torch.long)  # = arange(N) + d2t
     config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
         "hidden_size": cfg["hidden_size"],
         "vocab_size": cfg["vocab_size"],
-        "truncated_vocab_size": cfg["vocab_size"],
+        "truncated_vocab_size": n,
         "num_heads": K,
         "num_hidden_layers": L,
         "medusa_fc_bias": True,  # draftsmith's ResBlocks have a bias; without this vLLM builds bias-free layers
@@ -82,6 +89,10 @@ def to_vllm(cfg: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, 
 
 def to_medusa_lm_head(cfg: dict, state: dict[str, torch.Tensor], base: str) -> tuple[dict, dict[str, torch.Tensor]]:
     K, L = cfg["num_heads"], cfg["num_layers"]
+    if cfg.get("draft_vocab_size"):
+        raise ConfigError(f"the {MEDUSA_FORMAT} layout (TensorRT-LLM, FasterDecoding) has no token map: heads over a "
+                          f"draft vocabulary of {cfg['draft_vocab_size']} tokens export to {VLLM_FORMAT} only; "
+                          "train with draft_vocab_size: null for this layout")
     out = {}
     for h in range(K):
         for ell in range(L):
@@ -124,6 +135,8 @@ def expected_tensors(fmt: str, config: dict) -> Spec:
                 if config.get("medusa_fc_bias"):
                     spec[f"blocks.{h}.layers.{ell}.bias"] = ((H,), dt)
             spec[f"lm_heads.{h}.weight"] = ((config.get("truncated_vocab_size") or V, H), dt)
+        if (config.get("truncated_vocab_size") or V) < V:
+            spec["token_map"] = ((config["truncated_vocab_size"],), "I64")
     else:
         K, L = config["medusa_num_heads"], config["medusa_num_layers"]
         for h in range(K):
@@ -172,6 +185,12 @@ def read_layout(out: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
                 state[f"heads.{h}.blocks.{ell}.linear.bias"] = (
                     bias if bias is not None else torch.zeros(config["hidden_size"], dtype=t[f"blocks.{h}.layers.{ell}.weight"].dtype))
             state[f"heads.{h}.lm_head.weight"] = t[f"lm_heads.{h}.weight"]
+        n = config.get("truncated_vocab_size") or config["vocab_size"]
+        if n < config["vocab_size"]:
+            token_map = t["token_map"].long()
+            state["t2d"] = torch.zeros(config["vocab_size"], dtype=torch.bool)
+            state["t2d"][token_map] = True
+            state["d2t"] = token_map - torch.arange(n)
     elif "medusa_num_heads" in config:
         K, L = config["medusa_num_heads"], config["medusa_num_layers"]
         t = read_tensors(out / MEDUSA_WEIGHTS)
@@ -183,7 +202,9 @@ def read_layout(out: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     else:
         raise ArtifactError(f"{out}: not a vLLM or FasterDecoding Medusa folder")
     cfg = {"hidden_size": config["hidden_size"], "vocab_size": config["vocab_size"], "num_heads": K,
-           "num_layers": L, "share_lm_head": False}
+           "num_layers": L, "share_lm_head": False, "draft_vocab_size": None}
+    if "d2t" in state:
+        cfg["draft_vocab_size"] = int(state["d2t"].numel())
     return cfg, state
 
 

@@ -60,6 +60,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import ConfigError
+from draftsmith.heads.vocab import (  # noqa: F401  (re-exported: the draft vocabulary helpers' old home)
+    build_draft_vocab,
+    check_draft_vocab,
+    token_counts,
+    vocab_coverage,
+)
 from draftsmith.targets.gemm import rows_linear, use_rows_linear
 
 # model_type -> (module, decoder layer class, rotary class, rotary layer type or None)
@@ -426,52 +432,6 @@ def shift_left(x: torch.Tensor, k: int, fill: int | float = 0) -> torch.Tensor:
     if k < x.shape[1]:
         out[:, : x.shape[1] - k] = x[:, k:]
     return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# Draft vocabulary
-# ---------------------------------------------------------------------------------------------------
-
-
-def token_counts(rows, vocab_size: int) -> torch.Tensor:
-    """[V] int64: how often each token is TARGET-WRITTEN (loss_mask = 1) in `rows` (dicts with
-    input_ids, loss_mask)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for r in rows:
-        ids = torch.as_tensor(list(r["input_ids"]), dtype=torch.long)
-        mask = torch.as_tensor(list(r["loss_mask"]), dtype=torch.bool)[: ids.numel()]
-        counts += torch.bincount(ids[: mask.numel()][mask], minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def build_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-`size` tokens by count (ties and unseen tokens: lowest id first), sorted by target id.
-
-    Returns d2t [size] int64 (target_id = draft_id + d2t[draft_id]) and t2d [V] bool.
-    """
-    V = counts.numel()
-    if not 1 <= size <= V:
-        raise ConfigError(f"draft vocabulary size must be in 1..{V}, got {size}")
-    # stable sort on -count keeps ascending ids among equal counts
-    order = torch.sort(-counts.long(), stable=True).indices[:size]
-    chosen = torch.sort(order).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[chosen] = True
-    d2t = chosen - torch.arange(size)
-    return d2t, t2d
-
-
-def check_draft_vocab(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """The invariant nonzero(t2d) == arange(N) + d2t (draft ids are target ids in ascending order)."""
-    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
-    nz = torch.nonzero(t2d).flatten().to(d2t.device)
-    if d2t.dtype != torch.long or t2d.dtype != torch.bool or nz.numel() != d2t.numel() or not torch.equal(nz, ids):
-        raise ConfigError("draft vocabulary is inconsistent: nonzero(t2d) must equal arange(N) + d2t")
-
-
-def vocab_coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
-    total = int(counts.sum())
-    return float(counts[t2d].sum()) / total if total else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,6 +11,12 @@ target's lm_head, so a fresh head predicts exactly what the target's own head pr
 start harmless). With `share_lm_head`, W_i IS the target's frozen lm_head (no vocab-sized parameters per
 head: the choice for large vocabularies such as Gemma 3's 262k).
 
+With `draft_vocab_size: N` every W_i has N rows, those of the N tokens the target writes most often
+(`heads/vocab.py`; vLLM's Medusa calls the list `token_map`). On a CPU the K vocab projections are most of a
+Medusa step: on SmolLM2, 4 x 49,152 rows cost ~0.85 of a target step, 4 x 8,192 rows ~0.15. A head
+then predicts nothing outside its vocabulary: the labels it cannot predict are left out of its loss and
+count as misses in its accuracy. Logits are over draft ids; `to_target` maps ids back.
+
 This file holds the module, its config, the loss and the sparse candidate tree; no I/O in `__init__`.
 """
 
@@ -37,6 +43,7 @@ class MedusaHeadsConfig:
     num_heads: int = 4
     num_layers: int = 1
     share_lm_head: bool = False
+    draft_vocab_size: int | None = None  # None: the target's whole vocabulary
 
     def __post_init__(self):
         if self.num_heads < 1 or self.num_heads > 16:
@@ -45,6 +52,16 @@ class MedusaHeadsConfig:
             raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
         if self.hidden_size < 1 or self.vocab_size < 1:
             raise ValueError("hidden_size and vocab_size must be positive")
+        if self.draft_vocab_size is not None:
+            if not 1 <= self.draft_vocab_size <= self.vocab_size:
+                raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+            if self.share_lm_head:
+                raise ValueError("share_lm_head reads the target's whole lm_head; a draft vocabulary gives each "
+                                 "head its own N-row projection: set one of them")
+
+    @property
+    def out_size(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
 
 
 class ResBlock(nn.Module):
@@ -74,23 +91,33 @@ class MedusaHead(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K Medusa heads. forward(h [.., H]) -> logits [K, .., V]."""
+    """K Medusa heads. forward(h [.., H]) -> logits [K, .., V] (V = draft_vocab_size when set)."""
 
     def __init__(self, config: MedusaHeadsConfig):
         super().__init__()
         self.config = config
         self.heads = nn.ModuleList(
-            MedusaHead(config.hidden_size, config.vocab_size, config.num_layers, not config.share_lm_head)
+            MedusaHead(config.hidden_size, config.out_size, config.num_layers, not config.share_lm_head)
             for _ in range(config.num_heads)
         )
         self._shared_lm_head: nn.Module | None = None  # set by attach_lm_head when share_lm_head
+        if config.draft_vocab_size is not None:  # buffers: saved with the weights, moved with the module
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = self.t2d = None
 
     @classmethod
     def from_target(cls, target_config, num_heads: int = 4, num_layers: int = 1, share_lm_head: bool = False,
-                    lm_head: nn.Module | None = None) -> MedusaHeads:
-        """Heads shaped for a target. Pass the target's `lm_head` to initialise (or share) the projections."""
+                    lm_head: nn.Module | None = None,
+                    draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> MedusaHeads:
+        """Heads shaped for a target. Pass the target's `lm_head` to initialise (or share) the projections,
+        and `draft_vocab = (d2t, t2d)` (heads/vocab.py) for projections over a reduced vocabulary."""
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        heads = cls(MedusaHeadsConfig(tc.hidden_size, tc.vocab_size, num_heads, num_layers, share_lm_head))
+        n = int(draft_vocab[0].numel()) if draft_vocab is not None else None
+        heads = cls(MedusaHeadsConfig(tc.hidden_size, tc.vocab_size, num_heads, num_layers, share_lm_head, n))
+        if draft_vocab is not None:
+            heads.set_draft_vocab(*draft_vocab)
         if lm_head is not None:
             heads.attach_lm_head(lm_head, copy=not share_lm_head)
         return heads
@@ -98,12 +125,27 @@ class MedusaHeads(nn.Module):
     def attach_lm_head(self, lm_head: nn.Module, copy: bool) -> None:
         """Copy the target's lm_head into every head (copy=True) or keep a reference to it (shared, frozen)."""
         if copy:
+            w = lm_head.weight if self.t2d is None else lm_head.weight[self.t2d.to(lm_head.weight.device)]
             with torch.no_grad():
                 for head in self.heads:
-                    head.lm_head.weight.copy_(lm_head.weight.to(head.lm_head.weight.dtype))
+                    head.lm_head.weight.copy_(w.to(head.lm_head.weight))
         else:
             # stored outside the module tree so it is neither trained, saved nor DDP-synchronised
             object.__setattr__(self, "_shared_lm_head", lm_head)
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        from draftsmith.heads.vocab import check_draft_vocab
+
+        if self.d2t is None or d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ConfigError(f"draft vocabulary of {d2t.numel()} / {t2d.numel()} tokens does not fit heads built "
+                              f"for {self.config.draft_vocab_size} / {self.config.vocab_size}")
+        check_draft_vocab(d2t, t2d)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of the heads' output ids (the identity without a draft vocabulary)."""
+        return ids if self.d2t is None else ids + self.d2t[ids]
 
     def _lm_head_weight(self) -> torch.Tensor:
         if self._shared_lm_head is None:
@@ -165,6 +207,7 @@ def medusa_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], weights:
     position t+1+i (values [N_i, k], indices [N_i, k]; k = V for the full distribution) and kd_weight > 0,
     the hard CE is mixed with KL(p_target ‖ head_i) — the target's own distribution for the same token
     (Medusa-1's self-distillation variant), the teacher renormalised over its top-k support.
+    With a draft vocabulary, ids are draft ids and -1 marks a label (teacher token) outside it.
     Returns the loss and `head{i}/loss`, `head{i}/top1`, `head{i}/top5`.
     """
     total = logits[0].new_zeros(()).float()
@@ -177,12 +220,18 @@ def medusa_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], weights:
             for k in topk:
                 metrics[f"head{i}/top{k}"] = 0.0
             continue
-        head_loss = F.cross_entropy(pred, y)
+        known = y >= 0  # a label outside the heads' draft vocabulary is -1: no loss, a miss
+        head_loss = F.cross_entropy(pred, y, ignore_index=-1) if bool(known.any()) else pred.sum() * 0.0
         if teacher is not None and kd_weight > 0:
             t_val, t_idx = teacher[i]
-            log_p = F.log_softmax(t_val.float(), -1)  # teacher over its top-k support
-            log_q = F.log_softmax(pred, -1).gather(-1, t_idx.long())  # student at the same tokens
-            kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+            inside = t_idx >= 0  # teacher tokens outside the draft vocabulary leave its support
+            rows = inside.any(-1)
+            if bool(rows.any()):
+                log_p = F.log_softmax(t_val[rows].float().masked_fill(~inside[rows], float("-inf")), -1)
+                log_q = F.log_softmax(pred[rows], -1).gather(-1, t_idx[rows].long().clamp(min=0))
+                kl = (log_p.exp() * (log_p - log_q)).masked_fill(~inside[rows], 0.0).sum(-1).mean()
+            else:
+                kl = pred.sum() * 0.0
             head_loss = (1 - kd_weight) * head_loss + kd_weight * kl
         total = total + weights[i] * head_loss
         metrics[f"head{i}/loss"] = float(head_loss.detach())

@@ -46,6 +46,8 @@ class MedusaJobConfig:
     num_heads: int = 4
     num_layers: int = 1
     share_lm_head: bool = False
+    # heads over the N tokens the target writes most often in the training split (heads/medusa.py); None = all
+    draft_vocab_size: int | None = None
     decay: float = 0.8  # head i weighs decay**i
     kd_weight: float = 0.0  # mix in KL to the target's own distribution (its top-k logits)
     kd_topk: int = 64
@@ -68,6 +70,9 @@ class MedusaJobConfig:
             raise ValueError(f"kd_weight must be in [0, 1], got {self.kd_weight}")
         if not 0 < self.eval_fraction < 0.5:
             raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        if self.draft_vocab_size is not None and (self.draft_vocab_size < 1 or self.share_lm_head):
+            raise ValueError("draft_vocab_size must be >= 1 and cannot be combined with share_lm_head (the shared "
+                             "projection is the target's whole lm_head)")
         if self.tree_budget < 1 or self.tree_max_rank < 1 or self.max_length < 8:
             raise ValueError("tree_budget, tree_max_rank must be >= 1 and max_length >= 8")
         if isinstance(self.medusa2, dict):
@@ -90,6 +95,16 @@ class MedusaJob:
 
         self.features = CaptureSource(target, last_hidden=True, topk=cfg.kd_topk if cfg.kd_weight > 0 else 0,
                                       cache_dir=cfg.capture_cache)
+        self.draft_vocab, self.lookup, self.coverage = None, None, 1.0
+        if cfg.draft_vocab_size is not None:
+            from draftsmith.heads.vocab import build_draft_vocab, draft_index, token_counts, vocab_coverage
+
+            counts = token_counts(self.train_set, target.vocab_size)
+            self.draft_vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, target.vocab_size))
+            self.lookup = draft_index(self.draft_vocab[1])  # target id -> draft id (-1 outside)
+            self.coverage = vocab_coverage(counts, self.draft_vocab[1])
+            log.info("draft vocabulary: %d tokens cover %.2f%% of target-written training tokens",
+                     self.draft_vocab[0].numel(), 100 * self.coverage)
 
     # --- the job protocol -------------------------------------------------------------------------
     @property
@@ -98,7 +113,8 @@ class MedusaJob:
 
     def build_module(self):
         heads = MedusaHeads.from_target(self.target.config, self.cfg.num_heads, self.cfg.num_layers,
-                                        self.cfg.share_lm_head, lm_head=self.target.model.lm_head)
+                                        self.cfg.share_lm_head, lm_head=self.target.model.lm_head,
+                                        draft_vocab=self.draft_vocab)
         if not self.medusa2:
             return heads
         from draftsmith.heads.medusa2 import Medusa2Module
@@ -153,15 +169,24 @@ class MedusaJob:
             dtype = next(module.parameters()).dtype
             # each head sees only the positions whose label is an assistant token
             logits = module([hidden[sel].to(dtype) for sel in sels])
-        labels = [head_labels(ids, sel, i) for i, sel in enumerate(sels)]
+        labels = [self._draft_ids(head_labels(ids, sel, i)) for i, sel in enumerate(sels)]
         t = None
         if teacher is not None:  # the target at t+1+i is the teacher of head i at t
             t = [tuple(torch.roll(x, shifts=-(i + 1), dims=1)[sel] for x in teacher) for i, sel in enumerate(sels)]
+            t = [(v, self._draft_ids(idx)) for v, idx in t]
         loss, metrics = medusa_loss(logits, labels, self.weights, t, self.cfg.kd_weight)
         if base_kl is not None:
             loss = loss + self.cfg.medusa2.base_weight * base_kl
             metrics["base/kl"] = float(base_kl.detach())
         return loss, metrics
+
+    def _draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> the heads' output ids (-1 outside a draft vocabulary)."""
+        if self.lookup is None:
+            return target_ids
+        if self.lookup.device != target_ids.device:
+            self.lookup = self.lookup.to(target_ids.device)
+        return self.lookup[target_ids.long()]
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
         acc = self.calibrate(module)
@@ -178,7 +203,8 @@ class MedusaJob:
         manifest = artifact.make_manifest(
             "medusa", self.target.fingerprint(), to_dict(self.cfg),
             data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set)},
-            metrics={**metrics, "calibration_rank_accuracy": acc, "tree_expected_length": tree.expected_length},
+            metrics={**metrics, "calibration_rank_accuracy": acc, "tree_expected_length": tree.expected_length,
+                     "draft_vocab_coverage": self.coverage},
         )
 
         def write_tree(tmp: Path) -> None:
@@ -220,7 +246,8 @@ class MedusaJob:
                 shift = i + 2
                 if T <= shift:
                     continue
-                ranked = module.head_logits(i, hidden[:, : T - shift].to(next(module.parameters()).dtype)).topk(R).indices
+                logits = module.head_logits(i, hidden[:, : T - shift].to(next(module.parameters()).dtype))
+                ranked = module.to_target(logits.topk(R).indices)
                 labels = batch["input_ids"][:, shift:]
                 mask = batch["loss_mask"][:, shift:].bool()
                 hits[i].append((ranked == labels.unsqueeze(-1))[mask])
@@ -242,6 +269,7 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
     manifest, state = artifact.load_artifact(path, kind="medusa", target=target)
     cfg = read_json(path / "config.json")
     fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
+    fields["draft_vocab_size"] = cfg.get("draft_vocab_size")  # absent from artifacts older than the option
     heads = MedusaHeads(MedusaHeadsConfig(**fields))
     heads.load_state_dict(state, strict=True)
     if heads.config.share_lm_head:

@@ -101,14 +101,14 @@ class MedusaProposer(Proposer):
         param = next(self.heads.parameters(), None)
         h = self.h.to(param.dtype) if param is not None else self.h
         if spec.is_chain or self.tree is None:
-            tokens = self.heads.first_logits(depth, h).argmax(-1).tolist()
+            tokens = self.heads.to_target(self.heads.first_logits(depth, h).argmax(-1)).tolist()
             return Proposal.chain(tokens, device=context.device)
         kept = self._paths_within(spec, depth)
         paths = [self.tree.paths[i] for i in kept]
         ranks_needed = _ranks(paths)
         used_depth = len(ranks_needed)
         logits = self.heads.first_logits(used_depth, h) if used_depth else None
-        top = [logits[d].topk(ranks_needed[d]).indices.tolist() for d in range(used_depth)]
+        top = [self.heads.to_target(logits[d].topk(ranks_needed[d]).indices).tolist() for d in range(used_depth)]
         index = {p: i for i, p in enumerate(paths)}
         tokens = [top[len(p) - 1][p[-1]] for p in paths]
         parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]

@@ -49,17 +49,21 @@ def make_draft_artifact(target, path):
     return artifact.save_artifact(path, manifest, writer=writer)
 
 
-def make_medusa_artifact(target, path, share=False, heads=3, layers=1):
+def make_medusa_artifact(target, path, share=False, heads=3, layers=1, draft_vocab_size=None):
     from draftsmith.heads.medusa import MedusaHeads, MedusaTree
+    from draftsmith.heads.vocab import build_draft_vocab
 
     torch.manual_seed(3)
-    m = MedusaHeads.from_target(target.config, heads, layers, share, lm_head=target.model.lm_head)
+    vocab = None
+    if draft_vocab_size:
+        vocab = build_draft_vocab(torch.arange(target.vocab_size) % 13, draft_vocab_size)
+    m = MedusaHeads.from_target(target.config, heads, layers, share, lm_head=target.model.lm_head, draft_vocab=vocab)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.05 * torch.randn_like(p))
     manifest = artifact.make_manifest("medusa", target.fingerprint(), {})
     cfg = {"hidden_size": H, "vocab_size": target.vocab_size, "num_heads": heads, "num_layers": layers,
-           "share_lm_head": share}
+           "share_lm_head": share, "draft_vocab_size": draft_vocab_size}
     tree = MedusaTree([(0,), (1,), (0, 0), (0, 0, 0)])
 
     def writer(tmp):
@@ -189,6 +193,36 @@ def test_medusa_round_trip_same_weights_same_predictions(tiny_target, tmp_path, 
     assert tree0.paths == tree1.paths
     x = torch.randn(2, 5, H)
     assert torch.equal(h0(x), h1(x))
+
+
+def test_medusa_draft_vocabulary_goes_to_vllm_as_a_token_map_and_back(tiny_target, tmp_path):
+    from draftsmith.heads.medusa_job import load_medusa
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m", draft_vocab_size=40)
+    res = export_artifact(art, "vllm", tmp_path / "v", tiny_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert cfg["truncated_vocab_size"] == 40 and cfg["vocab_size"] == tiny_target.vocab_size
+    t = load_file(res.out / "model.safetensors")
+    h0, _, _ = load_medusa(art, tiny_target)
+    assert t["lm_heads.0.weight"].shape == (40, H)
+    assert torch.equal(t["token_map"], torch.nonzero(h0.t2d).flatten())  # row r scores target id token_map[r]
+    assert "d2t" not in t and "t2d" not in t
+    # what vLLM does with it: scatter each head's 40 logits into the full vocabulary, -inf elsewhere
+    x = torch.randn(3, H)
+    full = torch.full((3, tiny_target.vocab_size), float("-inf"))
+    full[:, t["token_map"]] = h0.head_logits(0, x)
+    assert torch.equal(full.argmax(-1), h0.to_target(h0.head_logits(0, x).argmax(-1)))
+    back = import_export(res.out, tmp_path / "back")
+    h1, _, _ = load_medusa(back, tiny_target)
+    s0, s1 = h0.state_dict(), h1.state_dict()
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    # a token map with the wrong length is caught by the verifier
+    t["token_map"] = t["token_map"][:39].contiguous()
+    save_file(t, res.out / "model.safetensors")
+    with pytest.raises(VerificationError, match="token_map"):
+        verify_export(res.out)
+    with pytest.raises(ConfigError, match="no token map"):  # TensorRT-LLM's layout has none
+        export_artifact(art, "trtllm", tmp_path / "t", tiny_target)
 
 
 def test_medusa_wrong_shape_caught(tiny_target, tmp_path):

@@ -145,3 +145,51 @@ def test_rank_accuracies_and_chain():
     chain = MedusaTree.chain(3)
     assert chain.paths == [(0,), (0, 0), (0, 0, 0)] and chain.parents() == [-1, 0, 1]
     assert MedusaTree.from_json(chain.to_json()).paths == chain.paths
+
+
+def _draft_vocab(vocab: int, n: int):
+    from draftsmith.heads.vocab import build_draft_vocab
+
+    counts = torch.arange(vocab).flip(0) % 17  # some tokens frequent, some never seen
+    return build_draft_vocab(counts, n)
+
+
+def test_draft_vocabulary_heads_start_as_the_target_restricted_to_their_tokens(tiny_target):
+    model, V, H = tiny_target.model, tiny_target.vocab_size, tiny_target.hidden_size
+    d2t, t2d = _draft_vocab(V, 40)
+    heads = MedusaHeads.from_target(model.config, num_heads=2, num_layers=1, lm_head=model.lm_head,
+                                    draft_vocab=(d2t, t2d))
+    assert sum(p.numel() for p in heads.parameters()) == 2 * ((H * H + H) + 40 * H)  # 40 rows, not V
+    out = model(torch.randint(3, V, (2, 7)), output_hidden_states=True)
+    logits = heads(out.hidden_states[-1])
+    assert logits.shape == (2, 2, 7, 40)
+    torch.testing.assert_close(logits[1], out.logits[..., t2d])
+    # draft ids map back to target ids: the argmax over the draft vocabulary is the target's best draft token
+    best = heads.to_target(logits[0].argmax(-1))
+    assert t2d[best].all()
+    want = out.logits.masked_fill(~t2d, float("-inf")).argmax(-1)
+    assert torch.equal(best, want)
+    assert {"d2t", "t2d"} <= set(heads.state_dict())
+    with pytest.raises(ValueError, match="share_lm_head"):
+        MedusaHeads.from_target(model.config, share_lm_head=True, lm_head=model.lm_head, draft_vocab=(d2t, t2d))
+
+
+def test_loss_skips_labels_outside_the_draft_vocabulary_and_counts_them_as_misses():
+    from draftsmith.heads.medusa import medusa_loss
+
+    torch.manual_seed(0)
+    pred = torch.randn(6, 5) * 0.1
+    y = torch.tensor([0, 1, -1, 3, -1, 4])
+    pred[torch.arange(6), y.clamp(min=0)] = 20.0  # right wherever the label is known
+    loss, m = medusa_loss([pred], [y], [1.0])
+    assert loss.item() < 1e-6 and m["head0/top1"] == pytest.approx(4 / 6)
+    assert torch.isfinite(medusa_loss([pred], [torch.full((6,), -1)], [1.0])[0])  # nothing to learn: 0, no NaN
+    # KD: teacher tokens outside the vocabulary (-1) leave its support; a teacher equal to the head gives 0
+    t_idx = torch.tensor([[0, 1, -1]] * 6)
+    t_val = pred.gather(-1, t_idx.clamp(min=0))
+    kd_only, _ = medusa_loss([pred], [torch.full((6,), -1)], [1.0], teacher=[(t_val, t_idx)], kd_weight=1.0)
+    assert torch.isfinite(kd_only) and kd_only.item() > 0  # the head spreads mass beyond {0, 1}
+    ok = torch.full_like(pred, -30.0)
+    ok[:, :2] = t_val[:, :2]
+    assert medusa_loss([ok], [torch.full((6,), -1)], [1.0], teacher=[(t_val, t_idx)],
+                       kd_weight=1.0)[0].item() == pytest.approx(0.0, abs=1e-5)

@@ -220,3 +220,36 @@ def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
     for k, v in merged.state_dict().items():
         torch.testing.assert_close(v, want[k], msg=k)
     assert str(res.out / "adapted_target") in (res.out / "serve.md").read_text()
+
+
+# --- heads over a draft vocabulary -------------------------------------------------------------------------
+
+def test_draft_vocabulary_heads_train_calibrate_and_decode_losslessly(tiny_target, tmp_path):
+    # the tiny target loops over a few tokens per prompt: each row twice, so held-out rows share training tokens
+    rows = self_distilled_rows(tiny_target)
+    rows += [{**r, "row_id": r["row_id"] + len(rows)} for r in rows]
+    cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "artifact"), num_heads=3,
+                          num_layers=1, eval_fraction=0.125, calibration_rows=8, tree_budget=10, tree_max_rank=4,
+                          draft_vocab_size=48,
+                          train=TrainConfig(lr=3e-3, max_steps=30, batch_size=4, warmup_steps=5,
+                                            output_dir=str(tmp_path / "run"), log_every=10, progress=False))
+    cfg.evaluate.enabled = False
+    job = MedusaJob(cfg, tiny_target, rows)
+    assert 0.5 < job.coverage <= 1.0
+    result = train(job, cfg.train)
+    train_log = [r for r in result.history if r["type"] == "train"]
+    assert train_log[-1]["loss"] < 0.8 * train_log[0]["loss"]
+    heads, tree, manifest = load_medusa(result.artifact, tiny_target)
+    assert heads.heads[0].lm_head.weight.shape[0] == 48 and int(heads.t2d.sum()) == 48
+    assert manifest["metrics"]["draft_vocab_coverage"] == pytest.approx(job.coverage)
+    # calibration compares TARGET ids: the tree's accuracies are those of target tokens
+    acc = manifest["metrics"]["calibration_rank_accuracy"]
+    assert acc[0][0] > 0 and tree is not None
+
+    proposer = build_proposer(f"medusa:{result.artifact}", tiny_target)
+    prompts = torch.tensor([r["input_ids"][:6] for r in rows[:3]])  # continuations inside the draft vocabulary
+    ref = tiny_target.model.generate(prompts, max_new_tokens=20, do_sample=False, pad_token_id=0)[:, 6:]
+    for kwargs in ({"k": 3}, {"k": None, "tree": proposer.default_tree_spec()}):
+        out = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=20, eos_ids=[], **kwargs)
+        assert out.tokens == ref.tolist()
+        assert out.stats.accepted > 0  # the draft ids were mapped back: some proposals were right
