@@ -85,8 +85,7 @@ def _decode_gqa(query, key, value, attention_mask, scaling):
     """One decode step's attention as two matmuls per KV head, its query heads stacked as rows.
 
     query [B, H, 1, D], key/value [B, KV, T, D]. The G = H / KV query heads that share a KV head become the
-    rows of one [G, D] x [D, T] product, so each cached key is read once per KV head and the product has G
-    rows instead of one (SDPA runs H one-row products). Returns [B, 1, H, D]."""
+    rows of one [G, D] x [D, T] product, so the G heads read each cached key together. Returns [B, 1, H, D]."""
     b, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim ** -0.5
