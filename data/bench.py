@@ -80,4 +80,7 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
+    from draftsmith.targets.device import tune_cpu_allocator
+
+    tune_cpu_allocator()  # as `draftsmith data generate` runs (cli.run_entry_point)
     main(sys.argv[1:])
