@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,7 +171,9 @@ class _SlotLayer(DynamicLayer):
 
     def __init__(self, store: _SlotStore, idx: int):
         super().__init__()
-        self.store, self.idx = store, idx
+        # a proxy, not a reference: store -> cache -> layers -> store would be a cycle, and the store's
+        # buffers (GBs at batch 96) would outlive the run until the garbage collector's next full pass
+        self.store, self.idx = weakref.proxy(store), idx
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers are owned by the store

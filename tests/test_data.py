@@ -577,3 +577,27 @@ def test_subset_by_domain(tmp_path, tiny_target):
     assert set(rest["domain"]) == {"general"} and len(rest) == 2
     with pytest.raises(DataError, match="no rows of domain"):
         subset_dataset(out, tmp_path / "x", domains=["code"])
+
+
+def test_the_kv_store_is_freed_when_the_run_returns(tiny_target):
+    import gc
+    import weakref
+
+    from draftsmith.data import engine
+
+    stores = []
+    real = engine._SlotStore
+
+    def tracked(*args):
+        store = real(*args)
+        stores.append(weakref.ref(store))
+        return store
+
+    engine._SlotStore = tracked
+    gc.disable()  # freed by reference counting alone, not by a later collection of a cycle
+    try:
+        _run(tiny_target, _random_requests(tiny_target.vocab_size, n=5), 3)
+        assert len(stores) == 1 and stores[0]() is None
+    finally:
+        gc.enable()
+        engine._SlotStore = real
