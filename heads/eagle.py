@@ -60,12 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import ConfigError
-from draftsmith.heads.vocab import (  # noqa: F401  (re-exported: the draft vocabulary helpers' old home)
-    build_draft_vocab,
-    check_draft_vocab,
-    token_counts,
-    vocab_coverage,
-)
+from draftsmith.heads.vocab import check_draft_vocab
 from draftsmith.targets.gemm import rows_linear, use_rows_linear
 
 # model_type -> (module, decoder layer class, rotary class, rotary layer type or None)

@@ -34,15 +34,13 @@ from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_int
 from draftsmith.heads.eagle import (
     EagleConfig,
     EagleHead,
-    build_draft_vocab,
     check_architecture,
     eagle1_loss,
     eagle3_loss,
     shift_left,
     step_weights,
-    token_counts,
-    vocab_coverage,
 )
+from draftsmith.heads.vocab import draft_vocabulary, token_counts
 from draftsmith.storage import read_json
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
@@ -125,11 +123,7 @@ class EagleJob:
         # draft vocabulary from the training split's target-written tokens
         self.counts = token_counts(self.train_set, target.vocab_size)
         if self.eagle3:
-            n = min(cfg.draft_vocab_size, target.vocab_size)
-            self.d2t, self.t2d = build_draft_vocab(self.counts, n)
-            self.coverage = vocab_coverage(self.counts, self.t2d)
-            log.info("draft vocabulary: %d tokens cover %.2f%% of target-written training tokens", n,
-                     100 * self.coverage)
+            self.d2t, self.t2d, self.coverage = draft_vocabulary(self.counts, cfg.draft_vocab_size)
         else:
             self.d2t = self.t2d = None
             self.coverage = 1.0

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import ConfigError
+from draftsmith.heads.vocab import check_draft_vocab
 from draftsmith.targets.gemm import rows_linear, use_rows_linear
 
 
@@ -134,8 +135,6 @@ class MedusaHeads(nn.Module):
             object.__setattr__(self, "_shared_lm_head", lm_head)
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        from draftsmith.heads.vocab import check_draft_vocab
-
         if self.d2t is None or d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ConfigError(f"draft vocabulary of {d2t.numel()} / {t2d.numel()} tokens does not fit heads built "
                               f"for {self.config.draft_vocab_size} / {self.config.vocab_size}")

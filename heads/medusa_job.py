@@ -97,14 +97,12 @@ class MedusaJob:
                                       cache_dir=cfg.capture_cache)
         self.draft_vocab, self.lookup, self.coverage = None, None, 1.0
         if cfg.draft_vocab_size is not None:
-            from draftsmith.heads.vocab import build_draft_vocab, draft_index, token_counts, vocab_coverage
+            from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts
 
-            counts = token_counts(self.train_set, target.vocab_size)
-            self.draft_vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, target.vocab_size))
-            self.lookup = draft_index(self.draft_vocab[1])  # target id -> draft id (-1 outside)
-            self.coverage = vocab_coverage(counts, self.draft_vocab[1])
-            log.info("draft vocabulary: %d tokens cover %.2f%% of target-written training tokens",
-                     self.draft_vocab[0].numel(), 100 * self.coverage)
+            d2t, t2d, self.coverage = draft_vocabulary(token_counts(self.train_set, target.vocab_size),
+                                                       cfg.draft_vocab_size)
+            self.draft_vocab = (d2t, t2d)
+            self.lookup = draft_index(t2d)  # target id -> draft id (-1 outside)
 
     # --- the job protocol -------------------------------------------------------------------------
     @property

@@ -9,9 +9,13 @@ Invariant: nonzero(t2d) == arange(N) + d2t.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from draftsmith.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def token_counts(rows, vocab_size: int) -> torch.Tensor:
@@ -53,6 +57,15 @@ def check_draft_vocab(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
 def vocab_coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     total = int(counts.sum())
     return float(counts[t2d].sum()) / total if total else 0.0
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(d2t, t2d, coverage) of the top-`size` tokens of `counts` (at most the whole vocabulary), logged."""
+    n = min(size, counts.numel())
+    d2t, t2d = build_draft_vocab(counts, n)
+    coverage = vocab_coverage(counts, t2d)
+    log.info("draft vocabulary: %d tokens cover %.2f%% of target-written training tokens", n, 100 * coverage)
+    return d2t, t2d, coverage
 
 
 def draft_index(t2d: torch.Tensor) -> torch.Tensor:

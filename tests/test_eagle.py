@@ -16,15 +16,12 @@ from draftsmith.evaluation.after_training import EvalAfterTraining
 from draftsmith.heads.eagle import (
     DraftKV,
     EagleHead,
-    build_draft_vocab,
-    check_draft_vocab,
     eagle3_loss,
     shift_left,
-    token_counts,
     ttt_mask,
-    vocab_coverage,
 )
 from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig, load_eagle
+from draftsmith.heads.vocab import build_draft_vocab, check_draft_vocab, token_counts, vocab_coverage
 from draftsmith.training import TrainConfig, train
 
 

@@ -372,7 +372,9 @@ def test_heads_eagle_artifact_exports_everywhere(deep_target, tmp_path, version)
     vocab = None
     if version == 3:
         counts = torch.bincount(torch.randint(0, deep_target.vocab_size, (2000,)), minlength=deep_target.vocab_size)
-        vocab = eagle_mod.build_draft_vocab(counts, 64)
+        from draftsmith.heads.vocab import build_draft_vocab
+
+        vocab = build_draft_vocab(counts, 64)
     layers = [0, 1, 3] if version == 3 else None  # the default on 4 layers repeats one (reported)
     head = eagle_mod.EagleHead.from_target(deep_target.model, version=version, target_layers=layers, draft_vocab=vocab)
     with torch.no_grad():
