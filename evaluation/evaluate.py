@@ -182,14 +182,15 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         other = build_proposer(s, target)
         own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
         others[s] = (other, dict(tree=own, k=None) if own is not None else dict(k=cfg.k))
-    verify_cost = None
+    verify_cost = tree_cost = None
     if cfg.prune_tree and not spec.is_chain:
         # scored trees (Medusa, EAGLE-2) are cut every step to the nodes that pay: v(n) with a tree mask,
         # measured here before decoding, over every node count a tree of this run can have
         n_max = max([spec.capacity()] + [kw["tree"].capacity() for _, kw in others.values() if kw.get("tree")])
         log.info("measuring v(n), n = 0..%d tree nodes, to size the trees", n_max)
-        verify_cost = VerifyCost.from_measurement(cost.measure_verify_cost(
-            target, cfg.cost_context, n_max, min(cfg.cost_repeats, 5), cfg.seed, tree_mask=True))
+        tree_cost = cost.measure_verify_cost(target, cfg.cost_context, n_max, min(cfg.cost_repeats, 5), cfg.seed,
+                                             tree_mask=True)
+        verify_cost = VerifyCost.from_measurement(tree_cost)
         spec_kw["cost"] = verify_cost
         if hasattr(prop, "fit_tree"):  # a tree that is the same every step (Medusa's) is cut once, up front
             spec = prop.fit_tree(spec, verify_cost)
@@ -328,6 +329,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     cost_model: dict = {"c": c, "t_step_decode_s": t_step}
     if verify_cost is not None:
         cost_model["v_tree"] = {str(n): v for n, v in enumerate(verify_cost.v)}
+        cost_model["v_tree_other_cpu_share"] = tree_cost["other_cpu_share"]
     recommended: dict = {}
     policy: dict = {}
     if cfg.cost_model:

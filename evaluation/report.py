@@ -12,6 +12,18 @@ FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position
           "verified_nodes_per_step"]
 
 
+def _contention_line(share: float | None, what: str) -> list[str]:
+    """The report line saying how quiet the machine was while `what` was timed (cost.CpuShare)."""
+    from draftsmith.evaluation.cost import BUSY_SHARE
+
+    if share is None:
+        return []
+    if share > BUSY_SHARE:
+        return ["", f"**{what} was measured while other processes used {100 * share:.0f}% of the CPU: it overstates "
+                    "the cost of larger forwards (trees and k come out too small). Rerun on a quiet machine.**"]
+    return ["", f"{what} was measured while other processes used {100 * share:.0f}% of the CPU."]
+
+
 def _fmt(v) -> str:
     if v is None:
         return "–"
@@ -89,11 +101,13 @@ def render_markdown(report: dict) -> str:
                   f"{cm['t_step_s'] * 1000:.1f} ms at context {cm['context_length']}", "",
                   "| k | " + " | ".join(cm["v"]) + " |", "|---|" + "---|" * len(cm["v"]),
                   "| v(k) | " + " | ".join(f"{x:.2f}" for x in cm["v"].values()) + " |"]
+        lines += _contention_line(cm.get("other_cpu_share"), "v(k)")
     if cm.get("v_tree"):
         vt = cm["v_tree"]
         lines += ["", "v(n) with the tree mask, used to size the trees (decoding/budget.py):", "",
                   "| n | " + " | ".join(vt) + " |", "|---|" + "---|" * len(vt),
                   "| v(n) | " + " | ".join(f"{x:.2f}" for x in vt.values()) + " |"]
+        lines += _contention_line(cm.get("v_tree_other_cpu_share"), "v(n)")
     if report.get("recommended_k"):
         lines += ["", "recommended k: " + ", ".join(f"{n} {r['k']} (predicted speedup {r['predicted_speedup']:.2f})"
                                                    for n, r in report["recommended_k"].items())]

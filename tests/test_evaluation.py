@@ -4,6 +4,7 @@ Python API and from the CLI on the tiny target saved as a folder."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +81,60 @@ def test_verify_cost_measured(tiny_target):
     assert all(x > 0 for x in cm["v"].values()) and cm["t_step_s"] > 0
 
 
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_cpu_share_sees_other_processes_not_our_own():
+    import multiprocessing as mp
+    import os
+    import time
+
+    n = min(os.cpu_count() or 1, 4)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    spinners = [ctx.Process(target=_spin, args=(stop,)) for _ in range(n)]
+    for sp in spinners:
+        sp.start()
+    try:
+        time.sleep(1.0)  # let them start
+        with cost.CpuShare() as busy:
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        for sp in spinners:
+            sp.join(10)
+    # n spinners on os.cpu_count() cores: at least half of what they should take, however loaded CI is
+    assert busy.others is not None and busy.others >= 0.5 * n / os.cpu_count()
+    assert busy.busy == (busy.others > cost.BUSY_SHARE)
+
+
+def test_cpu_share_subtracts_our_own_cpu_time(monkeypatch):
+    # machine counters (busy, total) before and after, and this process's CPU time: 2 s of wall on 2 cores,
+    # the machine busy for 1.5 core-seconds of which 1.0 were ours -> others used 0.5 / 4 = 12.5%
+    machine = iter([(100.0, 400.0), (101.5, 404.0)])
+    own = iter([10.0, 11.0])
+    monkeypatch.setattr(cost, "_machine_cpu_s", lambda: next(machine))
+    monkeypatch.setattr(cost.time, "process_time", lambda: next(own))
+    with cost.CpuShare() as share:
+        pass
+    assert share.others == pytest.approx(0.125) and not share.busy
+    monkeypatch.setattr(cost, "_machine_cpu_s", lambda: None)  # not Linux: unknown, never "busy"
+    monkeypatch.setattr(cost.time, "process_time", lambda: 0.0)
+    with cost.CpuShare() as share:
+        pass
+    assert share.others is None and not share.busy
+
+
+def _spin(stop):
+    while not stop.is_set():
+        pass
+
+
+def test_verify_cost_reports_contention(tiny_target):
+    cm = cost.measure_verify_cost(tiny_target, context_length=16, k_max=2, repeats=2)
+    assert "other_cpu_share" in cm and isinstance(cm["contended"], bool)
+    # v is the fastest repeat per k, over the same repeats as the medians next to it
+    assert all(cm["t_forward_s"][k] <= cm["t_forward_median_s"][k] for k in cm["v"])
+
+
 def check_report(report, out_dir, lossless=True):
     for d in list(report["domains"].values()) + [report["overall"]]:
         for f in DOMAIN_FIELDS:
@@ -92,6 +147,9 @@ def check_report(report, out_dir, lossless=True):
     assert all({"enable", "threshold", "reason"} <= set(p) for p in report["policy"].values())
     assert report["memory"]["peak_rss_mb"] > 0
     assert "v" in report["cost_model"] and "c" in report["cost_model"]
+    if Path("/proc/stat").exists():  # how quiet the machine was while v(k) was timed, in the report itself
+        assert 0.0 <= report["cost_model"]["other_cpu_share"] <= 1.0
+        assert "v(k) was measured while other processes used" in (out_dir / "report.md").read_text()
     for name in ("report.json", "report.md", "acceptance_per_position.png", "domains.png", "verify_cost.png"):
         assert (out_dir / name).stat().st_size > 0, name
     assert json.loads((out_dir / "report.json").read_text())["overall"]["n_prompts"] == report["overall"]["n_prompts"]
