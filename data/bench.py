@@ -5,7 +5,10 @@
 cb:B = continuous batching at batch B (cb:1 = one prompt at a time), np:B = the same without prefilling the
 prompts' shared prefix once, sd:B = the same with one SDPA call per decode step over every used column (no
 row ranges, `ContinuousBatcher(decode_spans=0)`), cap:B = the same with capture of
-the EAGLE-3 layers (low/middle/high, targets.capture.default_eagle3_layers) + top-64 logits + last hidden, hf:B = transformers `generate` on static length-sorted batches.
+the EAGLE-3 layers (low/middle/high, targets.capture.default_eagle3_layers) + last hidden + top-64 logits from
+the last prompt position on (what `draftsmith data generate` keeps for a single-turn row: `Request.logits_from`;
+capall:B = top-64 logits of every prompt position too), hf:B = transformers `generate` on static
+length-sorted batches.
 Prompts: the first N/2 GSM8K questions and the first N/2 self-instruct seed tasks, chat-formatted.
 """
 
@@ -42,8 +45,11 @@ def main(argv: list[str]) -> dict:
     with open(f"{TRAIN}/self_instruct_seed_tasks.jsonl") as f:
         rows += [json.loads(line) for line in f][: n - n // 2]
     texts = [r.get("question") or (r["instruction"] + "\n\n" + r["instances"][0]["input"]).strip() for r in rows]
-    reqs = [Request(i, tokenize_conversation(t.tokenizer, [{"role": "user", "content": q}],
-                                             add_generation_prompt=True)[0], max_new) for i, q in enumerate(texts)]
+    prompts = [tokenize_conversation(t.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)[0]
+               for q in texts]
+    reqs = [Request(i, ids, max_new) for i, ids in enumerate(prompts)]
+    # as data generation asks: top-k logits from the position that predicts the first learned token on
+    learned_only = [Request(i, ids, max_new, logits_from=len(ids) - 1) for i, ids in enumerate(prompts)]
     pad = t.tokenizer.pad_token_id
     res = {}
     for spec in specs.split(","):
@@ -59,10 +65,11 @@ def main(argv: list[str]) -> dict:
         elif kind == "sd":
             name = f"continuous_b{bs}_one_sdpa_call"
             st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, decode_spans=0).run(reqs, done)
-        elif kind == "cap":
+        elif kind in ("cap", "capall"):
             cap = CaptureSpec(layers=layers, topk=64, last_hidden=True)
-            name = f"continuous_b{bs}_capture"
-            st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, capture=cap).run(reqs, done)
+            name = f"continuous_b{bs}_capture" + ("_all_prompt_logits" if kind == "capall" else "")
+            st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, capture=cap).run(
+                reqs if kind == "capall" else learned_only, done)
         else:
             name, st = f"hf_generate_b{bs}", hf_generate(t.model, reqs, t.eos_token_ids, pad, bs, Sampling(), done)
         res[name] = {"tokens": st["generated_tokens"], "seconds": round(st["seconds"], 1),
