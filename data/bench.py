@@ -21,6 +21,7 @@ import torch
 
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
 from draftsmith.data.masks import tokenize_conversation
+from draftsmith.evaluation.cost import CpuShare
 from draftsmith.storage import shared_data_dir
 from draftsmith.targets import load_target
 from draftsmith.targets.capture import default_eagle3_layers
@@ -57,26 +58,29 @@ def main(argv: list[str]) -> dict:
         bs = int(bs)
         out: dict = {}
         done = lambda c, out=out: out.__setitem__(c.key, c.tokens)  # noqa: E731
-        if kind == "cb":
-            name, st = f"continuous_b{bs}", ContinuousBatcher(t.model, t.eos_token_ids, pad, bs).run(reqs, done)
-        elif kind == "np":
-            name = f"continuous_b{bs}_no_shared_prefix"
-            st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, shared_prefix=False).run(reqs, done)
-        elif kind == "sd":
-            name = f"continuous_b{bs}_one_sdpa_call"
-            st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, decode_spans=0).run(reqs, done)
-        elif kind in ("cap", "capall"):
-            cap = CaptureSpec(layers=layers, topk=64, last_hidden=True)
-            name = f"continuous_b{bs}_capture" + ("_all_prompt_logits" if kind == "capall" else "")
-            st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, capture=cap).run(
-                reqs if kind == "capall" else learned_only, done)
-        else:
-            name, st = f"hf_generate_b{bs}", hf_generate(t.model, reqs, t.eos_token_ids, pad, bs, Sampling(), done)
+        with CpuShare() as share:  # how quiet the machine was during this engine's run
+            if kind == "cb":
+                name, st = f"continuous_b{bs}", ContinuousBatcher(t.model, t.eos_token_ids, pad, bs).run(reqs, done)
+            elif kind == "np":
+                name = f"continuous_b{bs}_no_shared_prefix"
+                st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, shared_prefix=False).run(reqs, done)
+            elif kind == "sd":
+                name = f"continuous_b{bs}_one_sdpa_call"
+                st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, decode_spans=0).run(reqs, done)
+            elif kind in ("cap", "capall"):
+                cap = CaptureSpec(layers=layers, topk=64, last_hidden=True)
+                name = f"continuous_b{bs}_capture" + ("_all_prompt_logits" if kind == "capall" else "")
+                st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, capture=cap).run(
+                    reqs if kind == "capall" else learned_only, done)
+            else:
+                name, st = f"hf_generate_b{bs}", hf_generate(t.model, reqs, t.eos_token_ids, pad, bs, Sampling(), done)
         res[name] = {"tokens": st["generated_tokens"], "seconds": round(st["seconds"], 1),
                      "tok_s": round(st["tokens_per_s"], 1)}
         for key in ("prompt_tokens", "prefill_seconds", "mean_batch"):
             if key in st:
                 res[name][key] = round(st[key], 1)
+        if share.others is not None:
+            res[name]["other_cpu_share"] = round(share.others, 3)
         print(name, res[name], flush=True)
     print(json.dumps(res))
     if json_out:
