@@ -227,18 +227,22 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None] if mask.dim() == 2 else mask[:, None]
 
 
-def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
-    """bool [T, (step+1)·T]: step `step`'s queries over the keys [K^0 | K^1 | ... | K^step] (module docstring)."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(T, dtype=torch.bool, device=device)
+def ttt_mask(T: int, step: int, device=None, start: int = 0) -> torch.Tensor:
+    """bool [T', T + step·T'] with T' = T - start: step `step`'s queries (bases start..T-1) over the keys
+    [K^0 | K^1 | ... | K^step] (module docstring), K^0 over every base, K^i (i >= 1) over bases start..T-1."""
+    if not 0 <= start < T:
+        raise ValueError(f"ttt_mask: start must be in 0..{T - 1}, got {start}")
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[start:]
+    eye = torch.eye(T - start, dtype=torch.bool, device=device)
     return torch.cat([causal] + [eye] * step, dim=1)
 
 
 @dataclass
 class EagleOutput:
-    hidden: list[torch.Tensor]  # per TTT step: [B, T, H] output features a^j
+    hidden: list[torch.Tensor]  # per TTT step: [B, T, H] output features a^j (steps >= 1: zeros left of `start`)
     logits: list[torch.Tensor | None]  # per step: logits at the selected positions [n_j, V'] (None if not asked)
     tokens: list[torch.Tensor]  # per step: the token ids whose embedding step j read [B, T]
+    start: int = 0  # steps >= 1 ran on bases start..T-1 only (`EagleHead.forward`)
 
 
 class EagleHead(nn.Module):
@@ -398,6 +402,12 @@ class EagleHead(nn.Module):
         layer, F = H). select: per step a bool [B, T] of positions whose logits to return (the loss
         positions; logits over [B, T, V] for every step would not fit in memory). Returns per step the
         output features a^j [B, T, H], the selected logits and the token ids each step read.
+
+        With `select`, steps >= 1 skip the bases left of the first one any row selects at a step >= 1: a
+        step-j output at base t feeds only base t's later steps and its own logits (its key is seen by base
+        t alone), so those bases cannot reach the loss. With prompt context they are most of the prompt: 24%
+        of the step >= 1 columns of the SmolLM2 set. Step 0 still runs every base (its keys are the
+        context). Skipped columns of hidden[j >= 1] and tokens[j >= 1] are zeros; `start` says where they end.
         """
         steps = steps or self.config.ttt_steps
         B, T = input_ids.shape
@@ -405,18 +415,35 @@ class EagleHead(nn.Module):
         kv = DraftKV()
         feat = self.fuse(features)
         base = torch.arange(T, device=device)[None]
+        start = 0
+        if select is not None and steps > 1:
+            later = torch.stack([sel.any(0) for sel in select[1:steps]]).any(0).nonzero()
+            start = min(int(later[0]) if later.numel() else T - 1, T - 1)
         hidden, logits, tokens = [], [], []
         for j in range(steps):
+            c = start if j else 0  # this step's first base
             if j == 0 or self.config.ttt_tokens == "target":
-                tok = shift_left(input_ids, 1 + j)  # x_{t+1+j}
+                tok = shift_left(input_ids, 1 + j)[:, c:]  # x_{t+1+j}
             else:  # the draft's own previous token (greedy), as at inference
-                tok = self.argmax_target_ids(hidden[-1])
-            h = self.layer_step(feat, self.embed(tok), base + j, kv, ttt_mask(T, j, device))
-            hidden.append(h)
-            tokens.append(tok)
-            logits.append(self.logits(h[select[j]]) if select is not None else None)
-            feat = h  # step j+1 reads this step's output feature
-        return EagleOutput(hidden, logits, tokens)
+                tok = self.argmax_target_ids(feat)
+            h = self.layer_step(feat, self.embed(tok), base[:, c:] + j, kv, ttt_mask(T, j, device, c))
+            if select is not None:
+                if c and select[j][:, :c].any():
+                    raise ValueError("EagleHead.forward: a selected position lies left of the skipped bases")
+                logits.append(self.logits(h[select[j][:, c:]]))
+            else:
+                logits.append(None)
+            hidden.append(_pad_left(h, c))
+            tokens.append(_pad_left(tok, c))
+            feat = h[:, start - c:] if j == 0 else h  # step j+1 reads this step's output feature at its bases
+        return EagleOutput(hidden, logits, tokens, start)
+
+
+def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, T', ...] with n zero columns in front: [B, n + T', ...]."""
+    if n == 0:
+        return x
+    return torch.cat([x.new_zeros((x.shape[0], n) + tuple(x.shape[2:])), x], dim=1)
 
 
 def shift_left(x: torch.Tensor, k: int, fill: int | float = 0) -> torch.Tensor:

@@ -149,6 +149,53 @@ def test_ttt_forward_equals_step_by_step_reference(target4, tiny_tokenizer, arch
         torch.testing.assert_close(fast[j], slow[j], atol=2e-5, rtol=1e-4, msg=f"step {j}")
 
 
+def test_ttt_mask_from_a_start_base_is_the_full_mask_cut():
+    full = ttt_mask(6, 2)
+    cut = ttt_mask(6, 2, start=4)
+    # rows of bases 4, 5; K^0 over all 6 bases, K^1 and K^2 over bases 4, 5 only
+    assert cut.shape == (2, 6 + 2 * 2)
+    assert torch.equal(cut[:, :6], full[4:, :6])
+    assert torch.equal(cut[:, 6:8], full[4:, 6 + 4:12]) and torch.equal(cut[:, 8:], full[4:, 12 + 4:])
+    with pytest.raises(ValueError):
+        ttt_mask(6, 1, start=6)
+
+
+@pytest.mark.parametrize("version,ttt_tokens", [("eagle3", "target"), ("eagle3", "draft"), ("eagle1", "target")])
+def test_ttt_skipping_unselected_bases_changes_no_logit_or_gradient(target4, version, ttt_tokens):
+    """With `select`, steps >= 1 skip the bases left of every selected one: the selected logits, the kept
+    outputs and the gradients must equal those of the forward over every base."""
+    torch.manual_seed(3)
+    head = EagleHead.from_target(target4.model, version, [0, 2, 3] if version == "eagle3" else None,
+                                 draft_vocab=vocab_for(target4), ttt_steps=3, ttt_tokens=ttt_tokens)
+    B, T, S = 2, 12, 3
+    ids = torch.randint(3, target4.vocab_size, (B, T))
+    feats = torch.randn(B, T, 3 * 64 if version == "eagle3" else 64)
+    lmask = torch.zeros(B, T, dtype=torch.long)
+    lmask[0, 7:] = 1  # learned tokens from 7 on (row 0) and 8 on (row 1): steps >= 1 need bases >= 7 - 2 - 2
+    lmask[1, 8:] = 1
+    select = [shift_left(lmask, 2 + j).bool() for j in range(S)]
+
+    def run(skip: bool):
+        head.zero_grad()
+        out = head(ids, feats, steps=S, select=select if skip else None)
+        logits = out.logits if skip else [head.logits(out.hidden[j][select[j]]) for j in range(S)]
+        sum((lg.float() ** 2).mean() * (j + 1) for j, lg in enumerate(logits)).backward()
+        grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+        return out, [lg.detach() for lg in logits], grads
+
+    full, full_logits, full_grads = run(False)
+    cut, cut_logits, cut_grads = run(True)
+    assert full.start == 0 and cut.start == 3
+    for j in range(S):
+        torch.testing.assert_close(cut_logits[j], full_logits[j], atol=1e-5, rtol=1e-4)
+        c = cut.start if j else 0
+        torch.testing.assert_close(cut.hidden[j][:, c:], full.hidden[j][:, c:], atol=1e-5, rtol=1e-4)
+        assert torch.equal(cut.tokens[j][:, c:], full.tokens[j][:, c:])
+    assert set(cut_grads) == set(full_grads)
+    for n in full_grads:
+        torch.testing.assert_close(cut_grads[n], full_grads[n], atol=1e-5, rtol=1e-3, msg=n)
+
+
 def test_ttt_step_sees_only_its_context_and_chain(target4):
     """Changing the input at base t' changes no output at bases t < t' (any step) but every step at t'; a
     token changes step j at base t only if t's own context or chain reads it."""
