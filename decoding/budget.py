@@ -47,7 +47,7 @@ class VerifyCost:
     def from_measurement(cls, measured: dict, monotone: bool = True) -> VerifyCost:
         """From `evaluation.cost.measure_verify_cost`'s dict ({"v": {"0": 1.0, "1": ...}, "t_step_s": ...}).
 
-        monotone: replace the measured values by their closest non-decreasing fit (timing noise makes a measured
+        monotone: replace the medians by their closest non-decreasing fit (timing noise makes a measured
         v(n) dip now and then, and a dip would make one node count look cheaper than fewer)."""
         v = [float(measured["v"][str(n)]) for n in range(len(measured["v"]))]
         return cls(tuple(isotonic(v) if monotone else v), float(measured["t_step_s"]))

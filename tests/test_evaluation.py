@@ -131,8 +131,8 @@ def _spin(stop):
 def test_verify_cost_reports_contention(tiny_target):
     cm = cost.measure_verify_cost(tiny_target, context_length=16, k_max=2, repeats=2)
     assert "other_cpu_share" in cm and isinstance(cm["contended"], bool)
-    # v is the fastest repeat per k, over the same repeats as the medians next to it
-    assert all(cm["t_forward_s"][k] <= cm["t_forward_median_s"][k] for k in cm["v"])
+    # v is the median repeat per k; the fastest repeats are kept next to it
+    assert all(cm["t_forward_min_s"][k] <= cm["t_forward_s"][k] for k in cm["v"])
 
 
 def check_report(report, out_dir, lossless=True):
