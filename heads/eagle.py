@@ -395,7 +395,7 @@ class EagleHead(nn.Module):
 
     # --- training-time test -----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, steps: int | None = None,
-                select: list[torch.Tensor] | None = None) -> EagleOutput:
+                select: list[torch.Tensor] | None = None, skip: bool = True) -> EagleOutput:
         """TTT-unrolled forward over a right-padded batch.
 
         input_ids: [B, T]; features: [B, T, F] (EAGLE-3: the 3 layers concatenated, F = 3H; EAGLE-1: the last
@@ -408,6 +408,7 @@ class EagleHead(nn.Module):
         t alone), so those bases cannot reach the loss. With prompt context they are most of the prompt: 24%
         of the step >= 1 columns of the SmolLM2 set. Step 0 still runs every base (its keys are the
         context). Skipped columns of hidden[j >= 1] and tokens[j >= 1] are zeros; `start` says where they end.
+        skip=False runs every base at every step (`python -m draftsmith.heads.bench` times both).
         """
         steps = steps or self.config.ttt_steps
         B, T = input_ids.shape
@@ -416,7 +417,7 @@ class EagleHead(nn.Module):
         feat = self.fuse(features)
         base = torch.arange(T, device=device)[None]
         start = 0
-        if select is not None and steps > 1:
+        if skip and select is not None and steps > 1:
             later = torch.stack([sel.any(0) for sel in select[1:steps]]).any(0).nonzero()
             start = min(int(later[0]) if later.numel() else T - 1, T - 1)
         hidden, logits, tokens = [], [], []

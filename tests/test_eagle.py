@@ -177,8 +177,8 @@ def test_ttt_skipping_unselected_bases_changes_no_logit_or_gradient(target4, ver
 
     def run(skip: bool):
         head.zero_grad()
-        out = head(ids, feats, steps=S, select=select if skip else None)
-        logits = out.logits if skip else [head.logits(out.hidden[j][select[j]]) for j in range(S)]
+        out = head(ids, feats, steps=S, select=select, skip=skip)
+        logits = out.logits
         sum((lg.float() ** 2).mean() * (j + 1) for j, lg in enumerate(logits)).backward()
         grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
         return out, [lg.detach() for lg in logits], grads
