@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 BUSY_SHARE = 0.2
 
 
+def contended(share: float | None) -> bool:
+    """Whether other processes' CPU share during a timing (`CpuShare.others`) makes it untrustworthy."""
+    return share is not None and share > BUSY_SHARE
+
+
 def _machine_cpu_s() -> tuple[float, float] | None:
     """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat (Linux); None elsewhere.
     Hypervisor steal counts as busy: another guest used that core."""
@@ -81,7 +86,7 @@ class CpuShare:
 
     @property
     def busy(self) -> bool:
-        return self.others is not None and self.others > BUSY_SHARE
+        return contended(self.others)
 
 
 @torch.no_grad()

@@ -14,11 +14,11 @@ FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position
 
 def _contention_line(share: float | None, what: str) -> list[str]:
     """The report line saying how quiet the machine was while `what` was timed (cost.CpuShare)."""
-    from draftsmith.evaluation.cost import BUSY_SHARE
+    from draftsmith.evaluation.cost import contended
 
     if share is None:
         return []
-    if share > BUSY_SHARE:
+    if contended(share):
         return ["", f"**{what} was measured while other processes used {100 * share:.0f}% of the CPU: it overstates "
                     "the cost of larger forwards (trees and k come out too small). Rerun on a quiet machine.**"]
     return ["", f"{what} was measured while other processes used {100 * share:.0f}% of the CPU."]
