@@ -121,7 +121,7 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 def shared_data_dir() -> Path:
     """The public prompt sets (train/ and eval/): `$DRAFTSMITH_DATA`, else `shared/data` beside the checkout.
 
-    Presets name them relative to the repository root (`../shared/data/...`), where the commands run.
+    Presets name them as `../shared/data/...`; `data_path` maps that prefix here.
     """
     env = os.environ.get("DRAFTSMITH_DATA")
     if env:
@@ -131,3 +131,19 @@ def shared_data_dir() -> Path:
         if candidate.is_dir():
             return candidate
     return repo.parent / "shared" / "data"
+
+
+_SHARED_PREFIX = ("..", "shared", "data")
+
+
+def data_path(path: str | os.PathLike) -> Path:
+    """A configured data path, with a leading `../shared/data` read as `shared_data_dir()`.
+
+    Presets name the public prompt sets as `../shared/data/...`; this lets them work from any directory
+    and under `$DRAFTSMITH_DATA`. Every other path is taken as given (relative to the working directory).
+    """
+    p = Path(path).expanduser()
+    parts = p.parts
+    if parts[: len(_SHARED_PREFIX)] == _SHARED_PREFIX:
+        return shared_data_dir().joinpath(*parts[len(_SHARED_PREFIX):])
+    return p

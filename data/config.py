@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from draftsmith.config import register_config
+from draftsmith.storage import data_path
 
 
 @dataclass
@@ -199,12 +199,12 @@ class DataConfig:
             raise ValueError("overlap_jaccard must be in (0, 1]")
         if self.max_rows is not None and self.max_rows < 1:
             raise ValueError("max_rows must be >= 1")
-        forbidden = [Path(d).expanduser().resolve() for d in self.eval_dirs]
-        forbidden += [Path(e.path).expanduser().resolve() for e in self.eval_sets]
+        forbidden = [data_path(d).resolve() for d in self.eval_dirs]
+        forbidden += [data_path(e.path).resolve() for e in self.eval_sets]
         for s in self.sources:
             if s.path is None:
                 continue
-            p = Path(s.path).expanduser().resolve()
+            p = data_path(s.path).resolve()
             for f in forbidden:
                 if p == f or f in p.parents:
                     raise ValueError(f"sources.{s.name}: {s.path} is held-out eval data ({f}); it may not be trained on")

@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from draftsmith.data.config import EvalSetConfig
 from draftsmith.data.sources import PromptRow, _FieldError, _iter_jsonl, extract_turns, normalize_text
 from draftsmith.errors import DataError
+from draftsmith.storage import data_path
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,9 @@ class OverlapReport:
 def load_eval_texts(eval_sets: list[EvalSetConfig], n: int) -> list[EvalText]:
     out = []
     for es in eval_sets:
-        path = Path(es.path).expanduser()
+        path = data_path(es.path)
         if not path.is_file():
-            raise DataError(f"eval set {es.path}: no such file")
+            raise DataError(f"eval set {es.path}: no such file {path}")
         for lineno, obj, err in _iter_jsonl(path):
             if err is not None:
                 continue

@@ -24,7 +24,7 @@ from typing import Any
 
 from draftsmith.data.config import DataConfig, SourceConfig
 from draftsmith.errors import DataError
-from draftsmith.storage import sha256_text
+from draftsmith.storage import data_path, sha256_text
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def load_hf_dataset(path: str, split: str = "train"):
     """A `datasets.Dataset` from a save_to_disk folder, a data file, or (where reachable) a hub name."""
     import datasets
 
-    p = Path(path).expanduser()
+    p = data_path(path)
     if p.is_dir():
         try:
             ds = datasets.load_from_disk(str(p))
@@ -217,9 +217,9 @@ def _select(items: list, source: SourceConfig) -> list:
 
 def _records_source(source: SourceConfig, report: MalformedReport) -> list[PromptRow]:
     if source.type == "jsonl":
-        path = Path(source.path).expanduser()
+        path = data_path(source.path)
         if not path.is_file():
-            raise DataError(f"source '{source.name}': no such file {source.path}")
+            raise DataError(f"source '{source.name}': no such file {path}")
         records = _iter_jsonl(path)
         where = lambda i: f"{path}:{i}"  # noqa: E731
     else:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.errors import DataError
-from draftsmith.storage import shared_data_dir
+from draftsmith.storage import data_path, shared_data_dir
 
 DEFAULT_PROMPT_FILES = ["eagle/alpaca.jsonl", "eagle/gsm8k.jsonl", "eagle/humaneval.jsonl",
                         "user_oriented_instructions.jsonl"]
@@ -71,7 +71,7 @@ def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, s
     """Read prompt files; keep at most `limit_per_domain` per domain, a seeded random choice in file order."""
     by_domain: dict[str, list[EvalPrompt]] = {}
     for f in files:
-        path = Path(f).expanduser()
+        path = data_path(f)
         if not path.is_file():
             raise DataError(f"prompt file not found: {path}")
         stem_domain = canonical_domain(path.stem)

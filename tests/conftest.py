@@ -62,6 +62,16 @@ def real_target():
     return load_target("smollm2-135m")
 
 
+def pytest_report_header(config):
+    from draftsmith.storage import shared_data_dir
+
+    root = shared_data_dir()
+    if root.is_dir():
+        return f"draftsmith prompt sets: {root}"
+    return (f"draftsmith prompt sets: {root} is MISSING - clone beside shared/ or set DRAFTSMITH_DATA; "
+            "the tests that read them will fail")
+
+
 def pytest_collection_modifyitems(config, items):
     # `make test-fast` sets DRAFTSMITH_SKIP_REAL=1 to leave out the real-model tests.
     if os.environ.get("DRAFTSMITH_SKIP_REAL") == "1":

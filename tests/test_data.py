@@ -26,8 +26,9 @@ from draftsmith.data.masks import masked_spans
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import stdlib_code_rows
 from draftsmith.errors import ConfigError, DataError, FingerprintMismatch
+from draftsmith.storage import data_path, shared_data_dir
 
-SHARED = Path("/work/shared/data")
+SHARED = shared_data_dir()
 TRAIN = SHARED / "train"
 needs_shared = pytest.mark.skipif(not TRAIN.is_dir(), reason="shared data not present")
 
@@ -552,6 +553,30 @@ def test_presets_load(preset):
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / preset)
     assert isinstance(cfg, DataConfig) and cfg.eval_sets
+
+
+def test_preset_data_paths_follow_draftsmith_data(tmp_path, monkeypatch):
+    """`../shared/data/...` in a preset means $DRAFTSMITH_DATA, whatever the working directory."""
+    data = tmp_path / "elsewhere" / "prompts"
+    (data / "train").mkdir(parents=True)
+    (data / "eval").mkdir()
+    (data / "train" / "q.jsonl").write_text('{"q": "What is the capital of France?"}\n{"q": "Name a prime."}\n')
+    (data / "eval" / "e.jsonl").write_text('{"q": "What is the capital of France?"}\n')
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)  # ../shared/data does not exist from here
+    monkeypatch.setenv("DRAFTSMITH_DATA", str(data))
+    assert data_path("../shared/data/train/q.jsonl") == data / "train" / "q.jsonl"
+    assert data_path("../shared/datasets/q.jsonl") == Path("../shared/datasets/q.jsonl")  # only the whole prefix
+    assert data_path("rel/q.jsonl") == Path("rel/q.jsonl")
+    src = SourceConfig(name="q", path="../shared/data/train/q.jsonl", prompt="q", domain="general")
+    cfg = _cfg(tmp_path, [src], eval_sets=[EvalSetConfig(path="../shared/data/eval/e.jsonl", prompt="q")])
+    assert len(load_prompts(cfg).rows) == 2
+    assert len(load_eval_texts(cfg.eval_sets, 8)) == 1
+    # the train/eval guard resolves the same way: a source inside the mapped eval folder is refused
+    with pytest.raises(ValueError, match="held-out"):
+        _cfg(tmp_path, [SourceConfig(name="e", path="../shared/data/eval/e.jsonl", prompt="q", domain="d")],
+             eval_dirs=["../shared/data/eval"])
 
 
 def test_bad_config_values_fail_at_load(tmp_path):
