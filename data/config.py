@@ -37,7 +37,8 @@ class SourceConfig:
 
     type: jsonl (one JSON object per line), hf (a `datasets` dataset: a `save_to_disk` folder, data files
     (.json/.jsonl/.parquet/.csv) or a hub name where the hub is reachable), stdlib (code prompts built from
-    the Python standard library).
+    the Python standard library), magpie (`limit` user requests the chat-tuned target writes itself when
+    given its chat template up to a user turn; data/magpie.py).
 
     Field mapping (jsonl / hf): exactly one of
       prompt           a field name; dotted paths index into nested values (`instances.0.input`);
@@ -47,7 +48,7 @@ class SourceConfig:
     """
 
     name: str
-    type: Literal["jsonl", "hf", "stdlib"] = "jsonl"
+    type: Literal["jsonl", "hf", "stdlib", "magpie"] = "jsonl"
     path: str | None = None
     split: str = "train"  # hf only
     prompt: str | None = None
@@ -63,6 +64,11 @@ class SourceConfig:
     # stdlib only
     completion_fraction: float = 0.6  # share of function-completion prompts (rest: module continuation)
     chunk_lines: int = 24  # lines of module text shown in a continuation prompt
+    # magpie only: `limit` user requests written by the target itself (data/magpie.py)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_request_tokens: int = 96  # a request that has not ended by then is dropped
+    min_request_chars: int = 12
 
     def __post_init__(self):
         self.domain_rules = [DomainRule(**r) if isinstance(r, dict) else r for r in self.domain_rules]
@@ -76,6 +82,13 @@ class SourceConfig:
                 raise ValueError(
                     f"source '{self.name}': give exactly one of prompt, prompt_template, turns (got {given or 'none'})"
                 )
+        if self.type == "magpie":
+            if self.limit is None:
+                raise ValueError(f"source '{self.name}': type magpie needs limit (how many requests to write)")
+            if self.temperature <= 0 or not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"source '{self.name}': magpie samples; temperature must be > 0, top_p in (0, 1]")
+            if self.max_request_tokens < 1:
+                raise ValueError(f"source '{self.name}': max_request_tokens must be >= 1")
         if not self.domain and not self.domain_rules:
             raise ValueError(f"source '{self.name}': give a domain or domain_rules")
         if self.limit is not None and self.limit < 1:

@@ -130,7 +130,7 @@ def prepare_prompts(config: DataConfig, target) -> tuple[list[PromptRow], dict[s
         first_ids[row.row_id] = ids
         return len(ids)
 
-    prompts = load_prompts(config, prompt_length=prompt_length)
+    prompts = load_prompts(config, prompt_length=prompt_length, target=target)
     rows = prompts.rows
     overlap_info: dict[str, Any] = {"checked": bool(config.eval_sets)}
     if config.eval_sets:
@@ -152,6 +152,7 @@ def prepare_prompts(config: DataConfig, target) -> tuple[list[PromptRow], dict[s
     stats = {"malformed": {"count": len(prompts.malformed.items), "kinds": prompts.malformed.counts(),
                            "rows": [f"{o}: {r}" for o, r in prompts.malformed.items[:200]]},
              "duplicates_dropped": prompts.duplicates, "loaded_per_source": prompts.per_source,
+             "magpie_rejected": prompts.rejected,
              "overlap": overlap_info}
     fmt.first_ids = first_ids
     return rows, stats, fmt

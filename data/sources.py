@@ -336,6 +336,7 @@ class PromptSet:
     malformed: MalformedReport
     duplicates: int = 0
     per_source: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, dict[str, int]] = field(default_factory=dict)  # magpie requests dropped, by source and reason
 
     def domain_counts(self) -> dict[str, int]:
         return dict(sorted(Counter(r.domain for r in self.rows).items()))
@@ -353,8 +354,10 @@ def load_source(source: SourceConfig, report: MalformedReport) -> list[PromptRow
     return _records_source(source, report)
 
 
-def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None) -> PromptSet:
+def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=None) -> PromptSet:
     """Read every source, apply the malformed policy and (optionally) the prompt-length limit.
+
+    `target` writes the requests of magpie sources (data/magpie.py); other sources do not need it.
 
     `prompt_length(row) -> int` gives the token length of a row's formatted prompt; rows longer than
     `config.generation.max_prompt_tokens` are malformed ("prompt too long"). Exact duplicate prompts
@@ -362,9 +365,22 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None) -> Prom
     """
     report = MalformedReport(policy=config.malformed)
     rows: list[PromptRow] = []
-    per_source = {}
+    per_source, rejected = {}, {}
     for source in config.sources:
-        got = load_source(source, report)
+        if source.type == "magpie":
+            from draftsmith.data.magpie import magpie_rows
+
+            def make_row(index: int, text: str, origin: str, source=source) -> PromptRow:
+                try:
+                    domain = _domain({"text": text}, source)  # rules may look at the request's `text`
+                except _FieldError:
+                    domain = "general"
+                return PromptRow(make_row_id(source.name, str(index)), source.name, domain, [text], origin,
+                                 source.system)
+
+            got, rejected[source.name] = magpie_rows(source, config, target, make_row)
+        else:
+            got = load_source(source, report)
         per_source[source.name] = len(got)
         rows.extend(got)
     if prompt_length is not None:
@@ -401,4 +417,4 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None) -> Prom
         log.warning("%s", report.summary())
     if not rows:
         raise DataError(f"no prompts left after filtering ({report.summary()})")
-    return PromptSet(rows, report, duplicates, per_source)
+    return PromptSet(rows, report, duplicates, per_source, rejected)

@@ -626,3 +626,92 @@ def test_the_kv_store_is_freed_when_the_run_returns(tiny_target):
     finally:
         gc.enable()
         engine._SlotStore = real
+
+
+# ----------------------------------------------------------------------------------- magpie
+
+def _magpie(name="self", limit=24, **kw) -> SourceConfig:
+    # the tiny random target ends a turn by chance; a high temperature makes that happen within 48 tokens
+    kw = {"temperature": 10.0, "max_request_tokens": 48, "min_request_chars": 1, **kw}
+    return SourceConfig(name=name, type="magpie", limit=limit, domain="general", **kw)
+
+
+def _magpie_cfg(out, *sources, **kw) -> DataConfig:
+    kw.setdefault("generation", GenerationConfig(max_new_tokens=8, batch_size=8, flush_every=4))
+    return DataConfig(sources=list(sources), output_dir=str(out), **kw)
+
+
+def test_magpie_prefix_is_the_template_up_to_the_user_text(tiny_tokenizer):
+    from draftsmith.data.magpie import user_turn_prefix
+
+    for system in (None, "Be brief."):
+        prefix, stop = user_turn_prefix(tiny_tokenizer, system)
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "XYZ"}]
+        full = tiny_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert tiny_tokenizer.decode(prefix, skip_special_tokens=False) == full.split("XYZ")[0]
+        assert stop == [tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    plain = copy.deepcopy(tiny_tokenizer)
+    plain.chat_template = None
+    with pytest.raises(DataError, match="chat template"):
+        user_turn_prefix(plain, None)
+
+
+def test_magpie_requests_resume_and_extend_deterministically(tmp_path, tiny_target):
+    from draftsmith.data.magpie import write_requests
+
+    src = _magpie()
+    cfg = _magpie_cfg(tmp_path / "a", src)
+    path, full = write_requests(src, cfg, tiny_target, 24)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 25 and {r["index"] for r in full} == set(range(24))
+    kept = [r for r in full if r["stopped"] and not r["special_inside"]]
+    assert 0 < len(kept) < 24  # both branches of the filter are exercised
+    # a killed run: only 10 requests reached the file; the rerun writes the rest, identical to the first run
+    path.write_text("\n".join(lines[:11]) + "\n")
+    _, again = write_requests(src, cfg, tiny_target, 24)
+    assert again == full
+    # request i depends on i alone: a smaller run elsewhere gives the first requests of the larger one
+    _, first = write_requests(src, _magpie_cfg(tmp_path / "b", src), tiny_target, 9)
+    assert first == full[:9]
+    # other sampling settings do not silently mix with the file's requests
+    hotter = _magpie(temperature=20.0)
+    with pytest.raises(DataError, match="other settings"):
+        write_requests(hotter, _magpie_cfg(tmp_path / "a", hotter), tiny_target, 24)
+
+    ps = load_prompts(cfg, target=tiny_target)
+    assert [r.prompt for r in ps.rows] == [r["text"] for r in kept]
+    assert sum(ps.rejected["self"].values()) == 24 - len(kept)
+    assert all(r.domain == "general" and r.origin.startswith(str(path)) for r in ps.rows)
+    # max_rows caps how many requests are written: no more could be kept
+    capped = _magpie_cfg(tmp_path / "c", src, max_rows=5)
+    load_prompts(capped, target=tiny_target)
+    assert len((tmp_path / "c" / "requests" / "self.jsonl").read_text().splitlines()) == 1 + 5
+
+
+def test_magpie_rows_are_answered_like_any_other(tmp_path, tiny_target):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"q": q}) + "\n" for q in PROMPTS[:3]))
+    cfg = _magpie_cfg(tmp_path / "d", _magpie(), SourceConfig(name="p", path=str(jsonl), prompt="q", domain="math"))
+    out = generate_dataset(cfg, tiny_target, progress=False)
+    ds = load_distilled(out, tiny_target)
+    requests = [json.loads(line) for line in (out / "requests" / "self.jsonl").read_text().splitlines()[1:]]
+    kept = {r["text"] for r in requests if r["stopped"] and not r["special_inside"]}
+    mine = [row for row in ds if row["source"] == "self"]
+    assert {row["prompt"] for row in mine} == kept and len(ds) == len(kept) + 3
+    tok = tiny_target.tokenizer
+    for row in mine:  # the request sits in a user turn; only the answer is learned
+        start = row["loss_mask"].index(1)
+        assert row["prompt"] in tok.decode(row["input_ids"][:start], skip_special_tokens=False)
+    prov = json.loads((out / "provenance.json").read_text())
+    assert sum(prov["counts"]["magpie_rejected"]["self"].values()) == 24 - len(kept)
+
+
+def test_magpie_needs_a_target_a_limit_and_chat_formatting(tmp_path, tiny_target):
+    with pytest.raises(ValueError, match="needs limit"):
+        SourceConfig(name="m", type="magpie", domain="general")
+    with pytest.raises(ValueError, match="temperature"):
+        SourceConfig(name="m", type="magpie", domain="general", limit=3, temperature=0.0)
+    with pytest.raises(DataError, match="needs the target"):
+        load_prompts(_magpie_cfg(tmp_path / "e", _magpie()))
+    with pytest.raises(DataError, match="chat formatting"):
+        load_prompts(_magpie_cfg(tmp_path / "f", _magpie(), chat=ChatConfig(mode="plain")), target=tiny_target)
