@@ -164,3 +164,21 @@ def test_split_rows_is_a_seeded_partition():
     assert ds_held["input_ids"] == [r["input_ids"] for r in held] and len(ds_train) == 36
     assert split_rows(rows[:2], 0.01, seed=0)[1] != []  # at least one row held out
     assert split_rows(rows[:1], 0.5, seed=0) == (rows[:1], [])  # ... except from a one-row set
+
+
+def test_split_by_row_id_survives_a_growing_dataset():
+    import datasets
+
+    rows = [{"row_id": 1000 + 7 * i, "input_ids": [i]} for i in range(400)]
+    train, held = split_rows(rows, 0.05, seed=0)
+    assert len(held) == 20 and len(train) == 380
+    grown = rows + [{"row_id": 90000 + i, "input_ids": [i]} for i in range(200)]  # a new source is added
+    g_train, g_held = split_rows(grown, 0.05, seed=0)
+    assert len(g_held) == 30
+    old_held = {r["row_id"] for r in held}
+    moved = old_held - {r["row_id"] for r in g_held}
+    assert len(moved) <= 4  # only rows near the cut change sides (a permutation would move ~19 of 20)
+    assert split_rows(list(reversed(rows)), 0.05, seed=0)[1] == sorted(held, key=lambda r: -r["row_id"])
+    ds_train, ds_held = split_rows(datasets.Dataset.from_list(rows), 0.05, seed=0)  # datasets use the column
+    assert ds_held["row_id"] == [r["row_id"] for r in held]
+    assert split_rows(rows, 0.05, seed=1)[1] != held

@@ -33,16 +33,35 @@ from collections.abc import Sequence
 
 import torch
 
+from draftsmith.storage import sha256_text
+
+
+def _row_ids(rows) -> list | None:
+    if hasattr(rows, "column_names"):
+        return list(rows["row_id"]) if "row_id" in rows.column_names else None
+    if rows and all(isinstance(r, dict) and "row_id" in r for r in rows):
+        return [r["row_id"] for r in rows]
+    return None
+
+
 CONTEXT = 32  # prompt tokens kept before the first learned token when a row's window cannot hold it all
 
 
 def split_rows(rows, eval_fraction: float, seed: int):
-    """Deterministic (train, held-out) split of a datasets.Dataset or a list: a seeded permutation.
+    """Deterministic (train, held-out) split of a datasets.Dataset or a list.
 
+    Rows with a `row_id` (every self-distilled dataset) are ranked by a seeded hash of it and the lowest
+    ranks are held out: a row's side depends on its id, not on its position, so a dataset that grows
+    (new sources, retraining on recent traffic) keeps its held-out rows held out, except the few near
+    the cut. Rows without ids fall back to a seeded permutation.
     At least one row is held out, except from a one-row set, which is all training."""
     n = len(rows)
     n_eval = max(1, round(n * eval_fraction)) if n > 1 else 0
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = _row_ids(rows)
+    if ids is not None:
+        order = sorted(range(n), key=lambda i: sha256_text(f"{seed}:{ids[i]}"))
+    else:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     held, train = sorted(order[:n_eval]), sorted(order[n_eval:])
     if hasattr(rows, "select"):
         return rows.select(train), rows.select(held)
