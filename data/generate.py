@@ -120,7 +120,7 @@ class _ChunkWriter:
             self.after_flush()
 
 
-def prepare_prompts(config: DataConfig, target) -> tuple[list[PromptRow], dict[str, Any], _Formatter]:
+def prepare_prompts(config: DataConfig, target, progress: bool = False) -> tuple[list[PromptRow], dict[str, Any], _Formatter]:
     """Load, length-check, dedupe and overlap-filter the prompts. Returns rows, stats and the formatter."""
     fmt = _Formatter(target, config)
     first_ids: dict[int, list[int]] = {}
@@ -130,7 +130,7 @@ def prepare_prompts(config: DataConfig, target) -> tuple[list[PromptRow], dict[s
         first_ids[row.row_id] = ids
         return len(ids)
 
-    prompts = load_prompts(config, prompt_length=prompt_length, target=target)
+    prompts = load_prompts(config, prompt_length=prompt_length, target=target, progress=progress)
     rows = prompts.rows
     overlap_info: dict[str, Any] = {"checked": bool(config.eval_sets)}
     if config.eval_sets:
@@ -173,7 +173,7 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         raise DataError(f"{out} already holds a finished dataset (pass overwrite, or choose another output_dir)")
     target = target or load_target(config.target)
     t_start = time.time()
-    rows, stats, fmt = prepare_prompts(config, target)
+    rows, stats, fmt = prepare_prompts(config, target, progress)
     fp = target.fingerprint()
 
     # Resume: reuse the rows of an earlier run with the same target and sampling.

@@ -22,6 +22,8 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from draftsmith.data.config import DataConfig, SourceConfig
 from draftsmith.data.engine import ContinuousBatcher, Request, Sampling
 from draftsmith.data.masks import build_messages, resolve_mode
@@ -80,7 +82,8 @@ def _write(path: Path, key: dict, done: dict[int, dict]) -> None:
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def write_requests(source: SourceConfig, config: DataConfig, target, count: int) -> tuple[Path, list[dict]]:
+def write_requests(source: SourceConfig, config: DataConfig, target, count: int,
+                   progress: bool = False) -> tuple[Path, list[dict]]:
     """Requests 0..count-1 of `source` (written now or read back); returns the file and its records."""
     tok = target.tokenizer
     if resolve_mode(tok, config.chat.mode) == "plain":
@@ -101,6 +104,8 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int)
                                    Sampling(True, source.temperature, source.top_p))
         specials = set(tok.all_special_ids)
         pending = []
+        bar = tqdm(total=len(todo), unit="request", disable=not progress, dynamic_ncols=True,
+                   desc=f"requests ({source.name})")
 
         def on_done(c) -> None:
             body = c.tokens[:-1] if c.stopped else c.tokens
@@ -108,6 +113,7 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int)
                            "stopped": bool(c.stopped and c.tokens[-1] in stop),
                            "special_inside": any(t in specials for t in body), "tokens": len(c.tokens)}
             pending.append(c.key)
+            bar.update(1)
             if len(pending) >= gen.flush_every:
                 _write(path, key, done)
                 pending.clear()
@@ -116,16 +122,17 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int)
         try:
             engine.run(reqs, on_done)
         finally:
+            bar.close()
             _write(path, key, done)
     return path, [done[i] for i in range(count)]
 
 
-def magpie_rows(source: SourceConfig, config: DataConfig, target, make_row):
+def magpie_rows(source: SourceConfig, config: DataConfig, target, make_row, progress: bool = False):
     """PromptRows of a magpie source (at most `config.max_rows`: no more could be kept) and why others fell."""
     if target is None:
         raise DataError(f"source '{source.name}': type magpie needs the target to write its requests")
     count = min(source.limit, config.max_rows or source.limit)
-    path, records = write_requests(source, config, target, count)
+    path, records = write_requests(source, config, target, count, progress)
     rows, dropped = [], Counter()
     for r in records:
         if not r["stopped"]:

@@ -354,7 +354,8 @@ def load_source(source: SourceConfig, report: MalformedReport) -> list[PromptRow
     return _records_source(source, report)
 
 
-def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=None) -> PromptSet:
+def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=None,
+                 progress: bool = False) -> PromptSet:
     """Read every source, apply the malformed policy and (optionally) the prompt-length limit.
 
     `target` writes the requests of magpie sources (data/magpie.py); other sources do not need it.
@@ -378,7 +379,7 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=
                 return PromptRow(make_row_id(source.name, str(index)), source.name, domain, [text], origin,
                                  source.system)
 
-            got, rejected[source.name] = magpie_rows(source, config, target, make_row)
+            got, rejected[source.name] = magpie_rows(source, config, target, make_row, progress)
         else:
             got = load_source(source, report)
         per_source[source.name] = len(got)
