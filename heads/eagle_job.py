@@ -40,7 +40,7 @@ from draftsmith.heads.eagle import (
     shift_left,
     step_weights,
 )
-from draftsmith.heads.vocab import draft_vocabulary, token_counts
+from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import read_json
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
@@ -123,10 +123,9 @@ class EagleJob:
         # draft vocabulary from the training split's target-written tokens
         self.counts = token_counts(self.train_set, target.vocab_size)
         if self.eagle3:
-            self.d2t, self.t2d, self.coverage = draft_vocabulary(self.counts, cfg.draft_vocab_size)
+            self.d2t, self.t2d, _ = draft_vocabulary(self.counts, cfg.draft_vocab_size)
         else:
             self.d2t = self.t2d = None
-            self.coverage = 1.0
         # EAGLE-3: fusion layers + post-norm last hidden (teacher) + top-1 (target argmax);
         # EAGLE-1: the last layer's pre-norm output is both input and teacher.
         self.features = CaptureSource(target, layers=sorted(set(self.layers)), topk=1 if self.eagle3 else 0,
@@ -204,18 +203,21 @@ class EagleJob:
     def save_artifact(self, module, out_dir, metrics) -> Path:
         head = _unwrap(module)
         dest = Path(self.cfg.output) if self.cfg.output else Path(out_dir)
+        # of the vocabulary the head holds (a warm start brings its own), on this job's training tokens
+        t2d = getattr(head, "t2d", None)  # EAGLE-1 predicts over the whole vocabulary
+        coverage = 1.0 if t2d is None else vocab_coverage(self.counts, t2d.cpu())
         config = {
             **asdict(head.config),
             "architecture": head.config.model_type,
             "embeddings": "target",  # not saved: take embed_tokens from the target named by the manifest
             "feature_convention": "pre-norm decoder layer outputs (targets/capture.py)",
-            "draft_vocab_coverage": self.coverage,
+            "draft_vocab_coverage": coverage,
         }
         fp = self.target.fingerprint()
         manifest = artifact.make_manifest(
             "eagle", fp, to_dict(self.cfg),
             data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set),
-                  "target_written_tokens": int(self.counts.sum()), "draft_vocab_coverage": self.coverage},
+                  "target_written_tokens": int(self.counts.sum()), "draft_vocab_coverage": coverage},
             metrics=metrics,
         )
         state = {k: v for k, v in head.state_dict().items()}

@@ -30,6 +30,7 @@ from draftsmith.heads.medusa import (
     rank_accuracies,
 )
 from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
+from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import atomic_write_json, read_json
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
@@ -95,14 +96,11 @@ class MedusaJob:
 
         self.features = CaptureSource(target, last_hidden=True, topk=cfg.kd_topk if cfg.kd_weight > 0 else 0,
                                       cache_dir=cfg.capture_cache)
-        self.draft_vocab, self.lookup, self.coverage = None, None, 1.0
+        self.draft_vocab, self.counts = None, None
         if cfg.draft_vocab_size is not None:
-            from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts
-
-            d2t, t2d, self.coverage = draft_vocabulary(token_counts(self.train_set, target.vocab_size),
-                                                       cfg.draft_vocab_size)
+            self.counts = token_counts(self.train_set, target.vocab_size)
+            d2t, t2d, _ = draft_vocabulary(self.counts, cfg.draft_vocab_size)
             self.draft_vocab = (d2t, t2d)
-            self.lookup = draft_index(t2d)  # target id -> draft id (-1 outside)
 
     # --- the job protocol -------------------------------------------------------------------------
     @property
@@ -167,24 +165,29 @@ class MedusaJob:
             dtype = next(module.parameters()).dtype
             # each head sees only the positions whose label is an assistant token
             logits = module([hidden[sel].to(dtype) for sel in sels])
-        labels = [self._draft_ids(head_labels(ids, sel, i)) for i, sel in enumerate(sels)]
+        lookup = self._lookup(module)
+        labels = [self._draft_ids(lookup, head_labels(ids, sel, i)) for i, sel in enumerate(sels)]
         t = None
         if teacher is not None:  # the target at t+1+i is the teacher of head i at t
             t = [tuple(torch.roll(x, shifts=-(i + 1), dims=1)[sel] for x in teacher) for i, sel in enumerate(sels)]
-            t = [(v, self._draft_ids(idx)) for v, idx in t]
+            t = [(v, self._draft_ids(lookup, idx)) for v, idx in t]
         loss, metrics = medusa_loss(logits, labels, self.weights, t, self.cfg.kd_weight)
         if base_kl is not None:
             loss = loss + self.cfg.medusa2.base_weight * base_kl
             metrics["base/kl"] = float(base_kl.detach())
         return loss, metrics
 
-    def _draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, module) -> torch.Tensor | None:
+        """Target id -> draft id of the vocabulary the MODULE holds: a warm start or a resume loads its
+        own (d2t, t2d) buffers, which may differ from the one counted on this job's data."""
+        heads = _unwrap(module)
+        heads = heads.heads if self.medusa2 else heads
+        return None if heads.t2d is None else draft_index(heads.t2d)
+
+    @staticmethod
+    def _draft_ids(lookup: torch.Tensor | None, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids -> the heads' output ids (-1 outside a draft vocabulary)."""
-        if self.lookup is None:
-            return target_ids
-        if self.lookup.device != target_ids.device:
-            self.lookup = self.lookup.to(target_ids.device)
-        return self.lookup[target_ids.long()]
+        return target_ids if lookup is None else lookup.to(target_ids.device)[target_ids.long()]
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
         acc = self.calibrate(module)
@@ -202,7 +205,7 @@ class MedusaJob:
             "medusa", self.target.fingerprint(), to_dict(self.cfg),
             data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set)},
             metrics={**metrics, "calibration_rank_accuracy": acc, "tree_expected_length": tree.expected_length,
-                     "draft_vocab_coverage": self.coverage},
+                     "draft_vocab_coverage": 1.0 if heads.t2d is None else vocab_coverage(self.counts, heads.t2d.cpu())},
         )
 
         def write_tree(tmp: Path) -> None:

@@ -12,6 +12,7 @@ from draftsmith.decoding.generate import speculative_generate
 from draftsmith.decoding.proposer import build_proposer
 from draftsmith.errors import FingerprintMismatch
 from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig, load_medusa
+from draftsmith.heads.vocab import vocab_coverage
 from draftsmith.training import TrainConfig, train
 
 
@@ -235,13 +236,14 @@ def test_draft_vocabulary_heads_train_calibrate_and_decode_losslessly(tiny_targe
                                             output_dir=str(tmp_path / "run"), log_every=10, progress=False))
     cfg.evaluate.enabled = False
     job = MedusaJob(cfg, tiny_target, rows)
-    assert 0.5 < job.coverage <= 1.0
+    coverage = vocab_coverage(job.counts, job.draft_vocab[1])
+    assert 0.5 < coverage <= 1.0
     result = train(job, cfg.train)
     train_log = [r for r in result.history if r["type"] == "train"]
     assert train_log[-1]["loss"] < 0.8 * train_log[0]["loss"]
     heads, tree, manifest = load_medusa(result.artifact, tiny_target)
     assert heads.heads[0].lm_head.weight.shape[0] == 48 and int(heads.t2d.sum()) == 48
-    assert manifest["metrics"]["draft_vocab_coverage"] == pytest.approx(job.coverage)
+    assert manifest["metrics"]["draft_vocab_coverage"] == pytest.approx(coverage)
     # calibration compares TARGET ids: the tree's accuracies are those of target tokens
     acc = manifest["metrics"]["calibration_rank_accuracy"]
     assert acc[0][0] > 0 and tree is not None
@@ -253,3 +255,33 @@ def test_draft_vocabulary_heads_train_calibrate_and_decode_losslessly(tiny_targe
         out = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=20, eos_ids=[], **kwargs)
         assert out.tokens == ref.tolist()
         assert out.stats.accepted > 0  # the draft ids were mapped back: some proposals were right
+
+
+def test_a_warm_start_trains_against_the_vocabulary_the_heads_hold(tiny_target, tmp_path):
+    """New data counts another draft vocabulary; the warm-started heads keep theirs, and so must the labels."""
+    from draftsmith.artifact import load_artifact
+
+    def job_on(rows, name, **train_kw):
+        cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / name), num_heads=2,
+                              num_layers=1, eval_fraction=0.125, calibration_rows=4, tree_budget=6, draft_vocab_size=24,
+                              train=TrainConfig(lr=3e-3, max_steps=6, batch_size=4, warmup_steps=0, progress=False,
+                                                output_dir=str(tmp_path / f"{name}.run"), **train_kw))
+        cfg.evaluate.enabled = False
+        return MedusaJob(cfg, tiny_target, rows)
+
+    old_rows, new_rows = self_distilled_rows(tiny_target, seed=0), self_distilled_rows(tiny_target, seed=7)
+    first = job_on(old_rows, "first")
+    art = train(first, first.cfg.train).artifact
+    second = job_on(new_rows, "second", warm_start=str(art))
+    module = second.build_module()
+    _, weights = load_artifact(art, kind="medusa")
+    module.load_state_dict(weights, strict=False)
+    assert not torch.equal(second.draft_vocab[1], module.t2d)  # the new data would pick other tokens
+    batch = second.collate(new_rows[:4])
+    with torch.no_grad():
+        assert second.loss(module, batch)[0] == pytest.approx(float(first.loss(module, batch)[0]))
+    result = train(second, second.cfg.train)
+    _, _, manifest = load_medusa(result.artifact, tiny_target)
+    _, saved = load_artifact(result.artifact, kind="medusa")
+    assert torch.equal(saved["t2d"], weights["t2d"])
+    assert manifest["metrics"]["draft_vocab_coverage"] == pytest.approx(vocab_coverage(second.counts, weights["t2d"]))
