@@ -1,4 +1,5 @@
-"""Prompt sources: jsonl files, Hugging Face `datasets`, and code prompts from the Python standard library.
+"""Prompt sources: jsonl files, Hugging Face `datasets`, code prompts from the Python standard library,
+and requests the target writes itself (`type: magpie`, data/magpie.py).
 
 Every source yields `PromptRow`s with a stable integer `row_id` (a hash of source name and row key, so
 it survives reruns, reordering and changes to other sources), a `domain` label from the config, and an
