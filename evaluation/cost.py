@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # other processes' share of the machine's CPU time above which a timing is flagged as contended: a quiet
 # machine shows a few percent (the shell, the kernel); a test run or a training job beside it shows 40-100%
 BUSY_SHARE = 0.2
+# /proc/stat counts in clock ticks (10 ms at the usual USER_HZ of 100): a block shorter than a few ticks of
+# all cores' time reads a share of 0 or 1 from one tick's rounding, so below this it is not read at all
+MIN_READ_CPU_S = 0.05
 
 
 def contended(share: float | None) -> bool:
@@ -61,7 +64,8 @@ class CpuShare:
 
         with CpuShare() as share:
             ...timed work...
-        share.others   # fraction of all cores' time used by other processes (None: not measurable here)
+        share.others   # fraction of all cores' time used by other processes (None: not measurable here,
+                       # or the block was too short for /proc/stat's clock ticks to tell)
 
     Our own CPU time (every thread of this process) is subtracted from the machine's busy time, so a run
     that keeps both cores busy by itself reads ~0.
@@ -81,7 +85,7 @@ class CpuShare:
             return
         busy, total = end[0] - self._machine[0], end[1] - self._machine[1]
         own = time.process_time() - self._own
-        if total > 0:
+        if total >= MIN_READ_CPU_S:
             self.others = min(max((busy - own) / total, 0.0), 1.0)
 
     @property

@@ -17,7 +17,8 @@ def _contention_line(share: float | None, what: str) -> list[str]:
     from draftsmith.evaluation.cost import contended
 
     if share is None:
-        return []
+        return ["", f"How busy the machine was while {what} was timed could not be read (no /proc/stat, or a timing "
+                    "too short for its clock ticks)."]
     if contended(share):
         return ["", f"**{what} was measured while other processes used {100 * share:.0f}% of the CPU: it overstates "
                     "the cost of larger forwards (trees and k come out too small). Rerun on a quiet machine.**"]
