@@ -8,7 +8,11 @@ target's own next-token distribution:
 
 over the learned positions, where p_original is the frozen target's distribution (the adapted model is
 distilled towards the model it started as, the paper's self-distillation form of its "combined loss"),
-λ = `base_weight`. The adapted target is a different model: speculative decoding with these heads is
+λ = `base_weight`. Online, the original target runs in every step next to the adapted one. With a capture
+cache (`capture_cache`), p_original is its cached top-k logits instead, so a step runs the target once,
+not twice: KL(p_original|S ‖ p_adapted|S), both conditioned on the top-k support S
+(`distill.losses.topk_divergence`, tail="renormalize"). The cache keeps no log-normaliser, so the mass the
+adapted target moves outside S is not penalised (a larger k covers more of it). The adapted target is a different model: speculative decoding with these heads is
 lossless with respect to the ADAPTED target (the merged target ships with the artifact's export, and the
 evaluator verifies with it), and the KL term is what keeps that target close to the original.
 

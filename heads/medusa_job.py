@@ -16,6 +16,7 @@ import torch
 
 from draftsmith import artifact
 from draftsmith.config import load_config, register_config, to_dict
+from draftsmith.distill.losses import topk_divergence
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
 from draftsmith.heads.medusa import (
@@ -51,13 +52,17 @@ class MedusaJobConfig:
     draft_vocab_size: int | None = None
     decay: float = 0.8  # head i weighs decay**i
     kd_weight: float = 0.0  # mix in KL to the target's own distribution (its top-k logits)
+    # k of the target's top-k logits used as a teacher: head KD (kd_weight), and for Medusa-2 trained from a
+    # capture cache the KL term's teacher (at most the cache's k)
     kd_topk: int = 64
     max_length: int = 512
     eval_fraction: float = 0.05
     calibration_rows: int = 64
     tree_budget: int = 48  # nodes of the sparse candidate tree
     tree_max_rank: int = 8  # candidates per head considered by the tree builder
-    capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
+    # offline target features (targets.cache_shards); None = online. Medusa-2 runs its adapted target online
+    # anyway and reads only the original target's top-k logits (its KL teacher) from the cache
+    capture_cache: str | None = None
     medusa2: Medusa2Config = field(default_factory=Medusa2Config)  # joint LoRA training of the target
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
@@ -76,11 +81,10 @@ class MedusaJobConfig:
                              "projection is the target's whole lm_head)")
         if self.tree_budget < 1 or self.tree_max_rank < 1 or self.max_length < 8:
             raise ValueError("tree_budget, tree_max_rank must be >= 1 and max_length >= 8")
+        if self.kd_topk < 1:
+            raise ValueError(f"kd_topk must be >= 1, got {self.kd_topk}")
         if isinstance(self.medusa2, dict):
             self.medusa2 = Medusa2Config(**self.medusa2)
-        if self.medusa2.enabled and self.capture_cache:
-            raise ValueError("medusa2 trains the target's adapter: its features change every step, so no "
-                             "capture_cache (offline features) can be used")
 
 
 class MedusaJob:
@@ -94,7 +98,11 @@ class MedusaJob:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
         from draftsmith.training import CaptureSource
 
-        self.features = CaptureSource(target, last_hidden=True, topk=cfg.kd_topk if cfg.kd_weight > 0 else 0,
+        # Medusa-2 from a capture cache: the adapted target runs in the step (its features change every step),
+        # the frozen original is not run at all: its cached top-k logits are the KL teacher
+        teacher_from_cache = self.medusa2 and cfg.capture_cache is not None
+        self.features = CaptureSource(target, last_hidden=not teacher_from_cache,
+                                      topk=cfg.kd_topk if (cfg.kd_weight > 0 or teacher_from_cache) else 0,
                                       cache_dir=cfg.capture_cache)
         self.draft_vocab, self.counts = None, None
         if cfg.draft_vocab_size is not None:
@@ -155,10 +163,16 @@ class MedusaJob:
             select = torch.zeros_like(mask, dtype=torch.bool)
             select[:, :-1] = mask[:, 1:].bool()  # positions whose next token is learned
             adapted, logits = module(batch, select, sels)  # heads read the ADAPTED target (grad flows into LoRA)
-            feats = self.features(batch)  # the frozen original target
-            with torch.no_grad():
-                original = self.target.model.get_output_embeddings()(feats["last_hidden"][select])
-            base_kl = kl_fn(adapted, original)
+            feats = self.features(batch)  # the frozen original target, online or its cached top-k logits
+            if self.features.offline:
+                # both distributions conditioned on the cached top-k support: the cache keeps no log-normaliser,
+                # so a bucketed tail would read the teacher's as 0 and push the adapted target to sharpen
+                base_kl = topk_divergence(adapted, feats["topk_values"][select], feats["topk_indices"][select],
+                                          "forward_kl", tail="renormalize")
+            else:
+                with torch.no_grad():
+                    original = self.target.model.get_output_embeddings()(feats["last_hidden"][select])
+                base_kl = kl_fn(adapted, original)
             teacher = (feats["topk_values"], feats["topk_indices"]) if self.cfg.kd_weight > 0 else None
         else:
             hidden, teacher = self.target_outputs(batch)

@@ -223,6 +223,51 @@ def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
     assert str(res.out / "adapted_target") in (res.out / "serve.md").read_text()
 
 
+def test_medusa2_from_a_capture_cache_never_runs_the_original_and_its_kl_is_the_online_one(tiny_target, tmp_path,
+                                                                                           monkeypatch):
+    """Medusa-2 with a capture cache reads the original target's top-k logits instead of running it; with
+    k = V the renormalised top-k KL is the full-vocabulary KL the online job computes."""
+    from draftsmith.heads.medusa2 import Medusa2Config
+    from draftsmith.targets.cache_shards import CaptureSource, capture_dataset
+    from draftsmith.training import TrainConfig, train
+
+    rows = self_distilled_rows(tiny_target, n=16)
+    V = tiny_target.vocab_size
+    capture_dataset(tiny_target, rows, tmp_path / "cache", layers=[], topk=V, progress=False)
+
+    def config(name, **kw):
+        return MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / name), num_heads=2,
+                               num_layers=1, eval_fraction=0.125, calibration_rows=4, tree_budget=4,
+                               tree_max_rank=2, medusa2=Medusa2Config(enabled=True, r=4, alpha=8),
+                               train=TrainConfig(lr=1e-2, max_steps=4, batch_size=4, warmup_steps=0,
+                                                 output_dir=str(tmp_path / f"{name}.run"), progress=False), **kw)
+
+    cached = config("cached", capture_cache=str(tmp_path / "cache"), kd_topk=V)
+    cached.evaluate.enabled = False
+    job = MedusaJob(cached, tiny_target, rows)
+    assert job.features.offline
+    batch = job.collate(list(job.train_rows())[:4])
+    module = job.build_module()
+    _, m0 = job.loss(module, batch)
+    assert m0["base/kl"] == pytest.approx(0.0, abs=1e-5)  # LoRA B = 0: the adapted target is the original
+
+    def no_online(self, batch):
+        raise AssertionError("the original target ran although its logits are cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(CaptureSource, "online_features", no_online)
+        result = train(job, cached.train)
+    assert (result.artifact / "adapter_model.safetensors").is_file()
+    moved = result.module
+    _, offline = job.loss(moved, batch)
+    online_cfg = config("online")
+    online_cfg.evaluate.enabled = False
+    _, online = MedusaJob(online_cfg, tiny_target, rows).loss(moved, batch)
+    assert offline["base/kl"] > 1e-6  # the adapter moved the target
+    assert offline["base/kl"] == pytest.approx(online["base/kl"], rel=1e-3, abs=1e-6)
+    assert offline["head0/top1"] == online["head0/top1"]
+
+
 # --- heads over a draft vocabulary -------------------------------------------------------------------------
 
 def test_draft_vocabulary_heads_train_calibrate_and_decode_losslessly(tiny_target, tmp_path):
