@@ -127,11 +127,11 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int,
     return path, [done[i] for i in range(count)]
 
 
-def magpie_rows(source: SourceConfig, config: DataConfig, target, make_row, progress: bool = False):
-    """PromptRows of a magpie source (at most `config.max_rows`: no more could be kept) and why others fell."""
+def magpie_rows(source: SourceConfig, config: DataConfig, target, make_row, count: int, progress: bool = False):
+    """PromptRows from the first `count` requests of a magpie source (`sources.magpie_share`), and why
+    the others fell."""
     if target is None:
         raise DataError(f"source '{source.name}': type magpie needs the target to write its requests")
-    count = min(source.limit, config.max_rows or source.limit)
     path, records = write_requests(source, config, target, count, progress)
     rows, dropped = [], Counter()
     for r in records:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import math
 import random
 import re
 import string
@@ -355,6 +356,15 @@ def load_source(source: SourceConfig, report: MalformedReport) -> list[PromptRow
     return _records_source(source, report)
 
 
+def magpie_share(limit: int, max_rows: int | None, pool: int) -> int:
+    """How many requests a magpie source writes: its limit, or under max_rows its share of a sample of
+    max_rows from `pool` candidate rows (every source's rows, magpie sources at their limits). Each request
+    costs a generation, so requests the sample would drop are not written."""
+    if max_rows is None or pool <= max_rows:
+        return limit
+    return max(1, math.ceil(limit * max_rows / pool))
+
+
 def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=None,
                  progress: bool = False) -> PromptSet:
     """Read every source, apply the malformed policy and (optionally) the prompt-length limit.
@@ -368,23 +378,29 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=
     report = MalformedReport(policy=config.malformed)
     rows: list[PromptRow] = []
     per_source, rejected = {}, {}
+    got: dict[str, list[PromptRow]] = {}
+    # files first: under max_rows a magpie source writes only its share of the sample, which needs their count
     for source in config.sources:
-        if source.type == "magpie":
-            from draftsmith.data.magpie import magpie_rows
+        if source.type != "magpie":
+            got[source.name] = load_source(source, report)
+    magpie = [s for s in config.sources if s.type == "magpie"]
+    pool = sum(map(len, got.values())) + sum(s.limit for s in magpie)
+    for source in magpie:
+        from draftsmith.data.magpie import magpie_rows
 
-            def make_row(index: int, text: str, origin: str, source=source) -> PromptRow:
-                try:
-                    domain = _domain({"text": text}, source)  # rules may look at the request's `text`
-                except _FieldError:
-                    domain = "general"
-                return PromptRow(make_row_id(source.name, str(index)), source.name, domain, [text], origin,
-                                 source.system)
+        def make_row(index: int, text: str, origin: str, source=source) -> PromptRow:
+            try:
+                domain = _domain({"text": text}, source)  # rules may look at the request's `text`
+            except _FieldError:
+                domain = "general"
+            return PromptRow(make_row_id(source.name, str(index)), source.name, domain, [text], origin,
+                             source.system)
 
-            got, rejected[source.name] = magpie_rows(source, config, target, make_row, progress)
-        else:
-            got = load_source(source, report)
-        per_source[source.name] = len(got)
-        rows.extend(got)
+        got[source.name], rejected[source.name] = magpie_rows(
+            source, config, target, make_row, magpie_share(source.limit, config.max_rows, pool), progress)
+    for source in config.sources:  # config order
+        per_source[source.name] = len(got[source.name])
+        rows.extend(got[source.name])
     if prompt_length is not None:
         limit = config.generation.max_prompt_tokens
         kept = []
@@ -412,8 +428,14 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=
         first = next(r for r in rows if r.row_id == clash[0])
         raise DataError(f"{first.origin}: row key repeats within source '{first.source}' (check id_field)")
     if config.max_rows is not None and len(rows) > config.max_rows:
+        # magpie rows were written at their share of the sample: the sample is drawn from the other rows
+        written = {s.name for s in magpie}
+        fixed = [i for i, r in enumerate(rows) if r.source in written]
+        if len(fixed) >= config.max_rows:
+            fixed = []
+        rest = [i for i, r in enumerate(rows) if not fixed or r.source not in written]
         rng = random.Random(f"{config.seed}:max_rows")
-        keep = sorted(rng.sample(range(len(rows)), config.max_rows))
+        keep = sorted(fixed + rng.sample(rest, config.max_rows - len(fixed)))
         rows = [rows[i] for i in keep]
     if report.items:
         log.warning("%s", report.summary())

@@ -706,6 +706,23 @@ def test_magpie_rows_are_answered_like_any_other(tmp_path, tiny_target):
     assert sum(prov["counts"]["magpie_rejected"]["self"].values()) == 24 - len(kept)
 
 
+def test_magpie_writes_only_its_share_of_a_max_rows_sample(tmp_path, tiny_target):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"q": f"question number {i}"}) + "\n" for i in range(72)))
+    cfg = _magpie_cfg(tmp_path / "g", _magpie(limit=24),
+                      SourceConfig(name="p", path=str(jsonl), prompt="q", domain="math"), max_rows=12)
+    ps = load_prompts(cfg, target=tiny_target)
+    # 12 of 72 + 24 candidates: the magpie source's share is 24 * 12 / 96 = 3 requests, not 12 or 24
+    lines = (tmp_path / "g" / "requests" / "self.jsonl").read_text().splitlines()[1:]
+    requests = [json.loads(line) for line in lines]
+    assert len(requests) == 3
+    kept = [r for r in requests if r["stopped"] and not r["special_inside"]]
+    mine = [r for r in ps.rows if r.source == "self"]
+    # every kept request is in the sample; the file rows fill the rest
+    assert len(ps.rows) == 12 and [r.prompt for r in mine] == [r["text"] for r in kept]
+    assert list(ps.per_source) == ["self", "p"]  # config order
+
+
 def test_magpie_needs_a_target_a_limit_and_chat_formatting(tmp_path, tiny_target):
     with pytest.raises(ValueError, match="needs limit"):
         SourceConfig(name="m", type="magpie", domain="general")
