@@ -180,6 +180,9 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     others = {}
     for s in cfg.compare:
         other = build_proposer(s, target)
+        if getattr(other, "verifier_target", None) is not None:
+            raise ConfigError(f"compare '{s}': a Medusa-2 artifact is verified by its own adapted target, not by "
+                              f"the target of this run; evaluate it in a run of its own")
         own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
         others[s] = (other, dict(tree=own, k=None) if own is not None else dict(k=cfg.k))
     verify_cost = tree_cost = None

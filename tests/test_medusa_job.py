@@ -221,6 +221,14 @@ def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
     for k, v in merged.state_dict().items():
         torch.testing.assert_close(v, want[k], msg=k)
     assert str(res.out / "adapted_target") in (res.out / "serve.md").read_text()
+    # side by side with another proposer, these heads would be verified by the un-adapted target
+    from draftsmith.errors import ConfigError
+    from draftsmith.evaluation.evaluate import evaluate
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Say hi."]}) + "\n")
+    with pytest.raises(ConfigError, match="own adapted target"):
+        evaluate(tiny_target, "ngram", prompts=[prompts], compare=[f"medusa:{path}"], max_new_tokens=4)
 
 
 def test_medusa2_from_a_capture_cache_never_runs_the_original_and_its_kl_is_the_online_one(tiny_target, tmp_path,
