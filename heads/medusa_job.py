@@ -125,6 +125,15 @@ class MedusaJob:
 
         return Medusa2Module(heads, self.target.model, self.cfg.medusa2)
 
+    def lr_scale(self, name: str) -> float:
+        """The training loop's lr multiplier per parameter: Medusa-2's adapter learns at adapter_lr_scale."""
+        return self.cfg.medusa2.adapter_lr_scale if self.medusa2 and "lora_" in name else 1.0
+
+    def warm_start_module(self, module):
+        """What a warm-start artifact's weights load into: the heads (a Medusa-2 module also holds the adapted
+        target; its adapter starts at zero, the heads from a Medusa-1 or Medusa-2 artifact)."""
+        return module.heads if self.medusa2 else module
+
     def setup(self, accelerator) -> None:
         self.features.place(accelerator)  # Medusa-2: the frozen original target, the teacher of the KL term
 

@@ -231,6 +231,32 @@ def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
         evaluate(tiny_target, "ngram", prompts=[prompts], compare=[f"medusa:{path}"], max_new_tokens=4)
 
 
+def test_medusa2_warm_starts_its_heads_and_trains_its_adapter_at_a_lower_lr(medusa_artifact, tiny_target, tmp_path):
+    from draftsmith.artifact import load_artifact
+    from draftsmith.heads.medusa2 import Medusa2Config
+    from draftsmith.training.loop import param_groups
+
+    _, heads_path = medusa_artifact
+    cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "artifact"), num_heads=3,
+                          num_layers=1, eval_fraction=0.125, calibration_rows=4, tree_budget=4, tree_max_rank=2,
+                          medusa2=Medusa2Config(enabled=True, r=4, alpha=8, adapter_lr_scale=0.25),
+                          train=TrainConfig(lr=1e-5, max_steps=2, batch_size=4, warmup_steps=0,
+                                            warm_start=str(heads_path), output_dir=str(tmp_path / "run"),
+                                            progress=False))
+    cfg.evaluate.enabled = False
+    job = MedusaJob(cfg, tiny_target, self_distilled_rows(tiny_target, n=16))
+    module = job.build_module()
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = param_groups(module, 0.0, job.lr_scale)
+    assert {g["lr_scale"] for g in groups} == {1.0, 0.25}
+    for g in groups:  # the adapter at a quarter of the heads' lr, every head parameter at the base lr
+        assert all(("lora_" in names[id(p)]) == (g["lr_scale"] == 0.25) for p in g["params"])
+    result = train(job, cfg.train)
+    _, warm = load_artifact(heads_path, kind="medusa")
+    for k, v in result.module.heads.state_dict().items():  # the Medusa-1 heads, moved by 2 steps of lr 1e-5
+        assert (v - warm[k]).abs().max() < 1e-4, k
+
+
 def test_medusa2_from_a_capture_cache_never_runs_the_original_and_its_kl_is_the_online_one(tiny_target, tmp_path,
                                                                                            monkeypatch):
     """Medusa-2 with a capture cache reads the original target's top-k logits instead of running it; with

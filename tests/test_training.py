@@ -21,7 +21,7 @@ from draftsmith.config import from_dict  # noqa: E402
 from draftsmith.errors import ConfigError, TrainingError  # noqa: E402
 from draftsmith.training import TrainConfig, train  # noqa: E402
 from draftsmith.training import checkpoint as ckpt  # noqa: E402
-from draftsmith.training.loop import lr_factor  # noqa: E402
+from draftsmith.training.loop import lr_factor, param_groups  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "_train_job.py"
 
@@ -70,6 +70,17 @@ def test_lr_schedule():
     assert lr_factor(6, 10, 2, "linear", 0.0) == pytest.approx(0.5)
     assert lr_factor(7, 10, 0, "constant", 0.0) == 1.0
     assert lr_factor(5, 10, 0, "cosine", 0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_param_groups_decay_and_lr_scales():
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    m[1].requires_grad_(False)
+    plain = param_groups(m, 0.1)  # decay matrices, not biases; frozen parameters in no group
+    assert [(g["weight_decay"], g["lr_scale"], len(g["params"])) for g in plain] == [(0.1, 1.0, 1), (0.0, 1.0, 1)]
+    m[1].requires_grad_(True)
+    scaled = param_groups(m, 0.1, lambda name: 0.5 if name.startswith("1.") else 1.0)
+    assert [(g["weight_decay"], g["lr_scale"]) for g in scaled] == [(0.1, 1.0), (0.0, 1.0), (0.1, 0.5), (0.0, 0.5)]
+    assert scaled[2]["params"][0] is m[1].weight and scaled[3]["params"][0] is m[1].bias
 
 
 def test_state_flatten_roundtrip():

@@ -76,14 +76,16 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay matrices, not biases / norm gains (1-D tensors)."""
-    decay, no_decay = [], []
-    for p in module.parameters():
+def param_groups(module: nn.Module, weight_decay: float, lr_scale=None) -> list[dict]:
+    """AdamW groups: decay matrices, not biases / norm gains (1-D tensors). `lr_scale(name) -> float` (a job's
+    optional `lr_scale`) puts parameters on a multiple of the base lr, each scale in groups of its own
+    (Medusa-2: the target's adapter learns slower than the heads). Group order: scale 1 first, decay first."""
+    groups: dict[tuple[float, bool], list] = {}
+    for name, p in module.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+            groups.setdefault((float(lr_scale(name)) if lr_scale else 1.0, p.ndim >= 2), []).append(p)
+    order = sorted(groups, key=lambda k: (k[0] != 1.0, k[0], not k[1]))
+    return [{"params": groups[k], "weight_decay": weight_decay if k[1] else 0.0, "lr_scale": k[0]} for k in order]
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
@@ -188,10 +190,10 @@ class Trainer:
             self.lengths = lengths() if lengths is not None else row_lengths(self.train_rows)
 
         self._fill_deepspeed_autos()
-        optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                                      eps=cfg.eps)
+        optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay, getattr(self.job, "lr_scale", None)),
+                                      lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         for g in optimizer.param_groups:
-            g["base_lr"] = cfg.lr
+            g["base_lr"] = cfg.lr * g["lr_scale"]
         self.model, self.optimizer = acc.prepare(module, optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -233,6 +235,8 @@ class Trainer:
         from draftsmith.artifact import load_artifact
 
         _, weights = load_artifact(self.cfg.warm_start, kind=self.job.kind, target=getattr(self.job, "target", None))
+        # the part of the module an artifact's weights belong to (Medusa-2: its heads, not the adapted target)
+        module = self.job.warm_start_module(module) if hasattr(self.job, "warm_start_module") else module
         if hasattr(self.job, "load_weights"):
             self.job.load_weights(module, weights)
             return
