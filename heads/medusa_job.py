@@ -178,10 +178,14 @@ class MedusaJob:
                 # so a bucketed tail would read the teacher's as 0 and push the adapted target to sharpen
                 base_kl = topk_divergence(adapted, feats["topk_values"][select], feats["topk_indices"][select],
                                           "forward_kl", tail="renormalize")
+                original_top1 = feats["topk_indices"][select][:, 0]
             else:
                 with torch.no_grad():
                     original = self.target.model.get_output_embeddings()(feats["last_hidden"][select])
                 base_kl = kl_fn(adapted, original)
+                original_top1 = original.argmax(-1)
+            # how often the adapted target's greedy token is still the original's (what its outputs keep)
+            base_agree = (adapted.detach().argmax(-1) == original_top1).float().mean()
             teacher = (feats["topk_values"], feats["topk_indices"]) if self.cfg.kd_weight > 0 else None
         else:
             hidden, teacher = self.target_outputs(batch)
@@ -198,6 +202,7 @@ class MedusaJob:
         if base_kl is not None:
             loss = loss + self.cfg.medusa2.base_weight * base_kl
             metrics["base/kl"] = float(base_kl.detach())
+            metrics["base/agree"] = float(base_agree)
         return loss, metrics
 
     def _lookup(self, module) -> torch.Tensor | None:

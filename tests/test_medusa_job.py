@@ -171,7 +171,7 @@ def test_medusa2_trains_adapter_and_heads_and_decodes_losslessly_with_the_adapte
     assert trainable and all(n.startswith("heads.") or "lora_" in n for n in trainable)
     # at step 0 the adapter is the identity (LoRA B = 0): the KL to the original target is zero
     _, m0 = job.loss(module, job.collate(list(job.train_rows())[:4]))
-    assert m0["base/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert m0["base/kl"] == pytest.approx(0.0, abs=1e-6) and m0["base/agree"] == 1.0
 
     result = train(job, cfg.train)
     path = result.artifact
@@ -284,6 +284,7 @@ def test_medusa2_from_a_capture_cache_never_runs_the_original_and_its_kl_is_the_
     module = job.build_module()
     _, m0 = job.loss(module, batch)
     assert m0["base/kl"] == pytest.approx(0.0, abs=1e-5)  # LoRA B = 0: the adapted target is the original
+    assert m0["base/agree"] == 1.0
 
     def no_online(self, batch):
         raise AssertionError("the original target ran although its logits are cached")
@@ -299,7 +300,7 @@ def test_medusa2_from_a_capture_cache_never_runs_the_original_and_its_kl_is_the_
     _, online = MedusaJob(online_cfg, tiny_target, rows).loss(moved, batch)
     assert offline["base/kl"] > 1e-6  # the adapter moved the target
     assert offline["base/kl"] == pytest.approx(online["base/kl"], rel=1e-3, abs=1e-6)
-    assert offline["head0/top1"] == online["head0/top1"]
+    assert offline["head0/top1"] == online["head0/top1"] and offline["base/agree"] == online["base/agree"]
 
 
 # --- heads over a draft vocabulary -------------------------------------------------------------------------
