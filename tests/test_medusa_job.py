@@ -197,6 +197,13 @@ def test_medusa2_trains_adapter_and_heads_and_decodes_losslessly_with_the_adapte
     merged_diff = sum(float((adapted.model.state_dict()[k] - v).abs().sum()) for k, v in before.items()
                       if k in adapted.model.state_dict())
     assert merged_diff > 0  # the adapter really is merged into the verifier
+    # how far the adapter moved the target: nowhere for the original itself, somewhere for the adapted one
+    from draftsmith.heads.medusa2 import target_drift
+
+    same = target_drift(tiny_target.model, tiny_target.model, rows, 0, 64)
+    assert same["agreement"] == 1.0 and same["kl"] == pytest.approx(0.0, abs=1e-6) and same["positions"] > 0
+    moved = target_drift(tiny_target.model, adapted.model, rows, 0, 64)
+    assert 0.0 <= moved["agreement"] <= 1.0 and moved["kl"] > 0.0
 
 
 def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
