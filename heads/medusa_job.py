@@ -224,11 +224,20 @@ class MedusaJob:
         config = {**asdict(heads.config), "target_layer": "last_hidden (post-norm)"}
         adapter = None
         if self.medusa2:
-            from draftsmith.heads.medusa2 import adapter_state
+            from draftsmith.heads.medusa2 import DRIFT_WARN, adapter_state, target_drift
 
             adapter = adapter_state(module)
             config["medusa2"] = {"adapter": ADAPTER_WEIGHTS, "base_weight": self.cfg.medusa2.base_weight,
                                  "note": "verify with the adapted target (the adapter merged into the target)"}
+            with torch.no_grad():  # what the adapted target still writes as the original did, on held-out rows
+                drift = target_drift(self.target.model, _unwrap(module).backbone.eval(),
+                                     list(self.eval_set)[: self.cfg.calibration_rows], self.pad_id, self.cfg.max_length)
+            metrics = {**metrics, "target_drift": drift}
+            if drift["agreement"] < DRIFT_WARN:
+                log.warning("the adapted target's greedy token is the original's at only %.1f%% of held-out "
+                            "positions (KL %.3f): decoding with these heads is lossless w.r.t. a target that writes "
+                            "other text; raise medusa2.base_weight or lower medusa2.adapter_lr_scale",
+                            100 * drift["agreement"], drift["kl"])
         manifest = artifact.make_manifest(
             "medusa", self.target.fingerprint(), to_dict(self.cfg),
             data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set)},

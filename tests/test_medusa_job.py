@@ -180,6 +180,8 @@ def test_medusa2_trains_adapter_and_heads_and_decodes_losslessly_with_the_adapte
     for k, v in tiny_target.model.state_dict().items():  # the shared original target is untouched
         assert torch.equal(v, before[k]), k
     assert (path / "adapter_model.safetensors").is_file() and (path / "adapter_config.json").is_file()
+    drift = json.loads((path / "manifest.json").read_text())["metrics"]["target_drift"]
+    assert drift["positions"] > 0 and 0.0 <= drift["agreement"] <= 1.0 and drift["kl"] >= 0.0
     # peft itself loads the adapter (a real consumer of the layout)
     import copy
 
