@@ -2,7 +2,8 @@
 
     target  load smollm2-135m (dequantised once, then from the safetensors cache)
     data    the target answers a mixed prompt set (math, NLP tasks, general, code) itself
-    train   Medusa heads on the frozen target through the one training loop
+    train   Medusa heads on the frozen target through the one training loop, from the hidden states the target
+            computed while it wrote the data (the offline capture cache)
     eval    plain decoding vs n-gram lookup vs Medusa (chain and tree) per domain: α, τ, speedup, lossless
     export  the Medusa heads in vLLM's layout, verified by reloading
 
@@ -57,8 +58,11 @@ def data(target) -> Path:
 
     out = OUT / "data"
     if not (out / "provenance.json").is_file():
+        # the post-norm last hidden state the heads read is kept while the target writes: training reads it
+        # from this capture cache instead of running the target again in every step
         cfg = load_data_config(ROOT / "configs/smollm2-135m/data.yaml", [
-            f"output_dir={out}", f"max_rows={ROWS}", "generation.max_new_tokens=96"])
+            f"output_dir={out}", f"max_rows={ROWS}", "generation.max_new_tokens=96", "capture.enabled=true",
+            "capture.last_hidden=true"])
         generate_dataset(cfg, target)
     prov = read_provenance(out)
     print(f"dataset: {out} ({prov.get('counts', {})})")
@@ -77,7 +81,10 @@ def train(target, data_path: Path) -> Path:
     cfg = load_config(ROOT / "configs/smollm2-135m/medusa.yaml", [
         f"data={data_path}", f"output={out}", f"train.output_dir={OUT / 'medusa.train'}",
         f"train.max_steps={STEPS}", "train.eval_every=0", "train.save_every=20", "train.log_every=5",
-        "max_length=256", "evaluate.enabled=false", "calibration_rows=48"], cls=MedusaJobConfig)
+        "max_length=256", "evaluate.enabled=false", "calibration_rows=48",
+        # a dataset from an older demo has no capture cache: then the target runs in the step
+        *([f"capture_cache={data_path / 'capture'}"] if (data_path / "capture").is_dir() else [])],
+        cls=MedusaJobConfig)
     return train_medusa(cfg)
 
 
