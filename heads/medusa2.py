@@ -149,8 +149,7 @@ def target_drift(original, adapted, rows, pad_id: int, max_length: int, batch_si
         sel[:, :-1] = b["loss_mask"][:, 1:].bool()
         if not sel.any():
             continue
-        kw = dict(input_ids=b["input_ids"].to(original.device), attention_mask=b["attention_mask"].to(original.device))
-        lo, la = original(**kw).logits[sel.to(original.device)], adapted(**kw).logits[sel.to(original.device)]
+        lo, la = (_logits_at(model, b, sel) for model in (original, adapted))  # the two may sit on other devices
         m = int(sel.sum())
         agree += float((lo.argmax(-1) == la.argmax(-1)).sum())
         kl += float(base_kl(la, lo)) * m
@@ -158,6 +157,13 @@ def target_drift(original, adapted, rows, pad_id: int, max_length: int, batch_si
     if n == 0:
         raise ArtifactError("no learned positions in the rows given: nothing to compare")
     return {"positions": int(n), "agreement": agree / n, "kl": kl / n}
+
+
+def _logits_at(model, batch: dict[str, torch.Tensor], sel: torch.Tensor) -> torch.Tensor:
+    """model's float32 logits at the positions `sel` [B, T] of a right-padded batch, on the CPU: [n, V]."""
+    dev = next(model.parameters()).device
+    out = model(input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev)).logits
+    return out[sel.to(dev)].float().cpu()
 
 
 def main(argv: list[str] | None = None) -> None:
