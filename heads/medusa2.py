@@ -12,7 +12,8 @@ distilled towards the model it started as, the paper's self-distillation form of
 cache (`capture_cache`), p_original is its cached top-k logits instead, so a step runs the target once,
 not twice: KL(p_original|S ‖ p_adapted|S), both conditioned on the top-k support S
 (`distill.losses.topk_divergence`, tail="renormalize"). The cache keeps no log-normaliser, so the mass the
-adapted target moves outside S is not penalised (a larger k covers more of it). The adapted target is a different model: speculative decoding with these heads is
+adapted target moves outside S is not penalised (a larger k covers more of it).
+The adapted target is a different model: speculative decoding with these heads is
 lossless with respect to the ADAPTED target (the merged target ships with the artifact's export, and the
 evaluator verifies with it), and the KL term is what keeps that target close to the original.
 
