@@ -433,7 +433,7 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=
         fixed = [i for i, r in enumerate(rows) if r.source in written]
         if len(fixed) >= config.max_rows:
             fixed = []
-        rest = [i for i, r in enumerate(rows) if not fixed or r.source not in written]
+        rest = sorted(set(range(len(rows))) - set(fixed))
         rng = random.Random(f"{config.seed}:max_rows")
         keep = sorted(fixed + rng.sample(rest, config.max_rows - len(fixed)))
         rows = [rows[i] for i in keep]

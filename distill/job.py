@@ -38,7 +38,7 @@ from draftsmith.distill.config import DistillConfig
 from draftsmith.distill.losses import distill_loss
 from draftsmith.errors import DataError
 from draftsmith.evaluation.after_training import evaluate_into_artifact
-from draftsmith.training.batching import pad_rows, row_lengths, split_rows, window
+from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +203,7 @@ class DistillJob:
             on_policy = 1.0
         # position t predicts token t+1; only positions whose next token is learned go through the
         # vocab head (at 49k vocab the lm_head is most of a small draft's FLOPs)
-        select = torch.zeros_like(batch["loss_mask"], dtype=torch.bool)
-        select[:, :-1] = batch["loss_mask"][:, 1:].bool()
+        select = next_token_learned(batch["loss_mask"])
         student = vocab_logits(module, batch, select)  # [N, V]
         labels = batch["input_ids"][:, 1:][select[:, :-1]]  # [N]
         mask = None  # every selected position counts

@@ -140,14 +140,13 @@ def target_drift(original, adapted, rows, pad_id: int, max_length: int, batch_si
     """How far an adapter moved the target, at the positions whose next token is learned in `rows`
     (self-distilled rows): the share where the adapted target's greedy token is the original's, and
     KL(original ‖ adapted) over the full vocabulary (mean per position)."""
-    from draftsmith.training.batching import pad_rows
+    from draftsmith.training.batching import next_token_learned, pad_rows
 
     agree = kl = n = 0.0
     rows = list(rows)
     for i in range(0, len(rows), batch_size):
         b = pad_rows(rows[i:i + batch_size], pad_id, max_length)
-        sel = torch.zeros_like(b["loss_mask"], dtype=torch.bool)
-        sel[:, :-1] = b["loss_mask"][:, 1:].bool()
+        sel = next_token_learned(b["loss_mask"])
         if not sel.any():
             continue
         lo, la = (_logits_at(model, b, sel) for model in (original, adapted))  # the two may sit on other devices

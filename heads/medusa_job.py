@@ -33,7 +33,7 @@ from draftsmith.heads.medusa import (
 from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import atomic_write_json, read_json
-from draftsmith.training.batching import pad_rows, row_lengths, split_rows
+from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -169,8 +169,7 @@ class MedusaJob:
         if self.medusa2:
             from draftsmith.heads.medusa2 import base_kl as kl_fn
 
-            select = torch.zeros_like(mask, dtype=torch.bool)
-            select[:, :-1] = mask[:, 1:].bool()  # positions whose next token is learned
+            select = next_token_learned(mask)
             adapted, logits = module(batch, select, sels)  # heads read the ADAPTED target (grad flows into LoRA)
             feats = self.features(batch)  # the frozen original target, online or its cached top-k logits
             if self.features.offline:

@@ -72,6 +72,7 @@ def data(target) -> Path:
 @stage("train: Medusa heads on the frozen target")
 def train(target, data_path: Path) -> Path:
     from draftsmith.config import load_config
+    from draftsmith.data.generate import CAPTURE_DIR
     from draftsmith.heads.medusa_job import MedusaJobConfig, train_medusa
 
     out = OUT / "medusa"
@@ -83,7 +84,7 @@ def train(target, data_path: Path) -> Path:
         f"train.max_steps={STEPS}", "train.eval_every=0", "train.save_every=20", "train.log_every=5",
         "max_length=256", "evaluate.enabled=false", "calibration_rows=48",
         # a dataset from an older demo has no capture cache: then the target runs in the step
-        *([f"capture_cache={data_path / 'capture'}"] if (data_path / "capture").is_dir() else [])],
+        *([f"capture_cache={data_path / CAPTURE_DIR}"] if (data_path / CAPTURE_DIR).is_dir() else [])],
         cls=MedusaJobConfig)
     return train_medusa(cfg)
 

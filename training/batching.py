@@ -105,6 +105,14 @@ def pad_rows(rows: list[dict], pad_id: int, max_length: int, context: int = CONT
     return out
 
 
+def next_token_learned(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Bool [B, T] of the positions t whose next token x_{t+1} is learned (loss_mask [B, T]): where a model's
+    next-token logits are compared with a teacher's or a label."""
+    sel = torch.zeros_like(loss_mask, dtype=torch.bool)
+    sel[:, :-1] = loss_mask[:, 1:].bool()
+    return sel
+
+
 def row_lengths(rows, max_length: int | None = None, prompt_context: int | None = None) -> list[int]:
     """Tokens of every row's window (`window`; whole rows without max_length), read as columns where the
     rows are a dataset."""
