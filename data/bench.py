@@ -8,12 +8,14 @@ row ranges, `ContinuousBatcher(decode_spans=0)`), cap:B = the same with capture 
 the EAGLE-3 layers (low/middle/high, targets.capture.default_eagle3_layers) + last hidden + top-64 logits from
 the last prompt position on (what `draftsmith data generate` keeps for a single-turn row: `Request.logits_from`;
 capall:B = top-64 logits of every prompt position too), hf:B = transformers `generate` on static
-length-sorted batches.
+length-sorted batches. A third field picks the target's dtype: `cap:128:bf16` (bf16 body, float32 logits, as
+`generation.dtype: bfloat16` writes), `cap:128:bf16-all` (bf16 logits too); the default is float32.
 Prompts: the first N/2 GSM8K questions and the first N/2 self-instruct seed tasks, chat-formatted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -25,6 +27,7 @@ from draftsmith.evaluation.cost import CpuShare
 from draftsmith.storage import shared_data_dir
 from draftsmith.targets import load_target
 from draftsmith.targets.capture import default_eagle3_layers
+from draftsmith.targets.precision import inference_copy
 
 TRAIN = shared_data_dir() / "train"
 
@@ -53,9 +56,15 @@ def main(argv: list[str]) -> dict:
     learned_only = [Request(i, ids, max_new, logits_from=len(ids) - 1) for i, ids in enumerate(prompts)]
     pad = t.tokenizer.pad_token_id
     res = {}
+    models = {"fp32": t.model}
     for spec in specs.split(","):
-        kind, bs = spec.split(":")
-        bs = int(bs)
+        kind, bs, *rest = spec.split(":")
+        bs, prec = int(bs), (rest[0] if rest else "fp32")
+        if prec not in models:
+            if prec not in ("bf16", "bf16-all"):
+                raise SystemExit(f"unknown precision {prec!r} in {spec!r} (fp32, bf16, bf16-all)")
+            models[prec] = inference_copy(t.model, torch.bfloat16, fp32_logits=prec == "bf16")
+        t = dataclasses.replace(t, model=models[prec])
         out: dict = {}
         done = lambda c, out=out: out.__setitem__(c.key, c.tokens)  # noqa: E731
         with CpuShare() as share:  # how quiet the machine was during this engine's run
@@ -74,6 +83,7 @@ def main(argv: list[str]) -> dict:
                     reqs if kind == "capall" else learned_only, done)
             else:
                 name, st = f"hf_generate_b{bs}", hf_generate(t.model, reqs, t.eos_token_ids, pad, bs, Sampling(), done)
+        name += "" if prec == "fp32" else f"_{prec}"
         res[name] = {"tokens": st["generated_tokens"], "seconds": round(st["seconds"], 1),
                      "tok_s": round(st["tokens_per_s"], 1)}
         for key in ("prompt_tokens", "prefill_seconds", "mean_batch"):

@@ -141,6 +141,10 @@ class GenerationConfig:
     batch_size: int = 32  # rows decoded together (continuous batching keeps the batch full)
     engine: Literal["continuous", "hf"] = "continuous"  # hf = transformers `generate`, for comparison
     threads: int | None = 2  # torch intra-op threads (None leaves torch's default)
+    # the target's dtype while it writes: auto = bf16 on a GPU or a CPU with native bf16 (AVX512-BF16 / AMX),
+    # else float32 (targets/precision.py; on this project's CPU bf16 writes 1.4x faster, BENCHMARKS.md)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    fp32_logits: bool = True  # a bf16 body still computes its logits in float32 (fewer changed greedy tokens)
     flush_every: int = 16  # completed rows per chunk file (a crash loses at most this many)
 
     def __post_init__(self):
@@ -158,6 +162,8 @@ class GenerationConfig:
             raise ValueError("generation.threads must be >= 1")
         if self.flush_every < 1:
             raise ValueError("generation.flush_every must be >= 1")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"generation.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
 
 
 @dataclass

@@ -51,10 +51,11 @@ CHUNKS_DIR = "chunks"
 CAPTURE_DIR = "capture"
 
 
-def _generation_key(config: DataConfig, fingerprint: dict) -> dict[str, Any]:
+def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | None = None) -> dict[str, Any]:
     """What must match for rows of an earlier (interrupted) run to be reused."""
     gen = config.generation
     return {
+        "precision": precision,
         "fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "vocab_size", "special_tokens",
                                                         "chat_template_hash", "config_hash", "weights_hash")},
         "chat": to_dict(config.chat),
@@ -173,12 +174,14 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         raise DataError(f"{out} already holds a finished dataset (pass overwrite, or choose another output_dir)")
     target = target or load_target(config.target)
     t_start = time.time()
+    # the target writes in the generation dtype (a copy when it differs: the caller's model is left as it is)
+    target, precision = _writing_target(target, gen)
     rows, stats, fmt = prepare_prompts(config, target, progress)
     fp = target.fingerprint()
 
-    # Resume: reuse the rows of an earlier run with the same target and sampling.
+    # Resume: reuse the rows of an earlier run with the same target, precision and sampling.
     chunk_dir = out / CHUNKS_DIR
-    key = _generation_key(config, fp)
+    key = _generation_key(config, fp, precision)
     run_file = out / "run.json"
     if run_file.is_file():
         old = read_json(run_file)
@@ -275,11 +278,30 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     if missing:
         raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
     records = [done[r.row_id] for r in rows]
-    _save(out, records, config, target, stats, {
+    _save(out, records, config, target, precision, stats, {
         "generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
         "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None,
         "wall_seconds": round(time.time() - t_start, 2)})
     return out
+
+
+def _writing_target(target, gen) -> tuple[Any, dict[str, str]]:
+    """The target as it writes the data (dtype per `generation.dtype`, targets/precision.py) and a record of
+    that precision for run.json / provenance.json."""
+    import dataclasses
+
+    from draftsmith.targets.device import dtype_name
+    from draftsmith.targets.precision import Float32Logits, inference_copy, inference_dtype
+
+    dtype = inference_dtype(target.device, gen.dtype)
+    model = inference_copy(target.model, dtype, gen.fp32_logits)
+    if model is not target.model:
+        target.fingerprint()  # of the weights as loaded (the copy's fp32 head would hash as one more tensor)
+        log.info("the target writes in %s (generation.dtype: %s)", dtype_name(dtype), gen.dtype)
+        target = dataclasses.replace(target, model=model)
+    head = model.get_output_embeddings()
+    logits = torch.float32 if isinstance(head, Float32Logits) else next(model.parameters()).dtype
+    return target, {"dtype": dtype_name(dtype), "logits": dtype_name(logits)}
 
 
 def _row_seed(seed: int, row_id: int, turn: int) -> int:
@@ -327,7 +349,8 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True, desc="generate")
 
 
-def _save(out: Path, records: list[dict], config: DataConfig, target, stats: dict, timing: dict) -> None:
+def _save(out: Path, records: list[dict], config: DataConfig, target, precision: dict, stats: dict,
+          timing: dict) -> None:
     import datasets
 
     columns = {c: [r[c] for r in records] for c in COLUMNS}
@@ -347,6 +370,7 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, stats: dic
                    "fingerprint": target.fingerprint()},
         "config": to_dict(config),
         "sampling": _generation_key(config, target.fingerprint())["sampling"],
+        "precision": precision,
         "counts": {
             "rows": len(records), "per_domain": dict(sorted(Counter(r["domain"] for r in records).items())),
             "per_source": dict(sorted(Counter(r["source"] for r in records).items())),
