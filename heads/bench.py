@@ -1,11 +1,13 @@
-"""Time one EAGLE training step side by side: steps >= 1 skipping the bases no loss can reach vs every base.
+"""Time one EAGLE training step two ways, side by side.
 
-    python -m draftsmith.heads.bench [CONFIG] [key=value ...] [--batches N] [--repeats R]
+    python -m draftsmith.heads.bench [CONFIG] [key=value ...] [--batches N] [--repeats R] [--compare WHAT]
 
 Loads the job as `draftsmith train eagle` does (default config: configs/smollm2-135m/eagle3.yaml), takes N
 batches of length-sorted rows (what `group_by_length` makes) from the training split, and times loss +
-backward on each with `EagleHead.forward(skip=True)` and `skip=False`, interleaved, R times. One process,
-the threads torch picks; the same /proc/stat contention check as the evaluator.
+backward on each both ways, interleaved, R times. `--compare skip` (default): `EagleHead.forward(skip=True)`
+(steps >= 1 skip the bases no loss can reach) vs `skip=False`. `--compare precision`: float32 vs bf16 autocast
+on the CPU (what `train.mixed_precision: bf16` runs), the target's rows in the job's dtype either way. One
+process, the threads torch picks; the same /proc/stat contention check as the evaluator.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ DEFAULT_CONFIG = "configs/smollm2-135m/eagle3.yaml"
 
 
 def main(argv: list[str]) -> dict:
+    import torch
+
     from draftsmith.config import load_config
     from draftsmith.data import load_distilled
     from draftsmith.evaluation.cost import CpuShare
@@ -29,11 +33,11 @@ def main(argv: list[str]) -> dict:
     from draftsmith.targets import load_target
 
     argv = list(argv)
-    opts = {"--batches": 6, "--repeats": 2}
+    opts: dict = {"--batches": 6, "--repeats": 2, "--compare": "skip"}
     for name in list(opts):
         if name in argv:
             i = argv.index(name)
-            opts[name] = int(argv[i + 1])
+            opts[name] = argv[i + 1] if name == "--compare" else int(argv[i + 1])
             del argv[i:i + 2]
     config = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     cfg = load_config(config, argv, cls=EagleJobConfig)
@@ -45,22 +49,33 @@ def main(argv: list[str]) -> dict:
     bs = cfg.train.batch_size
     firsts = random.Random(cfg.train.seed).sample(range(0, max(len(order) - bs, 1), bs), opts["--batches"])
     batches = [job.collate([rows[i] for i in order[f:f + bs]]) for f in firsts]
-    times: dict[str, list[float]] = {"skip": [], "every_base": []}
+    if opts["--compare"] == "skip":
+        ways = {"skip": (True, False), "every_base": (False, False)}  # name -> (skip, bf16 autocast)
+    elif opts["--compare"] == "precision":
+        ways = {"bf16_autocast": (True, True), "float32": (True, False)}
+    else:
+        raise SystemExit(f"--compare must be skip or precision, got {opts['--compare']!r}")
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    losses: dict[str, list[float]] = {name: [] for name in ways}
     with CpuShare() as share:
         for _ in range(opts["--repeats"]):
             for batch in batches:
-                for name in times:
-                    head.forward = functools.partial(EagleHead.forward, head, skip=name == "skip")
+                for name, (skip, bf16) in ways.items():
+                    head.forward = functools.partial(EagleHead.forward, head, skip=skip)
                     head.zero_grad()
                     t0 = time.perf_counter()
-                    loss, _ = job.loss(head, batch)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        loss, _ = job.loss(head, batch)
                     loss.backward()
                     times[name].append(time.perf_counter() - t0)
+                    losses[name].append(float(loss))
+    first, second = ways
     result = {
         "config": config, "overrides": argv, "batches": len(batches), "repeats": opts["--repeats"],
         "columns": [int(b["input_ids"].shape[1]) for b in batches],
-        **{name: {"mean_s": statistics.mean(v), "median_s": statistics.median(v)} for name, v in times.items()},
-        "speedup": sum(times["every_base"]) / sum(times["skip"]),
+        **{name: {"mean_s": statistics.mean(v), "median_s": statistics.median(v),
+                  "mean_loss": statistics.mean(losses[name])} for name, v in times.items()},
+        "speedup": sum(times[second]) / sum(times[first]),
         "other_cpu_share": share.others,
     }
     print(json.dumps(result, indent=1))
