@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -24,9 +25,19 @@ from torch import nn
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16) that oneDNN uses."""
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16) that oneDNN uses.
+
+    DRAFTSMITH_CPU_BF16=0 (or 1) overrides what the flags say: `auto` precisions then stay float32 (or
+    use bf16). The test suite sets 0, so its numbers do not depend on the machine it runs on."""
+    env = os.environ.get("DRAFTSMITH_CPU_BF16")
+    if env in ("0", "1"):
+        return env == "1"
+    return _flags_have_bf16(cpuinfo)
+
+
+@functools.lru_cache(maxsize=4)
+def _flags_have_bf16(cpuinfo: str) -> bool:
     try:
         text = Path(cpuinfo).read_text(errors="replace")
     except OSError:

@@ -16,6 +16,11 @@ import pytest
 # Keep every test off the user's real cache; the real-model tests opt back in (see real_target).
 _REAL_CACHE = os.environ.get("DRAFTSMITH_CACHE") or str(Path.home() / ".cache" / "draftsmith")
 
+# `auto` precisions stay float32 whatever the CPU (targets/precision.py), in this process and the training
+# subprocesses it starts: tests that compare numbers must not depend on whether the machine has AVX512-BF16.
+# The bf16 paths are tested by asking for them.
+os.environ["DRAFTSMITH_CPU_BF16"] = "0"
+
 from tiny_models import build_tiny_tokenizer, make_target  # noqa: E402
 
 

@@ -21,7 +21,11 @@ def _cpuinfo(tmp_path, flags: str):
     return str(p)
 
 
-def test_cpu_native_bf16_reads_the_flags(tmp_path):
+def test_cpu_native_bf16_reads_the_flags(tmp_path, monkeypatch):
+    assert cpu_native_bf16() is False  # conftest: DRAFTSMITH_CPU_BF16=0
+    monkeypatch.setenv("DRAFTSMITH_CPU_BF16", "1")
+    assert cpu_native_bf16() is True
+    monkeypatch.delenv("DRAFTSMITH_CPU_BF16")
     assert cpu_native_bf16(_cpuinfo(tmp_path, "avx2 avx512f avx512_bf16")) is True
     assert cpu_native_bf16(_cpuinfo(tmp_path / "..", "avx2 amx_tile amx_bf16")) is True
     (tmp_path / "c").mkdir()

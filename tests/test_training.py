@@ -45,7 +45,7 @@ def assert_same_weights(a: dict, b: dict, atol=1e-6):
 
 # ---- config & schedule ----------------------------------------------------------------------------
 
-def test_config_validation():
+def test_config_validation(monkeypatch):
     with pytest.raises(ConfigError, match="train.lr"):
         from_dict(TrainConfig, {"lr": 0}, "train")
     with pytest.raises(ConfigError, match="grad_accum"):
@@ -58,7 +58,12 @@ def test_config_validation():
     assert c.lr == 2e-4 and c.betas == (0.9, 0.95) and c.loggers[0] == "jsonl"
     assert c.resolved_mixed_precision() in ("no", "bf16")
     if not torch.cuda.is_available():
+        from draftsmith.targets import precision
+
+        monkeypatch.setattr(precision, "cpu_native_bf16", lambda: False)
         assert c.resolved_mixed_precision() == "no"
+        monkeypatch.setattr(precision, "cpu_native_bf16", lambda: True)
+        assert c.resolved_mixed_precision() == "bf16"
 
 
 def test_lr_schedule():
@@ -252,3 +257,17 @@ def test_grad_accum_equivalence(tiny_target, tmp_path):
     assert a.metrics["eval/loss"] == pytest.approx(b.metrics["eval/loss"], rel=1e-5)
     c = train(NextTokenJob(tiny_target), cfg_for(tmp_path / "c", batch_size=2, grad_accum=1, **common))
     assert (c.module.state_dict()["out.weight"] - a.module.state_dict()["out.weight"]).abs().max() > 1e-5
+
+
+def test_bf16_autocast_on_the_cpu(tiny_target, tmp_path):
+    """mixed_precision bf16 on the CPU (what `auto` picks on a CPU with AVX512-BF16): the loop runs under
+    autocast, the trained weights stay float32 (master weights), and the frozen target keeps its dtype."""
+    common = dict(max_steps=6, save_every=0, eval_every=0)
+    fp = train(NextTokenJob(tiny_target), cfg_for(tmp_path / "fp", mixed_precision="no", **common))
+    bf = train(NextTokenJob(tiny_target), cfg_for(tmp_path / "bf", mixed_precision="bf16", **common))
+    assert bf.metrics["train/loss"] == bf.metrics["train/loss"]  # finite, not NaN
+    assert all(p.dtype == torch.float32 for p in bf.module.parameters())
+    assert tiny_target.dtype == torch.float32
+    a, b = fp.module.state_dict()["out.weight"], bf.module.state_dict()["out.weight"]
+    assert not torch.equal(a, b)  # bf16 products: not the float32 run ...
+    assert (a - b).abs().max() < 0.05 * a.abs().max()  # ... but close to it

@@ -100,12 +100,15 @@ class TrainConfig:
             raise ValueError("train.resume must be 'auto', 'never' or a checkpoint directory")
 
     def resolved_mixed_precision(self) -> str:
-        """'auto' -> bf16 on a CUDA device that supports it, else 'no' (CPU autocast buys nothing here)."""
+        """'auto' -> bf16 on a CUDA device that supports it, or on a CPU with native bf16 (AVX512-BF16 / AMX:
+        bf16 matrix products at more than twice the float32 rate, BENCHMARKS.md), else 'no'."""
+        from draftsmith.targets.precision import cpu_native_bf16
+
         if self.mixed_precision != "auto":
             return self.mixed_precision
-        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-            return "bf16"
-        return "no"
+        if torch.cuda.is_available():
+            return "bf16" if torch.cuda.is_bf16_supported() else "no"
+        return "bf16" if cpu_native_bf16() else "no"
 
     def resolved_warmup(self, total_steps: int) -> int:
         return self.warmup_steps if self.warmup_steps > 0 else round(self.warmup_ratio * total_steps)

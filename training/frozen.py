@@ -13,8 +13,10 @@ How each accelerate preset treats it (`place_frozen`):
   so its parameters are partitioned across ranks and gathered per layer on forward.
 The sharded paths need GPUs and were not run on this CPU-only machine; the replicated path is tested.
 
-Dtype: with mixed precision bf16/fp16 the target's weights are cast to that dtype (halving its memory;
-it is never updated, so there is no master copy to keep); with "no" it keeps its own dtype.
+Dtype: with mixed precision bf16/fp16 on a GPU the target's weights are cast to that dtype (halving its
+memory; it is never updated, so there is no master copy to keep); with "no" it keeps its own dtype. On the
+CPU it keeps its dtype too: autocast runs its matrix products in bf16 anyway, and the evaluation after
+training then measures the target as it was loaded, as `draftsmith evaluate` does.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def freeze_module(model: nn.Module) -> nn.Module:
 
 
 def compute_dtype(accelerator) -> torch.dtype | None:
+    """The dtype a frozen target is cast to: the mixed-precision dtype on a GPU, None (keep) on the CPU."""
+    if accelerator.device.type == "cpu":
+        return None
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
 
 

@@ -28,6 +28,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -137,6 +138,21 @@ class _Window:
             self.metrics[k] = self.metrics.get(k, 0.0) + float(v)
 
 
+def _release_precision(wanted: str) -> None:
+    """Let a single-process run pick its own mixed precision after an earlier run in the same process.
+
+    accelerate keeps one AcceleratorState per process and refuses an Accelerator with another precision (a
+    Python session that trains in float32, then in bf16). In a single process nothing else shares that state,
+    so it is cleared; under a multi-process launcher the launcher's precision stands and accelerate's error
+    says so.
+    """
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and int(os.environ.get("WORLD_SIZE", "1")) == 1 and str(state.get("_mixed_precision")) != wanted:
+        AcceleratorState._reset_state()
+
+
 class Trainer:
     """State of one run. `train()` is the public entry point; this class keeps the loop readable."""
 
@@ -145,6 +161,8 @@ class Trainer:
         from accelerate.utils import DistributedType
 
         self.job, self.cfg = job, cfg
+        if accelerator is None:
+            _release_precision(cfg.resolved_mixed_precision())
         self.acc = accelerator or Accelerator(
             mixed_precision=cfg.resolved_mixed_precision(), gradient_accumulation_steps=cfg.grad_accum,
             step_scheduler_with_optimizer=False, cpu=_cpu_only(),
