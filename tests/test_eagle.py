@@ -342,6 +342,19 @@ def test_eagle1_trains(target4, tmp_path):
     assert head.config.version == 1 and not hasattr(head, "lm_head")
 
 
+def test_eagle3_trains_under_bf16_autocast_on_the_cpu(target4, tmp_path):
+    """train.mixed_precision bf16 on the CPU (what `auto` picks on AVX512-BF16): the draft layer's attention
+    takes the bf16 q/k/v with its float mask, the loss falls, the saved head is float32."""
+    rows = distilled_rows(target4, n=32)
+    cfg = job_config(tmp_path, "eagle3", steps=16)
+    cfg.train.mixed_precision = "bf16"
+    result = train(EagleJob(cfg, target4, rows), cfg.train)
+    logs = [r for r in result.history if r["type"] == "train"]
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    head, _ = load_eagle(result.artifact, target4)
+    assert head.fc.weight.dtype == torch.float32 and target4.dtype == torch.float32
+
+
 # --- proposing ------------------------------------------------------------------------------------------------
 def test_proposer_chain_equals_the_ttt_draft_chain(target4):
     """The proposer's chain from a context = the TTT forward's greedy chain at the last base (draft tokens)."""
