@@ -148,7 +148,8 @@ class Completion:
     prompt_ids: list[int]
     tokens: list[int]  # generated ids, the stop token included when one was produced
     stopped: bool  # True: ended with an EOS id; False: hit max_new_tokens
-    capture: dict[str, Any] | None = None  # {"layers": {i: [T,H]}, "last_hidden": [T,H], "topk_values"/"topk_indices": [T,k]}
+    # {"layers": {i: [T,H]}, "last_hidden": [T,H], "topk_values"/"topk_indices": [T,k], "topk_logsumexp": [T]}
+    capture: dict[str, Any] | None = None
 
 
 @dataclass
@@ -164,6 +165,9 @@ class CaptureSpec:
     topk: int = 0
     last_hidden: bool = False
     dtype: torch.dtype = torch.bfloat16
+
+
+_CAPTURED = ("last_hidden", "topk_values", "topk_indices", "topk_logsumexp")  # per-row lists besides layers
 
 
 class _SlotLayer(DynamicLayer):
@@ -445,7 +449,9 @@ class ContinuousBatcher:
             states[("last_hidden", None)] = cap.last_hidden[:, first:].to(spec.dtype)
         lo = max(first, logits_start)
         if spec.topk:
-            values, indices = torch.topk(logits[:, lo - logits_start :].float(), spec.topk, dim=-1)
+            full = logits[:, lo - logits_start :].float()
+            values, indices = torch.topk(full, spec.topk, dim=-1)
+            lse = torch.logsumexp(full, dim=-1)  # the full normaliser: exact tail mass for top-k KD
         for i, (row, (c0, c1)) in enumerate(zip(rows, keep)):
             for (name, layer), x in states.items():
                 piece = x[i, c0 - first : c1 - first]
@@ -455,9 +461,11 @@ class ContinuousBatcher:
                 if a > c0:  # no logits computed for these columns
                     row.cap["topk_values"].append(torch.zeros(a - c0, spec.topk))
                     row.cap["topk_indices"].append(torch.zeros(a - c0, spec.topk, dtype=torch.long))
+                    row.cap["topk_logsumexp"].append(torch.zeros(a - c0))
                 if c1 > a:
                     row.cap["topk_values"].append(values[i, a - lo : c1 - lo])
                     row.cap["topk_indices"].append(indices[i, a - lo : c1 - lo])
+                    row.cap["topk_logsumexp"].append(lse[i, a - lo : c1 - lo])
 
     # ------------------------------------------------------------------ admission
 
@@ -465,7 +473,7 @@ class ContinuousBatcher:
         """A row's capture lists; they start with the shared prefix's states when there is one."""
         pre = self._prefix.cap if self._prefix is not None else None
         return {"layers": {i: list(pre["layers"][i]) if pre else [] for i in self.capture.layers},
-                **{k: list(pre[k]) if pre else [] for k in ("last_hidden", "topk_values", "topk_indices")}}
+                **{k: list(pre[k]) if pre else [] for k in _CAPTURED}}
 
     def _prefix_forward(self, ids: list[int], all_logits: bool) -> _Prefix:
         """The shared prefix's keys / values (and captured states), computed once per run."""
@@ -690,9 +698,7 @@ class ContinuousBatcher:
         if row.cap is not None:
             c = row.cap
             cap = {"layers": {i: torch.cat(v) for i, v in c["layers"].items()}}
-            cap["last_hidden"] = torch.cat(c["last_hidden"]) if c["last_hidden"] else None
-            cap["topk_values"] = torch.cat(c["topk_values"]) if c["topk_values"] else None
-            cap["topk_indices"] = torch.cat(c["topk_indices"]) if c["topk_indices"] else None
+            cap.update({k: torch.cat(c[k]) if c[k] else None for k in _CAPTURED})
         return Completion(row.req.key, row.req.prompt_ids, row.tokens, row.stopped, cap)
 
 

@@ -235,7 +235,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                "origin": row.origin, "stopped": bool(c.stopped), "n_turns": len(row.turns)}
         if writer is not None and c.capture is not None:
             cap = c.capture
-            writer.add(row.row_id, cap["layers"], cap["topk_values"], cap["topk_indices"], cap["last_hidden"])
+            writer.add(row.row_id, cap["layers"], cap["topk_values"], cap["topk_indices"], cap["last_hidden"],
+                       cap["topk_logsumexp"])
         chunks.add(rec)
         done[row.row_id] = rec
         bar.update(1)
@@ -336,11 +337,12 @@ def _backfill_capture(target, config: DataConfig, writer, records: list[dict]) -
             continue
         ids = torch.tensor([rec["input_ids"]])
         cap = capture_forward(target.model, ids, layers=cc.layers)
-        topv = topi = None
+        topv = topi = lse = None
         if cc.topk:
             topv, topi = torch.topk(cap.logits[0].float(), cc.topk, dim=-1)
+            lse = torch.logsumexp(cap.logits[0].float(), dim=-1)
         writer.add(rec["row_id"], {i: h[0] for i, h in cap.layers.items()}, topv, topi,
-                   cap.last_hidden[0] if cc.last_hidden else None)
+                   cap.last_hidden[0] if cc.last_hidden else None, lse)
 
 
 def _progress(total: int, enabled: bool):

@@ -8,7 +8,8 @@ target's; a position counts when token t+1 is an assistant token (`loss_mask[t+1
 Where the target's distribution comes from:
     online   the frozen target runs on the batch inside the step: full logits (or its top-k, kd.topk)
     offline  the target's top-k logits were captured once into a cache (`targets.cache_shards`,
-             k = data.capture_topk, disk estimate printed) and are read back by row_id
+             k = data.capture_topk, disk estimate printed) and are read back by row_id, with the full
+             logits' logsumexp (exact top-k tail mass) when the cache holds it
     on-policy (GKD, Agarwal et al. 2024; DistillSpec, Zhou et al. 2024): with probability λ =
              on_policy.fraction a training batch keeps only its prompts, the DRAFT samples continuations
              (no grad), and the target scores those tokens in the step (always online). The draft then
@@ -115,9 +116,11 @@ class DistillJob:
         need = [{"row_id": int(r["row_id"]),
                  "input_ids": list(r["input_ids"])[: window(list(r["loss_mask"]), self.cfg.data.max_length)[1]]}
                 for r in rows]
-        capture_dataset(self.target, need, cache, layers=[], topk=self.cfg.data.capture_topk,
-                        progress=self.cfg.train.progress)  # prints rows / tokens / estimated disk
-        return CaptureSource(self.target, topk=self.topk, cache_dir=cache)
+        reader = capture_dataset(self.target, need, cache, layers=[], topk=self.cfg.data.capture_topk,
+                                 progress=self.cfg.train.progress)  # prints rows / tokens / estimated disk
+        # caches written since the logsumexp was stored give top-k KD its exact tail mass
+        return CaptureSource(self.target, topk=self.topk, cache_dir=cache,
+                             logsumexp=bool(reader.index.get("logsumexp")))
 
     # --- protocol ---
     def build_module(self) -> torch.nn.Module:
@@ -153,7 +156,8 @@ class DistillJob:
     def teacher(self, batch: dict[str, torch.Tensor], online: bool,
                 select: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The target at the positions `select` [B, T] (bool; None = all): {"logits": [N, V]} online with full
-        logits, else {"topk_values", "topk_indices"} [N, k] (online top-k, or the offline cache)."""
+        logits, else {"topk_values", "topk_indices"} [N, k] and "topk_logsumexp" [N] (online top-k, or the
+        offline cache when it holds the logsumexp)."""
         if select is None:
             select = batch["attention_mask"].bool()
         if not online and self.features is not None:
@@ -162,7 +166,7 @@ class DistillJob:
         logits = vocab_logits(self.teacher_model, batch, select)
         if self.topk:
             v, i = torch.topk(logits.float(), self.topk, dim=-1)
-            return {"topk_values": v, "topk_indices": i}
+            return {"topk_values": v, "topk_indices": i, "topk_logsumexp": torch.logsumexp(logits.float(), dim=-1)}
         return {"logits": logits}
 
     @torch.no_grad()
@@ -208,21 +212,23 @@ class DistillJob:
         labels = batch["input_ids"][:, 1:][select[:, :-1]]  # [N]
         mask = None  # every selected position counts
         kd = self.cfg.kd
-        teacher_logits = teacher_topk = None
+        teacher_logits = teacher_topk = teacher_lse = None
         if self.uses_teacher or not module.training:  # eval always measures the gap to the target
             t = self.teacher(batch, online=bool(on_policy), select=select)
             if "logits" in t:
                 teacher_logits = t["logits"]
             else:
                 teacher_topk = (t["topk_values"], t["topk_indices"])
+                if kd.tail == "bucket" and kd.temperature == 1.0:  # the exact tail (distill/losses.py)
+                    teacher_lse = t.get("topk_logsumexp")
         if self.uses_teacher:
             loss, metrics = distill_loss(student, labels, mask, teacher_logits, teacher_topk, kd.divergence,
-                                         kd.temperature, kd.beta, kd.ce_weight, kd.tail)
+                                         kd.temperature, kd.beta, kd.ce_weight, kd.tail, teacher_lse)
         else:
             loss, metrics = distill_loss(student, labels, mask, ce_weight=1.0)
             if teacher_logits is not None or teacher_topk is not None:  # eval: report the same gap metrics
                 _, gap = distill_loss(student.detach(), labels, mask, teacher_logits, teacher_topk, kd.divergence,
-                                      kd.temperature, kd.beta, 0.0, kd.tail)
+                                      kd.temperature, kd.beta, 0.0, kd.tail, teacher_lse)
                 metrics.update(kd=gap["kd"], tvd=gap["tvd"], top1=gap["top1"])
             else:
                 metrics.pop("tvd")

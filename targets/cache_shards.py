@@ -9,6 +9,8 @@ On disk (`out_dir/`):
 
     shard-00000.safetensors   concatenated rows: layer.<i> [N, H] (hidden_dtype), last_hidden [N, H],
                               topk_values [N, k] float32, topk_indices [N, k] int32; the safetensors
+                              topk_logsumexp [N] float32 (optional: the logsumexp of the full logits,
+                              so top-k KD knows the exact tail mass); the safetensors
                               metadata holds {"rows": [[row_id, offset, length], ...]}. Top-k rows of
                               positions no loss reads (a prompt's positions before the one that
                               predicts the first learned token) may be zeros: the data engine skips
@@ -93,6 +95,7 @@ class ShardWriter:
         self.fingerprint = fingerprint
         self.hidden_size: int | None = None
         self.has_last_hidden: bool | None = None
+        self.has_logsumexp: bool | None = None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for p in self.out_dir.iterdir():  # temp files of a shard killed mid-write
             if p.name.startswith(".shard-") and ".tmp" in p.name:
@@ -116,13 +119,16 @@ class ShardWriter:
                 raise DataError(f"capture cache {where} has {k}={meta[k]}, asked for {v}: use another directory")
         self.hidden_size = meta["hidden_size"]
         self.has_last_hidden = meta["last_hidden"]
+        self.has_logsumexp = meta.get("logsumexp", False)  # shards of older caches have none
 
     def __contains__(self, row_id: int) -> bool:
         return int(row_id) in self.rows or any(r == int(row_id) for r, _ in self._buf)
 
     def add(self, row_id: int, layers: dict[int, torch.Tensor], topk_values: torch.Tensor | None = None,
-            topk_indices: torch.Tensor | None = None, last_hidden: torch.Tensor | None = None) -> bool:
-        """Buffer one row ([T, H] per layer, [T, k] top-k). Returns False if the row is already stored."""
+            topk_indices: torch.Tensor | None = None, last_hidden: torch.Tensor | None = None,
+            logsumexp: torch.Tensor | None = None) -> bool:
+        """Buffer one row ([T, H] per layer, [T, k] top-k, [T] logsumexp of the full logits). Returns False if
+        the row is already stored."""
         if self.closed:
             raise DataError("ShardWriter is closed")
         if row_id in self:
@@ -135,6 +141,12 @@ class ShardWriter:
             self.has_last_hidden = last_hidden is not None
         elif self.has_last_hidden != (last_hidden is not None):
             raise DataError(f"row {row_id}: last_hidden given for some rows and not others")
+        if logsumexp is not None and not self.topk:
+            raise DataError(f"row {row_id}: logsumexp belongs with top-k logits (topk=0)")
+        if self.has_logsumexp is None:
+            self.has_logsumexp = logsumexp is not None
+        elif self.has_logsumexp != (logsumexp is not None):
+            raise DataError(f"row {row_id}: logsumexp given for some rows and not others")
         tensors: dict[str, torch.Tensor] = {}
         T = None
         for i, h in layers.items():
@@ -148,6 +160,8 @@ class ShardWriter:
                 raise DataError(f"row {row_id}: top-k has {topk_values.shape[-1]} entries, writer stores {self.topk}")
             tensors["topk_values"] = topk_values.detach().to("cpu", torch.float32)
             tensors["topk_indices"] = topk_indices.detach().to("cpu", torch.int32)
+            if logsumexp is not None:
+                tensors["topk_logsumexp"] = logsumexp.detach().to("cpu", torch.float32).reshape(-1)
             T = topk_values.shape[0]
         if T is None:
             raise DataError(f"row {row_id}: nothing to store")
@@ -180,7 +194,8 @@ class ShardWriter:
             offset += n
         data = {k: torch.cat([t[k] for _, t in self._buf]).contiguous() for k in keys}
         meta = {"layers": self.layers, "topk": self.topk, "hidden_dtype": _DTYPE_NAMES[self.hidden_dtype],
-                "hidden_size": self.hidden_size, "last_hidden": bool(self.has_last_hidden), "rows": rows}
+                "hidden_size": self.hidden_size, "last_hidden": bool(self.has_last_hidden),
+                "logsumexp": bool(self.has_logsumexp), "rows": rows}
         final = self.out_dir / f"shard-{idx:05d}.safetensors"
         tmp = self.out_dir / f".{final.name}.tmp-{os.getpid()}"
         save_file(data, str(tmp), metadata={"draftsmith": json.dumps(meta)})
@@ -199,7 +214,7 @@ class ShardWriter:
         index = {
             "layers": self.layers, "topk": self.topk, "hidden_size": self.hidden_size,
             "hidden_dtype": _DTYPE_NAMES[self.hidden_dtype], "last_hidden": bool(self.has_last_hidden),
-            "fingerprint": self.fingerprint, "n_rows": len(self.rows),
+            "logsumexp": bool(self.has_logsumexp), "fingerprint": self.fingerprint, "n_rows": len(self.rows),
             "n_tokens": sum(n for _, _, n in self.rows.values()),
             "shards": [p.name for _, p in _shards(self.out_dir)],
             "rows": {str(r): list(v) for r, v in sorted(self.rows.items())},
@@ -219,7 +234,8 @@ class ShardWriter:
 
 
 class ShardReader:
-    """Read rows back: `reader.get(row_id)` -> {"layer.<i>": [T, H], "last_hidden", "topk_values", "topk_indices"}."""
+    """Read rows back: `reader.get(row_id)` -> {"layer.<i>": [T, H], "last_hidden", "topk_values", "topk_indices",
+    "topk_logsumexp"} (what the cache holds)."""
 
     def __init__(self, cache_dir: str | Path) -> None:
         self.dir = Path(cache_dir)
@@ -236,6 +252,7 @@ class ShardReader:
                 for row_id, o, n in meta["rows"]:
                     self._rows[int(row_id)] = (idx, o, n)
             self.index = {k: meta[k] for k in ("layers", "topk", "hidden_size", "hidden_dtype", "last_hidden")}
+            self.index["logsumexp"] = all(_shard_meta(p).get("logsumexp", False) for _, p in shards)
             self.index["fingerprint"] = None
         self.layers: list[int] = self.index["layers"]
         self.topk: int = self.index["topk"]
@@ -303,11 +320,12 @@ def capture_dataset(target, rows: Sequence[Any], out_dir: str | Path, layers: li
                 mask[b, :lengths[i]] = 1
             cap = capture_forward(model, input_ids.to(device), mask.to(device), layers=layers, want_logits=topk > 0)
             tv, ti = topk_logits(cap.logits, topk) if topk > 0 else (None, None)
+            lse = torch.logsumexp(cap.logits.float(), dim=-1) if topk > 0 else None
             for b, i in enumerate(chunk):
                 n = lengths[i]
                 writer.add(ids[i], {layer: cap.layers[layer][b, :n] for layer in layers},
                            tv[b, :n] if tv is not None else None, ti[b, :n] if ti is not None else None,
-                           cap.last_hidden[b, :n] if last_hidden else None)
+                           cap.last_hidden[b, :n] if last_hidden else None, lse[b, :n] if lse is not None else None)
             bar.update(len(chunk))
     bar.close()
     return ShardReader(out_dir)
@@ -317,17 +335,22 @@ class CaptureSource:
     """"Give me layer 27 and the top-k logits for this batch", online or offline, same tensors.
 
     `source(batch)` returns {"layer.<i>": [B, T, H], "last_hidden": [B, T, H] (if asked),
-    "topk_values": [B, T, k], "topk_indices": [B, T, k]}; positions past a row's length are zero.
+    "topk_values": [B, T, k], "topk_indices": [B, T, k], "topk_logsumexp": [B, T] (if asked: the full
+    logits' logsumexp)}; positions past a row's length are zero.
     Online it runs the frozen target on batch["input_ids"] / ["attention_mask"] (right-padded);
     offline (`cache_dir` given) it reads rows batch["row_id"] from the capture cache, from each row's
     batch["offset"] on (the window a long row is trained on, training/batching.py).
     """
 
     def __init__(self, target, layers: Sequence[int] = (), topk: int = 0, last_hidden: bool = False,
-                 cache_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> None:
+                 cache_dir: str | Path | None = None, dtype: torch.dtype | None = None,
+                 logsumexp: bool = False) -> None:
         self.target = target
         self.layers = list(layers)
         self.topk = int(topk)
+        self.logsumexp = bool(logsumexp)
+        if self.logsumexp and not self.topk:
+            raise ValueError("CaptureSource: logsumexp comes with top-k logits (topk > 0)")
         self.last_hidden = bool(last_hidden)
         self.dtype = dtype or target.dtype
         self.model = target.model
@@ -343,6 +366,9 @@ class CaptureSource:
                 raise DataError(f"capture cache {cache_dir} has top-{self.reader.topk}, job needs top-{self.topk}")
             if self.last_hidden and not self.reader.index.get("last_hidden"):
                 raise DataError(f"capture cache {cache_dir} has no last_hidden, job needs it")
+            if self.logsumexp and not self.reader.index.get("logsumexp"):
+                raise DataError(f"capture cache {cache_dir} has no logsumexp (made before it was stored), "
+                                "job needs it")
             if self.reader.fingerprint is not None:
                 check_compatible(self.reader.fingerprint, target.fingerprint(), what=f"capture cache {cache_dir}")
 
@@ -370,9 +396,11 @@ class CaptureSource:
             out["last_hidden"] = cap.last_hidden
         if self.topk:
             out["topk_values"], out["topk_indices"] = topk_logits(cap.logits, self.topk)
+        if self.logsumexp:
+            out["topk_logsumexp"] = torch.logsumexp(cap.logits.float(), dim=-1)
         if mask is not None:  # zero the padding, as offline does
-            keep = mask.bool().unsqueeze(-1)
-            out = {k: v.masked_fill(~keep, 0) for k, v in out.items()}
+            keep = mask.bool()
+            out = {k: v.masked_fill(~(keep if v.dim() == 2 else keep.unsqueeze(-1)), 0) for k, v in out.items()}
         return out
 
     def offline_features(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -391,12 +419,13 @@ class CaptureSource:
             if stored < o + n:
                 raise DataError(f"capture cache row {row_id} has {stored} tokens, the batch needs {o + n}: "
                                 "the cache was made from other data")
-            for k in keys + (["topk_values", "topk_indices"] if self.topk else []):
+            for k in keys + (["topk_values", "topk_indices"] if self.topk else []) + \
+                    (["topk_logsumexp"] if self.logsumexp else []):
                 t = row[k][o : o + n]
-                if k.startswith("topk"):
+                if k in ("topk_values", "topk_indices"):
                     t = t[:, : self.topk]
                 if k not in out:
-                    dtype = self.dtype if k in keys else (torch.float32 if k == "topk_values" else torch.long)
-                    out[k] = torch.zeros((B, T, t.shape[-1]), dtype=dtype)
+                    dtype = self.dtype if k in keys else (torch.long if k == "topk_indices" else torch.float32)
+                    out[k] = torch.zeros((B, T) + tuple(t.shape[1:]), dtype=dtype)
                 out[k][b, :n] = t.to(out[k].dtype)
         return {k: v.to(ids.device) for k, v in out.items()}

@@ -93,17 +93,24 @@ def test_capture_dataset_online_equals_offline(tiny_target, tmp_path, capsys):
         ids[b, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
         mask[b, :len(r["input_ids"])] = 1
     batch = {"input_ids": ids, "attention_mask": mask, "row_id": torch.tensor([r["row_id"] for r in batch_rows])}
-    online = CaptureSource(tiny_target, layers=[0, -1], topk=4, last_hidden=True)(batch)
-    offline_src = CaptureSource(tiny_target, layers=[0, -1], topk=4, last_hidden=True, cache_dir=out)
+    online = CaptureSource(tiny_target, layers=[0, -1], topk=4, last_hidden=True, logsumexp=True)(batch)
+    offline_src = CaptureSource(tiny_target, layers=[0, -1], topk=4, last_hidden=True, cache_dir=out, logsumexp=True)
     assert offline_src.offline
     offline = offline_src(batch)
-    assert online.keys() == offline.keys() == {"layer.0", "layer.-1", "last_hidden", "topk_values", "topk_indices"}
+    assert online.keys() == offline.keys() == {"layer.0", "layer.-1", "last_hidden", "topk_values", "topk_indices",
+                                               "topk_logsumexp"}
     for k in online:
         assert online[k].shape == offline[k].shape and online[k].dtype == offline[k].dtype, k
     for k in ("layer.0", "layer.-1", "last_hidden"):  # stored in bf16: 8 mantissa bits
         torch.testing.assert_close(offline[k], online[k], rtol=1 / 128, atol=1e-2)
     torch.testing.assert_close(offline["topk_values"], online["topk_values"], rtol=1e-4, atol=1e-4)
     assert torch.equal(offline["topk_indices"], online["topk_indices"])
+    # the full logits' normaliser, so top-k KD knows the tail mass exactly
+    torch.testing.assert_close(offline["topk_logsumexp"], online["topk_logsumexp"], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        full = tiny_target.model(ids[:1, :10]).logits[0].float()
+    torch.testing.assert_close(offline["topk_logsumexp"][0, :10], torch.logsumexp(full, -1), rtol=1e-4, atol=1e-4)
+    assert offline["topk_logsumexp"].shape == (3, T) and (offline["topk_logsumexp"][1, 6:] == 0).all()
     assert (offline["layer.0"][1, 6:] == 0).all() and (online["layer.0"][1, 6:] == 0).all()
     assert online["layer.0"].abs().sum() > 0
 
@@ -118,6 +125,17 @@ def test_capture_source_refuses_wrong_cache(tiny_target, other_target, tmp_path)
         CaptureSource(tiny_target, layers=[0], topk=8, cache_dir=out)
     with pytest.raises(FingerprintMismatch):
         CaptureSource(other_target, layers=[0], cache_dir=out)
+    old = tmp_path / "old"  # a cache written before the logsumexp was stored
+    with ShardWriter(old, [0], 2) as w:
+        w.add(0, {0: torch.zeros(5, 64)}, torch.zeros(5, 2), torch.zeros(5, 2, dtype=torch.long))
+    assert CaptureSource(tiny_target, layers=[0], topk=2, cache_dir=old).offline
+    with pytest.raises(DataError, match="no logsumexp"):
+        CaptureSource(tiny_target, layers=[0], topk=2, cache_dir=old, logsumexp=True)
+    with pytest.raises(DataError, match="some rows and not others"):
+        with ShardWriter(tmp_path / "mixed", [0], 2) as w:
+            w.add(0, {0: torch.zeros(5, 64)}, torch.zeros(5, 2), torch.zeros(5, 2, dtype=torch.long))
+            w.add(1, {0: torch.zeros(5, 64)}, torch.zeros(5, 2), torch.zeros(5, 2, dtype=torch.long),
+                  logsumexp=torch.zeros(5))
     src = CaptureSource(tiny_target, layers=[0], cache_dir=out)
     with pytest.raises(DataError, match="row_id"):
         src({"input_ids": torch.zeros(1, 5, dtype=torch.long)})

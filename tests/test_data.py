@@ -543,6 +543,11 @@ def test_capture_during_generation_writes_shards(tmp_path, tiny_target):
         got = reader.get(row["row_id"])
         assert got["layer.-1"].shape[0] == len(row["input_ids"])
         assert got["topk_indices"].shape == (len(row["input_ids"]), 3)
+        # from the position that predicts the first learned token on: the full logits' logsumexp
+        first = row["loss_mask"].index(1) - 1
+        with torch.no_grad():
+            full = tiny_target.model(torch.tensor([row["input_ids"]])).logits[0, first:].float()
+        torch.testing.assert_close(got["topk_logsumexp"][first:], torch.logsumexp(full, -1), rtol=1e-3, atol=1e-3)
 
 
 # ----------------------------------------------------------------------------------- presets

@@ -235,6 +235,22 @@ def test_offline_topk_cache(tiny_target, rows, tmp_path, capsys):
     on = job.teacher(batch, online=True)
     assert off["topk_values"].shape == (int(batch["attention_mask"].sum()), 8)
     torch.testing.assert_close(off["topk_values"], on["topk_values"], atol=1e-4, rtol=1e-4)
+    # and the cache holds the full logits' logsumexp: the bucket tail is the teacher's exact tail mass
+    torch.testing.assert_close(off["topk_logsumexp"], on["topk_logsumexp"], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        sel = batch["attention_mask"].bool()
+        full = tiny_target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[sel]
+    p_full = torch.softmax(full.float(), -1)
+    exact_tail = 1 - p_full.gather(-1, on["topk_indices"]).sum(-1)
+    from draftsmith.distill.losses import topk_logprobs
+
+    log_p, _ = topk_logprobs(full, off["topk_values"], off["topk_indices"], teacher_logsumexp=off["topk_logsumexp"])
+    torch.testing.assert_close(log_p[:, -1].exp(), exact_tail.clamp_min(1e-6), atol=1e-4, rtol=1e-3)
+    draft = job.build_module().eval()
+    exact, _ = job.loss(draft, batch)
+    job.features.logsumexp = False  # as from a cache made before the logsumexp was stored
+    approx, _ = job.loss(draft, batch)
+    assert torch.isfinite(exact) and float(exact) != pytest.approx(float(approx), rel=1e-6)
 
 
 def test_lora_job_exports_plain_model(tiny_target, rows, tmp_path):
