@@ -68,7 +68,7 @@ def main(argv: list[str]) -> dict:
                         loss, _ = job.loss(head, batch)
                     loss.backward()
                     times[name].append(time.perf_counter() - t0)
-                    losses[name].append(float(loss))
+                    losses[name].append(float(loss.detach()))
     first, second = ways
     result = {
         "config": config, "overrides": argv, "batches": len(batches), "repeats": opts["--repeats"],
