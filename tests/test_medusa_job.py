@@ -374,3 +374,24 @@ def test_a_warm_start_trains_against_the_vocabulary_the_heads_hold(tiny_target, 
     _, saved = load_artifact(result.artifact, kind="medusa")
     assert torch.equal(saved["t2d"], weights["t2d"])
     assert manifest["metrics"]["draft_vocab_coverage"] == pytest.approx(vocab_coverage(second.counts, weights["t2d"]))
+
+
+def test_medusa_trains_under_bf16_autocast_on_the_cpu(tiny_target, tmp_path):
+    """What `make demo` runs on a CPU with AVX512-BF16 (train.mixed_precision auto = bf16): the heads learn,
+    stay float32, calibrate their tree and decode losslessly with the float32 target."""
+    rows = self_distilled_rows(tiny_target)
+    cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "artifact"), num_heads=2,
+                          num_layers=1, eval_fraction=0.125, calibration_rows=4, tree_budget=6, tree_max_rank=3,
+                          train=TrainConfig(lr=3e-3, max_steps=12, batch_size=4, warmup_steps=2, mixed_precision="bf16",
+                                            output_dir=str(tmp_path / "run"), log_every=4, progress=False))
+    cfg.evaluate.enabled = False
+    result = train(MedusaJob(cfg, tiny_target, rows), cfg.train)
+    logs = [r for r in result.history if r["type"] == "train"]
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    assert all(p.dtype == torch.float32 for p in result.module.parameters()) and tiny_target.dtype == torch.float32
+    proposer = build_proposer(f"medusa:{tmp_path / 'artifact'}", tiny_target)
+    prompts = torch.randint(3, tiny_target.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    ref = tiny_target.model.generate(prompts, max_new_tokens=12, do_sample=False, pad_token_id=0)[:, 5:]
+    out = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=12, eos_ids=[], k=None,
+                               tree=proposer.default_tree_spec())
+    assert out.tokens == ref.tolist()
