@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from draftsmith.targets.capture import capture_forward
+from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
 
 GQA_SDPA = "draftsmith_sdpa_gqa"
 # set by the engine around a decode forward: (rows, key columns, [(r0, r1, c0), ...]); see `_decode_spans`
@@ -449,9 +449,7 @@ class ContinuousBatcher:
             states[("last_hidden", None)] = cap.last_hidden[:, first:].to(spec.dtype)
         lo = max(first, logits_start)
         if spec.topk:
-            full = logits[:, lo - logits_start :].float()
-            values, indices = torch.topk(full, spec.topk, dim=-1)
-            lse = torch.logsumexp(full, dim=-1)  # the full normaliser: exact tail mass for top-k KD
+            values, indices, lse = topk_with_logsumexp(logits[:, lo - logits_start :], spec.topk)
         for i, (row, (c0, c1)) in enumerate(zip(rows, keep)):
             for (name, layer), x in states.items():
                 piece = x[i, c0 - first : c1 - first]

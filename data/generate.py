@@ -329,7 +329,7 @@ def _run_engine(target, config: DataConfig, reqs: list[Request], on_done, on_tok
 @torch.inference_mode()
 def _backfill_capture(target, config: DataConfig, writer, records: list[dict]) -> None:
     """Rows generated before a crash whose captured states never reached a shard: recompute them."""
-    from draftsmith.targets.capture import capture_forward
+    from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
 
     cc = config.capture
     for rec in records:
@@ -339,8 +339,7 @@ def _backfill_capture(target, config: DataConfig, writer, records: list[dict]) -
         cap = capture_forward(target.model, ids, layers=cc.layers)
         topv = topi = lse = None
         if cc.topk:
-            topv, topi = torch.topk(cap.logits[0].float(), cc.topk, dim=-1)
-            lse = torch.logsumexp(cap.logits[0].float(), dim=-1)
+            topv, topi, lse = topk_with_logsumexp(cap.logits[0], cc.topk)
         writer.add(rec["row_id"], {i: h[0] for i, h in cap.layers.items()}, topv, topi,
                    cap.last_hidden[0] if cc.last_hidden else None, lse)
 

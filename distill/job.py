@@ -39,6 +39,7 @@ from draftsmith.distill.config import DistillConfig
 from draftsmith.distill.losses import distill_loss
 from draftsmith.errors import DataError
 from draftsmith.evaluation.after_training import evaluate_into_artifact
+from draftsmith.targets.capture import topk_with_logsumexp
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
 
 log = logging.getLogger(__name__)
@@ -165,8 +166,8 @@ class DistillJob:
             return {k: v[select] for k, v in f.items()}
         logits = vocab_logits(self.teacher_model, batch, select)
         if self.topk:
-            v, i = torch.topk(logits.float(), self.topk, dim=-1)
-            return {"topk_values": v, "topk_indices": i, "topk_logsumexp": torch.logsumexp(logits.float(), dim=-1)}
+            v, i, lse = topk_with_logsumexp(logits, self.topk)
+            return {"topk_values": v, "topk_indices": i, "topk_logsumexp": lse}
         return {"logits": logits}
 
     @torch.no_grad()

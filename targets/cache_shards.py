@@ -8,7 +8,7 @@ once (`capture_dataset`, the `capture` step) lets every later epoch, sweep and r
 On disk (`out_dir/`):
 
     shard-00000.safetensors   concatenated rows: layer.<i> [N, H] (hidden_dtype), last_hidden [N, H],
-                              topk_values [N, k] float32, topk_indices [N, k] int32; the safetensors
+                              topk_values [N, k] float32, topk_indices [N, k] int32,
                               topk_logsumexp [N] float32 (optional: the logsumexp of the full logits,
                               so top-k KD knows the exact tail mass); the safetensors
                               metadata holds {"rows": [[row_id, offset, length], ...]}. Top-k rows of
@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DataError
 from draftsmith.storage import _fsync_dir, atomic_write_json, read_json
-from draftsmith.targets.capture import capture_forward, topk_logits
+from draftsmith.targets.capture import capture_forward, topk_logits, topk_with_logsumexp
 
 INDEX = "index.json"
 _SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
@@ -246,13 +246,14 @@ class ShardReader:
             shards = _shards(self.dir)
             if not shards:
                 raise DataError(f"{self.dir}: not a capture cache (no {INDEX}, no shards)")
-            self._rows, meta = {}, {}
+            self._rows, meta, logsumexp = {}, {}, True
             for idx, path in shards:
                 meta = _shard_meta(path)
+                logsumexp = logsumexp and meta.get("logsumexp", False)
                 for row_id, o, n in meta["rows"]:
                     self._rows[int(row_id)] = (idx, o, n)
             self.index = {k: meta[k] for k in ("layers", "topk", "hidden_size", "hidden_dtype", "last_hidden")}
-            self.index["logsumexp"] = all(_shard_meta(p).get("logsumexp", False) for _, p in shards)
+            self.index["logsumexp"] = logsumexp
             self.index["fingerprint"] = None
         self.layers: list[int] = self.index["layers"]
         self.topk: int = self.index["topk"]
@@ -319,8 +320,7 @@ def capture_dataset(target, rows: Sequence[Any], out_dir: str | Path, layers: li
                 input_ids[b, :lengths[i]] = torch.as_tensor(rows[i]["input_ids"])
                 mask[b, :lengths[i]] = 1
             cap = capture_forward(model, input_ids.to(device), mask.to(device), layers=layers, want_logits=topk > 0)
-            tv, ti = topk_logits(cap.logits, topk) if topk > 0 else (None, None)
-            lse = torch.logsumexp(cap.logits.float(), dim=-1) if topk > 0 else None
+            tv, ti, lse = topk_with_logsumexp(cap.logits, topk) if topk > 0 else (None, None, None)
             for b, i in enumerate(chunk):
                 n = lengths[i]
                 writer.add(ids[i], {layer: cap.layers[layer][b, :n] for layer in layers},
@@ -394,10 +394,10 @@ class CaptureSource:
         out = {f"layer.{i}": cap.layers[i] for i in self.layers}
         if self.last_hidden:
             out["last_hidden"] = cap.last_hidden
-        if self.topk:
-            out["topk_values"], out["topk_indices"] = topk_logits(cap.logits, self.topk)
         if self.logsumexp:
-            out["topk_logsumexp"] = torch.logsumexp(cap.logits.float(), dim=-1)
+            out["topk_values"], out["topk_indices"], out["topk_logsumexp"] = topk_with_logsumexp(cap.logits, self.topk)
+        elif self.topk:
+            out["topk_values"], out["topk_indices"] = topk_logits(cap.logits, self.topk)
         if mask is not None:  # zero the padding, as offline does
             keep = mask.bool()
             out = {k: v.masked_fill(~(keep if v.dim() == 2 else keep.unsqueeze(-1)), 0) for k, v in out.items()}

@@ -90,3 +90,11 @@ def topk_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     """Top-k values and indices along the vocab; distillation stores these instead of [T, V]."""
     values, indices = torch.topk(logits.float(), k, dim=-1)
     return values, indices
+
+
+def topk_with_logsumexp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k values and indices plus the logsumexp of the full logits (float32, upcast once): what a capture
+    stores so that top-k KD knows the teacher's exact tail mass (distill/losses.py)."""
+    full = logits.float()
+    values, indices = torch.topk(full, k, dim=-1)
+    return values, indices, torch.logsumexp(full, dim=-1)

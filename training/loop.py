@@ -162,11 +162,11 @@ class Trainer:
 
         self.job, self.cfg = job, cfg
         if accelerator is None:
-            _release_precision(cfg.resolved_mixed_precision())
-        self.acc = accelerator or Accelerator(
-            mixed_precision=cfg.resolved_mixed_precision(), gradient_accumulation_steps=cfg.grad_accum,
-            step_scheduler_with_optimizer=False, cpu=_cpu_only(),
-        )
+            precision = cfg.resolved_mixed_precision()
+            _release_precision(precision)
+            accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum,
+                                      step_scheduler_with_optimizer=False, cpu=_cpu_only())
+        self.acc = accelerator
         self.dist = self.acc.distributed_type
         self.sharded = self.dist in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         self.world, self.rank = self.acc.num_processes, self.acc.process_index
