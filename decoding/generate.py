@@ -38,6 +38,7 @@ class GenerationStats:
     prefill_tokens: int = 0  # first tokens, produced by the prefill forward
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    tried_per_position: list[int] = field(default_factory=list)
     proposer_time: float = 0.0
     target_time: float = 0.0
     wall_time: float = 0.0
@@ -50,7 +51,8 @@ class GenerationStats:
         self.prefill_forwards += 1 if new_tokens else 0
         self.prefill_tokens += 1 if new_tokens else 0
         self.new_tokens += new_tokens
-        for mine, theirs in ((self.proposed_per_position, s.proposed_at), (self.accepted_per_position, s.accepted_at)):
+        for mine, theirs in ((self.proposed_per_position, s.proposed_at), (self.accepted_per_position, s.accepted_at),
+                             (self.tried_per_position, s.tried_at)):
             while len(mine) < len(theirs):
                 mine.append(0)
             for i, v in enumerate(theirs):
@@ -64,7 +66,8 @@ class GenerationStats:
                      "proposer_time", "target_time", "wall_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.proposed_per_position, other.proposed_per_position),
-                             (self.accepted_per_position, other.accepted_per_position)):
+                             (self.accepted_per_position, other.accepted_per_position),
+                             (self.tried_per_position, other.tried_per_position)):
             while len(mine) < len(theirs):
                 mine.append(0)
             for i, v in enumerate(theirs):
@@ -87,6 +90,12 @@ class GenerationStats:
         """[d] = P(the first d+1 draft tokens are all accepted | a proposal reached depth d+1)."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
 
+    @property
+    def conditional_acceptance(self) -> list[float | None]:
+        """[d] = P(the draft token at depth d+1 is accepted | the first d were and a token at depth d+1 was
+        tried): the acceptance of each position on its own, which training-time test aims to keep flat."""
+        return [a / t if t else None for a, t in zip(self.accepted_per_position, self.tried_per_position)]
+
     def to_dict(self) -> dict:
         return {
             "proposed": self.proposed, "pruned": self.pruned, "accepted": self.accepted, "target_forwards": self.target_forwards,
@@ -94,7 +103,9 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "proposed_per_position": list(self.proposed_per_position),
             "accepted_per_position": list(self.accepted_per_position),
-            "per_position_acceptance": self.per_position_acceptance, "alpha": self.alpha, "tau": self.tau,
+            "tried_per_position": list(self.tried_per_position),
+            "per_position_acceptance": self.per_position_acceptance,
+            "conditional_acceptance": self.conditional_acceptance, "alpha": self.alpha, "tau": self.tau,
             "proposer_time": self.proposer_time, "target_time": self.target_time, "wall_time": self.wall_time,
         }
 

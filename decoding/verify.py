@@ -134,12 +134,21 @@ class StepStats:
     emitted: int = 0  # tokens emitted by verification steps (accepted + correction/bonus, after truncation)
     proposed_at: list[int] = field(default_factory=list)  # [d]: steps whose proposal reached depth d+1
     accepted_at: list[int] = field(default_factory=list)  # [d]: steps that accepted >= d+1 tokens
+    # [d]: steps that accepted the first d tokens and whose last accepted node (the root for d = 0) had a child,
+    # so a token at depth d+1 was tried: accepted_at[d] / tried_at[d] is the acceptance at position d+1 given
+    # the path got there (the "n-α" of the EAGLE paper, Li et al. 2024, which training-time test keeps flat)
+    tried_at: list[int] = field(default_factory=list)
     proposer_time: float = 0.0
     target_time: float = 0.0
 
-    def record(self, proposal: Proposal, n_accepted: int) -> None:
+    def record(self, proposal: Proposal, n_accepted: int, path: list[int] | None = None) -> None:
+        """`path`: the accepted node indices (root to leaf); without it the proposal is taken as a chain."""
         depth = proposal.depth if len(proposal) else 0
-        for lst, n in ((self.proposed_at, depth), (self.accepted_at, n_accepted)):
+        if path is None or proposal.is_chain:
+            tried = min(n_accepted + 1, depth)
+        else:
+            tried = n_accepted + (1 if proposal.children.get(path[-1] if path else -1) else 0)
+        for lst, n in ((self.proposed_at, depth), (self.accepted_at, n_accepted), (self.tried_at, tried)):
             while len(lst) < depth:
                 lst.append(0)
             for d in range(n):
@@ -261,7 +270,7 @@ class SequenceVerifier:
         _sync(self.device)
         t2 = time.perf_counter()
         self.stats.target_time += t2 - t1
-        self.stats.record(proposal, len(path))
+        self.stats.record(proposal, len(path), path)
         self.last_step = (len(proposal), len(path), t1 - t0, t2 - t1)
 
         if feats is not None:

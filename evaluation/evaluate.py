@@ -93,6 +93,28 @@ def memory_info(device: torch.device) -> dict:
     return out
 
 
+def _compare_shape(entry: str) -> tuple[str, int | str | TreeSpec | None]:
+    """`PROPOSER[@chain[=K] | @tree[=B1,B2,...]]` -> (proposer spec, how it decodes in the side-by-side run).
+
+    None = the run's own shape; an int K = a chain of K tokens; "chain" = a chain of the run's --k; "tree" =
+    the proposer's own tree; a TreeSpec = that branching. One run can so put a head's chain next to its
+    tree (`--proposer eagle:PATH --tree auto --compare eagle:PATH@chain=4`).
+    """
+    name, sep, how = entry.rpartition("@")
+    kind, eq, arg = how.partition("=")
+    if not sep or kind not in ("chain", "tree"):
+        return entry, None
+    if not eq:
+        return name, kind
+    try:
+        sizes = tuple(int(b) for b in arg.split(","))
+    except ValueError:
+        sizes = ()
+    if sizes and min(sizes) >= 1 and (kind == "tree" or len(sizes) == 1):
+        return name, sizes[0] if kind == "chain" else TreeSpec(sizes)
+    raise ConfigError(f"compare '{entry}': after '@' give chain, chain=K, tree or tree=B1,B2,... (whole numbers >= 1)")
+
+
 def _summary(spec: GenerationStats, base: GenerationStats, n_prompts: int, lossless: bool | None, depth: int,
              hf_tokens: int, hf_time: float) -> dict:
     tps = spec.new_tokens / spec.wall_time if spec.wall_time > 0 else None
@@ -104,6 +126,7 @@ def _summary(spec: GenerationStats, base: GenerationStats, n_prompts: int, lossl
         "tau": spec.tau,
         "tau_predicted_from_alpha": cost.tau_from_alpha(alpha, depth),
         "per_position_acceptance": spec.per_position_acceptance,
+        "conditional_acceptance": spec.conditional_acceptance,
         "tokens_per_s": tps,
         "baseline_tokens_per_s": btps,
         "speedup": (tps / btps) if tps and btps else None,
@@ -179,12 +202,23 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     # side-by-side proposers: same prompts, same process, same rotation (each with its own tree, or chain k)
     others = {}
     for s in cfg.compare:
-        other = build_proposer(s, target)
+        name, shape = _compare_shape(s)
+        other = build_proposer(name, target)
         if getattr(other, "verifier_target", None) is not None:
             raise ConfigError(f"compare '{s}': a Medusa-2 artifact is verified by its own adapted target, not by "
                               f"the target of this run; evaluate it in a run of its own")
-        own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
-        others[s] = (other, dict(tree=own, k=None) if own is not None else dict(k=cfg.k))
+        if shape is None:  # the run's own shape: the proposer's tree under --tree auto, else a chain of --k
+            own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
+        elif shape == "tree":
+            if not hasattr(other, "default_tree_spec"):
+                raise ConfigError(f"compare '{s}': proposer '{name}' has no tree of its own: give @tree=B1,B2,...")
+            own = other.default_tree_spec()
+        elif isinstance(shape, TreeSpec):
+            own = shape
+        else:  # "chain" (of --k) or a chain of K tokens
+            own = None
+        others[s] = (other, dict(tree=own, k=None) if own is not None else
+                     dict(k=shape if isinstance(shape, int) else cfg.k))
     verify_cost = tree_cost = None
     if cfg.prune_tree and not spec.is_chain:
         # scored trees (Medusa, EAGLE-2) are cut every step to the nodes that pay: v(n) with a tree mask,
@@ -303,7 +337,9 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
                 cflags = [r["compare"][name][1] for r in recs]
                 summ = _summary(c, b, len(recs), None if any(f is None for f in cflags) else all(cflags), 0, 0, 0.0)
                 out["compare"][name] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup",
-                                                                   "lossless")}
+                                                                   "lossless", "per_position_acceptance",
+                                                                   "conditional_acceptance",
+                                                                   "verified_nodes_per_step")}
         if controller is not None:
             a = GenerationStats()
             for r in recs:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from draftsmith.storage import atomic_write_json, atomic_write_text
 
-FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "tokens_per_s",
+FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "conditional_acceptance",
+          "tokens_per_s",
           "baseline_tokens_per_s", "speedup", "lossless", "hf_generate_tokens_per_s", "predicted_speedup",
           "verified_nodes_per_step"]
 
@@ -80,6 +81,13 @@ def render_markdown(report: dict) -> str:
             cells = [f"{_fmt(c['speedup'])} ({_fmt(c['alpha'])}){'' if c['lossless'] is not False else ' NOT LOSSLESS'}"
                      for c in (d.get("compare") or {}).values()]
             lines.append(f"| {n} | {_fmt(d['speedup'])} ({_fmt(d['alpha'])}) | " + " | ".join(cells) + " |")
+        ov = report["overall"]
+        lines += ["", "Overall: τ, verified nodes per step, and the acceptance at each draft position given the "
+                  "positions before it were accepted and a token there was tried (n-α):", "",
+                  "| proposer | τ | nodes per step | n-α by position |", "|---|---|---|---|"]
+        for name, c in [(report["proposer"], ov)] + list((ov.get("compare") or {}).items()):
+            lines.append(f"| {name} | {_fmt(c['tau'])} | {_fmt(c.get('verified_nodes_per_step'))} | "
+                         f"{_fmt(c.get('conditional_acceptance'))} |")
     if any("adaptive" in d for _, d in doms):
         lines += ["", f"## Fixed k = {s['k']} vs adaptive k (same prompts, same run)", "",
                   "| domain | fixed τ | fixed speedup | adaptive τ | adaptive speedup | mean k | plain steps | "
@@ -133,7 +141,11 @@ def write_plots(report: dict, out: Path) -> list[Path]:
         acc = d["per_position_acceptance"]
         if acc:
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name, linewidth=2.5 if name == "overall" else 1.2)
-    ax.set_xlabel("draft position")
+    cond = report["overall"].get("conditional_acceptance") or []
+    if any(c is not None for c in cond):
+        ax.plot(range(1, len(cond) + 1), [float("nan") if c is None else c for c in cond], color="k",
+                linestyle="--", marker="x", label="overall n-α (given the path got there)")
+    ax.set_xlabel("draft position d")
     ax.set_ylabel("P(first d drafts accepted)")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance per position")

@@ -188,6 +188,21 @@ def test_never_always_sometimes_accept(target, prompts):
     assert s.alpha == 0.7 and s.tau == 19 / 5
     assert s.proposed_per_position == [5, 5, 5, 5] and s.accepted_per_position == [5, 3, 3, 3]
     assert s.per_position_acceptance == [1.0, 0.6, 0.6, 0.6]
+    # n-α: position 3 was tried only by the three steps that accepted 1 and 2, and all three accepted it
+    assert s.tried_per_position == [5, 5, 3, 3] and s.conditional_acceptance == [1.0, 0.6, 1.0, 1.0]
+
+
+def test_tried_positions_follow_the_accepted_branch_of_a_tree():
+    from draftsmith.decoding.verify import StepStats
+
+    # root -> {0, 1}; 0 -> {2, 3}; 2 -> {4}: a position is tried only where the accepted node has a child
+    tree = Proposal(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 0, 2]))
+    cases = {(): 1, (1,): 1, (0, 3): 2, (0,): 2, (0, 2): 3, (0, 2, 4): 3}
+    for path, tried in cases.items():
+        st = StepStats()
+        st.record(tree, len(path), list(path))
+        assert sum(st.tried_at) == tried, path
+        assert st.accepted_at == [1] * len(path) + [0] * (3 - len(path)) and st.proposed_at == [1, 1, 1]
 
 
 def test_ngram_lookup():

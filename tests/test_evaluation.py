@@ -238,3 +238,34 @@ def test_evaluate_cuts_scored_trees_and_survives_a_cut_to_nothing(tiny_target, p
     check_report(nothing, write_report(nothing, tmp_path / "b"))
     whole = evaluate(tiny_target, OwnTree(tiny_target.model), **{**kw, "prune_tree": False})
     assert whole["overall"]["pruned"] == 0 and "v_tree" not in whole["cost_model"]
+
+
+def test_compare_entries_pick_their_own_shape(tiny_target, prompt_files, tmp_path):
+    from draftsmith.decoding.proposer import TreeSpec
+    from draftsmith.errors import ConfigError
+    from draftsmith.evaluation.evaluate import _compare_shape, evaluate
+    from draftsmith.evaluation.report import write_report
+
+    assert _compare_shape("eagle:runs/x") == ("eagle:runs/x", None)
+    assert _compare_shape("eagle:a@b/x") == ("eagle:a@b/x", None)  # an '@' in a path is part of the path
+    assert _compare_shape("eagle:x@chain=4") == ("eagle:x", 4)
+    assert _compare_shape("eagle:x@chain") == ("eagle:x", "chain")
+    assert _compare_shape("medusa:x@tree") == ("medusa:x", "tree")
+    assert _compare_shape("ngram@tree=3,2,1") == ("ngram", TreeSpec((3, 2, 1)))
+    for bad in ("ngram@chain=0", "ngram@chain=2,2", "ngram@tree=", "ngram@tree=2,x"):
+        with pytest.raises(ConfigError, match="after '@'"):
+            _compare_shape(bad)
+    kw = dict(prompts=prompt_files, max_new_tokens=8, k=3, cost_context=16, cost_k_max=3, cost_repeats=1,
+              limit_per_domain=1, hf_reference=False)
+    with pytest.raises(ConfigError, match="no tree of its own"):
+        evaluate(tiny_target, "ngram", compare=["ngram@tree"], **kw)
+
+    report = evaluate(tiny_target, "ngram", compare=["ngram@chain=1", "ngram@tree=2,1"], **kw)
+    settings = report["settings"]["compare_settings"]
+    assert (settings["ngram@chain=1"]["k"], settings["ngram@chain=1"]["tree"]) == (1, None)
+    assert settings["ngram@tree=2,1"]["tree"] == [2, 1]
+    for name, c in report["overall"]["compare"].items():
+        assert c["lossless"] is True, name
+        assert len(c["conditional_acceptance"]) <= (1 if name.endswith("=1") else 2)
+    md = (write_report(report, tmp_path / "r") / "report.md").read_text()
+    assert "n-α by position" in md and "| ngram@tree=2,1 |" in md
