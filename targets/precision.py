@@ -73,6 +73,20 @@ class Float32Logits(nn.Module):
         return F.linear(x.float(), self.weight, self.bias)
 
 
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast `module`'s floating-point parameters to `dtype` in place and return it; buffers keep their dtype.
+
+    `module.to(bf16)` would also round the rotary embedding's inverse frequencies (a float buffer) to bf16:
+    8 bits of mantissa put the angle at position 300 off by up to half a radian in the fastest-turning
+    dimensions. HF's rotary module computes in float32 from whatever `inv_freq` holds, and casts cos/sin to
+    the activations' dtype itself, so the buffers can stay float32 (as HF leaves them for a model it loads
+    in bf16)."""
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return module
+
+
 def inference_copy(model, dtype: torch.dtype, fp32_logits: bool = True):
     """`model` to run forward-only in `dtype`: the model itself when it already has that dtype, else a copy.
 
@@ -85,7 +99,7 @@ def inference_copy(model, dtype: torch.dtype, fp32_logits: bool = True):
     head = model.get_output_embeddings()
     keep_head = fp32_logits and current == torch.float32 and dtype in (torch.bfloat16, torch.float16) \
         and isinstance(head, nn.Linear)
-    out = copy.deepcopy(model).to(dtype)
+    out = cast_parameters(copy.deepcopy(model), dtype)
     if keep_head:
         out.set_output_embeddings(Float32Logits(head.weight, head.bias))
     return out.eval().requires_grad_(False)

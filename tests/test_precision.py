@@ -58,6 +58,8 @@ def test_inference_copy_leaves_the_model_and_keeps_fp32_logits(tied):
     assert isinstance(head, Float32Logits) and head.weight.dtype == torch.float32
     assert torch.equal(head.weight, model.get_output_embeddings().weight)
     assert fast.get_input_embeddings().weight.dtype == torch.bfloat16
+    # the rotary frequencies stay float32: bf16 ones would turn the angles wrong at long positions
+    assert [b.dtype for n, b in fast.named_buffers() if "inv_freq" in n] == [torch.float32] * 2
     ids = torch.randint(0, 96, (2, 12))
     with torch.no_grad():
         ref, got = model(ids).logits, fast(ids).logits
