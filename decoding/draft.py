@@ -61,6 +61,18 @@ class DraftProposer(Proposer):
                 raise FingerprintMismatch(f"draft {path}: its tokenizer vocabulary differs from the target's")
         return cls(model, name=f"draft:{path.name}")
 
+    def use_dtype(self, dtype: torch.dtype) -> bool:
+        """A copy of the draft in `dtype` (the model may be shared, e.g. the target drafting for itself);
+        its logits come out in `dtype` and sampling computes q from them in float32."""
+        import copy
+
+        from draftsmith.targets.precision import cast_parameters
+
+        if next(self.model.parameters()).dtype != dtype:
+            self.model = cast_parameters(copy.deepcopy(self.model), dtype)
+            self.cache = None
+        return True
+
     def begin(self, prompt_ids, features) -> None:
         self.cache = kvcache.new_cache(self.model)
         self.cached = torch.zeros(0, dtype=torch.long, device=self.device)

@@ -124,6 +124,9 @@ class MultiProposer(Proposer):
     def reset_stats(self) -> None:
         self.stats = {n: BranchStats() for n in self.names}
 
+    def use_dtype(self, dtype: torch.dtype) -> bool:
+        return any([p.use_dtype(dtype) for p in self.proposers])  # a list: every one is cast
+
     def branch_stats(self) -> dict[str, dict]:
         return {n: s.to_dict() for n, s in self.stats.items()}
 

@@ -163,6 +163,10 @@ class RoutedProposer(Proposer):
         self.cost = None  # the verifier's VerifyCost when it cuts trees (decoding/budget.py)
         self.fitted: dict[tuple[str, TreeSpec], TreeSpec] = {}  # a route's static tree, cut once per cost model
 
+    def use_dtype(self, dtype: torch.dtype) -> bool:
+        self.fitted.clear()  # a static tree's cut counted the heads' time in the old dtype
+        return any([p.use_dtype(dtype) for p in self.proposers.values()])
+
     def use_cost(self, cost) -> None:
         """Pass the verifier's cost model on: every route's proposer may stop drafting what would be cut
         (EAGLE-2), and a static tree (Medusa's) is cut once per route."""

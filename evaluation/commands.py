@@ -22,6 +22,7 @@ FLAGS = {  # flag -> (EvalConfig field, type)
     "--k": ("k", int), "--top-p": ("top_p", float),
     "--top-k": ("top_k", int), "--limit-per-domain": ("limit_per_domain", int), "--seed": ("seed", int),
     "--out": ("out", str), "--device": ("device", str), "--dtype": ("dtype", str),
+    "--draft-dtype": ("draft_dtype", str),
     "--cost-repeats": ("cost_repeats", int), "--cost-k-max": ("cost_k_max", int),
     "--cost-context": ("cost_context", int), "--policy-threshold": ("policy_threshold", float),
 }

@@ -35,6 +35,9 @@ class EvalConfig:
     compare: list[str] = field(default_factory=list)  # more proposers decoded on the same prompts in the same run
     device: str = "auto"
     dtype: str = "auto"
+    # the proposers' own networks (draft model, Medusa/EAGLE heads): auto = bf16 next to a float32 target on a
+    # CPU with native bf16 (decoding/proposer.draft_dtype), else the target's dtype; float32 | bfloat16 | float16
+    draft_dtype: str = "auto"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -28,11 +28,12 @@ import torch
 from draftsmith.decoding.budget import VerifyCost
 from draftsmith.decoding.draft import DraftProposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
-from draftsmith.decoding.proposer import Proposer, TreeSpec, build_proposer
+from draftsmith.decoding.proposer import Proposer, TreeSpec, build_proposer, draft_dtype
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation import cost
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
+from draftsmith.targets.device import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -93,26 +94,43 @@ def memory_info(device: torch.device) -> dict:
     return out
 
 
-def _compare_shape(entry: str) -> tuple[str, int | str | TreeSpec | None]:
-    """`PROPOSER[@chain[=K] | @tree[=B1,B2,...]]` -> (proposer spec, how it decodes in the side-by-side run).
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
-    None = the run's own shape; an int K = a chain of K tokens; "chain" = a chain of the run's --k; "tree" =
-    the proposer's own tree; a TreeSpec = that branching. One run can so put a head's chain next to its
-    tree (`--proposer eagle:PATH --tree auto --compare eagle:PATH@chain=4`).
+
+def _compare_entry(entry: str) -> tuple[str, int | str | TreeSpec | None, str | None]:
+    """`PROPOSER[@SHAPE][@DTYPE]` -> (proposer spec, how it decodes in the side-by-side run, its draft dtype).
+
+    SHAPE: chain | chain=K | tree | tree=B1,B2,... -> "chain" (a chain of the run's --k), K, "tree" (the
+    proposer's own tree) or that TreeSpec; None = the run's own shape. DTYPE: float32 | bfloat16 | float16,
+    None = the run's draft_dtype. One run can so put a head's chain next to its tree, or its bf16 next to its
+    float32 (`--proposer eagle:P --tree auto --compare eagle:P@chain=4 eagle:P@float32`). An '@' followed by
+    anything else is part of the proposer spec (a path may hold one).
     """
-    name, sep, how = entry.rpartition("@")
-    kind, eq, arg = how.partition("=")
-    if not sep or kind not in ("chain", "tree"):
-        return entry, None
-    if not eq:
-        return name, kind
-    try:
-        sizes = tuple(int(b) for b in arg.split(","))
-    except ValueError:
-        sizes = ()
-    if sizes and min(sizes) >= 1 and (kind == "tree" or len(sizes) == 1):
-        return name, sizes[0] if kind == "chain" else TreeSpec(sizes)
-    raise ConfigError(f"compare '{entry}': after '@' give chain, chain=K, tree or tree=B1,B2,... (whole numbers >= 1)")
+    name, shape, dtype = entry, None, None
+    while True:
+        head, sep, opt = name.rpartition("@")
+        kind, eq, arg = opt.partition("=")
+        if not sep or not (kind in ("chain", "tree") or opt in _DTYPE_NAMES):
+            return name, shape, dtype
+        if opt in _DTYPE_NAMES:
+            if dtype is not None:
+                break
+            dtype = opt
+        elif shape is not None:
+            break
+        elif not eq:
+            shape = kind
+        else:
+            try:
+                sizes = tuple(int(b) for b in arg.split(","))
+            except ValueError:
+                sizes = ()
+            if not sizes or min(sizes) < 1 or (kind == "chain" and len(sizes) != 1):
+                break
+            shape = sizes[0] if kind == "chain" else TreeSpec(sizes)
+        name = head
+    raise ConfigError(f"compare '{entry}': after '@' give one shape (chain, chain=K, tree or tree=B1,B2,..., whole "
+                      f"numbers >= 1) and/or one dtype ({', '.join(_DTYPE_NAMES)})")
 
 
 def _summary(spec: GenerationStats, base: GenerationStats, n_prompts: int, lossless: bool | None, depth: int,
@@ -174,6 +192,8 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         original_target, target = target, prop.verifier_target
     model, tok = target.model, target.tokenizer
     device = target.device
+    drafts_in = draft_dtype(cfg.draft_dtype, target.dtype, device)
+    cast = prop.use_dtype(drafts_in)
     eos = list(target.eos_token_ids)
     eos_set = set(eos)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else None)
@@ -200,13 +220,16 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     if routed:
         prop.route(domain=rows[0].domain, text=rows[0].text)
     # side-by-side proposers: same prompts, same process, same rotation (each with its own tree, or chain k)
-    others = {}
+    others, other_dtypes = {}, {}
     for s in cfg.compare:
-        name, shape = _compare_shape(s)
+        name, shape, own_dtype = _compare_entry(s)
         other = build_proposer(name, target)
         if getattr(other, "verifier_target", None) is not None:
             raise ConfigError(f"compare '{s}': a Medusa-2 artifact is verified by its own adapted target, not by "
                               f"the target of this run; evaluate it in a run of its own")
+        other_dtype = draft_dtype(own_dtype, target.dtype, device) if own_dtype else drafts_in
+        other_cast = other.use_dtype(other_dtype)
+        cast = cast or other_cast
         if shape is None:  # the run's own shape: the proposer's tree under --tree auto, else a chain of --k
             own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
         elif shape == "tree":
@@ -219,6 +242,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
             own = None
         others[s] = (other, dict(tree=own, k=None) if own is not None else
                      dict(k=shape if isinstance(shape, int) else cfg.k))
+        other_dtypes[s] = dtype_name(other_dtype) if other_cast else None
     verify_cost = tree_cost = None
     if cfg.prune_tree and not spec.is_chain:
         # scored trees (Medusa, EAGLE-2) are cut every step to the nodes that pay: v(n) with a tree mask,
@@ -425,8 +449,10 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
+            "draft_dtype": dtype_name(drafts_in) if cast else None,  # None: no proposer had a network to cast
             "compare_settings": {name: {"k": kw["k"], "tree": list(kw["tree"].branching) if kw.get("tree") else None,
-                                        "tree_max_nodes": kw["tree"].max_nodes if kw.get("tree") else None}
+                                        "tree_max_nodes": kw["tree"].max_nodes if kw.get("tree") else None,
+                                        "draft_dtype": other_dtypes[name]}
                                  for name, (_, kw) in others.items()},
         },
         "domains": domains,

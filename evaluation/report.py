@@ -47,7 +47,8 @@ def render_markdown(report: dict) -> str:
         f"temperature={s['temperature']}, top_p={s['top_p']}, top_k={s['top_k']}, "
         f"limit_per_domain={s['limit_per_domain']}"
         + (f", trees cut to the nodes that pay (v(n) below; verified tree {s.get('tree_verified')}, at most "
-           f"{s.get('tree_max_nodes')} nodes)" if s.get("prune_tree") else ""),
+           f"{s.get('tree_max_nodes')} nodes)" if s.get("prune_tree") else "")
+        + (f", draft networks in {s['draft_dtype']}" if s.get("draft_dtype") else ""),
         f"- machine: {report['machine'].get('platform')}, {report['machine'].get('cpu_count')} CPUs, "
         f"device {report['machine'].get('device')}", "",
         "## Per domain", "",

@@ -86,6 +86,13 @@ class EagleProposer(Proposer):
     def use_cost(self, cost) -> None:
         self.cost = cost
 
+    def use_dtype(self, dtype: torch.dtype) -> bool:
+        from draftsmith.targets.precision import cast_parameters
+
+        cast_parameters(self.head, dtype)  # the target's features and embeddings are cast as they come in
+        self.level_s = None  # a level's time was measured in the old dtype
+        return True
+
     def default_tree_spec(self) -> TreeSpec:
         if not self.tree:
             return TreeSpec.chain(self.depth)

@@ -84,6 +84,13 @@ class MedusaProposer(Proposer):
             out.append(statistics.median(times) / t_step_s)
         return out
 
+    def use_dtype(self, dtype: torch.dtype) -> bool:
+        """The heads' own parameters; heads that share the target's lm_head still project through it."""
+        from draftsmith.targets.precision import cast_parameters
+
+        cast_parameters(self.heads, dtype)
+        return True
+
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
         self.h = None
         if features is not None and features.last_hidden is not None and len(features):

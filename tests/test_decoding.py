@@ -132,6 +132,29 @@ def test_greedy_equals_target_greedy(which, k, tree, target, draft, prompts, tin
         assert res.stats.per_position_acceptance[0] == 1.0
 
 
+def test_a_bf16_draft_stays_lossless_and_leaves_a_shared_model_alone(target, prompts, monkeypatch):
+    from draftsmith.decoding.proposer import draft_dtype
+
+    n = 16
+    prop = DraftProposer(target)  # the target drafting for itself, cast: a copy, not the target
+    assert prop.use_dtype(torch.bfloat16) and next(prop.model.parameters()).dtype == torch.bfloat16
+    assert next(target.parameters()).dtype == torch.float32 and prop.model is not target
+    res = speculative_generate(target, prop, prompts, n, k=4, eos_ids=[])
+    assert res.tokens == [hf_greedy(target, p, n) for p in prompts]
+    assert res.stats.alpha > 0.8  # bf16 rounding flips a near-tie now and then, not the whole draft
+    sampled = speculative_generate(target, prop, prompts, 12, k=4, temperature=0.8, eos_ids=[], seed=2)
+    assert all(len(t) == 12 for t in sampled.tokens)
+    q = prop.propose(torch.tensor(prompts[0]), TreeSpec.chain(3), SamplingConfig(temperature=0.8), None).q
+    assert q.dtype == torch.float32 and torch.allclose(q.sum(-1), torch.ones(3))  # sampled from, and reported
+    assert not NgramProposer().use_dtype(torch.bfloat16)  # nothing to cast
+    cpu = torch.device("cpu")
+    assert draft_dtype("auto", torch.float32, cpu) == torch.float32  # the suite pins DRAFTSMITH_CPU_BF16=0
+    assert draft_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert draft_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
+    monkeypatch.setenv("DRAFTSMITH_CPU_BF16", "1")
+    assert draft_dtype("auto", torch.float32, cpu) == torch.bfloat16  # a CPU that multiplies bf16 natively
+
+
 def test_padded_batch_rows_match(target, prompts):
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])

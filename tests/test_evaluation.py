@@ -243,18 +243,20 @@ def test_evaluate_cuts_scored_trees_and_survives_a_cut_to_nothing(tiny_target, p
 def test_compare_entries_pick_their_own_shape(tiny_target, prompt_files, tmp_path):
     from draftsmith.decoding.proposer import TreeSpec
     from draftsmith.errors import ConfigError
-    from draftsmith.evaluation.evaluate import _compare_shape, evaluate
+    from draftsmith.evaluation.evaluate import _compare_entry, evaluate
     from draftsmith.evaluation.report import write_report
 
-    assert _compare_shape("eagle:runs/x") == ("eagle:runs/x", None)
-    assert _compare_shape("eagle:a@b/x") == ("eagle:a@b/x", None)  # an '@' in a path is part of the path
-    assert _compare_shape("eagle:x@chain=4") == ("eagle:x", 4)
-    assert _compare_shape("eagle:x@chain") == ("eagle:x", "chain")
-    assert _compare_shape("medusa:x@tree") == ("medusa:x", "tree")
-    assert _compare_shape("ngram@tree=3,2,1") == ("ngram", TreeSpec((3, 2, 1)))
-    for bad in ("ngram@chain=0", "ngram@chain=2,2", "ngram@tree=", "ngram@tree=2,x"):
+    assert _compare_entry("eagle:runs/x") == ("eagle:runs/x", None, None)
+    assert _compare_entry("eagle:a@b/x") == ("eagle:a@b/x", None, None)  # an '@' in a path is part of the path
+    assert _compare_entry("eagle:x@chain=4") == ("eagle:x", 4, None)
+    assert _compare_entry("eagle:x@chain") == ("eagle:x", "chain", None)
+    assert _compare_entry("medusa:x@tree@float32") == ("medusa:x", "tree", "float32")
+    assert _compare_entry("eagle:x@bfloat16@chain=2") == ("eagle:x", 2, "bfloat16")
+    assert _compare_entry("ngram@tree=3,2,1") == ("ngram", TreeSpec((3, 2, 1)), None)
+    for bad in ("ngram@chain=0", "ngram@chain=2,2", "ngram@tree=", "ngram@tree=2,x", "ngram@chain@tree",
+                "ngram@float32@float16"):
         with pytest.raises(ConfigError, match="after '@'"):
-            _compare_shape(bad)
+            _compare_entry(bad)
     kw = dict(prompts=prompt_files, max_new_tokens=8, k=3, cost_context=16, cost_k_max=3, cost_repeats=1,
               limit_per_domain=1, hf_reference=False)
     with pytest.raises(ConfigError, match="no tree of its own"):
@@ -269,3 +271,21 @@ def test_compare_entries_pick_their_own_shape(tiny_target, prompt_files, tmp_pat
         assert len(c["conditional_acceptance"]) <= (1 if name.endswith("=1") else 2)
     md = (write_report(report, tmp_path / "r") / "report.md").read_text()
     assert "n-α by position" in md and "| ngram@tree=2,1 |" in md
+
+
+def test_draft_networks_run_in_the_draft_dtype(tiny_target, prompt_files, tmp_path):
+    from draftsmith.decoding.draft import DraftProposer
+    from draftsmith.evaluation.evaluate import evaluate
+    from draftsmith.evaluation.report import write_report
+
+    kw = dict(prompts=prompt_files, max_new_tokens=6, k=2, limit_per_domain=1, hf_reference=False,
+              cost_model=False)
+    report = evaluate(tiny_target, DraftProposer(tiny_target), draft_dtype="bfloat16",
+                      compare=["ngram", f"draft:{tiny_target.folder}@float32"], **kw)
+    assert report["settings"]["draft_dtype"] == "bfloat16" and report["overall"]["lossless"] is True
+    side = report["settings"]["compare_settings"]
+    assert side["ngram"]["draft_dtype"] is None and side[f"draft:{tiny_target.folder}@float32"]["draft_dtype"] == "float32"
+    assert report["overall"]["compare"][f"draft:{tiny_target.folder}@float32"]["alpha"] == 1.0  # itself, in fp32
+    assert next(tiny_target.model.parameters()).dtype == torch.float32  # the target drafting for itself: a copy
+    assert "draft networks in bfloat16" in (write_report(report, tmp_path / "r") / "report.md").read_text()
+    assert evaluate(tiny_target, "ngram", **kw)["settings"]["draft_dtype"] is None  # nothing to cast

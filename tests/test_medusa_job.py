@@ -76,6 +76,19 @@ def test_medusa_decoding_is_lossless(medusa_artifact, tiny_target, mode):
     assert all(len(t) == 12 for t in sampled.tokens)
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_bf16_heads_stay_lossless(medusa_artifact, tiny_target, mode):
+    proposer = build_proposer(f"medusa:{medusa_artifact[1]}", tiny_target)
+    assert proposer.use_dtype(torch.bfloat16)
+    assert {p.dtype for p in proposer.heads.parameters()} == {torch.bfloat16}
+    assert tiny_target.model.lm_head.weight.dtype == torch.float32
+    prompts = torch.randint(3, tiny_target.vocab_size, (3, 5), generator=torch.Generator().manual_seed(7))
+    ref = tiny_target.model.generate(prompts, max_new_tokens=20, do_sample=False, pad_token_id=0)[:, 5:]
+    kwargs = {"k": 3} if mode == "chain" else {"k": None, "tree": proposer.default_tree_spec()}
+    out = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=20, eos_ids=[], **kwargs)
+    assert out.tokens == ref.tolist() and out.stats.proposed > 0
+
+
 def test_the_tree_is_cut_once_to_what_pays_and_stays_lossless(medusa_artifact, tiny_target):
     from draftsmith.decoding.budget import VerifyCost
 
