@@ -229,7 +229,6 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
                               f"the target of this run; evaluate it in a run of its own")
         other_dtype = draft_dtype(own_dtype, target.dtype, device) if own_dtype else drafts_in
         other_cast = other.use_dtype(other_dtype)
-        cast = cast or other_cast
         if shape is None:  # the run's own shape: the proposer's tree under --tree auto, else a chain of --k
             own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
         elif shape == "tree":
@@ -449,7 +448,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
-            "draft_dtype": dtype_name(drafts_in) if cast else None,  # None: no proposer had a network to cast
+            "draft_dtype": dtype_name(drafts_in) if cast else None,  # None: the proposer has no network to cast
             "compare_settings": {name: {"k": kw["k"], "tree": list(kw["tree"].branching) if kw.get("tree") else None,
                                         "tree_max_nodes": kw["tree"].max_nodes if kw.get("tree") else None,
                                         "draft_dtype": other_dtypes[name]}
