@@ -144,9 +144,9 @@ class StepStats:
     def record(self, proposal: Proposal, n_accepted: int, path: list[int] | None = None) -> None:
         """`path`: the accepted node indices (root to leaf); without it the proposal is taken as a chain."""
         depth = proposal.depth if len(proposal) else 0
-        if path is None or proposal.is_chain:
+        if path is None:
             tried = min(n_accepted + 1, depth)
-        else:
+        else:  # a chain too: its last accepted node has a child unless the whole chain was accepted
             tried = n_accepted + (1 if proposal.children.get(path[-1] if path else -1) else 0)
         for lst, n in ((self.proposed_at, depth), (self.accepted_at, n_accepted), (self.tried_at, tried)):
             while len(lst) < depth:

@@ -96,5 +96,5 @@ def topk_with_logsumexp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     """Top-k values and indices plus the logsumexp of the full logits (float32, upcast once): what a capture
     stores so that top-k KD knows the teacher's exact tail mass (distill/losses.py)."""
     full = logits.float()
-    values, indices = torch.topk(full, k, dim=-1)
+    values, indices = topk_logits(full, k)  # its .float() is a no-op on `full`
     return values, indices, torch.logsumexp(full, dim=-1)
