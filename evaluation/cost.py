@@ -93,31 +93,24 @@ class CpuShare:
         return contended(self.others)
 
 
-@torch.no_grad()
-def measure_verify_cost(target, context_length: int = 256, k_max: int = 16, repeats: int = 9,
-                        seed: int = 0, tree_mask: bool = False) -> dict:
-    """v(k) for k = 0..k_max: median time of a (k+1)-token forward on a `context_length` cache / 1-token time.
-
-    The ks are interleaved over the repeats. The median, not the fastest repeat: the decoder pays a forward's
-    typical cost (v from the fastest repeats read v(1) = 1.02 against 1.15, and EAGLE's trees grew from 2.9
-    to 3.4 verified nodes a step without getting faster; the fastest times stay in the result as
-    `t_forward_min_s`). Another process slows large forwards more than small ones: a v(n) taken beside a test
-    run read v(1) = 1.71 and cut every tree to almost nothing. So `other_cpu_share` reports how much of the
-    machine other processes used meanwhile; above `BUSY_SHARE` the result says so and a warning is logged.
+def forward_timer(target, context_length: int, n_max: int, seed: int = 0, tree_mask: bool = False):
+    """A function n -> seconds of one target forward over n new tokens (n <= n_max) on a KV cache of
+    `context_length` random tokens, the cache cropped back after each (so every call sees the same context).
 
     tree_mask: feed every forward of more than one token with the verifier's 4-D tree mask (a tree's
-    verify forward; a mask's shape, not its pattern, sets the cost) instead of the causal one of a chain.
-    """
+    verify forward; a mask's shape, not its pattern, sets the cost) instead of the causal one of a chain."""
     model = as_model(target)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, vocab, (1, context_length), generator=g).to(device)
-    new = torch.randint(0, vocab, (1, k_max + 1), generator=g).to(device)
+    new = torch.randint(0, vocab, (1, n_max), generator=g).to(device)
     cache = kvcache.new_cache(model)
-    model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with torch.no_grad():
+        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
+    @torch.no_grad()
     def run(n: int) -> float:
         pos = torch.arange(context_length, context_length + n, device=device)[None]
         mask = None
@@ -133,6 +126,23 @@ def measure_verify_cost(target, context_length: int = 256, k_max: int = 16, repe
         kvcache.crop(cache, context_length)
         return dt
 
+    return run
+
+
+@torch.no_grad()
+def measure_verify_cost(target, context_length: int = 256, k_max: int = 16, repeats: int = 9,
+                        seed: int = 0, tree_mask: bool = False) -> dict:
+    """v(k) for k = 0..k_max: median time of a (k+1)-token forward on a `context_length` cache / 1-token time.
+
+    The ks are interleaved over the repeats. The median, not the fastest repeat: the decoder pays a forward's
+    typical cost (v from the fastest repeats read v(1) = 1.02 against 1.15, and EAGLE's trees grew from 2.9
+    to 3.4 verified nodes a step without getting faster; the fastest times stay in the result as
+    `t_forward_min_s`). Another process slows large forwards more than small ones: a v(n) taken beside a test
+    run read v(1) = 1.71 and cut every tree to almost nothing. So `other_cpu_share` reports how much of the
+    machine other processes used meanwhile; above `BUSY_SHARE` the result says so and a warning is logged.
+    tree_mask: as in `forward_timer`.
+    """
+    run = forward_timer(target, context_length, k_max + 1, seed, tree_mask)
     for _ in range(2):  # warm-up
         run(1)
         run(k_max + 1)

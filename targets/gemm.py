@@ -1,31 +1,42 @@
-"""Linear layers over a few rows on CPU: `W @ xᵀ` instead of `x @ Wᵀ`.
+"""Linear layers over a few rows on CPU: `W @ xᵀ` where this machine computes it faster than `x @ Wᵀ`.
 
-Speculative decoding lives on forwards over a few rows: a target verifying k+1 tokens, an EAGLE head
-expanding a handful of tree nodes, a draft re-reading the tokens just accepted. On the project's CPU box
-(MKL 2024.2 as shipped in the torch 2.13 CPU wheel, AMD EPYC, AVX2, 2 threads) `F.linear` with 2-8 rows
-is far slower than its 1-row matrix-vector product, while the same product written as `W @ xᵀ` is not.
-Measured on SmolLM2-135M (median of 7, interleaved, context 256; see BENCHMARKS.md):
+Decoding lives on forwards over a few rows: plain decoding feeds the target one token a step, a target
+verifies k+1 tokens, an EAGLE head expands a handful of tree nodes, a draft re-reads the tokens just accepted.
+For the target's weights (hundreds of MB, so every product streams them from memory) the BLAS in the torch
+CPU wheel (MKL) is not equally good at every row count, and how it ranks them depends on the CPU. Measured on
+SmolLM2-135M's own linears, swept cold in forward order (2 threads; `python -m draftsmith.targets.gemm`):
 
-    rows fed to the target        1      2      3      4      5      8     16
-    F.linear            (ms)   68.6  109.3  142.1  121.9  113.3  117.8  133.7
-    W @ xᵀ, this module (ms)   67.5   78.1   87.4   80.1   88.4  113.0  122.0
+    one row,  F.linear (a matrix-vector product)       42 ms per forward's worth of linears
+    one row,  W @ [x; 0]ᵀ (the two-column product)     25 ms
+    two rows, F.linear                                 62 ms
+    two rows, W @ xᵀ                                    23 ms
 
-so verifying 2-5 tokens costs 1.15-1.3 one-token steps instead of 1.6-2.1. For a vocabulary projection
-(49,152 x 576) the transposed product wins up to ~64 rows, which also speeds the data engine's batched
-decode steps; for the small projections it loses past ~8 rows. Only inference takes this path (no tensor
-needs a gradient), on CPU, in float32 — where it was measured; everything else goes to `F.linear`.
-The result equals `F.linear` up to float summation order (the tests check it).
+so on that AMD EPYC a one-token step — the step plain decoding takes every time — was the slowest forward of
+all (68 ms, against 38 ms for two tokens), and every speculative speedup measured there mixed what speculation
+buys with the cheaper kernel only the speculative runs took. The matrix-vector kernel is slow there whether it
+runs on one thread or two: this is not a threading problem but the kernel, so the fix is to send one row
+through the two-column product too, padded with a zero row (the extra column is free: the product is
+bound by reading W, not by arithmetic).
 
-Other CPUs and BLAS builds may rank the two products differently: `python -m draftsmith.targets.gemm`
-measures both side by side on a target, and DRAFTSMITH_ROWS_LINEAR=0 turns this path off.
+Which product wins at which row count is *measured at load* (`calibrate`, ~2 s for a 135M target, run by
+`targets.loading.freeze` on a float32 CPU target), separately for ordinary projections and for vocabulary
+projections (≥ VOCAB_OUT outputs), and applies to everything that runs on that machine: plain decoding (the
+baseline), the verifier, the heads, the data engine. `describe()` is what reports record. Only inference
+takes this path (no tensor needs a gradient), on CPU, in float32; everything else goes to `F.linear`. The
+result equals `F.linear` up to float summation order (the tests check it). DRAFTSMITH_ROWS_LINEAR=0 turns the
+path off (plain `F.linear` everywhere); HF `generate`, the outside reference in reports, runs with it off
+(`disabled()`), as a user's own model would.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
 import os
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,30 +44,140 @@ from torch import nn
 
 ENABLED = os.environ.get("DRAFTSMITH_ROWS_LINEAR", "1") != "0"
 
-SMALL_ROWS = 8  # most rows sent the transposed way for an ordinary projection
-VOCAB_ROWS = 64  # ... and for a projection with at least VOCAB_OUT outputs (an lm_head)
-VOCAB_OUT = 8192
+VOCAB_OUT = 8192  # a projection with at least this many outputs is a vocabulary projection (an lm_head)
+SMALL_ROWS = 8  # before any measurement: the transposed product for 2..SMALL_ROWS rows of an ordinary projection
+VOCAB_ROWS = 64  # ... and for 2..VOCAB_ROWS rows of a vocabulary projection
+# row counts `calibrate` measures; a count in between takes the answer of the largest measured count below it,
+# and a count past the last takes F.linear (many rows are a real matrix product, where BLAS is at home)
+MEASURED_ROWS = {"small": (1, 2, 3, 4, 5, 6, 8, 12, 16), "vocab": (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)}
 
 
-def _transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not ENABLED or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() == 0:
-        return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    limit = VOCAB_ROWS if weight.shape[0] >= VOCAB_OUT else SMALL_ROWS
-    if not 2 <= rows <= limit:
+@dataclass
+class Plan:
+    """Per class of projection ("small", "vocab"): (rows, transposed?) at the measured row counts, ascending."""
+
+    rows: dict[str, list[tuple[int, bool]]]
+    source: str = "default"  # "default" (nothing measured yet) or "measured"
+    sweep_ms: dict = field(default_factory=dict)  # class -> rows -> {"linear": ms, "transposed": ms}
+    threads: int | None = None
+
+    def transposed(self, cls: str, rows: int) -> bool:
+        table = self.rows.get(cls) or []
+        i = bisect.bisect_right(table, (rows, True)) - 1
+        return i >= 0 and table[i][1] and rows <= table[-1][0]
+
+
+def _default_plan() -> Plan:
+    return Plan({"small": [(1, False), (2, True), (SMALL_ROWS, True), (SMALL_ROWS + 1, False)],
+                 "vocab": [(1, False), (2, True), (VOCAB_ROWS, True), (VOCAB_ROWS + 1, False)]})
+
+
+_plan = _default_plan()
+_measured: dict[tuple, Plan] = {}  # by the shapes of a model's linears and the thread count
+
+
+def _class(weight: torch.Tensor) -> str:
+    return "vocab" if weight.shape[0] >= VOCAB_OUT else "small"
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() == 0:
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, computed as `(weight @ xᵀ)ᵀ` when that is the faster product (see above)."""
-    if not _transposed(x, weight):
-        return F.linear(x, weight, bias)
+def _transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not ENABLED or not _eligible(x, weight):
+        return False
+    return _plan.transposed(_class(weight), x.numel() // max(x.shape[-1], 1))
+
+
+def _transposed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
-    y = torch.mm(weight, flat.t()).t().contiguous()  # consumers reduce over the last dim: keep it dense
+    rows = flat.shape[0]
+    if rows == 1:  # the two-column product, second column zero (see the module docstring)
+        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    y = torch.mm(weight, flat.t())[:, :rows].t().contiguous()  # consumers reduce over the last dim: keep it dense
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, computed as `(weight @ xᵀ)ᵀ` where that is the faster product (see above)."""
+    if not _transposed(x, weight):
+        return F.linear(x, weight, bias)
+    return _transposed_product(x, weight, bias)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Plain `F.linear` everywhere inside the block (the stock kernels, e.g. for an outside reference)."""
+    global ENABLED
+    saved, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = saved
+
+
+def _sweep(weights: list[torch.Tensor], inputs: dict, rows: int, way: str) -> float:
+    """Seconds to multiply `rows` rows by every weight in turn, one way ("linear" or "transposed")."""
+    t0 = time.perf_counter()
+    for w in weights:
+        x = inputs[(rows, w.shape[1])]
+        F.linear(x, w) if way == "linear" else _transposed_product(x, w, None)
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, repeats: int = 3) -> Plan | None:
+    """Measure, on this machine, F.linear against the transposed product over `model`'s own float32 CPU
+    linears at the row counts of MEASURED_ROWS, and make the faster one the plan. Each class's linears are
+    swept in module order, so the weights come from memory as in a forward; the two ways alternate, median
+    of `repeats` (after a warm-up sweep). Returns the plan (also kept as the active one), or None when the
+    model has no such linears or the path is off. The same shapes are measured once per process."""
+    global _plan
+    if not ENABLED:
+        return None
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"
+               and m.weight.dtype == torch.float32]
+    if not linears:
+        return None
+    key = (tuple((m.weight.shape[0], m.weight.shape[1]) for m in linears), torch.get_num_threads())
+    if key in _measured:
+        _plan = _measured[key]
+        return _plan
+    g = torch.Generator().manual_seed(0)
+    plan = Plan({}, source="measured", threads=torch.get_num_threads())
+    for cls, counts in MEASURED_ROWS.items():
+        weights = [m.weight for m in linears if _class(m.weight) == cls]
+        if not weights:
+            continue
+        inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], generator=g) for n in counts for w in weights}
+        times: dict[int, dict[str, list[float]]] = {n: {"linear": [], "transposed": []} for n in counts}
+        for rep in range(repeats + 1):  # the first round warms up
+            for n in counts:
+                for way in ("linear", "transposed") if rep % 2 else ("transposed", "linear"):
+                    dt = _sweep(weights, inputs, n, way)
+                    if rep:
+                        times[n][way].append(dt)
+        med = {n: {way: statistics.median(v) for way, v in t.items()} for n, t in times.items()}
+        plan.rows[cls] = [(n, med[n]["transposed"] < med[n]["linear"]) for n in counts]
+        plan.sweep_ms[cls] = {n: {way: round(s * 1e3, 3) for way, s in m.items()} for n, m in med.items()}
+    _measured[key] = _plan = plan
+    return plan
+
+
+def describe() -> dict:
+    """What reports record: whether the path is on, where its plan came from, and which row counts take it."""
+    return {
+        "enabled": ENABLED,
+        "plan": _plan.source,
+        "threads": _plan.threads,
+        "transposed_rows": {cls: [n for n, t in table if t] for cls, table in _plan.rows.items()},
+        "sweep_ms": _plan.sweep_ms,
+    }
 
 
 class RowsLinear(nn.Linear):
@@ -117,21 +238,29 @@ def compare(target, rows: list[int], context: int = 256, repeats: int = 7) -> di
 
 
 def main(argv: list[str] | None = None) -> None:
+    # the package's own module, not this __main__ copy: its plan and switch are the ones the target's layers read
+    from draftsmith.targets import gemm
     from draftsmith.targets.loading import load_target
 
     ap = argparse.ArgumentParser(prog="python -m draftsmith.targets.gemm",
-                                 description="F.linear vs W @ x^T in a target forward over a few rows")
+                                 description="F.linear vs W @ x^T over a few rows: the plan measured at load, and "
+                                             "whole target forwards with the path off and on")
     ap.add_argument("target", nargs="?", default=None)
     ap.add_argument("--rows", default="1,2,3,4,5,8,12,16,32")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
-    target = load_target(args.target)
+    target = load_target(args.target)  # measures the plan (freeze -> calibrate)
+    d = gemm.describe()
+    print(f"{target.name}: plan {d['plan']}, {d['threads']} threads; transposed product at rows {d['transposed_rows']}")
+    for cls, table in d["sweep_ms"].items():
+        print(f"  {cls} projections, ms per sweep (linear / transposed): "
+              + ", ".join(f"{n}: {t['linear']:.1f}/{t['transposed']:.1f}" for n, t in table.items()))
     rows = [int(r) for r in args.rows.split(",")]
-    res = compare(target, rows, args.context, args.repeats)
+    res = gemm.compare(target, rows, args.context, args.repeats)
     base = res[rows[0]]
-    print(f"{target.name}, context {args.context}, median of {args.repeats}, {torch.get_num_threads()} threads")
-    print("| rows | F.linear ms | W @ x^T ms | ratio | v (F.linear) | v (W @ x^T) |")
+    print(f"whole forwards, context {args.context}, median of {args.repeats}, interleaved")
+    print("| rows | F.linear ms | this module ms | ratio | v (F.linear) | v (this module) |")
     print("|---|---|---|---|---|---|")
     for n in rows:
         a, b = res[n]["linear"], res[n]["rows"]

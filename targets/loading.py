@@ -97,13 +97,15 @@ class Target:
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
-    """Eval mode, no gradients, and few-row linears computed the fast way on CPU (targets/gemm.py)."""
+    """Eval mode, no gradients, and few-row linears computed the way this machine computes them fastest
+    (targets/gemm.py: measured here, once per process and model shape, for a float32 model on the CPU)."""
     # imported here, not at module level, so that `python -m draftsmith.targets.gemm` runs the module fresh
-    from draftsmith.targets.gemm import use_rows_linear
+    from draftsmith.targets.gemm import calibrate, use_rows_linear
 
     model.eval()
     model.requires_grad_(False)
     use_rows_linear(model)
+    calibrate(model)
     return model
 
 
