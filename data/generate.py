@@ -39,7 +39,7 @@ from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import PromptRow, load_prompts
 from draftsmith.errors import DataError
 from draftsmith.storage import atomic_dir, atomic_write_json, atomic_write_text, read_json, sha256_json
-from draftsmith.targets import check_compatible, load_target
+from draftsmith.targets import check_compatible, gemm, load_target
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +372,7 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
         "config": to_dict(config),
         "sampling": _generation_key(config, target.fingerprint())["sampling"],
         "precision": precision,
+        "few_row_kernels": gemm.describe(),  # the products the timing below ran on (targets/gemm.py)
         "counts": {
             "rows": len(records), "per_domain": dict(sorted(Counter(r["domain"] for r in records).items())),
             "per_source": dict(sorted(Counter(r["source"] for r in records).items())),

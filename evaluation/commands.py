@@ -105,6 +105,8 @@ def run(args) -> int:
     o = report["overall"]
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     print(f"overall: alpha {fmt(o['alpha'])}, tau {fmt(o['tau'])}, {fmt(o['tokens_per_s'])} tok/s vs "
-          f"{fmt(o['baseline_tokens_per_s'])} plain, speedup {fmt(o['speedup'])}, lossless {o['lossless']}")
+          f"{fmt(o['baseline_tokens_per_s'])} plain, speedup {fmt(o['speedup'])}"
+          + (f" ({fmt(o['speedup_vs_hf_generate'])} vs HF generate)" if o.get("speedup_vs_hf_generate") else "")
+          + f", lossless {o['lossless']}")
     print(f"report: {out / 'report.json'}")
     return 0

@@ -9,7 +9,8 @@ from draftsmith.storage import atomic_write_json, atomic_write_text
 
 FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "conditional_acceptance",
           "tokens_per_s",
-          "baseline_tokens_per_s", "speedup", "lossless", "hf_generate_tokens_per_s", "predicted_speedup",
+          "baseline_tokens_per_s", "speedup", "lossless", "hf_generate_tokens_per_s", "speedup_vs_hf_generate",
+          "predicted_speedup",
           "verified_nodes_per_step"]
 
 
@@ -24,6 +25,16 @@ def _contention_line(share: float | None, what: str) -> list[str]:
         return ["", f"**{what} was measured while other processes used {100 * share:.0f}% of the CPU: it overstates "
                     "the cost of larger forwards (trees and k come out too small). Rerun on a quiet machine.**"]
     return ["", f"{what} was measured while other processes used {100 * share:.0f}% of the CPU."]
+
+
+def _kernel_lines(k: dict | None) -> list[str]:
+    """The few-row kernel plan the run used (targets/gemm.py)."""
+    if not k:
+        return []
+    if not k.get("enabled"):
+        return ["- few-row kernels: off (F.linear everywhere)"]
+    rows = "; ".join(f"{cls} projections at rows {v}" for cls, v in k.get("transposed_rows", {}).items())
+    return [f"- few-row kernels ({k.get('plan')} plan, {k.get('threads')} threads): W @ xᵀ for {rows or 'no rows'}"]
 
 
 def _fmt(v) -> str:
@@ -50,8 +61,10 @@ def render_markdown(report: dict) -> str:
            f"{s.get('tree_max_nodes')} nodes)" if s.get("prune_tree") else "")
         + (f", draft networks in {s['draft_dtype']}" if s.get("draft_dtype") else ""),
         f"- machine: {report['machine'].get('platform')}, {report['machine'].get('cpu_count')} CPUs, "
-        f"device {report['machine'].get('device')}", "",
+        f"device {report['machine'].get('device')}", *_kernel_lines(report["machine"].get("few_row_kernels")), "",
         "## Per domain", "",
+        "speedup is against our plain decoding (the fastest this machine does, same kernels as the verifier); "
+        "speedup_vs_hf_generate against HF `generate` with its stock kernels.", "",
     ]
     names = list(report["domains"]) + ["overall"]
     lines.append("| field | " + " | ".join(names) + " |")

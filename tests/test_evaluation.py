@@ -161,14 +161,29 @@ def check_report(report, out_dir, lossless=True):
     assert json.loads((out_dir / "report.json").read_text())["overall"]["n_prompts"] == report["overall"]["n_prompts"]
 
 
-def test_evaluate_api_draft_with_hf_references(tiny_target, prompt_files, tmp_path):
+def test_evaluate_api_draft_with_hf_references(tiny_target, prompt_files, tmp_path, monkeypatch):
     from draftsmith.decoding.draft import DraftProposer
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
+    from draftsmith.targets import gemm
 
+    # HF generate, the outside reference, runs with the stock kernels; our plain decoding with the plan
+    kernels_in_hf = []
+    real_generate = type(tiny_target.model).generate
+
+    def spy(self, *a, **kw):
+        kernels_in_hf.append(gemm.ENABLED)
+        return real_generate(self, *a, **kw)
+
+    monkeypatch.setattr(type(tiny_target.model), "generate", spy)
     report = evaluate(tiny_target, DraftProposer(tiny_target), prompts=prompt_files, max_new_tokens=8, k=3,
                       cost_context=16, cost_k_max=4, cost_repeats=1, limit_per_domain=2)
+    assert kernels_in_hf and not any(kernels_in_hf) and gemm.ENABLED
+    assert report["machine"]["few_row_kernels"] == gemm.describe()
+    o = report["overall"]
+    assert o["speedup_vs_hf_generate"] == o["tokens_per_s"] / o["hf_generate_tokens_per_s"]
     out = write_report(report, tmp_path / "r")
+    assert "few-row kernels (measured plan" in (out / "report.md").read_text()
     check_report(report, out)
     assert report["overall"]["alpha"] == 1.0  # the target drafting for itself
     assert report["overall"]["n_prompts"] == 2 + 2 + 1
