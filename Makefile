@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.draftsmith-installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup setup-gemma setup-deepspeed test test-fast demo bench bench-quick lint clean
+.PHONY: setup setup-gemma setup-deepspeed setup-llamacpp test test-fast demo bench bench-quick lint clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,12 @@ setup-gemma: setup
 
 setup-deepspeed: setup
 	$(BIN)/pip install -q --no-build-isolation deepspeed
+
+# llama.cpp, the CPU engine a user would pick instead: an outside reference in `draftsmith bench` and
+# `python -m draftsmith.benchmark.llamacpp`. Built from its source package for this CPU (-march=native; about
+# 8 minutes on 2 cores, less without the multimodal tools); not part of setup.
+setup-llamacpp: setup
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/pip install -q --no-binary llama-cpp-python llama-cpp-python==0.3.36
 
 # pytest exits 5 when it collects nothing: that means the suite was not found, so it fails too.
 test: setup

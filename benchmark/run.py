@@ -5,6 +5,10 @@ every number carries the exact command that produced it, and memory is returned 
 
     data       draftsmith data generate (or reuse an existing dataset)
     engine     python -m draftsmith.data.bench: continuous batching vs one prompt at a time vs HF generate
+    baseline   python -m draftsmith.evaluation.baseline: is plain decoding's one-token step not slower than a
+               two-token verify forward? (the summary says FAILED where it is: every speedup would be inflated)
+    llamacpp   python -m draftsmith.benchmark.llamacpp: llama.cpp's tokens/s on the same GGUF and prompts,
+               beside our plain decoding (where `make setup-llamacpp` installed it and the target is a GGUF)
     train/<a>  draftsmith distill | train medusa | train eagle with the budget's max steps
     eval/<a>   draftsmith evaluate: each artifact and baseline vs plain decoding (k = 0) and HF generate
                (+ HF assisted generation for draft models), per domain, in the same process
@@ -126,7 +130,7 @@ class Bench:
         # stages to run again though finished: measurements only (a training stage resumes from its own
         # final checkpoint, so redoing it would change nothing)
         self.redo = set(redo or [])
-        can = [n for n, _ in self.plan() if n == "engine" or n.startswith("eval/")]
+        can = [n for n, _ in self.plan() if n in ("engine", "baseline", "llamacpp") or n.startswith("eval/")]
         if self.redo - set(can):
             raise DraftsmithError(f"bench --redo: cannot redo {', '.join(sorted(self.redo - set(can)))} "
                                   f"(measurement stages: {', '.join(can)})")
@@ -170,6 +174,33 @@ class Bench:
                 self.cfg.target, "--json", str(self.out / "engine.json")]
         self._stage("engine", self.out / "engine.json", argv)
 
+    def stage_baseline(self) -> None:
+        argv = [sys.executable, "-m", "draftsmith.evaluation.baseline", self.cfg.target,
+                "--repeats", str(max(self.b.cost_repeats, 5)), "--json", str(self.out / "baseline.json"),
+                "--record-only"]
+        self._stage("baseline", self.out / "baseline.json", argv)
+
+    def stage_llamacpp(self) -> None:
+        import importlib.util
+
+        from draftsmith.targets.embedded import EMBEDDED
+
+        spec = self.cfg.target
+        skip = None
+        if importlib.util.find_spec("llama_cpp") is None:
+            skip = "llama-cpp-python not installed (make setup-llamacpp)"
+        elif spec not in EMBEDDED and not spec.lower().endswith(".gguf"):
+            skip = f"target {spec} is not a GGUF file: llama.cpp has nothing to decode"
+        if skip:
+            self.stages["llamacpp"] = {"stage": "llamacpp", "skipped": skip}
+            return
+        b = self.b
+        argv = [sys.executable, "-m", "draftsmith.benchmark.llamacpp", self.cfg.target,
+                "--max-new-tokens", str(b.max_new_tokens), "--json", str(self.out / "llamacpp.json")]
+        if b.limit_per_domain is not None:
+            argv += ["--limit-per-domain", str(b.limit_per_domain)]
+        self._stage("llamacpp", self.out / "llamacpp.json", argv)
+
     def artifact_path(self, name: str) -> Path:
         return self.out / "artifacts" / name
 
@@ -211,7 +242,8 @@ class Bench:
 
     # --- the run ----------------------------------------------------------------------------------
     def plan(self) -> list[tuple[str, object]]:
-        steps: list[tuple[str, object]] = [("data", self.stage_data), ("engine", self.stage_engine)]
+        steps: list[tuple[str, object]] = [("data", self.stage_data), ("engine", self.stage_engine),
+                                           ("baseline", self.stage_baseline), ("llamacpp", self.stage_llamacpp)]
         for a in self.cfg.artifacts:
             steps.append((f"train/{a.name}", lambda a=a: self.stage_train(a)))
         for base in self.cfg.baselines:
@@ -272,6 +304,10 @@ def summarize(bench: Bench) -> dict:
                 "tokens": prov.get("counts", {}).get("tokens"), "per_domain": prov.get("counts", {}).get("per_domain"),
                 "generated_tokens_per_s": prov.get("timing", {}).get("tokens_per_s"),
                 "command": _as_typed(bench.stages.get("data", {}).get("command"))}
+    baseline = json.loads((out / "baseline.json").read_text()) if (out / "baseline.json").is_file() else None
+    llamacpp = json.loads((out / "llamacpp.json").read_text()) if (out / "llamacpp.json").is_file() else None
+    if llamacpp:
+        llamacpp["command"] = _as_typed(bench.stages.get("llamacpp", {}).get("command"))
     engine = json.loads((out / "engine.json").read_text()) if (out / "engine.json").is_file() else None
     if engine:
         engine["command"] = _as_typed(bench.stages.get("engine", {}).get("command"))
@@ -282,14 +318,14 @@ def summarize(bench: Bench) -> dict:
             "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count(),
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version()},
-            "data": data, "engine": engine, "training": training,
+            "data": data, "engine": engine, "training": training, "baseline": baseline, "llamacpp": llamacpp,
             "stages": {k: v for k, v in bench.stages.items() if k != "_bench"},
             "reports": {n: _report_rows(r, bench.stages.get(f"eval/{n}", {})) for n, r in reports.items()}}
 
 
 def _report_rows(r: dict, stage: dict) -> dict:
     keep = ("n_prompts", "alpha", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
-            "per_position_acceptance", "hf_generate_tokens_per_s")
+            "per_position_acceptance", "hf_generate_tokens_per_s", "speedup_vs_hf_generate")
     cm = r.get("cost_model", {})
     refs = r.get("references", {})
     return {"proposer": r["proposer"], "command": _as_typed(stage.get("command", r.get("command"))),
@@ -321,6 +357,21 @@ def render(s: dict) -> str:
         lines += [f"**Data**: {d.get('rows')} rows, {d.get('tokens')} tokens, "
                   f"generated at {_f(d.get('generated_tokens_per_s'), '.1f')} tok/s; per domain "
                   f"{json.dumps(d.get('per_domain'))}. Command: `{d.get('command')}`", ""]
+    bl = s.get("baseline")
+    if bl:
+        k = bl.get("kernels") or {}
+        lines += [f"**Plain decoding** (the baseline of every speedup): one-token step "
+                  f"{1e3 * bl['plan_1_token_s']:.1f} ms against a two-token forward {1e3 * bl['plan_2_token_s']:.1f} ms "
+                  f"(ratio {bl['plain_step_over_two_token']:.2f}, {'ok' if bl['ok'] else 'FAILED'}); with the stock "
+                  f"kernels {1e3 * bl['stock_1_token_s']:.1f} / {1e3 * bl['stock_2_token_s']:.1f} ms. Kernel plan "
+                  f"({k.get('plan')}): W @ xᵀ at rows {k.get('transposed_rows')}."
+                  + (" **Timed while other processes used the CPU: not valid.**" if bl.get("contended") else ""), ""]
+    lc = s.get("llamacpp")
+    if lc:
+        t = lc["tokens_per_s"]
+        lines += [f"**llama.cpp** {lc['llama_cpp_version']} on `{lc['gguf']}` (same prompts, same process, "
+                  f"interleaved): {_f(t.get('llama.cpp'), '.1f')} tok/s against our plain decoding "
+                  f"{_f(t.get('draftsmith'), '.1f')} tok/s (float32). Command: `{lc.get('command')}`", ""]
     e = s.get("engine")
     if e:
         lines += ["**Data engine** (same prompts, one process): " + ", ".join(
@@ -351,16 +402,19 @@ def render(s: dict) -> str:
     lines += ["", "Winner: the highest speedup above 1 among lossless proposers that accepted any draft token "
               "(τ > 1). With τ = 1.00 a speedup away from 1 is the timing noise of the run; so is α \"–\": the "
               "cost model cut every tree to nothing, which is plain decoding."]
-    lines += ["", "| proposer | lossless | tokens/s | plain tokens/s | HF generate tokens/s | HF assisted | c | "
-              "v(1) | v(2) | v(4) | peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| proposer | lossless | tokens/s | plain tokens/s | speedup vs plain | HF generate tokens/s | "
+              "speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | peak RSS | command |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lc_tps = _f((lc or {}).get("tokens_per_s", {}).get("llama.cpp"), ".1f")
     for n in names:
         r = s["reports"][n]
         o, v = r["overall"], r.get("v") or {}
         ha = r.get("hf_assisted")
         has = "–" if not ha else f"{_f(ha.get('tokens_per_s'), '.1f')} tok/s, same output: {_f(ha.get('matches_target_greedy'))}"
         lines.append(f"| {n} | {_f(o.get('lossless'))} | {_f(o.get('tokens_per_s'), '.1f')} | "
-                     f"{_f(o.get('baseline_tokens_per_s'), '.1f')} | {_f(r.get('hf_generate_tokens_per_s'), '.1f')} | "
-                     f"{has} | {_f(r.get('c'), '.3f')} | {_f(v.get('1'), '.2f')} | {_f(v.get('2'), '.2f')} | "
+                     f"{_f(o.get('baseline_tokens_per_s'), '.1f')} | {_f(o.get('speedup'), '.2f')} | "
+                     f"{_f(r.get('hf_generate_tokens_per_s'), '.1f')} | {_f(o.get('speedup_vs_hf_generate'), '.2f')} | "
+                     f"{lc_tps} | {has} | {_f(r.get('c'), '.3f')} | {_f(v.get('1'), '.2f')} | {_f(v.get('2'), '.2f')} | "
                      f"{_f(v.get('4'), '.2f')} | {_f(r.get('peak_rss_mb'), '.0f')} MB | `{r['command']}` |")
     lines += ["", f"Per-position acceptance and the v(k) curves: `{s['results']}/acceptance.png`, "
               f"`{s['results']}/verify_cost.png`.", ""]
