@@ -14,6 +14,11 @@ FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position
           "verified_nodes_per_step"]
 
 
+# a measured v(k) below this for k >= 1 means the one-token step is slower than a larger forward: noise of a
+# median of a few forwards stays above it, a slow one-row kernel does not (v(1) read 0.55-0.62 with one)
+V_BELOW_ONE = 0.9
+
+
 def _contention_line(share: float | None, what: str) -> list[str]:
     """The report line saying how quiet the machine was while `what` was timed (cost.CpuShare)."""
     from draftsmith.evaluation.cost import contended
@@ -125,6 +130,12 @@ def render_markdown(report: dict) -> str:
                   "| k | " + " | ".join(cm["v"]) + " |", "|---|" + "---|" * len(cm["v"]),
                   "| v(k) | " + " | ".join(f"{x:.2f}" for x in cm["v"].values()) + " |"]
         lines += _contention_line(cm.get("other_cpu_share"), "v(k)")
+        cheaper = [k for k, x in cm["v"].items() if k != "0" and x < V_BELOW_ONE]
+        if cheaper:
+            lines += ["", f"**v(k) < {V_BELOW_ONE} at k = {', '.join(cheaper)}: a forward over more tokens measured "
+                          "faster than the one-token step, so the one-token step (plain decoding, the baseline of "
+                          "every speedup here) is not on this machine's fastest kernel and the speedups are "
+                          "inflated. Check `python -m draftsmith.evaluation.baseline` and the kernel plan above.**"]
     if cm.get("v_tree"):
         vt = cm["v_tree"]
         lines += ["", "v(n) with the tree mask, used to size the trees (decoding/budget.py):", "",

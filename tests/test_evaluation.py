@@ -184,6 +184,13 @@ def test_evaluate_api_draft_with_hf_references(tiny_target, prompt_files, tmp_pa
     assert o["speedup_vs_hf_generate"] == o["tokens_per_s"] / o["hf_generate_tokens_per_s"]
     out = write_report(report, tmp_path / "r")
     assert "few-row kernels (measured plan" in (out / "report.md").read_text()
+    # a larger forward measured cheaper than the one-token step: the report says the baseline is off its kernel
+    from draftsmith.evaluation.report import render_markdown
+
+    report["cost_model"]["v"] = {"0": 1.0, "1": 0.6, "2": 1.2}
+    assert "v(k) < 0.9 at k = 1:" in render_markdown(report)
+    report["cost_model"]["v"] = {"0": 1.0, "1": 0.95, "2": 1.2}
+    assert "v(k) <" not in render_markdown(report)
     check_report(report, out)
     assert report["overall"]["alpha"] == 1.0  # the target drafting for itself
     assert report["overall"]["n_prompts"] == 2 + 2 + 1
