@@ -311,3 +311,37 @@ def test_draft_networks_run_in_the_draft_dtype(tiny_target, prompt_files, tmp_pa
     assert next(tiny_target.model.parameters()).dtype == torch.float32  # the target drafting for itself: a copy
     assert "draft networks in bfloat16" in (write_report(report, tmp_path / "r") / "report.md").read_text()
     assert evaluate(tiny_target, "ngram", **kw)["settings"]["draft_dtype"] is None  # nothing to cast
+
+
+def test_report_fields_are_pinned(tiny_target, prompt_files):
+    """Every field of the report, for a run with each kind of decoding (plain, speculative, side by side,
+    adaptive k, HF generate): the evaluator's internals may change, what readers of report.json see may not."""
+    from draftsmith.evaluation.evaluate import evaluate
+
+    report = evaluate(tiny_target, "ngram", prompts=prompt_files, max_new_tokens=6, k=2, cost_context=16,
+                      cost_k_max=2, cost_repeats=1, limit_per_domain=1, adaptive=True, compare=["ngram@chain=1"])
+    assert set(report) == {"command", "date", "machine", "target", "proposer", "settings", "domains", "overall",
+                          "cost_model", "recommended_k", "policy", "memory", "references", "prompts"}
+    assert set(report["settings"]) == {
+        "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
+        "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "draft_dtype", "compare_settings"}
+    overall = {"n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance",
+               "conditional_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
+               "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "proposed", "pruned", "verified_nodes_per_step",
+               "accepted", "proposed_per_position", "accepted_per_position", "target_forwards", "new_tokens",
+               "baseline_new_tokens", "proposer_time_s", "target_time_s", "wall_time_s", "baseline_wall_time_s",
+               "compare", "adaptive", "predicted_speedup"}
+    assert set(report["overall"]) == overall
+    assert all(set(d) == overall for d in report["domains"].values())
+    assert set(report["overall"]["compare"]["ngram@chain=1"]) == {
+        "alpha", "tau", "tokens_per_s", "speedup", "lossless", "per_position_acceptance", "conditional_acceptance",
+        "verified_nodes_per_step"}
+    assert set(report["overall"]["adaptive"]) == {"alpha", "tau", "tokens_per_s", "speedup", "lossless", "proposed",
+                                                 "accepted", "target_forwards", "mean_k", "plain_step_share"}
+    assert set(report["references"]) == {"plain_decoding_tokens_per_s", "hf_generate", "plain_vs_hf_generate"}
+    assert set(report["references"]["hf_generate"]) == {"tokens_per_s", "matches_plain_decoding", "n_mismatch"}
+    assert {"c", "t_step_decode_s", "v", "t_step_s", "t_forward_s", "context_length"} <= set(report["cost_model"])
+    assert set(report["policy"]) == set(report["domains"])
+    assert set(report["prompts"][0]) == {"domain", "source", "prompt_tokens", "new_tokens", "lossless", "hf_tokens",
+                                        "hf_time", "hf_matches_baseline", "adaptive_lossless", "alpha", "tau",
+                                        "tokens_per_s", "baseline_tokens_per_s"}
