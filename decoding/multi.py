@@ -98,18 +98,19 @@ def union_spec(specs: list[TreeSpec]) -> TreeSpec:
 class MultiProposer(Proposer):
     """Merge the trees of `proposers` (priority order) into one proposal per step."""
 
+    tracks_branches = True
+
     def __init__(self, proposers: list[Proposer], specs: list[TreeSpec] | None = None, k: int = 4,
                  names: list[str] | None = None):
         if len(proposers) < 2:
             raise ConfigError("a multi-proposer tree needs at least two proposers")
         self.proposers = proposers
         if specs is None:
-            specs = [p.default_tree_spec() if hasattr(p, "default_tree_spec") else TreeSpec.chain(k)
-                     for p in proposers]
+            specs = [p.default_tree_spec() or TreeSpec.chain(k) for p in proposers]
         if len(specs) != len(proposers):
             raise ConfigError(f"{len(proposers)} proposers but {len(specs)} tree specs")
         self.specs = specs
-        self.names = names or _unique([getattr(p, "name", type(p).__name__) for p in proposers])
+        self.names = names or _unique([p.name for p in proposers])
         self.name = "multi:" + "+".join(self.names)
         self.needs_last_hidden = any(p.needs_last_hidden for p in proposers)
         self.target_layers = sorted({int(i) for p in proposers for i in p.target_layers})

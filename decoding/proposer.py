@@ -195,11 +195,23 @@ class AcceptResult:
 
 
 class Proposer(ABC):
-    """Base class. Subclasses implement `propose`; `begin`/`accept` keep proposer state in sync."""
+    """Base class. Subclasses implement `propose`; `begin`/`accept` keep proposer state in sync.
+
+    Optional abilities are declared here with the behaviour of a proposer that lacks them, so the verifier,
+    the evaluator, routing and multi-proposer trees call them on any proposer without probing:
+    `default_tree_spec` (a tree of its own), `fit_tree` (a tree cut once, up front), `use_cost` (drafting
+    stops where the verifier would cut), `use_dtype`, `verifier_target` (Medusa-2), `routes`/`route`
+    (per-request routing), `tracks_branches`/`branch_stats` (whose branch of a merged tree was accepted).
+    """
 
     name: str = "proposer"
     target_layers: list[int] = []
     needs_last_hidden: bool = False
+    # a Target this proposer must be verified by instead of the run's (Medusa-2: the target with the
+    # artifact's adapter merged); plain decoding, HF generate and the cost model then use it too
+    verifier_target = None
+    routes: bool = False  # picks a route per request: call `route` before each (decoding/routing.py)
+    tracks_branches: bool = False  # counts whose branch was accepted: `branch_stats` (decoding/multi.py)
 
     @property
     def needs_features(self) -> bool:
@@ -225,6 +237,37 @@ class Proposer(ABC):
         Whatever the draft computes in, verification by the target keeps decoding lossless: greedy output
         is the target's, and a sampling proposer samples from, and reports, the q it actually computed."""
         return False
+
+    def default_tree_spec(self) -> TreeSpec | None:
+        """The proposer's own tree (Medusa's calibrated tree, EAGLE-2's budget); None: it has none, and a
+        run decodes it as a chain of k."""
+        return None
+
+    def fit_tree(self, spec: TreeSpec, cost) -> TreeSpec:
+        """A tree that is the same every step, cut once, up front, to the nodes that pay under `cost` (a
+        `decoding.budget.VerifyCost`); a tree that changes every step is cut by the verifier instead."""
+        return spec
+
+    def use_cost(self, cost) -> None:
+        """The verifier's cost model (None: it cuts nothing), for a proposer that can stop drafting what the
+        cut would drop (EAGLE-2)."""
+        return None
+
+    def route(self, domain: str | None = None, text: str | None = None) -> str | None:
+        """Choose the route of the next request (`routes` proposers); returns the domain it was routed by."""
+        return None
+
+    def route_name(self) -> str:
+        """The route the last `route` chose (`routes` proposers)."""
+        return self.name
+
+    def reset_stats(self) -> None:
+        """Start counting `branch_stats` afresh (`tracks_branches` proposers)."""
+        return None
+
+    def branch_stats(self) -> dict[str, dict]:
+        """Per branch: proposed, accepted, wins, steps since `reset_stats` (`tracks_branches` proposers)."""
+        return {}
 
 
 def draft_dtype(setting: str | torch.dtype, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:

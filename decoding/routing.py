@@ -140,13 +140,14 @@ def route_spec(route: dict, proposer: Proposer) -> TreeSpec:
     if route.get("tree"):
         return TreeSpec(tuple(int(b) for b in route["tree"]), route.get("tree_max_nodes"))
     k = route.get("k")
-    if k is None and hasattr(proposer, "default_tree_spec"):
-        return proposer.default_tree_spec()
-    return TreeSpec.chain(int(k if k is not None else 4))
+    own = proposer.default_tree_spec() if k is None else None
+    return own or TreeSpec.chain(int(k if k is not None else 4))
 
 
 class RoutedProposer(Proposer):
     """Delegates each request to the route of its domain (see module docstring)."""
+
+    routes = True
 
     def __init__(self, policy: dict, proposers: dict[str, Proposer]):
         self.policy = policy
@@ -174,14 +175,13 @@ class RoutedProposer(Proposer):
             self.fitted.clear()
         self.cost = cost
         for prop in self.proposers.values():
-            if hasattr(prop, "use_cost"):
-                prop.use_cost(cost)
+            prop.use_cost(cost)
         if self.active is not None:  # the route chosen before this verifier existed gets the cut too
             self.active = (self.active[0], self._route_spec(self.active_entry, self.active[0]))
 
     def _route_spec(self, entry: dict, prop: Proposer) -> TreeSpec:
         spec = route_spec(entry, prop)
-        if self.cost is None or not hasattr(prop, "fit_tree"):
+        if self.cost is None:
             return spec
         key = (entry["proposer"], spec)
         if key not in self.fitted:
@@ -226,6 +226,9 @@ class RoutedProposer(Proposer):
         key = f"{name or 'default'}->{entry['proposer'] if isinstance(entry, dict) else OFF}"
         self.counts[key] = self.counts.get(key, 0) + 1
         return name
+
+    def route_name(self) -> str:
+        return self.active_spec
 
     def default_tree_spec(self) -> TreeSpec:
         """A verifier budget wide enough for every route (per-depth max branching, max node count)."""

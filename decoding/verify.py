@@ -169,8 +169,7 @@ class SequenceVerifier:
     def __init__(self, model, proposer: Proposer, sampling: SamplingConfig, generator: torch.Generator | None,
                  vocab_size: int | None = None, cost=None):
         self.cost = cost  # a decoding.budget.VerifyCost: cut scored proposals to the nodes that pay
-        if hasattr(proposer, "use_cost"):  # a proposer that can stop drafting what would be cut (EAGLE-2)
-            proposer.use_cost(cost)
+        proposer.use_cost(cost)  # a proposer that can stop drafting what would be cut does (EAGLE-2)
         self.model = model
         self.proposer = proposer
         self.sampling = sampling

@@ -22,6 +22,7 @@ records the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -29,6 +30,7 @@ import platform
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -177,222 +179,289 @@ def _summary(spec: GenerationStats, base: GenerationStats, n_prompts: int, lossl
     }
 
 
+@dataclass
+class Entry:
+    """One proposer decoding every prompt of the run: the main one ("spec"), a side-by-side one
+    ("cmp:ENTRY"), or the main one under adaptive k ("adaptive"); `kw` is how `speculative_generate`
+    decodes it (k, tree, cost, adaptive)."""
+
+    name: str
+    proposer: Proposer
+    kw: dict
+    draft_dtype: str | None = None  # what its network runs in (None: it has none to cast)
+
+
+@dataclass
+class Setup:
+    """A run's settings, resolved: the target that verifies, the prompts, the spec tree and every entry."""
+
+    cfg: EvalConfig
+    target: object
+    original_target: object | None  # the run's target when the proposer brings its own verifier (Medusa-2)
+    prop: Proposer
+    spec: TreeSpec
+    rows: list[EvalPrompt]
+    files: list[str]
+    gen_kw: dict
+    entries: list[Entry]
+    assistant: object | None = None  # a draft model for HF assisted generation
+    verify_cost: VerifyCost | None = None
+    tree_cost: dict | None = None
+
+    @property
+    def main(self) -> Entry:
+        return self.entries[0]
+
+    @property
+    def compared(self) -> list[Entry]:
+        return [e for e in self.entries if e.name.startswith("cmp:")]
+
+
 def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | None = None,
              config: EvalConfig | None = None, command: str | None = None, **overrides) -> dict:
     """Evaluate `proposer` on `target` (a Target or a target spec string) and return the report dict.
 
     Settings come from `config` (an EvalConfig) updated with keyword `overrides` (EvalConfig field names).
+    The run: settings -> every prompt decoded by each run (`decode_prompts`) -> a pure aggregation per domain
+    (`aggregate`) -> the cost model, references and the report.
     """
-    import dataclasses
-
     cfg = config or EvalConfig()
     if prompts is not None:
         overrides["prompts"] = list(map(str, prompts))
     if isinstance(proposer, str):
         overrides["proposer"] = proposer
     cfg = dataclasses.replace(cfg, **overrides)
+    setup = build_setup(target, proposer, cfg)
+    per_prompt = decode_prompts(setup)
+    depth = setup.spec.depth
+    domains = {name: aggregate([r for r in per_prompt if r["domain"] == name], depth)
+               for name in sorted({r["domain"] for r in per_prompt})}
+    overall = aggregate(per_prompt, depth)
+    cost_model, recommended, policy = _cost_model(setup, per_prompt, domains, overall)
+    for d in list(domains.values()) + [overall]:
+        d.pop("_stats")
+    name = cfg.proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
+    return _report(setup, name, command, per_prompt, domains, overall, cost_model, recommended, policy)
+
+
+def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
+    """Load what the run needs and decide how each entry decodes: the spec tree (the proposer's own under
+    `tree_from_proposer`), the side-by-side entries' shapes and dtypes, adaptive k's controller, and the
+    trees cut by the cost model measured here."""
     if isinstance(target, str):
         from draftsmith.targets import load_target
 
         target = load_target(target, device=cfg.device, dtype=cfg.dtype)
     prop = proposer if isinstance(proposer, Proposer) else build_proposer(cfg.proposer, target)
     original_target = None
-    if getattr(prop, "verifier_target", None) is not None:
-        # Medusa-2: lossless with respect to the target with the artifact's adapter merged (heads/medusa2.py);
-        # plain decoding, HF generate and the cost model all use that target too
+    if prop.verifier_target is not None:
         original_target, target = target, prop.verifier_target
-    model, tok = target.model, target.tokenizer
     device = target.device
     drafts_in = draft_dtype(cfg.draft_dtype, target.dtype, device)
     cast = prop.use_dtype(drafts_in)
-    eos = list(target.eos_token_ids)
-    eos_set = set(eos)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else None)
     if cfg.tree_from_proposer:
-        if not hasattr(prop, "default_tree_spec"):
-            raise ConfigError(f"proposer '{cfg.proposer}' has no tree of its own: give tree branching factors")
         spec = prop.default_tree_spec()
+        if spec is None:
+            raise ConfigError(f"proposer '{cfg.proposer}' has no tree of its own: give tree branching factors")
         cfg = dataclasses.replace(cfg, tree=list(spec.branching))
     else:
         spec = TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)
     files = cfg.prompts or [str(p) for p in default_prompt_files()]
-    rows: list[EvalPrompt] = load_prompts(files, cfg.limit_per_domain, cfg.seed)
-    gen_kw = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos)
-    spec_kw = dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k)
-    assistant = prop.model if isinstance(prop, DraftProposer) and cfg.hf_reference else None
-    routed = hasattr(prop, "route")  # decoding.routing.RoutedProposer: pick each request's route first
-    branches = hasattr(prop, "branch_stats")  # decoding.multi.MultiProposer: whose branch was accepted
-    controller = None
+    rows = load_prompts(files, cfg.limit_per_domain, cfg.seed)
+    eos = list(target.eos_token_ids)
+    entries = [Entry("spec", prop, dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k),
+                     dtype_name(drafts_in) if cast else None)]
     if cfg.adaptive:
         from draftsmith.decoding.adaptive import AdaptiveK
 
         log.info("adaptive k: measuring v(k), k = 0..%d, for the controller", cfg.k)
         controller = AdaptiveK(cost.measure_verify_cost(target, cfg.cost_context, cfg.k, 3, cfg.seed)["v"], k_max=cfg.k)
-    if routed:
-        prop.route(domain=rows[0].domain, text=rows[0].text)
-    # side-by-side proposers: same prompts, same process, same rotation (each with its own tree, or chain k)
-    others, other_dtypes = {}, {}
-    for s in cfg.compare:
-        name, shape, own_dtype = _compare_entry(s)
-        other = build_proposer(name, target)
-        if getattr(other, "verifier_target", None) is not None:
-            raise ConfigError(f"compare '{s}': a Medusa-2 artifact is verified by its own adapted target, not by "
-                              f"the target of this run; evaluate it in a run of its own")
-        other_dtype = draft_dtype(own_dtype, target.dtype, device) if own_dtype else drafts_in
-        other_cast = other.use_dtype(other_dtype)
-        if shape is None:  # the run's own shape: the proposer's tree under --tree auto, else a chain of --k
-            own = other.default_tree_spec() if cfg.tree_from_proposer and hasattr(other, "default_tree_spec") else None
-        elif shape == "tree":
-            if not hasattr(other, "default_tree_spec"):
-                raise ConfigError(f"compare '{s}': proposer '{name}' has no tree of its own: give @tree=B1,B2,...")
-            own = other.default_tree_spec()
-        elif isinstance(shape, TreeSpec):
-            own = shape
-        else:  # "chain" (of --k) or a chain of K tokens
-            own = None
-        others[s] = (other, dict(tree=own, k=None) if own is not None else
-                     dict(k=shape if isinstance(shape, int) else cfg.k))
-        other_dtypes[s] = dtype_name(other_dtype) if other_cast else None
-    verify_cost = tree_cost = None
+        entries.append(Entry("adaptive", prop, dict(k=cfg.k, adaptive=controller)))
+    prop.route(domain=rows[0].domain, text=rows[0].text)  # a routed proposer measures with a route chosen
+    entries += [_compare(s, target, cfg, drafts_in) for s in cfg.compare]
+    setup = Setup(cfg, target, original_target, prop, spec, rows, files,
+                  dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos), entries,
+                  assistant=prop.model if isinstance(prop, DraftProposer) and cfg.hf_reference else None)
     if cfg.prune_tree and not spec.is_chain:
-        # scored trees (Medusa, EAGLE-2) are cut every step to the nodes that pay: v(n) with a tree mask,
-        # measured here before decoding, over every node count a tree of this run can have
-        n_max = max([spec.capacity()] + [kw["tree"].capacity() for _, kw in others.values() if kw.get("tree")])
-        log.info("measuring v(n), n = 0..%d tree nodes, to size the trees", n_max)
-        tree_cost = cost.measure_verify_cost(target, cfg.cost_context, n_max, min(cfg.cost_repeats, 5), cfg.seed,
-                                             tree_mask=True)
-        verify_cost = VerifyCost.from_measurement(tree_cost)
-        spec_kw["cost"] = verify_cost
-        if hasattr(prop, "fit_tree"):  # a tree that is the same every step (Medusa's) is cut once, up front
-            spec = prop.fit_tree(spec, verify_cost)
-            spec_kw["tree"] = spec
-            log.info("tree cut to %d nodes, branching %s, by the cost model", spec.capacity(), list(spec.branching))
-        for other, kw in others.values():
-            if kw.get("tree") is not None:
-                kw["cost"] = verify_cost
-                if hasattr(other, "fit_tree"):
-                    kw["tree"] = other.fit_tree(kw["tree"], verify_cost)
+        _cut_trees(setup)
+    return setup
 
-    # warm-up (not counted): every code path once
-    warm = format_prompt(tok, rows[0].text)
-    speculative_generate(target, None, [warm], min(8, cfg.max_new_tokens), k=0, seed=cfg.seed, **gen_kw)
-    speculative_generate(target, prop, [warm], min(8, cfg.max_new_tokens), seed=cfg.seed, **spec_kw, **gen_kw)
-    for other, kw in others.values():
-        speculative_generate(target, other, [warm], min(8, cfg.max_new_tokens), seed=cfg.seed, **kw, **gen_kw)
-    if cfg.hf_reference:
-        _hf_generate(model, warm[:], dataclasses.replace(cfg, max_new_tokens=min(8, cfg.max_new_tokens)), eos, pad)
+
+def _compare(entry: str, target, cfg: EvalConfig, drafts_in: torch.dtype) -> Entry:
+    """A side-by-side entry `PROPOSER[@SHAPE][@DTYPE]` (see `_compare_entry`) as it decodes in this run."""
+    name, shape, own_dtype = _compare_entry(entry)
+    other = build_proposer(name, target)
+    if other.verifier_target is not None:
+        raise ConfigError(f"compare '{entry}': a Medusa-2 artifact is verified by its own adapted target, not by "
+                          f"the target of this run; evaluate it in a run of its own")
+    other_dtype = draft_dtype(own_dtype, target.dtype, target.device) if own_dtype else drafts_in
+    other_cast = other.use_dtype(other_dtype)
+    if shape is None:  # the run's own shape: the proposer's tree under --tree auto, else a chain of --k
+        own = other.default_tree_spec() if cfg.tree_from_proposer else None
+    elif shape == "tree":
+        own = other.default_tree_spec()
+        if own is None:
+            raise ConfigError(f"compare '{entry}': proposer '{name}' has no tree of its own: give @tree=B1,B2,...")
+    elif isinstance(shape, TreeSpec):
+        own = shape
+    else:  # "chain" (of --k) or a chain of K tokens
+        own = None
+    kw = dict(tree=own, k=None) if own is not None else dict(k=shape if isinstance(shape, int) else cfg.k)
+    return Entry(f"cmp:{entry}", other, kw, dtype_name(other_dtype) if other_cast else None)
+
+
+def _cut_trees(setup: Setup) -> None:
+    """Scored trees (Medusa, EAGLE-2) are cut every step to the nodes that pay: v(n) with a tree mask,
+    measured here before decoding, over every node count a tree of this run can have. A tree that is the
+    same every step (Medusa's) is cut once, up front."""
+    cfg, trees = setup.cfg, [e for e in setup.entries if e.kw.get("tree") is not None]
+    n_max = max(e.kw["tree"].capacity() for e in trees)
+    log.info("measuring v(n), n = 0..%d tree nodes, to size the trees", n_max)
+    setup.tree_cost = cost.measure_verify_cost(setup.target, cfg.cost_context, n_max, min(cfg.cost_repeats, 5),
+                                               cfg.seed, tree_mask=True)
+    setup.verify_cost = VerifyCost.from_measurement(setup.tree_cost)
+    for e in trees:
+        e.kw["cost"] = setup.verify_cost
+        e.kw["tree"] = e.proposer.fit_tree(e.kw["tree"], setup.verify_cost)
+    setup.spec = setup.main.kw["tree"]
+    log.info("tree cut to at most %d nodes, branching %s, by the cost model", setup.spec.capacity(),
+             list(setup.spec.branching))
+
+
+def decode_prompts(setup: Setup) -> list[dict]:
+    """Decode every prompt with every run — plain decoding ("base"), each entry, HF generate ("hf") — in an
+    order that rotates prompt by prompt, so that a drift in machine load hits each alike; one record per
+    prompt with each run's statistics and whether its output is the target's."""
+    cfg, target, prop = setup.cfg, setup.target, setup.prop
+    tok, gen_kw = target.tokenizer, setup.gen_kw
+    eos = gen_kw["eos_ids"]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else None)
+
+    def runner(name: str):
+        if name == "base":
+            return lambda ids, seed, n: speculative_generate(target, None, [ids], n, k=0, seed=seed, **gen_kw)
+        if name == "hf":
+            return lambda ids, seed, n: _hf_generate(target.model, ids, dataclasses.replace(cfg, max_new_tokens=n),
+                                                     eos, pad)
+        e = next(e for e in setup.entries if e.name == name)
+        return lambda ids, seed, n: speculative_generate(target, e.proposer, [ids], n, seed=seed, **e.kw, **gen_kw)
+
+    names = ["base", "spec"] + (["hf"] if cfg.hf_reference else []) + [e.name for e in setup.entries[1:]]
+    runs = {name: runner(name) for name in names}
+    warm = format_prompt(tok, setup.rows[0].text)  # every code path once, not counted
+    for name in names:
+        if name != "adaptive":
+            runs[name](warm, cfg.seed, min(8, cfg.max_new_tokens))
 
     per_prompt = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(setup.rows):
         ids = format_prompt(tok, row.text)
-        seed = cfg.seed + i
-        # the three runs rotate their order prompt by prompt, so a drift in machine load hits each alike
-        runs: dict = {}
-        route = prop.route(domain=row.domain, text=row.text) if routed else None
-        if branches:
-            prop.reset_stats()
-        order = ["base", "spec", "hf"] + (["adaptive"] if controller is not None else []) + \
-            [f"cmp:{s}" for s in others]
-        for name in order[i % len(order):] + order[: i % len(order)]:
-            if name == "base":
-                runs["base"] = speculative_generate(target, None, [ids], cfg.max_new_tokens, k=0, seed=seed, **gen_kw)
-            elif name == "spec":
-                runs["spec"] = speculative_generate(target, prop, [ids], cfg.max_new_tokens, seed=seed, **spec_kw,
-                                                    **gen_kw)
-                if branches:
-                    runs["branches"] = prop.branch_stats()
-            elif name.startswith("cmp:"):
-                other, kw = others[name[4:]]
-                runs[name] = speculative_generate(target, other, [ids], cfg.max_new_tokens, seed=seed, **kw, **gen_kw)
-            elif name == "adaptive":
-                runs["adaptive"] = speculative_generate(target, prop, [ids], cfg.max_new_tokens, k=cfg.k, seed=seed,
-                                                        adaptive=controller, **gen_kw)
-            elif cfg.hf_reference:
-                runs["hf"] = _hf_generate(model, ids, cfg, eos, pad)
-        base, sp = runs["base"], runs["spec"]
-        rec = {"domain": row.domain, "source": row.source, "prompt_tokens": len(ids), "base": base.stats,
-               "spec": sp.stats, "new_tokens": len(sp.tokens[0]),
-               "lossless": (sp.tokens[0] == base.tokens[0]) if cfg.temperature == 0 else None}
-        if routed:
-            rec["route"] = _route_name(prop)
-            rec["routed_as"] = route
-        if branches:
-            rec["branches"] = runs["branches"]
-        if others:
-            rec["compare"] = {s: (runs[f"cmp:{s}"].stats, (runs[f"cmp:{s}"].tokens[0] == base.tokens[0])
-                                  if cfg.temperature == 0 else None) for s in others}
-        if "adaptive" in runs:
-            ad = runs["adaptive"]
-            rec["adaptive"] = ad.stats
-            rec["adaptive_k"] = ad.k_history[0]
-            rec["adaptive_lossless"] = (ad.tokens[0] == base.tokens[0]) if cfg.temperature == 0 else None
-        if cfg.hf_reference:
-            hf_tokens, hf_time = runs["hf"]
-            hf_tokens = _strip_after_eos(hf_tokens, eos_set)
-            rec["hf_tokens"], rec["hf_time"] = len(hf_tokens), hf_time
-            rec["hf_matches_baseline"] = (hf_tokens == base.tokens[0]) if cfg.temperature == 0 else None
-            if assistant is not None:
-                as_tokens, as_time = _hf_generate(model, ids, cfg, eos, pad, assistant_model=assistant)
-                as_tokens = _strip_after_eos(as_tokens, eos_set)
-                rec["assisted_tokens"], rec["assisted_time"] = len(as_tokens), as_time
-                rec["assisted_matches_baseline"] = (as_tokens == base.tokens[0]) if cfg.temperature == 0 else None
+        routed_as = prop.route(domain=row.domain, text=row.text) if prop.routes else None
+        prop.reset_stats()
+        out: dict = {}
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            out[name] = runs[name](ids, cfg.seed + i, cfg.max_new_tokens)
+            if name == "spec" and prop.tracks_branches:
+                out["branches"] = prop.branch_stats()
+        rec = _record(setup, row, ids, out, routed_as, eos, pad)
         per_prompt.append(rec)
-        log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s%s", i + 1, len(rows),
-                 row.domain, row.source, rec["new_tokens"], f"{sp.stats.alpha:.2f}" if sp.stats.alpha is not None
-                 else "-", sp.stats.tau or 0, sp.stats.new_tokens / sp.stats.wall_time,
-                 base.stats.new_tokens / base.stats.wall_time,
+        sp, base = rec["spec"], rec["base"]
+        log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s%s", i + 1, len(setup.rows),
+                 row.domain, row.source, rec["new_tokens"], f"{sp.alpha:.2f}" if sp.alpha is not None else "-",
+                 sp.tau or 0, sp.new_tokens / sp.wall_time, base.new_tokens / base.wall_time,
                  f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "",
                  "" if rec["lossless"] is not False else " NOT LOSSLESS")
+    return per_prompt
 
-    def aggregate(recs: list[dict]) -> dict:
-        s, b = GenerationStats(), GenerationStats()
+
+def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as, eos: list[int], pad) -> dict:
+    """One prompt's record from its runs' results (greedy: each output compared with plain decoding's)."""
+    cfg, prop = setup.cfg, setup.prop
+    greedy = cfg.temperature == 0
+    base = out["base"]
+
+    def same(result) -> bool | None:
+        return (result.tokens[0] == base.tokens[0]) if greedy else None
+
+    rec = {"domain": row.domain, "source": row.source, "prompt_tokens": len(ids), "base": base.stats,
+           "spec": out["spec"].stats, "new_tokens": len(out["spec"].tokens[0]), "lossless": same(out["spec"])}
+    if prop.routes:
+        rec["route"] = prop.route_name()
+        rec["routed_as"] = routed_as
+    if prop.tracks_branches:
+        rec["branches"] = out["branches"]
+    if setup.compared:
+        rec["compare"] = {e.name[4:]: (out[e.name].stats, same(out[e.name])) for e in setup.compared}
+    if "adaptive" in out:
+        ad = out["adaptive"]
+        rec["adaptive"] = ad.stats
+        rec["adaptive_k"] = ad.k_history[0]
+        rec["adaptive_lossless"] = same(ad)
+    if "hf" in out:
+        eos_set = set(eos)
+        hf_tokens, hf_time = out["hf"]
+        hf_tokens = _strip_after_eos(hf_tokens, eos_set)
+        rec["hf_tokens"], rec["hf_time"] = len(hf_tokens), hf_time
+        rec["hf_matches_baseline"] = (hf_tokens == base.tokens[0]) if greedy else None
+        if setup.assistant is not None:
+            as_tokens, as_time = _hf_generate(setup.target.model, ids, cfg, eos, pad, assistant_model=setup.assistant)
+            as_tokens = _strip_after_eos(as_tokens, eos_set)
+            rec["assisted_tokens"], rec["assisted_time"] = len(as_tokens), as_time
+            rec["assisted_matches_baseline"] = (as_tokens == base.tokens[0]) if greedy else None
+    return rec
+
+
+def _all_or_none(flags: list) -> bool | None:
+    """Lossless over several prompts: None when any is unknown (sampling), else whether all are."""
+    return None if any(f is None for f in flags) else all(flags)
+
+
+def aggregate(recs: list[dict], depth: int) -> dict:
+    """Per-prompt records -> the report's summary of them (`_summary`, plus routes, branches, side-by-side
+    entries and adaptive k where the records have them). `_stats` keeps the merged statistics of the main
+    entry for the cost model; the caller drops it."""
+    s, b = GenerationStats(), GenerationStats()
+    for r in recs:
+        s.merge(r["spec"])
+        b.merge(r["base"])
+    out = _summary(s, b, len(recs), _all_or_none([r["lossless"] for r in recs]), depth,
+                   sum(r.get("hf_tokens", 0) for r in recs), sum(r.get("hf_time", 0.0) for r in recs))
+    out["_stats"] = s
+    if recs and "route" in recs[0]:
+        counts: dict[str, int] = {}
         for r in recs:
-            s.merge(r["spec"])
-            b.merge(r["base"])
-        flags = [r["lossless"] for r in recs]
-        lossless = None if any(f is None for f in flags) else all(flags)
-        out = _summary(s, b, len(recs), lossless, spec.depth, sum(r.get("hf_tokens", 0) for r in recs),
-                       sum(r.get("hf_time", 0.0) for r in recs))
-        out["_stats"] = s
-        if routed:
-            counts: dict[str, int] = {}
+            counts[r["route"]] = counts.get(r["route"], 0) + 1
+        out["route"] = max(counts, key=counts.get)
+        out["routes"] = counts
+    if recs and "branches" in recs[0]:
+        out["branches"] = _sum_branches([r["branches"] for r in recs])
+    if recs and "compare" in recs[0]:
+        out["compare"] = {}
+        for name in recs[0]["compare"]:
+            c = GenerationStats()
             for r in recs:
-                counts[r["route"]] = counts.get(r["route"], 0) + 1
-            out["route"] = max(counts, key=counts.get)
-            out["routes"] = counts
-        if branches:
-            out["branches"] = _sum_branches([r["branches"] for r in recs])
-        if others:
-            out["compare"] = {}
-            for name in others:
-                c = GenerationStats()
-                for r in recs:
-                    c.merge(r["compare"][name][0])
-                cflags = [r["compare"][name][1] for r in recs]
-                summ = _summary(c, b, len(recs), None if any(f is None for f in cflags) else all(cflags), 0, 0, 0.0)
-                out["compare"][name] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup",
-                                                                   "lossless", "per_position_acceptance",
-                                                                   "conditional_acceptance",
-                                                                   "verified_nodes_per_step")}
-        if controller is not None:
-            a = GenerationStats()
-            for r in recs:
-                a.merge(r["adaptive"])
-            aflags = [r["adaptive_lossless"] for r in recs]
-            ks = [k for r in recs for k in r["adaptive_k"]]
-            summ = _summary(a, b, len(recs), None if any(f is None for f in aflags) else all(aflags), cfg.k, 0, 0.0)
-            out["adaptive"] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup", "lossless",
-                                                          "proposed", "accepted", "target_forwards")}
-            out["adaptive"]["mean_k"] = sum(ks) / len(ks) if ks else None
-            out["adaptive"]["plain_step_share"] = sum(1 for k in ks if k == 0) / len(ks) if ks else None
-        return out
+                c.merge(r["compare"][name][0])
+            summ = _summary(c, b, len(recs), _all_or_none([r["compare"][name][1] for r in recs]), 0, 0, 0.0)
+            out["compare"][name] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup", "lossless",
+                                                               "per_position_acceptance", "conditional_acceptance",
+                                                               "verified_nodes_per_step")}
+    if recs and "adaptive" in recs[0]:
+        a = GenerationStats()
+        for r in recs:
+            a.merge(r["adaptive"])
+        ks = [k for r in recs for k in r["adaptive_k"]]
+        summ = _summary(a, b, len(recs), _all_or_none([r["adaptive_lossless"] for r in recs]), 0, 0, 0.0)
+        out["adaptive"] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup", "lossless",
+                                                      "proposed", "accepted", "target_forwards")}
+        out["adaptive"]["mean_k"] = sum(ks) / len(ks) if ks else None
+        out["adaptive"]["plain_step_share"] = sum(1 for k in ks if k == 0) / len(ks) if ks else None
+    return out
 
-    domains = {}
-    for name in sorted({r["domain"] for r in per_prompt}):
-        domains[name] = aggregate([r for r in per_prompt if r["domain"] == name])
-    overall = aggregate(per_prompt)
 
-    # cost model: v(k) measured here; c from the run (proposer time per proposed token / one target step)
+def _cost_model(setup: Setup, per_prompt: list[dict], domains: dict, overall: dict) -> tuple[dict, dict, dict]:
+    """The cost model (v(k) measured here; c from the run: proposer time per proposed token / one target step),
+    the recommended k per domain and the per-domain policy; sets each domain's `predicted_speedup`."""
+    cfg, spec = setup.cfg, setup.spec
     base_all = GenerationStats()
     for r in per_prompt:
         base_all.merge(r["base"])
@@ -400,88 +469,91 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     spec_all: GenerationStats = overall["_stats"]
     c = (spec_all.proposer_time / max(spec_all.proposed + spec_all.pruned, 1)) / t_step if t_step > 0 else 0.0
     cost_model: dict = {"c": c, "t_step_decode_s": t_step}
-    if verify_cost is not None:
-        cost_model["v_tree"] = {str(n): v for n, v in enumerate(verify_cost.v)}
-        cost_model["v_tree_other_cpu_share"] = tree_cost["other_cpu_share"]
+    if setup.verify_cost is not None:
+        cost_model["v_tree"] = {str(n): v for n, v in enumerate(setup.verify_cost.v)}
+        cost_model["v_tree_other_cpu_share"] = setup.tree_cost["other_cpu_share"]
     recommended: dict = {}
     policy: dict = {}
-    if cfg.cost_model:
-        log.info("measuring the cost model v(k), k = 0..%d", max(cfg.cost_k_max, spec.depth))
-        cost_model.update(cost.measure_verify_cost(target, cfg.cost_context, max(cfg.cost_k_max, spec.depth),
-                                                   cfg.cost_repeats, cfg.seed))
-        v = cost_model["v"]
-        for name, d in list(domains.items()) + [("overall", overall)]:
-            st: GenerationStats = d["_stats"]
-            rec = cost.recommend_k(st.accepted_per_position, st.proposed_per_position, st.target_forwards, v, c) \
-                if spec.is_chain else None
-            pred_now = cost.predicted_speedup(st.accepted_per_position, st.proposed_per_position, st.target_forwards,
-                                              spec.depth, v, c) if spec.is_chain and str(spec.depth) in v else None
-            d["predicted_speedup"] = pred_now
-            if rec is not None:
-                recommended[name] = {"k": rec["k"], "predicted_speedup": rec["predicted_speedup"]}
-            if name != "overall":
-                policy[name] = _policy(d, rec, cfg.policy_threshold)
-    for d in list(domains.values()) + [overall]:
-        d.pop("_stats")
+    if not cfg.cost_model:
+        return cost_model, recommended, policy
+    log.info("measuring the cost model v(k), k = 0..%d", max(cfg.cost_k_max, spec.depth))
+    cost_model.update(cost.measure_verify_cost(setup.target, cfg.cost_context, max(cfg.cost_k_max, spec.depth),
+                                               cfg.cost_repeats, cfg.seed))
+    v = cost_model["v"]
+    for name, d in list(domains.items()) + [("overall", overall)]:
+        st: GenerationStats = d["_stats"]
+        rec = cost.recommend_k(st.accepted_per_position, st.proposed_per_position, st.target_forwards, v, c) \
+            if spec.is_chain else None
+        d["predicted_speedup"] = cost.predicted_speedup(st.accepted_per_position, st.proposed_per_position,
+                                                        st.target_forwards, spec.depth, v, c) \
+            if spec.is_chain and str(spec.depth) in v else None
+        if rec is not None:
+            recommended[name] = {"k": rec["k"], "predicted_speedup": rec["predicted_speedup"]}
+        if name != "overall":
+            policy[name] = _policy(d, rec, cfg.policy_threshold)
+    return cost_model, recommended, policy
 
+
+def _references(setup: Setup, per_prompt: list[dict], overall: dict) -> dict:
+    """Plain decoding's speed, and HF generate (and assisted generation) beside it: speed and same output."""
+    references: dict = {"plain_decoding_tokens_per_s": overall["baseline_tokens_per_s"]}
+    if not setup.cfg.hf_reference:
+        return references
     hf_tok = sum(r.get("hf_tokens", 0) for r in per_prompt)
     hf_time = sum(r.get("hf_time", 0.0) for r in per_prompt)
-    references: dict = {"plain_decoding_tokens_per_s": overall["baseline_tokens_per_s"]}
-    if cfg.hf_reference:
-        hf_tps = hf_tok / hf_time if hf_time > 0 else None
-        flags = [r.get("hf_matches_baseline") for r in per_prompt]
-        references["hf_generate"] = {
-            "tokens_per_s": hf_tps,
-            "matches_plain_decoding": None if any(f is None for f in flags) else all(flags),
-            "n_mismatch": sum(1 for f in flags if f is False),
+    hf_tps = hf_tok / hf_time if hf_time > 0 else None
+    flags = [r.get("hf_matches_baseline") for r in per_prompt]
+    references["hf_generate"] = {"tokens_per_s": hf_tps, "matches_plain_decoding": _all_or_none(flags),
+                                 "n_mismatch": sum(1 for f in flags if f is False)}
+    references["plain_vs_hf_generate"] = (overall["baseline_tokens_per_s"] / hf_tps) if hf_tps else None
+    if setup.assistant is not None:
+        a_tok = sum(r.get("assisted_tokens", 0) for r in per_prompt)
+        a_time = sum(r.get("assisted_time", 0.0) for r in per_prompt)
+        references["hf_assisted_generate"] = {
+            "tokens_per_s": a_tok / a_time if a_time > 0 else None,
+            "matches_target_greedy": _all_or_none([r.get("assisted_matches_baseline") for r in per_prompt]),
         }
-        references["plain_vs_hf_generate"] = (overall["baseline_tokens_per_s"] / hf_tps) if hf_tps else None
-        if assistant is not None:
-            a_tok = sum(r.get("assisted_tokens", 0) for r in per_prompt)
-            a_time = sum(r.get("assisted_time", 0.0) for r in per_prompt)
-            aflags = [r.get("assisted_matches_baseline") for r in per_prompt]
-            references["hf_assisted_generate"] = {
-                "tokens_per_s": a_tok / a_time if a_time > 0 else None,
-                "matches_target_greedy": None if any(f is None for f in aflags) else all(aflags),
-            }
+    return references
 
+
+def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: list[dict], domains: dict,
+            overall: dict, cost_model: dict, recommended: dict, policy: dict) -> dict:
+    cfg, spec, target = setup.cfg, setup.spec, setup.target
+    original = setup.original_target
     return {
         "command": command or " ".join(sys.argv),
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "machine": machine_info(device),
-        "target": {"name": target.name, "spec": target.spec, "fingerprint": (original_target or target).fingerprint(),
-                   **({"adapted": "the artifact's LoRA adapter merged (Medusa-2)"} if original_target else {})},
-        "proposer": cfg.proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__),
+        "machine": machine_info(target.device),
+        "target": {"name": target.name, "spec": target.spec, "fingerprint": (original or target).fingerprint(),
+                   **({"adapted": "the artifact's LoRA adapter merged (Medusa-2)"} if original else {})},
+        "proposer": proposer_name,
         "settings": {
             "max_new_tokens": cfg.max_new_tokens, "k": None if cfg.tree else cfg.k, "tree": cfg.tree,
-            "tree_max_nodes": spec.max_nodes, "prune_tree": verify_cost is not None,
+            "tree_max_nodes": spec.max_nodes, "prune_tree": setup.verify_cost is not None,
             "tree_verified": list(spec.branching) if cfg.tree else None,  # after a cut by the cost model
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-            "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": files,
+            "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": setup.files,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
-            "draft_dtype": dtype_name(drafts_in) if cast else None,  # None: the proposer has no network to cast
-            "compare_settings": {name: {"k": kw["k"], "tree": list(kw["tree"].branching) if kw.get("tree") else None,
-                                        "tree_max_nodes": kw["tree"].max_nodes if kw.get("tree") else None,
-                                        "draft_dtype": other_dtypes[name]}
-                                 for name, (_, kw) in others.items()},
+            "draft_dtype": setup.main.draft_dtype,  # None: the proposer has no network to cast
+            "compare_settings": {e.name[4:]: {"k": e.kw["k"],
+                                              "tree": list(e.kw["tree"].branching) if e.kw.get("tree") else None,
+                                              "tree_max_nodes": e.kw["tree"].max_nodes if e.kw.get("tree") else None,
+                                              "draft_dtype": e.draft_dtype}
+                                 for e in setup.compared},
         },
         "domains": domains,
         "overall": overall,
         "cost_model": cost_model,
         "recommended_k": recommended,
         "policy": policy,
-        "memory": memory_info(device),
-        "references": references,
+        "memory": memory_info(target.device),
+        "references": _references(setup, per_prompt, overall),
         "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec", "adaptive", "adaptive_k", "compare")} | {
             "alpha": r["spec"].alpha, "tau": r["spec"].tau,
             "tokens_per_s": r["spec"].new_tokens / r["spec"].wall_time if r["spec"].wall_time else None,
             "baseline_tokens_per_s": r["base"].new_tokens / r["base"].wall_time if r["base"].wall_time else None,
         } for r in per_prompt],
     }
-
-
-def _route_name(prop) -> str:
-    return getattr(prop, "active_spec", None) or ("off" if prop.active is None else prop.active[0].name)
 
 
 def _sum_branches(items: list[dict]) -> dict:
