@@ -240,7 +240,7 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     cost_model, recommended, policy = _cost_model(setup, per_prompt, domains, overall)
     for d in list(domains.values()) + [overall]:
         d.pop("_stats")
-    name = cfg.proposer if isinstance(proposer, str) else getattr(proposer, "name", type(proposer).__name__)
+    name = cfg.proposer if isinstance(proposer, str) else proposer.name
     return _report(setup, name, command, per_prompt, domains, overall, cost_model, recommended, policy)
 
 
