@@ -4,7 +4,7 @@ Decoding lives on forwards over a few rows: plain decoding feeds the target one 
 verifies k+1 tokens, an EAGLE head expands a handful of tree nodes, a draft re-reads the tokens just accepted.
 For the target's weights (hundreds of MB, so every product streams them from memory) the BLAS in the torch
 CPU wheel (MKL) is not equally good at every row count, and how it ranks them depends on the CPU. Measured on
-SmolLM2-135M's own linears, swept cold in forward order (2 threads; `python -m draftsmith.targets.gemm`):
+SmolLM2-135M's own linears, swept in forward order (2 threads; `python -m draftsmith.targets.gemm`):
 
     one row,  F.linear (a matrix-vector product)       42 ms per forward's worth of linears
     one row,  W @ [x; 0]ᵀ (the two-column product)     25 ms
@@ -49,6 +49,9 @@ SMALL_ROWS = 8  # before any measurement: the transposed product for 2..SMALL_RO
 VOCAB_ROWS = 64  # ... and for 2..VOCAB_ROWS rows of a vocabulary projection
 # row counts `calibrate` measures; a count in between takes the answer of the largest measured count below it,
 # and a count past the last takes F.linear (many rows are a real matrix product, where BLAS is at home)
+# how much of a class's weights `calibrate` reads per sweep: well past any CPU cache, so the products run from
+# memory as in a forward (SmolLM2-135M's ordinary projections are 420 MB, its lm_head 113 MB)
+SWEEP_BYTES = 256 * 2**20
 MEASURED_ROWS = {"small": (1, 2, 3, 4, 5, 6, 8, 12, 16), "vocab": (1, 2, 3, 4, 6, 8, 16, 32, 64, 128)}
 
 
@@ -121,6 +124,20 @@ def disabled():
         ENABLED = saved
 
 
+def _sample(weights: list[torch.Tensor], budget: int = SWEEP_BYTES) -> list[torch.Tensor]:
+    """The weights a sweep reads, in module order, up to `budget` bytes (a large matrix contributes its first
+    rows): enough to come from memory as in a forward, few enough that a 70B model calibrates as fast as a
+    135M one. The rows kept of a projection are contiguous, so its product runs the same kernel."""
+    out, left = [], budget
+    for w in weights:
+        if left <= 0:
+            break
+        rows = min(w.shape[0], max(left // (w.shape[1] * w.element_size()), 1))
+        out.append(w[:rows] if rows < w.shape[0] else w)
+        left -= rows * w.shape[1] * w.element_size()
+    return out
+
+
 def _sweep(weights: list[torch.Tensor], inputs: dict, rows: int, way: str) -> float:
     """Seconds to multiply `rows` rows by every weight in turn, one way ("linear" or "transposed")."""
     t0 = time.perf_counter()
@@ -151,7 +168,7 @@ def calibrate(model: nn.Module, repeats: int = 3) -> Plan | None:
     g = torch.Generator().manual_seed(0)
     plan = Plan({}, source="measured", threads=torch.get_num_threads())
     for cls, counts in MEASURED_ROWS.items():
-        weights = [m.weight for m in linears if _class(m.weight) == cls]
+        weights = _sample([m.weight for m in linears if _class(m.weight) == cls])
         if not weights:
             continue
         inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], generator=g) for n in counts for w in weights}

@@ -120,3 +120,13 @@ def test_plain_step_is_not_slower_than_a_two_token_verify_forward(real_target):
     r = check_plain_step(real_target, context_length=256, repeats=9)
     assert r["ok"], (f"1-token step {1e3 * r['plan_1_token_s']:.1f} ms > {r['tolerance']} x 2-token forward "
                      f"{1e3 * r['plan_2_token_s']:.1f} ms (other processes' CPU share {r['other_cpu_share']})")
+
+
+def test_calibration_reads_a_bounded_sample_of_the_weights():
+    """A 70B model must calibrate as fast as a small one: at most SWEEP_BYTES per class, the first rows of a
+    matrix larger than what is left, in module order."""
+    ws = [torch.zeros(1000, 100) for _ in range(5)]  # 400 kB each
+    out = gemm._sample(ws, budget=1_000_000)
+    assert [w.shape[0] for w in out] == [1000, 1000, 500]
+    assert out[2].is_contiguous() and out[0] is ws[0]
+    assert gemm._sample([torch.zeros(4, 100)], budget=1)[0].shape == (1, 100)  # at least one row
