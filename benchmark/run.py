@@ -325,7 +325,7 @@ def summarize(bench: Bench) -> dict:
 
 def _report_rows(r: dict, stage: dict) -> dict:
     keep = ("n_prompts", "alpha", "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
-            "per_position_acceptance", "hf_generate_tokens_per_s", "speedup_vs_hf_generate")
+            "per_position_acceptance", "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "gpu_tree")
     cm = r.get("cost_model", {})
     refs = r.get("references", {})
     return {"proposer": r["proposer"], "command": _as_typed(stage.get("command", r.get("command"))),
@@ -402,16 +402,18 @@ def render(s: dict) -> str:
     lines += ["", "Winner: the highest speedup above 1 among lossless proposers that accepted any draft token "
               "(τ > 1). With τ = 1.00 a speedup away from 1 is the timing noise of the run; so is α \"–\": the "
               "cost model cut every tree to nothing, which is plain decoding."]
-    lines += ["", "| proposer | lossless | tokens/s | plain tokens/s | speedup vs plain | HF generate tokens/s | "
-              "speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | peak RSS | command |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| proposer | lossless | τ (GPU-sized tree) | tokens/s | plain tokens/s | speedup vs plain | "
+              "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | "
+              "peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lc_tps = _f((lc or {}).get("tokens_per_s", {}).get("llama.cpp"), ".1f")
     for n in names:
         r = s["reports"][n]
         o, v = r["overall"], r.get("v") or {}
         ha = r.get("hf_assisted")
         has = "–" if not ha else f"{_f(ha.get('tokens_per_s'), '.1f')} tok/s, same output: {_f(ha.get('matches_target_greedy'))}"
-        lines.append(f"| {n} | {_f(o.get('lossless'))} | {_f(o.get('tokens_per_s'), '.1f')} | "
+        gt = o.get("gpu_tree") or {}
+        tau = f"{_f(o.get('tau'), '.2f')}" + (f" ({_f(gt.get('tau'), '.2f')})" if gt else "")
+        lines.append(f"| {n} | {_f(o.get('lossless'))} | {tau} | {_f(o.get('tokens_per_s'), '.1f')} | "
                      f"{_f(o.get('baseline_tokens_per_s'), '.1f')} | {_f(o.get('speedup'), '.2f')} | "
                      f"{_f(r.get('hf_generate_tokens_per_s'), '.1f')} | {_f(o.get('speedup_vs_hf_generate'), '.2f')} | "
                      f"{lc_tps} | {has} | {_f(r.get('c'), '.3f')} | {_f(v.get('1'), '.2f')} | {_f(v.get('2'), '.2f')} | "

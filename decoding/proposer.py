@@ -200,7 +200,7 @@ class Proposer(ABC):
     Optional abilities are declared here with the behaviour of a proposer that lacks them, so the verifier,
     the evaluator, routing and multi-proposer trees call them on any proposer without probing:
     `default_tree_spec` (a tree of its own), `fit_tree` (a tree cut once, up front), `use_cost` (drafting
-    stops where the verifier would cut), `use_dtype`, `verifier_target` (Medusa-2), `routes`/`route`
+    stops where the verifier would cut), `gpu_tree` (the uncut tree of a GPU-sized budget), `use_dtype`, `verifier_target` (Medusa-2), `routes`/`route`
     (per-request routing), `tracks_branches`/`branch_stats` (whose branch of a merged tree was accepted).
     """
 
@@ -251,6 +251,11 @@ class Proposer(ABC):
     def use_cost(self, cost) -> None:
         """The verifier's cost model (None: it cuts nothing), for a proposer that can stop drafting what the
         cut would drop (EAGLE-2)."""
+        return None
+
+    def gpu_tree(self) -> tuple[Proposer, TreeSpec] | None:
+        """The proposer and tree a GPU verifies uncut (EAGLE-2's defaults; Medusa's whole calibrated tree),
+        which is how the field's τ are measured; None: the proposer has no tree of its own."""
         return None
 
     def route(self, domain: str | None = None, text: str | None = None) -> str | None:

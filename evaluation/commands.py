@@ -46,6 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-cost-model", action="store_true", help="skip measuring v(k)")
     p.add_argument("--no-prune-tree", action="store_true",
                    help="verify every node a tree proposer returns (default: cut scored trees to the nodes that pay)")
+    p.add_argument("--no-gpu-tree", action="store_true",
+                   help="with a cut tree, do not also decode with the uncut GPU-sized tree (its τ is reported beside)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     p.set_defaults(func=run)
 
@@ -82,6 +84,8 @@ def build_config(args):
         overrides.append("hf_reference=false")
     if args.no_prune_tree:
         overrides.append("prune_tree=false")
+    if args.no_gpu_tree:
+        overrides.append("gpu_tree=false")
     if args.no_cost_model:
         overrides.append("cost_model=false")
     return load_config(args.config, overrides, cls=EvalConfig)

@@ -18,6 +18,9 @@ class EvalConfig:
     tree: list[int] | None = None  # branching factor per depth, e.g. [4, 2, 1]
     tree_from_proposer: bool = False  # use the proposer's own tree (Medusa's calibrated tree, EAGLE-2's budget)
     prune_tree: bool = True  # trees with node scores are cut every step to the nodes that pay (decoding/budget.py)
+    # with a cut tree, also decode every prompt with the uncut tree of a GPU-sized budget (EAGLE-2's defaults,
+    # Medusa's whole calibrated tree) and report its τ: the field's τ are measured so
+    gpu_tree: bool = True
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

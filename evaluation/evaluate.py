@@ -284,6 +284,10 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
                   assistant=prop.model if isinstance(prop, DraftProposer) and cfg.hf_reference else None)
     if cfg.prune_tree and not spec.is_chain:
         _cut_trees(setup)
+        gpu = prop.gpu_tree() if cfg.gpu_tree else None
+        if gpu is not None:  # uncut: what a GPU verifies, decoded here for its τ (its speed is this CPU's)
+            gpu[0].use_dtype(drafts_in)
+            setup.entries.append(Entry("gpu_tree", gpu[0], dict(tree=gpu[1], k=None), setup.main.draft_dtype))
     return setup
 
 
@@ -392,6 +396,8 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
         rec["branches"] = out["branches"]
     if setup.compared:
         rec["compare"] = {e.name[4:]: (out[e.name].stats, same(out[e.name])) for e in setup.compared}
+    if "gpu_tree" in out:
+        rec["gpu_tree"] = (out["gpu_tree"].stats, same(out["gpu_tree"]))
     if "adaptive" in out:
         ad = out["adaptive"]
         rec["adaptive"] = ad.stats
@@ -435,16 +441,18 @@ def aggregate(recs: list[dict], depth: int) -> dict:
         out["routes"] = counts
     if recs and "branches" in recs[0]:
         out["branches"] = _sum_branches([r["branches"] for r in recs])
+    def beside(pairs: list[tuple]) -> dict:  # another entry's (stats, lossless) per prompt, summarised
+        c = GenerationStats()
+        for st, _ in pairs:
+            c.merge(st)
+        summ = _summary(c, b, len(recs), _all_or_none([same for _, same in pairs]), 0, 0, 0.0)
+        return {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup", "lossless",
+                                           "per_position_acceptance", "conditional_acceptance", "verified_nodes_per_step")}
+
     if recs and "compare" in recs[0]:
-        out["compare"] = {}
-        for name in recs[0]["compare"]:
-            c = GenerationStats()
-            for r in recs:
-                c.merge(r["compare"][name][0])
-            summ = _summary(c, b, len(recs), _all_or_none([r["compare"][name][1] for r in recs]), 0, 0, 0.0)
-            out["compare"][name] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup", "lossless",
-                                                               "per_position_acceptance", "conditional_acceptance",
-                                                               "verified_nodes_per_step")}
+        out["compare"] = {name: beside([r["compare"][name] for r in recs]) for name in recs[0]["compare"]}
+    if recs and "gpu_tree" in recs[0]:
+        out["gpu_tree"] = beside([r["gpu_tree"] for r in recs])
     if recs and "adaptive" in recs[0]:
         a = GenerationStats()
         for r in recs:
@@ -534,6 +542,8 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": setup.files,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
+            "gpu_tree": next(({"tree": list(e.kw["tree"].branching), "tree_max_nodes": e.kw["tree"].max_nodes}
+                              for e in setup.entries if e.name == "gpu_tree"), None),
             "draft_dtype": setup.main.draft_dtype,  # None: the proposer has no network to cast
             "compare_settings": {e.name[4:]: {"k": e.kw["k"],
                                               "tree": list(e.kw["tree"].branching) if e.kw.get("tree") else None,
@@ -548,7 +558,8 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
         "policy": policy,
         "memory": memory_info(target.device),
         "references": _references(setup, per_prompt, overall),
-        "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec", "adaptive", "adaptive_k", "compare")} | {
+        "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec", "adaptive", "adaptive_k", "compare",
+                                                              "gpu_tree")} | {
             "alpha": r["spec"].alpha, "tau": r["spec"].tau,
             "tokens_per_s": r["spec"].new_tokens / r["spec"].wall_time if r["spec"].wall_time else None,
             "baseline_tokens_per_s": r["base"].new_tokens / r["base"].wall_time if r["base"].wall_time else None,

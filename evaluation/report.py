@@ -92,6 +92,19 @@ def render_markdown(report: dict) -> str:
             for name, b in d.get("branches", {}).items():
                 lines.append(f"| {n} | {name} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
                              f"{b['wins']} ({_fmt(b['win_rate'])}) |")
+    if any("gpu_tree" in d for _, d in doms):
+        g = s.get("gpu_tree") or {}
+        lines += ["", f"## τ with the GPU-sized tree (uncut: branching {g.get('tree')}, at most "
+                      f"{g.get('tree_max_nodes')} nodes)", "",
+                  "What a GPU, where verifying 60 nodes costs about one step, would accept per step; the field's τ "
+                  "are measured so. Its speed here is this CPU's and not a result.", "",
+                  "| domain | τ cut tree | τ GPU-sized tree | α | verified nodes a step | lossless |",
+                  "|---|---|---|---|---|---|"]
+        for n, d in doms:
+            if "gpu_tree" in d:
+                x = d["gpu_tree"]
+                lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(x['tau'])} | {_fmt(x['alpha'])} | "
+                             f"{_fmt(x['verified_nodes_per_step'])} | {_fmt(x['lossless'])} |")
     if any("compare" in d for _, d in doms):
         names = list(next(d["compare"] for _, d in doms if "compare" in d))
         lines += ["", "## Side by side (same prompts, same run): speedup (α)", "",

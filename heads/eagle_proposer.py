@@ -93,6 +93,14 @@ class EagleProposer(Proposer):
         self.level_s = None  # a level's time was measured in the old dtype
         return True
 
+    # EAGLE-2's defaults on a GPU (Li et al. 2024): depth 6, the top 10 expanded per level, 60 nodes verified
+    GPU_TREE = {"depth": 6, "topk": 10, "max_nodes": 60}
+
+    def gpu_tree(self) -> tuple[EagleProposer, TreeSpec]:
+        """A proposer over the same head with EAGLE-2's GPU budget, and its tree (see Proposer.gpu_tree)."""
+        other = EagleProposer(self.head, tree=True, calibrate=self.calibrate, **self.GPU_TREE)
+        return other, other.default_tree_spec()
+
     def default_tree_spec(self) -> TreeSpec:
         if not self.tree:
             return TreeSpec.chain(self.depth)

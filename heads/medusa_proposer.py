@@ -35,6 +35,10 @@ class MedusaProposer(Proposer):
             return TreeSpec.chain(self.num_heads)
         return TreeSpec(_ranks(self.tree.paths), max_nodes=len(self.tree.paths))
 
+    def gpu_tree(self) -> tuple[MedusaProposer, TreeSpec]:
+        """The whole calibrated tree, uncut (see Proposer.gpu_tree); its own proposer state, the same heads."""
+        return MedusaProposer(self.heads, self.tree), self.default_tree_spec()
+
     def _paths_within(self, spec: TreeSpec, depth: int) -> list[int]:
         """Indices of the calibrated tree's paths that `spec` admits up to `depth`, in build order (parents
         first, most probable first): the first max_nodes of them are a prefix, closed under parents."""

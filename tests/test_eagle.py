@@ -404,6 +404,13 @@ def test_speculative_greedy_equals_target_greedy(trained, target4, tree):
                                    cost=VerifyCost(tuple(1.0 + 0.1 * n for n in range(13)), 0.01))
         assert cut.tokens == plain.tokens
         assert cut.stats.pruned > 0 and cut.stats.proposed < fast.stats.proposed
+        # EAGLE-2's GPU budget over the same head (what evaluation reports τ with): wider, and lossless
+        gpu, gpu_spec = proposer.gpu_tree()
+        assert gpu.head is proposer.head and (gpu.depth, gpu.topk, gpu.max_nodes) == (6, 10, 60)
+        assert gpu_spec.depth == 6 and gpu_spec.capacity() == 60
+        wide = speculative_generate(target4, gpu, prompts, 16, k=None, tree=gpu_spec)
+        assert wide.tokens == plain.tokens
+        assert wide.stats.proposed > fast.stats.proposed
 
 
 @pytest.mark.parametrize("tree", [False, True])

@@ -242,6 +242,10 @@ def test_evaluate_cuts_scored_trees_and_survives_a_cut_to_nothing(tiny_target, p
         def default_tree_spec(self):
             return TreeSpec((2, 2))
 
+    class GpuTree(OwnTree):
+        def gpu_tree(self):
+            return OwnTree(self.draft), TreeSpec((3, 3))
+
     class CutToNothing(OwnTree):
         def fit_tree(self, spec, cost):
             assert cost.v[0] > 0 and len(cost.v) == spec.capacity() + 1  # v(n) for every node count
@@ -260,6 +264,15 @@ def test_evaluate_cuts_scored_trees_and_survives_a_cut_to_nothing(tiny_target, p
     check_report(nothing, write_report(nothing, tmp_path / "b"))
     whole = evaluate(tiny_target, OwnTree(tiny_target.model), **{**kw, "prune_tree": False})
     assert whole["overall"]["pruned"] == 0 and "v_tree" not in whole["cost_model"]
+    assert report["settings"]["gpu_tree"] is None and "gpu_tree" not in report["overall"]  # no GPU tree of its own
+    # the uncut GPU-sized tree is decoded beside the cut one, for its τ; it is never cut
+    gpu = evaluate(tiny_target, GpuTree(tiny_target.model), **kw)
+    assert gpu["settings"]["gpu_tree"] == {"tree": [3, 3], "tree_max_nodes": None}
+    for d in list(gpu["domains"].values()) + [gpu["overall"]]:
+        assert d["gpu_tree"]["lossless"] is True and d["gpu_tree"]["tau"] >= 1.0
+    assert gpu["overall"]["gpu_tree"]["verified_nodes_per_step"] > gpu["overall"]["verified_nodes_per_step"]
+    assert "τ with the GPU-sized tree" in (write_report(gpu, tmp_path / "g") / "report.md").read_text()
+    assert not evaluate(tiny_target, GpuTree(tiny_target.model), **kw, gpu_tree=False)["settings"]["gpu_tree"]
 
 
 def test_compare_entries_pick_their_own_shape(tiny_target, prompt_files, tmp_path):
@@ -324,7 +337,8 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
                           "cost_model", "recommended_k", "policy", "memory", "references", "prompts"}
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
-        "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "draft_dtype", "compare_settings"}
+        "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",
+        "compare_settings"}
     overall = {"n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance",
                "conditional_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
                "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "proposed", "pruned", "verified_nodes_per_step",

@@ -41,6 +41,9 @@ def test_data_train_evaluate_export(real_target, tmp_path):
                       max_new_tokens=16, tree_from_proposer=True, hf_reference=False, cost_model=False)
     assert report["domains"]["math"]["lossless"] is True
     assert report["overall"]["tau"] >= 1.0
+    # the whole calibrated tree, uncut, decoded beside the cut one for its τ
+    assert report["overall"]["gpu_tree"]["lossless"] is True and report["overall"]["gpu_tree"]["tau"] >= 1.0
+    assert report["settings"]["gpu_tree"]["tree_max_nodes"] == 6  # tree_budget
 
     result = export_artifact(art, "vllm", tmp_path / "export", target=real_target)
     config = json.loads((result.out / "config.json").read_text())
