@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.draftsmith-installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup setup-gemma setup-deepspeed setup-llamacpp test test-fast demo bench bench-quick lint clean
+.PHONY: setup setup-gemma setup-deepspeed setup-llamacpp test test-dist test-fast demo bench bench-quick lint clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,11 @@ setup-llamacpp: setup
 
 # pytest exits 5 when it collects nothing: that means the suite was not found, so it fails too.
 test: setup
-	$(BIN)/pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(BIN)/pytest -m "not dist"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+# several processes per test (torchrun over gloo: DDP, FSDP2, sharded checkpoints, a killed rank)
+test-dist: setup
+	OMP_NUM_THREADS=1 $(BIN)/pytest -m dist -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 test-fast: setup
 	DRAFTSMITH_SKIP_REAL=1 $(BIN)/pytest -x -q

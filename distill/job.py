@@ -290,8 +290,12 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
     """
     from draftsmith.targets import load_target
     from draftsmith.training import train
+    from draftsmith.training.launch import evaluation_target, load_target_for, make_accelerator
 
-    target = target or load_target(cfg.target)
+    if accelerator is None and not init_only:
+        accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
+    if target is None:
+        target = load_target_for(cfg.target, accelerator) if accelerator is not None else load_target(cfg.target)
     job = DistillJob(cfg, target, rows)
     d = size_report(job.build_module())  # cheap at this size; logged so the run says what it trains
     t = size_report(target.model)
@@ -312,7 +316,8 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
         result_artifact = out["artifact"]
         artifact.update_manifest(result_artifact, train_seconds=seconds)
         if cfg.evaluate.enabled:
-            evaluate_into_artifact(result_artifact, target, "draft", cfg.evaluate,
+            eval_target = evaluation_target(target, cfg.target, accelerator) if accelerator is not None else target
+            evaluate_into_artifact(result_artifact, eval_target, "draft", cfg.evaluate,
                                    command=f"draftsmith distill (output {result_artifact})")
             out["eval"] = artifact.load_manifest(result_artifact)["eval"]
     return out

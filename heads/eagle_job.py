@@ -246,16 +246,17 @@ def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
 def train_eagle(cfg: EagleJobConfig) -> Path:
     """Load the target and the self-distilled data, train, save, evaluate. Returns the artifact directory."""
     from draftsmith.data import load_distilled
-    from draftsmith.targets import load_target
     from draftsmith.training import train
+    from draftsmith.training.launch import evaluation_target, load_target_for, make_accelerator
 
-    target = load_target(cfg.target)
+    accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
+    target = load_target_for(cfg.target, accelerator)
     dataset = load_distilled(cfg.data, target)
     job = EagleJob(cfg, target, dataset)
-    result = train(job, cfg.train)
+    result = train(job, cfg.train, accelerator)
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and int(os.environ.get("RANK", "0")) == 0:
-        evaluate_into_artifact(out, target, "eagle", cfg.evaluate)
+        evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "eagle", cfg.evaluate)
     return out
 
 

@@ -325,16 +325,17 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
 def train_medusa(cfg: MedusaJobConfig) -> Path:
     """Load the target and the self-distilled data, train, calibrate, save, evaluate. Returns the artifact."""
     from draftsmith.data import load_distilled
-    from draftsmith.targets import load_target
     from draftsmith.training import train
+    from draftsmith.training.launch import evaluation_target, load_target_for, make_accelerator
 
-    target = load_target(cfg.target)
+    accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
+    target = load_target_for(cfg.target, accelerator)
     dataset = load_distilled(cfg.data, target)
     job = MedusaJob(cfg, target, dataset)
-    result = train(job, cfg.train)
+    result = train(job, cfg.train, accelerator)
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and _is_main_process():
-        evaluate_into_artifact(out, target, "medusa", cfg.evaluate)
+        evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "medusa", cfg.evaluate)
     return out
 
 

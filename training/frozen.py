@@ -6,12 +6,14 @@ How each accelerate preset treats it (`place_frozen`):
   trainable parameters, so DDP would have nothing to all-reduce (and refuses such a module), and ZeRO-1/2
   only shard optimizer state and gradients, which the target does not have.
 - FSDP: the target is SHARDED with its own FSDP wrapper (`accelerator.prepare_model` for FSDP1, which
-  wraps modules whose parameters are all frozen; `fully_shard` per decoder layer for FSDP2). Every
-  forward all-gathers one layer at a time, so a target larger than one GPU fits. No optimizer touches it.
+  wraps modules whose parameters are all frozen; `fully_shard` per decoder layer for FSDP2, the
+  embedding / final norm / lm_head left whole on each rank). Every forward all-gathers one layer at a
+  time, so a target larger than one GPU fits. No optimizer touches it.
 - DeepSpeed ZeRO-3: the target gets its own inference-only DeepSpeed engine (`deepspeed.initialize` with
   the training config's ZeRO-3 section and no optimizer), the same pattern TRL uses for reference models,
   so its parameters are partitioned across ranks and gathered per layer on forward.
-The sharded paths need GPUs and were not run on this CPU-only machine; the replicated path is tested.
+The FSDP2 path runs with 2 CPU processes over gloo in tests/test_training_dist.py; FSDP1 and the ZeRO-3
+engine were not run here.
 
 Dtype: with mixed precision bf16/fp16 on a GPU the target's weights are cast to that dtype (halving its
 memory; it is never updated, so there is no master copy to keep); with "no" it keeps its own dtype. On the
@@ -71,9 +73,12 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
 
             from draftsmith.targets.capture import decoder_layers
 
+            # the decoder layers (nearly all of a target's weights) are sharded, each all-gathered for its
+            # own forward; the root's embedding, final norm and lm_head stay whole on every rank, since the
+            # heads call them outside the target's forward (EAGLE's embedding and lm_head rows)
             for layer in decoder_layers(model):
                 fully_shard(layer)
-            fully_shard(model)
+            model.to(accelerator.device)
             return freeze_module(model)
         return freeze_module(accelerator.prepare_model(model, evaluation_mode=False))
     if dist == DistributedType.DEEPSPEED:

@@ -28,7 +28,6 @@ uninterrupted one.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,9 +40,11 @@ from torch import nn
 from draftsmith.config import to_dict
 from draftsmith.errors import DataError, TrainingError
 from draftsmith.training import checkpoint as ckpt
+from draftsmith.training import sharded
 from draftsmith.training.batching import length_grouped, row_lengths
 from draftsmith.training.config import TrainConfig
 from draftsmith.training.job import Job, count_tokens
+from draftsmith.training.launch import make_accelerator
 from draftsmith.training.loggers import RunLogger
 
 ARTIFACT_DIR = "artifact"
@@ -104,14 +105,6 @@ def rank_batches(perm: list[int], batch_size: int, world: int, rank: int, start:
     return out
 
 
-def _cpu_only() -> bool:
-    """No accelerator device: tell accelerate so, or under torchrun it stays single-process (DistributedType.NO)
-    instead of MULTI_CPU over gloo (accelerate 1.15 only picks MULTI_CPU with cpu=True)."""
-    acc = getattr(torch, "accelerator", None)
-    has_device = acc.is_available() if acc is not None else torch.cuda.is_available()
-    return not has_device
-
-
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
@@ -138,37 +131,17 @@ class _Window:
             self.metrics[k] = self.metrics.get(k, 0.0) + float(v)
 
 
-def _release_precision(wanted: str) -> None:
-    """Let a single-process run pick its own mixed precision after an earlier run in the same process.
-
-    accelerate keeps one AcceleratorState per process and refuses an Accelerator with another precision (a
-    Python session that trains in float32, then in bf16). In a single process nothing else shares that state,
-    so it is cleared; under a multi-process launcher the launcher's precision stands and accelerate's error
-    says so.
-    """
-    from accelerate.state import AcceleratorState
-
-    state = AcceleratorState._shared_state
-    if state and int(os.environ.get("WORLD_SIZE", "1")) == 1 and str(state.get("_mixed_precision")) != wanted:
-        AcceleratorState._reset_state()
-
-
 class Trainer:
     """State of one run. `train()` is the public entry point; this class keeps the loop readable."""
 
     def __init__(self, job: Job, cfg: TrainConfig, accelerator=None) -> None:
-        from accelerate import Accelerator
         from accelerate.utils import DistributedType
 
         self.job, self.cfg = job, cfg
-        if accelerator is None:
-            precision = cfg.resolved_mixed_precision()
-            _release_precision(precision)
-            accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum,
-                                      step_scheduler_with_optimizer=False, cpu=_cpu_only())
-        self.acc = accelerator
+        self.acc = accelerator if accelerator is not None else make_accelerator(cfg)
         self.dist = self.acc.distributed_type
         self.sharded = self.dist in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        self.fsdp = self.dist == DistributedType.FSDP
         self.world, self.rank = self.acc.num_processes, self.acc.process_index
         self.main = self.acc.is_main_process
         self.out = Path(cfg.output_dir)
@@ -184,13 +157,17 @@ class Trainer:
             ckpt.clean_temp(self.out)
         acc.wait_for_everyone()
         self.resume_path = ckpt.resolve_resume(cfg.resume, self.out)
-        self.loaded = ckpt.load_checkpoint(self.resume_path) if self.resume_path else None
+        self.sharded_resume = self.resume_path is not None and sharded.is_sharded(self.resume_path)
+        self.loaded = None
+        if self.resume_path is not None:
+            self.loaded = sharded.load_meta(self.resume_path) if self.sharded_resume \
+                else ckpt.load_checkpoint(self.resume_path)
 
         set_seed(cfg.seed)  # same on every rank: identical initial module everywhere
         if hasattr(self.job, "setup"):
             self.job.setup(acc)
         module = self.job.build_module()
-        if self.loaded is not None:
+        if self.loaded is not None and not self.sharded_resume:
             module.load_state_dict(self.loaded.model)
         elif cfg.warm_start:
             self._warm_start(module)
@@ -213,6 +190,8 @@ class Trainer:
         for g in optimizer.param_groups:
             g["base_lr"] = cfg.lr * g["lr_scale"]
         self.model, self.optimizer = acc.prepare(module, optimizer)
+        if self.sharded_resume:  # every rank reads the slices it owns now (any world size)
+            sharded.load_sharded(self.resume_path, self.model, self.optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
         # counters (overwritten by a checkpoint)
@@ -269,18 +248,45 @@ class Trainer:
 
     def _restore(self) -> None:
         st = self.loaded.state
-        if st["world_size"] != self.world or st["batch_size"] != self.cfg.batch_size:
-            raise TrainingError(
-                f"checkpoint {self.resume_path} was written with world_size={st['world_size']}, "
-                f"batch_size={st['batch_size']}; this run has {self.world}, {self.cfg.batch_size} "
-                "(the data position would not match: resume with the same layout or train.resume=never)")
-        opt = self.loaded.optimizer
-        self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
-        self.step, self.micro = st["step"], st["micro"]
+        self.micro = self._translated_position(st)
+        if not self.sharded_resume:
+            opt = self.loaded.optimizer
+            if "ranks" in opt and len(opt["ranks"]) != self.world:
+                raise TrainingError(f"checkpoint {self.resume_path} holds optimizer shards of {len(opt['ranks'])} "
+                                    f"ranks; this run has {self.world} (resume with the same world size)")
+            self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
+        self.step = st["step"]
         self.nonfinite_total, self.nonfinite_in_row = st["nonfinite_total"], st["nonfinite_in_row"]
         self.tokens_total = st["tokens_total"]
         self.last_eval, self.last_train = st["last_eval"], st["last_train"]
-        ckpt.restore_rng(self.loaded.rng_json[self.rank], self.loaded.rng_tensors[self.rank])
+        if self.rank < len(self.loaded.rng_json):  # a rank the writing run did not have starts its own stream
+            ckpt.restore_rng(self.loaded.rng_json[self.rank], self.loaded.rng_tensors[self.rank])
+        else:
+            from accelerate.utils import set_seed
+
+            set_seed(self.cfg.seed + 1 + self.rank)
+
+    def _translated_position(self, st: dict) -> int:
+        """This run's micro-batch position for a checkpoint's. The same layout resumes as is; another world
+        size resumes when every optimizer step still covers the same rows (batch_size * grad_accum * world
+        unchanged, e.g. 2 ranks x 4 rows -> 1 rank x 4 rows x grad_accum 2), since micro-batch b of rank r
+        reads rows perm[(b * world + r) * batch_size ...] (module docstring)."""
+        cfg = self.cfg
+        old_world, old_bs = st["world_size"], st["batch_size"]
+        old_accum = st.get("config", {}).get("grad_accum", cfg.grad_accum)
+        if old_world == self.world and old_bs == cfg.batch_size:
+            return st["micro"]
+        rows_before = st["micro"] * old_world * old_bs
+        per_micro = self.world * cfg.batch_size
+        same_step = old_world * old_bs * old_accum == self.world * cfg.batch_size * cfg.grad_accum
+        same_epoch = st["micro_per_epoch"] * old_world * old_bs == self.micro_per_epoch * per_micro
+        if not (same_step and same_epoch and rows_before % per_micro == 0):
+            raise TrainingError(
+                f"checkpoint {self.resume_path} was written with world_size={old_world}, batch_size={old_bs}, "
+                f"grad_accum={old_accum}; this run has {self.world}, {cfg.batch_size}, {cfg.grad_accum}: the rows "
+                "of a step differ (keep batch_size * grad_accum * world_size, with whole epochs of the same "
+                "length, or train.resume=never)")
+        return rows_before // per_micro
 
     # ---- data ------------------------------------------------------------------------------------
 
@@ -422,8 +428,20 @@ class Trainer:
 
         return gather_object([mine])
 
+    def _loop_state(self) -> dict:
+        return {"micro": self.micro, "epoch": self.micro // self.micro_per_epoch,
+                "batch_in_epoch": self.micro % self.micro_per_epoch, "sampler_seed": self.cfg.seed,
+                "micro_per_epoch": self.micro_per_epoch, "world_size": self.world,
+                "batch_size": self.cfg.batch_size, "nonfinite_total": self.nonfinite_total,
+                "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
+                "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg)}
+
     def save(self) -> None:
         acc = self.acc
+        if self.fsdp and self.world > 1:  # each rank writes its own shard (training/sharded.py)
+            sharded.save_sharded(acc, self.out, self.step, self.model, self.optimizer, self._loop_state(),
+                                 self._gather_rng(), self.logger.text if self.main else "", self.cfg.keep_last)
+            return
         model_state = acc.get_state_dict(self.model)  # collective under FSDP / ZeRO-3
         opt_state = self.optimizer.state_dict()
         if self.sharded and self.world > 1:
@@ -432,12 +450,7 @@ class Trainer:
             opt_state = {"ranks": gather_object([opt_state])}
         rng = self._gather_rng()
         if self.main:
-            state = {"micro": self.micro, "epoch": self.micro // self.micro_per_epoch,
-                     "batch_in_epoch": self.micro % self.micro_per_epoch, "sampler_seed": self.cfg.seed,
-                     "micro_per_epoch": self.micro_per_epoch, "world_size": self.world,
-                     "batch_size": self.cfg.batch_size, "nonfinite_total": self.nonfinite_total,
-                     "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
-                     "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg)}
+            state = self._loop_state()
             ckpt.save_checkpoint(self.out, self.step, model_state, opt_state, state, rng, self.logger.text,
                                  self.cfg.keep_last)
         acc.wait_for_everyone()

@@ -1,0 +1,138 @@
+"""Sharded checkpoints (FSDP): every rank writes and reads its own shard of the module and optimizer state.
+
+Under FSDP full-shard no rank holds the whole trainable module or its optimizer state, and at 8B scale
+gathering them on rank 0 (training/checkpoint.py's layout) does not fit. A sharded checkpoint is
+`torch.distributed.checkpoint` (DCP) next to our JSON / safetensors files:
+
+    checkpoints/step-00000100/
+        shards/__0_0.distcp, __1_0.distcp, ...   each rank's own slice of model + optimizer tensors
+        shards/.metadata                         DCP's index of those slices (written by rank 0)
+        rng.safetensors, log.jsonl               as in a full checkpoint
+        state.json                               the loop state, "format": "sharded", the sha256 of
+                                                 shards/.metadata; written last, by rank 0
+
+PICKLE: DCP's `.metadata` is a Python pickle (torch 2.13's FileSystemReader reads it with `pickle.load`),
+and no pickle-free reader of it exists. So a sharded checkpoint is only ever loaded from a run's own
+output directory, and `load_sharded` first checks the file's sha256 against the one `state.json` recorded
+when the shards were written: a `.metadata` that is not the one this code wrote is refused before it is
+unpickled. The shard files themselves hold raw tensor bytes. A checkpoint from elsewhere should be
+consolidated where it was written (the final artifact always is: one safetensors folder, rank 0).
+
+DCP reshards on load: a checkpoint written by 2 ranks loads into 1 process (or 4), since every slice is
+keyed by its offset in the full tensor. The loop translates the data position the same way
+(training/loop.py `_restore`).
+
+Atomicity: rank 0 creates `.step-N.tmp-<random>`, every rank writes its shard into it, rank 0 writes
+`state.json` last and renames the folder to `step-N`; a rank killed mid-save leaves a `.tmp-` folder,
+which `clean_temp` removes at the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.errors import TrainingError
+from draftsmith.storage import atomic_write_json, atomic_write_text, read_json
+from draftsmith.training.checkpoint import checkpoint_name, checkpoints_root, prune
+
+SHARDS = "shards"
+FORMAT = "sharded"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def is_sharded(path: str | Path) -> bool:
+    return (Path(path) / SHARDS).is_dir()
+
+
+def _broadcast_str(value: str | None) -> str:
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_sharded(accelerator, output_dir: str | Path, step: int, model, optimizer, state: dict,
+                 rng_per_rank: list[tuple[dict, dict[str, torch.Tensor]]], log_text: str, keep_last: int) -> Path:
+    """Collective: call on every rank. Each rank writes its shard; rank 0 the rest (see module docstring)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = checkpoints_root(output_dir) / checkpoint_name(step)
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # each rank's own shards (DTensors), no gather
+    tmp = None
+    if accelerator.is_main_process:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-")
+    tmp = Path(_broadcast_str(tmp))
+    dcp.save({"model": model_sd, "optimizer": optim_sd},
+             storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        rng_tensors = {f"rank{r}.{k}": v for r, (_, ts) in enumerate(rng_per_rank) for k, v in ts.items()}
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        atomic_write_text(tmp / "log.jsonl", log_text)
+        full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "format": FORMAT,
+                "metadata_sha256": _sha256(tmp / SHARDS / ".metadata")}
+        atomic_write_json(tmp / "state.json", full)  # last: its presence marks a complete checkpoint
+        if final.exists():  # a re-save of the same step (resumed run): keep a complete copy until the rename
+            old = final.parent / f".{final.name}.tmp-old"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        prune(output_dir, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_sharded(path: str | Path, model, optimizer) -> None:
+    """Load a sharded checkpoint into a prepared `model` / `optimizer`, whatever this run's world size
+    (every rank reads the slices it owns now). Checks `.metadata`'s sha256 before DCP unpickles it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    meta = path / SHARDS / ".metadata"
+    want = read_json(path / "state.json").get("metadata_sha256")
+    if not meta.is_file() or want is None or _sha256(meta) != want:
+        raise TrainingError(f"{meta}: missing or not the file this checkpoint recorded (sha256 mismatch); "
+                            "it is a pickle and is only loaded when it is")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / SHARDS)))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_meta(path: str | Path):
+    """A sharded checkpoint's loop state (state.json, RNG, log) as a `LoadedCheckpoint` with no tensors: the
+    module and optimizer are read after `accelerator.prepare`, by `load_sharded`."""
+    from safetensors.torch import load_file
+
+    from draftsmith.training.checkpoint import LoadedCheckpoint
+
+    path = Path(path)
+    state = read_json(path / "state.json")
+    rng_tensors: list[dict[str, torch.Tensor]] = [{} for _ in state["rng"]]
+    for k, v in load_file(str(path / "rng.safetensors")).items():
+        rank, name = k.split(".", 1)
+        rng_tensors[int(rank[4:])][name] = v
+    log = path / "log.jsonl"
+    lines = log.read_text(encoding="utf-8").splitlines(keepends=True) if log.is_file() else []
+    return LoadedCheckpoint(path, state, {}, {}, state["rng"], rng_tensors, lines)
