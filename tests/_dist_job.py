@@ -111,6 +111,10 @@ def train(a: argparse.Namespace) -> None:
     print("DIST " + json.dumps({
         "rank": tr.rank, "world": tr.world, "preset": preset_kind(tr.acc), "device": str(tr.acc.device),
         "target_devices": sorted({str(p.device) for p in local}), "loads": len(loaded),
+        # cuda:LOCAL_RANK on GPUs; "cpu:0" and "cpu" are one device
+        "on_own_device": all(p.device.type == tr.acc.device.type and (p.device.type == "cpu" or
+                                                                      p.device.index == tr.acc.device.index)
+                             for p in local),
         "target_grad": any(p.requires_grad for p in params),
         "target_sharded": any(isinstance(p, DTensor) for p in params),
         "target_local_numel": sum(p.numel() for p in local), "target_numel": sum(p.numel() for p in params),

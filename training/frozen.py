@@ -46,6 +46,10 @@ def compute_dtype(accelerator) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
 
 
+def _reshard_after_forward(module, args, output):
+    module.reshard()
+
+
 def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None, shard: bool | None = None) -> Any:
     """Freeze `model` and put it where the preset says (see module docstring). Returns the module to call.
 
@@ -76,8 +80,12 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
             # the decoder layers (nearly all of a target's weights) are sharded, each all-gathered for its
             # own forward; the root's embedding, final norm and lm_head stay whole on every rank, since the
             # heads call them outside the target's forward (EAGLE's embedding and lm_head rows)
+            # each layer is its own FSDP root, and FSDP2 keeps a root's parameters gathered after its forward
+            # (it expects the backward next): the hook frees them again, so a rank holds one whole layer at
+            # a time (the target has no backward)
             for layer in decoder_layers(model):
                 fully_shard(layer)
+                layer.register_forward_hook(_reshard_after_forward)
             model.to(accelerator.device)
             return freeze_module(model)
         return freeze_module(accelerator.prepare_model(model, evaluation_mode=False))

@@ -54,8 +54,35 @@ def make_accelerator(cfg: TrainConfig):
 
     precision = cfg.resolved_mixed_precision()
     _release_precision(precision)
-    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum,
-                       step_scheduler_with_optimizer=False, cpu=_cpu_only())
+    cpu = _cpu_only()
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum,
+                              step_scheduler_with_optimizer=False, cpu=cpu)
+    if cpu and accelerator.num_processes > 1 and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        _fsdp_on_cpu(accelerator)
+    return accelerator
+
+
+def _fsdp_on_cpu(accelerator) -> None:
+    """FSDP over gloo on CPU processes (the CPU form of configs/accelerate/fsdp.yaml, what the tests run).
+
+    FSDP2's `fully_shard` runs on CPU tensors with gloo, but accelerate 1.15 only switches to FSDP from a
+    GPU-type distributed mode and leaves CPU processes in MULTI_CPU (DDP). The preset's FSDP_* environment
+    is there all the same, so the plugin is built from it and the state switched to FSDP before anything is
+    prepared; `accelerator.prepare` then shards the trainable module as it does on GPUs.
+    """
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_STATE_DICT_TYPE, ... as accelerate does
+    if plugin.fsdp_version != 2:
+        from draftsmith.errors import ConfigError
+
+        raise ConfigError("FSDP on CPU processes needs fsdp_version: 2 (fully_shard); FSDP1 wants GPUs")
+    from accelerate.state import PartialState
+
+    accelerator.state.fsdp_plugin = plugin
+    # AcceleratorState copies PartialState's fields each time it is instantiated: switch both
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
 
 
 def preset_kind(accelerator) -> str:

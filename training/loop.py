@@ -500,10 +500,16 @@ class Trainer:
                            self.logger.path if self.main else None,
                            ckpt.read_log(self.logger.path) if self.main else [], module)
 
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The FSDP module's whole state dict, gathered onto rank 0's CPU (a collective; empty elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def _save_artifact(self, metrics: dict[str, float]) -> tuple[Path | None, nn.Module | None]:
         acc = self.acc
         if self.sharded:  # gather full weights (collective), then rebuild a plain module on rank 0
-            state = acc.get_state_dict(self.model)
+            state = self._full_state() if self.fsdp else acc.get_state_dict(self.model)
             module = None
             if self.main:
                 module = self.job.build_module()
