@@ -27,6 +27,7 @@ from draftsmith.evaluation.cost import CpuShare
 from draftsmith.storage import shared_data_dir
 from draftsmith.targets import load_target
 from draftsmith.targets.capture import default_eagle3_layers
+from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.precision import inference_copy
 
 TRAIN = shared_data_dir() / "train"
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> dict:
     reqs = [Request(i, ids, max_new) for i, ids in enumerate(prompts)]
     # as data generation asks: top-k logits from the position that predicts the first learned token on
     learned_only = [Request(i, ids, max_new, logits_from=len(ids) - 1) for i, ids in enumerate(prompts)]
-    pad = t.tokenizer.pad_token_id
+    pad = pad_token_id(t)
     res = {}
     models = {"fp32": t.model}
     for spec in specs.split(","):

@@ -40,6 +40,7 @@ from draftsmith.data.sources import PromptRow, load_prompts
 from draftsmith.errors import DataError
 from draftsmith.storage import atomic_dir, atomic_write_json, atomic_write_text, read_json, sha256_json
 from draftsmith.targets import check_compatible, gemm, load_target
+from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
 
@@ -312,9 +313,7 @@ def _row_seed(seed: int, row_id: int, turn: int) -> int:
 def _run_engine(target, config: DataConfig, reqs: list[Request], on_done, on_tokens) -> dict[str, float]:
     gen = config.generation
     sampling = Sampling(gen.do_sample, gen.temperature, gen.top_p)
-    pad = target.tokenizer.pad_token_id
-    if pad is None:
-        pad = target.eos_token_ids[0]
+    pad = pad_token_id(target)
     cap = None
     if config.capture.enabled:
         cap = CaptureSpec(list(config.capture.layers), config.capture.topk, config.capture.last_hidden)

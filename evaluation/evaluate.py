@@ -44,6 +44,7 @@ from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
 from draftsmith.targets import gemm
 from draftsmith.targets.device import dtype_name
+from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +340,7 @@ def decode_prompts(setup: Setup) -> list[dict]:
     cfg, target, prop = setup.cfg, setup.target, setup.prop
     tok, gen_kw = target.tokenizer, setup.gen_kw
     eos = gen_kw["eos_ids"]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else None)
+    pad = pad_token_id(target)
 
     def runner(name: str):
         if name == "base":

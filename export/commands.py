@@ -14,6 +14,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
     p.add_argument("--target", default=None, help="target spec (default: smollm2-135m); its fingerprint must match")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft length written into serve.md")
+    p.add_argument("--verifier", default=None, metavar="HUB_ID",
+                   help="the target's name where it will be served (e.g. meta-llama/Llama-3.1-8B-Instruct): "
+                        "written into config.json, serve.md and README.md instead of the local folder")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip verification after writing")
     p.set_defaults(func=run)
 
@@ -28,7 +31,8 @@ def run(args) -> int:
     from draftsmith.targets import load_target
 
     target = load_target(args.target)
-    result = export_artifact(args.artifact, args.to, args.out, target, args.num_speculative_tokens, args.verify)
+    result = export_artifact(args.artifact, args.to, args.out, target, args.num_speculative_tokens, args.verify,
+                             args.verifier)
     print(result.summary())
     print(f"launch: see {result.out / 'serve.md'}")
     return 0

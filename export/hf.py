@@ -44,11 +44,11 @@ from draftsmith.storage import atomic_dir, atomic_write_json, read_json
 from draftsmith.targets.fingerprint import check_compatible, tokenizer_hash
 
 FORMAT = "hf-draft"
-SKIP = {"manifest.json", "draftsmith.json", "serve.md"}
+SKIP = {"manifest.json", "draftsmith.json", "serve.md", "README.md"}
 
 
 def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=None,
-                 num_speculative_tokens: int = 4, verify: bool = True) -> ExportResult:
+                 num_speculative_tokens: int = 4, verify: bool = True, verifier: str | None = None) -> ExportResult:
     artifact_dir, out = Path(artifact_dir), Path(out)
     manifest = load_manifest(artifact_dir, kind="draft")
     if target is not None:
@@ -59,6 +59,9 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
     want_vocab = manifest["target"].get("vocab_size")
     if cfg.get("vocab_size") != want_vocab:
         raise ArtifactError(f"{artifact_dir}: draft vocab_size {cfg.get('vocab_size')} != target vocab_size {want_vocab}")
+
+    from draftsmith.export.api import verifier_ref
+    from draftsmith.export.card import write_card
 
     with atomic_dir(out, overwrite=True) as tmp:
         for f in artifact_dir.iterdir():
@@ -72,15 +75,16 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
         gen["num_assistant_tokens_schedule"] = "constant"
         atomic_write_json(gen_path, gen)
         write_guard(tmp, manifest, stack, FORMAT, {"num_speculative_tokens": int(num_speculative_tokens)})
-        write_serve(tmp, f"Serving this draft with {stack}", serve_text(stack, out, target, num_speculative_tokens))
+        body = serve_text(stack, out, verifier_ref(target, verifier), num_speculative_tokens)
+        write_serve(tmp, f"Serving this draft with {stack}", body)
+        write_card(tmp, manifest, "draft", stack, FORMAT, verifier_ref(target, verifier), body)
     result = ExportResult(out, stack, FORMAT, sorted(p.name for p in out.iterdir()))
     if verify:
         result.checks = verify_draft(out, target)
     return result
 
 
-def serve_text(stack: str, out: Path, target, k: int) -> str:
-    tgt = str(target.folder or target.spec) if target is not None else "<target HF folder>"
+def serve_text(stack: str, out: Path, tgt: str, k: int) -> str:
     if stack == "vllm":
         spec = json.dumps({"method": "draft_model", "model": str(out), "num_speculative_tokens": k})
         return (f"vLLM two-model speculative decoding (draft model):\n\n"

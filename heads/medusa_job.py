@@ -33,6 +33,7 @@ from draftsmith.heads.medusa import (
 from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.families import pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
@@ -94,8 +95,7 @@ class MedusaJob:
         self.cfg, self.target = cfg, target
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
         self.weights = head_weights(cfg.num_heads, cfg.decay)
-        tok = target.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        self.pad_id = pad_token_id(target)
         from draftsmith.training import CaptureSource
 
         # Medusa-2 from a capture cache: the adapted target runs in the step (its features change every step),
