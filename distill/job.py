@@ -40,7 +40,7 @@ from draftsmith.distill.losses import distill_loss
 from draftsmith.errors import DataError
 from draftsmith.evaluation.after_training import evaluate_into_artifact
 from draftsmith.targets.capture import topk_with_logsumexp
-from draftsmith.targets.families import pad_token_id
+from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class DistillJob:
     kind = "draft"
 
     def __init__(self, cfg: DistillConfig, target, rows=None) -> None:
+        family(target.config)  # a family outside targets/families.py: one line, before any work
         self.cfg, self.target = cfg, target
         rows = rows if rows is not None else load_rows(cfg.data.path, target, cfg.data.max_rows)
         self.train_set, self.eval_set = split_rows(rows, cfg.data.eval_fraction, cfg.train.seed)

@@ -356,21 +356,38 @@ for _fmt in (SPECULATORS, MIDLAYER, VLLM_EAGLE1, EAGLE1):
     _make_verifier(_fmt)
 
 
+def load_speculators(out: Path, config):
+    """speculators' Eagle3DraftModel on an export, with the verifier's embedding (not stored in the export).
+
+    speculators loads a verifier-owned weight only where the parameter is still NaN, its mark for "never
+    loaded"; under transformers 5 `from_pretrained` leaves such a parameter as uninitialised memory rather
+    than NaN, so the embedding would keep whatever the memory held. Marking it NaN first restores the rule."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    model = Eagle3DraftModel.from_pretrained(str(out), config=config).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.fill_(float("nan"))
+    model.load_verifier_weights()
+    if bool(model.embed_tokens.weight.isnan().any()):
+        raise VerificationError(f"{out}: speculators found no embedding in the verifier "
+                                f"{config.speculators_config.verifier.name_or_path}")
+    return model
+
+
 def speculators_check(out: Path, target) -> str | None:
     """The real consumer of the vLLM EAGLE-3 format: speculators loads the folder and runs a forward pass.
 
     Returns None when speculators is not installed (an optional dependency)."""
     try:
         from speculators import SpeculatorModel  # noqa: F401
-        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+        from speculators.models.eagle3 import Eagle3SpeculatorConfig
     except ImportError:
         return None
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention does not run on CPU
     if getattr(target, "folder", None) is not None:  # the verifier may be named by a hub id (--verifier)
         config.speculators_config.verifier.name_or_path = str(target.folder)
-    model = Eagle3DraftModel.from_pretrained(str(out), config=config).eval()
-    model.load_verifier_weights()  # embed_tokens from the verifier folder (not stored in the export)
+    model = load_speculators(out, config)
     written = read_tensors(out / "model.safetensors")
     sd = model.state_dict()
     for name, t in written.items():

@@ -33,7 +33,7 @@ from draftsmith.heads.medusa import (
 from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import atomic_write_json, read_json
-from draftsmith.targets.families import pad_token_id
+from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
@@ -92,6 +92,7 @@ class MedusaJob:
     kind = "medusa"
 
     def __init__(self, cfg: MedusaJobConfig, target, dataset):
+        family(target.config)  # a family outside targets/families.py: one line, before any work
         self.cfg, self.target = cfg, target
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
         self.weights = head_weights(cfg.num_heads, cfg.decay)
