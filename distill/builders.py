@@ -37,7 +37,7 @@ from torch import nn
 
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.targets.capture import decoder_layers
-from draftsmith.targets.families import text_config
+from draftsmith.targets.families import text_config, text_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def truncated_draft(target, num_layers: int) -> nn.Module:
     cfg = _config_for_layers(target.model.config, num_layers)
     model = _new_model(cfg)
     keep = {}
-    for name, tensor in target.model.state_dict().items():
+    for name, tensor in text_state_dict(target.model).items():
         parts = name.split(".")
         if "layers" in parts:
             i = parts.index("layers")

@@ -142,6 +142,16 @@ def lm_head(model) -> nn.Module:
     return unwrap(model).get_output_embeddings()
 
 
+def text_state_dict(model) -> dict[str, torch.Tensor]:
+    """The target's text decoder under a causal LM's names (`model.layers.0...`, `model.norm.weight`,
+    `lm_head.weight`): what a draft of the family's text class loads, for image-text checkpoints too."""
+    out = {f"model.{k}": v for k, v in _base(model).state_dict().items()}
+    head = lm_head(model)
+    if head is not None:
+        out["lm_head.weight"] = head.weight
+    return out
+
+
 def embedding_rows(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The plain table lookup the serving stacks' EAGLE drafters do (module docstring)."""
     return torch.nn.functional.embedding(ids, embedding.weight)
