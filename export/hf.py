@@ -41,6 +41,7 @@ from draftsmith.export.verify import (
     st_dtype,
 )
 from draftsmith.storage import atomic_dir, atomic_write_json, read_json
+from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.fingerprint import check_compatible, tokenizer_hash
 
 FORMAT = "hf-draft"
@@ -180,7 +181,7 @@ def assisted_generation_check(out: Path, target, prompt: str, max_new_tokens: in
     tok = target.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"].to(target.device)
-    common = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+    common = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id(target),
                   eos_token_id=target.eos_token_ids)
     plain = target.model.generate(ids, **common)
     assisted = target.model.generate(ids, assistant_model=draft, **common)
