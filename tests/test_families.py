@@ -32,8 +32,13 @@ def _plain_linears():
     family's shapes afresh, seconds per family, and has nothing to do with which family a target is."""
     from draftsmith.targets import gemm
 
-    with gemm.disabled():
-        yield
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # hidden-64 models: one thread does it, and waits on no other process's cores
+    try:
+        with gemm.disabled():
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _train_cfg(tmp: Path, name: str, steps: int = 3) -> TrainConfig:
@@ -49,7 +54,7 @@ def _data(target, tmp: Path) -> list[dict]:
     src = tmp / "prompts.jsonl"
     src.write_text("".join(json.dumps({"q": p}) + "\n" for p in PROMPTS))
     cfg = DataConfig(sources=[SourceConfig(name="mixed", path=str(src), prompt="q", domain="chat")],
-                     output_dir=str(tmp / "data"), generation=GenerationConfig(max_new_tokens=16, batch_size=8))
+                     output_dir=str(tmp / "data"), generation=GenerationConfig(max_new_tokens=16, batch_size=8, threads=1))
     generate_dataset(cfg, target, progress=False)
     rows = load_distilled(tmp / "data", target)
     assert len(rows) == len(PROMPTS) and all(sum(r["loss_mask"]) > 0 for r in rows)
