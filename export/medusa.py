@@ -40,6 +40,7 @@ from draftsmith.export.verify import (
     st_dtype,
 )
 from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.families import lm_head
 
 VLLM_FORMAT = "vllm-medusa"
 MEDUSA_FORMAT = "medusa-lm-head"  # FasterDecoding layout, read by TensorRT-LLM and Medusa's own HF model
@@ -54,7 +55,7 @@ def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dic
     if cfg.get("share_lm_head"):
         if target is None:
             raise ConfigError(f"{path}: these Medusa heads share the target's lm_head; give --target to export them")
-        w = target.model.lm_head.weight.detach().to("cpu", state_dtype(state))
+        w = lm_head(target.model).weight.detach().to("cpu", state_dtype(state))
         for h in range(cfg["num_heads"]):
             state[f"heads.{h}.lm_head.weight"] = w
     tree = read_json(path / "tree.json")["paths"] if (path / "tree.json").is_file() else None

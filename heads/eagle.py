@@ -254,7 +254,8 @@ class EagleOutput:
 
 
 class EagleHead(nn.Module):
-    """The EAGLE drafter (one decoder layer of the target's architecture). See the module docstring."""
+    """The EAGLE drafter (one decoder layer: a Llama layer sized from the target by default). See the module
+    docstring."""
 
     def __init__(self, config: EagleConfig):
         super().__init__()
