@@ -38,14 +38,14 @@ mask over the concatenated keys [K^0 | K^1 | ... | K^j] is therefore [causal | I
 The decoder layer is a Llama decoder layer sized from the target (hidden, heads, kv heads, head_dim, MLP,
 the target's full-attention RoPE) for every target family — what vLLM's, SGLang's, TensorRT-LLM's and
 speculators' EAGLE drafters build — or, with `draft_layer: target`, the target family's own layer
-(targets/families.py; built from its config class with layer_idx 0, full attention). EAGLE-1 runs it as is, minus its input norm (as
-the original EAGLE-1 does); EAGLE-3 widens its q/k/v projections to 2H and runs its submodules with the
+(targets/families.py; built from its config class with layer_idx 0, full attention). EAGLE-1 runs it as
+is, minus its input norm (as the original EAGLE-1 does); EAGLE-3 widens its q/k/v projections to 2H and runs its submodules with the
 EAGLE-3 residual layout, under the serving stacks' names (layer.input_layernorm normalises the embedding,
 layer.hidden_norm the feature), so `export/eagle.py` maps them one to one.
 The target's embedding (and, for EAGLE-1, its final norm and lm_head) is attached by reference
 (`attach_target`): it is not a parameter, not trained, not saved. The head reads the embedding table's
-plain rows (no Gemma sqrt(H) scale), as the serving stacks' drafters do. Export writers take `embed_tokens` from
-the target the manifest's fingerprint names (config.json says `"embeddings": "target"`).
+plain rows (no Gemma sqrt(H) scale), as the serving stacks' drafters do. Export writers take
+`embed_tokens` from the target the manifest's fingerprint names (config.json says `"embeddings": "target"`).
 
 Draft vocabulary (EAGLE-3): the N most frequent target-written tokens (loss-masked positions) of the
 training data, sorted by target id; `d2t[d] = target_id - d` (int64) and `t2d` (bool over the target
@@ -170,10 +170,13 @@ def _hf_layer_config(layer_config: dict):
     _layer_family(layer_config)
     d = dict(layer_config)
     model_type = d.pop("model_type")
-    for k in ("architectures", "auto_map", "transformers_version", "_name_or_path", "rope_scaling"):
+    for k in ("architectures", "auto_map", "transformers_version", "_name_or_path"):
         d.pop(k, None)
-    if isinstance(d.get("rope_parameters"), dict) and "full_attention" not in d["rope_parameters"]:
-        d.pop("rope_theta", None)  # the same base, in transformers 5's spelling
+    params = d.get("rope_parameters")
+    if not (isinstance(params, dict) and "full_attention" in params):  # one RoPE, in transformers 5's spelling
+        d["rope_parameters"] = full_attention_rope(layer_config)  # (from rope_theta + rope_scaling if need be)
+        d.pop("rope_theta", None)
+        d.pop("rope_scaling", None)
     cfg = text_config(AutoConfig.for_model(model_type, **d))
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
