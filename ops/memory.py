@@ -59,7 +59,13 @@ def load_config(spec: str | Path):
         from draftsmith.targets.loading import materialize_gguf
 
         return AutoConfig.from_pretrained(materialize_gguf(EMBEDDED[str(spec)].gguf_path(), name=str(spec)))
-    raise ConfigError(f"--target {spec}: give a config.json, an HF model folder or an embedded target name")
+    if "/" in str(spec) and not str(spec).startswith((".", "/", "~")):  # a hub id: its config.json only
+        try:
+            return AutoConfig.from_pretrained(str(spec))
+        except OSError as e:
+            raise ConfigError(f"--target {spec}: cannot read its config from the hub ({str(e).splitlines()[0][:120]}); "
+                              "give a config.json (configs/<preset>/target-config.json) or a model folder") from None
+    raise ConfigError(f"--target {spec}: give a config.json, an HF model folder, a hub id or an embedded target name")
 
 
 def count_params(config) -> int:
