@@ -38,7 +38,14 @@ from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, toke
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import PromptRow, load_prompts
 from draftsmith.errors import DataError
-from draftsmith.storage import atomic_dir, atomic_write_json, atomic_write_text, read_json, sha256_json
+from draftsmith.storage import (
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_text,
+    check_replaceable,
+    read_json,
+    sha256_json,
+)
 from draftsmith.targets import check_compatible, gemm, load_target
 
 log = logging.getLogger(__name__)
@@ -190,6 +197,7 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 raise DataError(f"{out} holds rows generated with a different {field_name}; "
                                 "use another output_dir or delete it")
     else:
+        check_replaceable(out, "dataset")  # a user's folder is not written into (its `dataset/` would go)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_file, key)
     done = _read_chunks(chunk_dir)

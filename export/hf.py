@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.artifact import load_manifest
+from draftsmith.artifact import load_manifest, verify_weights
 from draftsmith.errors import ArtifactError
 from draftsmith.export.common import (
     ExportResult,
     copy_tokenizer_files,
     fenced,
+    record_checksums,
     write_guard,
     write_serve,
 )
@@ -38,6 +39,7 @@ from draftsmith.export.verify import (
     compare,
     read_header,
     register_verifier,
+    run_verifier,
     st_dtype,
 )
 from draftsmith.storage import atomic_dir, atomic_write_json, read_json
@@ -48,9 +50,10 @@ SKIP = {"manifest.json", "draftsmith.json", "serve.md"}
 
 
 def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=None,
-                 num_speculative_tokens: int = 4, verify: bool = True) -> ExportResult:
+                 num_speculative_tokens: int = 4, verify: bool = True, overwrite: bool = False) -> ExportResult:
     artifact_dir, out = Path(artifact_dir), Path(out)
     manifest = load_manifest(artifact_dir, kind="draft")
+    verify_weights(artifact_dir, manifest)
     if target is not None:
         check_compatible(manifest["target"], target.fingerprint(), what=f"artifact {artifact_dir}")
     if not (artifact_dir / "config.json").is_file():
@@ -60,7 +63,14 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
     if cfg.get("vocab_size") != want_vocab:
         raise ArtifactError(f"{artifact_dir}: draft vocab_size {cfg.get('vocab_size')} != target vocab_size {want_vocab}")
 
-    with atomic_dir(out, overwrite=True) as tmp:
+    result = ExportResult(out, stack, FORMAT)
+
+    def verified(tmp: Path) -> None:  # the folder is swapped in only after this passes
+        result.files = sorted(p.name for p in tmp.iterdir())
+        if verify:
+            result.checks = run_verifier(tmp, FORMAT, target, shown=out)
+
+    with atomic_dir(out, overwrite=overwrite, kind="export", verify=verified) as tmp:
         for f in artifact_dir.iterdir():
             if f.is_file() and f.name not in SKIP and not f.name.startswith("."):
                 shutil.copy2(f, tmp / f.name)
@@ -73,9 +83,7 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
         atomic_write_json(gen_path, gen)
         write_guard(tmp, manifest, stack, FORMAT, {"num_speculative_tokens": int(num_speculative_tokens)})
         write_serve(tmp, f"Serving this draft with {stack}", serve_text(stack, out, target, num_speculative_tokens))
-    result = ExportResult(out, stack, FORMAT, sorted(p.name for p in out.iterdir()))
-    if verify:
-        result.checks = verify_draft(out, target)
+        record_checksums(tmp)
     return result
 
 
