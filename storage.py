@@ -103,7 +103,8 @@ def output_kind(path: str | os.PathLike) -> str | None:
     return None
 
 
-def check_replaceable(final: str | os.PathLike, kind: str, overwrite: bool = False) -> None:
+def check_replaceable(final: str | os.PathLike, kind: str, overwrite: bool = False,
+                      hint: str = "choose another path, or pass --overwrite to replace it") -> None:
     """Refuse (one line, nothing touched) to replace `final` unless it is absent, an empty folder, or a
     draftsmith `kind` output (its marker file says so); `overwrite=True` is the user saying they mean it."""
     from draftsmith.errors import OutputError
@@ -121,9 +122,13 @@ def check_replaceable(final: str | os.PathLike, kind: str, overwrite: bool = Fal
         if found == kind:
             return
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        what = f"a draftsmith {found}, not a {kind}" if found else f"not a draftsmith {kind} (it holds {shown})"
-    raise OutputError(f"{final} already exists and is {what}; draftsmith replaces only an empty folder or a "
-                      f"{kind} it wrote: choose another path, or pass --overwrite to replace it")
+        what = f"a draftsmith {found}, not {_a(kind)}" if found else f"not a draftsmith {kind} (it holds {shown})"
+    raise OutputError(f"{final} already exists and is {what}; draftsmith replaces only an empty folder or "
+                      f"{_a(kind)} it wrote: {hint}")
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
 
 
 def _pid_alive(pid: int) -> bool:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.artifact import load_manifest, now_iso, update_manifest
+from draftsmith.artifact import inspect_artifact, load_manifest, now_iso, update_manifest
 from draftsmith.errors import ArtifactError
 from draftsmith.storage import atomic_write_json, read_json
 
@@ -81,6 +81,10 @@ class Registry:
     def publish(self, candidate: Path, lineage: dict) -> str:
         """Move a finished artifact directory into versions/ (atomic rename) with its lineage recorded."""
         load_manifest(candidate)  # refuses a directory that is not a complete artifact
+        problems, _ = inspect_artifact(candidate)  # files, checksums, tensor names and shapes
+        if problems:
+            raise ArtifactError(f"not publishing {candidate}: {problems[0]}"
+                                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         update_manifest(candidate, lineage=lineage, parent=lineage.get("parent"))
         version = self.next_version()
         os.replace(candidate, self.path(version))
