@@ -1,0 +1,275 @@
+"""Never destroy what a user owns, never give a silently wrong result: output folders are replaced only when
+they are draftsmith outputs of the same kind, a failed export leaves the previous one byte-identical, a
+changed byte in any weight file is caught by every reader, `draftsmith check` fails on a damaged artifact
+or export, and resume skips a damaged checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from _train_job import NextTokenJob
+from safetensors.torch import load_file, save_file
+from test_export import make_draft_artifact, make_medusa_artifact
+
+from draftsmith import artifact
+from draftsmith.errors import ArtifactError, IntegrityError, OutputError, TrainingError
+from draftsmith.export.api import export_artifact, import_export
+from draftsmith.export.verify import VerificationError, verify_export
+from draftsmith.storage import atomic_dir, sha256_file, weight_checksums
+from draftsmith.training import TrainConfig, train
+from draftsmith.training import checkpoint as ckpt
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def users_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("my own notes")
+    return path
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
+
+
+@pytest.fixture(scope="module")
+def medusa(tiny_target, tmp_path_factory):
+    return make_medusa_artifact(tiny_target, tmp_path_factory.mktemp("integrity") / "medusa")
+
+
+def make_dataset(target, path: Path) -> Path:
+    import datasets
+
+    rows = {"row_id": [0, 1], "domain": ["chat", "code"], "input_ids": [[1, 2, 3], [4, 5, 6]],
+            "loss_mask": [[0, 1, 1], [0, 1, 1]]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(path / "dataset"))
+    (path / "provenance.json").write_text(json.dumps({
+        "target": {"name": "tiny", "spec": "tiny", "fingerprint": target.fingerprint()},
+        "counts": {"rows": 2, "per_domain": {"chat": 1, "code": 1}}}))
+    return path
+
+
+# --- output folders ---------------------------------------------------------------------------------
+def test_every_writer_leaves_a_users_folder_alone(tiny_target, medusa, tmp_path, capsys):
+    from draftsmith.cli import main
+    from draftsmith.data.commands import subset_dataset
+
+    mine = users_folder(tmp_path / "mine")
+    before = snapshot(mine)
+    draft = make_draft_artifact(tiny_target, tmp_path / "draft")
+    export = export_artifact(medusa, "vllm", tmp_path / "export", tiny_target).out
+    dataset = make_dataset(tiny_target, tmp_path / "data")
+    _, state = artifact.load_artifact(medusa)
+    writers = {
+        "export heads": lambda: export_artifact(medusa, "vllm", mine, tiny_target),
+        "export draft": lambda: export_artifact(draft, "hf", mine, tiny_target),
+        "save artifact": lambda: artifact.save_artifact(mine, artifact.make_manifest("medusa", {}, {}), state),
+        "import export": lambda: import_export(export, mine),
+        "data subset": lambda: subset_dataset(dataset, mine, domains=["chat"]),
+    }
+    for name, write in writers.items():
+        with pytest.raises(OutputError, match=r"mine already exists and is not a draftsmith .*notes\.txt"):
+            write()
+        assert snapshot(mine) == before, name
+    capsys.readouterr()
+    rc = main(["export", "--artifact", str(medusa), "--to", "vllm", "--out", str(mine),
+               "--target", str(tiny_target.folder)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert rc == 2 and len(errors) == 1 and "--overwrite" in errors[0]
+    # another kind of draftsmith output is not replaced either, and a file is not a folder
+    with pytest.raises(OutputError, match="a draftsmith artifact, not an export"):
+        export_artifact(medusa, "vllm", draft, tiny_target)
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(OutputError, match="is a file"):
+        export_artifact(medusa, "vllm", tmp_path / "file.txt", tiny_target)
+    assert snapshot(mine) == before and siblings(mine) == []
+    # its own kind is replaced; --overwrite is the user saying they mean it
+    export_artifact(medusa, "trtllm", export, tiny_target)
+    assert json.loads((export / "draftsmith.json").read_text())["stack"] == "trtllm"
+    export_artifact(medusa, "vllm", mine, tiny_target, overwrite=True)
+    assert not (mine / "notes.txt").exists() and siblings(mine) == []
+
+
+def test_a_job_refuses_a_users_output_folder_before_training(tiny_target, tmp_path):
+    from test_medusa_job import self_distilled_rows
+
+    from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig
+
+    mine = users_folder(tmp_path / "mine")
+    cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(mine), num_heads=2, num_layers=1,
+                          train=TrainConfig(max_steps=1, batch_size=4, output_dir=str(tmp_path / "run"),
+                                            progress=False))
+    cfg.evaluate.enabled = False
+    with pytest.raises(OutputError, match="mine already exists"):
+        train(MedusaJob(cfg, tiny_target, self_distilled_rows(tiny_target, n=8)), cfg.train)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any step
+
+
+def test_a_failed_export_leaves_the_previous_export_byte_identical(tiny_target, medusa, tmp_path):
+    out = export_artifact(medusa, "vllm", tmp_path / "served", tiny_target).out
+    before = snapshot(out)
+    bad = make_medusa_artifact(tiny_target, tmp_path / "bad", heads=3)
+    (bad / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}))
+    with pytest.raises(VerificationError, match=r"served: .*depth 4, but the export has 3 heads"):
+        export_artifact(bad, "vllm", out, tiny_target)
+    assert snapshot(out) == before and siblings(out) == []
+
+
+def test_an_interrupted_write_is_tidied_on_the_next_one(tmp_path):
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "draftsmith.json").write_text(json.dumps({"format": "x", "stack": "vllm", "target": {}}))
+    dead = 2 ** 22 + 12345  # above the default pid_max: no live process has this pid
+    (tmp_path / f".a.tmp-{dead}-xyz").mkdir()  # a killed write's temporary folder
+    os.replace(out, tmp_path / f".a.old-{dead}")  # killed between the two renames of a swap
+    with atomic_dir(out, kind="export") as tmp:
+        (tmp / "draftsmith.json").write_text(json.dumps({"format": "y", "stack": "vllm", "target": {}}))
+    assert json.loads((out / "draftsmith.json").read_text())["format"] == "y"
+    assert siblings(out) == []
+
+
+# --- checksums --------------------------------------------------------------------------------------
+def test_a_flipped_bit_is_caught_by_every_reader(tiny_target, tmp_path, capsys):
+    from draftsmith.cli import main
+    from draftsmith.decoding.draft import DraftProposer
+    from draftsmith.heads.medusa_job import load_medusa
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    good_export = export_artifact(art, "vllm", tmp_path / "v", tiny_target).out
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["checksums"] == {"model.safetensors": sha256_file(art / "model.safetensors")}
+    assert json.loads((good_export / "draftsmith.json").read_text())["checksums"] == weight_checksums(good_export)
+    flip_last_byte(art / "model.safetensors")
+    named = r"m/model\.safetensors: sha256 differs"
+    with pytest.raises(IntegrityError, match=named):
+        load_medusa(art, tiny_target)
+    with pytest.raises(IntegrityError, match=named):
+        export_artifact(art, "vllm", tmp_path / "v2", tiny_target)
+    assert not (tmp_path / "v2").exists()
+    with pytest.raises(IntegrityError, match=named):  # warm start
+        train(NextTokenJob(tiny_target), TrainConfig(max_steps=1, batch_size=4, output_dir=str(tmp_path / "w"),
+                                                     warm_start=str(art), progress=False, loggers=["jsonl"]))
+    assert main(["check", "--artifact", str(art), "--target", str(tiny_target.folder)]) == 4
+    assert "model.safetensors: sha256 differs" in capsys.readouterr().out
+
+    draft = make_draft_artifact(tiny_target, tmp_path / "d")
+    flip_last_byte(draft / "model.safetensors")
+    with pytest.raises(IntegrityError, match=r"d/model\.safetensors"):
+        DraftProposer.from_path(draft, tiny_target)
+    with pytest.raises(IntegrityError, match=r"d/model\.safetensors"):
+        export_artifact(draft, "hf", tmp_path / "dx", tiny_target)
+
+    flip_last_byte(good_export / "model.safetensors")
+    with pytest.raises(VerificationError, match=r"v/model\.safetensors: sha256 differs"):
+        verify_export(good_export)
+    with pytest.raises(VerificationError, match=r"v/model\.safetensors"):
+        import_export(good_export, tmp_path / "back")
+    assert main(["check", "--artifact", str(good_export), "--target", str(tiny_target.folder)]) == 4
+
+
+# --- draftsmith check -------------------------------------------------------------------------------
+def _rewrite(path: Path, edit, manifest: str | None) -> None:
+    """Change a weight file and re-record its checksum, so only the structure check can catch it."""
+    sd = load_file(path)
+    edit(sd)
+    save_file(sd, path)
+    if manifest is not None:
+        m = path.parent / manifest
+        data = json.loads(m.read_text())
+        data["checksums"][path.name] = sha256_file(path)
+        m.write_text(json.dumps(data))
+
+
+def _rename(sd):
+    sd["heads.0.lm_head.weightx"] = sd.pop("heads.0.lm_head.weight")
+
+
+def _reshape(sd):
+    sd["heads.1.blocks.0.linear.bias"] = torch.zeros(3)
+
+
+def _rename_export(sd):
+    name = next(k for k in sd if k.endswith("weight"))
+    sd[name + "x"] = sd.pop(name)
+
+
+def _reshape_export(sd):
+    name = next(k for k in sd if k.endswith("bias"))
+    sd[name] = torch.zeros(3)
+
+
+@pytest.mark.parametrize("damage", ["rename", "shape", "truncate", "tree"])
+def test_check_fails_on_a_damaged_artifact_and_export(tiny_target, medusa, tmp_path, capsys, damage):
+    import shutil
+
+    from draftsmith.cli import main
+
+    art = Path(shutil.copytree(medusa, tmp_path / "m"))
+    out = export_artifact(art, "vllm", tmp_path / "v", tiny_target).out
+    check = ["check", "--target", str(tiny_target.folder), "--artifact"]
+    assert main([*check, str(art)]) == 0 and main([*check, str(out)]) == 0
+    capsys.readouterr()
+    if damage == "rename":
+        _rewrite(art / "model.safetensors", _rename, "manifest.json")
+        _rewrite(out / "model.safetensors", _rename_export, "draftsmith.json")
+        expect = ["missing tensor '", "unexpected tensor '"]
+    elif damage == "shape":
+        _rewrite(art / "model.safetensors", _reshape, "manifest.json")
+        _rewrite(out / "model.safetensors", _reshape_export, "draftsmith.json")
+        expect = ["has shape [3], expected [64]"]
+    elif damage == "truncate":
+        for f in (art / "model.safetensors", out / "model.safetensors"):
+            f.write_bytes(f.read_bytes()[:-100])
+        expect = ["model.safetensors: sha256 differs"]
+    else:  # a tree deeper than the heads (3): a stack would index past them
+        for f, key in ((art / "tree.json", "paths"), (out / "draftsmith.json", "medusa_choices")):
+            data = json.loads(f.read_text())
+            data[key] = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+            f.write_text(json.dumps(data))
+        expect = ["depth 4"]
+    for path in (art, out):
+        assert main([*check, str(path)]) == 4, path
+        text = capsys.readouterr().out
+        assert all(e in text for e in expect), text
+        assert "DAMAGED" in text
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+def test_resume_falls_back_past_a_damaged_checkpoint(tiny_target, tmp_path, caplog):
+    out = tmp_path / "run"
+    cfg = dict(batch_size=4, output_dir=str(out), save_every=2, keep_last=3, eval_every=0, progress=False,
+               loggers=["jsonl"], lr=1e-3)
+    train(NextTokenJob(tiny_target), TrainConfig(max_steps=4, **cfg))
+    names = [p.name for p in ckpt.list_checkpoints(out)]
+    assert names == ["step-00000002", "step-00000004"]
+    state = json.loads((out / "checkpoints" / "step-00000004" / "state.json").read_text())
+    assert set(state["checksums"]) == {"model.safetensors", "optimizer.safetensors", "rng.safetensors"}
+    f = out / "checkpoints" / "step-00000004" / "optimizer.safetensors"
+    f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])  # torn
+    with pytest.raises(TrainingError, match=r"step-00000004 is damaged: .*optimizer\.safetensors"):
+        ckpt.load_checkpoint(out / "checkpoints" / "step-00000004")
+    with caplog.at_level("WARNING"):
+        result = train(NextTokenJob(tiny_target), TrainConfig(max_steps=6, **cfg))
+    assert result.resumed_from.name == "step-00000002"
+    assert "step-00000004 is damaged" in caplog.text and "optimizer.safetensors" in caplog.text
+    assert "resuming from" in caplog.text and "step-00000002" in caplog.text
+    assert result.steps == 6 and not ckpt.checkpoint_problems(out / "checkpoints" / "step-00000004")
+
+
+def test_a_load_error_names_the_file(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match=r"manifest\.json: not valid JSON"):
+        artifact.load_manifest(tmp_path)
