@@ -167,6 +167,9 @@ def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
         return problems, checks
     try:
         expected, optional, extra = _expected_tensors(path, manifest["kind"])
+    except FileNotFoundError as e:
+        problems.append(f"{e.filename}: missing")
+        return problems, checks
     except (ArtifactError, KeyError, TypeError, ValueError) as e:
         problems.append(f"{path / 'config.json'}: cannot build the {manifest['kind']} module it describes ({e})")
         return problems, checks

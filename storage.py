@@ -34,11 +34,25 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _as_umask_allows(path: str | os.PathLike, directory: bool = False) -> None:
+    """mkstemp / mkdtemp create 0600 / 0700: give the file the mode an ordinary open() / mkdir() would
+    (0666 / 0777 less the umask), so a serving process of the group can read what is written for it."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
+        _as_umask_allows(tmp)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -205,6 +219,7 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | No
 
     allowed()
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-{os.getpid()}-"))
+    _as_umask_allows(tmp, directory=True)
     try:
         yield tmp
         if verify is not None:
