@@ -224,6 +224,11 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | No
         yield tmp
         if verify is not None:
             verify(tmp)
+        for sub, dirs, files in os.walk(tmp):  # safetensors writes 0600 whatever the umask
+            for d in dirs:
+                _as_umask_allows(os.path.join(sub, d), directory=True)
+            for f in files:
+                _as_umask_allows(os.path.join(sub, f))
         allowed()
         old = None
         if os.path.lexists(final):

@@ -273,3 +273,67 @@ def test_a_load_error_names_the_file(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(ArtifactError, match=r"manifest\.json: not valid JSON"):
         artifact.load_manifest(tmp_path)
+
+
+# --- retraining -------------------------------------------------------------------------------------
+def test_replay_keeps_all_earlier_traffic_after_three_promotions(tiny_target, tmp_path, monkeypatch):
+    import shutil
+
+    import datasets
+
+    from draftsmith.retrain import run as runmod
+    from draftsmith.retrain.config import RetrainConfig
+    from draftsmith.retrain.registry import Registry
+    from draftsmith.retrain.traffic import TrafficRow
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the data preset path is relative to the repo
+    cfg = RetrainConfig(registry=str(tmp_path / "reg"))
+    cfg.budget.replay_fraction = 0.75  # 3 old rows per new one: every earlier row fits
+    reg = Registry(tmp_path / "reg", "tiny", "medusa")
+    old_data = None
+    art = make_medusa_artifact(tiny_target, tmp_path / "art", heads=2)
+    for round_ in range(1, 5):
+        work = reg.staging / f"attempt{round_}"
+        fresh = make_dataset(tiny_target, work / "data")
+        ds = datasets.load_from_disk(str(fresh / "dataset"))
+        ds.map(lambda r, i=round_: {"domain": f"round{i}"}).save_to_disk(str(fresh / "dataset2"))
+        shutil.rmtree(fresh / "dataset")
+        (fresh / "dataset2").rename(fresh / "dataset")
+        rows = [TrafficRow(f"prompt {round_}", f"round{round_}", 0.0)]
+        mixed = runmod._build_data(cfg, tiny_target, work, rows, old_data)
+        seen = set(datasets.load_from_disk(str(mixed / "dataset"))["domain"])
+        assert seen == {f"round{i}" for i in range(1, round_ + 1)}, (round_, seen)
+        if round_ == 4:
+            break
+        candidate = Path(shutil.copytree(art, work / "candidate"))
+        artifact.update_manifest(candidate, data={"path": str(mixed)})
+        version = runmod.promote(reg, candidate, {"parent": None}, mixed, "better")
+        shutil.rmtree(work)  # as a run does after promoting
+        old_data = reg.manifest(version)["data"]["path"]
+        assert Path(old_data).is_dir() and reg.manifest(version)["data"]["trained_from"] == str(mixed)
+
+
+def test_a_held_lock_has_its_own_exit_code(tmp_path, monkeypatch, capsys):
+    from draftsmith.retrain import run as runmod
+    from draftsmith.retrain.lock import LockHeld
+
+    def held(cfg, init=None):
+        raise LockHeld(f"another retraining run holds {tmp_path / '.lock'} (pid 1)")
+
+    monkeypatch.setattr(runmod, "retrain_once", held)
+    assert runmod.run_retrain(None, [f"registry={tmp_path}"]) == runmod.EXIT_LOCKED == 12
+    assert "holds" in capsys.readouterr().err
+
+
+def test_files_for_a_serving_process_follow_the_umask(tiny_target, medusa, tmp_path):
+    from draftsmith.storage import atomic_write_json
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_json(tmp_path / "current.json", {"version": "v0001"})
+        out = export_artifact(medusa, "vllm", tmp_path / "served", tiny_target).out
+    finally:
+        os.umask(old)
+    assert (tmp_path / "current.json").stat().st_mode & 0o777 == 0o644
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}
