@@ -337,3 +337,86 @@ def test_files_for_a_serving_process_follow_the_umask(tiny_target, medusa, tmp_p
     assert (tmp_path / "current.json").stat().st_mode & 0o777 == 0o644
     assert out.stat().st_mode & 0o777 == 0o755
     assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}
+
+
+# --- training: non-finite, empty batches, exploding loss ----------------------------------------------
+class EmptyOrExploding(NextTokenJob):
+    """The tiny loop job, with chosen micro-batches reported empty (no learned token) or given a huge loss."""
+
+    def __init__(self, target, empty=(), explode=(), **kw):
+        super().__init__(target, **kw)
+        self.empty, self.explode, self.seen, self.loss_calls = set(empty), set(explode), 0, 0
+
+    def learned_tokens(self, batch):
+        self.seen += 1
+        return 0 if self.seen - 1 in self.empty else int(batch["input_ids"][:, 1:].numel())
+
+    def loss(self, module, batch):
+        loss, metrics = super().loss(module, batch)
+        if module.training:
+            self.loss_calls += 1
+            if self.loss_calls - 1 in self.explode:
+                loss = loss * 1e6
+        return loss, metrics
+
+
+def _cfg(out, **kw):
+    base = dict(batch_size=4, output_dir=str(out), save_every=0, eval_every=0, log_every=1, progress=False,
+                loggers=["jsonl"], lr=1e-3)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_empty_batches_are_skipped_counted_and_logged_as_skipped(tiny_target, tmp_path, caplog):
+    job = EmptyOrExploding(tiny_target, empty={1, 2}, explode={10})
+    with caplog.at_level("WARNING"):
+        result = train(job, _cfg(tmp_path / "e", max_steps=14))
+    records = [r for r in result.history if r["type"] == "train"]
+    assert [r["loss"] is None for r in records[:3]] == [False, True, True]  # skipped, not 0.0
+    assert records[1]["skipped_steps"] == 1 and records[1]["empty_batches"] == 1
+    assert result.metrics["empty_batches"] == 2 and job.loss_calls == 12  # never scored
+    assert records[12].get("exploding_losses") == 1 and "running median" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_rows_without_a_learned_token_do_not_make_an_artifact(tiny_target, tmp_path, kind):
+    from test_medusa_job import self_distilled_rows
+
+    rows = [{**r, "loss_mask": [0] * len(r["loss_mask"]), "domain": "d"} for r in self_distilled_rows(tiny_target, n=8)]
+    train_cfg = TrainConfig(max_steps=2, batch_size=4, output_dir=str(tmp_path / "run"), progress=False,
+                            eval_every=0, loggers=["jsonl"])
+    if kind == "medusa":
+        from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig
+
+        cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "art"), num_heads=2,
+                              num_layers=1, eval_fraction=0.25, calibration_rows=2, train=train_cfg)
+        job = MedusaJob(cfg, tiny_target, rows)
+    else:
+        from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig
+
+        cfg = EagleJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "art"), version="eagle3",
+                             target_layers=[0, 1, 1], ttt_steps=2, draft_vocab_size=64, eval_fraction=0.25,
+                             train=train_cfg)
+        job = EagleJob(cfg, tiny_target, rows)
+    with pytest.raises(TrainingError, match=r"no optimizer step .* had no learned token"):
+        train(job, cfg.train)
+    assert not (tmp_path / "art").exists()
+
+
+def test_checkpoints_only_from_finite_weights(tiny_target, tmp_path, monkeypatch, caplog):
+    from draftsmith.training import loop
+
+    out = tmp_path / "nf"
+    real = loop.Trainer.save
+
+    def poisoned_save(self):  # weights that went non-finite without a non-finite loss (e.g. a bad optimizer state)
+        if self.step == 4:
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] = float("inf")
+        return real(self)
+
+    monkeypatch.setattr(loop.Trainer, "save", poisoned_save)
+    with caplog.at_level("WARNING"), pytest.raises(TrainingError, match=r"non-finite values; last good checkpoint: .*step-00000002"):
+        train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2, keep_last=5))
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step-00000002"]
+    assert "not saving a checkpoint" in caplog.text
+    assert not (out / "artifact").exists()
