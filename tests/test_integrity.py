@@ -420,3 +420,30 @@ def test_checkpoints_only_from_finite_weights(tiny_target, tmp_path, monkeypatch
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step-00000002"]
     assert "not saving a checkpoint" in caplog.text
     assert not (out / "artifact").exists()
+
+
+# --- resume honesty ---------------------------------------------------------------------------------
+def test_resume_applies_a_changed_setting_knowingly_or_refuses(tiny_target, tmp_path, caplog):
+    from torch import nn
+
+    out = tmp_path / "r"
+    base = dict(save_every=2, keep_last=5, schedule="constant", warmup_steps=0)
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=2, **base))
+    with caplog.at_level("WARNING"):
+        result = train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, **{**base, "lr": 2e-3}))
+    assert result.resumed_from.name == "step-00000002"
+    assert result.metrics["resume_changes"]["lr"] == {"checkpoint": 1e-3, "now": 2e-3}
+    assert "lr 0.001 -> 0.002" in caplog.text
+    lrs = {r["step"]: r["lr"] for r in result.history if r["type"] == "train"}
+    assert lrs[1] == lrs[2] == pytest.approx(1e-3) and lrs[3] == lrs[4] == pytest.approx(2e-3)  # the lr used
+
+    class Wider(NextTokenJob):
+        def build_module(self):
+            m = super().build_module()
+            m.extra = nn.Linear(2, 2)
+            return m
+
+    with pytest.raises(TrainingError, match=r"step-00000004 holds a module of another shape .*extra"):
+        train(Wider(tiny_target), _cfg(out, max_steps=6, **base))
+    with pytest.raises(TrainingError, match=r"was trained on data .*32 rows.*36 rows"):
+        train(NextTokenJob(tiny_target, n_train=36), _cfg(out, max_steps=6, **base))

@@ -59,6 +59,10 @@ ARTIFACT_DIR = "artifact"
 EXPLODE_FACTOR = 100.0  # a loss this many times the running median (floored at EXPLODE_FLOOR) warns
 EXPLODE_FLOOR = 0.1
 EXPLODE_WINDOW = 32  # micro-batch losses in the running median
+# train settings a resumed run may change (applied from the resume on, both values recorded); others that
+# move the data position (batch_size, world size, data) refuse
+RESUMABLE_CHANGES = ("lr", "betas", "eps", "weight_decay", "schedule", "warmup_steps", "warmup_ratio",
+                     "min_lr_ratio", "max_steps", "epochs", "max_grad_norm", "grad_accum")
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +242,12 @@ class Trainer:
             self.job.setup(acc)
         module = self.job.build_module()
         if self.loaded is not None:
-            module.load_state_dict(self.loaded.model)
+            try:
+                module.load_state_dict(self.loaded.model)
+            except RuntimeError as e:  # torch lists every mismatch over many lines: name the first
+                first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
+                raise TrainingError(f"checkpoint {self.resume_path} holds a module of another shape ({first}); "
+                                    "resume with the same model settings, or set train.resume=never") from None
         elif cfg.warm_start:
             self._warm_start(module)
         self.train_rows = self.job.train_rows()
@@ -273,6 +282,7 @@ class Trainer:
         self.tokens_total = 0
         self.last_eval: dict[str, float] = {}
         self.last_train: dict[str, float] = {}
+        self.resume_changes: dict = {}
         log_text = ""
         if self.loaded is not None:
             self._restore()
@@ -317,15 +327,31 @@ class Trainer:
             raise TrainingError(f"train.warm_start {self.cfg.warm_start}: weights do not fit the module "
                                 f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
 
+    def _data_identity(self) -> dict:
+        """What the data position of a checkpoint means: the job's data path and the training rows."""
+        data = getattr(getattr(self.job, "cfg", None), "data", None)
+        data = getattr(data, "path", data)  # DistillConfig nests its data settings
+        return {"path": str(data) if isinstance(data, str | Path) else None, "rows": len(self.train_rows)}
+
     def _restore(self) -> None:
         st = self.loaded.state
+        old_data, new_data = st.get("data"), self._data_identity()
+        if old_data is not None and old_data != new_data:
+            raise TrainingError(
+                f"checkpoint {self.resume_path} was trained on data {old_data['path']} ({old_data['rows']} rows); "
+                f"this run has {new_data['path']} ({new_data['rows']} rows): its data position would point at "
+                "other rows (use the same data, or set train.resume=never)")
         if st["world_size"] != self.world or st["batch_size"] != self.cfg.batch_size:
             raise TrainingError(
                 f"checkpoint {self.resume_path} was written with world_size={st['world_size']}, "
                 f"batch_size={st['batch_size']}; this run has {self.world}, {self.cfg.batch_size} "
                 "(the data position would not match: resume with the same layout or train.resume=never)")
         opt = self.loaded.optimizer
+        fresh = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
+        for g, values in zip(self.optimizer.param_groups, fresh):  # this run's settings, not the checkpoint's
+            g.update(values)
+        self._record_changed_settings(st.get("config") or {})
         self.step, self.micro = st["step"], st["micro"]
         self.nonfinite_total, self.nonfinite_in_row = st["nonfinite_total"], st["nonfinite_in_row"]
         self.tokens_total = st["tokens_total"]
@@ -333,6 +359,23 @@ class Trainer:
         self.updates_total = st.get("updates_total", self.step)  # older checkpoints: assume every step updated
         self.last_eval, self.last_train = st["last_eval"], st["last_train"]
         ckpt.restore_rng(self.loaded.rng_json[self.rank], self.loaded.rng_tensors[self.rank])
+
+    def _record_changed_settings(self, old: dict) -> None:
+        """A resumed optimizer carries the checkpoint's lr / betas / eps / weight decay in its param groups;
+        this run's values are what the config (and so the manifest) says, so `_restore` applies them, and
+        every setting that changed is logged with both values and recorded in the run's metrics."""
+        cfg = self.cfg
+        changes = {}
+        for key in RESUMABLE_CHANGES:
+            before, now = old.get(key), getattr(cfg, key)
+            if isinstance(now, tuple):
+                now = list(now)
+            if key in old and before != now:
+                changes[key] = {"checkpoint": before, "now": now}
+        self.resume_changes = changes
+        if changes and self.main:
+            log.warning("resuming %s with changed settings, applied from here on: %s", self.resume_path,
+                        ", ".join(f"{k} {v['checkpoint']} -> {v['now']}" for k, v in changes.items()))
 
     # ---- data ------------------------------------------------------------------------------------
 
@@ -538,6 +581,7 @@ class Trainer:
                      "batch_size": self.cfg.batch_size, "nonfinite_total": self.nonfinite_total,
                      "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
                      "empty_total": self.empty_total, "updates_total": self.updates_total,
+                     "data": self._data_identity(),
                      "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg)}
             ckpt.save_checkpoint(self.out, self.step, model_state, opt_state, state, rng, self.logger.text,
                                  self.cfg.keep_last)
@@ -577,6 +621,8 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         metrics = {**final_eval, **self.last_train, "steps": self.step, "nonfinite_steps": self.nonfinite_total,
                    "empty_batches": self.empty_total, "tokens": self.tokens_total}
+        if self.resume_changes:  # the manifest says which values held before the resume and which after
+            metrics["resume_changes"] = self.resume_changes
         summary = {"type": "summary", "step": self.step, **metrics, "wall_s": elapsed,
                    "steps_this_run": self.step - start_step, "resumed_from": str(self.resume_path or "")}
         self.logger.log(summary)
