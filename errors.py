@@ -36,3 +36,7 @@ class OutputError(DraftsmithError):
 
 class IntegrityError(ArtifactError):
     """A file's content differs from the checksum its manifest recorded when it was written."""
+
+
+class FileFormatError(DraftsmithError, ValueError):
+    """A file draftsmith reads is not in its format (not UTF-8, not JSON); the message names the file."""

@@ -84,8 +84,18 @@ def _json_default(obj: Any) -> Any:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """Parse a JSON file; a file that is not valid UTF-8 JSON is a FileFormatError naming it (and a
+    ValueError, for callers that treat any unreadable file alike)."""
+    from draftsmith.errors import FileFormatError
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise FileFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise FileFormatError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
 
 
 # ---- output folders: replaced only when they are ours ------------------------------------------------

@@ -447,3 +447,44 @@ def test_resume_applies_a_changed_setting_knowingly_or_refuses(tiny_target, tmp_
         train(Wider(tiny_target), _cfg(out, max_steps=6, **base))
     with pytest.raises(TrainingError, match=r"was trained on data .*32 rows.*36 rows"):
         train(NextTokenJob(tiny_target, n_train=36), _cfg(out, max_steps=6, **base))
+
+
+# --- errors name the file ---------------------------------------------------------------------------
+def test_a_non_utf8_traffic_line_is_a_counted_named_bad_row(tmp_path):
+    from draftsmith.retrain.traffic import read_traffic
+
+    logs = tmp_path / "traffic"
+    logs.mkdir()
+    good = json.dumps({"prompt": "hello there", "domain": "chat", "timestamp": 1763632800}).encode()
+    (logs / "a.jsonl").write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "domain": "chat"}\n' + good + b"\n")
+    sample = read_traffic(logs)
+    assert len(sample.rows) == 2 and sample.malformed == 1
+    assert sample.bad == [f"{logs / 'a.jsonl'}:2: not UTF-8"]
+
+
+def test_a_checkpoint_missing_a_field_is_named_and_skipped(tiny_target, tmp_path, caplog):
+    out = tmp_path / "c"
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2, keep_last=5))
+    state = out / "checkpoints" / "step-00000004" / "state.json"
+    data = json.loads(state.read_text())
+    del data["micro"]
+    state.write_text(json.dumps(data))
+    with pytest.raises(TrainingError, match=r"step-00000004/state\.json: missing field 'micro'"):
+        ckpt.load_checkpoint(state.parent)
+    with caplog.at_level("WARNING"):
+        assert ckpt.resolve_resume("auto", out).name == "step-00000002"
+    assert "missing field 'micro'" in caplog.text
+    (out / "checkpoints" / "step-00000002" / "state.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(TrainingError, match=r"step-00000002/state\.json: unreadable"):
+        ckpt.load_checkpoint(out / "checkpoints" / "step-00000002")
+
+
+def test_check_on_a_corrupt_guard_is_one_line_naming_it(tiny_target, medusa, tmp_path, capsys):
+    from draftsmith.cli import main
+
+    out = export_artifact(medusa, "vllm", tmp_path / "v", tiny_target).out
+    (out / "draftsmith.json").write_text('{"target": ')
+    capsys.readouterr()
+    assert main(["check", "--artifact", str(out), "--target", str(tiny_target.folder)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(errors) == 1 and "draftsmith.json: not valid JSON" in errors[0], errors

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.errors import TrainingError
+from draftsmith.errors import FileFormatError, TrainingError
 from draftsmith.storage import (
     atomic_dir,
     atomic_write_json,
@@ -92,9 +92,17 @@ def checkpoint_problems(path: str | Path) -> list[str]:
     path = Path(path)
     try:
         state = read_json(path / "state.json")
-    except (OSError, ValueError) as e:
-        return [f"{path / 'state.json'}: unreadable ({type(e).__name__})"]
-    sums = state.get("checksums") if isinstance(state, dict) else None
+    except FileFormatError as e:
+        return [f"{path / 'state.json'}: unreadable: {str(e).removeprefix(str(path / 'state.json') + ': ')}"]
+    except OSError as e:
+        return [f"{path / 'state.json'}: unreadable ({type(e).__name__}: {e.strerror})"]
+    if not isinstance(state, dict):
+        return [f"{path / 'state.json'}: not a JSON object"]
+    missing = [k for k in STATE_FIELDS if k not in state]
+    if missing:
+        return [f"{path / 'state.json'}: missing field '{missing[0]}'" + (f" (and {len(missing) - 1} more)"
+                                                                           if len(missing) > 1 else "")]
+    sums = state.get("checksums")
     if sums:
         return checksum_problems(path, sums, "state.json")
     problems = []  # written before checksums were recorded: the files must at least be whole
@@ -104,6 +112,10 @@ def checkpoint_problems(path: str | Path) -> list[str]:
         except VerificationError as e:
             problems.append(str(e))
     return problems
+
+
+STATE_FIELDS = ("step", "micro", "world_size", "batch_size", "nonfinite_total", "nonfinite_in_row", "tokens_total",
+                "last_eval", "last_train", "rng")
 
 
 def latest_intact(output_dir: str | Path) -> Path | None:
