@@ -32,6 +32,13 @@ def _contention_line(share: float | None, what: str) -> list[str]:
     return ["", f"{what} was measured while other processes used {100 * share:.0f}% of the CPU."]
 
 
+def _decode_contention(c: dict | None) -> list[str]:
+    """A bold warning at the top when the decoding was timed on a busy machine (evaluate.contention)."""
+    if not c or c.get("speedups_valid") is not False:
+        return []
+    return [f"**Speedups are not valid: {c['note']}.**", ""]
+
+
 def _kernel_lines(k: dict | None) -> list[str]:
     """The few-row kernel plan the run used (targets/gemm.py)."""
     if not k:
@@ -67,6 +74,7 @@ def render_markdown(report: dict) -> str:
         + (f", draft networks in {s['draft_dtype']}" if s.get("draft_dtype") else ""),
         f"- machine: {report['machine'].get('platform')}, {report['machine'].get('cpu_count')} CPUs, "
         f"device {report['machine'].get('device')}", *_kernel_lines(report["machine"].get("few_row_kernels")), "",
+        *_decode_contention(report.get("contention")),
         "## Per domain", "",
         "speedup is against our plain decoding (the fastest this machine does, same kernels as the verifier); "
         "speedup_vs_hf_generate against HF `generate` with its stock kernels.", "",

@@ -488,3 +488,30 @@ def test_check_on_a_corrupt_guard_is_one_line_naming_it(tiny_target, medusa, tmp
     assert main(["check", "--artifact", str(out), "--target", str(tiny_target.folder)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(errors) == 1 and "draftsmith.json: not valid JSON" in errors[0], errors
+
+
+# --- evaluation under contention --------------------------------------------------------------------
+def test_an_evaluation_on_a_busy_machine_says_its_speedups_are_not_valid(tiny_target, tmp_path, monkeypatch):
+    from draftsmith.evaluation import cost
+    from draftsmith.evaluation.commands import summary_line
+    from draftsmith.evaluation.evaluate import evaluate
+    from draftsmith.evaluation.report import render_markdown
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "chat", "turns": ["Say hi."]}) + "\n")
+    kw = dict(prompts=[str(prompts)], max_new_tokens=4, k=2, cost_model=False, hf_reference=False)
+    quiet = evaluate(tiny_target, "ngram", **kw)
+    clock = {"busy": 0.0, "total": 0.0}
+
+    def busy_machine():  # every read: 10 more core-seconds, all of them busy (others, not us)
+        clock["busy"] += 10.0
+        clock["total"] += 10.0
+        return clock["busy"], clock["total"]
+
+    monkeypatch.setattr(cost, "_machine_cpu_s", busy_machine)
+    busy = evaluate(tiny_target, "ngram", **kw)
+    assert quiet["contention"]["speedups_valid"] in (True, False)  # measured for real: whatever the machine is
+    c = busy["contention"]
+    assert c["speedups_valid"] is False and c["other_cpu_share"] > cost.BUSY_SHARE
+    assert "Speedups are not valid" in render_markdown(busy)
+    assert "SPEEDUPS NOT VALID" in summary_line(busy) and "not valid" in c["note"]
