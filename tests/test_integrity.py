@@ -63,7 +63,10 @@ def make_dataset(target, path: Path) -> Path:
 
 # --- output folders ---------------------------------------------------------------------------------
 def test_every_writer_leaves_a_users_folder_alone(tiny_target, medusa, tmp_path, capsys):
+    from test_data import PROMPTS, _gen_cfg
+
     from draftsmith.cli import main
+    from draftsmith.data import generate_dataset
     from draftsmith.data.commands import subset_dataset
 
     mine = users_folder(tmp_path / "mine")
@@ -78,6 +81,8 @@ def test_every_writer_leaves_a_users_folder_alone(tiny_target, medusa, tmp_path,
         "save artifact": lambda: artifact.save_artifact(mine, artifact.make_manifest("medusa", {}, {}), state),
         "import export": lambda: import_export(export, mine),
         "data subset": lambda: subset_dataset(dataset, mine, domains=["chat"]),
+        "data generate": lambda: generate_dataset(_gen_cfg(tmp_path, PROMPTS[:2], name="mine"), tiny_target,
+                                                  progress=False),
     }
     for name, write in writers.items():
         with pytest.raises(OutputError, match=r"mine already exists and is not a draftsmith .*notes\.txt"):
