@@ -19,6 +19,9 @@ FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position
 V_BELOW_ONE = 0.9
 
 
+PLOTS = ("acceptance_per_position.png", "domains.png", "verify_cost.png")
+
+
 def _contention_line(share: float | None, what: str) -> list[str]:
     """The report line saying how quiet the machine was while `what` was timed (cost.CpuShare)."""
     from draftsmith.evaluation.cost import contended
@@ -237,7 +240,13 @@ def write_plots(report: dict, out: Path) -> list[Path]:
 
 def write_report(report: dict, out_dir: str | Path) -> Path:
     """Write report.json, report.md and the plots into `out_dir` (created if needed)."""
+    from draftsmith.errors import OutputError
+    from draftsmith.storage import output_kind
+
     out = Path(out_dir)
+    mine = [n for n in ("report.json", "report.md", *PLOTS) if (out / n).exists()]
+    if mine and output_kind(out) != "report":  # the user's own report.md is not overwritten
+        raise OutputError(f"{out / mine[0]} exists and is not from a draftsmith evaluation: choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "report.json", report)
     atomic_write_text(out / "report.md", render_markdown(report))

@@ -517,6 +517,15 @@ def test_an_evaluation_on_a_busy_machine_says_its_speedups_are_not_valid(tiny_ta
     busy = evaluate(tiny_target, "ngram", **kw)
     assert quiet["contention"]["speedups_valid"] in (True, False)  # measured for real: whatever the machine is
     c = busy["contention"]
+    from draftsmith.evaluation.report import write_report
+
+    users = users_folder(tmp_path / "mine")
+    (users / "report.md").write_text("my own report")
+    with pytest.raises(OutputError, match=r"report\.md exists and is not from a draftsmith evaluation"):
+        write_report(busy, users)
+    assert (users / "report.md").read_text() == "my own report"
+    write_report(busy, tmp_path / "r")
+    write_report(quiet, tmp_path / "r")  # its own report is rewritten
     assert c["speedups_valid"] is False and c["other_cpu_share"] > cost.BUSY_SHARE
     assert "Speedups are not valid" in render_markdown(busy)
     assert "SPEEDUPS NOT VALID" in summary_line(busy) and "not valid" in c["note"]
