@@ -132,7 +132,7 @@ def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
     manifest fields, weight files present, their checksums, tensor names and shapes against what the
     kind's module holds (built from config.json on the meta device: no weights loaded), and a Medusa
     tree that uses only heads that exist. The target fingerprint is compared by the caller."""
-    from draftsmith.export.verify import VerificationError, compare, read_header
+    from draftsmith.export.verify import VerificationError, compare, nonfinite_tensors, read_header
     from draftsmith.storage import checksum_problems
 
     path = Path(path)
@@ -174,9 +174,12 @@ def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
         problems.append(f"{path / 'config.json'}: cannot build the {manifest['kind']} module it describes ({e})")
         return problems, checks
     shape_problems = [f"{path / WEIGHTS}: {p}" for p in compare(found_tensors, expected, optional)]
-    problems += shape_problems + extra
+    nonfinite = nonfinite_tensors(path)
+    problems += shape_problems + extra + nonfinite
     if not shape_problems:
         checks.append(f"{len(found_tensors)} tensors match the {manifest['kind']} module's names and shapes")
+    if not nonfinite:
+        checks.append("every weight is finite")
     return problems, checks
 
 

@@ -71,6 +71,25 @@ def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, 
         return {k: f.get_tensor(k) for k in (names or list(f.keys()))}
 
 
+def nonfinite_tensors(folder: str | Path) -> list[str]:
+    """One line per floating tensor holding a NaN or an infinity, in every weight file under `folder` (a
+    serving stack would load it without a word and draft garbage, or crash mid-request)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    problems = []
+    for path in sorted(folder.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        problems.append(f"{path}: tensor '{name}' holds non-finite values")
+        except Exception:  # an unreadable file is reported by the checks that read its header
+            continue
+    return problems
+
+
 def st_dtype(dtype: torch.dtype) -> str:
     return TORCH_TO_ST[dtype]
 
@@ -145,7 +164,7 @@ def run_verifier(path: Path, fmt: str, target=None, shown: Path | None = None) -
 
     path = Path(path)
     recorded = read_json(path / GUARD).get("checksums")
-    sums = checksum_problems(path, recorded, GUARD)
+    sums = checksum_problems(path, recorded, GUARD) + nonfinite_tensors(path)
     try:
         try:
             checks = VERIFIERS[fmt](path, target)

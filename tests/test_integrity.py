@@ -216,7 +216,13 @@ def _reshape_export(sd):
     sd[name] = torch.zeros(3)
 
 
-@pytest.mark.parametrize("damage", ["rename", "shape", "truncate", "tree"])
+def _poison(sd):
+    name = next(k for k, v in sd.items() if v.is_floating_point())
+    sd[name] = sd[name].clone()
+    sd[name].view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize("damage", ["rename", "shape", "truncate", "tree", "nan"])
 def test_check_fails_on_a_damaged_artifact_and_export(tiny_target, medusa, tmp_path, capsys, damage):
     import shutil
 
@@ -239,6 +245,10 @@ def test_check_fails_on_a_damaged_artifact_and_export(tiny_target, medusa, tmp_p
         for f in (art / "model.safetensors", out / "model.safetensors"):
             f.write_bytes(f.read_bytes()[:-100])
         expect = ["model.safetensors: sha256 differs"]
+    elif damage == "nan":
+        _rewrite(art / "model.safetensors", _poison, "manifest.json")
+        _rewrite(out / "model.safetensors", _poison, "draftsmith.json")
+        expect = ["holds non-finite values"]
     else:  # a tree deeper than the heads (3): a stack would index past them
         for f, key in ((art / "tree.json", "paths"), (out / "draftsmith.json", "medusa_choices")):
             data = json.loads(f.read_text())
