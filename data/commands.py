@@ -104,6 +104,8 @@ def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None 
     from draftsmith.storage import atomic_dir, atomic_write_json, check_replaceable
 
     path, out = Path(path), Path(out)
+    if out.resolve() == path.resolve():
+        raise DataError(f"{out}: the subset would replace the dataset it is taken from; choose another --out")
     check_replaceable(out, "dataset", overwrite)
     prov = read_provenance(path)
     ds = load_distilled(path)

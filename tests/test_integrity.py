@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from test_export import make_draft_artifact, make_medusa_artifact
 
 from draftsmith import artifact
-from draftsmith.errors import ArtifactError, IntegrityError, OutputError, TrainingError
+from draftsmith.errors import ArtifactError, DataError, IntegrityError, OutputError, TrainingError
 from draftsmith.export.api import export_artifact, import_export
 from draftsmith.export.verify import VerificationError, verify_export
 from draftsmith.storage import atomic_dir, sha256_file, weight_checksums
@@ -99,6 +99,8 @@ def test_every_writer_leaves_a_users_folder_alone(tiny_target, medusa, tmp_path,
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(OutputError, match="is a file"):
         export_artifact(medusa, "vllm", tmp_path / "file.txt", tiny_target)
+    with pytest.raises(DataError, match="would replace the dataset it is taken from"):
+        subset_dataset(dataset, dataset, domains=["chat"])
     assert snapshot(mine) == before and siblings(mine) == []
     # its own kind is replaced; --overwrite is the user saying they mean it
     export_artifact(medusa, "trtllm", export, tiny_target)
