@@ -541,3 +541,26 @@ def test_an_evaluation_on_a_busy_machine_says_its_speedups_are_not_valid(tiny_ta
     assert c["speedups_valid"] is False and c["other_cpu_share"] > cost.BUSY_SHARE
     assert "Speedups are not valid" in render_markdown(busy)
     assert "SPEEDUPS NOT VALID" in summary_line(busy) and "not valid" in c["note"]
+
+
+def test_retrain_init_verifies_what_it_publishes(tiny_target, tmp_path):
+    from draftsmith.retrain.config import RetrainConfig
+    from draftsmith.retrain.registry import Registry
+    from draftsmith.retrain.run import EXIT_ERROR, EXIT_OK, retrain_once
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    flip_last_byte(art / "model.safetensors")
+    cfg = RetrainConfig(registry=str(tmp_path / "reg"), target=str(tiny_target.folder))
+    code, record = retrain_once(cfg, init=str(art))
+    assert code == EXIT_ERROR and "model.safetensors: sha256 differs" in record["error"]
+    base = Path(record["registry"])
+    reg = Registry(base.parent.parent, base.parent.name, "medusa")
+    assert reg.versions() == [] and reg.current() is None
+    good = make_medusa_artifact(tiny_target, tmp_path / "good")
+    old = os.umask(0o022)
+    try:
+        code, record = retrain_once(cfg, init=str(good))
+    finally:
+        os.umask(old)
+    assert code == EXIT_OK and reg.current() == "v0001"
+    assert (base / "current.json").stat().st_mode & 0o044  # readable by the serving process's group
