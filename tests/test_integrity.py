@@ -477,6 +477,11 @@ def test_a_non_utf8_traffic_line_is_a_counted_named_bad_row(tmp_path):
     sample = read_traffic(logs)
     assert len(sample.rows) == 2 and sample.malformed == 1
     assert sample.bad == [f"{logs / 'a.jsonl'}:2: not UTF-8"]
+    from draftsmith.evaluation.domains import load_prompts
+
+    (tmp_path / "p.jsonl").write_bytes(b'{"turns": ["ok"]}\n{"turns": ["caf\xe9"]}\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:2: not UTF-8"):  # evaluation prompts: an error naming the line
+        load_prompts([tmp_path / "p.jsonl"])
 
 
 def test_a_checkpoint_missing_a_field_is_named_and_skipped(tiny_target, tmp_path, caplog):
