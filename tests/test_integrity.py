@@ -257,6 +257,12 @@ def test_check_fails_on_a_damaged_artifact_and_export(tiny_target, medusa, tmp_p
             data[key] = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
             f.write_text(json.dumps(data))
         expect = ["depth 4"]
+    if damage == "tree":
+        from draftsmith.errors import ConfigError
+        from draftsmith.heads.medusa_job import load_medusa
+
+        with pytest.raises(ConfigError, match=r"tree\.json: a path of depth 4, but the artifact has 3 heads"):
+            load_medusa(art, tiny_target)
     for path in (art, out):
         assert main([*check, str(path)]) == 4, path
         text = capsys.readouterr().out
@@ -286,10 +292,21 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tiny_target, tmp_path, capl
     assert result.steps == 6 and not ckpt.checkpoint_problems(out / "checkpoints" / "step-00000004")
 
 
-def test_a_load_error_names_the_file(tmp_path):
+def test_a_load_error_names_the_file(tiny_target, medusa, tmp_path):
+    import shutil
+
+    from draftsmith.errors import ConfigError
+    from draftsmith.heads.medusa_job import load_medusa
+
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(ArtifactError, match=r"manifest\.json: not valid JSON"):
         artifact.load_manifest(tmp_path)
+    art = Path(shutil.copytree(medusa, tmp_path / "m"))
+    cfg = json.loads((art / "config.json").read_text())
+    del cfg["num_heads"]
+    (art / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"m/config\.json: missing field 'num_heads'"):
+        load_medusa(art, tiny_target)
 
 
 # --- retraining -------------------------------------------------------------------------------------
