@@ -224,13 +224,14 @@ class Trainer:
     def setup(self) -> None:
         from accelerate.utils import set_seed
 
-        cfg, acc = self.cfg, self.acc
-        if self.main:
-            from draftsmith.storage import check_replaceable
+        from draftsmith.storage import check_replaceable
 
-            # before any work: a folder that is not an artifact is not where this run's artifact will go
-            check_replaceable(self.artifact_dest(), "artifact",
-                              hint="set the job's output (or train.output_dir) to another path, or delete it")
+        cfg, acc = self.cfg, self.acc
+        # before any work, on every rank (read-only: all of them stop with the same line, none waits at a
+        # barrier): a folder that is not an artifact is not where this run's artifact will go
+        check_replaceable(self.artifact_dest(), "artifact",
+                          hint="set the job's output (or train.output_dir) to another path, or delete it")
+        if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             ckpt.clean_temp(self.out)
         acc.wait_for_everyone()
@@ -651,11 +652,11 @@ class Trainer:
         else:
             module = acc.unwrap_model(self.model)
         path = None
+        bad = _finite_state(module.state_dict()) if module is not None else None
+        if self._any_rank(bad is not None):  # every rank stops (a rank raising alone would leave the rest waiting)
+            raise TrainingError(f"not writing the artifact: tensor '{bad or '?'}' holds non-finite values; last "
+                                f"good checkpoint: {ckpt.latest_intact(self.out) or 'none'}")
         if self.main:
-            bad = _finite_state(module.state_dict())
-            if bad is not None:
-                raise TrainingError(f"not writing the artifact: tensor '{bad}' holds non-finite values; last good "
-                                    f"checkpoint: {ckpt.latest_intact(self.out) or 'none'}")
             path = Path(self.job.save_artifact(module, self.out / ARTIFACT_DIR, metrics))
         acc.wait_for_everyone()
         return path, module
