@@ -454,6 +454,12 @@ def test_checkpoints_only_from_finite_weights(tiny_target, tmp_path, monkeypatch
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step-00000002"]
     assert "not saving a checkpoint" in caplog.text
     assert not (out / "artifact").exists()
+    # a run killed while saving its artifact left a temporary folder: the next run removes it at the start
+    dead = 2 ** 22 + 4321
+    (out / f".artifact.tmp-{dead}-abc").mkdir()
+    monkeypatch.setattr(loop.Trainer, "save", real)
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=0, resume="never"))
+    assert siblings(out / "artifact") == [] and (out / "artifact" / "manifest.json").is_file()
 
 
 # --- resume honesty ---------------------------------------------------------------------------------

@@ -224,7 +224,7 @@ class Trainer:
     def setup(self) -> None:
         from accelerate.utils import set_seed
 
-        from draftsmith.storage import check_replaceable
+        from draftsmith.storage import check_replaceable, clean_stale
 
         cfg, acc = self.cfg, self.acc
         # before any work, on every rank (read-only: all of them stop with the same line, none waits at a
@@ -234,6 +234,7 @@ class Trainer:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             ckpt.clean_temp(self.out)
+            clean_stale(self.artifact_dest())  # what a run killed while saving its artifact left beside it
         acc.wait_for_everyone()
         self.resume_path = ckpt.resolve_resume(cfg.resume, self.out)
         self.loaded = ckpt.load_checkpoint(self.resume_path) if self.resume_path else None
