@@ -252,9 +252,12 @@ class MedusaJob:
                 save_file(adapter[0], str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
                 atomic_write_json(tmp / ADAPTER_CONFIG, adapter[1])
 
-        # the artifact goes where the config says (the loop's default is <train.output_dir>/artifact)
-        return artifact.save_artifact(self.cfg.output or out_dir, manifest, heads.state_dict(), config,
+        return artifact.save_artifact(self.artifact_dest(out_dir), manifest, heads.state_dict(), config,
                                       writer=write_tree)
+
+    def artifact_dest(self, out_dir) -> Path:
+        """The artifact goes where the config says (the loop's default is <train.output_dir>/artifact)."""
+        return Path(self.cfg.output or out_dir)
 
     # --- calibration ------------------------------------------------------------------------------
     @torch.no_grad()

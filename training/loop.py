@@ -214,10 +214,10 @@ class Trainer:
         self.out = Path(cfg.output_dir)
 
     def artifact_dest(self) -> Path:
-        """Where the job will write its artifact: the job's own `output` when it has one (Medusa, EAGLE),
-        else <train.output_dir>/artifact."""
-        output = getattr(getattr(self.job, "cfg", None), "output", None)
-        return Path(output) if isinstance(output, str | Path) and str(output) else self.out / ARTIFACT_DIR
+        """Where the job will write its artifact: the job says so (`artifact_dest(default)`, Medusa and EAGLE
+        take their `output`), else <train.output_dir>/artifact, the folder save_artifact is given."""
+        default = self.out / ARTIFACT_DIR
+        return Path(self.job.artifact_dest(default)) if hasattr(self.job, "artifact_dest") else default
 
     # ---- setup -----------------------------------------------------------------------------------
 
