@@ -1,7 +1,11 @@
-"""Atomic file and directory writes, hashing, and the cache location.
+"""Atomic file and directory writes, output folders that are replaced only when they are ours, weight
+checksums, hashing, and the cache location.
 
 Every file draftsmith writes goes to a temporary name in the same directory first and is renamed into
-place, so a killed job leaves either the old file or the new one, never half of one.
+place, so a killed job leaves either the old file or the new one, never half of one. A user-facing output
+folder (artifact, export, dataset) replaces an existing one only if that one is empty or a draftsmith output
+of the same kind (`check_replaceable`), and only after the new one is complete and verified (`atomic_dir`).
+Files get the mode the umask gives an ordinary open(), so a serving process of the group can read them.
 """
 
 from __future__ import annotations
