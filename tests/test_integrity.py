@@ -1,7 +1,9 @@
 """Never destroy what a user owns, never give a silently wrong result: output folders are replaced only when
 they are draftsmith outputs of the same kind, a failed export leaves the previous one byte-identical, a
 changed byte in any weight file is caught by every reader, `draftsmith check` fails on a damaged artifact
-or export, and resume skips a damaged checkpoint."""
+or export, resume skips a damaged checkpoint and is honest about changed settings, training skips and logs
+what it cannot learn from, retraining keeps its replay data, errors name the file, and an evaluation on a
+busy machine says its speedups are not valid. Every test here failed on the code before these guarantees."""
 
 from __future__ import annotations
 
