@@ -31,6 +31,7 @@ def register(subparsers) -> None:
     sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains")
     sel.add_argument("path", help="output_dir of `data generate`")
     sel.add_argument("--out", required=True, help="the new dataset folder")
+    sel.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith dataset")
     group = sel.add_mutually_exclusive_group(required=True)
     group.add_argument("--domains", nargs="+", help="keep these domains")
     group.add_argument("--exclude", nargs="+", help="keep every domain but these")
@@ -95,14 +96,17 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None = None,
-                   exclude: list[str] | None = None) -> Path:
+                   exclude: list[str] | None = None, overwrite: bool = False) -> Path:
     """Copy the rows of `domains` (or of every domain not in `exclude`) into a new dataset folder whose
     provenance records the parent and the filter. Unknown domain names are an error, not an empty set."""
     from draftsmith.data.generate import DATASET_DIR, PROVENANCE, load_distilled, read_provenance
     from draftsmith.errors import DataError
-    from draftsmith.storage import atomic_dir, atomic_write_json
+    from draftsmith.storage import atomic_dir, atomic_write_json, check_replaceable
 
     path, out = Path(path), Path(out)
+    if out.resolve() == path.resolve():
+        raise DataError(f"{out}: the subset would replace the dataset it is taken from; choose another --out")
+    check_replaceable(out, "dataset", overwrite)
     prov = read_provenance(path)
     ds = load_distilled(path)
     present = set(ds["domain"])
@@ -117,14 +121,14 @@ def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None 
                                "parent_rows": len(ds)}}
     prov.setdefault("counts", {})["rows"] = len(sub)
     prov["counts"]["per_domain"] = dict(Counter(sub["domain"]))
-    with atomic_dir(out, overwrite=True) as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="dataset") as tmp:
         sub.save_to_disk(str(tmp / DATASET_DIR))
         atomic_write_json(tmp / PROVENANCE, prov)
     return out
 
 
 def run_subset(args: argparse.Namespace) -> int:
-    out = subset_dataset(args.path, args.out, args.domains, args.exclude)
+    out = subset_dataset(args.path, args.out, args.domains, args.exclude, args.overwrite)
     from draftsmith.data.generate import read_provenance
 
     s = read_provenance(out)["subset"]

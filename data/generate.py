@@ -38,7 +38,14 @@ from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, toke
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import PromptRow, load_prompts
 from draftsmith.errors import DataError
-from draftsmith.storage import atomic_dir, atomic_write_json, atomic_write_text, read_json, sha256_json
+from draftsmith.storage import (
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_text,
+    check_replaceable,
+    read_json,
+    sha256_json,
+)
 from draftsmith.targets import check_compatible, gemm, load_target
 from draftsmith.targets.families import pad_token_id
 
@@ -50,6 +57,8 @@ DATASET_DIR = "dataset"
 PROVENANCE = "provenance.json"
 CHUNKS_DIR = "chunks"
 CAPTURE_DIR = "capture"
+# what generation writes into output_dir (magpie requests come first, from data/magpie.py)
+GENERATED = {DATASET_DIR, PROVENANCE, CHUNKS_DIR, CAPTURE_DIR, "run.json", "requests"}
 
 
 def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | None = None) -> dict[str, Any]:
@@ -191,6 +200,10 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 raise DataError(f"{out} holds rows generated with a different {field_name}; "
                                 "use another output_dir or delete it")
     else:
+        # a user's folder is not written into (its `dataset/` would be replaced); what generation itself
+        # writes before run.json (magpie requests) does not make the folder someone else's
+        if not out.is_dir() or {p.name for p in out.iterdir()} - GENERATED:
+            check_replaceable(out, "dataset")
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_file, key)
     done = _read_chunks(chunk_dir)

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.artifact import load_manifest
+from draftsmith.artifact import load_manifest, verify_weights
 from draftsmith.errors import ArtifactError
 from draftsmith.export.common import (
     ExportResult,
     copy_tokenizer_files,
     fenced,
+    record_checksums,
     write_guard,
     write_serve,
 )
@@ -38,6 +39,7 @@ from draftsmith.export.verify import (
     compare,
     read_header,
     register_verifier,
+    run_verifier,
     st_dtype,
 )
 from draftsmith.storage import atomic_dir, atomic_write_json, read_json
@@ -49,9 +51,11 @@ SKIP = {"manifest.json", "draftsmith.json", "serve.md", "README.md"}
 
 
 def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=None,
-                 num_speculative_tokens: int = 4, verify: bool = True, verifier: str | None = None) -> ExportResult:
+                 num_speculative_tokens: int = 4, verify: bool = True, overwrite: bool = False,
+                 verifier: str | None = None) -> ExportResult:
     artifact_dir, out = Path(artifact_dir), Path(out)
     manifest = load_manifest(artifact_dir, kind="draft")
+    verify_weights(artifact_dir, manifest)
     if target is not None:
         check_compatible(manifest["target"], target.fingerprint(), what=f"artifact {artifact_dir}")
     if not (artifact_dir / "config.json").is_file():
@@ -64,7 +68,14 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
     from draftsmith.export.api import verifier_ref
     from draftsmith.export.card import write_card
 
-    with atomic_dir(out, overwrite=True) as tmp:
+    result = ExportResult(out, stack, FORMAT)
+
+    def verified(tmp: Path) -> None:  # the folder is swapped in only after this passes
+        result.files = sorted(p.name for p in tmp.iterdir())
+        if verify:
+            result.checks = run_verifier(tmp, FORMAT, target, shown=out)
+
+    with atomic_dir(out, overwrite=overwrite, kind="export", verify=verified) as tmp:
         for f in artifact_dir.iterdir():
             if f.is_file() and f.name not in SKIP and not f.name.startswith("."):
                 shutil.copy2(f, tmp / f.name)
@@ -79,9 +90,7 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
         body = serve_text(stack, out, verifier_ref(target, verifier), num_speculative_tokens)
         write_serve(tmp, f"Serving this draft with {stack}", body)
         write_card(tmp, manifest, "draft", stack, FORMAT, verifier_ref(target, verifier), body)
-    result = ExportResult(out, stack, FORMAT, sorted(p.name for p in out.iterdir()))
-    if verify:
-        result.checks = verify_draft(out, target)
+        record_checksums(tmp)
     return result
 
 

@@ -210,7 +210,7 @@ class EagleJob:
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
         head = _unwrap(module)
-        dest = Path(self.cfg.output) if self.cfg.output else Path(out_dir)
+        dest = self.artifact_dest(out_dir)
         # of the vocabulary the head holds (a warm start brings its own), on this job's training tokens
         t2d = getattr(head, "t2d", None)  # EAGLE-1 predicts over the whole vocabulary
         coverage = 1.0 if t2d is None else vocab_coverage(self.counts, t2d.cpu())
@@ -230,6 +230,10 @@ class EagleJob:
         )
         state = {k: v for k, v in head.state_dict().items()}
         return artifact.save_artifact(dest, manifest, state, config)
+
+    def artifact_dest(self, out_dir) -> Path:
+        """The artifact goes where the config says (the loop's default is <train.output_dir>/artifact)."""
+        return Path(self.cfg.output) if self.cfg.output else Path(out_dir)
 
 
 def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:

@@ -124,6 +124,9 @@ def summary(reports: dict) -> None:
             alpha = f"{row['alpha']:6.3f}" if row["alpha"] is not None else f"{'–':>6}"
             print(f"{name:<14} {domain:<14} {alpha} {row['tau'] or 0:5.2f} "
                   f"{row['speedup'] or 0:8.2f} {row['lossless']}")
+        busy = report.get("contention") or {}
+        if busy.get("speedups_valid") is False:
+            print(f"{'':<14} SPEEDUPS NOT VALID: {busy['note']}")
         s = report["settings"]
         if s.get("prune_tree") and s.get("tree_verified") is not None:
             print(f"{'':<14} tree cut by the cost model to {s['tree_max_nodes']} node(s), branching "
