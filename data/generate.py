@@ -61,7 +61,7 @@ def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | Non
         "chat": to_dict(config.chat),
         "sampling": {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p,
                      "seed": gen.seed, "max_new_tokens": gen.max_new_tokens},
-        "capture": to_dict(config.capture),
+        "capture": {k: v for k, v in to_dict(config.capture).items() if k in ("enabled", "layers", "topk", "last_hidden")},
     }
 
 
@@ -174,6 +174,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         raise DataError(f"{out} already holds a finished dataset (pass overwrite, or choose another output_dir)")
     target = target or load_target(config.target)
     t_start = time.time()
+    if config.responses == "keep":
+        return _keep_dataset(config, target, out, progress, t_start)
     # the target writes in the generation dtype (a copy when it differs: the caller's model is left as it is)
     target, precision = _writing_target(target, gen)
     rows, stats, fmt = prepare_prompts(config, target, progress)
@@ -283,6 +285,47 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         "generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
         "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None,
         "wall_seconds": round(time.time() - t_start, 2)})
+    return out
+
+
+def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start: float) -> Path:
+    """`responses: keep`: rows are the dataset's own conversations, masked on every assistant turn; nothing is
+    generated. With `capture.enabled` the target then reads them once (data/capture.py)."""
+    rows, stats, fmt = prepare_prompts(config, target, progress)
+    records, bad = [], []
+    for row in rows:
+        messages = build_messages(row.turns, row.responses, row.system or fmt.chat.system)
+        try:
+            ids, mask = tokenize_conversation(fmt.tok, messages, mode=fmt.mode, eos_token_ids=fmt.eos_ids,
+                                              plain_separator=fmt.chat.plain_separator, add_bos=fmt.chat.add_bos)
+        except DataError as e:  # e.g. a template that rewrites an assistant turn, so it cannot be masked
+            if config.malformed == "fail":
+                raise DataError(f"{row.origin}: {e}") from None
+            bad.append(f"{row.origin}: {e}")
+            continue
+        records.append({"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
+                        "response": "\n\n".join(row.responses), "input_ids": ids, "loss_mask": mask,
+                        "origin": row.origin, "stopped": True, "n_turns": len(row.turns)})
+    if bad:
+        m = stats["malformed"]
+        m["count"] += len(bad)
+        m["kinds"]["chat template cannot mask"] = len(bad)
+        m["rows"] += bad[: max(0, 200 - len(m["rows"]))]
+        log.warning("%d rows skipped: the chat template cannot mask them (first: %s)", len(bad), bad[0])
+    if not records:
+        raise DataError("no rows left to keep")
+    out.mkdir(parents=True, exist_ok=True)
+    timing = {"generated_rows": 0, "kept_rows": len(records), "resumed_rows": 0, "generated_tokens": 0,
+              "seconds": 0.0, "tokens_per_s": None}
+    precision = None
+    if config.capture.enabled:
+        from draftsmith.data.capture import capture_rows
+
+        cap = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
+        timing["capture"] = cap
+        precision = {"capture_dtype": cap["dtype"]}
+    timing["wall_seconds"] = round(time.time() - t_start, 2)
+    _save(out, records, config, target, precision, stats, timing)
     return out
 
 
