@@ -165,6 +165,20 @@ class GenerationConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     fp32_logits: bool = True  # a bf16 body still computes its logits in float32 (fewer changed greedy tokens)
     flush_every: int = 16  # completed rows per chunk file (a crash loses at most this many)
+    # who writes: engine = the embedded decode loop above (one device); openai = any OpenAI-compatible
+    # completions server (vLLM, SGLang, `transformers serve`); several base_urls share the rows (data/remote.py)
+    backend: Literal["engine", "openai"] = "engine"
+    base_urls: list[str] = field(default_factory=list)  # e.g. http://gpu-node-1:8000/v1
+    served_model: str | None = None  # the name the servers serve the target under (default: their only one)
+    concurrency: int = 8  # requests in flight per server
+    max_retries: int = 4  # per request and server, on connection errors, timeouts, HTTP 429 / 5xx
+    retry_backoff: float = 1.0  # seconds before the first retry; doubled for each next one
+    request_timeout: float = 300.0  # seconds a request may wait on the socket before it counts as failed
+    # text: send the prompt as text (checked to re-tokenize to the exact ids); token_ids: send the ids
+    # themselves (vLLM and SGLang accept them; exact even where a tokenizer would add a BOS of its own)
+    prompt_as: Literal["text", "token_ids"] = "text"
+    api_key_env: str | None = None  # name of the environment variable holding the servers' API key
+    extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {return_token_ids: true} (vLLM)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -183,6 +197,22 @@ class GenerationConfig:
             raise ValueError("generation.flush_every must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"generation.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.backend not in ("engine", "openai"):
+            raise ValueError(f"generation.backend must be engine or openai, got {self.backend!r}")
+        if self.backend == "openai":
+            if not self.base_urls:
+                raise ValueError("generation.backend openai needs base_urls (one or more server addresses)")
+            bad = [u for u in self.base_urls if not re.match(r"https?://[^/\s]+", u)]
+            if bad:
+                raise ValueError(f"generation.base_urls: {bad[0]!r} is not an http(s) address")
+            if len(set(self.base_urls)) != len(self.base_urls):
+                raise ValueError("generation.base_urls: an address repeats")
+        if self.concurrency < 1 or self.max_retries < 0:
+            raise ValueError("generation.concurrency must be >= 1 and max_retries >= 0")
+        if self.retry_backoff < 0 or self.request_timeout <= 0:
+            raise ValueError("generation.retry_backoff must be >= 0 and request_timeout > 0")
+        if self.prompt_as not in ("text", "token_ids"):
+            raise ValueError(f"generation.prompt_as must be text or token_ids, got {self.prompt_as!r}")
 
 
 @dataclass

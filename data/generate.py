@@ -176,8 +176,17 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     t_start = time.time()
     if config.responses == "keep":
         return _keep_dataset(config, target, out, progress, t_start)
-    # the target writes in the generation dtype (a copy when it differs: the caller's model is left as it is)
-    target, precision = _writing_target(target, gen)
+    remote = None
+    if gen.backend == "openai":  # the servers write; the local target formats, masks and (maybe) captures
+        from draftsmith.data.remote import RemoteEngine
+
+        remote = RemoteEngine(target.tokenizer, target.eos_token_ids, gen, resolve_mode(target.tokenizer,
+                                                                                       config.chat.mode))
+        remote.check_servers()
+        precision = {"backend": "openai", "served_model": remote.model}
+    else:
+        # the target writes in the generation dtype (a copy when it differs: the caller's model is left as it is)
+        target, precision = _writing_target(target, gen)
     rows, stats, fmt = prepare_prompts(config, target, progress)
     fp = target.fingerprint()
 
@@ -201,7 +210,7 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     log.info("%d rows to generate (%d already done)", len(todo), resumed)
 
     writer = None
-    if config.capture.enabled:
+    if config.capture.enabled and remote is None:
         from draftsmith.targets.cache_shards import ShardWriter
 
         writer = ShardWriter(out / CAPTURE_DIR, config.capture.layers, config.capture.topk, fingerprint=fp)
@@ -265,7 +274,11 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 learned = next((i for i, m in enumerate(pmask) if m), len(ids))
                 reqs.append(Request(r.row_id, ids, gen.max_new_tokens, seed=_row_seed(gen.seed, r.row_id, turn),
                                     logits_from=max(learned - 1, 0)))
-            _run_engine(target, config, reqs, lambda c, masks=masks: finish(c, masks[c.key]), on_tokens)
+            on_done = lambda c, masks=masks: finish(c, masks[c.key])  # noqa: E731
+            if remote is not None:
+                remote.run(reqs, on_done, on_tokens)
+            else:
+                _run_engine(target, config, reqs, on_done, on_tokens)
             turn += 1
         chunks.flush()
     finally:
@@ -281,10 +294,16 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     if missing:
         raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
     records = [done[r.row_id] for r in rows]
-    _save(out, records, config, target, precision, stats, {
-        "generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
-        "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None,
-        "wall_seconds": round(time.time() - t_start, 2)})
+    timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
+              "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None}
+    if remote is not None:
+        timing["servers"] = remote.describe()
+        if config.capture.enabled:  # the servers wrote the rows; the target reads them once (data/capture.py)
+            from draftsmith.data.capture import capture_rows
+
+            timing["capture"] = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
+    timing["wall_seconds"] = round(time.time() - t_start, 2)
+    _save(out, records, config, target, precision, stats, timing)
     return out
 
 
