@@ -210,12 +210,13 @@ class RemoteEngine:
             raise _Mismatch(f"counted {usage['prompt_tokens']} tokens in row {req.key}'s prompt, the target's tokenizer "
                            f"{len(req.prompt_ids)}: it serves a model with another tokenizer")
         ids = choice.get("token_ids")
+        stopped = finish == "stop"
         if ids is not None:
             tokens = [int(t) for t in ids]
-            stopped = bool(tokens) and tokens[-1] in self.eos_ids
+            if stopped and (not tokens or tokens[-1] not in self.eos_ids):  # a server that leaves the stop token out
+                tokens.append(self.end_id)
         else:
             tokens = list(self.tok(text, add_special_tokens=False)["input_ids"])
-            stopped = finish == "stop"
             if stopped:
                 tokens.append(self.end_id)
             n = usage.get("completion_tokens")
