@@ -213,3 +213,44 @@ def test_teacher_forced_capture_matches_capture_while_generating(tmp_path, tiny_
         torch.testing.assert_close(x["layer.-1"].float(), y["layer.-1"].float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(x["topk_logsumexp"][first:], y["topk_logsumexp"][first:], rtol=1e-4, atol=1e-4)
         assert torch.equal(x["topk_indices"][first:], y["topk_indices"][first:])
+
+
+def test_heads_train_from_kept_rows_and_their_capture(tmp_path, tiny_target, monkeypatch):
+    """`responses: keep` + capture is data like any other: an EAGLE head trains from the offline cache alone,
+    reloads against the target and decodes losslessly."""
+    from draftsmith.decoding.generate import speculative_generate
+    from draftsmith.decoding.proposer import build_proposer
+    from draftsmith.evaluation.after_training import EvalAfterTraining
+    from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig, load_eagle
+    from draftsmith.targets.cache_shards import CaptureSource
+    from draftsmith.training import TrainConfig, train
+
+    convos = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+                                 {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)}]}
+              for i in range(24)]
+    src = SourceConfig(name="sg", path=str(_jsonl(tmp_path / "sg.jsonl", convos)), conversations="conversations",
+                       domain="chat")
+    cfg = _cfg(tmp_path, [src], responses="keep", capture=CaptureConfig(enabled=True, layers=[1], dtype="float32"))
+    out = generate_dataset(cfg, tiny_target, progress=False)
+    rows = load_distilled(out, tiny_target).to_list()
+    job_cfg = EagleJobConfig(
+        target="tiny", data=str(out), output=str(tmp_path / "eagle"), version="eagle1", ttt_steps=2,
+        capture_cache=str(out / "capture"), evaluate=EvalAfterTraining(enabled=False),
+        train=TrainConfig(lr=3e-3, max_steps=6, batch_size=8, warmup_steps=1, output_dir=str(tmp_path / "run"),
+                          resume="never", progress=False, eval_every=0))
+    job = EagleJob(job_cfg, tiny_target, rows)
+    assert job.features.offline
+
+    def no_online(self, batch):
+        raise AssertionError("the target ran although its features are cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(CaptureSource, "online_features", no_online)
+        result = train(job, job_cfg.train)
+    head, _ = load_eagle(result.artifact, tiny_target)
+    assert head.config.version == 1
+    prompt = rows[0]["input_ids"][: rows[0]["loss_mask"].index(1)]
+    ref = tiny_target.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = speculative_generate(tiny_target, build_proposer(f"eagle:{result.artifact}", tiny_target), [prompt],
+                               max_new_tokens=12, k=3, eos_ids=[])
+    assert got.tokens[0] == ref[0, len(prompt):].tolist()
