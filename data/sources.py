@@ -252,7 +252,12 @@ def load_hf_dataset(path: str, split: str = "train"):
         try:
             ds = datasets.load_from_disk(str(p))
         except FileNotFoundError as e:
-            raise DataError(f"{path}: not a `datasets` save_to_disk folder ({e})") from None
+            # not save_to_disk's layout: a folder of data files, as a hub dataset downloads (data/*.parquet)
+            try:
+                return datasets.load_dataset(str(p), split=split)
+            except Exception as e2:  # datasets raises many types for a folder it cannot read
+                raise DataError(f"{path}: neither a `datasets` save_to_disk folder ({e}) nor a folder of data "
+                                f"files ({str(e2).splitlines()[0][:160] if str(e2) else type(e2).__name__})") from None
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise DataError(f"{path}: no split '{split}' (has {', '.join(ds)})")

@@ -68,7 +68,9 @@ def test_parquet_and_datasets_folder_sources(tmp_path):
     ds = datasets.Dataset.from_list([{"conversations": c["conversations"]} for c in SHAREGPT])
     ds.to_parquet(str(tmp_path / "sg.parquet"))
     ds.save_to_disk(str(tmp_path / "sg_ds"))
-    for path in ("sg.parquet", "sg_ds"):
+    (tmp_path / "hub" / "data").mkdir(parents=True)  # a dataset folder as the hub downloads it
+    ds.to_parquet(str(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet"))
+    for path in ("sg.parquet", "sg_ds", "hub"):
         src = SourceConfig(name="sg", type="hf", path=str(tmp_path / path), conversations="conversations", domain="c")
         rows = load_prompts(_cfg(tmp_path, [src], responses="keep")).rows
         assert [r.responses for r in rows] == [["4.", "It is 12."], ["Blue."]], path
