@@ -78,6 +78,11 @@ def capture_rows(target, records: Sequence[dict], out_dir: str | Path, cc: Captu
     fp = target.fingerprint()
     target, dtype = capture_target(target, cc.dtype)
     writer = ShardWriter(out_dir, list(cc.layers), cc.topk, fingerprint=fp)
+    for r in records:  # a stored row of another length was captured from other data under the same key
+        stored = writer.rows.get(int(r["row_id"]))
+        if stored is not None and stored[2] != len(r["input_ids"]):
+            raise DataError(f"capture cache {out_dir} holds row {r['row_id']} with {stored[2]} tokens, the dataset's "
+                            f"row has {len(r['input_ids'])}: it was captured from other data; use another folder")
     todo = [r for r in records if int(r["row_id"]) not in writer]
     lengths = [len(r["input_ids"]) for r in todo]
     n_tokens = sum(lengths)

@@ -191,6 +191,12 @@ def test_capture_equals_a_full_forward_and_resumes(tmp_path, tiny_target):
         assert torch.equal(got["topk_indices"][first:], torch.topk(logits[first:], 5).indices)
         assert not got["topk_values"][:first].any()  # positions no loss reads
     assert json.loads((out / "provenance.json").read_text())["timing"]["capture"]["rows"] == 4 - stored
+    from draftsmith.data.capture import capture_rows
+
+    other = load_distilled(out)[0]  # the same key with other tokens: not silently taken from the cache
+    other = {**other, "input_ids": other["input_ids"][:-1], "loss_mask": other["loss_mask"][:-1]}
+    with pytest.raises(DataError, match="captured from other data"):
+        capture_rows(tiny_target, [other], out / "capture", cc, progress=False)
 
 
 def test_teacher_forced_capture_matches_capture_while_generating(tmp_path, tiny_target):
