@@ -146,13 +146,13 @@ def extract_conversation(row: Any, field_name: str, sharegpt: bool, roles: dict[
     if convo is _MISSING or convo is None:
         raise _FieldError(f"missing field '{field_name}'")
     if not isinstance(convo, list) or not convo:
-        raise _FieldError(f"field '{field_name}' is not a list of messages")
+        raise _FieldError(f"not a list of messages (field '{field_name}')")
     role_key, text_key = ("from", "value") if sharegpt else ("role", "content")
     names = {**ROLE_NAMES, **{k.lower(): v for k, v in (roles or {}).items()}}
     system, users, assistants = None, [], []
     for i, msg in enumerate(convo):
         if not isinstance(msg, dict) or role_key not in msg or text_key not in msg:
-            raise _FieldError(f"message {i} has no '{role_key}' and '{text_key}'")
+            raise _FieldError(f"message without {role_key}/{text_key} (message {i})")
         name = msg[role_key]
         role = names.get(name.lower()) if isinstance(name, str) else None
         if role is None:

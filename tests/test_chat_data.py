@@ -110,6 +110,9 @@ def test_bad_rows_are_counted_and_named(tmp_path):
     assert why["4"] == f"not UTF-8 (byte 0xe9 at column {BAD[3].index(bytes([0xE9])) + 1})"
     assert why["5"].startswith("not UTF-8 (message 0 content holds")
     assert why["6"].startswith("turns out of order") and why["7"].startswith("system message after")
+    assert why["8"] == "not a list of messages (field 'conversations')"
+    assert ps.malformed.counts() == {"unknown role": 1, "empty turn": 1, "not UTF-8": 2, "turns out of order": 1,
+                                     "system message after the first message": 1, "not a list of messages": 1}
     assert "7 malformed rows skipped" in ps.malformed.summary()
     with pytest.raises(DataError, match=rf"{p.name}:2: unknown role 'wizard'"):
         load_prompts(_cfg(tmp_path, [SourceConfig(name="x", path=str(p), conversations="conversations",
