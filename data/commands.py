@@ -20,6 +20,13 @@ def register(subparsers) -> None:
     gen.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. generation.batch_size=16")
     gen.set_defaults(func=run_generate)
 
+    cap = sub.add_parser("capture", help="teacher-forced capture: the target reads the finished rows once and "
+                                         "keeps hidden states + top-k logits for head training (resumable)")
+    cap.add_argument("--config", required=True, help="the data preset (its output_dir and capture section)")
+    cap.add_argument("--no-progress", action="store_true")
+    cap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. capture.topk=64")
+    cap.set_defaults(func=run_capture)
+
     ins = sub.add_parser("inspect", help="counts per domain, token stats, one example with its loss mask")
     ins.add_argument("path", help="output_dir of `data generate`")
     ins.add_argument("--row", type=int, default=0, help="which row to show")
@@ -52,6 +59,18 @@ def run_generate(args: argparse.Namespace) -> int:
           f"duplicates: {c['duplicates_dropped']}; eval overlap dropped: {c['overlap'].get('overlapping', 0)}")
     print(f"  generated {t['generated_tokens']} tokens in {t['seconds']} s = {t['tokens_per_s']} tok/s "
           f"({t['resumed_rows']} rows resumed from an earlier run)")
+    return 0
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from draftsmith.data.capture import capture_dataset_dir
+    from draftsmith.data.generate import load_data_config
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = load_data_config(args.config, args.overrides)
+    st = capture_dataset_dir(config, progress=not args.no_progress)
+    print(f"captured {st['rows']} rows ({st['cached_rows']} already stored), {st['tokens']} tokens in "
+          f"{st['seconds']} s = {st['tokens_per_s']} tok/s ({st['dtype']}) -> {st['dir']}")
     return 0
 
 
