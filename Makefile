@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml
 	# it goes in without deps, plus the light packages it imports
 	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(BIN)/pip install -q openai loguru pydantic-settings
+	# `transformers serve`, the OpenAI-compatible server the regeneration tests run against (tests/test_remote.py)
+	$(BIN)/pip install -q 'transformers[serving]'
 	touch $(STAMP)
 
 setup-gemma: setup
