@@ -113,7 +113,7 @@ def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
 class RemoteEngine:
     """Drives `base_urls` like the embedded engine: `run(requests, on_done, on_tokens)`."""
 
-    def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str, sampling_seed: int = 0):
+    def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str):
         self.tok = tokenizer
         self.eos_ids = list(eos_ids)
         self.gen = gen
@@ -213,19 +213,19 @@ class RemoteEngine:
         stopped = finish == "stop"
         if ids is not None:
             tokens = [int(t) for t in ids]
+            if len(tokens) > req.max_new_tokens + 1:
+                raise _Refused(f"returned {len(tokens)} token ids for max_tokens {req.max_new_tokens}")
             if stopped and (not tokens or tokens[-1] not in self.eos_ids):  # a server that leaves the stop token out
                 tokens.append(self.end_id)
         else:
+            # the text as the target's tokenizer splits it: what the row stores and its mask covers. Where the
+            # model wrote a split the tokenizer would not make, the count differs; the text is kept as written
             tokens = list(self.tok(text, add_special_tokens=False)["input_ids"])
             if stopped:
                 tokens.append(self.end_id)
             n = usage.get("completion_tokens")
             if n is not None and n != len(tokens):  # a text round trip may split differently; counted, kept
                 s.stats["retokenized_differently"] = s.stats.get("retokenized_differently", 0) + 1
-        if len(tokens) > req.max_new_tokens + 1:
-            raise _Refused(f"returned {len(tokens)} tokens for max_tokens {req.max_new_tokens}")
-        if not stopped and len(tokens) > req.max_new_tokens:
-            tokens = tokens[: req.max_new_tokens]
         return Completion(req.key, list(req.prompt_ids), tokens, stopped)
 
     # ------------------------------------------------------------------------------------ running

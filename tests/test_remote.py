@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.data import generate_dataset, load_distilled
-from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
+from draftsmith.data.config import ChatConfig, DataConfig, GenerationConfig, SourceConfig
 from draftsmith.data.masks import masked_spans
 from draftsmith.errors import DataError, FingerprintMismatch
 
@@ -33,7 +33,10 @@ pytestmark = pytest.mark.skipif(
     not SERVE.exists() or not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")),
     reason="transformers serve needs pip install 'transformers[serving]'")
 
-PROMPTS = [f"Question number {i}: what is {i} plus {i * 3}?" for i in range(12)]
+# The tiny random model mostly repeats a prompt's last token: plain prompts ending in different digits make
+# every row's answer its own, so a row given another row's answer shows
+PROMPTS = [f"Question number {i}: what is {i} plus {i * 3}" for i in range(12)]
+PLAIN = ChatConfig(mode="plain", plain_separator="")
 
 
 def _port() -> int:
@@ -125,8 +128,8 @@ def broken_server(model: str, hang: bool = False):
         srv.server_close()
 
 
-def _cfg(tmp_path, urls, name, prompts=PROMPTS, **gen) -> DataConfig:
-    p = tmp_path / "prompts.jsonl"
+def _cfg(tmp_path, urls, name, prompts=PROMPTS, chat=PLAIN, **gen) -> DataConfig:
+    p = tmp_path / f"prompts{len(prompts)}.jsonl"
     if not p.exists():
         p.write_text("".join(json.dumps({"q": q}) + "\n" for q in prompts))
     g = {"max_new_tokens": 10, "batch_size": 4, "flush_every": 2, "max_retries": 2, "retry_backoff": 0.05,
@@ -134,7 +137,7 @@ def _cfg(tmp_path, urls, name, prompts=PROMPTS, **gen) -> DataConfig:
     if urls:
         g.update(backend="openai", base_urls=list(urls))
     return DataConfig(sources=[SourceConfig(name="p", path=str(p), prompt="q", domain="general")],
-                      output_dir=str(tmp_path / name), generation=GenerationConfig(**g))
+                      output_dir=str(tmp_path / name), generation=GenerationConfig(**g), chat=chat)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +147,7 @@ def engine_rows(tiny_target, tmp_path_factory):
     return load_distilled(generate_dataset(_cfg(tmp, [], "engine"), tiny_target, progress=False))
 
 
-def _same_rows(ds, ref, at_least: float = 0.75) -> None:
+def _same_rows(ds, ref, at_least: float = 0.9) -> None:
     """Rows are complete, once each, masked on their answer; where the two engines wrote the same text, the
     rows are the same token for token (ids and masks)."""
     assert sorted(ds["row_id"]) == sorted(ref["row_id"]) and len(set(ds["row_id"])) == len(ref)
@@ -160,8 +163,14 @@ def _same_rows(ds, ref, at_least: float = 0.75) -> None:
 
 
 def test_a_server_writes_the_rows_the_engine_writes(tmp_path, servers, tiny_target, engine_rows):
+    assert len(set(engine_rows["response"])) >= 10  # the rows differ: a mix-up would show
     out = generate_dataset(_cfg(tmp_path, [servers["a"].url], "one"), tiny_target, progress=False)
     _same_rows(load_distilled(out, tiny_target), engine_rows)
+    # with the chat template: the same prompt ids and masks as the engine's (ChatML, the answer masked)
+    chat = [load_distilled(generate_dataset(_cfg(tmp_path, urls, f"chat{len(urls)}", chat=ChatConfig(),
+                                                 prompts=PROMPTS[:4]), tiny_target, progress=False))
+            for urls in ([], [servers["a"].url])]
+    _same_rows(chat[1], chat[0])
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["precision"] == {"backend": "openai", "served_model": servers["a"].model}
     assert prov["timing"]["servers"]["servers"][0]["rows"] == len(PROMPTS)
@@ -173,6 +182,7 @@ def test_killed_run_resumes_without_writing_a_row_twice(tmp_path, servers, tiny_
     preset.write_text(json.dumps({
         "kind": "data", "target": str(tiny_target.folder), "output_dir": cfg.output_dir,
         "sources": [{"name": "p", "path": cfg.sources[0].path, "prompt": "q", "domain": "general"}],
+        "chat": {"mode": PLAIN.mode, "plain_separator": PLAIN.plain_separator},
         "generation": {k: getattr(cfg.generation, k) for k in (
             "max_new_tokens", "flush_every", "backend", "base_urls", "concurrency", "max_retries",
             "retry_backoff", "request_timeout")}}))
@@ -239,3 +249,16 @@ def test_a_server_with_another_model_is_refused(tmp_path, servers, tiny_target):
     with pytest.raises(FingerprintMismatch, match="not generation.served_model"):
         generate_dataset(_cfg(tmp_path, [other.url], "named", served_model=servers["a"].model), tiny_target,
                          progress=False)
+
+
+def test_sampled_rows_follow_the_row_seeds(tmp_path, servers, tiny_target, engine_rows):
+    """do_sample sends temperature / top_p and a seed per row: the same seeds give the same rows again."""
+    # transformers serve samples only when its generation config says so (vLLM / SGLang: temperature > 0)
+    sample = {"generation_config": json.dumps({"do_sample": True, "eos_token_id": 2, "pad_token_id": 0})}
+    runs = [load_distilled(generate_dataset(_cfg(tmp_path, [servers["a"].url], f"s{i}", do_sample=True,
+                                                 temperature=1.5, concurrency=1, extra_body=sample),
+                                            tiny_target, progress=False))
+            for i in range(2)]
+    assert runs[0]["response"] == runs[1]["response"]
+    assert runs[0]["response"] != [r["response"] for r in engine_rows]  # not the greedy rows
+    assert all(len(masked_spans(i, m)) == 1 for i, m in zip(runs[0]["input_ids"], runs[0]["loss_mask"]))
