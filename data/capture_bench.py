@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 
-from draftsmith.data.bench import TRAIN
+from draftsmith.data.bench import TRAIN, emit
 from draftsmith.data.capture import capture_rows
 from draftsmith.data.config import CaptureConfig
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request
@@ -89,12 +89,7 @@ def main(argv: list[str]) -> dict:
                                    "other_cpu_share": cap_share.others},
     }
     res["speedup"] = round(st["seconds"] / cap["seconds"], 2)
-    print(json.dumps(res, indent=1))
-    if json_out:
-        from draftsmith.storage import atomic_write_json
-
-        atomic_write_json(json_out, res)
-    return res
+    return emit(res, json_out)
 
 
 if __name__ == "__main__":

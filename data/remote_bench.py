@@ -12,7 +12,6 @@ the same text has the same token ids and loss mask. The server is stopped on the
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from draftsmith.data.bench import TRAIN
+from draftsmith.data.bench import TRAIN, emit
 from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
 from draftsmith.data.generate import generate_dataset, load_distilled, read_provenance
 from draftsmith.data.masks import masked_spans
@@ -123,12 +122,7 @@ def main(argv: list[str]) -> dict:
                                       "retokenized_differently", 0)},
            "same_text_rows": same_text, "same_text_rows_with_same_ids_and_masks": same_rows,
            "tokens_before_first_difference": round(prefix / max(total, 1), 4)}
-    print(json.dumps(res, indent=1))
-    if json_out:
-        from draftsmith.storage import atomic_write_json
-
-        atomic_write_json(json_out, res)
-    return res
+    return emit(res, json_out)
 
 
 if __name__ == "__main__":
