@@ -38,7 +38,7 @@ def stack_module(stack: str):
 
 
 def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
-                    num_speculative_tokens: int = 4, verify: bool = True, overwrite: bool = False) -> ExportResult:
+                    num_speculative_tokens: int = 4, verify: bool = True, *, overwrite: bool = False) -> ExportResult:
     """Export a draftsmith artifact for `stack` into `out`: written to a temporary folder, verified there,
     then swapped in."""
     artifact_dir, out = Path(artifact_dir), Path(out)
@@ -48,7 +48,7 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
     if kind == "draft":
         from draftsmith.export.hf import export_draft
 
-        return export_draft(artifact_dir, out, stack, target, num_speculative_tokens, verify, overwrite)
+        return export_draft(artifact_dir, out, stack, target, num_speculative_tokens, verify, overwrite=overwrite)
     if kind == "medusa":
         manifest, cfg, state, tree = medusa.read_medusa_artifact(artifact_dir, target)
         sub, names = "medusa", None

@@ -32,7 +32,7 @@ def run(args) -> int:
 
     target = load_target(args.target)
     result = export_artifact(args.artifact, args.to, args.out, target, args.num_speculative_tokens, args.verify,
-                             args.overwrite)
+                             overwrite=args.overwrite)
     print(result.summary())
     print(f"launch: see {result.out / 'serve.md'}")
     return 0

@@ -50,7 +50,7 @@ SKIP = {"manifest.json", "draftsmith.json", "serve.md"}
 
 
 def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=None,
-                 num_speculative_tokens: int = 4, verify: bool = True, overwrite: bool = False) -> ExportResult:
+                 num_speculative_tokens: int = 4, verify: bool = True, *, overwrite: bool = False) -> ExportResult:
     artifact_dir, out = Path(artifact_dir), Path(out)
     manifest = load_manifest(artifact_dir, kind="draft")
     verify_weights(artifact_dir, manifest)
