@@ -48,7 +48,7 @@ def verifier_ref(target, verifier: str | None) -> str:
 
 
 def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
-                    num_speculative_tokens: int = 4, verify: bool = True, overwrite: bool = False,
+                    num_speculative_tokens: int = 4, verify: bool = True, *, overwrite: bool = False,
                     verifier: str | None = None) -> ExportResult:
     """Export a draftsmith artifact for `stack` into `out`: written to a temporary folder, verified there,
     then swapped in.

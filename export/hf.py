@@ -51,7 +51,7 @@ SKIP = {"manifest.json", "draftsmith.json", "serve.md", "README.md"}
 
 
 def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=None,
-                 num_speculative_tokens: int = 4, verify: bool = True, overwrite: bool = False,
+                 num_speculative_tokens: int = 4, verify: bool = True, *, overwrite: bool = False,
                  verifier: str | None = None) -> ExportResult:
     artifact_dir, out = Path(artifact_dir), Path(out)
     manifest = load_manifest(artifact_dir, kind="draft")
