@@ -1,6 +1,6 @@
 # draftsmith — every target sets itself up: `make demo` and `make test` work on a fresh machine with
-# only Python 3.10+ installed. The venv lives in .venv; torch is pinned to the CPU wheel (2.13.0) and
-# installed first so that no dependency pulls a multi-GB CUDA build.
+# only Python 3.10+ installed. The venv lives in .venv; the CPU torch wheel (2.13.0) is installed first so
+# that no dependency pulls a multi-GB CUDA build (pyproject.toml takes any torch 2.6+, a GPU node's own).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml
 	# it goes in without deps, plus the light packages it imports
 	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(BIN)/pip install -q openai loguru pydantic-settings
+	# `transformers serve`, the OpenAI-compatible server the regeneration tests run against (tests/test_remote.py)
+	$(BIN)/pip install -q 'transformers[serving]'
 	touch $(STAMP)
 
 setup-gemma: setup

@@ -3,9 +3,11 @@
     <dir>/model.safetensors   weights (no pickles anywhere)
     <dir>/config.json         the module's own config (for a draft: the HF config)
     <dir>/manifest.json       kind, format version, target fingerprint, training data summary,
-                              training metrics, eval summary, lineage
+                              training metrics, eval summary, lineage, and `checksums`: the sha256 of
+                              every weight file, verified by every reader (load, warm start, export, check)
 
-A directory is written to a temporary sibling and renamed into place, so it exists complete or not at all.
+A directory is written to a temporary sibling and renamed into place, so it exists complete or not at all;
+an existing folder is replaced only if it is an artifact itself (or the caller passes overwrite=True).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__
 from draftsmith.errors import ArtifactError
-from draftsmith.storage import atomic_dir, atomic_write_json, read_json
+from draftsmith.storage import atomic_dir, atomic_write_json, read_json, verify_checksums, weight_checksums
 from draftsmith.targets.fingerprint import check_compatible
 
 FORMAT_VERSION = 1
@@ -57,21 +59,22 @@ def contiguous_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_artifact(out: str | Path, manifest: dict, state: dict[str, torch.Tensor] | None = None,
-                  config: dict | None = None, writer=None, overwrite: bool = True) -> Path:
+                  config: dict | None = None, writer=None, overwrite: bool = False) -> Path:
     """Write an artifact directory atomically.
 
     `state` goes to model.safetensors and `config` to config.json; `writer(tmp_dir)` may add more files
-    (an HF draft saves itself with save_pretrained there).
+    (an HF draft saves itself with save_pretrained there). The manifest records the sha256 of every weight
+    file. An existing `out` is replaced only if it is an artifact (or empty), unless overwrite=True.
     """
     out = Path(out)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="artifact") as tmp:
         if writer is not None:
             writer(tmp)
         if state is not None:
             save_file(contiguous_state(state), str(tmp / WEIGHTS), metadata={"format": "pt", "kind": manifest["kind"]})
         if config is not None:
             atomic_write_json(tmp / "config.json", config)
-        atomic_write_json(tmp / MANIFEST, manifest)
+        atomic_write_json(tmp / MANIFEST, {**manifest, "checksums": weight_checksums(tmp)})
     return out
 
 
@@ -79,7 +82,12 @@ def load_manifest(path: str | Path, kind: str | None = None) -> dict:
     path = Path(path)
     if not (path / MANIFEST).is_file():
         raise ArtifactError(f"{path}: not a draftsmith artifact (no {MANIFEST})")
-    manifest = read_json(path / MANIFEST)
+    try:
+        manifest = read_json(path / MANIFEST)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path / MANIFEST}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or "kind" not in manifest:
+        raise ArtifactError(f"{path / MANIFEST}: not a draftsmith manifest (no 'kind' field)")
     if kind is not None and manifest.get("kind") != kind:
         raise ArtifactError(f"{path}: artifact kind is '{manifest.get('kind')}', expected '{kind}'")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
@@ -95,7 +103,17 @@ def load_artifact(path: str | Path, kind: str | None = None, target=None) -> tup
         check_compatible(manifest["target"], target.fingerprint(), what=f"artifact {path}")
     if not (path / WEIGHTS).is_file():
         raise ArtifactError(f"{path}: missing {WEIGHTS}")
-    return manifest, load_file(str(path / WEIGHTS))
+    verify_weights(path, manifest)
+    try:
+        return manifest, load_file(str(path / WEIGHTS))
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise ArtifactError(f"{path / WEIGHTS}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def verify_weights(path: str | Path, manifest: dict) -> None:
+    """Every weight file the manifest lists is present with the sha256 recorded at save time (artifacts
+    written before checksums were recorded have none to compare)."""
+    verify_checksums(path, manifest.get("checksums"), f"{Path(path) / MANIFEST}")
 
 
 def update_manifest(path: str | Path, **fields: Any) -> dict:
@@ -104,3 +122,94 @@ def update_manifest(path: str | Path, **fields: Any) -> dict:
     manifest.update(fields)
     atomic_write_json(Path(path) / MANIFEST, manifest)
     return manifest
+
+
+REQUIRED_FIELDS = ("kind", "format_version", "target", "config", "created")
+
+
+def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
+    """(problems, checks done) of an artifact directory, each one line naming the file / field / tensor:
+    manifest fields, weight files present, their checksums, tensor names and shapes against what the
+    kind's module holds (built from config.json on the meta device: no weights loaded), and a Medusa
+    tree that uses only heads that exist. The target fingerprint is compared by the caller."""
+    from draftsmith.export.verify import VerificationError, compare, nonfinite_tensors, read_header
+    from draftsmith.storage import checksum_problems
+
+    path = Path(path)
+    problems: list[str] = []
+    try:
+        manifest = load_manifest(path)
+    except ArtifactError as e:
+        return [str(e)], []
+    checks = []
+    missing = [f for f in REQUIRED_FIELDS if f not in manifest]
+    problems += [f"{path / MANIFEST}: missing field '{f}'" for f in missing]
+    if manifest.get("kind") not in KINDS:
+        problems.append(f"{path / MANIFEST}: field 'kind' is {manifest.get('kind')!r} (known: {', '.join(KINDS)})")
+        return problems, checks
+    if not missing:
+        checks.append(f"{MANIFEST}: fields {', '.join(REQUIRED_FIELDS)} present")
+    sums = manifest.get("checksums")
+    if sums:
+        found = checksum_problems(path, sums, MANIFEST)
+        problems += found
+        if not found:
+            checks.append(f"sha256 of {len(sums)} weight file(s) equal {MANIFEST}'s")
+    else:
+        checks.append(f"{MANIFEST} records no checksums (written before they were recorded): not compared")
+    if not (path / WEIGHTS).is_file():
+        problems.append(f"{path / WEIGHTS}: missing")
+        return problems, checks
+    try:
+        found_tensors = read_header(path / WEIGHTS)
+    except VerificationError as e:
+        problems.append(str(e))
+        return problems, checks
+    try:
+        expected, optional, extra = _expected_tensors(path, manifest["kind"])
+    except FileNotFoundError as e:
+        problems.append(f"{e.filename}: missing")
+        return problems, checks
+    except (ArtifactError, KeyError, TypeError, ValueError) as e:
+        problems.append(f"{path / 'config.json'}: cannot build the {manifest['kind']} module it describes ({e})")
+        return problems, checks
+    shape_problems = [f"{path / WEIGHTS}: {p}" for p in compare(found_tensors, expected, optional)]
+    nonfinite = nonfinite_tensors(path)
+    problems += shape_problems + extra + nonfinite
+    if not shape_problems:
+        checks.append(f"{len(found_tensors)} tensors match the {manifest['kind']} module's names and shapes")
+    if not nonfinite:
+        checks.append("every weight is finite")
+    return problems, checks
+
+
+def _expected_tensors(path: Path, kind: str) -> tuple[dict, dict, list[str]]:
+    """(required, optional) name -> (shape, "") of the module `config.json` describes, and other problems."""
+    from draftsmith.storage import read_json
+
+    if kind == "draft":
+        from draftsmith.export.hf import expected_draft_tensors
+
+        req, opt = expected_draft_tensors(read_json(path / "config.json"))
+        return ({k: (s, "") for k, (s, _) in req.items()}, {k: (s, "") for k, (s, _) in opt.items()}, [])
+    cfg = read_json(path / "config.json")
+    extra: list[str] = []
+    with torch.device("meta"):
+        if kind == "medusa":
+            from draftsmith.heads.medusa import MedusaHeads, MedusaHeadsConfig
+
+            fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
+            fields["draft_vocab_size"] = cfg.get("draft_vocab_size")
+            module = MedusaHeads(MedusaHeadsConfig(**fields))
+            if (path / "tree.json").is_file():
+                paths = read_json(path / "tree.json").get("paths") or []
+                depth = max((len(p) for p in paths), default=0)
+                if depth > fields["num_heads"]:
+                    extra.append(f"{path / 'tree.json'}: a path of depth {depth}, but the artifact has "
+                                 f"{fields['num_heads']} heads")
+        else:
+            from draftsmith.heads.eagle import EagleConfig, EagleHead
+
+            module = EagleHead(EagleConfig(**{k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}))
+    spec = {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}
+    return spec, {}, extra

@@ -28,3 +28,15 @@ class TrainingError(DraftsmithError):
 
 class ArtifactError(DraftsmithError):
     """An artifact directory is missing files or is of the wrong kind."""
+
+
+class OutputError(DraftsmithError):
+    """An output path holds something draftsmith did not write (or of another kind): it is not replaced."""
+
+
+class IntegrityError(ArtifactError):
+    """A file's content differs from the checksum its manifest recorded when it was written."""
+
+
+class FileFormatError(DraftsmithError, ValueError):
+    """A file draftsmith reads is not in its format (not UTF-8, not JSON); the message names the file."""

@@ -1,7 +1,11 @@
-"""Atomic file and directory writes, hashing, and the cache location.
+"""Atomic file and directory writes, output folders that are replaced only when they are ours, weight
+checksums, hashing, and the cache location.
 
 Every file draftsmith writes goes to a temporary name in the same directory first and is renamed into
-place, so a killed job leaves either the old file or the new one, never half of one.
+place, so a killed job leaves either the old file or the new one, never half of one. A user-facing output
+folder (artifact, export, dataset) replaces an existing one only if that one is empty or a draftsmith output
+of the same kind (`check_replaceable`), and only after the new one is complete and verified (`atomic_dir`).
+Files get the mode the umask gives an ordinary open(), so a serving process of the group can read them.
 """
 
 from __future__ import annotations
@@ -34,11 +38,25 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _as_umask_allows(path: str | os.PathLike, directory: bool = False) -> None:
+    """mkstemp / mkdtemp create 0600 / 0700: give the file the mode an ordinary open() / mkdir() would
+    (0666 / 0777 less the umask), so a serving process of the group can read what is written for it."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
+        _as_umask_allows(tmp)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -70,33 +88,171 @@ def _json_default(obj: Any) -> Any:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """Parse a JSON file; a file that is not valid UTF-8 JSON is a FileFormatError naming it (and a
+    ValueError, for callers that treat any unreadable file alike)."""
+    from draftsmith.errors import FileFormatError
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise FileFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise FileFormatError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+
+
+# ---- output folders: replaced only when they are ours ------------------------------------------------
+
+# The file that marks a folder as a draftsmith output, and the fields that file must hold. A user's own
+# folder with a file of the same name but other content is not taken for ours.
+_MARKERS = (
+    ("manifest.json", "artifact", ("kind", "format_version", "target")),
+    ("draftsmith.json", "export", ("format", "stack", "target")),
+    ("provenance.json", "dataset", ("target", "counts")),
+    ("state.json", "checkpoint", ("step", "rng")),
+    ("report.json", "report", ("domains", "settings")),
+)
+
+
+def output_kind(path: str | os.PathLike) -> str | None:
+    """What draftsmith output a folder is (artifact, export, dataset, checkpoint, report), from its marker
+    file; None for anything else (a user's folder, a file, an unreadable marker)."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    for name, kind, fields in _MARKERS:
+        try:
+            data = read_json(path / name)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and all(f in data for f in fields):
+            return kind
+    return None
+
+
+def check_replaceable(final: str | os.PathLike, kind: str, overwrite: bool = False,
+                      hint: str = "choose another path, or pass --overwrite to replace it") -> None:
+    """Refuse (one line, nothing touched) to replace `final` unless it is absent, an empty folder, or a
+    draftsmith `kind` output (its marker file says so); `overwrite=True` is the user saying they mean it."""
+    from draftsmith.errors import OutputError
+
+    final = Path(final)
+    if overwrite or not os.path.lexists(final):
+        return
+    if final.is_symlink() or not final.is_dir():
+        what = "a symlink" if final.is_symlink() else "a file"
+    else:
+        names = sorted(p.name for p in final.iterdir())
+        if not names:
+            return
+        found = output_kind(final)
+        if found == kind:
+            return
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        what = f"a draftsmith {found}, not {_a(kind)}" if found else f"not a draftsmith {kind} (it holds {shown})"
+    raise OutputError(f"{final} already exists and is {what}; draftsmith replaces only an empty folder or "
+                      f"{_a(kind)} it wrote: {hint}")
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _sibling_pid(name: str, prefix: str) -> int | None:
+    rest = name[len(prefix):]
+    head = rest.split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def clean_stale(final: str | os.PathLike) -> list[Path]:
+    """Tidy what an interrupted `atomic_dir` left beside `final`: temporary folders of processes that are
+    gone are deleted, and a previous copy moved aside just before a crash (`final` itself missing) is put
+    back. Folders of a live process, and every other name, are left alone."""
+    final = Path(final)
+    if not final.parent.is_dir():
+        return []
+    touched = []
+    tmp_prefix, old_prefix = f".{final.name}.tmp-", f".{final.name}.old-"
+    for p in sorted(final.parent.iterdir()):
+        for prefix in (tmp_prefix, old_prefix):
+            if not p.name.startswith(prefix):
+                continue
+            pid = _sibling_pid(p.name, prefix)
+            if pid is None or _pid_alive(pid):
+                continue
+            if prefix == old_prefix and not os.path.lexists(final):
+                os.replace(p, final)  # the crash came between the two renames: this was the complete copy
+            else:
+                _remove(p)
+            touched.append(p)
+    return touched
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory next to `final`; on success rename it to `final`.
+def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | None = None,
+               verify=None) -> Iterator[Path]:
+    """Yield a temporary directory next to `final`; on success (and after `verify(tmp)`, if given, returns
+    without raising) rename it to `final`.
 
-    The directory appears complete or not at all. With overwrite=True an existing `final` is replaced
-    (moved aside first, deleted after the rename) so there is no moment without a complete copy on disk
-    except between two renames.
+    The directory appears complete or not at all, and a write or a verification that fails leaves the
+    previous `final` exactly as it was. With `kind` (a user-facing output: "artifact", "export", "dataset")
+    an existing `final` is replaced only if `check_replaceable` allows it (empty, or a draftsmith output of
+    that kind, or overwrite=True), checked before any work and again just before the swap. Without `kind`
+    (draftsmith's own folders: checkpoints, caches) overwrite=True replaces and overwrite=False refuses.
+    The replaced copy is moved aside first and deleted after the rename, so a complete copy is on disk at
+    every moment except between two renames (and `clean_stale` puts it back after a crash there).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    clean_stale(final)
+
+    def allowed() -> None:
+        if kind is not None:
+            check_replaceable(final, kind, overwrite)
+        elif os.path.lexists(final) and not overwrite:
+            raise FileExistsError(f"{final} already exists")
+
+    allowed()
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-{os.getpid()}-"))
+    _as_umask_allows(tmp, directory=True)
     try:
         yield tmp
+        if verify is not None:
+            verify(tmp)
+        for sub, dirs, files in os.walk(tmp):  # safetensors writes 0600 whatever the umask
+            for d in dirs:
+                _as_umask_allows(os.path.join(sub, d), directory=True)
+            for f in files:
+                _as_umask_allows(os.path.join(sub, f))
+        allowed()
         old = None
-        if final.exists():
-            if not overwrite:
-                raise FileExistsError(f"{final} already exists")
+        if os.path.lexists(final):
             old = final.parent / f".{final.name}.old-{os.getpid()}"
+            _remove(old)
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -147,3 +303,36 @@ def data_path(path: str | os.PathLike) -> Path:
     if parts[: len(_SHARED_PREFIX)] == _SHARED_PREFIX:
         return shared_data_dir().joinpath(*parts[len(_SHARED_PREFIX):])
     return p
+
+
+# ---- weight checksums -----------------------------------------------------------------------------------
+
+def weight_checksums(folder: str | os.PathLike) -> dict[str, str]:
+    """sha256 of every weight file (`*.safetensors`, at any depth) under `folder`, keyed by relative path."""
+    folder = Path(folder)
+    return {p.relative_to(folder).as_posix(): sha256_file(p)
+            for p in sorted(folder.rglob("*.safetensors")) if not any(part.startswith(".") for part in
+                                                                        p.relative_to(folder).parts)}
+
+
+def checksum_problems(folder: str | os.PathLike, recorded: dict[str, str] | None, manifest: str) -> list[str]:
+    """One line per weight file that is missing or whose sha256 differs from what `manifest` recorded."""
+    folder = Path(folder)
+    problems = []
+    for rel, want in sorted((recorded or {}).items()):
+        path = folder / rel
+        if not path.is_file():
+            problems.append(f"{path}: missing (listed in {manifest})")
+        elif sha256_file(path) != want:
+            problems.append(f"{path}: sha256 differs from the one {manifest} recorded when it was written "
+                            f"(the file was changed, truncated or corrupted since)")
+    return problems
+
+
+def verify_checksums(folder: str | os.PathLike, recorded: dict[str, str] | None, manifest: str) -> None:
+    """Raise IntegrityError naming the first weight file that differs from its recorded checksum."""
+    from draftsmith.errors import IntegrityError
+
+    problems = checksum_problems(folder, recorded, manifest)
+    if problems:
+        raise IntegrityError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

@@ -334,7 +334,7 @@ def _report_rows(r: dict, stage: dict) -> dict:
             "overall": {k: r["overall"].get(k) for k in keep},
             "c": cm.get("c"), "v": cm.get("v"),
             "hf_generate_tokens_per_s": (refs.get("hf_generate") or {}).get("tokens_per_s"),
-            "hf_assisted": refs.get("hf_assisted_generate")}
+            "hf_assisted": refs.get("hf_assisted_generate"), "contention": r.get("contention")}
 
 
 def _f(v, fmt=".3f") -> str:
@@ -396,12 +396,18 @@ def render(s: dict) -> str:
                          + ("" if ok in (True, None) else " (NOT lossless)"))
             # τ = 1 means no draft token was ever accepted: that run was plain decoding plus overhead, and a
             # speedup above 1 there is timing noise, not a win
-            if x.get("speedup") is not None and ok is not False and x["speedup"] > best[0] and (x.get("tau") or 1) > 1:
+            valid = (r.get("contention") or {}).get("speedups_valid") is not False  # timed on a busy machine
+            if x.get("speedup") is not None and ok is not False and valid and x["speedup"] > best[0] \
+                    and (x.get("tau") or 1) > 1:
                 best = (x["speedup"], n)
         lines.append(f"| {dom} | " + " | ".join(cells) + f" | {best[1]} |")
     lines += ["", "Winner: the highest speedup above 1 among lossless proposers that accepted any draft token "
               "(τ > 1). With τ = 1.00 a speedup away from 1 is the timing noise of the run; so is α \"–\": the "
               "cost model cut every tree to nothing, which is plain decoding."]
+    busy = [n for n in names if (s["reports"][n].get("contention") or {}).get("speedups_valid") is False]
+    if busy:
+        lines += ["", f"**Speedups not valid for {', '.join(busy)}: other processes used a large share of the CPU "
+                      "while they were decoded (see each report's `contention`); they take no part in the winner.**"]
     lines += ["", "| proposer | lossless | τ (GPU-sized tree) | tokens/s | plain tokens/s | speedup vs plain | "
               "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | "
               "peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -24,9 +24,10 @@ import torch
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.evaluation.cost import CpuShare
-from draftsmith.storage import shared_data_dir
+from draftsmith.storage import atomic_write_json, shared_data_dir
 from draftsmith.targets import load_target
 from draftsmith.targets.capture import default_eagle3_layers
+from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.precision import inference_copy
 
 TRAIN = shared_data_dir() / "train"
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> dict:
     reqs = [Request(i, ids, max_new) for i, ids in enumerate(prompts)]
     # as data generation asks: top-k logits from the position that predicts the first learned token on
     learned_only = [Request(i, ids, max_new, logits_from=len(ids) - 1) for i, ids in enumerate(prompts)]
-    pad = t.tokenizer.pad_token_id
+    pad = pad_token_id(t)
     res = {}
     models = {"fp32": t.model}
     for spec in specs.split(","):
@@ -94,9 +95,15 @@ def main(argv: list[str]) -> dict:
         print(name, res[name], flush=True)
     print(json.dumps(res))
     if json_out:
-        from draftsmith.storage import atomic_write_json
-
         atomic_write_json(json_out, {"target": target_spec, "prompts": n, "max_new_tokens": max_new, "engines": res})
+    return res
+
+
+def emit(res: dict, json_out: str | None) -> dict:
+    """A benchmark's result: printed as JSON, and written to `json_out` when given."""
+    print(json.dumps(res, indent=1))
+    if json_out:
+        atomic_write_json(json_out, res)
     return res
 
 

@@ -20,6 +20,13 @@ def register(subparsers) -> None:
     gen.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. generation.batch_size=16")
     gen.set_defaults(func=run_generate)
 
+    cap = sub.add_parser("capture", help="teacher-forced capture: the target reads the finished rows once and "
+                                         "keeps hidden states + top-k logits for head training (resumable)")
+    cap.add_argument("--config", required=True, help="the data preset (its output_dir and capture section)")
+    cap.add_argument("--no-progress", action="store_true")
+    cap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. capture.topk=64")
+    cap.set_defaults(func=run_capture)
+
     ins = sub.add_parser("inspect", help="counts per domain, token stats, one example with its loss mask")
     ins.add_argument("path", help="output_dir of `data generate`")
     ins.add_argument("--row", type=int, default=0, help="which row to show")
@@ -31,6 +38,7 @@ def register(subparsers) -> None:
     sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains")
     sel.add_argument("path", help="output_dir of `data generate`")
     sel.add_argument("--out", required=True, help="the new dataset folder")
+    sel.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith dataset")
     group = sel.add_mutually_exclusive_group(required=True)
     group.add_argument("--domains", nargs="+", help="keep these domains")
     group.add_argument("--exclude", nargs="+", help="keep every domain but these")
@@ -51,6 +59,18 @@ def run_generate(args: argparse.Namespace) -> int:
           f"duplicates: {c['duplicates_dropped']}; eval overlap dropped: {c['overlap'].get('overlapping', 0)}")
     print(f"  generated {t['generated_tokens']} tokens in {t['seconds']} s = {t['tokens_per_s']} tok/s "
           f"({t['resumed_rows']} rows resumed from an earlier run)")
+    return 0
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from draftsmith.data.capture import capture_dataset_dir
+    from draftsmith.data.generate import load_data_config
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = load_data_config(args.config, args.overrides)
+    st = capture_dataset_dir(config, progress=not args.no_progress)
+    print(f"captured {st['rows']} rows ({st['cached_rows']} already stored), {st['tokens']} tokens in "
+          f"{st['seconds']} s = {st['tokens_per_s']} tok/s ({st['dtype']}) -> {st['dir']}")
     return 0
 
 
@@ -95,14 +115,17 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None = None,
-                   exclude: list[str] | None = None) -> Path:
+                   exclude: list[str] | None = None, overwrite: bool = False) -> Path:
     """Copy the rows of `domains` (or of every domain not in `exclude`) into a new dataset folder whose
     provenance records the parent and the filter. Unknown domain names are an error, not an empty set."""
     from draftsmith.data.generate import DATASET_DIR, PROVENANCE, load_distilled, read_provenance
     from draftsmith.errors import DataError
-    from draftsmith.storage import atomic_dir, atomic_write_json
+    from draftsmith.storage import atomic_dir, atomic_write_json, check_replaceable
 
     path, out = Path(path), Path(out)
+    if out.resolve() == path.resolve():
+        raise DataError(f"{out}: the subset would replace the dataset it is taken from; choose another --out")
+    check_replaceable(out, "dataset", overwrite)
     prov = read_provenance(path)
     ds = load_distilled(path)
     present = set(ds["domain"])
@@ -117,14 +140,14 @@ def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None 
                                "parent_rows": len(ds)}}
     prov.setdefault("counts", {})["rows"] = len(sub)
     prov["counts"]["per_domain"] = dict(Counter(sub["domain"]))
-    with atomic_dir(out, overwrite=True) as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="dataset") as tmp:
         sub.save_to_disk(str(tmp / DATASET_DIR))
         atomic_write_json(tmp / PROVENANCE, prov)
     return out
 
 
 def run_subset(args: argparse.Namespace) -> int:
-    out = subset_dataset(args.path, args.out, args.domains, args.exclude)
+    out = subset_dataset(args.path, args.out, args.domains, args.exclude, args.overwrite)
     from draftsmith.data.generate import read_provenance
 
     s = read_provenance(out)["subset"]

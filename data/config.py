@@ -31,6 +31,9 @@ class DomainRule:
             raise ValueError("domain rule needs a non-empty domain")
 
 
+MAPPINGS = ("prompt", "prompt_template", "turns", "conversations", "messages")
+
+
 @dataclass
 class SourceConfig:
     """One prompt source.
@@ -43,7 +46,12 @@ class SourceConfig:
     Field mapping (jsonl / hf): exactly one of
       prompt           a field name; dotted paths index into nested values (`instances.0.input`);
       prompt_template  a str.format template over the row (`"{instruction}\\n\\n{instances[0][input]}"`);
-      turns            a field holding a list of user turns (multi-turn: the target answers each in turn).
+      turns            a field holding a list of user turns (multi-turn: the target answers each in turn);
+      conversations    a ShareGPT field: [{"from": "human"|"gpt"|"system", "value": text}, ...];
+      messages         an OpenAI messages field: [{"role": "user"|"assistant"|"system", "content": text}, ...].
+    A conversation is an optional system message, then user and assistant messages in turn; its assistant
+    messages are the dataset's own responses (trained on with `responses: keep`, else the target rewrites
+    them). `roles` maps further role names (`{bing: assistant}`); any other role is a malformed row.
     `id_field` names a field used as the stable row key (default: the line / row number).
     """
 
@@ -54,7 +62,10 @@ class SourceConfig:
     prompt: str | None = None
     prompt_template: str | None = None
     turns: str | None = None
-    system: str | None = None  # optional system message for every row of this source
+    conversations: str | None = None  # ShareGPT
+    messages: str | None = None  # OpenAI chat messages
+    roles: dict[str, str] = field(default_factory=dict)  # extra role names -> user / assistant / system
+    system: str | None = None  # optional system message for every row of this source (a row's own wins)
     id_field: str | None = None
     domain: str | None = None  # fixed domain, or the fallback when no rule matches
     domain_rules: list[DomainRule] = field(default_factory=list)
@@ -77,11 +88,14 @@ class SourceConfig:
         if self.type in ("jsonl", "hf"):
             if not self.path:
                 raise ValueError(f"source '{self.name}': type {self.type} needs a path")
-            given = [k for k in ("prompt", "prompt_template", "turns") if getattr(self, k)]
+            given = [k for k in MAPPINGS if getattr(self, k)]
             if len(given) != 1:
                 raise ValueError(
-                    f"source '{self.name}': give exactly one of prompt, prompt_template, turns (got {given or 'none'})"
+                    f"source '{self.name}': give exactly one of {', '.join(MAPPINGS)} (got {given or 'none'})"
                 )
+        for name, role in self.roles.items():
+            if role not in ("user", "assistant", "system"):
+                raise ValueError(f"source '{self.name}': roles.{name} must be user, assistant or system, got {role!r}")
         if self.type == "magpie":
             if self.limit is None:
                 raise ValueError(f"source '{self.name}': type magpie needs limit (how many requests to write)")
@@ -97,6 +111,11 @@ class SourceConfig:
             raise ValueError(f"source '{self.name}': completion_fraction must be in [0, 1]")
         if self.chunk_lines < 2:
             raise ValueError(f"source '{self.name}': chunk_lines must be >= 2")
+
+    @property
+    def has_responses(self) -> bool:
+        """Whether rows carry the dataset's own assistant turns (ShareGPT / messages)."""
+        return bool(self.conversations or self.messages)
 
 
 @dataclass
@@ -146,6 +165,20 @@ class GenerationConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     fp32_logits: bool = True  # a bf16 body still computes its logits in float32 (fewer changed greedy tokens)
     flush_every: int = 16  # completed rows per chunk file (a crash loses at most this many)
+    # who writes: engine = the embedded decode loop above (one device); openai = any OpenAI-compatible
+    # completions server (vLLM, SGLang, `transformers serve`); several base_urls share the rows (data/remote.py)
+    backend: Literal["engine", "openai"] = "engine"
+    base_urls: list[str] = field(default_factory=list)  # e.g. http://gpu-node-1:8000/v1
+    served_model: str | None = None  # the name the servers serve the target under (default: their only one)
+    concurrency: int = 8  # requests in flight per server
+    max_retries: int = 4  # per request and server, on connection errors, timeouts, HTTP 429 / 5xx
+    retry_backoff: float = 1.0  # seconds before the first retry; doubled for each next one
+    request_timeout: float = 300.0  # seconds a request may wait on the socket before it counts as failed
+    # text: send the prompt as text (checked to re-tokenize to the exact ids); token_ids: send the ids
+    # themselves (vLLM and SGLang accept them; exact even where a tokenizer would add a BOS of its own)
+    prompt_as: Literal["text", "token_ids"] = "text"
+    api_key_env: str | None = None  # name of the environment variable holding the servers' API key
+    extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {return_token_ids: true} (vLLM)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -164,6 +197,22 @@ class GenerationConfig:
             raise ValueError("generation.flush_every must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"generation.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.backend not in ("engine", "openai"):
+            raise ValueError(f"generation.backend must be engine or openai, got {self.backend!r}")
+        if self.backend == "openai":
+            if not self.base_urls:
+                raise ValueError("generation.backend openai needs base_urls (one or more server addresses)")
+            bad = [u for u in self.base_urls if not re.match(r"https?://[^/\s]+", u)]
+            if bad:
+                raise ValueError(f"generation.base_urls: {bad[0]!r} is not an http(s) address")
+            if len(set(self.base_urls)) != len(self.base_urls):
+                raise ValueError("generation.base_urls: an address repeats")
+        if self.concurrency < 1 or self.max_retries < 0:
+            raise ValueError("generation.concurrency must be >= 1 and max_retries >= 0")
+        if self.retry_backoff < 0 or self.request_timeout <= 0:
+            raise ValueError("generation.retry_backoff must be >= 0 and request_timeout > 0")
+        if self.prompt_as not in ("text", "token_ids"):
+            raise ValueError(f"generation.prompt_as must be text or token_ids, got {self.prompt_as!r}")
 
 
 @dataclass
@@ -174,10 +223,17 @@ class CaptureConfig:
     layers: list[int] = field(default_factory=list)  # convention of targets/capture.py (-1 = last, pre-norm)
     topk: int = 0  # 0 = no logits kept
     last_hidden: bool = False  # the post-norm state the lm_head sees (Medusa's input)
+    # teacher-forced capture (`draftsmith data capture`, and `responses: keep` with enabled)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 where native (targets/precision.py)
+    batch_tokens: int = 8192  # padded tokens per prefill batch (rows sorted by length)
 
     def __post_init__(self):
         if self.topk < 0:
             raise ValueError("capture.topk must be >= 0")
+        if self.batch_tokens < 1:
+            raise ValueError("capture.batch_tokens must be >= 1")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"capture.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.enabled and not (self.layers or self.topk or self.last_hidden):
             raise ValueError("capture.enabled needs layers, topk or last_hidden")
 
@@ -194,6 +250,9 @@ class DataConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     malformed: Literal["skip", "fail"] = "skip"
+    # keep: train on the dataset's own assistant turns (the EAGLE-1 recipe; no generation); regenerate: the
+    # target answers every user turn itself, turn by turn
+    responses: Literal["regenerate", "keep"] = "regenerate"
     dedupe: bool = True  # drop rows whose normalised prompt repeats an earlier row
     eval_sets: list[EvalSetConfig] = field(default_factory=list)
     eval_dirs: list[str] = field(default_factory=list)  # no source may read from inside these folders
@@ -218,6 +277,13 @@ class DataConfig:
             raise ValueError("overlap_jaccard must be in (0, 1]")
         if self.max_rows is not None and self.max_rows < 1:
             raise ValueError("max_rows must be >= 1")
+        if self.responses not in ("regenerate", "keep"):
+            raise ValueError(f"responses must be regenerate or keep, got {self.responses!r}")
+        if self.responses == "keep":
+            bare = [s.name for s in self.sources if not s.has_responses]
+            if bare:
+                raise ValueError(f"sources.{bare[0]}: responses: keep needs conversations or messages "
+                                 "(a source with assistant turns to keep)")
         forbidden = [data_path(d).resolve() for d in self.eval_dirs]
         forbidden += [data_path(e.path).resolve() for e in self.eval_sets]
         for s in self.sources:

@@ -44,6 +44,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
+from draftsmith.targets.families import text_config
 
 GQA_SDPA = "draftsmith_sdpa_gqa"
 # set by the engine around a decode forward: (rows, key columns, [(r0, r1, c0), ...]); see `_decode_spans`
@@ -113,8 +114,7 @@ def _register_gqa_attention() -> None:
 @contextlib.contextmanager
 def gqa_attention(model) -> Iterator[None]:
     """Use `_sdpa_gqa` for this model while decoding (only where it was using plain sdpa)."""
-    configs = [c for c in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
-                           if c is not None}.values()]
+    configs = list({id(c): c for c in (model.config, text_config(model.config))}.values())
     old = [c._attn_implementation for c in configs]
     if "sdpa" not in old:
         yield
@@ -421,8 +421,7 @@ class ContinuousBatcher:
         # the prompts' common prefix (a chat template's system preamble) is prefilled once per run
         self.shared_prefix, self.min_prefix = shared_prefix, min_prefix
         self._prefix: _Prefix | None = None
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.num_layers = cfg.num_hidden_layers
+        self.num_layers = text_config(model.config).num_hidden_layers
 
     # ------------------------------------------------------------------ forward
 

@@ -38,8 +38,16 @@ from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, toke
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import PromptRow, load_prompts
 from draftsmith.errors import DataError
-from draftsmith.storage import atomic_dir, atomic_write_json, atomic_write_text, read_json, sha256_json
+from draftsmith.storage import (
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_text,
+    check_replaceable,
+    read_json,
+    sha256_json,
+)
 from draftsmith.targets import check_compatible, gemm, load_target
+from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,8 @@ DATASET_DIR = "dataset"
 PROVENANCE = "provenance.json"
 CHUNKS_DIR = "chunks"
 CAPTURE_DIR = "capture"
+# what generation writes into output_dir (magpie requests come first, from data/magpie.py)
+GENERATED = {DATASET_DIR, PROVENANCE, CHUNKS_DIR, CAPTURE_DIR, "run.json", "requests"}
 
 
 def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | None = None) -> dict[str, Any]:
@@ -61,7 +71,7 @@ def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | Non
         "chat": to_dict(config.chat),
         "sampling": {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p,
                      "seed": gen.seed, "max_new_tokens": gen.max_new_tokens},
-        "capture": to_dict(config.capture),
+        "capture": {k: v for k, v in to_dict(config.capture).items() if k in ("enabled", "layers", "topk", "last_hidden")},
     }
 
 
@@ -174,8 +184,19 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         raise DataError(f"{out} already holds a finished dataset (pass overwrite, or choose another output_dir)")
     target = target or load_target(config.target)
     t_start = time.time()
-    # the target writes in the generation dtype (a copy when it differs: the caller's model is left as it is)
-    target, precision = _writing_target(target, gen)
+    if config.responses == "keep":
+        return _keep_dataset(config, target, out, progress, t_start)
+    remote = None
+    if gen.backend == "openai":  # the servers write; the local target formats, masks and (maybe) captures
+        from draftsmith.data.remote import RemoteEngine
+
+        remote = RemoteEngine(target.tokenizer, target.eos_token_ids, gen, resolve_mode(target.tokenizer,
+                                                                                       config.chat.mode))
+        remote.check_servers()
+        precision = {"backend": "openai", "served_model": remote.model}
+    else:
+        # the target writes in the generation dtype (a copy when it differs: the caller's model is left as it is)
+        target, precision = _writing_target(target, gen)
     rows, stats, fmt = prepare_prompts(config, target, progress)
     fp = target.fingerprint()
 
@@ -190,6 +211,10 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 raise DataError(f"{out} holds rows generated with a different {field_name}; "
                                 "use another output_dir or delete it")
     else:
+        # a user's folder is not written into (its `dataset/` would be replaced); what generation itself
+        # writes before run.json (magpie requests) does not make the folder someone else's
+        if not out.is_dir() or {p.name for p in out.iterdir()} - GENERATED:
+            check_replaceable(out, "dataset")
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_file, key)
     done = _read_chunks(chunk_dir)
@@ -199,7 +224,7 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     log.info("%d rows to generate (%d already done)", len(todo), resumed)
 
     writer = None
-    if config.capture.enabled:
+    if config.capture.enabled and remote is None:
         from draftsmith.targets.cache_shards import ShardWriter
 
         writer = ShardWriter(out / CAPTURE_DIR, config.capture.layers, config.capture.topk, fingerprint=fp)
@@ -263,7 +288,11 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 learned = next((i for i, m in enumerate(pmask) if m), len(ids))
                 reqs.append(Request(r.row_id, ids, gen.max_new_tokens, seed=_row_seed(gen.seed, r.row_id, turn),
                                     logits_from=max(learned - 1, 0)))
-            _run_engine(target, config, reqs, lambda c, masks=masks: finish(c, masks[c.key]), on_tokens)
+            on_done = lambda c, masks=masks: finish(c, masks[c.key])  # noqa: E731
+            if remote is not None:
+                remote.run(reqs, on_done, on_tokens)
+            else:
+                _run_engine(target, config, reqs, on_done, on_tokens)
             turn += 1
         chunks.flush()
     finally:
@@ -279,10 +308,57 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     if missing:
         raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
     records = [done[r.row_id] for r in rows]
-    _save(out, records, config, target, precision, stats, {
-        "generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
-        "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None,
-        "wall_seconds": round(time.time() - t_start, 2)})
+    timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
+              "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None}
+    if remote is not None:
+        timing["servers"] = remote.describe()
+        if config.capture.enabled:  # the servers wrote the rows; the target reads them once (data/capture.py)
+            from draftsmith.data.capture import capture_rows
+
+            timing["capture"] = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
+    timing["wall_seconds"] = round(time.time() - t_start, 2)
+    _save(out, records, config, target, precision, stats, timing)
+    return out
+
+
+def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start: float) -> Path:
+    """`responses: keep`: rows are the dataset's own conversations, masked on every assistant turn; nothing is
+    generated. With `capture.enabled` the target then reads them once (data/capture.py)."""
+    rows, stats, fmt = prepare_prompts(config, target, progress)
+    records, bad = [], []
+    for row in rows:
+        messages = build_messages(row.turns, row.responses, row.system or fmt.chat.system)
+        try:
+            ids, mask = tokenize_conversation(fmt.tok, messages, mode=fmt.mode, eos_token_ids=fmt.eos_ids,
+                                              plain_separator=fmt.chat.plain_separator, add_bos=fmt.chat.add_bos)
+        except DataError as e:  # e.g. a template that rewrites an assistant turn, so it cannot be masked
+            if config.malformed == "fail":
+                raise DataError(f"{row.origin}: {e}") from None
+            bad.append(f"{row.origin}: {e}")
+            continue
+        records.append({"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
+                        "response": "\n\n".join(row.responses), "input_ids": ids, "loss_mask": mask,
+                        "origin": row.origin, "stopped": True, "n_turns": len(row.turns)})
+    if bad:
+        m = stats["malformed"]
+        m["count"] += len(bad)
+        m["kinds"]["chat template cannot mask"] = len(bad)
+        m["rows"] += bad[: max(0, 200 - len(m["rows"]))]
+        log.warning("%d rows skipped: the chat template cannot mask them (first: %s)", len(bad), bad[0])
+    if not records:
+        raise DataError("no rows left to keep")
+    out.mkdir(parents=True, exist_ok=True)
+    timing = {"generated_rows": 0, "kept_rows": len(records), "resumed_rows": 0, "generated_tokens": 0,
+              "seconds": 0.0, "tokens_per_s": None}
+    precision = None
+    if config.capture.enabled:
+        from draftsmith.data.capture import capture_rows
+
+        cap = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
+        timing["capture"] = cap
+        precision = {"capture_dtype": cap["dtype"]}
+    timing["wall_seconds"] = round(time.time() - t_start, 2)
+    _save(out, records, config, target, precision, stats, timing)
     return out
 
 
@@ -312,9 +388,7 @@ def _row_seed(seed: int, row_id: int, turn: int) -> int:
 def _run_engine(target, config: DataConfig, reqs: list[Request], on_done, on_tokens) -> dict[str, float]:
     gen = config.generation
     sampling = Sampling(gen.do_sample, gen.temperature, gen.top_p)
-    pad = target.tokenizer.pad_token_id
-    if pad is None:
-        pad = target.eos_token_ids[0]
+    pad = pad_token_id(target)
     cap = None
     if config.capture.enabled:
         cap = CaptureSpec(list(config.capture.layers), config.capture.topk, config.capture.last_hidden)

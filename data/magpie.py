@@ -29,6 +29,7 @@ from draftsmith.data.engine import ContinuousBatcher, Request, Sampling
 from draftsmith.data.masks import build_messages, resolve_mode
 from draftsmith.errors import DataError
 from draftsmith.storage import atomic_write_text, sha256_json
+from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int,
     if todo:
         log.info("source '%s': the target writes %d requests (%d kept from an earlier run)", source.name, len(todo),
                  count - len(todo))
-        pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        pad = pad_token_id(target)
         gen = config.generation
         engine = ContinuousBatcher(target.model, stop + list(target.eos_token_ids), pad, gen.batch_size,
                                    Sampling(True, source.temperature, source.top_p))

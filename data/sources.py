@@ -41,6 +41,7 @@ class PromptRow:
     turns: list[str]
     origin: str  # "path:line" (or "path[index]" for HF datasets) — where to look when something is wrong
     system: str | None = None
+    responses: list[str] | None = None  # the dataset's own assistant turns (ShareGPT / messages rows)
 
     @property
     def prompt(self) -> str:
@@ -108,6 +109,71 @@ class _FieldError(Exception):
     pass
 
 
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise _FieldError(f"{what} is not text (got {type(value).__name__})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate, from a JSON "\ud800"-style escape
+        raise _FieldError(f"not UTF-8 ({what} holds {value[e.start]!r} at character {e.start})") from None
+    return value.strip()
+
+
+ROLE_NAMES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant",
+              "bot": "assistant", "model": "assistant", "system": "system"}
+
+
+def _content(value: Any, i: int) -> str:
+    """Message content: text, or OpenAI's list of parts when every part is text."""
+    if isinstance(value, list) and value and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+        value = "".join(p["text"] for p in value)
+    return _text(value, f"message {i} content")
+
+
+def extract_conversation(row: Any, field_name: str, sharegpt: bool, roles: dict[str, str] | None = None
+                         ) -> tuple[str | None, list[str], list[str]]:
+    """(system, user turns, assistant turns) of a ShareGPT `conversations` or OpenAI `messages` row.
+
+    A conversation is an optional leading system message, then user and assistant messages in turn,
+    starting with a user message. A trailing user message (asked, never answered) is a turn with no
+    response. Unknown roles, empty messages and any other order are _FieldErrors: a row is never
+    reshaped into something the data did not say.
+    """
+    if not isinstance(row, dict):
+        raise _FieldError(f"not a JSON object (got {type(row).__name__})")
+    convo = get_field(row, field_name)
+    if convo is _MISSING or convo is None:
+        raise _FieldError(f"missing field '{field_name}'")
+    if not isinstance(convo, list) or not convo:
+        raise _FieldError(f"not a list of messages (field '{field_name}')")
+    role_key, text_key = ("from", "value") if sharegpt else ("role", "content")
+    names = {**ROLE_NAMES, **{k.lower(): v for k, v in (roles or {}).items()}}
+    system, users, assistants = None, [], []
+    for i, msg in enumerate(convo):
+        if not isinstance(msg, dict) or role_key not in msg or text_key not in msg:
+            raise _FieldError(f"message without {role_key}/{text_key} (message {i})")
+        name = msg[role_key]
+        role = names.get(name.lower()) if isinstance(name, str) else None
+        if role is None:
+            raise _FieldError(f"unknown role '{name}' (message {i})")
+        text = _content(msg[text_key], i)
+        if not text:
+            raise _FieldError(f"empty turn (message {i}, {name})")
+        if role == "system":
+            if i != 0:
+                raise _FieldError(f"system message after the first message (message {i})")
+            system = text
+            continue
+        want = "user" if len(users) == len(assistants) else "assistant"
+        if role != want:
+            raise _FieldError(f"turns out of order (message {i} is {name}, expected a {want} message)")
+        (users if role == "user" else assistants).append(text)
+    if not users:
+        raise _FieldError("no user turn")
+    return system, users, assistants
+
+
 def extract_turns(row: Any, prompt: str | None, template: str | None, turns: str | None) -> list[str]:
     """The user turns of one row under a field mapping; _FieldError says what is wrong."""
     if not isinstance(row, dict):
@@ -134,11 +200,7 @@ def extract_turns(row: Any, prompt: str | None, template: str | None, turns: str
         if not isinstance(value, list):
             raise _FieldError(f"field '{turns}' is not a list of turns")
         values = value
-    out = []
-    for v in values:
-        if not isinstance(v, str):
-            raise _FieldError(f"prompt is not text (got {type(v).__name__})")
-        out.append(v.strip())
+    out = [_text(v, "prompt") for v in values]
     if not out or any(not t for t in out):
         raise _FieldError("empty prompt")
     return out
@@ -158,9 +220,15 @@ def _domain(row: Any, source: SourceConfig) -> str:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """(line number, parsed object or None, error) for every non-blank line."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    """(line number, parsed object or None, error) for every non-blank line. A line that is not UTF-8 is an
+    error of its own (decoding it with replacement characters would store mangled text)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, None, f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                continue
             if not line.strip():
                 continue
             try:
@@ -184,7 +252,12 @@ def load_hf_dataset(path: str, split: str = "train"):
         try:
             ds = datasets.load_from_disk(str(p))
         except FileNotFoundError as e:
-            raise DataError(f"{path}: not a `datasets` save_to_disk folder ({e})") from None
+            # not save_to_disk's layout: a folder of data files, as a hub dataset downloads (data/*.parquet)
+            try:
+                return datasets.load_dataset(str(p), split=split)
+            except Exception as e2:  # datasets raises many types for a folder it cannot read
+                raise DataError(f"{path}: neither a `datasets` save_to_disk folder ({e}) nor a folder of data "
+                                f"files ({str(e2).splitlines()[0][:160] if str(e2) else type(e2).__name__})") from None
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise DataError(f"{path}: no split '{split}' (has {', '.join(ds)})")
@@ -217,7 +290,7 @@ def _select(items: list, source: SourceConfig) -> list:
     return [items[i] for i in keep]
 
 
-def _records_source(source: SourceConfig, report: MalformedReport) -> list[PromptRow]:
+def _records_source(source: SourceConfig, report: MalformedReport, keep: bool = False) -> list[PromptRow]:
     if source.type == "jsonl":
         path = data_path(source.path)
         if not path.is_file():
@@ -233,14 +306,25 @@ def _records_source(source: SourceConfig, report: MalformedReport) -> list[Promp
         if error is not None:
             report.add(origin, error)
             continue
+        system, responses = source.system, None
         try:
-            turns = extract_turns(obj, source.prompt, source.prompt_template, source.turns)
+            if source.has_responses:
+                own, turns, responses = extract_conversation(
+                    obj, source.conversations or source.messages, bool(source.conversations), source.roles)
+                system = own or system
+                if keep and len(responses) < len(turns):
+                    turns = turns[: len(responses)]  # the unanswered last question: nothing to keep
+                    if not turns:
+                        raise _FieldError("no assistant turn to keep")
+            else:
+                turns = extract_turns(obj, source.prompt, source.prompt_template, source.turns)
             domain = _domain(obj, source)
         except _FieldError as e:
             report.add(origin, str(e))
             continue
         key = str(obj.get(source.id_field)) if source.id_field and source.id_field in obj else str(index)
-        rows.append(PromptRow(make_row_id(source.name, key), source.name, domain, turns, origin, source.system))
+        rows.append(PromptRow(make_row_id(source.name, key), source.name, domain, turns, origin, system,
+                              responses if keep else None))
     return _select(rows, source)
 
 
@@ -350,10 +434,11 @@ def normalize_text(text: str) -> str:
     return " ".join(text.split())
 
 
-def load_source(source: SourceConfig, report: MalformedReport) -> list[PromptRow]:
+def load_source(source: SourceConfig, report: MalformedReport, keep: bool = False) -> list[PromptRow]:
+    """The rows of one source; with `keep` they carry the dataset's own responses."""
     if source.type == "stdlib":
         return stdlib_code_rows(source, source.path)
-    return _records_source(source, report)
+    return _records_source(source, report, keep)
 
 
 def magpie_share(limit: int, max_rows: int | None, pool: int) -> int:
@@ -382,7 +467,7 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=
     # files first: under max_rows a magpie source writes only its share of the sample, which needs their count
     for source in config.sources:
         if source.type != "magpie":
-            got[source.name] = load_source(source, report)
+            got[source.name] = load_source(source, report, config.responses == "keep")
     magpie = [s for s in config.sources if s.type == "magpie"]
     pool = sum(map(len, got.values())) + sum(s.limit for s in magpie)
     for source in magpie:

@@ -37,7 +37,7 @@ class DraftProposer(Proposer):
         """Load an HF folder or a draftsmith draft artifact; refuse one made for another target."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from draftsmith.artifact import MANIFEST, load_manifest
+        from draftsmith.artifact import MANIFEST, load_manifest, verify_weights
         from draftsmith.targets.fingerprint import check_compatible, tokenizer_hash
 
         path = Path(path).expanduser()
@@ -46,6 +46,7 @@ class DraftProposer(Proposer):
         if (path / MANIFEST).is_file():
             manifest = load_manifest(path, kind="draft")
             check_compatible(manifest["target"], target.fingerprint(), what=f"draft {path}")
+            verify_weights(path, manifest)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
         except Exception as e:  # transformers raises assorted errors for unreadable folders

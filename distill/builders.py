@@ -37,6 +37,7 @@ from torch import nn
 
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.targets.capture import decoder_layers
+from draftsmith.targets.families import text_config, text_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,8 @@ log = logging.getLogger(__name__)
 _PER_LAYER_LISTS = ("layer_types",)
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _config_for_layers(config, num_layers: int):
-    cfg = copy.deepcopy(_text_config(config))
+    cfg = copy.deepcopy(text_config(config))
     cfg.num_hidden_layers = num_layers
     for name in _PER_LAYER_LISTS:
         value = getattr(cfg, name, None)
@@ -86,7 +83,7 @@ def fresh_draft(target, num_layers: int, hidden_size: int | None = None, num_att
     With `init_embeddings` and equal hidden sizes the input embeddings (and an untied lm_head) are copied
     from the target — the most expensive part of a tiny draft to learn from scratch.
     """
-    tc = _text_config(target.model.config)
+    tc = text_config(target.model.config)
     if num_layers < 1:
         raise ConfigError(f"draft num_layers must be >= 1, got {num_layers}")
     cfg = _config_for_layers(tc, num_layers)
@@ -124,7 +121,7 @@ def truncated_draft(target, num_layers: int) -> nn.Module:
     cfg = _config_for_layers(target.model.config, num_layers)
     model = _new_model(cfg)
     keep = {}
-    for name, tensor in target.model.state_dict().items():
+    for name, tensor in text_state_dict(target.model).items():
         parts = name.split(".")
         if "layers" in parts:
             i = parts.index("layers")
@@ -168,7 +165,7 @@ def check_tokenizer(draft_tokenizer, target_tokenizer) -> None:
 
 def check_vocab_size(draft: nn.Module, target) -> None:
     """Draft and target logits must have the same width for KD and for verification."""
-    dv = _text_config(draft.config).vocab_size
+    dv = text_config(draft.config).vocab_size
     if dv != target.vocab_size:
         raise DraftsmithError(f"draft vocab size {dv} differs from the target's {target.vocab_size}")
 
@@ -243,7 +240,7 @@ def plain_model(model: nn.Module) -> nn.Module:
 
 def size_report(model_or_config, context: int = 256) -> dict[str, Any]:
     """Parameters and forward FLOPs per token (module docstring). Works on a model or a bare config."""
-    cfg = _text_config(getattr(model_or_config, "config", model_or_config))
+    cfg = text_config(getattr(model_or_config, "config", model_or_config))
     d, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", heads) or heads

@@ -40,6 +40,7 @@ from draftsmith.distill.losses import distill_loss
 from draftsmith.errors import DataError
 from draftsmith.evaluation.after_training import evaluate_into_artifact
 from draftsmith.targets.capture import topk_with_logsumexp
+from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,11 @@ class DistillJob:
     kind = "draft"
 
     def __init__(self, cfg: DistillConfig, target, rows=None) -> None:
+        family(target.config)  # a family outside targets/families.py: one line, before any work
         self.cfg, self.target = cfg, target
         rows = rows if rows is not None else load_rows(cfg.data.path, target, cfg.data.max_rows)
         self.train_set, self.eval_set = split_rows(rows, cfg.data.eval_fraction, cfg.train.seed)
-        tok = target.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        self.pad_id = pad_token_id(target)
         self.eos = set(target.eos_token_ids)
         self.teacher_model = target.model
         self.features = None  # CaptureSource for offline top-k

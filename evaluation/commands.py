@@ -106,11 +106,20 @@ def run(args) -> int:
         return 0
     report = evaluate(cfg.target, cfg.proposer, config=cfg, command=command)
     out = write_report(report, cfg.out)
-    o = report["overall"]
-    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
-    print(f"overall: alpha {fmt(o['alpha'])}, tau {fmt(o['tau'])}, {fmt(o['tokens_per_s'])} tok/s vs "
-          f"{fmt(o['baseline_tokens_per_s'])} plain, speedup {fmt(o['speedup'])}"
-          + (f" ({fmt(o['speedup_vs_hf_generate'])} vs HF generate)" if o.get("speedup_vs_hf_generate") else "")
-          + f", lossless {o['lossless']}")
+    print(summary_line(report))
     print(f"report: {out / 'report.json'}")
     return 0
+
+
+def summary_line(report: dict) -> str:
+    """The printed result; when other processes used the CPU during the run it says its speedups are not valid."""
+    o = report["overall"]
+    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    line = (f"overall: alpha {fmt(o['alpha'])}, tau {fmt(o['tau'])}, {fmt(o['tokens_per_s'])} tok/s vs "
+            f"{fmt(o['baseline_tokens_per_s'])} plain, speedup {fmt(o['speedup'])}"
+            + (f" ({fmt(o['speedup_vs_hf_generate'])} vs HF generate)" if o.get("speedup_vs_hf_generate") else "")
+            + f", lossless {o['lossless']}")
+    busy = report.get("contention") or {}
+    if busy.get("speedups_valid") is False:
+        line += f"\nSPEEDUPS NOT VALID: {busy['note']}"
+    return line

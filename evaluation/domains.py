@@ -75,12 +75,14 @@ def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, s
         if not path.is_file():
             raise DataError(f"prompt file not found: {path}")
         stem_domain = canonical_domain(path.stem)
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
+        with open(path, "rb") as fh:
+            for lineno, raw_line in enumerate(fh, 1):
+                if not raw_line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(raw_line.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line)") from None
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
                 turns = _turns(row)

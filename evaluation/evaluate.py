@@ -44,6 +44,7 @@ from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
 from draftsmith.targets import gemm
 from draftsmith.targets.device import dtype_name
+from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,10 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         overrides["proposer"] = proposer
     cfg = dataclasses.replace(cfg, **overrides)
     setup = build_setup(target, proposer, cfg)
-    per_prompt = decode_prompts(setup)
+    from draftsmith.evaluation.cost import CpuShare
+
+    with CpuShare() as share:  # tokens/s and every speedup are timed in here
+        per_prompt = decode_prompts(setup)
     depth = setup.spec.depth
     domains = {name: aggregate([r for r in per_prompt if r["domain"] == name], depth)
                for name in sorted({r["domain"] for r in per_prompt})}
@@ -241,7 +245,20 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     for d in list(domains.values()) + [overall]:
         d.pop("_stats")
     name = cfg.proposer if isinstance(proposer, str) else proposer.name
-    return _report(setup, name, command, per_prompt, domains, overall, cost_model, recommended, policy)
+    report = _report(setup, name, command, per_prompt, domains, overall, cost_model, recommended, policy)
+    report["contention"] = contention(share.others)
+    return report
+
+
+def contention(share: float | None) -> dict:
+    """How busy the machine was while the prompts were decoded. Above cost.BUSY_SHARE the measured tokens/s
+    and speedups say how busy the machine was, not how fast the decoding is: the report says so."""
+    from draftsmith.evaluation.cost import BUSY_SHARE, contended
+
+    return {"other_cpu_share": share, "threshold": BUSY_SHARE, "speedups_valid": not contended(share),
+            "note": None if not contended(share) else
+            f"other processes used {100 * share:.0f}% of the CPU while the prompts were decoded: tokens/s and "
+            f"speedups are not valid (rerun on a quiet machine); acceptance (alpha, tau) and losslessness still hold"}
 
 
 def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
@@ -339,7 +356,7 @@ def decode_prompts(setup: Setup) -> list[dict]:
     cfg, target, prop = setup.cfg, setup.target, setup.prop
     tok, gen_kw = target.tokenizer, setup.gen_kw
     eos = gen_kw["eos_ids"]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else None)
+    pad = pad_token_id(target)
 
     def runner(name: str):
         if name == "base":

@@ -19,6 +19,9 @@ FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position
 V_BELOW_ONE = 0.9
 
 
+PLOTS = ("acceptance_per_position.png", "domains.png", "verify_cost.png")
+
+
 def _contention_line(share: float | None, what: str) -> list[str]:
     """The report line saying how quiet the machine was while `what` was timed (cost.CpuShare)."""
     from draftsmith.evaluation.cost import contended
@@ -30,6 +33,13 @@ def _contention_line(share: float | None, what: str) -> list[str]:
         return ["", f"**{what} was measured while other processes used {100 * share:.0f}% of the CPU: it overstates "
                     "the cost of larger forwards (trees and k come out too small). Rerun on a quiet machine.**"]
     return ["", f"{what} was measured while other processes used {100 * share:.0f}% of the CPU."]
+
+
+def _decode_contention(c: dict | None) -> list[str]:
+    """A bold warning at the top when the decoding was timed on a busy machine (evaluate.contention)."""
+    if not c or c.get("speedups_valid") is not False:
+        return []
+    return [f"**Speedups are not valid: {c['note']}.**", ""]
 
 
 def _kernel_lines(k: dict | None) -> list[str]:
@@ -67,6 +77,7 @@ def render_markdown(report: dict) -> str:
         + (f", draft networks in {s['draft_dtype']}" if s.get("draft_dtype") else ""),
         f"- machine: {report['machine'].get('platform')}, {report['machine'].get('cpu_count')} CPUs, "
         f"device {report['machine'].get('device')}", *_kernel_lines(report["machine"].get("few_row_kernels")), "",
+        *_decode_contention(report.get("contention")),
         "## Per domain", "",
         "speedup is against our plain decoding (the fastest this machine does, same kernels as the verifier); "
         "speedup_vs_hf_generate against HF `generate` with its stock kernels.", "",
@@ -229,7 +240,13 @@ def write_plots(report: dict, out: Path) -> list[Path]:
 
 def write_report(report: dict, out_dir: str | Path) -> Path:
     """Write report.json, report.md and the plots into `out_dir` (created if needed)."""
+    from draftsmith.errors import OutputError
+    from draftsmith.storage import output_kind
+
     out = Path(out_dir)
+    mine = [n for n in ("report.json", "report.md", *PLOTS) if (out / n).exists()]
+    if mine and output_kind(out) != "report":  # the user's own report.md is not overwritten
+        raise OutputError(f"{out / mine[0]} exists and is not from a draftsmith evaluation: choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "report.json", report)
     atomic_write_text(out / "report.md", render_markdown(report))

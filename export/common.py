@@ -2,7 +2,8 @@
 
 Every export directory holds, besides the stack's own files:
 
-    draftsmith.json   {"target": <fingerprint>, "format": ..., "stack": ..., "artifact": <manifest summary>}
+    draftsmith.json   {"target": <fingerprint>, "format": ..., "stack": ..., "artifact": <manifest summary>,
+                       "checksums": {<weight file>: sha256}}
                       `draftsmith check --artifact EXPORT_DIR --target SPEC` reads the fingerprint from here
     serve.md          the exact launch command / config for the stack
 """
@@ -19,7 +20,7 @@ import torch
 
 from draftsmith import __version__
 from draftsmith.artifact import now_iso
-from draftsmith.storage import atomic_write_json, atomic_write_text
+from draftsmith.storage import atomic_write_json, atomic_write_text, read_json, weight_checksums
 
 STACKS = ("vllm", "sglang", "trtllm", "hf")
 GUARD = "draftsmith.json"
@@ -69,6 +70,13 @@ def write_guard(out: Path, manifest: dict, stack: str, fmt: str, extra: dict | N
         "artifact": manifest_summary(manifest),
         **(extra or {}),
     })
+
+
+def record_checksums(out: Path) -> None:
+    """Add the sha256 of every weight file to draftsmith.json (call after the last weight is written)."""
+    guard = read_json(out / GUARD)
+    guard["checksums"] = weight_checksums(out)
+    atomic_write_json(out / GUARD, guard)
 
 
 def read_guard(out: str | Path) -> dict:

@@ -52,6 +52,7 @@ from draftsmith.export.verify import (
 )
 from draftsmith.storage import atomic_write_json, read_json
 from draftsmith.targets.capture import default_eagle3_layers, resolve_layers
+from draftsmith.targets.families import full_attention_rope, rope_fields
 
 SPECULATORS = "speculators-eagle3"
 MIDLAYER = "eagle3-midlayer"
@@ -92,6 +93,7 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
     tcfg = target.text_config.to_dict() if target is not None else {}
     src = {**tcfg, **(acfg.get("layer_config") or {}), **{k: v for k, v in acfg.items() if v is not None}}
     cfg = {k: src[k] for k in LAYER_FIELDS if src.get(k) is not None}
+    cfg.update(rope_fields(full_attention_rope(src)))  # every spelling, one base (families.rope_fields)
     cfg["layer_model_type"] = (acfg.get("layer_config") or {}).get("model_type") or acfg.get("model_type") or "llama"
     H = state["fc.weight"].shape[0]
     cfg["hidden_size"] = H
@@ -126,6 +128,7 @@ def aux_ids(cfg: dict, stack: str) -> list[int]:
 
 def _llama_fields(cfg: dict, dtype: torch.dtype) -> dict:
     out = {k: cfg[k] for k in LAYER_FIELDS if k in cfg}
+    out.update(rope_fields(full_attention_rope(cfg)))
     out.update(model_type="llama", num_hidden_layers=1, vocab_size=cfg["vocab_size"], tie_word_embeddings=False,
                torch_dtype=dtype_name(dtype))
     return out
@@ -240,12 +243,33 @@ def expected_tensors(fmt: str, config: dict) -> Spec:
     return spec
 
 
-def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None) -> list[str]:
+def rope_problems(c: dict, expect_theta: float | None) -> list[str]:
+    """The draft layer's RoPE base, as every reader sees it: `rope_theta` (SGLang's Llama layer falls back
+    to 10000 without it), `rope_parameters` (transformers 5) and `rope_scaling` (vLLM) must agree, and with
+    the target's full-attention base."""
+    theta = c.get("rope_theta")
+    params = c.get("rope_parameters") or {}
+    if theta is None:
+        return ["config lacks rope_theta (SGLang's Llama layer would use 10000)"]
+    problems = []
+    if params.get("rope_theta") is not None and float(params["rope_theta"]) != float(theta):
+        problems.append(f"rope_theta {theta} != rope_parameters.rope_theta {params['rope_theta']}")
+    scaled = params.get("rope_type", "default") != "default"
+    if scaled and (c.get("rope_scaling") or {}).get("rope_type") != params.get("rope_type"):
+        problems.append(f"rope_scaling does not carry rope_parameters' {params.get('rope_type')} scaling")
+    if expect_theta is not None and float(theta) != float(expect_theta):
+        problems.append(f"rope_theta {theta} != the target's full-attention RoPE base {expect_theta}")
+    return problems
+
+
+def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None, expect_theta: float | None = None
+                  ) -> list[str]:
     config = read_json(out / "config.json")
     problems = []
     c = config.get("transformer_layer_config", config)
     if expect_vocab is not None and c.get("vocab_size") != expect_vocab:
         problems.append(f"config vocab_size {c.get('vocab_size')} != target vocab_size {expect_vocab}")
+    problems += rope_problems(c, expect_theta)
     if fmt == SPECULATORS:
         for key in ("speculators_config", "norm_before_residual", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"):
             if key not in config:
@@ -262,7 +286,9 @@ def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None) -> list[
     check(out, problems)
     spec = expected_tensors(fmt, config)
     problems += compare(read_header(out / "model.safetensors"), spec)
-    checks = [f"{len(spec)} tensors match the {fmt} spec (names, shapes, dtype); no unexpected names"]
+    checks = [f"{len(spec)} tensors match the {fmt} spec (names, shapes, dtype); no unexpected names",
+              f"RoPE base {c['rope_theta']} in rope_theta, rope_parameters and rope_scaling"
+              + (" (the target's full-attention base)" if expect_theta is not None else "")]
     if "d2t" in spec:
         t = read_tensors(out / "model.safetensors", ["d2t", "t2d"]) if not problems else {}
         if t:
@@ -307,10 +333,17 @@ def _guard_vocab(out: Path) -> int | None:
     return read_json(out / "draftsmith.json")["target"].get("vocab_size")
 
 
+def _expected_theta(out: Path, target) -> float | None:
+    """The target's full-attention RoPE base: from the target when given, else as recorded at export."""
+    if target is not None:
+        return full_attention_rope(target.config)["rope_theta"]
+    return (read_json(out / "draftsmith.json").get("eagle") or {}).get("target_rope_theta")
+
+
 def _make_verifier(fmt: str):
     def verify(out, target=None) -> list[str]:
         out = Path(out)
-        checks = verify_layout(out, fmt, _guard_vocab(out))
+        checks = verify_layout(out, fmt, _guard_vocab(out), _expected_theta(out, target))
         if fmt == SPECULATORS and target is not None:
             msg = speculators_check(out, target)
             if msg:
@@ -323,19 +356,38 @@ for _fmt in (SPECULATORS, MIDLAYER, VLLM_EAGLE1, EAGLE1):
     _make_verifier(_fmt)
 
 
+def load_speculators(out: Path, config):
+    """speculators' Eagle3DraftModel on an export, with the verifier's embedding (not stored in the export).
+
+    speculators loads a verifier-owned weight only where the parameter is still NaN, its mark for "never
+    loaded"; under transformers 5 `from_pretrained` leaves such a parameter as uninitialised memory rather
+    than NaN, so the embedding would keep whatever the memory held. Marking it NaN first restores the rule."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    model = Eagle3DraftModel.from_pretrained(str(out), config=config).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.fill_(float("nan"))
+    model.load_verifier_weights()
+    if bool(model.embed_tokens.weight.isnan().any()):
+        raise VerificationError(f"{out}: speculators found no embedding in the verifier "
+                                f"{config.speculators_config.verifier.name_or_path}")
+    return model
+
+
 def speculators_check(out: Path, target) -> str | None:
     """The real consumer of the vLLM EAGLE-3 format: speculators loads the folder and runs a forward pass.
 
     Returns None when speculators is not installed (an optional dependency)."""
     try:
         from speculators import SpeculatorModel  # noqa: F401
-        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+        from speculators.models.eagle3 import Eagle3SpeculatorConfig
     except ImportError:
         return None
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention does not run on CPU
-    model = Eagle3DraftModel.from_pretrained(str(out), config=config).eval()
-    model.load_verifier_weights()  # embed_tokens from the verifier folder (not stored in the export)
+    if getattr(target, "folder", None) is not None:  # the verifier may be named by a hub id (--verifier)
+        config.speculators_config.verifier.name_or_path = str(target.folder)
+    model = load_speculators(out, config)
     written = read_tensors(out / "model.safetensors")
     sd = model.state_dict()
     for name, t in written.items():

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.artifact import load_manifest
+from draftsmith.artifact import load_manifest, verify_weights
 from draftsmith.errors import ArtifactError
 from draftsmith.export.common import (
     ExportResult,
     copy_tokenizer_files,
     fenced,
+    record_checksums,
     write_guard,
     write_serve,
 )
@@ -38,19 +39,23 @@ from draftsmith.export.verify import (
     compare,
     read_header,
     register_verifier,
+    run_verifier,
     st_dtype,
 )
 from draftsmith.storage import atomic_dir, atomic_write_json, read_json
+from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.fingerprint import check_compatible, tokenizer_hash
 
 FORMAT = "hf-draft"
-SKIP = {"manifest.json", "draftsmith.json", "serve.md"}
+SKIP = {"manifest.json", "draftsmith.json", "serve.md", "README.md"}
 
 
 def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=None,
-                 num_speculative_tokens: int = 4, verify: bool = True) -> ExportResult:
+                 num_speculative_tokens: int = 4, verify: bool = True, *, overwrite: bool = False,
+                 verifier: str | None = None) -> ExportResult:
     artifact_dir, out = Path(artifact_dir), Path(out)
     manifest = load_manifest(artifact_dir, kind="draft")
+    verify_weights(artifact_dir, manifest)
     if target is not None:
         check_compatible(manifest["target"], target.fingerprint(), what=f"artifact {artifact_dir}")
     if not (artifact_dir / "config.json").is_file():
@@ -60,7 +65,17 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
     if cfg.get("vocab_size") != want_vocab:
         raise ArtifactError(f"{artifact_dir}: draft vocab_size {cfg.get('vocab_size')} != target vocab_size {want_vocab}")
 
-    with atomic_dir(out, overwrite=True) as tmp:
+    from draftsmith.export.api import verifier_ref
+    from draftsmith.export.card import write_card
+
+    result = ExportResult(out, stack, FORMAT)
+
+    def verified(tmp: Path) -> None:  # the folder is swapped in only after this passes
+        result.files = sorted(p.name for p in tmp.iterdir())
+        if verify:
+            result.checks = run_verifier(tmp, FORMAT, target, shown=out)
+
+    with atomic_dir(out, overwrite=overwrite, kind="export", verify=verified) as tmp:
         for f in artifact_dir.iterdir():
             if f.is_file() and f.name not in SKIP and not f.name.startswith("."):
                 shutil.copy2(f, tmp / f.name)
@@ -72,15 +87,14 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
         gen["num_assistant_tokens_schedule"] = "constant"
         atomic_write_json(gen_path, gen)
         write_guard(tmp, manifest, stack, FORMAT, {"num_speculative_tokens": int(num_speculative_tokens)})
-        write_serve(tmp, f"Serving this draft with {stack}", serve_text(stack, out, target, num_speculative_tokens))
-    result = ExportResult(out, stack, FORMAT, sorted(p.name for p in out.iterdir()))
-    if verify:
-        result.checks = verify_draft(out, target)
+        body = serve_text(stack, out, verifier_ref(target, verifier), num_speculative_tokens)
+        write_serve(tmp, f"Serving this draft with {stack}", body)
+        write_card(tmp, manifest, "draft", stack, FORMAT, verifier_ref(target, verifier), body)
+        record_checksums(tmp)
     return result
 
 
-def serve_text(stack: str, out: Path, target, k: int) -> str:
-    tgt = str(target.folder or target.spec) if target is not None else "<target HF folder>"
+def serve_text(stack: str, out: Path, tgt: str, k: int) -> str:
     if stack == "vllm":
         spec = json.dumps({"method": "draft_model", "model": str(out), "num_speculative_tokens": k})
         return (f"vLLM two-model speculative decoding (draft model):\n\n"
@@ -176,7 +190,7 @@ def assisted_generation_check(out: Path, target, prompt: str, max_new_tokens: in
     tok = target.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"].to(target.device)
-    common = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+    common = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id(target),
                   eos_token_id=target.eos_token_ids)
     plain = target.model.generate(ids, **common)
     assisted = target.model.generate(ids, assistant_model=draft, **common)

@@ -40,6 +40,7 @@ from draftsmith.export.verify import (
     st_dtype,
 )
 from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.families import lm_head
 
 VLLM_FORMAT = "vllm-medusa"
 MEDUSA_FORMAT = "medusa-lm-head"  # FasterDecoding layout, read by TensorRT-LLM and Medusa's own HF model
@@ -54,7 +55,7 @@ def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dic
     if cfg.get("share_lm_head"):
         if target is None:
             raise ConfigError(f"{path}: these Medusa heads share the target's lm_head; give --target to export them")
-        w = target.model.lm_head.weight.detach().to("cpu", state_dtype(state))
+        w = lm_head(target.model).weight.detach().to("cpu", state_dtype(state))
         for h in range(cfg["num_heads"]):
             state[f"heads.{h}.lm_head.weight"] = w
     tree = read_json(path / "tree.json")["paths"] if (path / "tree.json").is_file() else None
@@ -213,11 +214,39 @@ def _guard_vocab(out: Path) -> int | None:
     return read_json(out / "draftsmith.json")["target"].get("vocab_size")
 
 
+def tree_problems(out: Path) -> list[str]:
+    """The tree written beside the heads (draftsmith.json `medusa_choices`, tree.json) may only use heads
+    that exist: a path of depth d reads head d-1, and a stack given a deeper tree indexes past its heads."""
+    config = read_json(out / "config.json")
+    heads = config.get("num_heads", config.get("medusa_num_heads"))
+    guard = read_json(out / "draftsmith.json")
+    trees = [("draftsmith.json medusa_choices", guard.get("medusa_choices"))]
+    if (out / "tree.json").is_file():
+        trees.append(("tree.json", read_json(out / "tree.json").get("paths")))
+    problems = []
+    for where, paths in trees:
+        if not paths or heads is None:
+            continue
+        depth = max(len(p) for p in paths)
+        if depth > heads:
+            problems.append(f"{where} has a path of depth {depth}, but the export has {heads} heads")
+        if any(r < 0 for p in paths for r in p):
+            problems.append(f"{where} has a negative rank")
+    return problems
+
+
+def _verify(out, fmt: str) -> list[str]:
+    out = Path(out)
+    checks = verify_layout(out, fmt, _guard_vocab(out))
+    check(out, tree_problems(out))
+    return checks + ["the Medusa tree uses only the exported heads"]
+
+
 @register_verifier(VLLM_FORMAT)
 def _verify_vllm(out, target=None) -> list[str]:
-    return verify_layout(Path(out), VLLM_FORMAT, _guard_vocab(Path(out)))
+    return _verify(out, VLLM_FORMAT)
 
 
 @register_verifier(MEDUSA_FORMAT)
 def _verify_medusa(out, target=None) -> list[str]:
-    return verify_layout(Path(out), MEDUSA_FORMAT, _guard_vocab(Path(out)))
+    return _verify(out, MEDUSA_FORMAT)

@@ -14,6 +14,15 @@ FORMATS = {"eagle3": eagle.MIDLAYER, "eagle1": eagle.EAGLE1}
 UNSUPPORTED = {"medusa": "SGLang has no Medusa support; export Medusa heads for vllm, trtllm or hf"}
 
 
+def refuse(kind: str, cfg: dict) -> str | None:
+    """Why SGLang would load this head but compute something else (None: it computes the head as trained)."""
+    if kind == "eagle3" and cfg.get("norm_before_residual"):
+        return ("this EAGLE-3 head was trained with norm_before_residual: true, which SGLang's EAGLE-3 layer "
+                "does not honour (it adds the un-normalised feature): export it for vllm or hf, or retrain "
+                "with norm_before_residual: false")
+    return None
+
+
 def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None) -> str:
     algo = "EAGLE3" if kind == "eagle3" else "EAGLE"
     cmd = (f"python -m sglang.launch_server --model-path {target_ref} \\\n  --speculative-algorithm {algo} "

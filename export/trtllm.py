@@ -1,7 +1,8 @@
 """TensorRT-LLM: which layout each artifact kind takes, and the LLM-API YAML for it.
 
 draft -> HF folder (`DraftTarget`); medusa -> FasterDecoding `medusa_lm_head.safetensors` (`Medusa`, with
-the calibrated tree as `medusa_choices`); eagle3 -> `midlayer.*` with `draft_vocab_size`,
+the calibrated tree as `medusa_choices`, served by the TensorRT engine flow: the PyTorch backend refuses
+Medusa); eagle3 -> `midlayer.*` with `draft_vocab_size`,
 `tie_word_embeddings: false` and the dtype set (`Eagle3`); eagle1 -> the original EAGLE layout with
 fc bias. TensorRT-LLM's `eagle3_layers_to_capture` takes output-of-layer ids (= draftsmith's).
 """
@@ -18,12 +19,10 @@ FORMATS = {"medusa": medusa.MEDUSA_FORMAT, "eagle3": eagle.MIDLAYER, "eagle1": e
 
 
 def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None) -> str:
-    lines = ["speculative_config:"]
     if kind == "medusa":
-        choices = json.dumps(tree or [[0] * d for d in range(1, cfg["num_heads"] + 1)])
-        lines += ["  decoding_type: Medusa", f"  max_draft_len: {len(tree) if tree else cfg['num_heads']}",
-                  f"  num_medusa_heads: {cfg['num_heads']}", f"  medusa_choices: {choices}"]
-    elif kind == "eagle3":
+        return medusa_engine_flow(out, target_ref, cfg, tree)
+    lines = ["speculative_config:"]
+    if kind == "eagle3":
         lines += ["  decoding_type: Eagle3", f"  max_draft_len: {k}",
                   f"  eagle3_layers_to_capture: {json.dumps(eagle.aux_ids(cfg, STACK))}"]
     else:
@@ -32,3 +31,25 @@ def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None)
     yaml = "\n".join(lines)
     return (f"TensorRT-LLM (PyTorch backend / LLM API), save as `spec.yaml`:\n\n{fenced(yaml, 'yaml')}\n\n"
             f"{fenced(f'trtllm-serve {target_ref} --extra_llm_api_options spec.yaml')}\n")
+
+
+def medusa_engine_flow(out, target_ref: str, cfg: dict, tree: list | None) -> str:
+    """TensorRT-LLM's PyTorch backend (`trtllm-serve`, the LLM API's default) refuses Medusa; its TensorRT
+    engine flow serves it: convert the base model with the heads into a TensorRT-LLM checkpoint, build an
+    engine with Medusa decoding, run it with the calibrated tree."""
+    K = cfg["num_heads"]
+    choices = json.dumps(tree or [[0] * d for d in range(1, K + 1)])
+    convert = (f"python examples/medusa/convert_checkpoint.py --model_dir {target_ref} \\\n"
+               f"  --medusa_model_dir {out} --num_medusa_heads {K} \\\n"
+               f"  --output_dir ckpt-medusa --dtype bfloat16")
+    build = ("trtllm-build --checkpoint_dir ckpt-medusa --output_dir engine-medusa \\\n"
+             "  --gemm_plugin bfloat16 --speculative_decoding_mode medusa --max_batch_size 8")
+    run = (f"python examples/run.py --engine_dir engine-medusa --tokenizer_dir {target_ref} \\\n"
+           f"  --max_output_len 256 --medusa_choices='{choices}'")
+    return ("TensorRT-LLM's PyTorch backend (`trtllm-serve`, the LLM API) does not serve Medusa heads. Its "
+            "TensorRT engine flow does (the `examples/medusa` converter of the TensorRT-LLM releases that ship "
+            "the TensorRT backend), from this folder (`medusa_lm_head.safetensors` + config.json), run from a "
+            "TensorRT-LLM checkout:\n\n"
+            f"{fenced(convert)}\n\n{fenced(build)}\n\n"
+            "TensorRT-LLM verifies Medusa drafts greedily; `medusa_choices` is the tree draftsmith calibrated (tree.json):\n\n"
+            f"{fenced(run)}\n")

@@ -45,10 +45,22 @@ def read_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     path = Path(path)
     if not path.is_file():
         raise VerificationError(f"{path}: missing")
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise VerificationError(f"{path}: truncated ({size} bytes, not even a safetensors header)")
+        (n,) = struct.unpack("<Q", raw)
+        if 8 + n > size:
+            raise VerificationError(f"{path}: truncated (header of {n} bytes, file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise VerificationError(f"{path}: not a safetensors file (unreadable header)") from None
     header.pop("__metadata__", None)
+    end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    if 8 + n + end > size:
+        raise VerificationError(f"{path}: truncated (tensor data ends at byte {8 + n + end}, file has {size})")
     return {name: (tuple(info["shape"]), info["dtype"]) for name, info in header.items()}
 
 
@@ -57,6 +69,25 @@ def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, 
 
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in (names or list(f.keys()))}
+
+
+def nonfinite_tensors(folder: str | Path) -> list[str]:
+    """One line per floating tensor holding a NaN or an infinity, in every weight file under `folder` (a
+    serving stack would load it without a word and draft garbage, or crash mid-request)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    problems = []
+    for path in sorted(folder.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        problems.append(f"{path}: tensor '{name}' holds non-finite values")
+        except Exception:  # an unreadable file is reported by the checks that read its header
+            continue
+    return problems
 
 
 def st_dtype(dtype: torch.dtype) -> str:
@@ -122,7 +153,31 @@ def verify_export(out: str | Path, target=None) -> list[str]:
     fmt = guard.get("format")
     if fmt not in VERIFIERS:
         raise VerificationError(f"{out}: unknown export format '{fmt}'")
-    return VERIFIERS[fmt](out, target)
+    return run_verifier(out, fmt, target)
+
+
+def run_verifier(path: Path, fmt: str, target=None, shown: Path | None = None) -> list[str]:
+    """The weight checksums recorded in draftsmith.json, then the format's verifier. An exporter verifies
+    its temporary folder before swapping it in: `shown` is the final path, named in the messages instead."""
+    from draftsmith.export.common import GUARD
+    from draftsmith.storage import checksum_problems, read_json
+
+    path = Path(path)
+    recorded = read_json(path / GUARD).get("checksums")
+    sums = checksum_problems(path, recorded, GUARD) + nonfinite_tensors(path)
+    try:
+        try:
+            checks = VERIFIERS[fmt](path, target)
+        except VerificationError as e:  # the layout's problems first, then which files changed
+            raise VerificationError("; ".join([str(e), *sums])) from None
+        check(path, sums)
+    except VerificationError as e:
+        if shown is None:
+            raise
+        raise VerificationError(str(e).replace(str(path), str(shown))) from None
+    if recorded:
+        checks.insert(0, f"sha256 of {len(recorded)} weight file(s) equal draftsmith.json's")
+    return checks
 
 
 VERIFIERS: dict = {}  # format name -> fn(out_dir, target|None) -> list[str]; filled by the writer modules

@@ -35,14 +35,17 @@ exactly what inference sees when the committed context ends at t and the draft i
 draft's KV cache holds step-0 entries for committed positions only; chain/tree entries are scratch). The
 mask over the concatenated keys [K^0 | K^1 | ... | K^j] is therefore [causal | I | ... | I].
 
-The decoder layer is the TARGET'S OWN ARCHITECTURE (LlamaDecoderLayer, Gemma3DecoderLayer, built from the
-target's config class with layer_idx 0, full attention). EAGLE-1 runs it as is, minus its input norm (as
-the original EAGLE-1 does); EAGLE-3 widens its q/k/v projections to 2H and runs its submodules with the
+The decoder layer is a Llama decoder layer sized from the target (hidden, heads, kv heads, head_dim, MLP,
+the target's full-attention RoPE) for every target family — what vLLM's, SGLang's, TensorRT-LLM's and
+speculators' EAGLE drafters build — or, with `draft_layer: target`, the target family's own layer
+(targets/families.py; built from its config class with layer_idx 0, full attention). EAGLE-1 runs it as
+is, minus its input norm (as the original EAGLE-1 does); EAGLE-3 widens its q/k/v projections to 2H and runs its submodules with the
 EAGLE-3 residual layout, under the serving stacks' names (layer.input_layernorm normalises the embedding,
 layer.hidden_norm the feature), so `export/eagle.py` maps them one to one.
 The target's embedding (and, for EAGLE-1, its final norm and lm_head) is attached by reference
-(`attach_target`): it is not a parameter, not trained, not saved. Export writers take `embed_tokens` from
-the target the manifest's fingerprint names (config.json says `"embeddings": "target"`).
+(`attach_target`): it is not a parameter, not trained, not saved. The head reads the embedding table's
+plain rows (no Gemma sqrt(H) scale), as the serving stacks' drafters do. Export writers take
+`embed_tokens` from the target the manifest's fingerprint names (config.json says `"embeddings": "target"`).
 
 Draft vocabulary (EAGLE-3): the N most frequent target-written tokens (loss-masked positions) of the
 training data, sorted by target id; `d2t[d] = target_id - d` (int64) and `t2d` (bool over the target
@@ -61,14 +64,19 @@ from torch import nn
 
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import check_draft_vocab
+from draftsmith.targets.families import (
+    FAMILIES,
+    Family,
+    embedding_rows,
+    embeddings,
+    family,
+    final_norm,
+    full_attention_rope,
+    lm_head,
+    rope_fields,
+    text_config,
+)
 from draftsmith.targets.gemm import rows_linear, use_rows_linear
-
-# model_type -> (module, decoder layer class, rotary class, rotary layer type or None)
-ARCHITECTURES: dict[str, tuple[str, str, str, str | None]] = {
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", "LlamaRotaryEmbedding", None),
-    "gemma3_text": ("transformers.models.gemma3.modeling_gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding",
-                    "full_attention"),
-}
 
 
 @dataclass
@@ -115,75 +123,78 @@ def parse_version(version: str | int) -> int:
     return v
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def layer_config_dict(target_config, draft_layer: str = "target") -> dict:
+def layer_config_dict(target_config, draft_layer: str = "llama") -> dict:
     """The decoder layer's HF config as a plain dict (what config.json stores to rebuild it).
 
-    draft_layer "target": the target's own architecture. "llama": a Llama decoder layer with the target's
-    shapes (hidden, heads, kv heads, head_dim, MLP width, norm eps, full-attention RoPE base) — the layer
-    the serving stacks' EAGLE drafters are built from (vLLM `llama_eagle3`, SGLang `LlamaForCausalLMEagle3`,
-    speculators), which is how SpecForge / speculators train heads for non-Llama targets too.
+    draft_layer "llama" (default): a Llama decoder layer with the target's shapes (hidden, heads, kv heads,
+    head_dim, MLP width, norm eps, the full-attention RoPE of the target) — the layer the serving stacks'
+    EAGLE drafters are built from (vLLM `llama_eagle3`, SGLang `LlamaForCausalLMEagle3`, TensorRT-LLM,
+    speculators) whatever the target family. "target": the target family's own decoder layer
+    (targets/families.py `eagle_layer`), which draftsmith's decoder runs but only Llama-layer families export.
     """
-    tc = _text_config(target_config)
-    d = tc.to_dict()
-    d.pop("quantization_config", None)
-    if draft_layer == "target" or d.get("model_type") == "llama":
+    fam = family(target_config)
+    tc = text_config(target_config)
+    if draft_layer == "target":
+        if fam.eagle_layer is None:
+            raise ConfigError(f"draft_layer: target is not available for {fam.model_type} targets (its decoder "
+                              "layer cannot take EAGLE-3's widened attention): use draft_layer: llama")
+        d = tc.to_dict()
+        d.pop("quantization_config", None)
         return d
     if draft_layer != "llama":
         raise ConfigError(f"draft_layer must be 'target' or 'llama', got {draft_layer!r}")
-    rope = d.get("rope_theta")
-    params = d.get("rope_parameters") or {}
-    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # Gemma 3: per layer type
-        rope = params["full_attention"].get("rope_theta", rope)
-    elif isinstance(params, dict) and params.get("rope_theta") is not None:
-        rope = params["rope_theta"]
-    heads = d["num_attention_heads"]
-    return {"model_type": "llama", "hidden_size": d["hidden_size"], "intermediate_size": d["intermediate_size"],
-            "num_attention_heads": heads, "num_key_value_heads": d.get("num_key_value_heads") or heads,
-            "head_dim": d.get("head_dim") or d["hidden_size"] // heads, "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
-            "rope_theta": float(rope or 10000.0), "max_position_embeddings": d.get("max_position_embeddings", 8192),
-            "vocab_size": d["vocab_size"], "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    heads = tc.num_attention_heads
+    return {"model_type": "llama", "hidden_size": tc.hidden_size, "intermediate_size": tc.intermediate_size,
+            "num_attention_heads": heads, "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            "rms_norm_eps": getattr(tc, "rms_norm_eps", 1e-6),
+            **rope_fields(full_attention_rope(tc)),
+            "max_position_embeddings": getattr(tc, "max_position_embeddings", 8192),
+            "vocab_size": tc.vocab_size, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "num_hidden_layers": 1, "tie_word_embeddings": False}
+
+
+def _layer_family(layer_config: dict) -> Family:
+    mt = layer_config.get("model_type")
+    fam = FAMILIES.get(mt)
+    if fam is None or fam.eagle_layer is None:
+        known = sorted(k for k, f in FAMILIES.items() if f.eagle_layer is not None)
+        raise ConfigError(f"EAGLE heads cannot build a '{mt}' decoder layer (draft layers: {', '.join(known)})")
+    return fam
 
 
 def _hf_layer_config(layer_config: dict):
     """Rebuild the HF config object of the draft's decoder layer (full attention, sdpa)."""
     from transformers import AutoConfig
 
+    _layer_family(layer_config)
     d = dict(layer_config)
-    model_type = d.pop("model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise ConfigError(f"EAGLE heads do not support the '{model_type}' architecture "
-                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    model_type = d.pop("model_type")
     for k in ("architectures", "auto_map", "transformers_version", "_name_or_path"):
         d.pop(k, None)
-    cfg = AutoConfig.for_model(model_type, **d)
+    params = d.get("rope_parameters")
+    if not (isinstance(params, dict) and "full_attention" in params):  # one RoPE, in transformers 5's spelling
+        d["rope_parameters"] = full_attention_rope(layer_config)  # (from rope_theta + rope_scaling if need be)
+        d.pop("rope_theta", None)
+        d.pop("rope_scaling", None)
+    cfg = text_config(AutoConfig.for_model(model_type, **d))
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
     cfg._attn_implementation = "sdpa"
     return cfg
 
 
-def check_architecture(target_config) -> str:
-    """The model_type of a target, or a ConfigError naming an unsupported one."""
-    model_type = getattr(_text_config(target_config), "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise ConfigError(f"EAGLE heads do not support the '{model_type}' architecture "
-                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    return model_type
+def check_architecture(target_config, draft_layer: str = "llama") -> str:
+    """The model_type of a target whose EAGLE head can be built with `draft_layer`, or a ConfigError."""
+    fam = family(target_config)
+    if draft_layer == "target":
+        layer_config_dict(target_config, "target")  # raises its one line where the family has no such layer
+    return fam.model_type
 
 
-def final_norm(model) -> nn.Module:
-    """The target's final norm (what sits between the last decoder layer and the lm_head)."""
-    inner = getattr(model, "model", None)
-    for candidate in (inner, getattr(inner, "language_model", None)):
-        norm = getattr(candidate, "norm", None)
-        if isinstance(norm, nn.Module):
-            return norm
-    raise ConfigError(f"cannot find the final norm of {type(model).__name__}")
+def exportable(target_config, draft_layer: str) -> bool:
+    """Whether the serving stacks load an EAGLE head with this draft layer on this target."""
+    return draft_layer == "llama" or family(target_config).llama_layer
 
 
 class DraftKV:
@@ -246,13 +257,14 @@ class EagleOutput:
 
 
 class EagleHead(nn.Module):
-    """The EAGLE drafter (one decoder layer of the target's architecture). See the module docstring."""
+    """The EAGLE drafter (one decoder layer: a Llama layer sized from the target by default). See the module
+    docstring."""
 
     def __init__(self, config: EagleConfig):
         super().__init__()
         self.config = config
         lc = _hf_layer_config(config.layer_config)
-        mod_name, layer_cls, rotary_cls, self._rope_type = ARCHITECTURES[config.model_type]
+        mod_name, layer_cls, rotary_cls, self._rope_type = _layer_family(config.layer_config).eagle_layer
         module = importlib.import_module(mod_name)
         H = config.hidden_size
         self.layer = getattr(module, layer_cls)(lc, layer_idx=0)
@@ -285,18 +297,18 @@ class EagleHead(nn.Module):
     def from_target(cls, target_model, version: str | int = "eagle3", target_layers: list[int] | None = None,
                     draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None, ttt_steps: int | None = None,
                     ttt_tokens: str = "target", norm_before_residual: bool = False,
-                    draft_layer: str = "target") -> EagleHead:
+                    draft_layer: str = "llama") -> EagleHead:
         """A fresh head shaped for `target_model` (an HF causal LM), target modules attached.
 
         EAGLE-3 needs `draft_vocab = (d2t, t2d)` (see `build_draft_vocab`); its lm_head and final norm start
         as copies of the target's rows / norm, so the draft starts out reading features like the target does.
-        `draft_layer`: "target" (the target's decoder layer class) or "llama" (see `layer_config_dict`).
+        `draft_layer`: "llama" (default) or "target" (the target family's decoder layer; `layer_config_dict`).
         """
         from draftsmith.targets.capture import decoder_layers, default_eagle3_layers, resolve_layers
 
-        check_architecture(target_model.config)
+        check_architecture(target_model.config, draft_layer)
         version = parse_version(version)
-        tc = _text_config(target_model.config)
+        tc = text_config(target_model.config)
         L = len(decoder_layers(target_model))
         if version == 3:
             layers = resolve_layers(list(target_layers or default_eagle3_layers(L)), L)
@@ -314,7 +326,7 @@ class EagleHead(nn.Module):
         if version == 3:
             head.set_draft_vocab(d2t, t2d)
             with torch.no_grad():
-                w = target_model.get_output_embeddings().weight
+                w = lm_head(target_model).weight
                 head.lm_head.weight.copy_(w[t2d.to(w.device)].to(head.lm_head.weight))
                 tn = final_norm(target_model)
                 if type(tn) is type(head.norm):
@@ -329,10 +341,10 @@ class EagleHead(nn.Module):
 
     def attach_target(self, target_model) -> None:
         """Keep references to the target's frozen embedding (and EAGLE-1: final norm, lm_head)."""
-        object.__setattr__(self, "_embed", target_model.get_input_embeddings())
+        object.__setattr__(self, "_embed", embeddings(target_model))
         if not self.config.eagle3:
             object.__setattr__(self, "_target_norm", final_norm(target_model))
-            object.__setattr__(self, "_target_head", target_model.get_output_embeddings())
+            object.__setattr__(self, "_target_head", lm_head(target_model))
 
     # --- pieces -----------------------------------------------------------------------------------
     @property
@@ -342,8 +354,8 @@ class EagleHead(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self._embed is None:
             raise ConfigError("this EAGLE head has no target embedding: call attach_target(target_model) first")
-        with torch.no_grad():
-            return self._embed(ids).to(self._dtype)
+        with torch.no_grad():  # the plain table row, as the serving stacks' drafters read it (families.py)
+            return embedding_rows(self._embed, ids).to(self._dtype)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Step-0 feature from the target's: EAGLE-3 fc over [low; mid; high] (3H -> H); EAGLE-1 f itself."""

@@ -37,11 +37,13 @@ from draftsmith.heads.eagle import (
     check_architecture,
     eagle1_loss,
     eagle3_loss,
+    exportable,
     shift_left,
     step_weights,
 )
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import read_json
+from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
@@ -60,10 +62,13 @@ class EagleJobConfig:
     ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (heads/eagle.py)
     step_decay: float = 0.8  # step j weighs step_decay**j
     norm_before_residual: bool = False
-    # the draft's decoder layer: "target" = the target's own architecture; "llama" = a Llama layer with the
-    # target's shapes, what vLLM / SGLang / TensorRT-LLM / speculators EAGLE drafters load (needed to export a
-    # head of a non-Llama target such as Gemma 3)
-    draft_layer: Literal["target", "llama"] = "target"
+    # the draft's decoder layer: "llama" = a Llama layer with the target's shapes, what vLLM / SGLang /
+    # TensorRT-LLM / speculators EAGLE drafters build whatever the target family; "target" = the target
+    # family's own layer (targets/families.py), which only draftsmith's decoder runs unless it is a Llama layer
+    draft_layer: Literal["llama", "target"] = "llama"
+    # refuse before training a head that no serving stack loads (draft_layer: target on a non-Llama family);
+    # false trains it for draftsmith's own decoder and evaluation
+    exportable: bool = True
     draft_vocab_size: int = 8192  # EAGLE-3 only (see module docstring)
     w_cls: float = 0.1  # EAGLE-1: weight of the token loss next to the feature regression
     max_length: int = 512
@@ -108,11 +113,14 @@ class EagleJob:
         from draftsmith.targets.capture import default_eagle3_layers, resolve_layers
         from draftsmith.training import CaptureSource
 
-        check_architecture(target.config)
+        check_architecture(target.config, cfg.draft_layer)
+        if cfg.exportable and not exportable(target.config, cfg.draft_layer):
+            raise ConfigError(f"draft_layer: target on this {family(target.config).model_type} target gives a head "
+                              "no serving stack loads (their EAGLE drafters are Llama layers): use draft_layer: "
+                              "llama, or set exportable: false to train it for draftsmith's own decoder only")
         self.cfg, self.target = cfg, target
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
-        tok = target.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        self.pad_id = pad_token_id(target)
         L = target.num_layers
         self.eagle3 = cfg.version == "eagle3"
         if self.eagle3:
@@ -202,7 +210,7 @@ class EagleJob:
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
         head = _unwrap(module)
-        dest = Path(self.cfg.output) if self.cfg.output else Path(out_dir)
+        dest = self.artifact_dest(out_dir)
         # of the vocabulary the head holds (a warm start brings its own), on this job's training tokens
         t2d = getattr(head, "t2d", None)  # EAGLE-1 predicts over the whole vocabulary
         coverage = 1.0 if t2d is None else vocab_coverage(self.counts, t2d.cpu())
@@ -222,6 +230,10 @@ class EagleJob:
         )
         state = {k: v for k, v in head.state_dict().items()}
         return artifact.save_artifact(dest, manifest, state, config)
+
+    def artifact_dest(self, out_dir) -> Path:
+        """The artifact goes where the config says (the loop's default is <train.output_dir>/artifact)."""
+        return Path(self.cfg.output) if self.cfg.output else Path(out_dir)
 
 
 def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:

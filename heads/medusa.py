@@ -32,6 +32,7 @@ from torch import nn
 
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import check_draft_vocab
+from draftsmith.targets.families import text_config
 from draftsmith.targets.gemm import rows_linear, use_rows_linear
 
 
@@ -114,7 +115,7 @@ class MedusaHeads(nn.Module):
                     draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> MedusaHeads:
         """Heads shaped for a target. Pass the target's `lm_head` to initialise (or share) the projections,
         and `draft_vocab = (d2t, t2d)` (heads/vocab.py) for projections over a reduced vocabulary."""
-        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        tc = text_config(target_config)
         n = int(draft_vocab[0].numel()) if draft_vocab is not None else None
         heads = cls(MedusaHeadsConfig(tc.hidden_size, tc.vocab_size, num_heads, num_layers, share_lm_head, n))
         if draft_vocab is not None:

@@ -35,6 +35,7 @@ from torch import nn
 
 from draftsmith.distill.config import LoraSpec
 from draftsmith.errors import ArtifactError
+from draftsmith.targets.families import pad_token_id
 
 # below this held-out greedy-token agreement with the original, a Medusa-2 job warns that the target drifted: on
 # SmolLM2 an adapter at 81% agreement made the target repeat one sentence where the original answered
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     target = load_target(a.target)
     _, held_out = split_rows(load_distilled(a.data, target), a.eval_fraction, a.seed)
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.eos_token_ids[0]
+    pad = pad_token_id(target)
     d = target_drift(target.model, adapted_target(target, a.artifact).model, held_out, pad, a.max_length)
     print(f"{a.artifact}: {len(held_out)} held-out rows, {d['positions']} learned positions: the adapted target's "
           f"greedy token is the original's at {100 * d['agreement']:.1f}% of them; KL(original || adapted) "

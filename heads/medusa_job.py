@@ -33,6 +33,7 @@ from draftsmith.heads.medusa import (
 from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
@@ -91,11 +92,11 @@ class MedusaJob:
     kind = "medusa"
 
     def __init__(self, cfg: MedusaJobConfig, target, dataset):
+        family(target.config)  # a family outside targets/families.py: one line, before any work
         self.cfg, self.target = cfg, target
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
         self.weights = head_weights(cfg.num_heads, cfg.decay)
-        tok = target.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_token_ids[0]
+        self.pad_id = pad_token_id(target)
         from draftsmith.training import CaptureSource
 
         # Medusa-2 from a capture cache: the adapted target runs in the step (its features change every step),
@@ -252,9 +253,12 @@ class MedusaJob:
                 save_file(adapter[0], str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
                 atomic_write_json(tmp / ADAPTER_CONFIG, adapter[1])
 
-        # the artifact goes where the config says (the loop's default is <train.output_dir>/artifact)
-        return artifact.save_artifact(self.cfg.output or out_dir, manifest, heads.state_dict(), config,
+        return artifact.save_artifact(self.artifact_dest(out_dir), manifest, heads.state_dict(), config,
                                       writer=write_tree)
+
+    def artifact_dest(self, out_dir) -> Path:
+        """The artifact goes where the config says (the loop's default is <train.output_dir>/artifact)."""
+        return Path(self.cfg.output or out_dir)
 
     # --- calibration ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -305,6 +309,9 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
     path = Path(path)
     manifest, state = artifact.load_artifact(path, kind="medusa", target=target)
     cfg = read_json(path / "config.json")
+    missing = [k for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head") if k not in cfg]
+    if missing:
+        raise ConfigError(f"{path / 'config.json'}: missing field '{missing[0]}' (not a Medusa heads config)")
     fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
     fields["draft_vocab_size"] = cfg.get("draft_vocab_size")  # absent from artifacts older than the option
     heads = MedusaHeads(MedusaHeadsConfig(**fields))
@@ -316,6 +323,9 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
     if target is not None:
         heads.to(device=target.device, dtype=target.dtype)
     tree = MedusaTree.from_json(read_json(path / "tree.json")) if (path / "tree.json").is_file() else None
+    if tree is not None and max((len(p) for p in tree.paths), default=0) > heads.config.num_heads:
+        raise ConfigError(f"{path / 'tree.json'}: a path of depth {max(len(p) for p in tree.paths)}, but the "
+                          f"artifact has {heads.config.num_heads} heads")
     acc = (manifest.get("metrics") or {}).get("calibration_rank_accuracy")
     if tree is not None and tree.probs is None and acc:
         tree = tree.with_probs(acc)

@@ -11,7 +11,12 @@ import sys
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="memory plan for a target + artifact on a GPU (weights, KV, headroom)")
-    p.add_argument("--target", required=True, help="config.json, HF model folder or embedded target name")
+    p.add_argument("--target", default=None,
+                   help="config.json, HF model folder or embedded target name (with --config: the job's target)")
+    p.add_argument("--config", default=None, help="a training job preset (eagle / medusa / distill YAML): plan "
+                   "its training memory per GPU (target + trained module + optimizer + activations)")
+    p.add_argument("--accelerate", default=None, help="with --config: the accelerate preset (DDP, FSDP, ZeRO-2/3)")
+    p.add_argument("--gpus", type=int, default=None, help="with --config: ranks (default: the accelerate preset's)")
     p.add_argument("--artifact", default=None, help="a draftsmith artifact (draft, medusa or eagle)")
     p.add_argument("--gpu", default="H100-80GB", help="H100-80GB, A100-40GB, ..., cpu, or a size in bytes")
     p.add_argument("--batch", type=int, default=32)
@@ -51,7 +56,17 @@ def register(subparsers) -> None:
 
 
 def run_plan(args) -> int:
+    from draftsmith.errors import ConfigError
     from draftsmith.ops import memory
+
+    if args.config:
+        from draftsmith.ops.train_memory import format_plan, plan_config
+
+        p = plan_config(args.config, args.target, args.accelerate, args.gpu, args.gpus)
+        print(json.dumps(p, indent=2) if args.json else format_plan(p))
+        return 0
+    if args.target is None:
+        raise ConfigError("plan: give --target (inference memory) or --config (a training job's memory)")
 
     cfg = memory.load_config(args.target)
     shape = memory.artifact_shape(args.artifact, cfg)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.errors import ConfigError
+from draftsmith.targets.families import text_config
 
 GIB = 2**30
 GPUS = {  # usable device memory in bytes (marketing GB -> bytes as the driver reports them)
@@ -40,10 +41,6 @@ GPUS = {  # usable device memory in bytes (marketing GB -> bytes as the driver r
     "L4-24GB": 24 * 10**9, "RTX4090-24GB": 24 * 10**9, "T4-16GB": 16 * 10**9,
 }
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1, "int8": 1}
-
-
-def _text_config(cfg):
-    return getattr(cfg, "text_config", None) or cfg
 
 
 def load_config(spec: str | Path):
@@ -62,7 +59,13 @@ def load_config(spec: str | Path):
         from draftsmith.targets.loading import materialize_gguf
 
         return AutoConfig.from_pretrained(materialize_gguf(EMBEDDED[str(spec)].gguf_path(), name=str(spec)))
-    raise ConfigError(f"--target {spec}: give a config.json, an HF model folder or an embedded target name")
+    if "/" in str(spec) and not str(spec).startswith((".", "/", "~")):  # a hub id: its config.json only
+        try:
+            return AutoConfig.from_pretrained(str(spec))
+        except OSError as e:
+            raise ConfigError(f"--target {spec}: cannot read its config from the hub ({str(e).splitlines()[0][:120]}); "
+                              "give a config.json (configs/<preset>/target-config.json) or a model folder") from None
+    raise ConfigError(f"--target {spec}: give a config.json, an HF model folder, a hub id or an embedded target name")
 
 
 def count_params(config) -> int:
@@ -82,7 +85,7 @@ def count_params(config) -> int:
 
 def kv_bytes_per_token(config, dtype_bytes: int, context: int) -> float:
     """KV bytes one sequence of `context` tokens holds, divided by context (sliding layers hold less)."""
-    c = _text_config(config)
+    c = text_config(config)
     layers = c.num_hidden_layers
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -97,7 +100,7 @@ def kv_bytes_per_token(config, dtype_bytes: int, context: int) -> float:
 
 def activation_bytes(config, tokens: int, sampled: int, dtype_bytes: int) -> int:
     """One forward's transient workspace for `tokens` tokens in flight, `sampled` of them through lm_head."""
-    c = _text_config(config)
+    c = text_config(config)
     h = c.hidden_size
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or h // heads
@@ -130,7 +133,7 @@ def artifact_shape(path: str | Path | None, target_config) -> ArtifactShape:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(path)
-        return ArtifactShape("draft", count_params(cfg), cfg, _text_config(cfg).num_hidden_layers)
+        return ArtifactShape("draft", count_params(cfg), cfg, text_config(cfg).num_hidden_layers)
     total = 0
     with safe_open(str(path / "model.safetensors"), "pt") as f:  # header only
         for name in f.keys():
@@ -139,7 +142,7 @@ def artifact_shape(path: str | Path | None, target_config) -> ArtifactShape:
         return ArtifactShape("medusa", total)
     if kind == "eagle":
         c = json.loads((path / "config.json").read_text())
-        t = _text_config(target_config)
+        t = text_config(target_config)
 
         class _Layer:  # one decoder layer of the head, attention shaped like the target's (or its own config)
             num_hidden_layers = 1

@@ -3,6 +3,7 @@
     <root>/<target>/<kind>/
         versions/v0001/          immutable artifact directories (complete or absent: atomic rename)
         versions/v0002/
+        data/v0002/              the dataset v0002 was trained on (replayed by later retraining runs)
         current.json             {"version": "v0002", ...}; replaced with os.replace, so a reader sees
                                  the old pointer or the new one, never a torn write
         runs/<timestamp>.json    one record per retraining run
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.artifact import load_manifest, now_iso, update_manifest
+from draftsmith.artifact import load_manifest, now_iso, update_manifest, verify_weights
 from draftsmith.errors import ArtifactError
 from draftsmith.storage import atomic_write_json, read_json
 
@@ -80,7 +81,8 @@ class Registry:
 
     def publish(self, candidate: Path, lineage: dict) -> str:
         """Move a finished artifact directory into versions/ (atomic rename) with its lineage recorded."""
-        load_manifest(candidate)  # refuses a directory that is not a complete artifact
+        # refuses a directory that is not a complete artifact, or whose weights differ from their checksums
+        verify_weights(candidate, load_manifest(candidate))
         update_manifest(candidate, lineage=lineage, parent=lineage.get("parent"))
         version = self.next_version()
         os.replace(candidate, self.path(version))
@@ -93,6 +95,23 @@ class Registry:
 
     def manifest(self, version: str) -> dict:
         return load_manifest(self.path(version))
+
+    def keep_data(self, version: str, data_path: str | Path) -> Path | None:
+        """Move the dataset a version was trained on to data/<version>/ (beside versions/, never cleaned)
+        and point the version's manifest at it: the next retraining replays it after `staging` is gone,
+        and so on after any number of promotions. Returns the new location (None: no such folder)."""
+        data_path = Path(data_path)
+        if not data_path.is_dir():
+            return None
+        dest = self.base / "data" / version
+        dest.parent.mkdir(exist_ok=True)
+        if dest.exists():
+            raise ArtifactError(f"registry {self.base}: {dest} already exists (a version's data is never replaced)")
+        os.replace(data_path, dest)
+        manifest = self.manifest(version)
+        data = {**(manifest.get("data") or {}), "path": str(dest), "trained_from": str(data_path)}
+        update_manifest(self.path(version), data=data)
+        return dest
 
     def clean_staging(self) -> None:
         shutil.rmtree(self.base / "staging", ignore_errors=True)

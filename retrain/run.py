@@ -4,6 +4,7 @@ Exit codes (for cron / Kubernetes alerting):
     0   nothing to do (fresh) or a candidate was promoted
     10  stale, but the candidate was rejected by the gate (current version kept)
     11  stale, but there was no traffic to retrain on
+    12  another run holds the registry's lock (nothing was done; try again later)
     1   error (the record says which); 2 bad configuration (one line on stderr)
 
 A run is keyed by an `attempt` id (hash of the current version and the traffic sample), and every
@@ -24,12 +25,12 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from draftsmith.artifact import load_manifest, now_iso, update_manifest
+from draftsmith.artifact import inspect_artifact, load_manifest, now_iso, update_manifest
 from draftsmith.config import load_config, to_dict
 from draftsmith.errors import ArtifactError, DraftsmithError
 from draftsmith.retrain.config import RetrainConfig
 from draftsmith.retrain.decide import domain_policy, gate, staleness
-from draftsmith.retrain.lock import RunLock
+from draftsmith.retrain.lock import LockHeld, RunLock
 from draftsmith.retrain.registry import Registry
 from draftsmith.retrain.traffic import TrafficRow, read_traffic, write_prompt_file
 from draftsmith.storage import sha256_json
@@ -37,7 +38,7 @@ from draftsmith.targets.fingerprint import differences
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_NO_TRAFFIC = 0, 1, 10, 11
+EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_NO_TRAFFIC, EXIT_LOCKED = 0, 1, 10, 11, 12
 
 
 def _measure(target, kind: str, path: Path, prompts: list[str] | None, limit: int | None, cfg: RetrainConfig) -> dict:
@@ -116,6 +117,8 @@ def _build_data(cfg: RetrainConfig, target, work: Path, train_rows: list[Traffic
         generate_dataset(data_cfg, target, progress=False)
     new = load_distilled(fresh, target)
     mixed = new
+    if old_data and cfg.budget.replay_fraction > 0 and not Path(old_data).is_dir():
+        log.warning("replay: the current version's data %s is gone: training on new traffic only", old_data)
     if old_data and cfg.budget.replay_fraction > 0 and Path(old_data).is_dir():
         try:
             old = load_distilled(old_data, target)
@@ -177,6 +180,10 @@ def _safe_current(reg: Registry) -> str | None:
 def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | None) -> int:
     if init is not None:
         manifest = load_manifest(init, kind=cfg.artifact_kind)
+        problems, _ = inspect_artifact(init)  # files, checksums, tensor names and shapes: what serving will read
+        if problems:
+            raise ArtifactError(f"retrain --init {init}: {problems[0]}"
+                                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         staged = reg.staging / f"init-{sha256_json(manifest['created'])[:8]}"
         shutil.copytree(init, staged, dirs_exist_ok=True)
         version = reg.publish(staged, {"parent": None, "reason": "initial version", "source": str(init)})
@@ -194,7 +201,8 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
     weights_changed = manifest["target"].get("weights_hash") not in (None, fp.get("weights_hash"))
 
     sample = read_traffic(cfg.traffic.dir, cfg.traffic.window_days, cfg.traffic.max_per_domain, cfg.traffic.seed)
-    record["traffic"] = {"per_domain": sample.per_domain, "malformed": sample.malformed, "files": sample.files}
+    record["traffic"] = {"per_domain": sample.per_domain, "malformed": sample.malformed, "files": sample.files,
+                         "bad_rows": sample.bad}
     held, train_rows = split_traffic(sample.rows, cfg.traffic.eval_share, cfg.traffic.max_eval_per_domain,
                                      cfg.traffic.seed)
     traffic_digest = sha256_json(sorted(r.prompt for r in sample.rows))[:16]
@@ -263,16 +271,24 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
         record.update(outcome="rejected", rejected_candidate=str(rejected))
         return EXIT_REJECTED
     update_manifest(candidate, traffic_eval=_summary(cand_traffic), baseline_eval=_summary(cand_base))
-    version = reg.publish(candidate, {
+    version = promote(reg, candidate, {
         "parent": current, "reason": verdict.reasons, "attempt": attempt, "data": str(data_path),
         "traffic_digest": traffic_digest,
         "budget": asdict(cfg.budget), "gate": decision.reasons,
-    })
-    reg.set_current(version, "; ".join(decision.reasons))
+    }, data_path, "; ".join(decision.reasons))
     reg.write_policy(domain_policy(cand_traffic, cfg.policy_alpha_floor, version))
     shutil.rmtree(work, ignore_errors=True)
     record.update(outcome="promoted", version=version)
     return EXIT_OK
+
+
+def promote(reg: Registry, candidate: Path, lineage: dict, data_path: Path, reason: str) -> str:
+    """Publish a candidate, keep the data it was trained on beside the registry's versions (the next run
+    replays it after `staging` is cleaned, and so on after any number of promotions), point current at it."""
+    version = reg.publish(candidate, lineage)
+    reg.keep_data(version, data_path)
+    reg.set_current(version, reason)
+    return version
 
 
 def run_retrain(config_path: str | None, overrides: list[str], init: str | None = None) -> int:
@@ -282,7 +298,11 @@ def run_retrain(config_path: str | None, overrides: list[str], init: str | None 
     # a scheduler stops a job with SIGTERM (Kubernetes activeDeadlineSeconds, systemd TimeoutStopSec): turn it
     # into SystemExit so the run record is still written and the lock released (143 = 128 + SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    code, record = retrain_once(cfg, init)
+    try:
+        code, record = retrain_once(cfg, init)
+    except LockHeld as e:  # not a configuration error: a scheduler retries this one later
+        print(f"draftsmith: {e}; nothing done (exit {EXIT_LOCKED})", file=sys.stderr)
+        return EXIT_LOCKED
     outcome = record.get("outcome")
     print(f"retrain: {outcome} (exit {code}); current = {record.get('current')}; record: {record.get('record_path')}")
     if record.get("stale"):

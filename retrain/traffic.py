@@ -5,7 +5,8 @@ Each `*.jsonl` (or `*.jsonl.gz`) line is one request:
      "response": "...",            optional: what was served
      "domain": "code",             optional: else the router / "unknown"
      "timestamp": "2026-11-20T10:00:00Z" | 1763632800}   optional: else the file's mtime
-Rows older than the window (relative to the newest row) are ignored; malformed lines are counted.
+Rows older than the window (relative to the newest row) are ignored; malformed lines (not JSON, not UTF-8, no
+prompt) are counted, and the first few are named (`file:line: why`) in `TrafficSample.bad`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class TrafficSample:
     malformed: int = 0
     window: tuple[float, float] | None = None
     files: list[str] = field(default_factory=list)
+    bad: list[str] = field(default_factory=list)  # the first MAX_NAMED malformed lines, "file:line: why"
 
     def by_domain(self) -> dict[str, list[TrafficRow]]:
         out: dict[str, list[TrafficRow]] = defaultdict(list)
@@ -56,8 +58,12 @@ def _timestamp(value, fallback: float) -> float:
         raise ValueError(f"unreadable timestamp {value!r}") from None
 
 
+MAX_NAMED = 20
+
+
 def _open(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+    """Bytes, line by line: a line that is not UTF-8 is one bad row, not the end of the file."""
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
 def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: int | None = None,
@@ -72,13 +78,15 @@ def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: i
         raise DataError(f"no traffic logs (*.jsonl) in {folder}")
     rows: list[TrafficRow] = []
     malformed = 0
+    bad: list[str] = []
     for path in files:
         mtime = path.stat().st_mtime
         with _open(path) as f:
-            for line in f:
-                if not line.strip():
+            for number, raw_line in enumerate(f, 1):
+                if not raw_line.strip():
                     continue
                 try:
+                    line = raw_line.decode("utf-8")
                     obj = json.loads(line)
                     raw = obj["prompt"]
                     messages = raw if isinstance(raw, list) else None
@@ -89,10 +97,15 @@ def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: i
                     domain = obj.get("domain") or (classify(prompt) if classify else "unknown")
                     rows.append(TrafficRow(prompt, str(domain), _timestamp(obj.get("timestamp"), mtime),
                                            obj.get("response"), messages))
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError, StopIteration, AttributeError):
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError, StopIteration, AttributeError) as e:
                     malformed += 1
+                    if len(bad) < MAX_NAMED:
+                        why = "not UTF-8" if isinstance(e, UnicodeDecodeError) else \
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        bad.append(f"{path}:{number}: {why}")
     if not rows:
-        raise DataError(f"traffic logs in {folder} hold no readable rows ({malformed} malformed)")
+        first = f"; first: {bad[0]}" if bad else ""
+        raise DataError(f"traffic logs in {folder} hold no readable rows ({malformed} malformed{first})")
     newest = max(r.timestamp for r in rows)
     start = newest - window_days * 86400
     recent = [r for r in rows if r.timestamp >= start]
@@ -107,7 +120,7 @@ def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: i
             group = rng.sample(group, max_per_domain)
         picked.extend(group)
     return TrafficSample(picked, dict(Counter(r.domain for r in picked)), malformed, (start, newest),
-                         [str(p) for p in files])
+                         [str(p) for p in files], bad)
 
 
 def write_prompt_file(rows: list[TrafficRow], path: str | Path) -> Path:

@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 from draftsmith.errors import DataError
 from draftsmith.storage import _fsync_dir, atomic_write_json, read_json
 from draftsmith.targets.capture import capture_forward, topk_logits, topk_with_logsumexp
+from draftsmith.targets.families import pad_token_id
 
 INDEX = "index.json"
 _SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
@@ -308,7 +309,7 @@ def capture_dataset(target, rows: Sequence[Any], out_dir: str | Path, layers: li
           f"{sum(lengths[i] for i in todo)} tokens, estimated disk {_fmt_bytes(need)} -> {out_dir}", file=sys.stderr)
     model = target.model
     device = target.device
-    pad = target.tokenizer.pad_token_id if getattr(target, "tokenizer", None) is not None else 0
+    pad = pad_token_id(target) if getattr(target, "tokenizer", None) is not None else 0
     bar = tqdm(total=len(todo), desc="capture", unit="row", disable=not progress)
     with writer:
         for start in range(0, len(todo), batch_size):

@@ -14,19 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import ConfigError
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layer list of a causal LM (Llama, Gemma 3, Qwen, Mistral, ... all use model.model.layers)."""
-    inner = getattr(model, "model", None)
-    base = getattr(model, "base_model", None)
-    for candidate in (inner, getattr(inner, "language_model", None), getattr(base, "model", None)):
-        layers = getattr(candidate, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return layers
-    if base is not None and base is not model:
-        return decoder_layers(base)
-    raise ConfigError(f"cannot find decoder layers in {type(model).__name__} (unsupported architecture)")
+from draftsmith.targets.families import decoder_layers
 
 
 def resolve_layers(layers: list[int], num_layers: int) -> list[int]:

@@ -15,7 +15,9 @@ def register(subparsers) -> None:
     p.add_argument("name", nargs="?", help="target spec for prepare / fingerprint")
     p.set_defaults(func=run_targets)
 
-    c = subparsers.add_parser("check", help="check that an artifact / export / dataset matches a target")
+    c = subparsers.add_parser(
+        "check", help="check an artifact / export (files, checksums, tensor names and shapes, the export's own "
+        "verification) and that it / a dataset matches a target; exit 0 ok, 3 other target, 4 damaged")
     c.add_argument("--artifact", required=True, help="artifact dir, export dir or dataset dir")
     c.add_argument("--target", default=None, help="target spec (default: smollm2-135m)")
     c.set_defaults(func=run_check)
@@ -50,7 +52,12 @@ def read_fingerprint(path: Path) -> tuple[dict, str]:
     for name in FINGERPRINT_FILES:
         f = path / name
         if f.is_file():
-            data = json.loads(f.read_text())
+            try:
+                data = json.loads(f.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ArtifactError(f"{f}: not valid JSON ({e})") from None
+            if not isinstance(data, dict):
+                continue
             fp = data.get("target") or data.get("target_fingerprint")
             if isinstance(fp, dict) and isinstance(fp.get("fingerprint"), dict):  # dataset provenance
                 fp = fp["fingerprint"]
@@ -59,20 +66,48 @@ def read_fingerprint(path: Path) -> tuple[dict, str]:
     raise ArtifactError(f"{path}: no target fingerprint found (looked for {', '.join(FINGERPRINT_FILES)})")
 
 
+def structure_problems(path: Path, target=None) -> tuple[list[str], list[str]]:
+    """(problems, checks) of an artifact (artifact.inspect_artifact) or an export (the verification that
+    `export` runs, checksums included); a dataset has no weights to check here."""
+    from draftsmith.artifact import MANIFEST, inspect_artifact
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.export.common import GUARD
+    from draftsmith.export.verify import verify_export
+
+    if (path / GUARD).is_file():
+        try:
+            return [], verify_export(path, target)
+        except DraftsmithError as e:
+            return [str(e)], []
+    if (path / MANIFEST).is_file():
+        return inspect_artifact(path)
+    return [], []
+
+
 def run_check(args) -> int:
     from draftsmith.targets import differences, load_target
 
     path = Path(args.artifact)
-    expected, source = read_fingerprint(path)
+    if not path.is_dir():
+        raise ArtifactError(f"{path}: no such directory")
+    expected, source = read_fingerprint(path)  # nothing to check against a target without one
     target = load_target(args.target)
+    problems, checks = structure_problems(path, target)
+    for line in checks:
+        print(f"  checked: {line}")
+    for line in problems:
+        print(f"PROBLEM: {line}")
     actual = target.fingerprint()
     diffs = differences(expected, actual)
-    if not diffs:
-        same_weights = expected.get("weights_hash") == actual.get("weights_hash")
-        note = "" if same_weights else " (target weights differ from training time: acceptance may have drifted)"
-        print(f"ok: {path} ({source}) matches target {target.name}{note}")
-        return 0
-    print(f"MISMATCH: {path} ({source}) was made for a different target than {target.name}:")
-    for field in diffs:
-        print(f"  {field}: artifact {expected.get(field)!r} vs target {actual.get(field)!r}")
-    return 3
+    if diffs:
+        print(f"MISMATCH: {path} ({source}) was made for a different target than {target.name}:")
+        for field in diffs:
+            print(f"  {field}: artifact {expected.get(field)!r} vs target {actual.get(field)!r}")
+        return 3
+    if problems:
+        print(f"DAMAGED: {path}: {len(problems)} problem(s) above")
+        return 4
+    same_weights = expected.get("weights_hash") == actual.get("weights_hash")
+    note = "" if same_weights else " (target weights differ from training time: acceptance may have drifted)"
+    print(f"ok: {path} ({source}) matches target {target.name}{note}")
+    return 0

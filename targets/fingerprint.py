@@ -22,6 +22,7 @@ import torch
 
 from draftsmith.errors import FingerprintMismatch
 from draftsmith.storage import sha256_json, sha256_text
+from draftsmith.targets.families import text_config
 
 # Fields of a HF config that define the computation. Names, dtypes and bookkeeping are left out so that
 # the GGUF-loaded model and its cached safetensors copy hash the same.
@@ -36,12 +37,8 @@ ARCH_FIELDS = [
 CHECKED_FIELDS = ["vocab_size", "tokenizer_hash", "special_tokens", "chat_template_hash", "config_hash"]
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def config_summary(config) -> dict[str, Any]:
-    cfg = _text_config(config).to_dict()
+    cfg = text_config(config).to_dict()
     out = {}
     for key in ARCH_FIELDS:
         if key in cfg and cfg[key] is not None:

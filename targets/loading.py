@@ -26,6 +26,7 @@ from draftsmith.errors import TargetError
 from draftsmith.storage import atomic_dir, atomic_write_json, cache_dir, sha256_text
 from draftsmith.targets.device import select_device, select_dtype
 from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED
+from draftsmith.targets.families import text_config
 from draftsmith.targets.fingerprint import fingerprint as compute_fingerprint
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,7 @@ class Target:
 
     @property
     def text_config(self):
-        c = self.model.config
-        return c.get_text_config() if hasattr(c, "get_text_config") else c
+        return text_config(self.model.config)
 
     @property
     def device(self) -> torch.device:

@@ -17,9 +17,12 @@ def test_targets_lists_both(capsys):
 
 
 def test_check_reports_mismatch(tmp_path, tiny_target, other_target, capsys):
-    art = tmp_path / "art"
-    save_artifact(art, make_manifest("medusa", tiny_target.fingerprint(), {}), state={})
+    from test_export import make_medusa_artifact
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "art")
     assert main(["check", "--artifact", str(art), "--target", str(tiny_target.folder)]) == 0
+    empty = save_artifact(tmp_path / "empty", make_manifest("medusa", tiny_target.fingerprint(), {}), state={})
+    assert main(["check", "--artifact", str(empty), "--target", str(tiny_target.folder)]) == 4  # no tensors
     assert main(["check", "--artifact", str(art), "--target", str(other_target.folder)]) == 3
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "vocab_size" in out and "tokenizer_hash" in out

@@ -242,7 +242,8 @@ def test_llama_draft_layer_for_gemma_has_the_targets_shapes(tiny_tokenizer):
     d = layer_config_dict(target.model.config, "llama")
     assert d["model_type"] == "llama" and d["hidden_act"] == "silu"
     assert (d["hidden_size"], d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"]) == (64, 4, 2, 16)
-    assert layer_config_dict(target.model.config)["model_type"] == "gemma3_text"
+    assert layer_config_dict(target.model.config, "target")["model_type"] == "gemma3_text"
+    assert layer_config_dict(target.model.config) == d  # the Llama layer is the default
     with pytest.raises(ConfigError, match="draft_layer"):
         layer_config_dict(target.model.config, "mamba")
 
@@ -251,7 +252,7 @@ def test_unsupported_architecture_is_a_clear_error(tiny_tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(tiny_tokenizer)))
-    with pytest.raises(ConfigError, match="'gpt2' architecture"):
+    with pytest.raises(ConfigError, match="target family 'gpt2' is not in draftsmith's table"):
         EagleHead.from_target(gpt2, "eagle1")
 
 

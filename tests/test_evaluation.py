@@ -334,7 +334,8 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
     report = evaluate(tiny_target, "ngram", prompts=prompt_files, max_new_tokens=6, k=2, cost_context=16,
                       cost_k_max=2, cost_repeats=1, limit_per_domain=1, adaptive=True, compare=["ngram@chain=1"])
     assert set(report) == {"command", "date", "machine", "target", "proposer", "settings", "domains", "overall",
-                          "cost_model", "recommended_k", "policy", "memory", "references", "prompts"}
+                          "cost_model", "recommended_k", "policy", "memory", "references", "prompts", "contention"}
+    assert set(report["contention"]) == {"other_cpu_share", "threshold", "speedups_valid", "note"}
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
         "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",

@@ -168,7 +168,8 @@ def test_medusa_trtllm_layout_shared_lm_head_and_tree(tiny_target, tmp_path):
     for h in range(3):  # share_lm_head: the target's lm_head written into every head
         assert torch.equal(t[f"{h}.2.weight"], tiny_target.model.lm_head.weight)
     serve = (res.out / "serve.md").read_text()
-    assert "decoding_type: Medusa" in serve and "medusa_choices: [[0], [1], [0, 0], [0, 0, 0]]" in serve
+    assert "--speculative_decoding_mode medusa" in serve and "--medusa_choices='[[0], [1], [0, 0], [0, 0, 0]]'" in serve
+    assert "does not serve Medusa" in serve  # the PyTorch backend refuses Medusa: the engine flow is given
 
 
 def test_medusa_sglang_refused(tiny_target, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from draftsmith import artifact
+from draftsmith.errors import ConfigError
 from draftsmith.export.api import export_artifact
 from draftsmith.export.verify import read_header
 
@@ -71,5 +72,10 @@ def test_real_eagle3_speculators(real_target, tmp_path):
     assert read_header(res.out / "model.safetensors")["lm_head.weight"] == ((N, H), "F32")
     assert any(x.startswith("speculators") for x in res.checks), res.checks
     print("\n".join(res.checks))
+    with pytest.raises(ConfigError, match="norm_before_residual: true"):  # SGLang's layer would not honour it
+        export_artifact(art, "sglang", tmp_path / "sglang", t)
+    cfg["norm_before_residual"] = False
+    art = artifact.save_artifact(tmp_path / "eagle-nbr-off", artifact.make_manifest("eagle", t.fingerprint(), cfg),
+                                 state, cfg)
     sg = export_artifact(art, "sglang", tmp_path / "sglang", t)
     assert json.loads((sg.out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]

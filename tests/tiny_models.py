@@ -79,3 +79,62 @@ def make_target(tokenizer, seed=0, layers=2, hidden=64, folder: Path | None = No
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     return Target(f"tiny-llama-s{seed}", model, tokenizer, str(folder or "tiny"), folder)
+
+
+# --- one tiny random model of every target family (targets/families.py) --------------------------------
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+NO_PAD = ("llama", "mistral")  # Llama 3 and Mistral tokenizers have no pad token
+
+
+def family_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 3):
+    """The HF config of a tiny `family` model: the family's own config class, its distinguishing features
+    kept (RoPE bases that are not 10000, Qwen2's q/k/v bias, Qwen3's q/k norms, Phi-3's fused projections,
+    Gemma 3's sliding layers and scaled embedding, the image-text checkpoint's nested text config)."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=None if family in NO_PAD else 0)
+    head_dim = hidden // 4
+    if family == "llama":  # Llama 3: RoPE base 500000, untied lm_head
+        return tf.LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False)
+    if family == "mistral":
+        return tf.MistralConfig(**common, head_dim=head_dim, sliding_window=None, rope_theta=1000000.0,
+                                tie_word_embeddings=False)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=head_dim, rope_theta=1000000.0, tie_word_embeddings=True)
+    if family == "phi3":
+        return tf.Phi3Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    text = dict(common, head_dim=head_dim, sliding_window=128, query_pre_attn_scalar=head_dim,
+                layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
+    if family == "gemma3_text":
+        return tf.Gemma3TextConfig(**text)
+    if family == "gemma3":
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        return tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=1, eos_token_id=2,
+                               pad_token_id=0, bos_token_id=1)
+    raise ValueError(f"no tiny builder for family {family!r}")
+
+
+def build_tiny_family(family: str, tokenizer, folder: Path, seed: int = 0):
+    """A tiny random `family` model and its tokenizer saved as an HF folder; returns the folder."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family, len(tokenizer))).eval()
+    with torch.no_grad():  # decisive, varied greedy paths (near-uniform logits otherwise)
+        model.get_input_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if family in NO_PAD:
+        import copy
+
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.pad_token = None
+        model.generation_config.pad_token_id = None
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -19,7 +19,9 @@ safetensors, everything else to JSON, so no `torch.load` is ever called.
 
 Atomicity: rank 0 writes into `.step-00000100.tmp-<random>` and renames it to `step-00000100` only after
 every file is fsynced; `state.json` is written last. `list_checkpoints` only returns `step-N` dirs with a
-`state.json`, and leftover `.tmp-` dirs from a killed save are deleted by `clean_temp`. Per-rank state
+`state.json`, and leftover `.tmp-` dirs from a killed save are deleted by `clean_temp`. `state.json` records
+the sha256 of each safetensors file; a checkpoint whose files differ (torn by a full disk, a bad copy, a
+flipped bit) is not resumed from: `resume: auto` falls back to the newest intact one and says so. Per-rank state
 (RNG) is gathered to rank 0 over the process group, so only rank 0 ever writes files.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -39,8 +42,17 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.errors import TrainingError
-from draftsmith.storage import atomic_dir, atomic_write_json, atomic_write_text, read_json
+from draftsmith.errors import FileFormatError, TrainingError
+from draftsmith.storage import (
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_text,
+    checksum_problems,
+    read_json,
+    weight_checksums,
+)
+
+log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
@@ -70,6 +82,50 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     ckpts = list_checkpoints(output_dir)
     return ckpts[-1] if ckpts else None
+
+
+def checkpoint_problems(path: str | Path) -> list[str]:
+    """Why a checkpoint cannot be resumed from, one line per file (empty when it is intact): state.json
+    unreadable, a safetensors file missing, truncated or different from the sha256 state.json recorded."""
+    from draftsmith.export.verify import VerificationError, read_header
+
+    path = Path(path)
+    try:
+        state = read_json(path / "state.json")
+    except FileFormatError as e:
+        return [f"{path / 'state.json'}: unreadable: {str(e).removeprefix(str(path / 'state.json') + ': ')}"]
+    except OSError as e:
+        return [f"{path / 'state.json'}: unreadable ({type(e).__name__}: {e.strerror})"]
+    if not isinstance(state, dict):
+        return [f"{path / 'state.json'}: not a JSON object"]
+    missing = [k for k in STATE_FIELDS if k not in state]
+    if missing:
+        return [f"{path / 'state.json'}: missing field '{missing[0]}'" + (f" (and {len(missing) - 1} more)"
+                                                                           if len(missing) > 1 else "")]
+    sums = state.get("checksums")
+    if sums:
+        return checksum_problems(path, sums, "state.json")
+    problems = []  # written before checksums were recorded: the files must at least be whole
+    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+        try:
+            read_header(path / name)
+        except VerificationError as e:
+            problems.append(str(e))
+    return problems
+
+
+STATE_FIELDS = ("step", "micro", "world_size", "batch_size", "nonfinite_total", "nonfinite_in_row", "tokens_total",
+                "last_eval", "last_train", "rng")
+
+
+def latest_intact(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint that passes `checkpoint_problems`, logging each newer one that does not."""
+    for path in reversed(list_checkpoints(output_dir)):
+        problems = checkpoint_problems(path)
+        if not problems:
+            return path
+        log.warning("checkpoint %s is damaged, not used: %s", path.name, problems[0])
+    return None
 
 
 def clean_temp(output_dir: str | Path) -> list[Path]:
@@ -201,7 +257,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
         rng_tensors = {f"rank{r}.{k}": v for r, (_, ts) in enumerate(rng_per_rank) for k, v in ts.items()}
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
         atomic_write_text(tmp / "log.jsonl", log_text)
-        full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank]}
+        full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "checksums": weight_checksums(tmp)}
         atomic_write_json(tmp / "state.json", full)  # last: its presence marks a complete checkpoint
     prune(output_dir, keep_last)
     return final
@@ -211,6 +267,9 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     path = Path(path)
     if not (path / "state.json").is_file():
         raise TrainingError(f"{path}: not a complete checkpoint (no state.json)")
+    problems = checkpoint_problems(path)
+    if problems:
+        raise TrainingError(f"checkpoint {path} is damaged: {problems[0]}")
     state = read_json(path / "state.json")
     model = load_file(str(path / "model.safetensors"))
     optimizer = unflatten_state(read_json(path / "optimizer.json"), load_file(str(path / "optimizer.safetensors")))
@@ -230,10 +289,20 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     if resume == "never":
         return None
     if resume == "auto":
-        return latest_checkpoint(output_dir)
+        ckpts = list_checkpoints(output_dir)
+        found = latest_intact(output_dir)
+        if ckpts and found is None:
+            raise TrainingError(f"every checkpoint under {checkpoints_root(output_dir)} is damaged (see the warnings "
+                                "above): restore one, or set train.resume=never to start over")
+        if found is not None and found != ckpts[-1]:
+            log.warning("resuming from %s, the newest intact checkpoint (newer ones are damaged)", found)
+        return found
     path = Path(resume)
     if not (path / "state.json").is_file():
         raise TrainingError(f"train.resume: {path} is not a complete checkpoint directory")
+    problems = checkpoint_problems(path)
+    if problems:
+        raise TrainingError(f"train.resume: checkpoint {path} is damaged: {problems[0]}")
     return path
 
 

@@ -6,6 +6,7 @@ Every job (draft distillation, Medusa, EAGLE) runs here; a job only supplies a m
     loss, metrics = job.loss(module, batch)           # under autocast (bf16 on CUDA when supported)
     if any rank's loss is non-finite:  backward(0 · Σθ)   # keeps DDP's all-reduce in lock-step, grads = 0
     else:                              backward(loss / grad_accum)
+  (a micro-batch with no learned token on some rank is skipped like a non-finite one and counted as empty)
   then, at the accumulation boundary:
     g = clip_grad_norm(θ, max_grad_norm)              # global norm, also our overflow detector
     if the window had a non-finite loss or g is non-finite: skip the update, zero grads, count it
@@ -23,12 +24,20 @@ Data order is ours, not the DataLoader's: epoch e uses the permutation randperm(
 (incomplete tail dropped), so a position (epoch, b) plus the seed pins every future batch and resume needs
 no sampler pickles. Logging windows are flushed at every checkpoint step, so a resumed run's log equals the
 uninterrupted one.
+
+Never a silently wrong result: a skipped step is logged as skipped (its window's loss is null, not 0.0); a
+loss above EXPLODE_FACTOR times the running median of recent losses warns; a checkpoint is written only
+from finite weights, and an artifact too; a run in which no batch had a learned token fails instead of
+writing an untrained artifact.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +57,15 @@ from draftsmith.training.launch import make_accelerator
 from draftsmith.training.loggers import RunLogger
 
 ARTIFACT_DIR = "artifact"
+EXPLODE_FACTOR = 100.0  # a loss this many times the running median (floored at EXPLODE_FLOOR) warns
+EXPLODE_FLOOR = 0.1
+EXPLODE_WINDOW = 32  # micro-batch losses in the running median
+# train settings a resumed run may change (applied from the resume on, both values recorded); others that
+# move the data position (batch_size, world size, data) refuse
+RESUMABLE_CHANGES = ("lr", "betas", "eps", "weight_decay", "schedule", "warmup_steps", "warmup_ratio",
+                     "min_lr_ratio", "max_steps", "epochs", "max_grad_norm", "grad_accum")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,6 +123,25 @@ def rank_batches(perm: list[int], batch_size: int, world: int, rank: int, start:
     return out
 
 
+def learned_tokens(job: Any, batch: dict[str, Any]) -> int | None:
+    """Learned (loss) tokens in a batch: the job's own count if it has one, else the loss mask's positions
+    that a next-token prediction learns (every position but the first); None when the batch has no mask."""
+    if hasattr(job, "learned_tokens"):
+        return int(job.learned_tokens(batch))
+    mask = batch.get("loss_mask")
+    if not isinstance(mask, torch.Tensor):
+        return None
+    return int(mask[:, 1:].sum())
+
+
+def _finite_state(state: dict[str, torch.Tensor]) -> str | None:
+    """The first tensor of a state dict holding a non-finite value (None when all are finite)."""
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
@@ -122,6 +159,9 @@ class _Window:
         self.tokens = 0
         self.grad_norm = 0.0
         self.updates = 0
+        self.skipped = 0  # optimizer steps skipped (non-finite loss / gradient, or only empty batches)
+        self.empty = 0  # micro-batches without a learned token
+        self.exploded = 0  # micro-batch losses far above the running median
         self.t0 = time.perf_counter()
 
     def add(self, loss: float, metrics: dict[str, float]) -> None:
@@ -146,15 +186,28 @@ class Trainer:
         self.main = self.acc.is_main_process
         self.out = Path(cfg.output_dir)
 
+    def artifact_dest(self) -> Path:
+        """Where the job will write its artifact: the job says so (`artifact_dest(default)`, Medusa and EAGLE
+        take their `output`), else <train.output_dir>/artifact, the folder save_artifact is given."""
+        default = self.out / ARTIFACT_DIR
+        return Path(self.job.artifact_dest(default)) if hasattr(self.job, "artifact_dest") else default
+
     # ---- setup -----------------------------------------------------------------------------------
 
     def setup(self) -> None:
         from accelerate.utils import set_seed
 
+        from draftsmith.storage import check_replaceable, clean_stale
+
         cfg, acc = self.cfg, self.acc
+        # before any work, on every rank (read-only: all of them stop with the same line, none waits at a
+        # barrier): a folder that is not an artifact is not where this run's artifact will go
+        check_replaceable(self.artifact_dest(), "artifact",
+                          hint="set the job's output (or train.output_dir) to another path, or delete it")
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             ckpt.clean_temp(self.out)
+            clean_stale(self.artifact_dest())  # what a run killed while saving its artifact left beside it
         acc.wait_for_everyone()
         self.resume_path = ckpt.resolve_resume(cfg.resume, self.out)
         self.sharded_resume = self.resume_path is not None and sharded.is_sharded(self.resume_path)
@@ -168,13 +221,21 @@ class Trainer:
             self.job.setup(acc)
         module = self.job.build_module()
         if self.loaded is not None and not self.sharded_resume:
-            module.load_state_dict(self.loaded.model)
+            try:
+                module.load_state_dict(self.loaded.model)
+            except RuntimeError as e:  # torch lists every mismatch over many lines: name the first
+                first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
+                raise TrainingError(f"checkpoint {self.resume_path} holds a module of another shape ({first}); "
+                                    "resume with the same model settings, or set train.resume=never") from None
         elif cfg.warm_start:
             self._warm_start(module)
         self.train_rows = self.job.train_rows()
         self.eval_rows = self.job.eval_rows()
         n = len(self.train_rows)
         self.micro_per_epoch = n // (cfg.batch_size * self.world)
+        # length grouping sorts the rows of one optimizer step together: a step reads the same rows whatever
+        # mix of ranks and accumulation gives it its batch (so another world size can resume)
+        self.length_group = cfg.batch_size * self.world * cfg.grad_accum
         if self.micro_per_epoch < 1:
             raise DataError(f"{n} training rows cannot fill one batch of {cfg.batch_size} on each of {self.world} ranks")
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.micro_per_epoch / cfg.grad_accum))
@@ -190,6 +251,9 @@ class Trainer:
         for g in optimizer.param_groups:
             g["base_lr"] = cfg.lr * g["lr_scale"]
         self.model, self.optimizer = acc.prepare(module, optimizer)
+        # this run's optimizer settings: a resumed optimizer's param groups carry the checkpoint's
+        self.fresh_groups = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")}
+                             for g in self.optimizer.param_groups]
         if self.sharded_resume:  # every rank reads the slices it owns now (any world size)
             sharded.load_sharded(self.resume_path, self.model, self.optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -199,9 +263,13 @@ class Trainer:
         self.micro = 0
         self.nonfinite_total = 0
         self.nonfinite_in_row = 0
+        self.empty_total = 0
+        self.updates_total = 0
+        self.recent_losses: deque[float] = deque(maxlen=EXPLODE_WINDOW)
         self.tokens_total = 0
         self.last_eval: dict[str, float] = {}
         self.last_train: dict[str, float] = {}
+        self.resume_changes: dict = {}
         log_text = ""
         if self.loaded is not None:
             self._restore()
@@ -246,18 +314,35 @@ class Trainer:
             raise TrainingError(f"train.warm_start {self.cfg.warm_start}: weights do not fit the module "
                                 f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
 
+    def _data_identity(self) -> dict:
+        """What the data position of a checkpoint means: the job's data path and the training rows."""
+        data = getattr(getattr(self.job, "cfg", None), "data", None)
+        data = getattr(data, "path", data)  # DistillConfig nests its data settings
+        return {"path": str(data) if isinstance(data, str | Path) else None, "rows": len(self.train_rows)}
+
     def _restore(self) -> None:
         st = self.loaded.state
+        old_data, new_data = st.get("data"), self._data_identity()
+        if old_data is not None and old_data != new_data:
+            raise TrainingError(
+                f"checkpoint {self.resume_path} was trained on data {old_data['path']} ({old_data['rows']} rows); "
+                f"this run has {new_data['path']} ({new_data['rows']} rows): its data position would point at "
+                "other rows (use the same data, or set train.resume=never)")
         self.micro = self._translated_position(st)
-        if not self.sharded_resume:
+        if not self.sharded_resume:  # a sharded checkpoint's optimizer state was loaded with the module
             opt = self.loaded.optimizer
             if "ranks" in opt and len(opt["ranks"]) != self.world:
                 raise TrainingError(f"checkpoint {self.resume_path} holds optimizer shards of {len(opt['ranks'])} "
                                     f"ranks; this run has {self.world} (resume with the same world size)")
             self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
+        for g, values in zip(self.optimizer.param_groups, self.fresh_groups):  # this run's, not the checkpoint's
+            g.update(values)
+        self._record_changed_settings(st.get("config") or {})
         self.step = st["step"]
         self.nonfinite_total, self.nonfinite_in_row = st["nonfinite_total"], st["nonfinite_in_row"]
         self.tokens_total = st["tokens_total"]
+        self.empty_total = st.get("empty_total", 0)
+        self.updates_total = st.get("updates_total", self.step)  # older checkpoints: assume every step updated
         self.last_eval, self.last_train = st["last_eval"], st["last_train"]
         if self.rank < len(self.loaded.rng_json):  # a rank the writing run did not have starts its own stream
             ckpt.restore_rng(self.loaded.rng_json[self.rank], self.loaded.rng_tensors[self.rank])
@@ -274,6 +359,12 @@ class Trainer:
         cfg = self.cfg
         old_world, old_bs = st["world_size"], st["batch_size"]
         old_accum = st.get("config", {}).get("grad_accum", cfg.grad_accum)
+        if cfg.group_by_length and st.get("length_group", old_world * old_bs) != self.length_group:
+            raise TrainingError(
+                f"checkpoint {self.resume_path} grouped rows by length in runs of "
+                f"{st.get('length_group', old_world * old_bs)}; this run groups {self.length_group} "
+                "(batch_size * grad_accum * world_size): its data position would point at other rows "
+                "(keep that product, or set train.resume=never)")
         if old_world == self.world and old_bs == cfg.batch_size:
             return st["micro"]
         rows_before = st["micro"] * old_world * old_bs
@@ -288,6 +379,23 @@ class Trainer:
                 "length, or train.resume=never)")
         return rows_before // per_micro
 
+    def _record_changed_settings(self, old: dict) -> None:
+        """A resumed optimizer carries the checkpoint's lr / betas / eps / weight decay in its param groups;
+        this run's values are what the config (and so the manifest) says, so `_restore` applies them, and
+        every setting that changed is logged with both values and recorded in the run's metrics."""
+        cfg = self.cfg
+        changes = {}
+        for key in RESUMABLE_CHANGES:
+            before, now = old.get(key), getattr(cfg, key)
+            if isinstance(now, tuple):
+                now = list(now)
+            if key in old and before != now:
+                changes[key] = {"checkpoint": before, "now": now}
+        self.resume_changes = changes
+        if changes and self.main:
+            log.warning("resuming %s with changed settings, applied from here on: %s", self.resume_path,
+                        ", ".join(f"{k} {v['checkpoint']} -> {v['now']}" for k, v in changes.items()))
+
     # ---- data ------------------------------------------------------------------------------------
 
     def _micro_batches(self) -> Iterator[dict[str, Any]]:
@@ -299,7 +407,7 @@ class Trainer:
         while True:
             perm = epoch_permutation(len(self.train_rows), cfg.seed, epoch)
             if self.lengths is not None:
-                perm = length_grouped(perm, self.lengths, cfg.batch_size * self.world, cfg.seed, epoch)
+                perm = length_grouped(perm, self.lengths, self.length_group, cfg.seed, epoch)
             batches = rank_batches(perm, cfg.batch_size, self.world, self.rank, start)
             loader = DataLoader(self.train_rows, batch_sampler=batches, collate_fn=self.job.collate,
                                 num_workers=cfg.num_workers)
@@ -320,19 +428,29 @@ class Trainer:
         self.model.train()
         bad = False
         acc.step = 0  # windows always start on a boundary (also after resume)
+        used = 0  # micro-batches of this step that had learned tokens on every rank
         for _ in range(cfg.grad_accum):
             batch = next(batches)
             with acc.accumulate(self.model):
-                with acc.autocast():
-                    loss, metrics = self.job.loss(self.model, batch)
-                nonfinite = self._any_rank(not bool(torch.isfinite(loss.detach()).all()))
-                if nonfinite:
-                    bad = True
+                n = learned_tokens(self.job, batch)
+                empty = self._any_rank(n == 0)
+                if not empty:
+                    with acc.autocast():
+                        loss, metrics = self.job.loss(self.model, batch)
+                nonfinite = not empty and self._any_rank(not bool(torch.isfinite(loss.detach()).all()))
+                if empty or nonfinite:
+                    bad = bad or nonfinite
+                    if empty:
+                        self.window.empty += 1
+                        self.empty_total += 1
                     # zero gradients through every parameter: DDP's hooks still fire in lock-step
                     acc.backward(sum(p.sum() for p in self.trainable) * 0.0)
                 else:
+                    used += 1
                     acc.backward(loss)
-                    self.window.add(float(loss.detach()), metrics)
+                    value = float(loss.detach())
+                    self._watch_explosion(value)
+                    self.window.add(value, metrics)
                 self.window.tokens += count_tokens(self.job, batch)
                 self.micro += 1
                 if acc.sync_gradients:
@@ -343,8 +461,9 @@ class Trainer:
                         bad = True
                         if acc.scaler is not None:  # fp16: let the GradScaler see the inf and lower its scale
                             self.optimizer.step()
-                    if bad:
+                    if bad or used == 0:
                         self.optimizer.zero_grad(set_to_none=True)
+                        self.window.skipped += 1
                     else:
                         f = lr_factor(self.step, self.total_steps, self.warmup, cfg.schedule, cfg.min_lr_ratio)
                         for g in self.optimizer.param_groups:
@@ -353,18 +472,33 @@ class Trainer:
                         self.optimizer.zero_grad(set_to_none=True)
                         self.window.grad_norm += norm
                         self.window.updates += 1
+                        self.updates_total += 1
         self.step += 1
         if bad:
             self.nonfinite_total += 1
             self.nonfinite_in_row += 1
             if self.nonfinite_in_row >= cfg.max_nonfinite_in_row:
-                last = ckpt.latest_checkpoint(self.out)
+                last = ckpt.latest_intact(self.out)
                 raise TrainingError(
                     f"{self.nonfinite_in_row} non-finite losses/gradients in a row at step {self.step} "
                     f"(train.max_nonfinite_in_row={cfg.max_nonfinite_in_row}); lower train.lr or check the data; "
                     f"last good checkpoint: {last or 'none'}")
         else:
             self.nonfinite_in_row = 0
+
+    def _watch_explosion(self, value: float) -> None:
+        """Warn when a loss is far above the running median of the recent ones (training is diverging,
+        even while every value is still finite)."""
+        recent = self.recent_losses
+        if len(recent) >= 8:
+            median = statistics.median(recent)
+            if value > EXPLODE_FACTOR * max(median, EXPLODE_FLOOR):
+                self.window.exploded += 1
+                if self.main:
+                    log.warning("step %d: loss %.4g is %.0fx the running median %.4g of the last %d: training "
+                                "is diverging (lower train.lr or set train.max_grad_norm)", self.step + 1, value,
+                                value / max(median, 1e-12), median, len(recent))
+        recent.append(value)
 
     # ---- logging / eval / checkpoints --------------------------------------------------------------
 
@@ -376,18 +510,29 @@ class Trainer:
         tot = self.acc.reduce(local, reduction="sum") if self.world > 1 else local
         tot = tot.tolist()
         elapsed = max(time.perf_counter() - w.t0, 1e-9)
-        count = max(tot[1], 1.0)
-        record = {"type": "train", "step": self.step, "loss": tot[0] / count,
-                  **{k: v / count for k, v in zip(keys, tot[5:])},
-                  "grad_norm": tot[3] / max(tot[4], 1.0),
+        if tot[1] > 0:
+            count = tot[1]
+            means = {"loss": tot[0] / count, **{k: v / count for k, v in zip(keys, tot[5:])}}
+        else:  # every step of the window was skipped: there is no loss to report (not 0.0)
+            means = {"loss": None}
+        record = {"type": "train", "step": self.step, **means,
+                  "grad_norm": tot[3] / tot[4] if tot[4] else None,
                   "lr": self.optimizer.param_groups[0]["lr"], "tokens_per_s": tot[2] / elapsed,
                   "nonfinite_steps": self.nonfinite_total}
+        if w.skipped:
+            record["skipped_steps"] = w.skipped
+        if w.empty:
+            record["empty_batches"] = w.empty
+        if w.exploded:
+            record["exploding_losses"] = w.exploded
         self.tokens_total += int(tot[2])
-        self.last_train = {f"train/{k}": v for k, v in record.items() if k not in ("type", "step", "tokens_per_s")}
+        self.last_train = {f"train/{k}": v for k, v in record.items()
+                           if k not in ("type", "step", "tokens_per_s") and v is not None}
         self.logger.log(record)
         w.reset()
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            shown = "skipped" if record["loss"] is None else f"{record['loss']:.4f}"
+            self.bar.set_postfix(loss=shown, tok_s=f"{record['tokens_per_s']:.0f}")
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -404,15 +549,22 @@ class Trainer:
         self.model.eval()
         sums: dict[str, float] = {}
         keys: list[str] | None = None
+        scored = 0
         for idx in mine:
             batch = _to_device(self.job.collate([rows[i] for i in idx]), acc.device)
+            if learned_tokens(self.job, batch) == 0:
+                continue  # nothing to score (a non-empty eval batch on another rank keeps the sum right)
             with acc.autocast():
                 loss, metrics = self.job.loss(self.model, batch)
+            scored += 1
             values = {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
             keys = keys or sorted(values)
             for k in keys:
                 sums[k] = sums.get(k, 0.0) + values[k]
-        local = torch.tensor([len(mine), *[sums[k] for k in keys]], dtype=torch.float64, device=acc.device)
+        if keys is None:
+            self.model.train()
+            return {}  # every eval batch was empty: no loss to report
+        local = torch.tensor([scored, *[sums[k] for k in keys]], dtype=torch.float64, device=acc.device)
         tot = (acc.reduce(local, reduction="sum") if self.world > 1 else local).tolist()
         out = {f"eval/{k}": v / tot[0] for k, v in zip(keys, tot[1:])}
         self.logger.log({"type": "eval", "step": self.step, **{k[5:]: v for k, v in out.items()}})
@@ -434,11 +586,32 @@ class Trainer:
                 "micro_per_epoch": self.micro_per_epoch, "world_size": self.world,
                 "batch_size": self.cfg.batch_size, "nonfinite_total": self.nonfinite_total,
                 "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
+                "empty_total": self.empty_total, "updates_total": self.updates_total,
+                "data": self._data_identity(), "length_group": self.length_group,
                 "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg)}
+
+    def _nonfinite_shard(self) -> str | None:
+        """The first parameter whose local shard holds a non-finite value on any rank (a collective: every
+        rank gets the same answer, so all of them skip or all of them write the sharded checkpoint)."""
+        from accelerate.utils import gather_object
+
+        mine = None
+        for name, p in self.model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+                mine = name
+                break
+        return next((n for n in gather_object([mine]) if n is not None), None)
 
     def save(self) -> None:
         acc = self.acc
         if self.fsdp and self.world > 1:  # each rank writes its own shard (training/sharded.py)
+            bad = self._nonfinite_shard()
+            if bad is not None:
+                if self.main:
+                    log.warning("step %d: not saving a checkpoint: tensor '%s' holds non-finite values (the last "
+                                "good checkpoint stays %s)", self.step, bad, ckpt.latest_intact(self.out) or "none")
+                return
             sharded.save_sharded(acc, self.out, self.step, self.model, self.optimizer, self._loop_state(),
                                  self._gather_rng(), self.logger.text if self.main else "", self.cfg.keep_last)
             return
@@ -449,7 +622,11 @@ class Trainer:
 
             opt_state = {"ranks": gather_object([opt_state])}
         rng = self._gather_rng()
-        if self.main:
+        bad = _finite_state(model_state) if self.main else None
+        if bad is not None:  # a checkpoint is a promise of good weights: keep the last one that is
+            log.warning("step %d: not saving a checkpoint: tensor '%s' holds non-finite values (the last good "
+                        "checkpoint stays %s)", self.step, bad, ckpt.latest_intact(self.out) or "none")
+        elif self.main:
             state = self._loop_state()
             ckpt.save_checkpoint(self.out, self.step, model_state, opt_state, state, rng, self.logger.text,
                                  self.cfg.keep_last)
@@ -488,10 +665,18 @@ class Trainer:
         final_eval = self.evaluate()
         elapsed = time.perf_counter() - t0
         metrics = {**final_eval, **self.last_train, "steps": self.step, "nonfinite_steps": self.nonfinite_total,
-                   "tokens": self.tokens_total}
+                   "empty_batches": self.empty_total, "tokens": self.tokens_total}
+        if self.resume_changes:  # the manifest says which values held before the resume and which after
+            metrics["resume_changes"] = self.resume_changes
         summary = {"type": "summary", "step": self.step, **metrics, "wall_s": elapsed,
                    "steps_this_run": self.step - start_step, "resumed_from": str(self.resume_path or "")}
         self.logger.log(summary)
+        if self.updates_total == 0:
+            self.logger.close()
+            raise TrainingError(
+                f"no optimizer step was taken in {self.step} steps ({self.empty_total} batches had no learned "
+                f"token, {self.nonfinite_total} steps were non-finite): check the data's loss masks; no artifact "
+                f"was written")
         artifact, module = self._save_artifact(metrics)
         self.logger.close()
         if self.main:
@@ -517,6 +702,10 @@ class Trainer:
         else:
             module = acc.unwrap_model(self.model)
         path = None
+        bad = _finite_state(module.state_dict()) if module is not None else None
+        if self._any_rank(bad is not None):  # every rank stops (a rank raising alone would leave the rest waiting)
+            raise TrainingError(f"not writing the artifact: tensor '{bad or '?'}' holds non-finite values; last "
+                                f"good checkpoint: {ckpt.latest_intact(self.out) or 'none'}")
         if self.main:
             path = Path(self.job.save_artifact(module, self.out / ARTIFACT_DIR, metrics))
         acc.wait_for_everyone()

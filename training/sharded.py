@@ -9,7 +9,8 @@ gathering them on rank 0 (training/checkpoint.py's layout) does not fit. A shard
         shards/.metadata                         DCP's index of those slices (written by rank 0)
         rng.safetensors, log.jsonl               as in a full checkpoint
         state.json                               the loop state, "format": "sharded", the sha256 of
-                                                 shards/.metadata; written last, by rank 0
+                                                 every shard, of .metadata and of rng.safetensors;
+                                                 written last, by rank 0
 
 PICKLE: DCP's `.metadata` is a Python pickle (torch 2.13's FileSystemReader reads it with `pickle.load`),
 and no pickle-free reader of it exists. So a sharded checkpoint is only ever loaded from a run's own
@@ -85,8 +86,12 @@ def save_sharded(accelerator, output_dir: str | Path, step: int, model, optimize
         rng_tensors = {f"rank{r}.{k}": v for r, (_, ts) in enumerate(rng_per_rank) for k, v in ts.items()}
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
         atomic_write_text(tmp / "log.jsonl", log_text)
+        # every file a resume reads, so a torn or flipped shard sends resume to the previous checkpoint
+        # (checkpoint.checkpoint_problems) like a damaged full checkpoint
+        sums = {p.relative_to(tmp).as_posix(): _sha256(p)
+                for p in sorted([*(tmp / SHARDS).iterdir(), tmp / "rng.safetensors"]) if p.is_file()}
         full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "format": FORMAT,
-                "metadata_sha256": _sha256(tmp / SHARDS / ".metadata")}
+                "metadata_sha256": sums[f"{SHARDS}/.metadata"], "checksums": sums}
         atomic_write_json(tmp / "state.json", full)  # last: its presence marks a complete checkpoint
         if final.exists():  # a re-save of the same step (resumed run): keep a complete copy until the rename
             old = final.parent / f".{final.name}.tmp-old"

@@ -1,0 +1,166 @@
+"""Teacher-forced capture: one prefill pass of the frozen target over finished rows (`draftsmith data capture`).
+
+Head training reads, per token, the target's hidden states of chosen layers and its top-k logits (with the
+full logits' logsumexp, so top-k KD knows the tail mass). Generation can keep them while it writes
+(`capture.enabled` during `data generate`), but rows the target did not write — a dataset's own responses
+kept with `responses: keep`, or responses a server fleet wrote — need the target to read them once. That is
+a prefill, with no decode loop: every position of a batch in one forward. Where decoding is memory-bound (a
+GPU) that is many times faster than generating the same tokens; on 2 CPU cores the engine's batch-96 decode
+is compute-bound too, and capture measured 1.5x its speed on the same rows (data/capture_bench.py).
+
+Rows are sorted by length and packed into batches of at most `capture.batch_tokens` padded tokens (little
+padding, full matrices). The body runs in `capture.dtype` (auto = bf16 on a GPU or a CPU with native bf16;
+the lm_head stays float32). The lm_head runs only on positions a loss reads — from the one that predicts
+the first learned token on — the same rows `data generate` keeps; earlier top-k rows are zeros.
+
+Shards go to `output_dir/capture/` (targets/cache_shards.py): a shard is written whole or not at all, and a
+rerun skips the rows already stored, so a killed capture resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.config import CaptureConfig
+from draftsmith.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by length (longest first) so that rows x longest row <= batch_tokens per batch."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        longest = lengths[cur[0]] if cur else lengths[i]
+        if cur and (len(cur) + 1) * longest > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def capture_target(target, dtype: str = "auto", fp32_logits: bool = True):
+    """The target as capture runs it (a bf16 copy where bf16 is native) and the dtype's name."""
+    from draftsmith.targets.device import dtype_name
+    from draftsmith.targets.precision import inference_copy, inference_dtype
+
+    want = inference_dtype(target.device, dtype)
+    model = inference_copy(target.model, want, fp32_logits)
+    if model is not target.model:
+        target.fingerprint()  # of the weights as loaded, before the copy's float32 head joins them
+        target = dataclasses.replace(target, model=model)
+    return target, dtype_name(want)
+
+
+@torch.inference_mode()
+def capture_rows(target, records: Sequence[dict], out_dir: str | Path, cc: CaptureConfig, *,
+                 progress: bool = True, on_batch=None) -> dict:
+    """Capture `records` (dicts with row_id, input_ids, loss_mask) into the shard cache at `out_dir`.
+
+    Resumable: rows already in the cache are skipped. Returns stats (rows, tokens, seconds, tokens_per_s,
+    dtype). `on_batch(n_rows_done)` is called after each batch (tests use it to simulate a kill).
+    """
+    from tqdm.auto import tqdm
+
+    from draftsmith.targets.cache_shards import ShardWriter, estimate_disk_bytes
+    from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
+
+    if not (cc.layers or cc.topk or cc.last_hidden):
+        raise DataError("capture: nothing to capture (set capture.layers, capture.topk or capture.last_hidden)")
+    fp = target.fingerprint()
+    target, dtype = capture_target(target, cc.dtype)
+    writer = ShardWriter(out_dir, list(cc.layers), cc.topk, fingerprint=fp)
+    for r in records:  # a stored row of another length was captured from other data under the same key
+        stored = writer.rows.get(int(r["row_id"]))
+        if stored is not None and stored[2] != len(r["input_ids"]):
+            raise DataError(f"capture cache {out_dir} holds row {r['row_id']} with {stored[2]} tokens, the dataset's "
+                            f"row has {len(r['input_ids'])}: it was captured from other data; use another folder")
+    todo = [r for r in records if int(r["row_id"]) not in writer]
+    lengths = [len(r["input_ids"]) for r in todo]
+    n_tokens = sum(lengths)
+    need = estimate_disk_bytes(n_tokens, target.hidden_size, len(cc.layers), cc.topk, last_hidden=cc.last_hidden)
+    log.info("capture: %d of %d rows to do (%d already stored), %d tokens, ~%.1f MB -> %s",
+             len(todo), len(records), len(records) - len(todo), n_tokens, need / 2**20, out_dir)
+    model, device = target.model, target.device
+    head = model.get_output_embeddings()
+    pad = target.tokenizer.pad_token_id
+    pad = pad if pad is not None else target.eos_token_ids[0]
+    bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
+               desc="capture")
+    t0, done_rows = time.perf_counter(), 0
+    try:
+        for batch in length_batches(lengths, max(cc.batch_tokens, max(lengths, default=1))):
+            rows = [todo[i] for i in batch]
+            T = max(lengths[i] for i in batch)
+            ids = torch.full((len(rows), T), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), T), dtype=torch.long)
+            for b, r in enumerate(rows):  # right padding: a causal position never sees the pads after it
+                ids[b, : len(r["input_ids"])] = torch.as_tensor(r["input_ids"])
+                mask[b, : len(r["input_ids"])] = 1
+            # logits_to_keep=1: the full [B, T, V] logits are never built; the head runs below on the
+            # positions a loss reads
+            cap = capture_forward(model, ids.to(device), mask.to(device), layers=list(cc.layers),
+                                  want_logits=False, logits_to_keep=1)
+            spans = []
+            for r in rows:
+                learned = next((i for i, m in enumerate(r["loss_mask"]) if m), len(r["input_ids"]))
+                spans.append((max(learned - 1, 0), len(r["input_ids"])))
+            topv = topi = lse = None
+            if cc.topk:
+                picked = torch.cat([cap.last_hidden[b, a:n] for b, (a, n) in enumerate(spans)])
+                topv, topi, lse = topk_with_logsumexp(head(picked), cc.topk)
+            at = 0
+            for b, (r, (a, n)) in enumerate(zip(rows, spans)):
+                v = i = s = None
+                if cc.topk:
+                    v = torch.zeros((n, cc.topk), dtype=torch.float32)
+                    i = torch.zeros((n, cc.topk), dtype=torch.long)
+                    s = torch.zeros(n, dtype=torch.float32)
+                    v[a:], i[a:], s[a:] = topv[at:at + n - a], topi[at:at + n - a], lse[at:at + n - a]
+                    at += n - a
+                writer.add(int(r["row_id"]), {layer: cap.layers[layer][b, :n] for layer in cc.layers}, v, i,
+                           cap.last_hidden[b, :n] if cc.last_hidden else None, s)
+            done_rows += len(rows)
+            bar.update(sum(lengths[i] for i in batch))
+            bar.set_postfix_str(f"{done_rows}/{len(todo)} rows", refresh=False)
+            if on_batch is not None:
+                on_batch(done_rows)
+        seconds = time.perf_counter() - t0
+    finally:
+        bar.close()
+        writer.flush()  # what was captured stays: a rerun resumes from it
+    writer.close()
+    elapsed = max(seconds, 1e-9)
+    return {"rows": len(todo), "cached_rows": len(records) - len(todo), "tokens": n_tokens,
+            "seconds": round(seconds, 2), "tokens_per_s": round(n_tokens / elapsed, 1) if todo else None,
+            "dtype": dtype, "dir": str(out_dir)}
+
+
+def capture_dataset_dir(config, target=None, *, progress: bool = True, on_batch=None) -> dict:
+    """`draftsmith data capture`: capture every row of the finished dataset in `config.output_dir` into its
+    `capture/` folder, checked against the target's fingerprint; records the run in provenance.json."""
+    from draftsmith.data.generate import CAPTURE_DIR, PROVENANCE, load_distilled
+    from draftsmith.storage import atomic_write_json, read_json
+    from draftsmith.targets import load_target
+
+    if config.generation.threads:
+        torch.set_num_threads(config.generation.threads)
+    out = Path(config.output_dir).expanduser()
+    target = target or load_target(config.target)
+    ds = load_distilled(out, target)  # refuses a dataset another target's tokenizer made
+    records = ds.select_columns(["row_id", "input_ids", "loss_mask"]).to_list()
+    stats = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress, on_batch=on_batch)
+    prov = read_json(out / PROVENANCE)
+    prov["capture"] = str(out / CAPTURE_DIR)
+    prov.setdefault("timing", {})["capture"] = stats
+    atomic_write_json(out / PROVENANCE, prov)
+    return stats

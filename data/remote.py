@@ -1,0 +1,318 @@
+"""Regeneration through OpenAI-compatible completion servers (`generation.backend: openai`).
+
+At scale the target answers the prompts on the fleet users already run — vLLM or SGLang with tensor
+parallelism, one server per node (docs/data.md has the commands) — and draftsmith keeps everything else:
+prompts formatted with the target's own chat template, loss masks, chunks, resume, provenance.
+
+Each request is one turn of one row: the exact prompt of `data/generate.py` (as text, or as token ids with
+`prompt_as: token_ids`) sent to `/completions` with `max_tokens`, greedy (`temperature: 0`) or sampled
+(`temperature`, `top_p`, and a per-row `seed`). Several `base_urls` share the rows: each server keeps
+`concurrency` requests in flight. A request that fails (connection refused or reset, no answer within
+`request_timeout`, HTTP 429 or 5xx) is retried on the same server after `retry_backoff`, 2x, 4x ... seconds;
+after `max_retries` retries the server is taken out of the run and its rows go to the others. When no
+server is left the run stops with every server's last error; the rows already written are kept, and a
+rerun resumes from them.
+
+A server serving another model is refused, never written from:
+  * `/models` must list `served_model` (or exactly one model, when none is named), and every answer must
+    name that model;
+  * the server's count of prompt tokens (`usage.prompt_tokens`) must equal the length of the prompt ids
+    our tokenizer made (a server that returns `prompt_token_ids`, like vLLM with `return_token_ids`, must
+    return exactly them): another tokenizer splits the same text differently.
+A response's tokens are the ones the server returns (`token_ids`) where it does; otherwise its text is
+tokenized with the target's tokenizer and the end-of-turn token appended when it stopped (`finish_reason:
+stop`), exactly as the chat template ends an assistant turn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from draftsmith.data.engine import Completion, Request
+from draftsmith.errors import DataError, FingerprintMismatch
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class _Retry(Exception):
+    """A failure worth retrying (the server may recover or another server may take the row)."""
+
+
+class _Refused(Exception):
+    """A failure no retry fixes: the server rejects our requests (HTTP 4xx)."""
+
+
+class _Mismatch(_Refused):
+    """The server is not serving the target: its tokenizer or its model name differ."""
+
+
+@dataclass
+class _Server:
+    url: str
+    model: str | None = None
+    dead: str | None = None  # why the server left the run
+    last_error: str | None = None
+    requests: int = 0
+    failures: int = 0
+    rows: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> dict:
+    """One request, bounded by `timeout` seconds per socket operation; _Retry / _Refused on failure."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+    req.add_header("Content-Type", "application/json")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:300].decode("utf-8", "replace").strip()
+        msg = f"HTTP {e.code} from {url}: {detail}"
+        raise (_Retry if e.code in RETRY_STATUS else _Refused)(msg) from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise _Retry(f"{url}: {type(reason).__name__}: {reason}") from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise _Retry(f"{url}: the answer is not JSON ({raw[:80]!r})") from None
+
+
+def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
+    """The end-of-turn token the chat template writes after an assistant turn (plain mode: the first EOS),
+    which a text-only answer that stopped is given back."""
+    from draftsmith.data.masks import end_tokens
+
+    ends = end_tokens(tokenizer, eos_ids)
+    if not ends:
+        raise DataError("the target has no EOS token: a server's stopped answers cannot be ended")
+    if chat_mode == "chat":
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                              tokenize=False)
+        after = probe[probe.rindex("y") + 1:]
+        for i, text in ends:
+            if text and after.startswith(text):
+                return i
+    return ends[0][0]
+
+
+class RemoteEngine:
+    """Drives `base_urls` like the embedded engine: `run(requests, on_done, on_tokens)`."""
+
+    def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str):
+        self.tok = tokenizer
+        self.eos_ids = list(eos_ids)
+        self.gen = gen
+        self.end_id = end_of_turn_id(tokenizer, self.eos_ids, chat_mode)
+        self.api_key = os.environ.get(gen.api_key_env) if gen.api_key_env else None
+        if gen.api_key_env and not self.api_key:
+            raise DataError(f"generation.api_key_env: the environment variable {gen.api_key_env} is not set")
+        self.servers = [_Server(u.rstrip("/") if u.rstrip("/").endswith("/v1") else u.rstrip("/") + "/v1")
+                        for u in gen.base_urls]
+        self.model: str | None = gen.served_model
+        self.checked = False
+
+    # ------------------------------------------------------------------------------------ identity
+
+    def check_servers(self) -> None:
+        """Every server answers /models and serves the same model (`served_model`, or its only one)."""
+        for s in self.servers:
+            for attempt in range(self.gen.max_retries + 1):
+                try:
+                    listed = [m.get("id") for m in _http(f"{s.url}/models", None, self.gen.request_timeout,
+                                                         self.api_key).get("data", [])]
+                    break
+                except _Retry as e:
+                    s.last_error = str(e)
+                    if attempt < self.gen.max_retries:
+                        time.sleep(self.gen.retry_backoff * 2 ** attempt)
+                except _Refused as e:
+                    raise DataError(f"server {s.url}: {e}") from None
+            else:
+                s.dead = f"no answer to /models ({s.last_error})"
+                log.warning("server %s left the run: %s", s.url, s.dead)
+                continue
+            if self.gen.served_model is not None:
+                if self.gen.served_model not in listed:
+                    raise FingerprintMismatch(f"server {s.url} serves {listed}, not generation.served_model "
+                                              f"{self.gen.served_model!r}: refused")
+                s.model = self.gen.served_model
+            elif len(listed) != 1:
+                raise DataError(f"server {s.url} serves {len(listed)} models {listed[:5]}: name the target's "
+                                "with generation.served_model")
+            else:
+                s.model = listed[0]
+        alive = [s for s in self.servers if not s.dead]
+        if not alive:
+            raise DataError("no server answered: " + "; ".join(f"{s.url}: {s.dead}" for s in self.servers))
+        names = {s.model for s in alive}
+        if len(names) > 1:
+            raise FingerprintMismatch(f"the servers serve different models ({sorted(names)}): give one target's "
+                                      "servers, or name it with generation.served_model")
+        self.model = names.pop()
+        self.checked = True
+
+    def _body(self, req: Request, model: str) -> dict:
+        gen = self.gen
+        body: dict[str, Any] = {"model": model, "max_tokens": req.max_new_tokens}
+        if gen.prompt_as == "token_ids":
+            body["prompt"] = list(req.prompt_ids)
+        else:
+            body["prompt"] = self.tok.decode(req.prompt_ids, skip_special_tokens=False,
+                                             clean_up_tokenization_spaces=False)
+        if gen.do_sample:
+            body.update(temperature=gen.temperature, top_p=gen.top_p, seed=req.seed % (2**31))
+        else:
+            body["temperature"] = 0.0
+        body.update(gen.extra_body)
+        return body
+
+    def check_prompt(self, req: Request) -> None:
+        """With prompt_as text the server tokenizes the text itself: it must come back to our exact ids."""
+        if self.gen.prompt_as != "text":
+            return
+        text = self.tok.decode(req.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        again = list(self.tok(text)["input_ids"])
+        if again != list(req.prompt_ids):
+            raise DataError(
+                f"row {req.key}: the prompt text does not tokenize back to its ids (the tokenizer adds "
+                f"{len(again) - len(req.prompt_ids):+d} tokens, e.g. a BOS); use generation.prompt_as: token_ids")
+
+    def _complete(self, s: _Server, req: Request) -> Completion:
+        answer = _http(f"{s.url}/completions", self._body(req, s.model), self.gen.request_timeout, self.api_key)
+        try:
+            choice = answer["choices"][0]
+            text, finish = choice["text"], choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError):
+            raise _Retry(f"{s.url}: an answer with no choices[0].text ({str(answer)[:120]})") from None
+        if answer.get("model") not in (None, s.model):
+            raise _Mismatch(f"answered as model {answer.get('model')!r}, not {s.model!r}")
+        usage = answer.get("usage") or {}
+        got_prompt = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
+        if got_prompt is not None and list(got_prompt) != list(req.prompt_ids):
+            raise _Mismatch(f"tokenized row {req.key}'s prompt differently (prompt_token_ids differ): it serves a "
+                           "model with another tokenizer")
+        if usage.get("prompt_tokens") is not None and usage["prompt_tokens"] != len(req.prompt_ids):
+            raise _Mismatch(f"counted {usage['prompt_tokens']} tokens in row {req.key}'s prompt, the target's tokenizer "
+                           f"{len(req.prompt_ids)}: it serves a model with another tokenizer")
+        ids = choice.get("token_ids")
+        stopped = finish == "stop"
+        if ids is not None:
+            tokens = [int(t) for t in ids]
+            if len(tokens) > req.max_new_tokens + 1:
+                raise _Refused(f"returned {len(tokens)} token ids for max_tokens {req.max_new_tokens}")
+            if stopped and (not tokens or tokens[-1] not in self.eos_ids):  # a server that leaves the stop token out
+                tokens.append(self.end_id)
+        else:
+            # the text as the target's tokenizer splits it: what the row stores and its mask covers. Where the
+            # model wrote a split the tokenizer would not make, the count differs; the text is kept as written
+            tokens = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            if stopped:
+                tokens.append(self.end_id)
+            n = usage.get("completion_tokens")
+            if n is not None and n != len(tokens):  # a text round trip may split differently; counted, kept
+                s.stats["retokenized_differently"] = s.stats.get("retokenized_differently", 0) + 1
+        return Completion(req.key, list(req.prompt_ids), tokens, stopped)
+
+    # ------------------------------------------------------------------------------------ running
+
+    def run(self, requests: list[Request], on_done, on_tokens=None) -> dict[str, float]:
+        if not requests:
+            return {"generated_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+        if not self.checked:
+            self.check_servers()
+        for r in requests:
+            self.check_prompt(r)
+        todo: queue.Queue = queue.Queue()
+        for r in requests:
+            todo.put(r)
+        results: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        gen = self.gen
+
+        def worker(s: _Server) -> None:
+            while not stop.is_set() and not s.dead:
+                try:
+                    req = todo.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                for attempt in range(gen.max_retries + 1):
+                    if stop.is_set() or s.dead:
+                        todo.put(req)
+                        return
+                    s.requests += 1
+                    try:
+                        results.put((s, req, self._complete(s, req)))
+                        s.last_error = None
+                        break
+                    except _Retry as e:
+                        s.failures += 1
+                        s.last_error = str(e)
+                        if attempt < gen.max_retries:
+                            stop.wait(gen.retry_backoff * 2 ** attempt)
+                    except _Refused as e:
+                        results.put((s, req, e))
+                        return
+                    except Exception as e:  # a bug here must reach the caller, not kill a thread silently
+                        results.put((s, req, e))
+                        return
+                else:
+                    s.dead = f"{gen.max_retries + 1} tries failed, last: {s.last_error}"
+                    log.warning("server %s left the run: %s; its rows go to the others", s.url, s.dead)
+                    todo.put(req)
+                    results.put((s, None, None))  # wakes the main loop to see who is left
+
+        threads = [threading.Thread(target=worker, args=(s,), daemon=True, name=f"openai-{s.url}")
+                   for s in self.servers if not s.dead for _ in range(gen.concurrency)]
+        t0 = time.perf_counter()
+        generated, pending = 0, len(requests)
+        for t in threads:
+            t.start()
+        try:
+            while pending:
+                try:
+                    s, req, got = results.get(timeout=0.5)
+                except queue.Empty:
+                    got = None
+                if isinstance(got, _Mismatch):
+                    raise FingerprintMismatch(f"server {s.url} (model {s.model!r}) refused: it {got}")
+                if isinstance(got, _Refused):
+                    raise DataError(f"server {s.url} rejected a request: {got}")
+                if isinstance(got, Exception):
+                    raise got
+                if isinstance(got, Completion):
+                    pending -= 1
+                    s.rows += 1
+                    generated += len(got.tokens)
+                    if on_tokens is not None:
+                        on_tokens(len(got.tokens))
+                    on_done(got)
+                elif all(x.dead for x in self.servers):
+                    raise DataError(f"every server failed ({pending} requests left): "
+                                    + "; ".join(f"{x.url}: {x.dead}" for x in self.servers))
+        finally:
+            stop.set()
+            for t in threads:  # a worker inside a request returns within request_timeout; none waits longer
+                t.join(timeout=0.2)
+        seconds = time.perf_counter() - t0
+        return {"generated_tokens": generated, "seconds": seconds,
+                "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+
+    def describe(self) -> dict:
+        return {"model": self.model, "servers": [
+            {"url": s.url, "rows": s.rows, "requests": s.requests, "failures": s.failures, "left": s.dead,
+             **s.stats} for s in self.servers]}

@@ -1,0 +1,68 @@
+"""The model card (README.md) of an export folder, so the folder uploads to the Hugging Face hub as is
+(`huggingface-cli upload ORG/NAME EXPORT_DIR`).
+
+Everything in it comes from the artifact's manifest (target fingerprint, training data, the evaluation
+draftsmith ran after training: α and τ per domain) and from the export itself (format, stack, the serve
+command of serve.md). A number the manifest does not hold is not written: an artifact never evaluated
+says so instead of showing a table.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from draftsmith.storage import atomic_write_text
+
+CARD = "README.md"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_METHOD = {"draft": "a distilled draft model", "medusa": "Medusa heads", "eagle1": "an EAGLE-1 head",
+           "eagle3": "an EAGLE-3 head"}
+
+
+def _num(v, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, int | float) else "—"
+
+
+def card_text(manifest: dict, sub: str, stack: str, fmt: str, verifier: str, serve_body: str) -> str:
+    target = manifest.get("target") or {}
+    arch = target.get("architecture") or {}
+    front = ["---", "library_name: draftsmith", "tags:", "- speculative-decoding", f"- {sub}", f"- {stack}"]
+    if _HUB_ID.match(verifier or ""):
+        front.append(f"base_model: {verifier}")
+    front.append("---")
+    lines = front + ["", f"# {_METHOD.get(sub, sub)} for {verifier}", "",
+                     f"Speculative-decoding drafter trained with draftsmith {manifest.get('draftsmith_version', '')} "
+                     f"on the frozen target `{verifier}`, exported in the `{fmt}` layout for {stack}.", "",
+                     "## Target", "",
+                     f"- model type `{arch.get('model_type', '?')}`, {arch.get('num_hidden_layers', '?')} layers, "
+                     f"hidden size {arch.get('hidden_size', '?')}, vocabulary {target.get('vocab_size', '?')}",
+                     "- `draftsmith.json` holds the target's full fingerprint (tokenizer, special tokens, chat "
+                     "template, config); `draftsmith check --artifact THIS_FOLDER --target YOUR_TARGET` compares it",
+                     ""]
+    data = manifest.get("data") or {}
+    if data:
+        lines += ["## Training data", ""]
+        lines += [f"- {k.replace('_', ' ')}: {v}" for k, v in data.items() if isinstance(v, int | float | str)]
+        lines.append("")
+    ev = manifest.get("eval") or {}
+    domains = ev.get("domains") or {}
+    lines += ["## Evaluation", ""]
+    if domains:
+        lines += ["Greedy speculative decoding with draftsmith's own decoder on the target (every output is "
+                  "the target's own greedy output, checked); α = acceptance rate, τ = tokens per target forward.",
+                  "", "| domain | prompts | α | τ | lossless |", "|---|---|---|---|---|"]
+        rows = list(domains.items()) + ([("overall", ev["overall"])] if ev.get("overall") else [])
+        for name, r in rows:
+            lossless = r.get("lossless")
+            lines.append(f"| {name} | {r.get('n_prompts', '—')} | {_num(r.get('alpha'), '.3f')} | "
+                         f"{_num(r.get('tau'), '.2f')} | {'yes' if lossless else ('no' if lossless is False else '—')} |")
+        lines.append("")
+    else:
+        lines += ["Not evaluated by draftsmith (no evaluation in the artifact's manifest).", ""]
+    lines += ["## Serving", "", serve_body.strip(), ""]
+    return "\n".join(lines)
+
+
+def write_card(out: Path, manifest: dict, sub: str, stack: str, fmt: str, verifier: str, serve_body: str) -> None:
+    atomic_write_text(Path(out) / CARD, card_text(manifest, sub, stack, fmt, verifier, serve_body))

@@ -1,0 +1,204 @@
+"""Training memory per GPU for a job preset: the frozen target, the trained module, its optimizer, and the
+activations of one micro-batch at the preset's batch and context.
+
+    draftsmith plan --config configs/qwen3-8b/eagle3.yaml --target configs/qwen3-8b/target-config.json \
+        --accelerate configs/accelerate/deepspeed_zero2.yaml --gpu H100-80GB
+
+Nothing is allocated: the target and the trained module are built on the `meta` device from their configs
+(exact parameter counts). What is counted, in bytes per GPU (GiB = 2**30 in the printout):
+
+  target       its weights in the mixed-precision dtype (training/frozen.py casts a frozen target to it);
+               divided over the ranks under FSDP / ZeRO-3 (the frozen target is sharded there) plus one
+               decoder layer gathered for its forward, whole on every rank otherwise
+  module       the trained parameters in fp32 (accelerate keeps fp32 weights and autocasts the products)
+  gradients    fp32, one per trained parameter; divided over the ranks under ZeRO-2/3 and FSDP
+  optimizer    AdamW's two fp32 moments; divided over the ranks under ZeRO-2/3 and FSDP
+  activations  one micro-batch of `batch_size` rows of `max_length` tokens: the target's forward (no grad:
+               one layer's transient workspace plus the features the job keeps), and what autograd keeps
+               for the trained module's backward (per EAGLE training-time-test step / Medusa head / draft
+               layer: the layer's inputs and intermediates in the compute dtype, fp32 logits and their
+               softmax over the vocabulary the module predicts)
+  overhead     CUDA context, allocator fragmentation, NCCL buffers: 3 GiB
+
+It is an estimate of the peak, not a measurement: a preset whose total is within 90% of the device is
+flagged. Checked here on the meta device only (no GPU on this machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.errors import ConfigError
+from draftsmith.ops.memory import GIB, GPUS, activation_bytes, count_params, load_config
+from draftsmith.storage import read_json
+from draftsmith.targets.families import family, text_config
+
+OVERHEAD = 3 * GIB
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
+
+
+@dataclass
+class Sharding:
+    kind: str  # "replicate" (one GPU, DDP, ZeRO-1), "zero2", "zero3", "fsdp"
+    ranks: int
+    mixed_precision: str = "bf16"
+
+    @property
+    def shards_target(self) -> bool:
+        return self.kind in ("zero3", "fsdp")
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.kind in ("zero2", "zero3", "fsdp")
+
+
+def read_accelerate(path: str | Path | None, ranks: int | None = None) -> Sharding:
+    """The sharding an accelerate config file describes (None: one GPU, no sharding)."""
+    if path is None:
+        return Sharding("replicate", ranks or 1)
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--accelerate {path}: no such file")
+    cfg = yaml.safe_load(path.read_text()) or {}
+    n = ranks or int(cfg.get("num_processes") or 1)
+    mp = str(cfg.get("mixed_precision") or "bf16")
+    dist = str(cfg.get("distributed_type", "NO")).upper()
+    if dist == "FSDP":
+        return Sharding("fsdp", n, mp)
+    if dist == "DEEPSPEED":
+        ds = cfg.get("deepspeed_config") or {}
+        stage = ds.get("zero_stage")
+        if stage is None and ds.get("deepspeed_config_file"):
+            ds_file = Path(ds["deepspeed_config_file"])  # relative to where accelerate launches: the checkout
+            if not ds_file.is_file():
+                ds_file = path.resolve().parents[2] / ds_file  # configs/accelerate/x.yaml -> the checkout
+            ds_json = read_json(ds_file)
+            stage = (ds_json.get("zero_optimization") or {}).get("stage")
+            if (ds_json.get("bf16") or {}).get("enabled"):
+                mp = "bf16"
+        stage = int(stage or 0)
+        return Sharding("zero3" if stage == 3 else "zero2" if stage == 2 else "replicate", n, mp)
+    return Sharding("replicate", n, mp)
+
+
+def _meta_params(build) -> int:
+    import torch
+
+    with torch.device("meta"):
+        module = build()
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def _layer_bytes_per_token(c, inter: int | None = None, attn_in: int | None = None) -> int:
+    """Elements autograd keeps per token for one Llama-shaped decoder layer (in the compute dtype)."""
+    h = c["hidden_size"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    hd = c.get("head_dim") or h // heads
+    inter = inter or c["intermediate_size"]
+    return ((attn_in or h)  # the q/k/v input
+            + (heads + 2 * kv) * hd  # q, k, v
+            + 2 * heads * hd  # attention output, o_proj input
+            + 4 * h  # residuals and norm outputs
+            + 4 * inter)  # gate, up, act(gate), act(gate) * up
+
+
+def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100-80GB") -> dict:
+    """Bytes per GPU of a training job (an EagleJobConfig, MedusaJobConfig or DistillConfig). Module docstring."""
+    family(target_config)  # a family outside the table: one line
+    tc = text_config(target_config)
+    act = DTYPE_BYTES.get(sharding.mixed_precision, 2)
+    B = job.train.batch_size
+    T = job.max_length if hasattr(job, "max_length") else job.data.max_length
+    tokens = B * T
+    H, V, L = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers
+    target_params = count_params(target_config)
+    kind = getattr(job, "config_kind", "?")
+
+    if kind == "eagle":
+        from draftsmith.heads.eagle import EagleConfig, EagleHead, layer_config_dict
+
+        eagle3 = job.version == "eagle3"
+        layers = list(job.target_layers or ([2, L // 2, L - 3] if eagle3 else [L - 1]))
+        n = job.draft_vocab_size if eagle3 else V
+        cfg = EagleConfig(3 if eagle3 else 1, H, V, layers, n if eagle3 else None, job.ttt_steps,
+                          layer_config=layer_config_dict(target_config, job.draft_layer))
+        trained = _meta_params(lambda: EagleHead(cfg))
+        steps = job.ttt_steps
+        keep = (len(layers) + (1 if eagle3 else 0)) * H * act  # captured features (+ last hidden)
+        teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
+        lc = cfg.layer_config
+        per_step = _layer_bytes_per_token(lc, attn_in=2 * H if eagle3 else H) * act + H * act + 2 * n * 4
+        mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
+        module_act = tokens * per_step * steps + mask
+    elif kind == "medusa":
+        from draftsmith.heads.medusa import MedusaHeads, MedusaHeadsConfig
+
+        n = job.draft_vocab_size or V
+        cfg = MedusaHeadsConfig(H, V, job.num_heads, job.num_layers, job.share_lm_head, job.draft_vocab_size)
+        trained = _meta_params(lambda: MedusaHeads(cfg))
+        keep = H * act + job.kd_topk * 8 * (1 if job.kd_weight > 0 else 0)
+        teacher = 0
+        module_act = tokens * job.num_heads * (job.num_layers * 2 * H * act + 2 * n * 4)
+    elif kind == "distill":
+        from draftsmith.distill.builders import _config_for_layers
+
+        d = job.draft
+        dcfg = _config_for_layers(tc, d.num_layers)
+        for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim"):
+            if getattr(d, k) is not None:
+                setattr(dcfg, k, getattr(d, k))
+        trained = count_params(dcfg)
+        dd = dcfg.to_dict()
+        keep = 0
+        teacher = (job.kd.topk * 8) if job.kd.topk else V * 4
+        module_act = tokens * (d.num_layers * _layer_bytes_per_token(dd) * act + 3 * V * 4)
+    else:
+        raise ConfigError(f"plan: a {kind} config is not a training job (eagle, medusa or distill)")
+
+    # the frozen target: weights in the compute dtype, sharded under FSDP / ZeRO-3 (one layer gathered)
+    layer_params = (target_params - 2 * V * H) // max(L, 1)
+    target_w = target_params * act
+    if sharding.shards_target:
+        target_w = target_w // sharding.ranks + layer_params * act
+    target_act = activation_bytes(tc, tokens, 0, act)  # one layer's transient workspace, no grad
+    n_opt = sharding.ranks if sharding.shards_optimizer else 1
+    n_w = sharding.ranks if sharding.shards_target else 1
+    parts = {
+        "target_weights": int(target_w),
+        "module_weights": int(trained * 4 // n_w),
+        "gradients": int(trained * 4 // n_opt),
+        "optimizer": int(trained * 8 // n_opt),
+        "activations": int(target_act + tokens * (keep + teacher) + module_act),
+        "overhead": OVERHEAD,
+    }
+    total = sum(parts.values())
+    device = GPUS.get(gpu) if isinstance(gpu, str) else int(gpu)
+    if device is None:
+        raise ConfigError(f"unknown GPU '{gpu}' (known: {', '.join(GPUS)}, or a size in bytes)")
+    return {"kind": kind, "gpu": gpu, "device_bytes": device, "sharding": sharding.kind, "ranks": sharding.ranks,
+            "mixed_precision": sharding.mixed_precision, "batch_size": B, "max_length": T,
+            "target_params": target_params, "trained_params": trained, "bytes": parts, "total_bytes": total,
+            "fits": total <= 0.9 * device}
+
+
+def format_plan(p: dict) -> str:
+    g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    lines = [f"training memory per GPU: {p['kind']} job, {p['ranks']} x {p['gpu']} ({p['sharding']}, "
+             f"{p['mixed_precision']}), micro-batch {p['batch_size']} x {p['max_length']} tokens",
+             f"  target {p['target_params'] / 1e9:.2f}B params (frozen), trained {p['trained_params'] / 1e6:.1f}M"]
+    lines += [f"  {k:<15} {g(v)}" for k, v in p["bytes"].items()]
+    verdict = "fits" if p["fits"] else "does NOT fit"
+    lines.append(f"  {'total':<15} {g(p['total_bytes'])} of {g(p['device_bytes'])}: {verdict} (90% of the device)")
+    return "\n".join(lines)
+
+
+def plan_config(config_path: str | Path, target: str | Path | None = None, accelerate: str | Path | None = None,
+                gpu: str = "H100-80GB", ranks: int | None = None, overrides: list[str] | None = None) -> dict:
+    """`draftsmith plan --config JOB.yaml`: the job preset's training memory per GPU."""
+    from draftsmith.config import load_config as load_job
+
+    job = load_job(config_path, overrides)
+    return training_plan(job, load_config(str(target or job.target)), read_accelerate(accelerate, ranks), gpu)
