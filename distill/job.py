@@ -291,7 +291,12 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
     """
     from draftsmith.targets import load_target
     from draftsmith.training import train
-    from draftsmith.training.launch import evaluation_target, load_target_for, make_accelerator
+    from draftsmith.training.launch import (
+        evaluation_target,
+        leave_process_group,
+        load_target_for,
+        make_accelerator,
+    )
 
     if accelerator is None and not init_only:
         accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
@@ -321,6 +326,7 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
             evaluate_into_artifact(result_artifact, eval_target, "draft", cfg.evaluate,
                                    command=f"draftsmith distill (output {result_artifact})")
             out["eval"] = artifact.load_manifest(result_artifact)["eval"]
+    leave_process_group()  # the job is this process's last collective work
     return out
 
 

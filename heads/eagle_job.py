@@ -259,7 +259,12 @@ def train_eagle(cfg: EagleJobConfig) -> Path:
     """Load the target and the self-distilled data, train, save, evaluate. Returns the artifact directory."""
     from draftsmith.data import load_distilled
     from draftsmith.training import train
-    from draftsmith.training.launch import evaluation_target, load_target_for, make_accelerator
+    from draftsmith.training.launch import (
+        evaluation_target,
+        leave_process_group,
+        load_target_for,
+        make_accelerator,
+    )
 
     accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
     target = load_target_for(cfg.target, accelerator)
@@ -269,6 +274,7 @@ def train_eagle(cfg: EagleJobConfig) -> Path:
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and int(os.environ.get("RANK", "0")) == 0:
         evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "eagle", cfg.evaluate)
+    leave_process_group()  # the job is this process's last collective work
     return out
 
 

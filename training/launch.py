@@ -128,3 +128,14 @@ def evaluation_target(target, spec: str, accelerator, **kw):
     from draftsmith.targets import load_target
 
     return load_target(spec, device=accelerator.device, **kw)
+
+
+def leave_process_group() -> None:
+    """This rank's part of a job is done: leave the process group before the interpreter exits. A rank that
+    exits with its gloo / NCCL group still open can abort in the group's threads at exit ("terminate called
+    without an active exception"), which the launcher reports as a failed job after a good run. Not a
+    barrier: rank 0 may still be evaluating while the others leave."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

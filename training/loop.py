@@ -677,6 +677,8 @@ class Trainer:
                 f"no optimizer step was taken in {self.step} steps ({self.empty_total} batches had no learned "
                 f"token, {self.nonfinite_total} steps were non-finite): check the data's loss masks; no artifact "
                 f"was written")
+        if hasattr(self.job, "before_artifact"):  # every rank: work on a target that may be sharded across them
+            self.job.before_artifact()
         artifact, module = self._save_artifact(metrics)
         self.logger.close()
         if self.main:
