@@ -43,7 +43,7 @@ from draftsmith.heads.eagle import (
 )
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import read_json
-from draftsmith.targets.families import family, pad_token_id
+from draftsmith.targets.families import family, lm_head, pad_token_id, whole
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
@@ -154,8 +154,9 @@ class EagleJob:
         self.features.place(accelerator)
         if self.features.offline:  # the target still supplies the embedding and the lm_head rows
             self.target.model = place_frozen(self.target.model, accelerator, shard=False)
-        else:
-            self.target.model = self.features.model
+        else:  # the placed target; under ZeRO-3 the model inside its inference engine (hooks gather its layers)
+            placed = self.features.model
+            self.target.model = getattr(placed, "module", placed)
 
     def train_rows(self):
         return self.train_set
@@ -203,7 +204,7 @@ class EagleJob:
 
     def teacher_rows(self, head: EagleHead) -> torch.Tensor:
         """The target's lm_head rows of the draft vocabulary [N, H] (frozen)."""
-        w = self.target.model.get_output_embeddings().weight
+        w = whole(lm_head(self.target.model)).weight  # a whole copy where ZeRO-3 partitions the target
         if self._teacher_w is None or self._teacher_w.device != w.device or self._teacher_w.dtype != w.dtype:
             self._teacher_w = w[head.t2d.to(w.device)].detach()
         return self._teacher_w

@@ -4,7 +4,7 @@ tiny self-distilled dataset, as `accelerate launch scripts/train_medusa.py` runs
     python tests/_dist_job.py prepare --root DIR                      # target folder + dataset (once)
     torchrun --nproc_per_node 2 tests/_dist_job.py train --root DIR --job medusa --out OUT [--steps N ...]
 
-`train` prints one line per rank, `DIST {json}`: rank, world, the preset, where this rank's target
+`train` writes one record per rank, OUT.dist-rank<r>.json beside OUT: rank, world, the preset, where this rank's target
 parameters live, how many times this rank loaded a target, whether any target parameter wants gradients,
 and a hash of the final trainable weights. Losses are read from rank 0's training log by the test.
 """
@@ -39,7 +39,36 @@ def prepare(root: Path, n: int = 40, prompt_len: int = 6, new: int = 10) -> None
     atomic_write_json(root / "data" / PROVENANCE, {"target": {"fingerprint": target.fingerprint()}})
 
 
+def trace_writes(under: Path) -> list[str]:
+    """Every path under `under` this process opens for writing, creates, renames or removes (Python's audit
+    events: open with a write flag, os.mkdir, os.rename / os.replace, os.remove, shutil.rmtree). Files
+    written by native code (safetensors' Rust writer) are seen through the folders and renames around them."""
+    root = str(under.resolve())
+    seen: list[str] = []
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & write_flags)
+            paths = [path] if writing else []
+        elif event in ("os.mkdir", "os.remove", "shutil.rmtree"):
+            paths = [args[0]]
+        elif event == "os.rename":
+            paths = [args[0], args[1]]
+        else:
+            return
+        for p in paths:
+            if isinstance(p, str | os.PathLike) and os.path.abspath(os.fspath(p)).startswith(root):
+                seen.append(os.path.relpath(os.path.abspath(os.fspath(p)), root))
+
+    sys.addaudithook(hook)
+    return seen
+
+
 def train(a: argparse.Namespace) -> None:
+    writes = trace_writes(a.out)
     import draftsmith.targets as targets
     from draftsmith.training import TrainConfig
     from draftsmith.training.launch import preset_kind
@@ -100,15 +129,22 @@ def train(a: argparse.Namespace) -> None:
     params = list(target.model.parameters())
     from torch.distributed.tensor import DTensor
 
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    def local_part(t):  # FSDP2: a DTensor's own shard; ZeRO-3: the partition behind a placeholder
+        return t.to_local() if isinstance(t, DTensor) else getattr(t, "ds_tensor", t)
+
+    def full_numel(t):
+        return getattr(t, "ds_numel", t.numel())  # a DTensor's numel is the full tensor's
+
     def local_numel(t):
-        return (t.to_local() if isinstance(t, DTensor) else t).numel()
+        return local_part(t).numel()
+
+    local = [local_part(p) for p in params]
 
     # what this rank's optimizer really holds (Adam's exp_avg / exp_avg_sq), against the module's full size
     opt_numel = sum(local_numel(v) for s in tr.optimizer.state.values()
                     for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
-    full_numel = sum(p.numel() for p in tr.trainable)  # a DTensor's numel is the full tensor's
-    print("DIST " + json.dumps({
+    trainable_numel = sum(full_numel(p) for p in tr.trainable)
+    record = json.dumps({
         "rank": tr.rank, "world": tr.world, "preset": preset_kind(tr.acc), "device": str(tr.acc.device),
         "target_devices": sorted({str(p.device) for p in local}), "loads": len(loaded),
         # cuda:LOCAL_RANK on GPUs; "cpu:0" and "cpu" are one device
@@ -116,10 +152,12 @@ def train(a: argparse.Namespace) -> None:
                                                                       p.device.index == tr.acc.device.index)
                              for p in local),
         "target_grad": any(p.requires_grad for p in params),
-        "target_sharded": any(isinstance(p, DTensor) for p in params),
-        "target_local_numel": sum(p.numel() for p in local), "target_numel": sum(p.numel() for p in params),
-        "opt_local_numel": opt_numel, "trainable_numel": full_numel,
-        "pid": os.getpid()}), flush=True)
+        "target_sharded": any(local_numel(p) < full_numel(p) for p in params),
+        "target_local_numel": sum(p.numel() for p in local), "target_numel": sum(full_numel(p) for p in params),
+        "opt_local_numel": opt_numel, "trainable_numel": trainable_numel, "writes": sorted(set(writes)),
+        "pid": os.getpid()})
+    # one file per rank beside the output folder (two ranks printing at once can interleave their lines)
+    (a.out.parent / f"{a.out.name}.dist-rank{tr.rank}.json").write_text(record)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,7 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
 
             from draftsmith.targets.capture import decoder_layers
 
+
             # the decoder layers (nearly all of a target's weights) are sharded, each all-gathered for its
             # own forward; the root's embedding, final norm and lm_head stay whole on every rank, since the
             # heads call them outside the target's forward (EAGLE's embedding and lm_head rows)
@@ -101,10 +102,25 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
             "stage": 3, "stage3_param_persistence_threshold": 10 * model.config.hidden_size
             if hasattr(model, "config") else 1e4,
         }
-        for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
-            if ds_config.get(key) == "auto":
-                ds_config[key] = 1
+        # an inference-only engine: its batch settings only have to agree with each other (DeepSpeed checks
+        # train_batch = micro x accumulation x ranks); the training engine fills its own from the config
+        ds_config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                         train_batch_size=accelerator.num_processes, gradient_clipping=0.0)
+        for key in ("bf16", "fp16"):  # "auto" is resolved by accelerate for the engines it prepares, not here
+            if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled") == "auto":
+                ds_config[key]["enabled"] = str(accelerator.mixed_precision) == key
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
         engine.eval()
+        # as under FSDP: the decoder layers stay partitioned, each gathered for its own forward; the embedding,
+        # final norm and lm_head are gathered once and kept whole on every rank (persistent), since the heads
+        # read them outside the target's forward (Medusa's lm_head copy, EAGLE's embedding and lm_head rows)
+        from draftsmith.targets.capture import decoder_layers
+
+        in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+        root = [p for p in model.parameters() if id(p) not in in_layers and hasattr(p, "ds_id")]
+        for p in root:
+            p.ds_persist = True
+        if root:
+            root[0].all_gather(param_list=root)  # collective: every rank places its target here
         return engine
     raise ValueError(f"cannot shard a frozen target under {dist}")

@@ -55,8 +55,17 @@ def make_accelerator(cfg: TrainConfig):
     precision = cfg.resolved_mixed_precision()
     _release_precision(precision)
     cpu = _cpu_only()
+    handlers = []
+    if cpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # DeepSpeed on CPU processes (the CPU form of the ZeRO presets, DeepSpeed's CPU accelerator): accelerate
+        # takes DeepSpeed up only on its not-cpu path, where deepspeed.comm starts the process group; named
+        # gloo, it counts the ranks from that group as it does for GPUs
+        from accelerate.utils import InitProcessGroupKwargs
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        cpu, handlers = False, [InitProcessGroupKwargs(backend="gloo")]
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum,
-                              step_scheduler_with_optimizer=False, cpu=cpu)
+                              step_scheduler_with_optimizer=False, cpu=cpu, kwargs_handlers=handlers)
     if cpu and accelerator.num_processes > 1 and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         _fsdp_on_cpu(accelerator)
     return accelerator

@@ -254,7 +254,9 @@ class Trainer:
         # this run's optimizer settings: a resumed optimizer's param groups carry the checkpoint's
         self.fresh_groups = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")}
                              for g in self.optimizer.param_groups]
-        if self.sharded_resume:  # every rank reads the slices it owns now (any world size)
+        if self.sharded_resume and sharded.is_deepspeed(self.resume_path):  # each rank its own ZeRO partition
+            sharded.load_deepspeed(self.resume_path, self.model, self.world)
+        elif self.sharded_resume:  # every rank reads the slices it owns now (any world size)
             sharded.load_sharded(self.resume_path, self.model, self.optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -597,7 +599,8 @@ class Trainer:
 
         mine = None
         for name, p in self.model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
+            # FSDP2: a DTensor's local shard; ZeRO-3: the partition in ds_tensor (the parameter is a placeholder)
+            local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
             if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
                 mine = name
                 break
@@ -605,22 +608,21 @@ class Trainer:
 
     def save(self) -> None:
         acc = self.acc
-        if self.fsdp and self.world > 1:  # each rank writes its own shard (training/sharded.py)
+        if self.sharded and self.world > 1:  # each rank writes its own shard (training/sharded.py)
             bad = self._nonfinite_shard()
             if bad is not None:
                 if self.main:
                     log.warning("step %d: not saving a checkpoint: tensor '%s' holds non-finite values (the last "
                                 "good checkpoint stays %s)", self.step, bad, ckpt.latest_intact(self.out) or "none")
                 return
-            sharded.save_sharded(acc, self.out, self.step, self.model, self.optimizer, self._loop_state(),
-                                 self._gather_rng(), self.logger.text if self.main else "", self.cfg.keep_last)
+            args = (self._loop_state(), self._gather_rng(), self.logger.text if self.main else "", self.cfg.keep_last)
+            if self.fsdp:
+                sharded.save_sharded(acc, self.out, self.step, self.model, self.optimizer, *args)
+            else:  # DeepSpeed ZeRO: its own per-rank partition files
+                sharded.save_deepspeed(acc, self.out, self.step, self.model, *args)
             return
-        model_state = acc.get_state_dict(self.model)  # collective under FSDP / ZeRO-3
+        model_state = acc.get_state_dict(self.model)
         opt_state = self.optimizer.state_dict()
-        if self.sharded and self.world > 1:
-            from accelerate.utils import gather_object
-
-            opt_state = {"ranks": gather_object([opt_state])}
         rng = self._gather_rng()
         bad = _finite_state(model_state) if self.main else None
         if bad is not None:  # a checkpoint is a promise of good weights: keep the last one that is

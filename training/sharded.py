@@ -44,6 +44,8 @@ from draftsmith.training.checkpoint import checkpoint_name, checkpoints_root, pr
 
 SHARDS = "shards"
 FORMAT = "sharded"
+DS_TAG = "deepspeed"  # DeepSpeed's checkpoint folder inside step-N
+DS_FORMAT = "deepspeed"
 
 
 def _sha256(path: Path) -> str:
@@ -55,7 +57,12 @@ def _sha256(path: Path) -> str:
 
 
 def is_sharded(path: str | Path) -> bool:
-    return (Path(path) / SHARDS).is_dir()
+    """A checkpoint whose module and optimizer state are written per rank (FSDP shards or DeepSpeed ZeRO)."""
+    return (Path(path) / SHARDS).is_dir() or (Path(path) / DS_TAG).is_dir()
+
+
+def is_deepspeed(path: str | Path) -> bool:
+    return (Path(path) / DS_TAG).is_dir()
 
 
 def _broadcast_str(value: str | None) -> str:
@@ -66,6 +73,42 @@ def _broadcast_str(value: str | None) -> str:
     return box[0]
 
 
+def _temp_folder(accelerator, final: Path) -> Path:
+    """Rank 0 creates the temporary sibling of `final` every rank writes into; every rank gets its path."""
+    tmp = None
+    if accelerator.is_main_process:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-")
+    return Path(_broadcast_str(tmp))
+
+
+def _commit(accelerator, output_dir, tmp: Path, final: Path, step: int, state: dict, fmt: str, weights: list[Path],
+            rng_per_rank, log_text: str, keep_last: int) -> None:
+    """Rank 0, after every rank wrote its files into `tmp`: RNG, log, state.json (last, with the sha256 of every
+    file a resume reads, so a torn or flipped shard sends resume to the previous checkpoint like a damaged full
+    checkpoint, checkpoint.checkpoint_problems) and the rename to step-N."""
+    if not accelerator.is_main_process:
+        return
+    rng_tensors = {f"rank{r}.{k}": v for r, (_, ts) in enumerate(rng_per_rank) for k, v in ts.items()}
+    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    atomic_write_text(tmp / "log.jsonl", log_text)
+    sums = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted([*weights, tmp / "rng.safetensors"])}
+    full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "format": fmt, "checksums": sums}
+    if fmt == FORMAT:
+        full["metadata_sha256"] = sums[f"{SHARDS}/.metadata"]
+    atomic_write_json(tmp / "state.json", full)  # last: its presence marks a complete checkpoint
+    if final.exists():  # a re-save of the same step (resumed run): keep a complete copy until the rename
+        old = final.parent / f".{final.name}.tmp-old"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        import shutil
+
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    prune(output_dir, keep_last)
+
+
 def save_sharded(accelerator, output_dir: str | Path, step: int, model, optimizer, state: dict,
                  rng_per_rank: list[tuple[dict, dict[str, torch.Tensor]]], log_text: str, keep_last: int) -> Path:
     """Collective: call on every rank. Each rank writes its shard; rank 0 the rest (see module docstring)."""
@@ -74,37 +117,55 @@ def save_sharded(accelerator, output_dir: str | Path, step: int, model, optimize
 
     final = checkpoints_root(output_dir) / checkpoint_name(step)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # each rank's own shards (DTensors), no gather
-    tmp = None
-    if accelerator.is_main_process:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-")
-    tmp = Path(_broadcast_str(tmp))
+    tmp = _temp_folder(accelerator, final)
     dcp.save({"model": model_sd, "optimizer": optim_sd},
              storage_writer=dcp.FileSystemWriter(str(tmp / SHARDS), sync_files=True))
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        rng_tensors = {f"rank{r}.{k}": v for r, (_, ts) in enumerate(rng_per_rank) for k, v in ts.items()}
-        save_file(rng_tensors, str(tmp / "rng.safetensors"))
-        atomic_write_text(tmp / "log.jsonl", log_text)
-        # every file a resume reads, so a torn or flipped shard sends resume to the previous checkpoint
-        # (checkpoint.checkpoint_problems) like a damaged full checkpoint
-        sums = {p.relative_to(tmp).as_posix(): _sha256(p)
-                for p in sorted([*(tmp / SHARDS).iterdir(), tmp / "rng.safetensors"]) if p.is_file()}
-        full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "format": FORMAT,
-                "metadata_sha256": sums[f"{SHARDS}/.metadata"], "checksums": sums}
-        atomic_write_json(tmp / "state.json", full)  # last: its presence marks a complete checkpoint
-        if final.exists():  # a re-save of the same step (resumed run): keep a complete copy until the rename
-            old = final.parent / f".{final.name}.tmp-old"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            import shutil
-
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        prune(output_dir, keep_last)
+    weights = sorted(p for p in (tmp / SHARDS).iterdir() if p.is_file()) if accelerator.is_main_process else []
+    _commit(accelerator, output_dir, tmp, final, step, state, FORMAT, weights, rng_per_rank, log_text, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+def save_deepspeed(accelerator, output_dir: str | Path, step: int, engine, state: dict,
+                   rng_per_rank: list[tuple[dict, dict[str, torch.Tensor]]], log_text: str, keep_last: int) -> Path:
+    """Collective: DeepSpeed's own checkpoint, each rank writing its ZeRO partition (see module docstring)."""
+    final = checkpoints_root(output_dir) / checkpoint_name(step)
+    tmp = _temp_folder(accelerator, final)
+    engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+    accelerator.wait_for_everyone()
+    weights = sorted(p for p in (tmp / DS_TAG).rglob("*") if p.is_file()) if accelerator.is_main_process else []
+    _commit(accelerator, output_dir, tmp, final, step, state, DS_FORMAT, weights, rng_per_rank, log_text, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _verified(path: Path) -> None:
+    """Every file state.json lists has the sha256 recorded when it was written: checked before anything is
+    unpickled (DCP's .metadata, DeepSpeed's .pt files)."""
+    from draftsmith.storage import checksum_problems
+
+    sums = read_json(path / "state.json").get("checksums")
+    problems = checksum_problems(path, sums, "state.json") if sums else [f"{path / 'state.json'}: no checksums"]
+    if problems:
+        raise TrainingError(f"{problems[0]}; these files are pickles and are only loaded when they are the ones "
+                            "this code wrote")
+
+
+def load_deepspeed(path: str | Path, engine, world: int) -> None:
+    """Load a DeepSpeed checkpoint into a prepared engine: same world size only (ZeRO partitions are cut for
+    it), after every file's sha256 matched."""
+    path = Path(path)
+    written = read_json(path / "state.json")["world_size"]
+    if written != world:
+        raise TrainingError(f"checkpoint {path} holds DeepSpeed ZeRO partitions of {written} ranks; this run has "
+                            f"{world}: resume with {written} processes (DeepSpeed reshards only through its "
+                            "universal-checkpoint conversion), or set train.resume=never")
+    _verified(path)
+    load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_module_strict=True,
+                                          load_optimizer_states=True, load_lr_scheduler_states=False)
+    if load_path is None:
+        raise TrainingError(f"{path / DS_TAG}: DeepSpeed found no checkpoint to load there")
 
 
 def load_sharded(path: str | Path, model, optimizer) -> None:
