@@ -315,6 +315,7 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
         out = {"artifact": path, "train_seconds": 0.0, "metrics": {"steps": 0}, "eval": None}
     else:
         result = train(job, cfg.train, accelerator)
+        leave_process_group(accelerator)  # training was the last collective work
         out = {"artifact": result.artifact, "train_seconds": time.perf_counter() - t0, "metrics": result.metrics,
                "eval": None}
     seconds = out["train_seconds"]
@@ -326,7 +327,6 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
             evaluate_into_artifact(result_artifact, eval_target, "draft", cfg.evaluate,
                                    command=f"draftsmith distill (output {result_artifact})")
             out["eval"] = artifact.load_manifest(result_artifact)["eval"]
-    leave_process_group()  # the job is this process's last collective work
     return out
 
 

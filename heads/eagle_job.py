@@ -272,10 +272,10 @@ def train_eagle(cfg: EagleJobConfig) -> Path:
     dataset = load_distilled(cfg.data, target)
     job = EagleJob(cfg, target, dataset)
     result = train(job, cfg.train, accelerator)
+    leave_process_group(accelerator)  # training was the last collective work
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and int(os.environ.get("RANK", "0")) == 0:
         evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "eagle", cfg.evaluate)
-    leave_process_group()  # the job is this process's last collective work
     return out
 
 

@@ -379,10 +379,10 @@ def train_medusa(cfg: MedusaJobConfig) -> Path:
     dataset = load_distilled(cfg.data, target)
     job = MedusaJob(cfg, target, dataset)
     result = train(job, cfg.train, accelerator)
+    leave_process_group(accelerator)  # training was the last collective work
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and _is_main_process():
         evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "medusa", cfg.evaluate)
-    leave_process_group()  # the job is this process's last collective work
     return out
 
 

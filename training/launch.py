@@ -139,12 +139,14 @@ def evaluation_target(target, spec: str, accelerator, **kw):
     return load_target(spec, device=accelerator.device, **kw)
 
 
-def leave_process_group() -> None:
-    """This rank's part of a job is done: leave the process group before the interpreter exits. A rank that
-    exits with its gloo / NCCL group still open can abort in the group's threads at exit ("terminate called
-    without an active exception"), which the launcher reports as a failed job after a good run. Not a
-    barrier: rank 0 may still be evaluating while the others leave."""
+def leave_process_group(accelerator) -> None:
+    """Training is done on every rank: meet at a barrier, then leave the process group together. A rank that
+    exits with its gloo / NCCL group still open, or tears it down while a peer still talks to it, can abort
+    in the group's threads at exit ("terminate called without an active exception"), which the launcher
+    reports as a failed job after a good run. What follows (rank 0's evaluation) needs no collectives, so
+    the other ranks are free to exit while it runs."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        accelerator.wait_for_everyone()
         dist.destroy_process_group()

@@ -1,31 +1,36 @@
-"""Sharded checkpoints (FSDP): every rank writes and reads its own shard of the module and optimizer state.
+"""Sharded checkpoints (FSDP, DeepSpeed ZeRO): every rank writes and reads its own part of the module and
+optimizer state.
 
-Under FSDP full-shard no rank holds the whole trainable module or its optimizer state, and at 8B scale
-gathering them on rank 0 (training/checkpoint.py's layout) does not fit. A sharded checkpoint is
-`torch.distributed.checkpoint` (DCP) next to our JSON / safetensors files:
+Under FSDP full-shard or ZeRO no rank holds the whole trainable module's optimizer state (ZeRO-3 and FSDP not
+even its weights), and at 8B scale gathering them on rank 0 (training/checkpoint.py's layout) does not fit.
+A sharded checkpoint is the engine's own per-rank format next to our JSON / safetensors files:
 
     checkpoints/step-00000100/
-        shards/__0_0.distcp, __1_0.distcp, ...   each rank's own slice of model + optimizer tensors
-        shards/.metadata                         DCP's index of those slices (written by rank 0)
+        shards/__0_0.distcp, __1_0.distcp, ...   FSDP: each rank's own slice of model + optimizer tensors
+        shards/.metadata                         (torch.distributed.checkpoint, DCP) and DCP's index of them
+        deepspeed/zero_pp_rank_R_*_states.pt     DeepSpeed: each rank's ZeRO partition (engine.save_checkpoint)
         rng.safetensors, log.jsonl               as in a full checkpoint
-        state.json                               the loop state, "format": "sharded", the sha256 of
-                                                 every shard, of .metadata and of rng.safetensors;
-                                                 written last, by rank 0
+        state.json                               the loop state, "format": "sharded" | "deepspeed", the
+                                                 sha256 of every file above; written last, by rank 0
 
-PICKLE: DCP's `.metadata` is a Python pickle (torch 2.13's FileSystemReader reads it with `pickle.load`),
-and no pickle-free reader of it exists. So a sharded checkpoint is only ever loaded from a run's own
-output directory, and `load_sharded` first checks the file's sha256 against the one `state.json` recorded
-when the shards were written: a `.metadata` that is not the one this code wrote is refused before it is
-unpickled. The shard files themselves hold raw tensor bytes. A checkpoint from elsewhere should be
-consolidated where it was written (the final artifact always is: one safetensors folder, rank 0).
+PICKLE. Two files are Python pickles, read by their engines with `pickle.load` / `torch.load` and with no
+pickle-free reader: DCP's `.metadata` and DeepSpeed's `.pt` partitions (ZeRO's optimizer state holds Python
+objects: loss scaler, fragment maps). So before anything is unpickled, every file's sha256 must be the one
+`state.json` recorded when this code wrote it (`load_sharded`, `load_deepspeed`): a file that is not is
+refused, and a sharded checkpoint is only ever loaded from a run's own output directory. Do not resume from
+sharded checkpoints of unknown origin; the final artifact is always one consolidated safetensors folder
+(rank 0).
 
-DCP reshards on load: a checkpoint written by 2 ranks loads into 1 process (or 4), since every slice is
-keyed by its offset in the full tensor. The loop translates the data position the same way
-(training/loop.py `_restore`).
+World size. DCP reshards on load: a checkpoint written by 2 ranks loads into 1 process (or 4), since every
+slice is keyed by its offset in the full tensor; the loop translates the data position the same way
+(training/loop.py `_restore`). DeepSpeed's partitions are cut for the world size that wrote them: a resume
+with another number of processes is refused in one line (DeepSpeed reshards only through its offline
+universal-checkpoint conversion).
 
-Atomicity: rank 0 creates `.step-N.tmp-<random>`, every rank writes its shard into it, rank 0 writes
+Atomicity: rank 0 creates `.step-N.tmp-<random>`, every rank writes its part into it, rank 0 writes
 `state.json` last and renames the folder to `step-N`; a rank killed mid-save leaves a `.tmp-` folder,
-which `clean_temp` removes at the next start.
+which `clean_temp` removes at the next start. A torn or corrupted part fails `state.json`'s checksums, and
+resume falls back to the previous intact checkpoint (checkpoint.latest_intact).
 """
 
 from __future__ import annotations
