@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith import __version__
+from draftsmith import __version__, methods
 from draftsmith.errors import ArtifactError
 from draftsmith.storage import atomic_dir, atomic_write_json, read_json, verify_checksums, weight_checksums
 from draftsmith.targets.fingerprint import check_compatible
 
 FORMAT_VERSION = 1
-KINDS = ("draft", "medusa", "eagle")
 WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
 
@@ -36,8 +35,8 @@ def now_iso() -> str:
 
 def make_manifest(kind: str, target_fingerprint: dict, config: dict, data: dict | None = None,
                   metrics: dict | None = None, parent: str | None = None, **extra: Any) -> dict:
-    if kind not in KINDS:
-        raise ArtifactError(f"unknown artifact kind '{kind}' (known: {', '.join(KINDS)})")
+    if methods.find(kind) is None:
+        raise ArtifactError(f"unknown artifact kind '{kind}' (known: {', '.join(methods.names())})")
     return {
         "kind": kind,
         "format_version": FORMAT_VERSION,
@@ -144,8 +143,9 @@ def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
     checks = []
     missing = [f for f in REQUIRED_FIELDS if f not in manifest]
     problems += [f"{path / MANIFEST}: missing field '{f}'" for f in missing]
-    if manifest.get("kind") not in KINDS:
-        problems.append(f"{path / MANIFEST}: field 'kind' is {manifest.get('kind')!r} (known: {', '.join(KINDS)})")
+    if manifest.get("kind") not in methods.names():
+        problems.append(f"{path / MANIFEST}: field 'kind' is {manifest.get('kind')!r} "
+                        f"(known: {', '.join(methods.names())})")
         return problems, checks
     if not missing:
         checks.append(f"{MANIFEST}: fields {', '.join(REQUIRED_FIELDS)} present")
@@ -176,7 +176,7 @@ def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
     shape_problems = [f"{path / WEIGHTS}: {p}" for p in compare(found_tensors, expected, optional)]
     nonfinite = nonfinite_tensors(path)
     problems += shape_problems + extra + nonfinite
-    if not shape_problems:
+    if not shape_problems and expected:
         checks.append(f"{len(found_tensors)} tensors match the {manifest['kind']} module's names and shapes")
     if not nonfinite:
         checks.append("every weight is finite")
@@ -184,32 +184,9 @@ def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
 
 
 def _expected_tensors(path: Path, kind: str) -> tuple[dict, dict, list[str]]:
-    """(required, optional) name -> (shape, "") of the module `config.json` describes, and other problems."""
-    from draftsmith.storage import read_json
-
-    if kind == "draft":
-        from draftsmith.export.hf import expected_draft_tensors
-
-        req, opt = expected_draft_tensors(read_json(path / "config.json"))
-        return ({k: (s, "") for k, (s, _) in req.items()}, {k: (s, "") for k, (s, _) in opt.items()}, [])
-    cfg = read_json(path / "config.json")
-    extra: list[str] = []
-    with torch.device("meta"):
-        if kind == "medusa":
-            from draftsmith.heads.medusa import MedusaHeads, MedusaHeadsConfig
-
-            fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
-            fields["draft_vocab_size"] = cfg.get("draft_vocab_size")
-            module = MedusaHeads(MedusaHeadsConfig(**fields))
-            if (path / "tree.json").is_file():
-                paths = read_json(path / "tree.json").get("paths") or []
-                depth = max((len(p) for p in paths), default=0)
-                if depth > fields["num_heads"]:
-                    extra.append(f"{path / 'tree.json'}: a path of depth {depth}, but the artifact has "
-                                 f"{fields['num_heads']} heads")
-        else:
-            from draftsmith.heads.eagle import EagleConfig, EagleHead
-
-            module = EagleHead(EagleConfig(**{k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}))
-    spec = {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}
-    return spec, {}, extra
+    """(required, optional) name -> (shape, "") of the module `config.json` describes, and other problems,
+    as the artifact's method computes them (methods.py `tensors`)."""
+    method = methods.get(kind)
+    if method.tensors is None:
+        return {}, {}, []
+    return method.get("tensors")(path)

@@ -20,7 +20,7 @@ COMMAND_MODULES = [
     "draftsmith.targets.commands",
     "draftsmith.data.commands",
     "draftsmith.distill.commands",
-    "draftsmith.heads.commands",
+    "draftsmith.training.commands",
     "draftsmith.evaluation.commands",
     "draftsmith.export.commands",
     "draftsmith.retrain.commands",

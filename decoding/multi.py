@@ -187,7 +187,7 @@ def _unique(names: list[str]) -> list[str]:
 
 def build_multi(arg: str, target, **opts) -> MultiProposer:
     """`multi:A+B+...` -> MultiProposer over build_proposer(A), build_proposer(B), ..."""
-    from draftsmith.decoding.proposer import build_proposer
+    from draftsmith.decoding.factory import build_proposer
 
     parts = [s.strip() for s in arg.split("+") if s.strip()]
     if len(parts) < 2:

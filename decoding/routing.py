@@ -190,7 +190,7 @@ class RoutedProposer(Proposer):
 
     @classmethod
     def from_file(cls, path: str | Path, target, **opts) -> RoutedProposer:
-        from draftsmith.decoding.proposer import build_proposer
+        from draftsmith.decoding.factory import build_proposer
         from draftsmith.targets.fingerprint import check_compatible
 
         policy = load_policy(path)

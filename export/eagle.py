@@ -121,6 +121,31 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
 
 
 # --- canonical -> layouts ----------------------------------------------------------------------------
+def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int = 4,
+           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
+    """`Method.export` of EAGLE heads (export/heads.py does the rest): EAGLE-1 and EAGLE-3 are two layout
+    families, and every stack's drafter layer is a Llama layer."""
+    from draftsmith.export.heads import HeadExport, export_heads
+    from draftsmith.targets.families import FAMILIES
+
+    artifact_dir = Path(artifact_dir)
+    manifest, cfg, state, names = read_eagle_artifact(artifact_dir, target)
+    if not getattr(FAMILIES.get(cfg["layer_model_type"]), "llama_layer", False):
+        raise ConfigError(f"{artifact_dir}: this EAGLE head's decoder layer is a {cfg['layer_model_type']} layer; "
+                          "the EAGLE drafters of vLLM, SGLang, TensorRT-LLM and speculators are Llama layers: "
+                          "retrain it with draft_layer: llama")
+
+    def write(tmp: Path, fmt: str, target, target_ref: str, out: Path, k: int) -> str:
+        target_arch = list(getattr(target.config, "architectures", None) or []) if target is not None else []
+        write_layout(tmp, fmt, cfg, state, target_ref, target_arch, k)
+        return target_ref
+
+    guard = {"eagle": {"version": cfg["version"], "source_names": names, "aux_layers_draftsmith": cfg.get("aux_layers"),
+                       "target_rope_theta": cfg["rope_theta"]}}
+    return export_heads(HeadExport(f"eagle{cfg['version']}", manifest, cfg, write, guard=guard), artifact_dir,
+                        stack, out, target, num_speculative_tokens, verify, overwrite=overwrite, verifier=verifier)
+
+
 def aux_ids(cfg: dict, stack: str) -> list[int]:
     """The aux layer ids in `stack`'s convention (see module docstring)."""
     return [i + 1 for i in cfg["aux_layers"]] if stack == "vllm" else list(cfg["aux_layers"])

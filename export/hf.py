@@ -65,8 +65,8 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
     if cfg.get("vocab_size") != want_vocab:
         raise ArtifactError(f"{artifact_dir}: draft vocab_size {cfg.get('vocab_size')} != target vocab_size {want_vocab}")
 
-    from draftsmith.export.api import verifier_ref
     from draftsmith.export.card import write_card
+    from draftsmith.export.common import verifier_ref
 
     result = ExportResult(out, stack, FORMAT)
 
@@ -136,6 +136,12 @@ def expected_draft_tensors(config: dict) -> tuple[Spec, Spec]:
         entry = (tuple(t.shape), dtype)
         (optional if tied and name.startswith("lm_head.") else required)[name] = entry
     return required, optional
+
+
+def draft_artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
+    """`Method.tensors` of a draft model: (required, optional) name -> (shape, "") its config.json implies."""
+    req, opt = expected_draft_tensors(read_json(Path(path) / "config.json"))
+    return {k: (s, "") for k, (s, _) in req.items()}, {k: (s, "") for k, (s, _) in opt.items()}, []
 
 
 def _config_dtype(config: dict) -> torch.dtype:

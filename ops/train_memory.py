@@ -118,7 +118,7 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
     kind = getattr(job, "config_kind", "?")
 
     if kind == "eagle":
-        from draftsmith.heads.eagle import EagleConfig, EagleHead, layer_config_dict
+        from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
 
         eagle3 = job.version == "eagle3"
         layers = list(job.target_layers or ([2, L // 2, L - 3] if eagle3 else [L - 1]))
@@ -134,7 +134,7 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
         mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
         module_act = tokens * per_step * steps + mask
     elif kind == "medusa":
-        from draftsmith.heads.medusa import MedusaHeads, MedusaHeadsConfig
+        from draftsmith.medusa.model import MedusaHeads, MedusaHeadsConfig
 
         n = job.draft_vocab_size or V
         cfg = MedusaHeadsConfig(H, V, job.num_heads, job.num_layers, job.share_lm_head, job.draft_vocab_size)

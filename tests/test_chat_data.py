@@ -229,10 +229,11 @@ def test_teacher_forced_capture_matches_capture_while_generating(tmp_path, tiny_
 def test_heads_train_from_kept_rows_and_their_capture(tmp_path, tiny_target, monkeypatch):
     """`responses: keep` + capture is data like any other: an EAGLE head trains from the offline cache alone,
     reloads against the target and decodes losslessly."""
+    from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
-    from draftsmith.decoding.proposer import build_proposer
+    from draftsmith.eagle.job import EagleJob, EagleJobConfig
+    from draftsmith.eagle.model import load_eagle
     from draftsmith.evaluation.after_training import EvalAfterTraining
-    from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig, load_eagle
     from draftsmith.targets.cache_shards import CaptureSource
     from draftsmith.training import TrainConfig, train
 
