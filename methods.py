@@ -21,6 +21,9 @@ training job.
     memory    (path, target_config) -> `ops.memory.ArtifactShape`: parameters and KV cache of the artifact
     tensors   (path) -> (required, optional, problems): the tensor names and shapes `config.json` implies,
               for `draftsmith check` (artifact.inspect_artifact)
+    train_memory  (job config, target config, activation bytes, tokens per micro-batch) -> (trained params,
+              kept bytes per token, teacher bytes per token, module activation bytes), for
+              `draftsmith plan --config` (ops/train_memory.py)
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Method:
     export: Any = None  # None: no serving stack takes it (`draftsmith export` says so)
     memory: Any = None  # None: `draftsmith plan` counts no parameters or cache for it
     tensors: Any = None  # None: `draftsmith check` compares no tensor shapes
+    train_memory: Any = None  # None: `draftsmith plan --config` cannot size its training job
     default_config: str | None = None  # the preset `draftsmith train NAME` uses without --config
     data_key: str = "data"  # the config key naming the self-distilled dataset (retrain and bench set it)
     output_key: str | None = "output"  # the config key naming the artifact folder; None: the job writes

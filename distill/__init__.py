@@ -12,6 +12,7 @@ METHOD = Method(
     export="draftsmith.export.hf:export_draft",
     memory="draftsmith.ops.memory:draft_shape",
     tensors="draftsmith.export.hf:draft_artifact_tensors",
+    train_memory="draftsmith.ops.train_memory:distill_memory",
     default_config="configs/smollm2-135m/distill.yaml",
     data_key="data.path",
     output_key=None,

@@ -12,6 +12,7 @@ METHOD = Method(
     export="draftsmith.export.eagle:export",
     memory="draftsmith.ops.memory:eagle_shape",
     tensors="draftsmith.eagle.model:artifact_tensors",
+    train_memory="draftsmith.ops.train_memory:eagle_memory",
     default_config="configs/smollm2-135m/eagle3.yaml",
     own_tree=True,
 )

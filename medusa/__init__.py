@@ -13,6 +13,7 @@ METHOD = Method(
     export="draftsmith.export.medusa:export",
     memory="draftsmith.ops.memory:head_shape",
     tensors="draftsmith.medusa.model:artifact_tensors",
+    train_memory="draftsmith.ops.train_memory:medusa_memory",
     default_config="configs/smollm2-135m/medusa.yaml",
     own_tree=True,
 )

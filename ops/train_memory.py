@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith import methods
 from draftsmith.errors import ConfigError
 from draftsmith.ops.memory import GIB, GPUS, activation_bytes, count_params, load_config
 from draftsmith.storage import read_json
@@ -116,47 +117,12 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
     H, V, L = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers
     target_params = count_params(target_config)
     kind = getattr(job, "config_kind", "?")
-
-    if kind == "eagle":
-        from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
-
-        eagle3 = job.version == "eagle3"
-        layers = list(job.target_layers or ([2, L // 2, L - 3] if eagle3 else [L - 1]))
-        n = job.draft_vocab_size if eagle3 else V
-        cfg = EagleConfig(3 if eagle3 else 1, H, V, layers, n if eagle3 else None, job.ttt_steps,
-                          layer_config=layer_config_dict(target_config, job.draft_layer))
-        trained = _meta_params(lambda: EagleHead(cfg))
-        steps = job.ttt_steps
-        keep = (len(layers) + (1 if eagle3 else 0)) * H * act  # captured features (+ last hidden)
-        teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
-        lc = cfg.layer_config
-        per_step = _layer_bytes_per_token(lc, attn_in=2 * H if eagle3 else H) * act + H * act + 2 * n * 4
-        mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
-        module_act = tokens * per_step * steps + mask
-    elif kind == "medusa":
-        from draftsmith.medusa.model import MedusaHeads, MedusaHeadsConfig
-
-        n = job.draft_vocab_size or V
-        cfg = MedusaHeadsConfig(H, V, job.num_heads, job.num_layers, job.share_lm_head, job.draft_vocab_size)
-        trained = _meta_params(lambda: MedusaHeads(cfg))
-        keep = H * act + job.kd_topk * 8 * (1 if job.kd_weight > 0 else 0)
-        teacher = 0
-        module_act = tokens * job.num_heads * (job.num_layers * 2 * H * act + 2 * n * 4)
-    elif kind == "distill":
-        from draftsmith.distill.builders import _config_for_layers
-
-        d = job.draft
-        dcfg = _config_for_layers(tc, d.num_layers)
-        for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim"):
-            if getattr(d, k) is not None:
-                setattr(dcfg, k, getattr(d, k))
-        trained = count_params(dcfg)
-        dd = dcfg.to_dict()
-        keep = 0
-        teacher = (job.kd.topk * 8) if job.kd.topk else V * 4
-        module_act = tokens * (d.num_layers * _layer_bytes_per_token(dd) * act + 3 * V * 4)
-    else:
-        raise ConfigError(f"plan: a {kind} config is not a training job (eagle, medusa or distill)")
+    method = next((m for m in methods.all_methods() if m.train_memory is not None
+                   and getattr(m.get("config"), "config_kind", None) == kind), None)
+    if method is None:
+        raise ConfigError(f"plan: a {kind} config is not a training job "
+                          f"({', '.join(m.name for m in methods.all_methods() if m.train_memory is not None)})")
+    trained, keep, teacher, module_act = method.get("train_memory")(job, target_config, act, tokens)
 
     # the frozen target: weights in the compute dtype, sharded under FSDP / ZeRO-3 (one layer gathered)
     layer_params = (target_params - 2 * V * H) // max(L, 1)
@@ -182,6 +148,59 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
             "mixed_precision": sharding.mixed_precision, "batch_size": B, "max_length": T,
             "target_params": target_params, "trained_params": trained, "bytes": parts, "total_bytes": total,
             "fits": total <= 0.9 * device}
+
+
+def eagle_memory(job, target_config, act: int, tokens: int) -> tuple[int, int, int, int]:
+    """`Method.train_memory` of an EAGLE job: (trained params, kept bytes per token, teacher bytes per token,
+    the module's activation bytes)."""
+    from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
+
+    tc = text_config(target_config)
+    H, V, L, B = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, job.train.batch_size
+    T = tokens // B
+    eagle3 = job.version == "eagle3"
+    layers = list(job.target_layers or ([2, L // 2, L - 3] if eagle3 else [L - 1]))
+    n = job.draft_vocab_size if eagle3 else V
+    cfg = EagleConfig(3 if eagle3 else 1, H, V, layers, n if eagle3 else None, job.ttt_steps,
+                      layer_config=layer_config_dict(target_config, job.draft_layer))
+    trained = _meta_params(lambda: EagleHead(cfg))
+    steps = job.ttt_steps
+    keep = (len(layers) + (1 if eagle3 else 0)) * H * act  # captured features (+ last hidden)
+    teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
+    lc = cfg.layer_config
+    per_step = _layer_bytes_per_token(lc, attn_in=2 * H if eagle3 else H) * act + H * act + 2 * n * 4
+    mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
+    return trained, keep, teacher, tokens * per_step * steps + mask
+
+
+def medusa_memory(job, target_config, act: int, tokens: int) -> tuple[int, int, int, int]:
+    """`Method.train_memory` of a Medusa job (see `eagle_memory`)."""
+    from draftsmith.medusa.model import MedusaHeads, MedusaHeadsConfig
+
+    tc = text_config(target_config)
+    H, V = tc.hidden_size, tc.vocab_size
+    n = job.draft_vocab_size or V
+    cfg = MedusaHeadsConfig(H, V, job.num_heads, job.num_layers, job.share_lm_head, job.draft_vocab_size)
+    trained = _meta_params(lambda: MedusaHeads(cfg))
+    keep = H * act + job.kd_topk * 8 * (1 if job.kd_weight > 0 else 0)
+    return trained, keep, 0, tokens * job.num_heads * (job.num_layers * 2 * H * act + 2 * n * 4)
+
+
+def distill_memory(job, target_config, act: int, tokens: int) -> tuple[int, int, int, int]:
+    """`Method.train_memory` of a draft distillation job (see `eagle_memory`)."""
+    from draftsmith.distill.builders import _config_for_layers
+
+    tc = text_config(target_config)
+    V = tc.vocab_size
+    d = job.draft
+    dcfg = _config_for_layers(tc, d.num_layers)
+    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim"):
+        if getattr(d, k) is not None:
+            setattr(dcfg, k, getattr(d, k))
+    trained = count_params(dcfg)
+    dd = dcfg.to_dict()
+    teacher = (job.kd.topk * 8) if job.kd.topk else V * 4
+    return trained, 0, teacher, tokens * (d.num_layers * _layer_bytes_per_token(dd) * act + 3 * V * 4)
 
 
 def format_plan(p: dict) -> str:

@@ -1,0 +1,166 @@
+"""Adding a drafting method is one registration: a toy method, declared here and nowhere else, is trained
+by `draftsmith train`, loaded by the config loader, accepted as an artifact kind, decoded losslessly by
+the verifier and evaluated, and known to retrain, bench, plan and export.
+
+The toy drafts from a next-token table: entry t is the target's greedy token after the one-token context
+t, computed by its "training job" in one batched target forward. Its proposal is the chain the table
+spells from the pending token."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith import artifact, methods
+from draftsmith.config import CONFIG_KINDS, load_config, to_dict
+from draftsmith.decoding.proposer import Proposal, Proposer
+from draftsmith.errors import ConfigError
+
+
+@dataclass
+class TableConfig:
+    target: str = ""
+    data: str = ""  # unused: the table is read off the target itself
+    output: str = ""
+    train: dict = field(default_factory=dict)  # accepts the overrides bench/retrain give every job
+    evaluate: dict = field(default_factory=dict)
+
+
+class TableProposer(Proposer):
+    name = "table"
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def propose(self, context, spec, sampling, generator) -> Proposal:
+        tokens, tok = [], int(context[-1])
+        for _ in range(spec.depth):
+            tok = int(self.table[tok])
+            tokens.append(tok)
+        return Proposal.chain(tokens, device=context.device)  # q = None: deterministic candidates
+
+
+def train_table(config_path, overrides) -> Path:
+    from draftsmith.targets import load_target
+
+    cfg = load_config(config_path, overrides, cls=TableConfig)
+    target = load_target(cfg.target, device="cpu", dtype="float32")
+    with torch.no_grad():
+        ids = torch.arange(target.vocab_size)[:, None]
+        table = target.model(input_ids=ids).logits[:, -1].argmax(-1)
+    manifest = artifact.make_manifest("table", target.fingerprint(), to_dict(cfg))
+    return artifact.save_artifact(cfg.output, manifest, {"table": table}, {"vocab_size": target.vocab_size})
+
+
+def load_table(path, target=None) -> torch.Tensor:
+    _, state = artifact.load_artifact(path, kind="table", target=target)
+    return state["table"]
+
+
+def table_tensors(path):
+    n = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    return {"table": ((n,), "")}, {}, []
+
+
+@pytest.fixture
+def table_method():
+    method = methods.register(methods.Method(
+        name="table", summary="a next-token table read off the target", config=TableConfig, train=train_table,
+        load=load_table, proposer=lambda target, path, **opts: TableProposer(load_table(path, target)),
+        tensors=table_tensors))
+    yield method
+    methods.unregister("table")
+    CONFIG_KINDS.pop("table", None)
+
+
+@pytest.fixture
+def table_artifact(table_method, tiny_target, tmp_path):
+    from draftsmith.cli import main
+
+    preset = tmp_path / "table.yaml"
+    preset.write_text(f"kind: table\ntarget: {tiny_target.folder}\n")
+    out = tmp_path / "table-artifact"
+    assert main(["train", "table", "--config", str(preset), f"output={out}"]) == 0
+    return out
+
+
+def test_the_cli_and_the_config_loader_see_a_registered_method(table_method, tmp_path, capsys):
+    from draftsmith.cli import build_parser
+
+    args = build_parser().parse_args(["train", "table", "--config", "x.yaml"])
+    assert args.job == "table"
+    preset = tmp_path / "p.yaml"
+    preset.write_text("kind: table\noutput: somewhere\n")
+    cfg = load_config(preset)
+    assert isinstance(cfg, TableConfig) and cfg.output == "somewhere"
+    assert to_dict(cfg)["kind"] == "table"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "nonesuch"])
+    assert "table" in capsys.readouterr().err  # argparse lists the registered methods
+
+
+def test_a_registered_method_trains_checks_and_decodes_losslessly(table_artifact, tiny_target):
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.decoding.generate import speculative_generate
+
+    manifest = artifact.load_manifest(table_artifact, kind="table")
+    assert manifest["kind"] == "table"
+    problems, checks = artifact.inspect_artifact(table_artifact)
+    assert problems == [] and any("tensors match the table module" in c for c in checks)
+
+    proposer = build_proposer(f"table:{table_artifact}", tiny_target)
+    assert isinstance(proposer, TableProposer)
+    prompts = torch.randint(3, tiny_target.vocab_size, (3, 5), generator=torch.Generator().manual_seed(7))
+    ref = tiny_target.model.generate(prompts, max_new_tokens=16, do_sample=False, pad_token_id=0)[:, 5:]
+    out = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=16, eos_ids=[], k=3)
+    assert out.tokens == ref.tolist()
+    assert out.stats.proposed > 0 and out.stats.accepted > 0  # the table drafts, the target accepts some
+
+
+def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(table_artifact, tiny_target, tmp_path):
+    from draftsmith.benchmark.config import ArtifactStage
+    from draftsmith.evaluation import evaluate
+    from draftsmith.export.api import export_artifact
+    from draftsmith.ops.memory import artifact_shape
+    from draftsmith.retrain.config import RetrainConfig
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"category": "", "turns": [t]})
+                                 for t in ["Name three colors.", "What is a fox?"]) + "\n")
+    report = evaluate(tiny_target, f"table:{table_artifact}", prompts=[str(prompts)], max_new_tokens=8, k=3,
+                      hf_reference=False, cost_model=False)
+    assert report["overall"]["lossless"] is True and report["overall"]["n_prompts"] == 2
+
+    assert RetrainConfig(artifact_kind="table").artifact_kind == "table"
+    assert ArtifactStage(name="t", job="table", config="x.yaml").job == "table"
+    shape = artifact_shape(table_artifact, tiny_target.config)
+    assert shape.kind == "table" and shape.params == tiny_target.vocab_size
+    with pytest.raises(ConfigError, match="no serving stack takes a table artifact"):
+        export_artifact(table_artifact, "vllm", tmp_path / "export", tiny_target)
+
+
+def test_unregistered_and_unknown_methods_are_one_line_errors(tiny_target):
+    from draftsmith.decoding.factory import build_proposer
+
+    assert methods.names()[:3] == ["draft", "medusa", "eagle"]
+    with pytest.raises(ConfigError, match="unknown proposer 'table:x'"):
+        build_proposer("table:x", tiny_target)
+    with pytest.raises(ConfigError, match="unknown artifact kind 'table'"):
+        methods.get("table")
+    with pytest.raises(ConfigError, match="artifact_kind"):
+        from draftsmith.retrain.config import RetrainConfig
+
+        RetrainConfig(artifact_kind="table")
+    with pytest.raises(ConfigError, match="already registered"):
+        methods.register(methods.Method(name="medusa", summary="", config=None, train=None, load=None, proposer=None))
+
+
+def test_every_builtin_method_folder_ships_in_the_wheel():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert set(methods.BUILTIN) <= set(pyproject["tool"]["setuptools"]["packages"])
