@@ -89,7 +89,7 @@ def read_guard(out: str | Path) -> dict:
 
 
 def stack_module(stack: str):
-    """The module of one serving stack (export/vllm.py, ...): its FORMATS per layout family and `serve`."""
+    """The module of one serving stack (export/vllm.py, ...): `serve` (and `refuse`) per layout family."""
     import importlib
 
     from draftsmith.errors import ConfigError

@@ -58,6 +58,12 @@ SPECULATORS = "speculators-eagle3"
 MIDLAYER = "eagle3-midlayer"
 VLLM_EAGLE1 = "vllm-eagle1"
 EAGLE1 = "eagle1"
+# the layout each serving stack reads an EAGLE-3 / EAGLE-1 head in, and why a stack takes none
+STACK_FORMATS = {
+    "eagle3": {"vllm": SPECULATORS, "sglang": MIDLAYER, "trtllm": MIDLAYER, "hf": SPECULATORS},
+    "eagle1": {"vllm": VLLM_EAGLE1, "sglang": EAGLE1, "trtllm": EAGLE1},
+}
+UNSUPPORTED = {"eagle1": {"hf": "Hugging Face has no EAGLE-1 loader; export EAGLE-1 heads for vllm, sglang or trtllm"}}
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "layer.", "decoder.", "decoder_layer.", "block.")
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -142,8 +148,11 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
 
     guard = {"eagle": {"version": cfg["version"], "source_names": names, "aux_layers_draftsmith": cfg.get("aux_layers"),
                        "target_rope_theta": cfg["rope_theta"]}}
-    return export_heads(HeadExport(f"eagle{cfg['version']}", manifest, cfg, write, guard=guard), artifact_dir,
-                        stack, out, target, num_speculative_tokens, verify, overwrite=overwrite, verifier=verifier)
+    layout = f"eagle{cfg['version']}"
+    plan = HeadExport(layout, STACK_FORMATS[layout], manifest, cfg, write, guard=guard,
+                      unsupported=UNSUPPORTED.get(layout, {}))
+    return export_heads(plan, artifact_dir, stack, out, target, num_speculative_tokens, verify, overwrite=overwrite,
+                        verifier=verifier)
 
 
 def aux_ids(cfg: dict, stack: str) -> list[int]:

@@ -29,7 +29,9 @@ from draftsmith.targets.fingerprint import check_compatible
 class HeadExport:
     """One artifact, read for export.
 
-    layout: the layout family the stack modules' FORMATS name (medusa, eagle1, eagle3).
+    layout: the layout family (medusa, eagle1, eagle3): the stack modules' `serve` and `refuse` take it.
+    formats: stack -> the export format (export/verify.py's name for the layout) that stack reads;
+    unsupported: stack -> why that stack takes none (one line for the user).
     write(tmp, fmt, target, target_ref, out, num_speculative_tokens) -> target_ref: writes the layout into
     tmp; returns how serve.md must name the target (a method that ships its own adapted target changes it).
     guard: extra fields for draftsmith.json (what `import_export` needs to read the layout back).
@@ -37,11 +39,13 @@ class HeadExport:
     """
 
     layout: str
+    formats: dict[str, str]
     manifest: dict
     cfg: dict
     write: Callable[..., str]
     guard: dict = field(default_factory=dict)
     tree: list | None = None
+    unsupported: dict[str, str] = field(default_factory=dict)
 
 
 def export_heads(plan: HeadExport, artifact_dir: Path, stack: str, out: str | Path, target=None,
@@ -53,13 +57,12 @@ def export_heads(plan: HeadExport, artifact_dir: Path, stack: str, out: str | Pa
     module = stack_module(stack)
     check_replaceable(out, "export", overwrite)
     sub, cfg = plan.layout, plan.cfg
-    formats = module.FORMATS if stack != "hf" else module._head_formats()
-    if sub not in formats:
-        raise ConfigError(getattr(module, "UNSUPPORTED", {}).get(sub, f"{stack} does not take {sub} heads"))
+    if stack not in plan.formats:
+        raise ConfigError(plan.unsupported.get(stack, f"{stack} does not take {sub} heads"))
     refuse = getattr(module, "refuse", None)
     if refuse is not None and refuse(sub, cfg):
         raise ConfigError(f"{artifact_dir}: {refuse(sub, cfg)}")
-    fmt = formats[sub]
+    fmt = plan.formats[stack]
     if target is not None:
         check_compatible(plan.manifest["target"], target.fingerprint(), what=f"artifact {artifact_dir}")
     target_ref = verifier_ref(target, verifier)

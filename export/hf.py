@@ -208,15 +208,6 @@ def assisted_generation_check(out: Path, target, prompt: str, max_new_tokens: in
 
 
 # --- heads for the Hugging Face side ---------------------------------------------------------------------
-def _head_formats():
-    from draftsmith.export import eagle, medusa
-
-    return {"medusa": medusa.MEDUSA_FORMAT, "eagle3": eagle.SPECULATORS}
-
-
-UNSUPPORTED = {"eagle1": "Hugging Face has no EAGLE-1 loader; export EAGLE-1 heads for vllm, sglang or trtllm"}
-
-
 def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None) -> str:
     if kind == "medusa":
         return (f"FasterDecoding Medusa layout (`medusa_lm_head.safetensors`, the layout Medusa's own "

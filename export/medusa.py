@@ -45,6 +45,9 @@ from draftsmith.targets.families import lm_head
 VLLM_FORMAT = "vllm-medusa"
 MEDUSA_FORMAT = "medusa-lm-head"  # FasterDecoding layout, read by TensorRT-LLM and Medusa's own HF model
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+# the layout each serving stack reads Medusa heads in, and why a stack takes none
+STACK_FORMATS = {"vllm": VLLM_FORMAT, "trtllm": MEDUSA_FORMAT, "hf": MEDUSA_FORMAT}
+UNSUPPORTED = {"sglang": "SGLang has no Medusa support; export Medusa heads for vllm, trtllm or hf"}
 
 
 def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict[str, torch.Tensor], list | None]:
@@ -85,7 +88,8 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
         write_layout(tmp, fmt, cfg, state, target_ref)
         return target_ref
 
-    return export_heads(HeadExport("medusa", manifest, cfg, write, tree=tree), artifact_dir, stack, out, target,
+    plan = HeadExport("medusa", STACK_FORMATS, manifest, cfg, write, tree=tree, unsupported=UNSUPPORTED)
+    return export_heads(plan, artifact_dir, stack, out, target,
                         num_speculative_tokens, verify, overwrite=overwrite, verifier=verifier)
 
 
