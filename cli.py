@@ -18,6 +18,7 @@ from draftsmith.errors import DraftsmithError
 
 COMMAND_MODULES = [
     "draftsmith.targets.commands",
+    "draftsmith.checks",
     "draftsmith.data.commands",
     "draftsmith.distill.commands",
     "draftsmith.training.commands",

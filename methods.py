@@ -20,7 +20,7 @@ training job.
               (export/heads.py writes any head layout; export/hf.py a whole draft model)
     memory    (path, target_config) -> `ops.memory.ArtifactShape`: parameters and KV cache of the artifact
     tensors   (path) -> (required, optional, problems): the tensor names and shapes `config.json` implies,
-              for `draftsmith check` (artifact.inspect_artifact)
+              for `draftsmith check` (checks.inspect_artifact)
     train_memory  (job config, target config, activation bytes, tokens per micro-batch) -> (trained params,
               kept bytes per token, teacher bytes per token, module activation bytes), for
               `draftsmith plan --config` (ops/train_memory.py)

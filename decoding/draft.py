@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.decoding import kvcache
 from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec, as_model
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
 from draftsmith.errors import ArtifactError, FingerprintMismatch
+from draftsmith.targets import kvcache
 from draftsmith.targets.gemm import use_rows_linear
 
 

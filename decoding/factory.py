@@ -23,13 +23,13 @@ def build_proposer(spec: str, target, **opts) -> Proposer:
     if kind == "multi":
         from draftsmith.decoding.multi import build_multi
 
-        return build_multi(arg, target, **opts)
+        return build_multi(arg, target, build_proposer, **opts)
     if kind == "route":
         from draftsmith.decoding.routing import RoutedProposer
 
         if not arg:
             raise ConfigError("proposer 'route' needs a routing policy file: route:PATH")
-        return RoutedProposer.from_file(arg, target, **opts)
+        return RoutedProposer.from_file(arg, target, build_proposer, **opts)
     if kind == "ngram":
         from draftsmith.decoding.ngram import NgramProposer
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from draftsmith import artifact, methods
 from draftsmith.errors import ConfigError
-from draftsmith.export import eagle, medusa
+from draftsmith.export import eagle, hf, medusa  # noqa: F401  (hf: imported so its verifier registers)
 from draftsmith.export.common import ExportResult, read_guard, stack_module
-from draftsmith.export.verify import run_verifier
+from draftsmith.export.verify import VERIFIERS, VerificationError, run_verifier
 from draftsmith.storage import atomic_write_json, check_replaceable
 
 
@@ -72,8 +72,16 @@ def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | N
     return artifact.save_artifact(out, manifest, state, cfg, overwrite=overwrite)
 
 
-def _verifiers() -> dict:  # noqa: N802
-    from draftsmith.export import hf, sglang, trtllm, vllm  # noqa: F401  (formats register themselves)
-    from draftsmith.export.verify import VERIFIERS
-
+def _verifiers() -> dict:
+    """Every export format's verifier: the layout modules (eagle, hf, medusa, imported above) register theirs."""
     return VERIFIERS
+
+
+def verify_export(out: str | Path, target=None) -> list[str]:
+    """Re-verify an export directory from its draftsmith.json (format) alone. Returns the checks done."""
+    out = Path(out)
+    guard = read_guard(out)
+    fmt = guard.get("format")
+    if fmt not in _verifiers():
+        raise VerificationError(f"{out}: unknown export format '{fmt}'")
+    return run_verifier(out, fmt, target)

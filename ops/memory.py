@@ -257,8 +257,7 @@ def measure_cpu(target_spec: str, artifact_path: str | None, batch: int, context
 
     import torch
 
-    from draftsmith.decoding import kvcache
-    from draftsmith.targets import load_target
+    from draftsmith.targets import kvcache, load_target
 
     def rss() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0

@@ -26,7 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from draftsmith import methods
-from draftsmith.artifact import inspect_artifact, load_manifest, now_iso, update_manifest
+from draftsmith.artifact import load_manifest, now_iso, update_manifest
+from draftsmith.checks import inspect_artifact
 from draftsmith.config import load_config, to_dict
 from draftsmith.errors import ArtifactError, DraftsmithError
 from draftsmith.retrain.config import RetrainConfig

@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from draftsmith.decoding import kvcache
 from draftsmith.decoding.draft import DraftProposer
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import speculative_generate
@@ -18,6 +17,7 @@ from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits
 from draftsmith.decoding.verify import SequenceVerifier, accept_sampled, tree_attention
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.targets import kvcache
 
 
 def varied_llama(vocab: int, seed: int, layers: int = 2, scale: float = 16.0, attn: str = "sdpa"):

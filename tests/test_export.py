@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import artifact
 from draftsmith.errors import ConfigError
-from draftsmith.export.api import export_artifact, import_export
-from draftsmith.export.verify import VerificationError, read_header, verify_export
+from draftsmith.export.api import export_artifact, import_export, verify_export
+from draftsmith.export.verify import VerificationError, read_header
 
 H, NH, NKV, HD, INTER = 64, 4, 2, 16, 128
 
@@ -338,8 +338,8 @@ def test_eagle3_speculators_loads_and_runs(deep_target, tmp_path):
 
 # --- compatibility guard and CLI -----------------------------------------------------------------------
 def test_guard_readable_by_check_and_refuses_other_target(tiny_target, other_target, tmp_path):
+    from draftsmith.checks import read_fingerprint
     from draftsmith.errors import FingerprintMismatch
-    from draftsmith.targets.commands import read_fingerprint
 
     art = make_medusa_artifact(tiny_target, tmp_path / "m")
     out = export_artifact(art, "vllm", tmp_path / "v", tiny_target).out

@@ -19,8 +19,8 @@ from test_export import make_draft_artifact, make_medusa_artifact
 
 from draftsmith import artifact
 from draftsmith.errors import ArtifactError, DataError, IntegrityError, OutputError, TrainingError
-from draftsmith.export.api import export_artifact, import_export
-from draftsmith.export.verify import VerificationError, verify_export
+from draftsmith.export.api import export_artifact, import_export, verify_export
+from draftsmith.export.verify import VerificationError
 from draftsmith.storage import atomic_dir, sha256_file, weight_checksums
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt

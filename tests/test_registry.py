@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from draftsmith import artifact, methods
+from draftsmith.checks import inspect_artifact
 from draftsmith.config import CONFIG_KINDS, load_config, to_dict
 from draftsmith.decoding.proposer import Proposal, Proposer
 from draftsmith.errors import ConfigError
@@ -109,7 +110,7 @@ def test_a_registered_method_trains_checks_and_decodes_losslessly(table_artifact
 
     manifest = artifact.load_manifest(table_artifact, kind="table")
     assert manifest["kind"] == "table"
-    problems, checks = artifact.inspect_artifact(table_artifact)
+    problems, checks = inspect_artifact(table_artifact)
     assert problems == [] and any("tensors match the table module" in c for c in checks)
 
     proposer = build_proposer(f"table:{table_artifact}", tiny_target)
