@@ -18,6 +18,8 @@ training job.
     export    (artifact_dir, stack, out, target, num_speculative_tokens, verify, *, overwrite, verifier)
               -> `export.common.ExportResult`; which layout each stack takes is the method's business
               (export/heads.py writes any head layout; export/hf.py a whole draft model)
+    reimport  (export_dir, guard) -> (config, state, writer or None) of an export of this method (guard:
+              its draftsmith.json, {} for another tool's), or None when it is not one; `import_export`
     memory    (path, target_config) -> `ops.memory.ArtifactShape`: parameters and KV cache of the artifact
     tensors   (path) -> (required, optional, problems): the tensor names and shapes `config.json` implies,
               for `draftsmith check` (checks.inspect_artifact)
@@ -62,6 +64,7 @@ class Method:
     load: Any
     proposer: Any
     export: Any = None  # None: no serving stack takes it (`draftsmith export` says so)
+    reimport: Any = None  # None: `import_export` reads none of its exports back
     memory: Any = None  # None: `draftsmith plan` counts no parameters or cache for it
     tensors: Any = None  # None: `draftsmith check` compares no tensor shapes
     train_memory: Any = None  # None: `draftsmith plan --config` cannot size its training job

@@ -10,6 +10,7 @@ METHOD = Method(
     load="draftsmith.eagle.model:load_eagle",
     proposer="draftsmith.eagle.proposer:build_proposer",
     export="draftsmith.export.eagle:export",
+    reimport="draftsmith.export.eagle:reimport",
     memory="draftsmith.ops.memory:eagle_shape",
     tensors="draftsmith.eagle.model:artifact_tensors",
     train_memory="draftsmith.ops.train_memory:eagle_memory",

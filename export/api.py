@@ -16,11 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith import artifact, methods
-from draftsmith.errors import ConfigError
-from draftsmith.export import eagle, hf, medusa  # noqa: F401  (hf: imported so its verifier registers)
+from draftsmith.errors import ArtifactError, ConfigError
+from draftsmith.export import eagle, hf, medusa  # noqa: F401  (imported so that their verifiers register)
 from draftsmith.export.common import ExportResult, read_guard, stack_module
 from draftsmith.export.verify import VERIFIERS, VerificationError, run_verifier
-from draftsmith.storage import atomic_write_json, check_replaceable
+from draftsmith.storage import check_replaceable
 
 
 def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
@@ -46,8 +46,9 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
 
 def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | None = None,
                   overwrite: bool = False) -> Path:
-    """Read a vLLM/FasterDecoding Medusa or a speculators/midlayer/EAGLE-1 export back into a draftsmith
-    artifact (same weights). The fingerprint comes from draftsmith.json unless given."""
+    """Read an export back into a draftsmith artifact (same weights): each method's `reimport` (methods.py)
+    recognizes its own layouts (vLLM / FasterDecoding Medusa, speculators / midlayer / EAGLE-1). The
+    fingerprint comes from draftsmith.json unless given."""
     export_dir = Path(export_dir)
     guard = read_guard(export_dir) if (export_dir / "draftsmith.json").is_file() else {}
     if guard.get("format") in _verifiers():
@@ -56,20 +57,14 @@ def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | N
     if fp is None:
         raise ConfigError(f"{export_dir}: no draftsmith.json; pass the target fingerprint")
     meta = {"imported_from": str(export_dir), "format": guard.get("format")}
-    if guard.get("format") in (medusa.VLLM_FORMAT, medusa.MEDUSA_FORMAT) or (export_dir / medusa.MEDUSA_WEIGHTS).is_file():
-        cfg, state = medusa.read_layout(export_dir)
-        manifest = artifact.make_manifest("medusa", fp, {}, **meta)
-        tree = guard.get("medusa_choices")
-
-        def writer(tmp: Path) -> None:
-            if tree is not None:
-                atomic_write_json(tmp / "tree.json", {"paths": tree, "expected_length": 0.0})
-
-        return artifact.save_artifact(out, manifest, state, cfg, writer=writer, overwrite=overwrite)
-    names = (guard.get("eagle") or {}).get("source_names")
-    cfg, state = eagle.read_layout(export_dir, names)
-    manifest = artifact.make_manifest("eagle", fp, {}, **meta)
-    return artifact.save_artifact(out, manifest, state, cfg, overwrite=overwrite)
+    for method in methods.all_methods():  # the first method whose reader recognizes the layout reads it
+        found = method.get("reimport")(export_dir, guard) if method.reimport is not None else None
+        if found is not None:
+            cfg, state, writer = found
+            manifest = artifact.make_manifest(method.name, fp, {}, **meta)
+            return artifact.save_artifact(out, manifest, state, cfg, writer=writer, overwrite=overwrite)
+    readers = ", ".join(m.name for m in methods.all_methods() if m.reimport is not None)
+    raise ArtifactError(f"{export_dir}: no method reads this layout back ({readers} exports can be imported)")
 
 
 def _verifiers() -> dict:

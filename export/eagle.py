@@ -155,6 +155,23 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
                         verifier=verifier)
 
 
+def reimport(export_dir: Path, guard: dict):
+    """`Method.reimport`: (config, state under the artifact's own names, None) of a speculators, midlayer or
+    EAGLE-1 export (draftsmith's, by its draftsmith.json, or another's: every EAGLE layout has the fc that
+    joins the features); None when `export_dir` is not one."""
+    export_dir = Path(export_dir)
+    fmt = guard.get("format")
+    if fmt is not None and fmt not in (SPECULATORS, MIDLAYER, VLLM_EAGLE1, EAGLE1):
+        return None
+    if fmt is None:
+        if not (export_dir / "model.safetensors").is_file():
+            return None
+        if "fc.weight" not in {canonical_name(k) for k in read_header(export_dir / "model.safetensors")}:
+            return None
+    cfg, state = read_layout(export_dir, (guard.get("eagle") or {}).get("source_names"))
+    return cfg, state, None
+
+
 def aux_ids(cfg: dict, stack: str) -> list[int]:
     """The aux layer ids in `stack`'s convention (see module docstring)."""
     return [i + 1 for i in cfg["aux_layers"]] if stack == "vllm" else list(cfg["aux_layers"])

@@ -93,6 +93,21 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
                         num_speculative_tokens, verify, overwrite=overwrite, verifier=verifier)
 
 
+def reimport(export_dir: Path, guard: dict):
+    """`Method.reimport`: (config, state, writer of tree.json) of a vLLM or FasterDecoding Medusa export;
+    None when `export_dir` is not one."""
+    if guard.get("format") not in (VLLM_FORMAT, MEDUSA_FORMAT) and not (Path(export_dir) / MEDUSA_WEIGHTS).is_file():
+        return None
+    cfg, state = read_layout(export_dir)
+    tree = guard.get("medusa_choices")
+
+    def writer(tmp: Path) -> None:
+        if tree is not None:
+            atomic_write_json(tmp / "tree.json", {"paths": tree, "expected_length": 0.0})
+
+    return cfg, state, writer
+
+
 def to_vllm(cfg: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     K, L = cfg["num_heads"], cfg["num_layers"]
     out = {}

@@ -11,6 +11,7 @@ METHOD = Method(
     load="draftsmith.medusa.model:load_medusa",
     proposer="draftsmith.medusa.proposer:build_proposer",
     export="draftsmith.export.medusa:export",
+    reimport="draftsmith.export.medusa:reimport",
     memory="draftsmith.ops.memory:head_shape",
     tensors="draftsmith.medusa.model:artifact_tensors",
     train_memory="draftsmith.ops.train_memory:medusa_memory",

@@ -19,7 +19,7 @@ from draftsmith import artifact, methods
 from draftsmith.checks import inspect_artifact
 from draftsmith.config import CONFIG_KINDS, load_config, to_dict
 from draftsmith.decoding.proposer import Proposal, Proposer
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ArtifactError, ConfigError
 
 
 @dataclass
@@ -125,7 +125,7 @@ def test_a_registered_method_trains_checks_and_decodes_losslessly(table_artifact
 def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(table_artifact, tiny_target, tmp_path):
     from draftsmith.benchmark.config import ArtifactStage
     from draftsmith.evaluation import evaluate
-    from draftsmith.export.api import export_artifact
+    from draftsmith.export.api import export_artifact, import_export
     from draftsmith.ops.memory import artifact_shape
     from draftsmith.retrain.config import RetrainConfig
 
@@ -142,6 +142,8 @@ def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(tab
     assert shape.kind == "table" and shape.params == tiny_target.vocab_size
     with pytest.raises(ConfigError, match="no serving stack takes a table artifact"):
         export_artifact(table_artifact, "vllm", tmp_path / "export", tiny_target)
+    with pytest.raises(ArtifactError, match="no method reads this layout back"):  # no reader claims every folder
+        import_export(table_artifact, tmp_path / "back", fingerprint=tiny_target.fingerprint())
 
 
 def test_unregistered_and_unknown_methods_are_one_line_errors(tiny_target):
