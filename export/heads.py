@@ -36,6 +36,9 @@ class HeadExport:
     tmp; returns how serve.md must name the target (a method that ships its own adapted target changes it).
     guard: extra fields for draftsmith.json (what `import_export` needs to read the layout back).
     tree: a calibrated tree to record beside the layout (tree.json, `medusa_choices`), or None.
+    serve(stack, out, target_ref, num_speculative_tokens) -> serve.md's body; None: the stack module's
+    `serve` for this layout (export/vllm.py, ...), which knows the built-in head families. A new method
+    with a layout of its own says here how each stack launches it.
     """
 
     layout: str
@@ -46,6 +49,7 @@ class HeadExport:
     guard: dict = field(default_factory=dict)
     tree: list | None = None
     unsupported: dict[str, str] = field(default_factory=dict)
+    serve: Callable[[str, Path, str, int], str] | None = None
 
 
 def export_heads(plan: HeadExport, artifact_dir: Path, stack: str, out: str | Path, target=None,
@@ -82,7 +86,10 @@ def export_heads(plan: HeadExport, artifact_dir: Path, stack: str, out: str | Pa
         if target is not None and target.folder is not None:
             extra["target_folder"] = str(target.folder)  # where verification finds the weights it needs
         write_guard(tmp, plan.manifest, stack, fmt, extra)
-        body = module.serve(sub, out, target_ref, num_speculative_tokens, cfg, plan.tree)
+        if plan.serve is not None:
+            body = plan.serve(stack, out, target_ref, num_speculative_tokens)
+        else:
+            body = module.serve(sub, out, target_ref, num_speculative_tokens, cfg, plan.tree)
         write_serve(tmp, f"Serving these {sub} heads with {stack}", body)
         write_card(tmp, plan.manifest, sub, stack, fmt, target_ref, body)
         record_checksums(tmp)

@@ -1,6 +1,6 @@
 """Adding a drafting method is one registration: a toy method, declared here and nowhere else, is trained
 by `draftsmith train`, loaded by the config loader, accepted as an artifact kind, decoded losslessly by
-the verifier and evaluated, and known to retrain, bench, plan and export.
+the verifier and evaluated, exported in a layout of its own, and known to retrain, bench and plan.
 
 The toy drafts from a next-token table: entry t is the target's greedy token after the one-token context
 t, computed by its "training job" in one batched target forward. Its proposal is the chain the table
@@ -62,6 +62,33 @@ def load_table(path, target=None) -> torch.Tensor:
     return state["table"]
 
 
+def export_table(artifact_dir, stack, out, target=None, num_speculative_tokens=4, verify=True, *, overwrite=False,
+                 verifier=None):
+    """The toy's own layout, for the hf stack only, with its own serve.md text."""
+    from safetensors.torch import save_file
+
+    from draftsmith.export.heads import HeadExport, export_heads
+
+    manifest, state = artifact.load_artifact(artifact_dir, kind="table", target=target)
+
+    def write(tmp, fmt, target, target_ref, out, k):
+        save_file({"table": state["table"].contiguous()}, str(tmp / "table.safetensors"))
+        return target_ref
+
+    plan = HeadExport("table", {"hf": "table-v1"}, manifest, {}, write, unsupported={"vllm": "vLLM has no table"},
+                      serve=lambda stack, out, ref, k: f"Draft with `{out}/table.safetensors` beside `{ref}`.\n")
+    return export_heads(plan, Path(artifact_dir), stack, out, target, num_speculative_tokens, verify,
+                        overwrite=overwrite, verifier=verifier)
+
+
+def verify_table(out, target=None) -> list[str]:
+    from draftsmith.export.verify import check, read_header
+
+    names = sorted(read_header(Path(out) / "table.safetensors"))
+    check(out, [] if names == ["table"] else [f"table.safetensors holds {names}"])
+    return ["table.safetensors holds the table"]
+
+
 def table_tensors(path):
     n = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     return {"table": ((n,), "")}, {}, []
@@ -69,13 +96,17 @@ def table_tensors(path):
 
 @pytest.fixture
 def table_method():
+    from draftsmith.export.verify import VERIFIERS
+
     method = methods.register(methods.Method(
         name="table", summary="a next-token table read off the target", config=TableConfig, train=train_table,
         load=load_table, proposer=lambda target, path, **opts: TableProposer(load_table(path, target)),
-        tensors=table_tensors))
+        export=export_table, tensors=table_tensors))
+    VERIFIERS["table-v1"] = verify_table  # what a layout module's @register_verifier does
     yield method
     methods.unregister("table")
     CONFIG_KINDS.pop("table", None)
+    VERIFIERS.pop("table-v1", None)
 
 
 @pytest.fixture
@@ -125,7 +156,7 @@ def test_a_registered_method_trains_checks_and_decodes_losslessly(table_artifact
 def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(table_artifact, tiny_target, tmp_path):
     from draftsmith.benchmark.config import ArtifactStage
     from draftsmith.evaluation import evaluate
-    from draftsmith.export.api import export_artifact, import_export
+    from draftsmith.export.api import export_artifact, import_export, verify_export
     from draftsmith.ops.memory import artifact_shape
     from draftsmith.retrain.config import RetrainConfig
 
@@ -140,8 +171,13 @@ def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(tab
     assert ArtifactStage(name="t", job="table", config="x.yaml").job == "table"
     shape = artifact_shape(table_artifact, tiny_target.config)
     assert shape.kind == "table" and shape.params == tiny_target.vocab_size
-    with pytest.raises(ConfigError, match="no serving stack takes a table artifact"):
-        export_artifact(table_artifact, "vllm", tmp_path / "export", tiny_target)
+    res = export_artifact(table_artifact, "hf", tmp_path / "export", tiny_target)
+    assert res.format == "table-v1" and "table.safetensors" in res.files
+    assert res.checks[-1] == "table.safetensors holds the table"
+    assert "table.safetensors` beside" in (res.out / "serve.md").read_text()
+    assert verify_export(res.out) == res.checks  # re-verified from draftsmith.json alone
+    with pytest.raises(ConfigError, match="vLLM has no table"):
+        export_artifact(table_artifact, "vllm", tmp_path / "export-vllm", tiny_target)
     with pytest.raises(ArtifactError, match="no method reads this layout back"):  # no reader claims every folder
         import_export(table_artifact, tmp_path / "back", fingerprint=tiny_target.fingerprint())
 
