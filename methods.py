@@ -7,9 +7,9 @@ how an artifact of it is loaded, turned into a proposer, exported for each servi
 `draftsmith plan`. `BUILTIN` names those folders; adding a method is a folder plus one line there (or a
 `register(Method(...))` call, which is how a test or a plugin adds one without touching this file).
 
-References are `"module:attribute"` strings (or the objects themselves) so that reading the table imports
-nothing heavy: `draftsmith --help` does not import torch, and decoding with a head does not import its
-training job.
+References are `"module:attribute"` strings (or the objects themselves), imported on first use: listing
+the methods imports none of their code, and decoding with a head imports its proposer, not its training
+job.
 
     config    the job's config dataclass (registered with `@register_config`, so `kind: NAME` presets load)
     train     (config_path, overrides) -> Path of the artifact it wrote
