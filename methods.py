@@ -31,7 +31,7 @@ job.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from draftsmith.errors import ConfigError
@@ -75,7 +75,6 @@ class Method:
     command: tuple[str, ...] = ()  # the CLI words that run the job, when not `train NAME`
     aliases: tuple[str, ...] = ()  # other names bench presets may give its job (`distill` for `draft`)
     own_tree: bool = False  # its proposer has a tree of its own: end-of-training evaluation verifies it
-    extra: dict = field(default_factory=dict)
 
     def get(self, what: str) -> Any:
         """The object a reference field names, imported on first use."""
@@ -94,7 +93,8 @@ _loaded = False
 
 
 def register(method: Method, replace: bool = False) -> Method:
-    """Add a method (a name already taken is refused unless `replace`)."""
+    """Add a method (a name already taken is refused unless `replace`); the built-in ones come first."""
+    _load_builtin()
     if method.name in _METHODS and not replace and _METHODS[method.name] != method:
         raise ConfigError(f"method '{method.name}' is already registered")
     _METHODS[method.name] = method
@@ -111,7 +111,8 @@ def _load_builtin() -> None:
         return
     _loaded = True
     for package in BUILTIN:
-        register(importlib.import_module(package).METHOD, replace=True)
+        method = importlib.import_module(package).METHOD
+        _METHODS[method.name] = method
 
 
 def all_methods() -> list[Method]:
