@@ -23,9 +23,8 @@ job.
     memory    (path, target_config) -> `ops.memory.ArtifactShape`: parameters and KV cache of the artifact
     tensors   (path) -> (required, optional, problems): the tensor names and shapes `config.json` implies,
               for `draftsmith check` (checks.inspect_artifact)
-    train_memory  (job config, target config, activation bytes, tokens per micro-batch) -> (trained params,
-              kept bytes per token, teacher bytes per token, module activation bytes), for
-              `draftsmith plan --config` (ops/train_memory.py)
+    train_memory  (job config, target config, activation bytes) -> `ops.train_memory.JobMemory`, for
+              `draftsmith plan --config`
 """
 
 from __future__ import annotations
