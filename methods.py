@@ -4,8 +4,9 @@ A method is one folder (`distill/` for distilled draft models, `medusa/`, `eagle
 holds a `METHOD = Method(...)`: its name (the artifact kind in `manifest.json`, the proposer spec
 `NAME:PATH`, `draftsmith train NAME`), its job config class, the function that runs its training job,
 how an artifact of it is loaded, turned into a proposer, exported for each serving stack and sized for
-`draftsmith plan`. `BUILTIN` names those folders; adding a method is a folder plus one line there (or a
-`register(Method(...))` call, which is how a test or a plugin adds one without touching this file).
+`draftsmith plan`. `BUILTIN` names those folders; adding a method is a folder plus one line there (and the
+folder in pyproject.toml's package list, for the wheel), or a `register(Method(...))` call, which is how a
+test or a plugin adds one without touching any file.
 
 References are `"module:attribute"` strings (or the objects themselves), imported on first use: listing
 the methods imports none of their code, and decoding with a head imports its proposer, not its training
@@ -64,7 +65,7 @@ class Method:
     proposer: Any
     export: Any = None  # None: no serving stack takes it (`draftsmith export` says so)
     reimport: Any = None  # None: `import_export` reads none of its exports back
-    memory: Any = None  # None: `draftsmith plan` counts no parameters or cache for it
+    memory: Any = None  # None: `draftsmith plan` counts model.safetensors' parameters and no cache
     tensors: Any = None  # None: `draftsmith check` compares no tensor shapes
     train_memory: Any = None  # None: `draftsmith plan --config` cannot size its training job
     default_config: str | None = None  # the preset `draftsmith train NAME` uses without --config
