@@ -1,4 +1,4 @@
-"""The drafting methods: each artifact kind declares itself once, here, and every part reads it from here.
+"""The drafting methods: each artifact kind declares itself once, in its folder, and every part reads it here.
 
 A method is one folder (`distill/` for distilled draft models, `medusa/`, `eagle/`) whose `__init__.py`
 holds a `METHOD = Method(...)`: its name (the artifact kind in `manifest.json`, the proposer spec
