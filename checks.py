@@ -76,7 +76,9 @@ def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
     shape_problems = [f"{path / WEIGHTS}: {p}" for p in compare(found_tensors, expected, optional)]
     nonfinite = nonfinite_tensors(path)
     problems += shape_problems + extra + nonfinite
-    if not shape_problems and expected:
+    if not expected:
+        checks.append(f"the {manifest['kind']} method declares no tensor shapes: names and shapes not compared")
+    elif not shape_problems:
         checks.append(f"{len(found_tensors)} tensors match the {manifest['kind']} module's names and shapes")
     if not nonfinite:
         checks.append("every weight is finite")
