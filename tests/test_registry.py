@@ -203,3 +203,12 @@ def test_every_builtin_method_folder_ships_in_the_wheel():
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert set(methods.BUILTIN) <= set(pyproject["tool"]["setuptools"]["packages"])
+
+
+def test_every_reference_of_the_builtin_methods_resolves():
+    fields = ("config", "train", "load", "proposer", "export", "reimport", "memory", "tensors", "train_memory")
+    for method in methods.all_methods():
+        assert method.config is not None and method.train is not None and method.proposer is not None
+        for what in fields:
+            if getattr(method, what) is not None:
+                assert callable(method.get(what)), (method.name, what)
