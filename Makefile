@@ -67,8 +67,11 @@ bench: setup
 bench-quick: setup
 	$(BIN)/draftsmith bench --config $(BENCH_CONFIG) --quick
 
+# ruff, then the import rules (scripts/check_imports.py: no cycle between files, targets/ imports nothing
+# above it); tests/test_imports.py runs the same check inside `make test`
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/python scripts/check_imports.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith import __version__
+from draftsmith import __version__, methods
 from draftsmith.errors import ArtifactError
 from draftsmith.storage import atomic_dir, atomic_write_json, read_json, verify_checksums, weight_checksums
 from draftsmith.targets.fingerprint import check_compatible
 
 FORMAT_VERSION = 1
-KINDS = ("draft", "medusa", "eagle")
 WEIGHTS = "model.safetensors"
 MANIFEST = "manifest.json"
 
@@ -36,8 +35,8 @@ def now_iso() -> str:
 
 def make_manifest(kind: str, target_fingerprint: dict, config: dict, data: dict | None = None,
                   metrics: dict | None = None, parent: str | None = None, **extra: Any) -> dict:
-    if kind not in KINDS:
-        raise ArtifactError(f"unknown artifact kind '{kind}' (known: {', '.join(KINDS)})")
+    if methods.find(kind) is None:
+        raise ArtifactError(f"unknown artifact kind '{kind}' (known: {', '.join(methods.names())})")
     return {
         "kind": kind,
         "format_version": FORMAT_VERSION,
@@ -122,94 +121,3 @@ def update_manifest(path: str | Path, **fields: Any) -> dict:
     manifest.update(fields)
     atomic_write_json(Path(path) / MANIFEST, manifest)
     return manifest
-
-
-REQUIRED_FIELDS = ("kind", "format_version", "target", "config", "created")
-
-
-def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
-    """(problems, checks done) of an artifact directory, each one line naming the file / field / tensor:
-    manifest fields, weight files present, their checksums, tensor names and shapes against what the
-    kind's module holds (built from config.json on the meta device: no weights loaded), and a Medusa
-    tree that uses only heads that exist. The target fingerprint is compared by the caller."""
-    from draftsmith.export.verify import VerificationError, compare, nonfinite_tensors, read_header
-    from draftsmith.storage import checksum_problems
-
-    path = Path(path)
-    problems: list[str] = []
-    try:
-        manifest = load_manifest(path)
-    except ArtifactError as e:
-        return [str(e)], []
-    checks = []
-    missing = [f for f in REQUIRED_FIELDS if f not in manifest]
-    problems += [f"{path / MANIFEST}: missing field '{f}'" for f in missing]
-    if manifest.get("kind") not in KINDS:
-        problems.append(f"{path / MANIFEST}: field 'kind' is {manifest.get('kind')!r} (known: {', '.join(KINDS)})")
-        return problems, checks
-    if not missing:
-        checks.append(f"{MANIFEST}: fields {', '.join(REQUIRED_FIELDS)} present")
-    sums = manifest.get("checksums")
-    if sums:
-        found = checksum_problems(path, sums, MANIFEST)
-        problems += found
-        if not found:
-            checks.append(f"sha256 of {len(sums)} weight file(s) equal {MANIFEST}'s")
-    else:
-        checks.append(f"{MANIFEST} records no checksums (written before they were recorded): not compared")
-    if not (path / WEIGHTS).is_file():
-        problems.append(f"{path / WEIGHTS}: missing")
-        return problems, checks
-    try:
-        found_tensors = read_header(path / WEIGHTS)
-    except VerificationError as e:
-        problems.append(str(e))
-        return problems, checks
-    try:
-        expected, optional, extra = _expected_tensors(path, manifest["kind"])
-    except FileNotFoundError as e:
-        problems.append(f"{e.filename}: missing")
-        return problems, checks
-    except (ArtifactError, KeyError, TypeError, ValueError) as e:
-        problems.append(f"{path / 'config.json'}: cannot build the {manifest['kind']} module it describes ({e})")
-        return problems, checks
-    shape_problems = [f"{path / WEIGHTS}: {p}" for p in compare(found_tensors, expected, optional)]
-    nonfinite = nonfinite_tensors(path)
-    problems += shape_problems + extra + nonfinite
-    if not shape_problems:
-        checks.append(f"{len(found_tensors)} tensors match the {manifest['kind']} module's names and shapes")
-    if not nonfinite:
-        checks.append("every weight is finite")
-    return problems, checks
-
-
-def _expected_tensors(path: Path, kind: str) -> tuple[dict, dict, list[str]]:
-    """(required, optional) name -> (shape, "") of the module `config.json` describes, and other problems."""
-    from draftsmith.storage import read_json
-
-    if kind == "draft":
-        from draftsmith.export.hf import expected_draft_tensors
-
-        req, opt = expected_draft_tensors(read_json(path / "config.json"))
-        return ({k: (s, "") for k, (s, _) in req.items()}, {k: (s, "") for k, (s, _) in opt.items()}, [])
-    cfg = read_json(path / "config.json")
-    extra: list[str] = []
-    with torch.device("meta"):
-        if kind == "medusa":
-            from draftsmith.heads.medusa import MedusaHeads, MedusaHeadsConfig
-
-            fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
-            fields["draft_vocab_size"] = cfg.get("draft_vocab_size")
-            module = MedusaHeads(MedusaHeadsConfig(**fields))
-            if (path / "tree.json").is_file():
-                paths = read_json(path / "tree.json").get("paths") or []
-                depth = max((len(p) for p in paths), default=0)
-                if depth > fields["num_heads"]:
-                    extra.append(f"{path / 'tree.json'}: a path of depth {depth}, but the artifact has "
-                                 f"{fields['num_heads']} heads")
-        else:
-            from draftsmith.heads.eagle import EagleConfig, EagleHead
-
-            module = EagleHead(EagleConfig(**{k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}))
-    spec = {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}
-    return spec, {}, extra

@@ -18,9 +18,10 @@ from draftsmith.errors import DraftsmithError
 
 COMMAND_MODULES = [
     "draftsmith.targets.commands",
+    "draftsmith.checks",
     "draftsmith.data.commands",
     "draftsmith.distill.commands",
-    "draftsmith.heads.commands",
+    "draftsmith.training.commands",
     "draftsmith.evaluation.commands",
     "draftsmith.export.commands",
     "draftsmith.retrain.commands",

@@ -205,14 +205,12 @@ def dump_yaml(obj: Any) -> str:
     return yaml.safe_dump(to_dict(obj), sort_keys=False)
 
 
-# Modules that register config kinds; imported lazily so `draftsmith.config` stays light.
+# Modules that register config kinds besides the methods' job configs (methods.py); imported lazily so
+# `draftsmith.config` stays light.
 CONFIG_MODULES = [
     "draftsmith.data.config",
     "draftsmith.training.config",
     "draftsmith.evaluation.config",
-    "draftsmith.heads.medusa_job",
-    "draftsmith.heads.eagle_job",
-    "draftsmith.distill.config",
     "draftsmith.retrain.config",
     "draftsmith.benchmark.config",
 ]
@@ -221,9 +219,15 @@ CONFIG_MODULES = [
 def _import_config_modules() -> None:
     import importlib
 
+    from draftsmith import methods
+
     for name in CONFIG_MODULES:
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as e:
             if e.name != name:  # a real import failure inside an existing module
                 raise
+    for method in methods.all_methods():
+        cls = method.get("config")
+        if getattr(cls, "config_kind", None) is None:  # a job config without @register_config: its method's name
+            register_config(method.name)(cls)

@@ -16,11 +16,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from draftsmith.config import register_config
-
-JOBS = ("distill", "medusa", "eagle")
 
 
 @dataclass
@@ -43,14 +40,16 @@ class EvalSpec:
 @dataclass
 class ArtifactStage:
     name: str
-    job: Literal["distill", "medusa", "eagle"]
+    job: str  # a method's name (methods.py) or alias: draft (distill), medusa, eagle
     config: str
     overrides: list[str] = field(default_factory=list)
     eval: EvalSpec = field(default_factory=EvalSpec)
 
     def __post_init__(self):
-        if self.job not in JOBS:
-            raise ValueError(f"bench artifact {self.name!r}: job must be one of {JOBS}, got {self.job!r}")
+        from draftsmith import methods
+
+        if methods.find(self.job) is None:
+            raise ValueError(f"bench artifact {self.name!r}: job must be one of {methods.names()}, got {self.job!r}")
         if isinstance(self.eval, dict):
             self.eval = EvalSpec(**self.eval)
 

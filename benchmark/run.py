@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from draftsmith import methods
 from draftsmith.benchmark.config import BenchConfig, Budget
 from draftsmith.errors import DraftsmithError
 from draftsmith.storage import atomic_write_json, atomic_write_text
@@ -212,15 +213,15 @@ class Bench:
                   "evaluate.enabled=false", "train.progress=false", *a.overrides]
         if steps is not None:
             common.append(f"train.max_steps={steps}")
-        if a.job == "distill":
-            argv = [*_draftsmith(), "distill", "--config", a.config, f"data.path={self.data_path()}", *common]
-            marker = train_dir / "artifact" / "manifest.json"
-        else:
-            argv = [*_draftsmith(), "train", a.job, "--config", a.config, f"data={self.data_path()}",
-                    f"output={out}", *common]
+        method = methods.get(a.job)
+        argv = [*_draftsmith(), *method.cli, "--config", a.config, f"{method.data_key}={self.data_path()}"]
+        if method.output_key is not None:  # the job writes where it is told
+            argv.append(f"{method.output_key}={out}")
             marker = out / "manifest.json"
-        self._stage(f"train/{a.name}", marker, argv)
-        if a.job == "distill" and marker.is_file() and not out.exists():
+        else:  # the job writes <train.output_dir>/artifact: linked from where the bench keeps artifacts
+            marker = train_dir / "artifact" / "manifest.json"
+        self._stage(f"train/{a.name}", marker, [*argv, *common])
+        if method.output_key is None and marker.is_file() and not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             out.symlink_to(marker.parent.resolve())
 
@@ -248,10 +249,9 @@ class Bench:
             steps.append((f"train/{a.name}", lambda a=a: self.stage_train(a)))
         for base in self.cfg.baselines:
             steps.append((f"eval/{base.name}", lambda x=base: self.stage_eval(x.name, x.proposer, x.eval)))
-        kind = {"distill": "draft", "medusa": "medusa", "eagle": "eagle"}
         for a in self.cfg.artifacts:
             steps.append((f"eval/{a.name}", lambda a=a: self.stage_eval(
-                a.name, f"{kind[a.job]}:{self.artifact_path(a.name)}", a.eval)))
+                a.name, f"{methods.get(a.job).name}:{self.artifact_path(a.name)}", a.eval)))
         return steps
 
     def run(self) -> dict:

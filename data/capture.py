@@ -143,24 +143,3 @@ def capture_rows(target, records: Sequence[dict], out_dir: str | Path, cc: Captu
     return {"rows": len(todo), "cached_rows": len(records) - len(todo), "tokens": n_tokens,
             "seconds": round(seconds, 2), "tokens_per_s": round(n_tokens / elapsed, 1) if todo else None,
             "dtype": dtype, "dir": str(out_dir)}
-
-
-def capture_dataset_dir(config, target=None, *, progress: bool = True, on_batch=None) -> dict:
-    """`draftsmith data capture`: capture every row of the finished dataset in `config.output_dir` into its
-    `capture/` folder, checked against the target's fingerprint; records the run in provenance.json."""
-    from draftsmith.data.generate import CAPTURE_DIR, PROVENANCE, load_distilled
-    from draftsmith.storage import atomic_write_json, read_json
-    from draftsmith.targets import load_target
-
-    if config.generation.threads:
-        torch.set_num_threads(config.generation.threads)
-    out = Path(config.output_dir).expanduser()
-    target = target or load_target(config.target)
-    ds = load_distilled(out, target)  # refuses a dataset another target's tokenizer made
-    records = ds.select_columns(["row_id", "input_ids", "loss_mask"]).to_list()
-    stats = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress, on_batch=on_batch)
-    prov = read_json(out / PROVENANCE)
-    prov["capture"] = str(out / CAPTURE_DIR)
-    prov.setdefault("timing", {})["capture"] = stats
-    atomic_write_json(out / PROVENANCE, prov)
-    return stats

@@ -63,8 +63,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_capture(args: argparse.Namespace) -> int:
-    from draftsmith.data.capture import capture_dataset_dir
-    from draftsmith.data.generate import load_data_config
+    from draftsmith.data.generate import capture_dataset_dir, load_data_config
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = load_data_config(args.config, args.overrides)

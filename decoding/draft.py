@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.decoding import kvcache
 from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec, as_model
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
 from draftsmith.errors import ArtifactError, FingerprintMismatch
+from draftsmith.targets import kvcache
 from draftsmith.targets.gemm import use_rows_linear
 
 
@@ -35,32 +35,7 @@ class DraftProposer(Proposer):
     @classmethod
     def from_path(cls, path: str | Path, target, **_opts) -> DraftProposer:
         """Load an HF folder or a draftsmith draft artifact; refuse one made for another target."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from draftsmith.artifact import MANIFEST, load_manifest, verify_weights
-        from draftsmith.targets.fingerprint import check_compatible, tokenizer_hash
-
-        path = Path(path).expanduser()
-        if not (path / "config.json").is_file():
-            raise ArtifactError(f"draft {path}: not an HF model folder or draft artifact (no config.json)")
-        if (path / MANIFEST).is_file():
-            manifest = load_manifest(path, kind="draft")
-            check_compatible(manifest["target"], target.fingerprint(), what=f"draft {path}")
-            verify_weights(path, manifest)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
-        except Exception as e:  # transformers raises assorted errors for unreadable folders
-            raise ArtifactError(f"draft {path}: cannot load the model ({type(e).__name__}: {e})") from None
-        model.eval().requires_grad_(False)
-        use_rows_linear(model)  # a draft re-reads accepted tokens a few rows at a time
-        rows = model.get_input_embeddings().weight.shape[0]
-        if rows != target.vocab_size:
-            raise FingerprintMismatch(f"draft {path}: vocab size {rows} differs from the target's {target.vocab_size}")
-        if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-            tok = AutoTokenizer.from_pretrained(path)
-            if tokenizer_hash(tok) != tokenizer_hash(target.tokenizer):
-                raise FingerprintMismatch(f"draft {path}: its tokenizer vocabulary differs from the target's")
-        return cls(model, name=f"draft:{path.name}")
+        return cls(load_draft(path, target), name=f"draft:{Path(path).expanduser().name}")
 
     def use_dtype(self, dtype: torch.dtype) -> bool:
         """A copy of the draft in `dtype` (the model may be shared, e.g. the target drafting for itself);
@@ -113,3 +88,39 @@ class DraftProposer(Proposer):
                 logits = self._feed(torch.tensor([tok], dtype=torch.long, device=self.device))
         q = torch.stack(qs) if qs else None
         return Proposal.chain(tokens, q, device=self.device)
+
+
+def load_draft(path: str | Path, target):
+    """The draft model of an HF folder or a draftsmith draft artifact, on the target's device and dtype;
+    refuses one made for another target (fingerprint, vocabulary size, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.artifact import MANIFEST, load_manifest, verify_weights
+    from draftsmith.targets.fingerprint import check_compatible, tokenizer_hash
+
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ArtifactError(f"draft {path}: not an HF model folder or draft artifact (no config.json)")
+    if (path / MANIFEST).is_file():
+        manifest = load_manifest(path, kind="draft")
+        check_compatible(manifest["target"], target.fingerprint(), what=f"draft {path}")
+        verify_weights(path, manifest)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
+    except Exception as e:  # transformers raises assorted errors for unreadable folders
+        raise ArtifactError(f"draft {path}: cannot load the model ({type(e).__name__}: {e})") from None
+    model.eval().requires_grad_(False)
+    use_rows_linear(model)  # a draft re-reads accepted tokens a few rows at a time
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows != target.vocab_size:
+        raise FingerprintMismatch(f"draft {path}: vocab size {rows} differs from the target's {target.vocab_size}")
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        tok = AutoTokenizer.from_pretrained(path)
+        if tokenizer_hash(tok) != tokenizer_hash(target.tokenizer):
+            raise FingerprintMismatch(f"draft {path}: its tokenizer vocabulary differs from the target's")
+    return model
+
+
+def build_proposer(target, path: str, **opts) -> DraftProposer:
+    """`Method.proposer` of draft models: `draft:PATH` (a draft artifact or any HF folder)."""
+    return DraftProposer.from_path(path, target, **opts)

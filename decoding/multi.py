@@ -185,10 +185,9 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
-def build_multi(arg: str, target, **opts) -> MultiProposer:
-    """`multi:A+B+...` -> MultiProposer over build_proposer(A), build_proposer(B), ..."""
-    from draftsmith.decoding.proposer import build_proposer
-
+def build_multi(arg: str, target, build_proposer, **opts) -> MultiProposer:
+    """`multi:A+B+...` -> MultiProposer over build_proposer(A), build_proposer(B), ... (`build_proposer` is
+    decoding/factory.py's, handed down so that this module does not import the factory that imports it)."""
     parts = [s.strip() for s in arg.split("+") if s.strip()]
     if len(parts) < 2:
         raise ConfigError(f"proposer 'multi:{arg}': give at least two sub-proposers joined by '+', "

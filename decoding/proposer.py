@@ -30,24 +30,19 @@ features of the CACHED positions to `begin` (every prompt position) / `accept`: 
 and every accepted node, in order. The last of these positions is the one whose logits produced the new
 pending token (the "bonus position"), which is what Medusa heads and EAGLE's next draft start from.
 
-Registry: `build_proposer(spec, target, **opts)` with spec `ngram`, `draft:PATH`, `medusa:PATH`,
-`eagle:PATH`, `multi:A+B` (one merged tree, decoding/multi.py) and `route:POLICY` (per-domain routing,
-decoding/routing.py). Medusa and EAGLE live in `draftsmith.heads.medusa` / `draftsmith.heads.eagle`, imported
-lazily; each must define
-
-    def build_proposer(target, path: str, **opts) -> Proposer
+Building one from a spec string (`ngram`, `METHOD:PATH`, `multi:A+B`, `route:POLICY`) is
+`decoding/factory.py`'s `build_proposer`; each trained method's proposer is declared in methods.py.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 
 from draftsmith.decoding.sampling import SamplingConfig
-from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.errors import DraftsmithError
 
 
 @dataclass(frozen=True)
@@ -303,55 +298,3 @@ def as_model(obj) -> torch.nn.Module:
     """The HF model of a `Target`, or the object itself when it already is a module (an HF causal LM has
     its own `.model` attribute, the inner decoder, so `getattr(x, "model", x)` would be wrong)."""
     return obj if isinstance(obj, torch.nn.Module) else obj.model
-
-
-HEAD_MODULES = {"medusa": "draftsmith.heads.medusa", "eagle": "draftsmith.heads.eagle"}
-
-
-def build_proposer(spec: str, target, **opts) -> Proposer:
-    """`ngram` | `ngram:N` | `draft:PATH` | `medusa:PATH` | `eagle:PATH` | `none` -> a Proposer for `target`."""
-    kind, _, arg = spec.partition(":")
-    kind = kind.strip().lower()
-    if kind in ("none", "plain"):
-        return NullProposer()
-    if kind == "multi":
-        from draftsmith.decoding.multi import build_multi
-
-        return build_multi(arg, target, **opts)
-    if kind == "route":
-        from draftsmith.decoding.routing import RoutedProposer
-
-        if not arg:
-            raise ConfigError("proposer 'route' needs a routing policy file: route:PATH")
-        return RoutedProposer.from_file(arg, target, **opts)
-    if kind == "ngram":
-        from draftsmith.decoding.ngram import NgramProposer
-
-        if arg:
-            try:
-                opts.setdefault("max_ngram", int(arg))
-            except ValueError:
-                raise ConfigError(f"proposer '{spec}': ngram:N needs an integer N") from None
-        return NgramProposer(**opts)
-    if kind == "draft":
-        if not arg:
-            raise ConfigError("proposer 'draft' needs a path: draft:PATH (an HF folder or a draftsmith draft artifact)")
-        from draftsmith.decoding.draft import DraftProposer
-
-        return DraftProposer.from_path(arg, target, **opts)
-    if kind in HEAD_MODULES:
-        if not arg:
-            raise ConfigError(f"proposer '{kind}' needs a path: {kind}:PATH (a draftsmith {kind} artifact)")
-        module_name = HEAD_MODULES[kind]
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            raise DraftsmithError(f"proposer '{kind}' is not available: {module_name} is not implemented yet") from None
-        factory = getattr(module, "build_proposer", None)
-        if factory is None:
-            raise DraftsmithError(f"proposer '{kind}' is not available: {module_name} has no build_proposer(target, path, **opts)")
-        return factory(target, arg, **opts)
-    raise ConfigError(f"unknown proposer '{spec}' (use ngram, draft:PATH, medusa:PATH, eagle:PATH, multi:A+B, "
-                      "route:POLICY or none)")

@@ -189,8 +189,9 @@ class RoutedProposer(Proposer):
         return self.fitted[key]
 
     @classmethod
-    def from_file(cls, path: str | Path, target, **opts) -> RoutedProposer:
-        from draftsmith.decoding.proposer import build_proposer
+    def from_file(cls, path: str | Path, target, build_proposer, **opts) -> RoutedProposer:
+        """The policy at `path` with a proposer per route, each made by `build_proposer` (decoding/factory.py's,
+        handed down so that this module does not import the factory that imports it)."""
         from draftsmith.targets.fingerprint import check_compatible
 
         policy = load_policy(path)

@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.decoding import kvcache
 from draftsmith.decoding.budget import prune
 from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig, residual, sample, uniform
 from draftsmith.errors import DraftsmithError
+from draftsmith.targets import kvcache
 
 
 def tree_attention(parents: list[int], cache_len: int, dtype: torch.dtype,

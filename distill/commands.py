@@ -30,3 +30,14 @@ def run(args) -> int:
         if out["eval"] is not None:
             print("eval: " + json.dumps(out["eval"], default=str)[:2000])
     return 0
+
+
+def train(config_path: str | None, overrides: list[str]):
+    """`Method.train` of draft models: load the preset, distil, return the artifact folder (None off rank 0)."""
+    from pathlib import Path
+
+    from draftsmith.distill.config import DistillConfig
+    from draftsmith.distill.job import run_distill
+
+    artifact = run_distill(load_config(config_path or DEFAULT_CONFIG, overrides, cls=DistillConfig))["artifact"]
+    return Path(artifact) if artifact is not None else None

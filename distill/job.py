@@ -111,7 +111,8 @@ class DistillJob:
             self.features = self._offline_source(rows)
 
     def _offline_source(self, rows):
-        from draftsmith.targets.cache_shards import CaptureSource, capture_dataset
+        from draftsmith.targets.cache_shards import capture_dataset
+        from draftsmith.training.features import CaptureSource
 
         cache = Path(self.cfg.data.capture_cache or Path(self.cfg.train.output_dir) / "capture")
         # each row up to the end of the window it is trained on (training/batching.py)

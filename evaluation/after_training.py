@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith import artifact
+from draftsmith import artifact, methods
 
 SUMMARY_FIELDS = ("n_prompts", "alpha", "tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "lossless",
                   "per_position_acceptance", "predicted_speedup")
@@ -43,7 +43,7 @@ def evaluate_into_artifact(path: str | Path, target, kind: str, opts: EvalAfterT
     path = Path(path)
     report = evaluate(target, f"{kind}:{path}", prompts=opts.prompts or None,
                       limit_per_domain=opts.limit_per_domain, max_new_tokens=opts.max_new_tokens, k=opts.k,
-                      tree_from_proposer=opts.tree and kind != "draft", hf_reference=opts.hf_reference,
+                      tree_from_proposer=opts.tree and methods.get(kind).own_tree, hf_reference=opts.hf_reference,
                       cost_model=opts.cost_model, command=command or f"end-of-training evaluation of {path}")
     write_report(report, path / "eval")
     artifact.update_manifest(path, eval={

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from draftsmith.decoding import kvcache
 from draftsmith.decoding.proposer import as_model
 from draftsmith.decoding.verify import tree_attention
+from draftsmith.targets import kvcache
 
 log = logging.getLogger(__name__)
 

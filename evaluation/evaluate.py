@@ -36,8 +36,9 @@ import torch
 
 from draftsmith.decoding.budget import VerifyCost
 from draftsmith.decoding.draft import DraftProposer
+from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
-from draftsmith.decoding.proposer import Proposer, TreeSpec, build_proposer, draft_dtype
+from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation import cost
 from draftsmith.evaluation.config import EvalConfig

@@ -25,7 +25,7 @@ def _fmt(v) -> str:
 
 
 def sweep_temperatures(cfg: EvalConfig, command: str | None = None, write: bool = True) -> dict:
-    from draftsmith.decoding.proposer import build_proposer
+    from draftsmith.decoding.factory import build_proposer
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
     from draftsmith.targets import load_target

@@ -88,6 +88,25 @@ def read_guard(out: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def stack_module(stack: str):
+    """The module of one serving stack (export/vllm.py, ...): `serve` (and `refuse`) per layout family."""
+    import importlib
+
+    from draftsmith.errors import ConfigError
+
+    if stack not in STACKS:
+        raise ConfigError(f"unknown stack '{stack}' (known: {', '.join(STACKS)})")
+    return importlib.import_module(f"draftsmith.export.{stack}")
+
+
+def verifier_ref(target, verifier: str | None) -> str:
+    """How config.json and serve.md name the target: the user's hub id when given (`--verifier`), else the
+    folder it was loaded from."""
+    if verifier:
+        return verifier
+    return str(target.folder or target.spec) if target is not None else "<target HF folder>"
+
+
 def write_serve(out: Path, title: str, body: str) -> None:
     atomic_write_text(out / SERVE, f"# {title}\n\n{body.strip()}\n")
 

@@ -58,6 +58,12 @@ SPECULATORS = "speculators-eagle3"
 MIDLAYER = "eagle3-midlayer"
 VLLM_EAGLE1 = "vllm-eagle1"
 EAGLE1 = "eagle1"
+# the layout each serving stack reads an EAGLE-3 / EAGLE-1 head in, and why a stack takes none
+STACK_FORMATS = {
+    "eagle3": {"vllm": SPECULATORS, "sglang": MIDLAYER, "trtllm": MIDLAYER, "hf": SPECULATORS},
+    "eagle1": {"vllm": VLLM_EAGLE1, "sglang": EAGLE1, "trtllm": EAGLE1},
+}
+UNSUPPORTED = {"eagle1": {"hf": "Hugging Face has no EAGLE-1 loader; export EAGLE-1 heads for vllm, sglang or trtllm"}}
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "layer.", "decoder.", "decoder_layer.", "block.")
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -121,6 +127,51 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
 
 
 # --- canonical -> layouts ----------------------------------------------------------------------------
+def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int = 4,
+           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
+    """`Method.export` of EAGLE heads (export/heads.py does the rest): EAGLE-1 and EAGLE-3 are two layout
+    families, and every stack's drafter layer is a Llama layer."""
+    from draftsmith.export.heads import HeadExport, export_heads
+    from draftsmith.targets.families import FAMILIES
+
+    artifact_dir = Path(artifact_dir)
+    manifest, cfg, state, names = read_eagle_artifact(artifact_dir, target)
+    if not getattr(FAMILIES.get(cfg["layer_model_type"]), "llama_layer", False):
+        raise ConfigError(f"{artifact_dir}: this EAGLE head's decoder layer is a {cfg['layer_model_type']} layer; "
+                          "the EAGLE drafters of vLLM, SGLang, TensorRT-LLM and speculators are Llama layers: "
+                          "retrain it with draft_layer: llama")
+
+    def write(tmp: Path, fmt: str, target, target_ref: str, out: Path, k: int) -> str:
+        target_arch = list(getattr(target.config, "architectures", None) or []) if target is not None else []
+        write_layout(tmp, fmt, cfg, state, target_ref, target_arch, k)
+        return target_ref
+
+    guard = {"eagle": {"version": cfg["version"], "source_names": names, "aux_layers_draftsmith": cfg.get("aux_layers"),
+                       "target_rope_theta": cfg["rope_theta"]}}
+    layout = f"eagle{cfg['version']}"
+    plan = HeadExport(layout, STACK_FORMATS[layout], manifest, cfg, write, guard=guard,
+                      unsupported=UNSUPPORTED.get(layout, {}))
+    return export_heads(plan, artifact_dir, stack, out, target, num_speculative_tokens, verify, overwrite=overwrite,
+                        verifier=verifier)
+
+
+def reimport(export_dir: Path, guard: dict):
+    """`Method.reimport`: (config, state under the artifact's own names, None) of a speculators, midlayer or
+    EAGLE-1 export (draftsmith's, by its draftsmith.json, or another's: every EAGLE layout has the fc that
+    joins the features); None when `export_dir` is not one."""
+    export_dir = Path(export_dir)
+    fmt = guard.get("format")
+    if fmt is not None and fmt not in (SPECULATORS, MIDLAYER, VLLM_EAGLE1, EAGLE1):
+        return None
+    if fmt is None:
+        if not (export_dir / "model.safetensors").is_file():
+            return None
+        if "fc.weight" not in {canonical_name(k) for k in read_header(export_dir / "model.safetensors")}:
+            return None
+    cfg, state = read_layout(export_dir, (guard.get("eagle") or {}).get("source_names"))
+    return cfg, state, None
+
+
 def aux_ids(cfg: dict, stack: str) -> list[int]:
     """The aux layer ids in `stack`'s convention (see module docstring)."""
     return [i + 1 for i in cfg["aux_layers"]] if stack == "vllm" else list(cfg["aux_layers"])

@@ -65,8 +65,8 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
     if cfg.get("vocab_size") != want_vocab:
         raise ArtifactError(f"{artifact_dir}: draft vocab_size {cfg.get('vocab_size')} != target vocab_size {want_vocab}")
 
-    from draftsmith.export.api import verifier_ref
     from draftsmith.export.card import write_card
+    from draftsmith.export.common import verifier_ref
 
     result = ExportResult(out, stack, FORMAT)
 
@@ -138,6 +138,12 @@ def expected_draft_tensors(config: dict) -> tuple[Spec, Spec]:
     return required, optional
 
 
+def draft_artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
+    """`Method.tensors` of a draft model: (required, optional) name -> (shape, "") its config.json implies."""
+    req, opt = expected_draft_tensors(read_json(Path(path) / "config.json"))
+    return {k: (s, "") for k, (s, _) in req.items()}, {k: (s, "") for k, (s, _) in opt.items()}, []
+
+
 def _config_dtype(config: dict) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return getattr(torch, str(name).removeprefix("torch."))
@@ -202,15 +208,6 @@ def assisted_generation_check(out: Path, target, prompt: str, max_new_tokens: in
 
 
 # --- heads for the Hugging Face side ---------------------------------------------------------------------
-def _head_formats():
-    from draftsmith.export import eagle, medusa
-
-    return {"medusa": medusa.MEDUSA_FORMAT, "eagle3": eagle.SPECULATORS}
-
-
-UNSUPPORTED = {"eagle1": "Hugging Face has no EAGLE-1 loader; export EAGLE-1 heads for vllm, sglang or trtllm"}
-
-
 def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None) -> str:
     if kind == "medusa":
         return (f"FasterDecoding Medusa layout (`medusa_lm_head.safetensors`, the layout Medusa's own "

@@ -1,6 +1,6 @@
 """Medusa heads in the two layouts the serving stacks read, and the reader back into a draftsmith artifact.
 
-draftsmith (heads/medusa.py):   heads.{h}.blocks.{l}.linear.weight [H, H], .bias [H]
+draftsmith (medusa/model.py):   heads.{h}.blocks.{l}.linear.weight [H, H], .bias [H]
                                 heads.{h}.lm_head.weight [V, H]   (absent with share_lm_head)
 vLLM (`model_type: medusa`, models/medusa.py + transformers_utils/configs/medusa.py):
                                 blocks.{h}.layers.{l}.weight/.bias   (bias read only when medusa_fc_bias)
@@ -45,6 +45,9 @@ from draftsmith.targets.families import lm_head
 VLLM_FORMAT = "vllm-medusa"
 MEDUSA_FORMAT = "medusa-lm-head"  # FasterDecoding layout, read by TensorRT-LLM and Medusa's own HF model
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+# the layout each serving stack reads Medusa heads in, and why a stack takes none
+STACK_FORMATS = {"vllm": VLLM_FORMAT, "trtllm": MEDUSA_FORMAT, "hf": MEDUSA_FORMAT}
+UNSUPPORTED = {"sglang": "SGLang has no Medusa support; export Medusa heads for vllm, trtllm or hf"}
 
 
 def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict[str, torch.Tensor], list | None]:
@@ -60,6 +63,49 @@ def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dic
             state[f"heads.{h}.lm_head.weight"] = w
     tree = read_json(path / "tree.json")["paths"] if (path / "tree.json").is_file() else None
     return manifest, cfg, state, tree
+
+
+def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int = 4,
+           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
+    """`Method.export` of Medusa heads (export/heads.py does the rest). A Medusa-2 artifact's heads belong to
+    the adapted target, so its merged copy is exported beside them and serve.md names it."""
+    from draftsmith.export.heads import HeadExport, export_heads
+
+    artifact_dir = Path(artifact_dir)
+    manifest, cfg, state, tree = read_medusa_artifact(artifact_dir, target)
+
+    def write(tmp: Path, fmt: str, target, target_ref: str, out: Path, k: int) -> str:
+        from draftsmith.medusa.medusa2 import adapted_target, has_adapter
+
+        if has_adapter(artifact_dir):
+            if target is None:
+                raise ConfigError(f"{artifact_dir} is a Medusa-2 artifact: give the target, whose adapted "
+                                  "(merged) copy is exported next to the heads")
+            merged = adapted_target(target, artifact_dir)
+            merged.model.save_pretrained(tmp / "adapted_target", safe_serialization=True)
+            target.tokenizer.save_pretrained(tmp / "adapted_target")
+            target_ref = str(out / "adapted_target")
+        write_layout(tmp, fmt, cfg, state, target_ref)
+        return target_ref
+
+    plan = HeadExport("medusa", STACK_FORMATS, manifest, cfg, write, tree=tree, unsupported=UNSUPPORTED)
+    return export_heads(plan, artifact_dir, stack, out, target,
+                        num_speculative_tokens, verify, overwrite=overwrite, verifier=verifier)
+
+
+def reimport(export_dir: Path, guard: dict):
+    """`Method.reimport`: (config, state, writer of tree.json) of a vLLM or FasterDecoding Medusa export;
+    None when `export_dir` is not one."""
+    if guard.get("format") not in (VLLM_FORMAT, MEDUSA_FORMAT) and not (Path(export_dir) / MEDUSA_WEIGHTS).is_file():
+        return None
+    cfg, state = read_layout(export_dir)
+    tree = guard.get("medusa_choices")
+
+    def writer(tmp: Path) -> None:
+        if tree is not None:
+            atomic_write_json(tmp / "tree.json", {"paths": tree, "expected_length": 0.0})
+
+    return cfg, state, writer
 
 
 def to_vllm(cfg: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:

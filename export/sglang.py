@@ -1,4 +1,5 @@
-"""SGLang: which layout each artifact kind takes, and the `sglang.launch_server` command for it.
+"""SGLang: the `sglang.launch_server` command for each layout a method exports to it (the layouts per stack are declared
+by the methods' exporters: export/medusa.py, export/eagle.py, export/hf.py).
 
 draft -> HF folder (`STANDALONE`); eagle3 -> `LlamaForCausalLMEagle3` (`midlayer.*`, `EAGLE3`);
 eagle1 -> `LlamaForCausalLMEagle` (fc with bias, `EAGLE`). SGLang has no Medusa.
@@ -10,8 +11,6 @@ from draftsmith.export import eagle
 from draftsmith.export.common import fenced
 
 STACK = "sglang"
-FORMATS = {"eagle3": eagle.MIDLAYER, "eagle1": eagle.EAGLE1}
-UNSUPPORTED = {"medusa": "SGLang has no Medusa support; export Medusa heads for vllm, trtllm or hf"}
 
 
 def refuse(kind: str, cfg: dict) -> str | None:

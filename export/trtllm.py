@@ -1,4 +1,5 @@
-"""TensorRT-LLM: which layout each artifact kind takes, and the LLM-API YAML for it.
+"""TensorRT-LLM: the LLM-API YAML for each layout a method exports to it (the layouts per stack are declared
+by the methods' exporters: export/medusa.py, export/eagle.py, export/hf.py).
 
 draft -> HF folder (`DraftTarget`); medusa -> FasterDecoding `medusa_lm_head.safetensors` (`Medusa`, with
 the calibrated tree as `medusa_choices`, served by the TensorRT engine flow: the PyTorch backend refuses
@@ -11,11 +12,10 @@ from __future__ import annotations
 
 import json
 
-from draftsmith.export import eagle, medusa
+from draftsmith.export import eagle
 from draftsmith.export.common import fenced
 
 STACK = "trtllm"
-FORMATS = {"medusa": medusa.MEDUSA_FORMAT, "eagle3": eagle.MIDLAYER, "eagle1": eagle.EAGLE1}
 
 
 def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None) -> str:

@@ -143,19 +143,6 @@ def check(where: str | Path, problems: list[str]) -> None:
         raise VerificationError(head + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
 
 
-def verify_export(out: str | Path, target=None) -> list[str]:
-    """Re-verify an export directory from its draftsmith.json (format) alone. Returns the checks done."""
-    from draftsmith.export import hf, sglang, trtllm, vllm  # noqa: F401  (formats register themselves)
-    from draftsmith.export.common import read_guard
-
-    out = Path(out)
-    guard = read_guard(out)
-    fmt = guard.get("format")
-    if fmt not in VERIFIERS:
-        raise VerificationError(f"{out}: unknown export format '{fmt}'")
-    return run_verifier(out, fmt, target)
-
-
 def run_verifier(path: Path, fmt: str, target=None, shown: Path | None = None) -> list[str]:
     """The weight checksums recorded in draftsmith.json, then the format's verifier. An exporter verifies
     its temporary folder before swapping it in: `shown` is the final path, named in the messages instead."""

@@ -1,4 +1,5 @@
-"""vLLM: which layout each artifact kind takes, and the `vllm serve` command for it.
+"""vLLM: the `vllm serve` command for each layout a method exports to it (the layouts per stack are declared
+by the methods' exporters: export/medusa.py, export/eagle.py, export/hf.py).
 
 draft -> HF folder (`method: draft_model`); medusa -> `model_type: medusa` (`method: medusa`, top-1 chain:
 vLLM's Medusa proposes from each head's top-1 token only, so the calibrated tree is recorded in
@@ -10,11 +11,10 @@ from __future__ import annotations
 
 import json
 
-from draftsmith.export import eagle, medusa
+from draftsmith.export import eagle
 from draftsmith.export.common import fenced
 
 STACK = "vllm"
-FORMATS = {"medusa": medusa.VLLM_FORMAT, "eagle3": eagle.SPECULATORS, "eagle1": eagle.VLLM_EAGLE1}
 METHODS = {"medusa": "medusa", "eagle3": "eagle3", "eagle1": "eagle"}
 
 

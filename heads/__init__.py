@@ -1,0 +1,1 @@
+"""What the head methods (medusa/, eagle/) share: the draft vocabulary."""

@@ -86,7 +86,7 @@ def run_plan(args) -> int:
         measured = json.loads(out.stdout.strip().splitlines()[-1])
         cpu = memory.plan(cfg, shape, "cpu", args.batch, args.context, "fp32", args.k, args.prefill_chunk, 1.0,
                           overhead_bytes=0)
-        p["cpu_check"] = {"planned_fp32": {"weights": sum(cpu["weights_bytes"].values()) if shape.kind == "draft"
+        p["cpu_check"] = {"planned_fp32": {"weights": sum(cpu["weights_bytes"].values()) if shape.separate_model
                                            else cpu["weights_bytes"]["target"],
                                            "kv": cpu["kv_bytes"]["target"] + cpu["kv_bytes"]["artifact"],
                                            "activations": cpu["activation_bytes"]},

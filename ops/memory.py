@@ -26,6 +26,7 @@ prefill + verify step next to the planned total.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -119,40 +120,61 @@ class ArtifactShape:
     params: int = 0  # parameters not shared with the target
     kv_config: object | None = None  # the config whose KV formula applies (a draft; an EAGLE layer), or None
     kv_layers: int = 0
+    separate_model: bool = False  # a whole model beside the target (its weights are not the target's)
 
 
 def artifact_shape(path: str | Path | None, target_config) -> ArtifactShape:
+    """What an artifact adds to the target's memory; its method (methods.py) says how to count it. A folder
+    without a draftsmith manifest is an HF draft model."""
     if path is None:
         return ArtifactShape("none")
-    from safetensors import safe_open
+    from draftsmith import methods
 
     path = Path(path)
     manifest = json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else {}
-    kind = manifest.get("kind", "draft")
-    if kind == "draft" or not (path / "model.safetensors").is_file():
-        from transformers import AutoConfig
+    method = methods.get(manifest.get("kind", "draft"))
+    shape = method.get("memory")(path, target_config) if method.memory is not None else head_shape(path, target_config)
+    return dataclasses.replace(shape, kind=method.name)
 
-        cfg = AutoConfig.from_pretrained(path)
-        return ArtifactShape("draft", count_params(cfg), cfg, text_config(cfg).num_hidden_layers)
+
+def draft_shape(path: Path, target_config) -> ArtifactShape:
+    """A whole draft model (an HF folder): its parameters, and a KV cache of its own layers."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    return ArtifactShape("draft", count_params(cfg), cfg, text_config(cfg).num_hidden_layers, separate_model=True)
+
+
+def head_shape(path: Path, target_config) -> ArtifactShape:
+    """Heads on the target's features (Medusa; the default): the parameters in model.safetensors, no cache."""
+    return ArtifactShape("heads", _weights_params(path))
+
+
+def eagle_shape(path: Path, target_config) -> ArtifactShape:
+    """An EAGLE head: its parameters, and the KV cache of its one decoder layer."""
+    c = json.loads((path / "config.json").read_text())
+    t = text_config(target_config)
+
+    class _Layer:  # one decoder layer of the head, attention shaped like the target's (or its own config)
+        num_hidden_layers = 1
+        num_attention_heads = c.get("num_attention_heads", t.num_attention_heads)
+        num_key_value_heads = c.get("num_key_value_heads", getattr(t, "num_key_value_heads", None))
+        hidden_size = c.get("hidden_size", t.hidden_size)
+        head_dim = c.get("head_dim", getattr(t, "head_dim", None))
+
+    return ArtifactShape("eagle", _weights_params(path), _Layer(), 1)
+
+
+def _weights_params(path: Path) -> int:
+    from safetensors import safe_open
+
+    if not (path / "model.safetensors").is_file():
+        raise ConfigError(f"{path}: missing model.safetensors")
     total = 0
     with safe_open(str(path / "model.safetensors"), "pt") as f:  # header only
         for name in f.keys():
             total += math.prod(f.get_slice(name).get_shape())
-    if kind == "medusa":
-        return ArtifactShape("medusa", total)
-    if kind == "eagle":
-        c = json.loads((path / "config.json").read_text())
-        t = text_config(target_config)
-
-        class _Layer:  # one decoder layer of the head, attention shaped like the target's (or its own config)
-            num_hidden_layers = 1
-            num_attention_heads = c.get("num_attention_heads", t.num_attention_heads)
-            num_key_value_heads = c.get("num_key_value_heads", getattr(t, "num_key_value_heads", None))
-            hidden_size = c.get("hidden_size", t.hidden_size)
-            head_dim = c.get("head_dim", getattr(t, "head_dim", None))
-
-        return ArtifactShape("eagle", total, _Layer(), 1)
-    raise ConfigError(f"{path}: unknown artifact kind {kind!r}")
+    return total
 
 
 def plan(target_config, artifact: ArtifactShape, gpu: str | int, batch: int, context: int, dtype: str = "bf16",
@@ -235,8 +257,7 @@ def measure_cpu(target_spec: str, artifact_path: str | None, batch: int, context
 
     import torch
 
-    from draftsmith.decoding import kvcache
-    from draftsmith.targets import load_target
+    from draftsmith.targets import kvcache, load_target
 
     def rss() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
@@ -245,7 +266,7 @@ def measure_cpu(target_spec: str, artifact_path: str | None, batch: int, context
     model = target.model
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     draft = None
-    if artifact_path is not None and json.loads((Path(artifact_path) / "manifest.json").read_text()).get("kind") == "draft":
+    if artifact_path is not None and artifact_shape(artifact_path, target.config).separate_model:
         from transformers import AutoModelForCausalLM
 
         draft = AutoModelForCausalLM.from_pretrained(artifact_path, dtype=torch.float32).eval()

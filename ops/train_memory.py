@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith import methods
 from draftsmith.errors import ConfigError
 from draftsmith.ops.memory import GIB, GPUS, activation_bytes, count_params, load_config
 from draftsmith.storage import read_json
@@ -110,53 +111,18 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
     family(target_config)  # a family outside the table: one line
     tc = text_config(target_config)
     act = DTYPE_BYTES.get(sharding.mixed_precision, 2)
-    B = job.train.batch_size
-    T = job.max_length if hasattr(job, "max_length") else job.data.max_length
-    tokens = B * T
     H, V, L = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers
     target_params = count_params(target_config)
     kind = getattr(job, "config_kind", "?")
-
-    if kind == "eagle":
-        from draftsmith.heads.eagle import EagleConfig, EagleHead, layer_config_dict
-
-        eagle3 = job.version == "eagle3"
-        layers = list(job.target_layers or ([2, L // 2, L - 3] if eagle3 else [L - 1]))
-        n = job.draft_vocab_size if eagle3 else V
-        cfg = EagleConfig(3 if eagle3 else 1, H, V, layers, n if eagle3 else None, job.ttt_steps,
-                          layer_config=layer_config_dict(target_config, job.draft_layer))
-        trained = _meta_params(lambda: EagleHead(cfg))
-        steps = job.ttt_steps
-        keep = (len(layers) + (1 if eagle3 else 0)) * H * act  # captured features (+ last hidden)
-        teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
-        lc = cfg.layer_config
-        per_step = _layer_bytes_per_token(lc, attn_in=2 * H if eagle3 else H) * act + H * act + 2 * n * 4
-        mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
-        module_act = tokens * per_step * steps + mask
-    elif kind == "medusa":
-        from draftsmith.heads.medusa import MedusaHeads, MedusaHeadsConfig
-
-        n = job.draft_vocab_size or V
-        cfg = MedusaHeadsConfig(H, V, job.num_heads, job.num_layers, job.share_lm_head, job.draft_vocab_size)
-        trained = _meta_params(lambda: MedusaHeads(cfg))
-        keep = H * act + job.kd_topk * 8 * (1 if job.kd_weight > 0 else 0)
-        teacher = 0
-        module_act = tokens * job.num_heads * (job.num_layers * 2 * H * act + 2 * n * 4)
-    elif kind == "distill":
-        from draftsmith.distill.builders import _config_for_layers
-
-        d = job.draft
-        dcfg = _config_for_layers(tc, d.num_layers)
-        for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim"):
-            if getattr(d, k) is not None:
-                setattr(dcfg, k, getattr(d, k))
-        trained = count_params(dcfg)
-        dd = dcfg.to_dict()
-        keep = 0
-        teacher = (job.kd.topk * 8) if job.kd.topk else V * 4
-        module_act = tokens * (d.num_layers * _layer_bytes_per_token(dd) * act + 3 * V * 4)
-    else:
-        raise ConfigError(f"plan: a {kind} config is not a training job (eagle, medusa or distill)")
+    method = next((m for m in methods.all_methods() if m.train_memory is not None
+                   and getattr(m.get("config"), "config_kind", None) == kind), None)
+    if method is None:
+        raise ConfigError(f"plan: a {kind} config is not a training job "
+                          f"({', '.join(m.name for m in methods.all_methods() if m.train_memory is not None)})")
+    m = method.get("train_memory")(job, target_config, act)
+    B, T = job.train.batch_size, m.max_length
+    tokens = B * T
+    trained, keep, teacher, module_act = m.trained, m.keep, m.teacher, m.module_act
 
     # the frozen target: weights in the compute dtype, sharded under FSDP / ZeRO-3 (one layer gathered)
     layer_params = (target_params - 2 * V * H) // max(L, 1)
@@ -182,6 +148,73 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
             "mixed_precision": sharding.mixed_precision, "batch_size": B, "max_length": T,
             "target_params": target_params, "trained_params": trained, "bytes": parts, "total_bytes": total,
             "fits": total <= 0.9 * device}
+
+
+@dataclass
+class JobMemory:
+    """What a method's job adds to the frozen target's memory (`Method.train_memory` returns one)."""
+
+    max_length: int  # tokens per row of a micro-batch
+    trained: int  # trained parameters
+    keep: int  # bytes per token kept for the step (captured features)
+    teacher: int  # bytes per token of teacher logits
+    module_act: int  # the trained module's activation bytes for the whole micro-batch
+
+
+def eagle_memory(job, target_config, act: int) -> JobMemory:
+    """`Method.train_memory` of an EAGLE job."""
+    from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
+
+    tc = text_config(target_config)
+    H, V, L, B, T = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, job.train.batch_size, job.max_length
+    tokens = B * T
+    eagle3 = job.version == "eagle3"
+    layers = list(job.target_layers or ([2, L // 2, L - 3] if eagle3 else [L - 1]))
+    n = job.draft_vocab_size if eagle3 else V
+    cfg = EagleConfig(3 if eagle3 else 1, H, V, layers, n if eagle3 else None, job.ttt_steps,
+                      layer_config=layer_config_dict(target_config, job.draft_layer))
+    trained = _meta_params(lambda: EagleHead(cfg))
+    steps = job.ttt_steps
+    keep = (len(layers) + (1 if eagle3 else 0)) * H * act  # captured features (+ last hidden)
+    teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
+    lc = cfg.layer_config
+    per_step = _layer_bytes_per_token(lc, attn_in=2 * H if eagle3 else H) * act + H * act + 2 * n * 4
+    mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
+    return JobMemory(T, trained, keep, teacher, tokens * per_step * steps + mask)
+
+
+def medusa_memory(job, target_config, act: int) -> JobMemory:
+    """`Method.train_memory` of a Medusa job."""
+    from draftsmith.medusa.model import MedusaHeads, MedusaHeadsConfig
+
+    tc = text_config(target_config)
+    H, V = tc.hidden_size, tc.vocab_size
+    tokens = job.train.batch_size * job.max_length
+    n = job.draft_vocab_size or V
+    cfg = MedusaHeadsConfig(H, V, job.num_heads, job.num_layers, job.share_lm_head, job.draft_vocab_size)
+    trained = _meta_params(lambda: MedusaHeads(cfg))
+    keep = H * act + job.kd_topk * 8 * (1 if job.kd_weight > 0 else 0)
+    return JobMemory(job.max_length, trained, keep, 0,
+                     tokens * job.num_heads * (job.num_layers * 2 * H * act + 2 * n * 4))
+
+
+def distill_memory(job, target_config, act: int) -> JobMemory:
+    """`Method.train_memory` of a draft distillation job."""
+    from draftsmith.distill.builders import _config_for_layers
+
+    tc = text_config(target_config)
+    V = tc.vocab_size
+    tokens = job.train.batch_size * job.data.max_length
+    d = job.draft
+    dcfg = _config_for_layers(tc, d.num_layers)
+    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim"):
+        if getattr(d, k) is not None:
+            setattr(dcfg, k, getattr(d, k))
+    trained = count_params(dcfg)
+    dd = dcfg.to_dict()
+    teacher = (job.kd.topk * 8) if job.kd.topk else V * 4
+    return JobMemory(job.data.max_length, trained, 0, teacher,
+                     tokens * (d.num_layers * _layer_bytes_per_token(dd) * act + 3 * V * 4))
 
 
 def format_plan(p: dict) -> str:

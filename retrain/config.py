@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from draftsmith.config import register_config
 from draftsmith.retrain.decide import GateRule, Thresholds
-
-JOB_KINDS = ("draft", "medusa", "eagle")
 
 
 @dataclass
@@ -62,7 +59,7 @@ class BudgetConfig:
 @register_config("retrain")
 @dataclass
 class RetrainConfig:
-    artifact_kind: Literal["draft", "medusa", "eagle"] = "medusa"  # what this registry holds
+    artifact_kind: str = "medusa"  # what this registry holds: a method's name (methods.py)
     target: str = "smollm2-135m"
     registry: str = "runs/registry"
     job_config: str = "configs/smollm2-135m/medusa.yaml"  # the training preset for `kind`
@@ -73,3 +70,8 @@ class RetrainConfig:
     gate: GateRule = field(default_factory=GateRule)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     policy_alpha_floor: float = 0.3  # domains below this after retraining: "disable speculation"
+
+    def __post_init__(self):
+        from draftsmith import methods
+
+        methods.get(self.artifact_kind, "artifact_kind")

@@ -25,7 +25,9 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from draftsmith.artifact import inspect_artifact, load_manifest, now_iso, update_manifest
+from draftsmith import methods
+from draftsmith.artifact import load_manifest, now_iso, update_manifest
+from draftsmith.checks import inspect_artifact
 from draftsmith.config import load_config, to_dict
 from draftsmith.errors import ArtifactError, DraftsmithError
 from draftsmith.retrain.config import RetrainConfig
@@ -76,24 +78,15 @@ def split_traffic(rows: list[TrafficRow], eval_share: float, max_eval: int, seed
 def _train_candidate(cfg: RetrainConfig, target, work: Path, data_path: Path, warm_start: Path | None) -> Path:
     """Train a candidate of the registry's kind with the job preset + a bounded budget."""
     out = work / "candidate"
-    data_key = "data.path" if cfg.artifact_kind == "draft" else "data"  # DistillConfig nests its data
-    overrides = [f"{data_key}={data_path}", f"output={out}", f"train.max_steps={cfg.budget.max_steps}",
+    method = methods.get(cfg.artifact_kind)
+    overrides = [f"{method.data_key}={data_path}", f"train.max_steps={cfg.budget.max_steps}",
                  f"train.output_dir={work / 'train'}", "train.resume=auto", "evaluate.enabled=false",
                  f"target={cfg.target}", *cfg.budget.job_overrides]
+    if method.output_key is not None:
+        overrides.insert(1, f"{method.output_key}={out}")
     if warm_start is not None:
         overrides.append(f"train.warm_start={warm_start}")
-    if cfg.artifact_kind == "medusa":
-        from draftsmith.heads.medusa_job import run_train_medusa
-
-        return Path(run_train_medusa(cfg.job_config, overrides))
-    if cfg.artifact_kind == "eagle":
-        from draftsmith.heads.eagle_job import run_train_eagle
-
-        return Path(run_train_eagle(cfg.job_config, overrides))
-    from draftsmith.distill.config import DistillConfig
-    from draftsmith.distill.job import run_distill
-
-    return Path(run_distill(load_config(cfg.job_config, overrides, cls=DistillConfig))["artifact"])
+    return Path(method.get("train")(cfg.job_config, overrides))
 
 
 def _build_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None) -> Path:

@@ -73,7 +73,7 @@ def data(target) -> Path:
 def train(target, data_path: Path) -> Path:
     from draftsmith.config import load_config
     from draftsmith.data.generate import CAPTURE_DIR
-    from draftsmith.heads.medusa_job import MedusaJobConfig, train_medusa
+    from draftsmith.medusa.job import MedusaJobConfig, train_medusa
 
     out = OUT / "medusa"
     if (out / "manifest.json").is_file():

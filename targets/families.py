@@ -18,7 +18,7 @@ guessed at, so no head is trained against the wrong module.
 
 The lm_head is `lm_head` everywhere (tied to the embedding where the config says so).
 
-EAGLE draft layer (heads/eagle.py): whatever the family, the default is a Llama decoder layer with the
+EAGLE draft layer (eagle/model.py): whatever the family, the default is a Llama decoder layer with the
 target's shapes — the layer vLLM's, SGLang's, TensorRT-LLM's and speculators' EAGLE drafters build. The
 `eagle_layer` column names the family's own decoder layer for `draft_layer: target`; `llama_layer` says
 whether that layer IS a Llama layer for the serving stacks (same parameter names, same computation), so

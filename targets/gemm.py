@@ -224,7 +224,7 @@ def compare(target, rows: list[int], context: int = 256, repeats: int = 7) -> di
     """Median seconds of a target forward over `rows` new tokens (KV cache of `context` tokens), with
     F.linear and with this module's path, interleaved so that load changes hit both alike."""
     global ENABLED
-    from draftsmith.decoding import kvcache
+    from draftsmith.targets import kvcache
 
     model = target.model
     g = torch.Generator().manual_seed(0)

@@ -108,7 +108,7 @@ def train(a: argparse.Namespace) -> None:
                        mixed_precision="no", max_grad_norm=None)
     root = a.root
     if a.job == "medusa":
-        from draftsmith.heads.medusa_job import MedusaJobConfig, train_medusa
+        from draftsmith.medusa.job import MedusaJobConfig, train_medusa
 
         cfg = MedusaJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
                               num_heads=2, num_layers=1, eval_fraction=0.2, calibration_rows=4, tree_budget=6,
@@ -116,7 +116,7 @@ def train(a: argparse.Namespace) -> None:
         cfg.evaluate.enabled = False
         train_medusa(cfg)
     else:
-        from draftsmith.heads.eagle_job import EagleJobConfig, train_eagle
+        from draftsmith.eagle.job import EagleJobConfig, train_eagle
 
         cfg = EagleJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
                              version="eagle3", ttt_steps=2, draft_vocab_size=64, eval_fraction=0.2, max_length=32,

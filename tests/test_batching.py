@@ -8,16 +8,18 @@ import pytest
 import torch
 from _train_job import make_rows  # noqa: E402
 
-from draftsmith.targets.cache_shards import CaptureSource, capture_dataset  # noqa: E402
-from draftsmith.training.batching import (  # noqa: E402
+from draftsmith.targets.cache_shards import capture_dataset  # noqa: E402
+from draftsmith.training.batching import (  # noqa: E402  # noqa: E402
     batching_report,
+    epoch_permutation,
     length_grouped,
     pad_rows,
+    rank_batches,
     row_lengths,
     split_rows,
     window,
 )
-from draftsmith.training.loop import epoch_permutation, rank_batches  # noqa: E402
+from draftsmith.training.features import CaptureSource  # noqa: E402
 
 
 def test_window_keeps_the_answer():

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from draftsmith.data import generate_dataset, load_distilled, load_prompts
-from draftsmith.data.capture import capture_dataset_dir, length_batches
+from draftsmith.data.capture import length_batches
 from draftsmith.data.config import CaptureConfig, DataConfig, GenerationConfig, SourceConfig
+from draftsmith.data.generate import capture_dataset_dir
 from draftsmith.data.masks import masked_spans
 from draftsmith.errors import DataError
 from draftsmith.targets.cache_shards import ShardReader
@@ -229,12 +230,13 @@ def test_teacher_forced_capture_matches_capture_while_generating(tmp_path, tiny_
 def test_heads_train_from_kept_rows_and_their_capture(tmp_path, tiny_target, monkeypatch):
     """`responses: keep` + capture is data like any other: an EAGLE head trains from the offline cache alone,
     reloads against the target and decodes losslessly."""
+    from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
-    from draftsmith.decoding.proposer import build_proposer
+    from draftsmith.eagle.job import EagleJob, EagleJobConfig
+    from draftsmith.eagle.model import load_eagle
     from draftsmith.evaluation.after_training import EvalAfterTraining
-    from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig, load_eagle
-    from draftsmith.targets.cache_shards import CaptureSource
     from draftsmith.training import TrainConfig, train
+    from draftsmith.training.features import CaptureSource
 
     convos = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
                                  {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)}]}

@@ -11,16 +11,17 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import make_target  # noqa: E402
 
-from draftsmith.errors import ConfigError
-from draftsmith.evaluation.after_training import EvalAfterTraining
-from draftsmith.heads.eagle import (
+from draftsmith.eagle.job import EagleJob, EagleJobConfig
+from draftsmith.eagle.model import (
     DraftKV,
     EagleHead,
     eagle3_loss,
+    load_eagle,
     shift_left,
     ttt_mask,
 )
-from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig, load_eagle
+from draftsmith.errors import ConfigError
+from draftsmith.evaluation.after_training import EvalAfterTraining
 from draftsmith.heads.vocab import build_draft_vocab, check_draft_vocab, token_counts, vocab_coverage
 from draftsmith.training import TrainConfig, train
 
@@ -236,7 +237,7 @@ def test_eagle3_loss_soft_targets_and_accuracy():
 
 
 def test_llama_draft_layer_for_gemma_has_the_targets_shapes(tiny_tokenizer):
-    from draftsmith.heads.eagle import layer_config_dict
+    from draftsmith.eagle.model import layer_config_dict
 
     target = gemma3_target(tiny_tokenizer)
     d = layer_config_dict(target.model.config, "llama")
@@ -360,7 +361,7 @@ def test_eagle3_trains_under_bf16_autocast_on_the_cpu(target4, tmp_path):
 def test_proposer_chain_equals_the_ttt_draft_chain(target4):
     """The proposer's chain from a context = the TTT forward's greedy chain at the last base (draft tokens)."""
     from draftsmith.decoding.proposer import AcceptResult, TargetFeatures, TreeSpec
-    from draftsmith.heads.eagle_proposer import EagleProposer
+    from draftsmith.eagle.proposer import EagleProposer
     from draftsmith.targets.capture import capture_forward
 
     torch.manual_seed(4)
@@ -384,8 +385,8 @@ def test_proposer_chain_equals_the_ttt_draft_chain(target4):
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_speculative_greedy_equals_target_greedy(trained, target4, tree):
+    from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
-    from draftsmith.decoding.proposer import build_proposer
 
     job, result, rows = trained
     proposer = build_proposer(f"eagle:{result.artifact}", target4, tree=tree, depth=4, topk=3, max_nodes=12)
@@ -416,8 +417,8 @@ def test_speculative_greedy_equals_target_greedy(trained, target4, tree):
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_a_bf16_head_stays_lossless(trained, target4, tree):
+    from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
-    from draftsmith.decoding.proposer import build_proposer
 
     job, result, rows = trained
     fp32 = build_proposer(f"eagle:{result.artifact}", target4, tree=tree, depth=4, topk=3, max_nodes=12)
@@ -441,7 +442,8 @@ def test_a_bf16_head_stays_lossless(trained, target4, tree):
 
 def test_confidence_calibration_follows_what_the_verifier_accepts(trained, target4, monkeypatch):
     from draftsmith.decoding.budget import VerifyCost
-    from draftsmith.decoding.proposer import AcceptResult, Proposal, build_proposer
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.decoding.proposer import AcceptResult, Proposal
 
     job, result, rows = trained
     prop = build_proposer(f"eagle:{result.artifact}", target4)

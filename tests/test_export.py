@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import artifact
 from draftsmith.errors import ConfigError
-from draftsmith.export.api import export_artifact, import_export
-from draftsmith.export.verify import VerificationError, read_header, verify_export
+from draftsmith.export.api import export_artifact, import_export, verify_export
+from draftsmith.export.verify import VerificationError, read_header
 
 H, NH, NKV, HD, INTER = 64, 4, 2, 16, 128
 
@@ -50,8 +50,8 @@ def make_draft_artifact(target, path):
 
 
 def make_medusa_artifact(target, path, share=False, heads=3, layers=1, draft_vocab_size=None):
-    from draftsmith.heads.medusa import MedusaHeads, MedusaTree
     from draftsmith.heads.vocab import build_draft_vocab
+    from draftsmith.medusa.model import MedusaHeads, MedusaTree
 
     torch.manual_seed(3)
     vocab = None
@@ -182,7 +182,7 @@ def test_medusa_sglang_refused(tiny_target, tmp_path):
 
 @pytest.mark.parametrize("stack", ["vllm", "trtllm"])
 def test_medusa_round_trip_same_weights_same_predictions(tiny_target, tmp_path, stack):
-    from draftsmith.heads.medusa_job import load_medusa
+    from draftsmith.medusa.model import load_medusa
 
     art = make_medusa_artifact(tiny_target, tmp_path / "m")
     out = export_artifact(art, stack, tmp_path / "x", tiny_target).out
@@ -197,7 +197,7 @@ def test_medusa_round_trip_same_weights_same_predictions(tiny_target, tmp_path, 
 
 
 def test_medusa_draft_vocabulary_goes_to_vllm_as_a_token_map_and_back(tiny_target, tmp_path):
-    from draftsmith.heads.medusa_job import load_medusa
+    from draftsmith.medusa.model import load_medusa
 
     art = make_medusa_artifact(tiny_target, tmp_path / "m", draft_vocab_size=40)
     res = export_artifact(art, "vllm", tmp_path / "v", tiny_target)
@@ -338,8 +338,8 @@ def test_eagle3_speculators_loads_and_runs(deep_target, tmp_path):
 
 # --- compatibility guard and CLI -----------------------------------------------------------------------
 def test_guard_readable_by_check_and_refuses_other_target(tiny_target, other_target, tmp_path):
+    from draftsmith.checks import read_fingerprint
     from draftsmith.errors import FingerprintMismatch
-    from draftsmith.targets.commands import read_fingerprint
 
     art = make_medusa_artifact(tiny_target, tmp_path / "m")
     out = export_artifact(art, "vllm", tmp_path / "v", tiny_target).out
@@ -366,10 +366,10 @@ def test_cli_export(tiny_target, tmp_path, capsys):
 
 @pytest.mark.parametrize("version", [3, 1])
 def test_heads_eagle_artifact_exports_everywhere(deep_target, tmp_path, version):
-    """Artifacts saved the way heads/eagle_job.py saves them export to every stack that takes them."""
+    """Artifacts saved the way eagle/job.py saves them export to every stack that takes them."""
     from dataclasses import asdict
 
-    eagle_mod = pytest.importorskip("draftsmith.heads.eagle")
+    eagle_mod = pytest.importorskip("draftsmith.eagle.model")
     vocab = None
     if version == 3:
         counts = torch.bincount(torch.randint(0, deep_target.vocab_size, (2000,)), minlength=deep_target.vocab_size)

@@ -13,7 +13,8 @@ from tiny_models import build_tiny_family
 
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.after_training import EvalAfterTraining
-from draftsmith.export.verify import VerificationError, verify_export
+from draftsmith.export.api import verify_export
+from draftsmith.export.verify import VerificationError
 from draftsmith.training import TrainConfig, train
 
 
@@ -26,7 +27,7 @@ def _one_thread():
 
 
 def _eagle(family: str, tokenizer, tmp: Path, **kw):
-    from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig
+    from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.targets import load_target
 
     target = load_target(str(build_tiny_family(family, tokenizer, tmp / family)))
@@ -61,8 +62,8 @@ def test_rope_base_is_written_in_every_spelling_and_verified(tiny_tokenizer, tmp
 
 
 def test_llama31_rope_scaling_reaches_the_draft_layer():
+    from draftsmith.eagle.model import _hf_layer_config, layer_config_dict
     from draftsmith.export.eagle import rope_problems
-    from draftsmith.heads.eagle import _hf_layer_config, layer_config_dict
     from draftsmith.ops.memory import load_config
 
     root = Path(__file__).resolve().parent.parent

@@ -63,8 +63,8 @@ def _data(target, tmp: Path) -> list[dict]:
 
 def _lossless(target, spec: str, rows: list[dict], plain: dict) -> None:
     """Greedy speculative decoding with the artifact gives the target's own greedy tokens."""
+    from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
-    from draftsmith.decoding.proposer import build_proposer
 
     prompts = [rows[i]["input_ids"][: list(rows[i]["loss_mask"]).index(1)] for i in range(2)]
     if "tokens" not in plain:
@@ -97,9 +97,8 @@ def _speculators_parity(export_dir: Path, art: Path, target, rows: list[dict]) -
     (step 0 and the first training-time-test step) for the same tokens and target features."""
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
+    from draftsmith.eagle.model import load_eagle, shift_left
     from draftsmith.export.eagle import load_speculators
-    from draftsmith.heads.eagle import shift_left
-    from draftsmith.heads.eagle_job import load_eagle
     from draftsmith.targets.capture import capture_forward
 
     head, _ = load_eagle(art, target)
@@ -131,8 +130,8 @@ def _speculators_parity(export_dir: Path, art: Path, target, rows: list[dict]) -
 def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_path):
     from draftsmith.distill.config import DistillConfig
     from draftsmith.distill.job import run_distill
-    from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig
-    from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig
+    from draftsmith.eagle.job import EagleJob, EagleJobConfig
+    from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
     from draftsmith.targets import load_target
     from draftsmith.targets.families import family as family_of
     from draftsmith.targets.families import full_attention_rope
@@ -185,8 +184,8 @@ def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_pat
 def test_a_family_outside_the_table_is_one_line(tiny_tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from draftsmith.heads.eagle import EagleHead
-    from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig
+    from draftsmith.eagle.model import EagleHead
+    from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
     from draftsmith.targets import Target, freeze
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(tiny_tokenizer)))
@@ -201,7 +200,7 @@ def test_a_family_outside_the_table_is_one_line(tiny_tokenizer):
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3"])
 def test_a_draft_layer_no_stack_loads_is_refused_before_training(family, tiny_tokenizer, tmp_path):
-    from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig
+    from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.targets import load_target
 
     target = load_target(str(build_tiny_family(family, tiny_tokenizer, tmp_path / family)))
@@ -222,7 +221,7 @@ def test_a_draft_layer_no_stack_loads_is_refused_before_training(family, tiny_to
 def test_gemma_head_reads_plain_embedding_rows(tiny_tokenizer, tmp_path):
     """Gemma's model scales its embedding by sqrt(H) in its forward; the serving stacks' EAGLE drafters look
     the row up plainly, and so does draftsmith's head."""
-    from draftsmith.heads.eagle import EagleHead
+    from draftsmith.eagle.model import EagleHead
     from draftsmith.heads.vocab import build_draft_vocab
     from draftsmith.targets import load_target
 

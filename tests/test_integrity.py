@@ -19,8 +19,8 @@ from test_export import make_draft_artifact, make_medusa_artifact
 
 from draftsmith import artifact
 from draftsmith.errors import ArtifactError, DataError, IntegrityError, OutputError, TrainingError
-from draftsmith.export.api import export_artifact, import_export
-from draftsmith.export.verify import VerificationError, verify_export
+from draftsmith.export.api import export_artifact, import_export, verify_export
+from draftsmith.export.verify import VerificationError
 from draftsmith.storage import atomic_dir, sha256_file, weight_checksums
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
@@ -114,7 +114,7 @@ def test_every_writer_leaves_a_users_folder_alone(tiny_target, medusa, tmp_path,
 def test_a_job_refuses_a_users_output_folder_before_training(tiny_target, tmp_path):
     from test_medusa_job import self_distilled_rows
 
-    from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig
+    from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
 
     mine = users_folder(tmp_path / "mine")
     cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(mine), num_heads=2, num_layers=1,
@@ -154,7 +154,7 @@ def test_an_interrupted_write_is_tidied_on_the_next_one(tmp_path):
 def test_a_flipped_bit_is_caught_by_every_reader(tiny_target, tmp_path, capsys):
     from draftsmith.cli import main
     from draftsmith.decoding.draft import DraftProposer
-    from draftsmith.heads.medusa_job import load_medusa
+    from draftsmith.medusa.model import load_medusa
 
     art = make_medusa_artifact(tiny_target, tmp_path / "m")
     good_export = export_artifact(art, "vllm", tmp_path / "v", tiny_target).out
@@ -261,7 +261,7 @@ def test_check_fails_on_a_damaged_artifact_and_export(tiny_target, medusa, tmp_p
         expect = ["depth 4"]
     if damage == "tree":
         from draftsmith.errors import ConfigError
-        from draftsmith.heads.medusa_job import load_medusa
+        from draftsmith.medusa.model import load_medusa
 
         with pytest.raises(ConfigError, match=r"tree\.json: a path of depth 4, but the artifact has 3 heads"):
             load_medusa(art, tiny_target)
@@ -298,7 +298,7 @@ def test_a_load_error_names_the_file(tiny_target, medusa, tmp_path):
     import shutil
 
     from draftsmith.errors import ConfigError
-    from draftsmith.heads.medusa_job import load_medusa
+    from draftsmith.medusa.model import load_medusa
 
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(ArtifactError, match=r"manifest\.json: not valid JSON"):
@@ -421,13 +421,13 @@ def test_rows_without_a_learned_token_do_not_make_an_artifact(tiny_target, tmp_p
     train_cfg = TrainConfig(max_steps=2, batch_size=4, output_dir=str(tmp_path / "run"), progress=False,
                             eval_every=0, loggers=["jsonl"])
     if kind == "medusa":
-        from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig
+        from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
 
         cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "art"), num_heads=2,
                               num_layers=1, eval_fraction=0.25, calibration_rows=2, train=train_cfg)
         job = MedusaJob(cfg, tiny_target, rows)
     else:
-        from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig
+        from draftsmith.eagle.job import EagleJob, EagleJobConfig
 
         cfg = EagleJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "art"), version="eagle3",
                              target_layers=[0, 1, 1], ttt_steps=2, draft_vocab_size=64, eval_fraction=0.25,

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from draftsmith.heads.medusa import (
+from draftsmith.medusa.model import (
     MedusaHeads,
     MedusaTree,
     build_tree,
@@ -175,7 +175,7 @@ def test_draft_vocabulary_heads_start_as_the_target_restricted_to_their_tokens(t
 
 
 def test_loss_skips_labels_outside_the_draft_vocabulary_and_counts_them_as_misses():
-    from draftsmith.heads.medusa import medusa_loss
+    from draftsmith.medusa.model import medusa_loss
 
     torch.manual_seed(0)
     pred = torch.randn(6, 5) * 0.1

@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
+from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import speculative_generate
-from draftsmith.decoding.proposer import build_proposer
 from draftsmith.errors import FingerprintMismatch
-from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig, load_medusa
 from draftsmith.heads.vocab import vocab_coverage
+from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
+from draftsmith.medusa.model import load_medusa
 from draftsmith.training import TrainConfig, train
 
 
@@ -118,7 +119,7 @@ def test_the_tree_is_cut_once_to_what_pays_and_stays_lossless(medusa_artifact, t
     # an older artifact without node probabilities gets them from its manifest's calibration accuracies
     tree_json = json.loads((medusa_artifact[1] / "tree.json").read_text())
     assert "probs" in tree_json
-    from draftsmith.heads.medusa import MedusaTree
+    from draftsmith.medusa.model import MedusaTree
 
     acc = json.loads((medusa_artifact[1] / "manifest.json").read_text())["metrics"]["calibration_rank_accuracy"]
     old = MedusaTree.from_json({k: v for k, v in tree_json.items() if k != "probs"}).with_probs(acc)
@@ -167,7 +168,7 @@ def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_ta
 def test_medusa2_trains_adapter_and_heads_and_decodes_losslessly_with_the_adapted_target(tiny_target, tmp_path):
     from peft import PeftModel
 
-    from draftsmith.heads.medusa2 import Medusa2Config
+    from draftsmith.medusa.medusa2 import Medusa2Config
     from draftsmith.training import TrainConfig, train
 
     rows = self_distilled_rows(tiny_target)
@@ -213,7 +214,7 @@ def test_medusa2_trains_adapter_and_heads_and_decodes_losslessly_with_the_adapte
                       if k in adapted.model.state_dict())
     assert merged_diff > 0  # the adapter really is merged into the verifier
     # how far the adapter moved the target: nowhere for the original itself, somewhere for the adapted one
-    from draftsmith.heads.medusa2 import target_drift
+    from draftsmith.medusa.medusa2 import target_drift
 
     same = target_drift(tiny_target.model, tiny_target.model, rows, 0, 64)
     assert same["agreement"] == 1.0 and same["kl"] == pytest.approx(0.0, abs=1e-6) and same["positions"] > 0
@@ -226,7 +227,7 @@ def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from draftsmith.export.api import export_artifact
-    from draftsmith.heads.medusa2 import Medusa2Config
+    from draftsmith.medusa.medusa2 import Medusa2Config
     from draftsmith.training import TrainConfig, train
 
     rows = self_distilled_rows(tiny_target, n=12)
@@ -255,7 +256,7 @@ def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
 
 def test_medusa2_warm_starts_its_heads_and_trains_its_adapter_at_a_lower_lr(medusa_artifact, tiny_target, tmp_path):
     from draftsmith.artifact import load_artifact
-    from draftsmith.heads.medusa2 import Medusa2Config
+    from draftsmith.medusa.medusa2 import Medusa2Config
     from draftsmith.training.loop import param_groups
 
     _, heads_path = medusa_artifact
@@ -283,9 +284,10 @@ def test_medusa2_from_a_capture_cache_never_runs_the_original_and_its_kl_is_the_
                                                                                            monkeypatch):
     """Medusa-2 with a capture cache reads the original target's top-k logits instead of running it; with
     k = V the renormalised top-k KL is the full-vocabulary KL the online job computes."""
-    from draftsmith.heads.medusa2 import Medusa2Config
-    from draftsmith.targets.cache_shards import CaptureSource, capture_dataset
+    from draftsmith.medusa.medusa2 import Medusa2Config
+    from draftsmith.targets.cache_shards import capture_dataset
     from draftsmith.training import TrainConfig, train
+    from draftsmith.training.features import CaptureSource
 
     rows = self_distilled_rows(tiny_target, n=16)
     V = tiny_target.vocab_size

@@ -24,10 +24,11 @@ from transformers import LlamaConfig
 
 from draftsmith.decoding.adaptive import AdaptiveK
 from draftsmith.decoding.draft import DraftProposer
+from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import speculative_generate
 from draftsmith.decoding.multi import MultiProposer, merge_trees, union_spec
 from draftsmith.decoding.ngram import NgramProposer
-from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec, build_proposer
+from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec
 from draftsmith.decoding.routing import (
     KeywordRouter,
     RoutedProposer,

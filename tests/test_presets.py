@@ -42,7 +42,7 @@ def test_preset_files_load_for_their_target(name):
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_target_config_builds_on_meta_with_the_published_size(name):
-    from draftsmith.heads.eagle import EagleConfig, EagleHead, layer_config_dict
+    from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
     from draftsmith.targets.capture import default_eagle3_layers
     from draftsmith.targets.families import family, full_attention_rope
 

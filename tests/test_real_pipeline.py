@@ -13,7 +13,7 @@ from draftsmith.data import generate_dataset, load_distilled
 from draftsmith.data.generate import load_data_config
 from draftsmith.evaluation import evaluate
 from draftsmith.export import export_artifact
-from draftsmith.heads.medusa_job import MedusaJobConfig, train_medusa
+from draftsmith.medusa.job import MedusaJobConfig, train_medusa
 from draftsmith.storage import shared_data_dir
 
 pytestmark = pytest.mark.real

@@ -6,8 +6,8 @@
 See `training/job.py` for what a job supplies and `training/loop.py` for what the loop does.
 """
 
-from draftsmith.targets.cache_shards import CaptureSource
 from draftsmith.training.config import TrainConfig
+from draftsmith.training.features import CaptureSource
 from draftsmith.training.job import Job
 from draftsmith.training.loop import TrainResult, train
 

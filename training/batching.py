@@ -152,8 +152,6 @@ def batching_report(loss_masks: Sequence[Sequence[int]], max_length: int, batch_
     max_length tokens (the old rule); positions: tokens of the windows; padded_random / padded_grouped:
     positions computed when batches of `batch_size` are padded to their longest row, in random order and
     length-grouped (one epoch of `epoch_permutation` order, one rank)."""
-    from draftsmith.training.loop import epoch_permutation, rank_batches
-
     spans = [window(list(m), max_length, prompt_context=prompt_context) for m in loss_masks]
     learned = sum(sum(m) for m in loss_masks) or 1
     kept = sum(sum(list(m)[s:e]) for m, (s, e) in zip(loss_masks, spans))
@@ -167,3 +165,18 @@ def batching_report(loss_masks: Sequence[Sequence[int]], max_length: int, batch_
     grouped = length_grouped(perm, lengths, batch_size, seed, 0)
     return {"rows": len(lengths), "learned_kept_window": kept / learned, "learned_kept_head": head / learned,
             "positions": sum(lengths), "padded_random": padded(perm), "padded_grouped": padded(grouped)}
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def rank_batches(perm: list[int], batch_size: int, world: int, rank: int, start: int) -> list[list[int]]:
+    """This rank's micro-batches of one epoch from batch index `start` on (incomplete tail dropped)."""
+    per_epoch = len(perm) // (batch_size * world)
+    out = []
+    for b in range(start, per_epoch):
+        lo = (b * world + rank) * batch_size
+        out.append(perm[lo:lo + batch_size])
+    return out

@@ -50,7 +50,7 @@ from draftsmith.config import to_dict
 from draftsmith.errors import DataError, TrainingError
 from draftsmith.training import checkpoint as ckpt
 from draftsmith.training import sharded
-from draftsmith.training.batching import length_grouped, row_lengths
+from draftsmith.training.batching import epoch_permutation, length_grouped, rank_batches, row_lengths
 from draftsmith.training.config import TrainConfig
 from draftsmith.training.job import Job, count_tokens
 from draftsmith.training.launch import make_accelerator
@@ -108,19 +108,6 @@ def param_groups(module: nn.Module, weight_decay: float, lr_scale=None) -> list[
     return [{"params": groups[k], "weight_decay": weight_decay if k[1] else 0.0, "lr_scale": k[0]} for k in order]
 
 
-def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
-
-
-def rank_batches(perm: list[int], batch_size: int, world: int, rank: int, start: int) -> list[list[int]]:
-    """This rank's micro-batches of one epoch from batch index `start` on (incomplete tail dropped)."""
-    per_epoch = len(perm) // (batch_size * world)
-    out = []
-    for b in range(start, per_epoch):
-        lo = (b * world + rank) * batch_size
-        out.append(perm[lo:lo + batch_size])
-    return out
 
 
 def learned_tokens(job: Any, batch: dict[str, Any]) -> int | None:

@@ -25,15 +25,18 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith import artifact
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import check_draft_vocab
+from draftsmith.storage import read_json
 from draftsmith.targets.families import text_config
-from draftsmith.targets.gemm import rows_linear, use_rows_linear
+from draftsmith.targets.gemm import rows_linear
 
 
 @dataclass
@@ -345,16 +348,48 @@ def tree_expected_length(acc: list[list[float]], tree: MedusaTree) -> float:
     return sum(path_probability(acc, p) for p in tree.paths)
 
 
-def build_proposer(target, path: str, **opts):
-    """Decoder registry hook: `medusa:PATH` -> a MedusaProposer for `target` (fingerprint checked)."""
-    from draftsmith.heads.medusa_job import load_medusa
-    from draftsmith.heads.medusa_proposer import MedusaProposer
+def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree | None, dict]:
+    """Heads, calibrated tree and manifest of a Medusa artifact (fingerprint checked against `target`)."""
+    path = Path(path)
+    manifest, state = artifact.load_artifact(path, kind="medusa", target=target)
+    cfg = read_json(path / "config.json")
+    missing = [k for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head") if k not in cfg]
+    if missing:
+        raise ConfigError(f"{path / 'config.json'}: missing field '{missing[0]}' (not a Medusa heads config)")
+    fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
+    fields["draft_vocab_size"] = cfg.get("draft_vocab_size")  # absent from artifacts older than the option
+    heads = MedusaHeads(MedusaHeadsConfig(**fields))
+    heads.load_state_dict(state, strict=True)
+    if heads.config.share_lm_head:
+        if target is None:
+            raise ConfigError(f"{path}: these heads share the target's lm_head; give the target to load them")
+        heads.attach_lm_head(target.model.lm_head, copy=False)
+    if target is not None:
+        heads.to(device=target.device, dtype=target.dtype)
+    tree = MedusaTree.from_json(read_json(path / "tree.json")) if (path / "tree.json").is_file() else None
+    if tree is not None and max((len(p) for p in tree.paths), default=0) > heads.config.num_heads:
+        raise ConfigError(f"{path / 'tree.json'}: a path of depth {max(len(p) for p in tree.paths)}, but the "
+                          f"artifact has {heads.config.num_heads} heads")
+    acc = (manifest.get("metrics") or {}).get("calibration_rank_accuracy")
+    if tree is not None and tree.probs is None and acc:
+        tree = tree.with_probs(acc)
+    return heads.eval(), tree, manifest
 
-    heads, tree, _ = load_medusa(path, target)
-    use_rows_linear(heads)
-    prop = MedusaProposer(heads, tree if opts.get("tree", True) else None)
-    from draftsmith.heads.medusa2 import adapted_target, has_adapter
 
-    if has_adapter(path):  # Medusa-2: the heads read, and the verifier must be, the adapted target
-        prop.verifier_target = adapted_target(target, path)
-    return prop
+def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
+    """`Method.tensors`: (required, optional) name -> (shape, "") of the heads `config.json` describes, built
+    on the meta device, and a tree that uses heads the artifact lacks."""
+    path = Path(path)
+    cfg = read_json(path / "config.json")
+    fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
+    fields["draft_vocab_size"] = cfg.get("draft_vocab_size")
+    with torch.device("meta"):
+        module = MedusaHeads(MedusaHeadsConfig(**fields))
+    extra: list[str] = []
+    if (path / "tree.json").is_file():
+        paths = read_json(path / "tree.json").get("paths") or []
+        depth = max((len(p) for p in paths), default=0)
+        if depth > fields["num_heads"]:
+            extra.append(f"{path / 'tree.json'}: a path of depth {depth}, but the artifact has "
+                         f"{fields['num_heads']} heads")
+    return {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}, {}, extra

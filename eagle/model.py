@@ -2,7 +2,7 @@
 
 Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty" (EAGLE-1);
 Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees" (the tree, in
-`heads/eagle_proposer.py`); Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language
+`eagle/proposer.py`); Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language
 Models via Training-Time Test" (multi-layer fusion, training-time test, reduced draft vocabulary).
 
 Notation: x_0..x_{T-1} the tokens, f_t the target's features after reading x_0..x_t (layer convention of
@@ -56,14 +56,17 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith import artifact
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import check_draft_vocab
+from draftsmith.storage import read_json
 from draftsmith.targets.families import (
     FAMILIES,
     Family,
@@ -77,7 +80,7 @@ from draftsmith.targets.families import (
     text_config,
     whole,
 )
-from draftsmith.targets.gemm import rows_linear, use_rows_linear
+from draftsmith.targets.gemm import rows_linear
 
 
 @dataclass
@@ -422,7 +425,7 @@ class EagleHead(nn.Module):
         t alone), so those bases cannot reach the loss. With prompt context they are most of the prompt: 24%
         of the step >= 1 columns of the SmolLM2 set. Step 0 still runs every base (its keys are the
         context). Skipped columns of hidden[j >= 1] and tokens[j >= 1] are zeros; `start` says where they end.
-        skip=False runs every base at every step (`python -m draftsmith.heads.bench` times both).
+        skip=False runs every base at every step (`python -m draftsmith.eagle.bench` times both).
         """
         steps = steps or self.config.ttt_steps
         B, T = input_ids.shape
@@ -538,11 +541,29 @@ def eagle1_loss(pred_features: list[torch.Tensor], target_features: list[torch.T
     return total, metrics
 
 
-def build_proposer(target, path: str, **opts):
-    """Decoder registry hook: `eagle:PATH` -> an EagleProposer for `target` (fingerprint checked)."""
-    from draftsmith.heads.eagle_job import load_eagle
-    from draftsmith.heads.eagle_proposer import EagleProposer
+def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
+    """Head and manifest of an EAGLE artifact; with `target` (fingerprint checked) the head is attached to it
+    and moved to its device / dtype."""
+    path = Path(path)
+    manifest, state = artifact.load_artifact(path, kind="eagle", target=target)
+    cfg = read_json(path / "config.json")
+    fields = {k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}
+    try:
+        config = EagleConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}/config.json: not an EAGLE head config ({e})") from None
+    head = EagleHead(config)
+    head.load_state_dict(state, strict=True)
+    if target is not None:
+        head.to(device=target.device, dtype=target.dtype)
+        head.attach_target(target.model)
+    return head.eval().requires_grad_(False), manifest
 
-    head, manifest = load_eagle(path, target)
-    use_rows_linear(head)  # tree expansion feeds a few nodes per forward
-    return EagleProposer(head, **opts)
+
+def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
+    """`Method.tensors`: (required, optional) name -> (shape, "") of the head `config.json` describes, built
+    on the meta device."""
+    cfg = read_json(Path(path) / "config.json")
+    with torch.device("meta"):
+        module = EagleHead(EagleConfig(**{k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}))
+    return {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}, {}, []

@@ -168,7 +168,7 @@ def _logits_at(model, batch: dict[str, torch.Tensor], sel: torch.Tensor) -> torc
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m draftsmith.heads.medusa2 ARTIFACT --data DATASET [--target T] [--max-length N]: the adapter's
+    """python -m draftsmith.medusa.medusa2 ARTIFACT --data DATASET [--target T] [--max-length N]: the adapter's
     drift on the dataset's held-out rows (the split a Medusa job with the same seed and fraction holds out)."""
     import argparse
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     from draftsmith.targets import load_target
     from draftsmith.training.batching import split_rows
 
-    p = argparse.ArgumentParser(prog="python -m draftsmith.heads.medusa2", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m draftsmith.medusa.medusa2", description=main.__doc__)
     p.add_argument("artifact")
     p.add_argument("--data", required=True)
     p.add_argument("--target", default="smollm2-135m")

@@ -1,8 +1,8 @@
 """Training Medusa heads through the one training loop: on a frozen target (Medusa-1) or jointly with a
-LoRA adapter on the target (Medusa-2, `medusa2.enabled`, see heads/medusa2.py).
+LoRA adapter on the target (Medusa-2, `medusa2.enabled`, see medusa/medusa2.py).
 
 The job differs from its siblings only by its module (MedusaHeads, or heads + adapted target), its
-batches (self-distilled rows) and its loss (`heads.medusa.medusa_loss`, plus Medusa-2's KL term). After training, the heads are calibrated on held-out rows:
+batches (self-distilled rows) and its loss (`medusa.model.medusa_loss`, plus Medusa-2's KL term). After training, the heads are calibrated on held-out rows:
 per-head rank accuracies give the sparse candidate tree saved with the artifact.
 """
 
@@ -19,10 +19,10 @@ from draftsmith.config import load_config, register_config, to_dict
 from draftsmith.distill.losses import topk_divergence
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
-from draftsmith.heads.medusa import (
+from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
+from draftsmith.medusa.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
+from draftsmith.medusa.model import (
     MedusaHeads,
-    MedusaHeadsConfig,
-    MedusaTree,
     build_tree,
     head_labels,
     head_positions,
@@ -30,9 +30,7 @@ from draftsmith.heads.medusa import (
     medusa_loss,
     rank_accuracies,
 )
-from draftsmith.heads.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
-from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
-from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.storage import atomic_write_json
 from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
@@ -49,7 +47,7 @@ class MedusaJobConfig:
     num_heads: int = 4
     num_layers: int = 1
     share_lm_head: bool = False
-    # heads over the N tokens the target writes most often in the training split (heads/medusa.py); None = all
+    # heads over the N tokens the target writes most often in the training split (medusa/model.py); None = all
     draft_vocab_size: int | None = None
     decay: float = 0.8  # head i weighs decay**i
     kd_weight: float = 0.0  # mix in KL to the target's own distribution (its top-k logits)
@@ -123,7 +121,7 @@ class MedusaJob:
                                         draft_vocab=self.draft_vocab)
         if not self.medusa2:
             return heads
-        from draftsmith.heads.medusa2 import Medusa2Module
+        from draftsmith.medusa.medusa2 import Medusa2Module
 
         return Medusa2Module(heads, self.target.model, self.cfg.medusa2)
 
@@ -169,7 +167,7 @@ class MedusaJob:
         sels = [head_positions(mask, i) for i in range(self.cfg.num_heads)]
         base_kl = None
         if self.medusa2:
-            from draftsmith.heads.medusa2 import base_kl as kl_fn
+            from draftsmith.medusa.medusa2 import base_kl as kl_fn
 
             select = next_token_learned(mask)
             adapted, logits = module(batch, select, sels)  # heads read the ADAPTED target (grad flows into LoRA)
@@ -225,7 +223,7 @@ class MedusaJob:
         config = {**asdict(heads.config), "target_layer": "last_hidden (post-norm)"}
         adapter = None
         if self.medusa2:
-            from draftsmith.heads.medusa2 import DRIFT_WARN, adapter_state, target_drift
+            from draftsmith.medusa.medusa2 import DRIFT_WARN, adapter_state, target_drift
 
             adapter = adapter_state(module)
             config["medusa2"] = {"adapter": ADAPTER_WEIGHTS, "base_weight": self.cfg.medusa2.base_weight,
@@ -327,34 +325,6 @@ class MedusaJob:
 def _unwrap(module):
     """The job's module under a DDP / accelerate wrapper."""
     return getattr(module, "module", module)
-
-
-def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree | None, dict]:
-    """Heads, calibrated tree and manifest of a Medusa artifact (fingerprint checked against `target`)."""
-    path = Path(path)
-    manifest, state = artifact.load_artifact(path, kind="medusa", target=target)
-    cfg = read_json(path / "config.json")
-    missing = [k for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head") if k not in cfg]
-    if missing:
-        raise ConfigError(f"{path / 'config.json'}: missing field '{missing[0]}' (not a Medusa heads config)")
-    fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
-    fields["draft_vocab_size"] = cfg.get("draft_vocab_size")  # absent from artifacts older than the option
-    heads = MedusaHeads(MedusaHeadsConfig(**fields))
-    heads.load_state_dict(state, strict=True)
-    if heads.config.share_lm_head:
-        if target is None:
-            raise ConfigError(f"{path}: these heads share the target's lm_head; give the target to load them")
-        heads.attach_lm_head(target.model.lm_head, copy=False)
-    if target is not None:
-        heads.to(device=target.device, dtype=target.dtype)
-    tree = MedusaTree.from_json(read_json(path / "tree.json")) if (path / "tree.json").is_file() else None
-    if tree is not None and max((len(p) for p in tree.paths), default=0) > heads.config.num_heads:
-        raise ConfigError(f"{path / 'tree.json'}: a path of depth {max(len(p) for p in tree.paths)}, but the "
-                          f"artifact has {heads.config.num_heads} heads")
-    acc = (manifest.get("metrics") or {}).get("calibration_rank_accuracy")
-    if tree is not None and tree.probs is None and acc:
-        tree = tree.with_probs(acc)
-    return heads.eval(), tree, manifest
 
 
 def train_medusa(cfg: MedusaJobConfig) -> Path:

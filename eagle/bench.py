@@ -1,6 +1,6 @@
 """Time one EAGLE training step two ways, side by side.
 
-    python -m draftsmith.heads.bench [CONFIG] [key=value ...] [--batches N] [--repeats R] [--compare WHAT]
+    python -m draftsmith.eagle.bench [CONFIG] [key=value ...] [--batches N] [--repeats R] [--compare WHAT]
 
 Loads the job as `draftsmith train eagle` does (default config: configs/smollm2-135m/eagle3.yaml), takes N
 batches of length-sorted rows (what `group_by_length` makes) from the training split, and times loss +
@@ -27,9 +27,9 @@ def main(argv: list[str]) -> dict:
 
     from draftsmith.config import load_config
     from draftsmith.data import load_distilled
+    from draftsmith.eagle.job import EagleJob, EagleJobConfig
+    from draftsmith.eagle.model import EagleHead
     from draftsmith.evaluation.cost import CpuShare
-    from draftsmith.heads.eagle import EagleHead
-    from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig
     from draftsmith.targets import load_target
 
     argv = list(argv)

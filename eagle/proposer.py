@@ -7,7 +7,7 @@ COMMITTED position s: input (features f_s, embedding of x_{s+1}) at position id 
 lazily at the next `propose`, in one forward over the new positions; the output at the last one (the
 bonus position t = len(context) - 2, whose x_{t+1} is the pending token) is the draft's first step a^0.
 
-Drafting from a^0 at position t (EAGLE-3 training-time test, see `heads/eagle.py`): a node at depth d
+Drafting from a^0 at position t (EAGLE-3 training-time test, see `eagle/model.py`): a node at depth d
 holds token y_d (the draft's prediction from its parent's output); expanding it runs the layer on
 (parent's output feature, embedding of y_d) at position t + d, attending every committed entry plus its
 ancestors' scratch entries and itself. Scratch entries (chain or tree) are cropped away at the end of
@@ -41,8 +41,8 @@ import torch
 
 from draftsmith.decoding.budget import worth_deeper
 from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
+from draftsmith.eagle.model import DraftKV, EagleHead, load_eagle
 from draftsmith.errors import ConfigError
-from draftsmith.heads.eagle import DraftKV, EagleHead
 
 
 class EagleProposer(Proposer):
@@ -270,3 +270,12 @@ class EagleProposer(Proposer):
         scores = torch.tensor([score[i] for i in keep], dtype=torch.float32).exp() * self.scale_used
         return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
                         torch.tensor(parents, dtype=torch.long, device=device), scores=scores)
+
+
+def build_proposer(target, path: str, **opts):
+    """Decoder registry hook: `eagle:PATH` -> an EagleProposer for `target` (fingerprint checked)."""
+    from draftsmith.targets.gemm import use_rows_linear
+
+    head, _ = load_eagle(path, target)
+    use_rows_linear(head)  # tree expansion feeds a few nodes per forward
+    return EagleProposer(head, **opts)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
-from draftsmith.heads.medusa import MedusaHeads, MedusaTree
+from draftsmith.medusa.model import MedusaHeads, MedusaTree, load_medusa
 
 
 class MedusaProposer(Proposer):
@@ -62,7 +62,7 @@ class MedusaProposer(Proposer):
         depth_at = [0]  # depth_at[n]: heads the first n paths need
         for i in kept:
             depth_at.append(max(depth_at[-1], len(self.tree.paths[i])))
-        # paths are in build order, most probable first (heads/medusa.py build_tree): a prefix is the top-n
+        # paths are in build order, most probable first (medusa/model.py build_tree): a prefix is the top-n
         n = best_size([self.tree.probs[i] for i in kept], cost, [head_cost[d] for d in depth_at])
         paths = [self.tree.paths[i] for i in kept[:n]]
         return TreeSpec(_ranks(paths), max_nodes=n)
@@ -134,3 +134,16 @@ def _ranks(paths: list[tuple[int, ...]]) -> tuple[int, ...]:
     """Per depth, how many ranks of that head the paths use (the branching a spec needs for them); () for none."""
     depth = max((len(p) for p in paths), default=0)
     return tuple(1 + max(p[d] for p in paths if len(p) > d) for d in range(depth))
+
+
+def build_proposer(target, path: str, **opts):
+    """Decoder registry hook: `medusa:PATH` -> a MedusaProposer for `target` (fingerprint checked)."""
+    from draftsmith.medusa.medusa2 import adapted_target, has_adapter
+    from draftsmith.targets.gemm import use_rows_linear
+
+    heads, tree, _ = load_medusa(path, target)
+    use_rows_linear(heads)
+    prop = MedusaProposer(heads, tree if opts.get("tree", True) else None)
+    if has_adapter(path):  # Medusa-2: the heads read, and the verifier must be, the adapted target
+        prop.verifier_target = adapted_target(target, path)
+    return prop

@@ -29,10 +29,7 @@ import torch
 
 from draftsmith import artifact
 from draftsmith.config import load_config, register_config, to_dict
-from draftsmith.errors import ConfigError
-from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
-from draftsmith.heads.eagle import (
-    EagleConfig,
+from draftsmith.eagle.model import (
     EagleHead,
     check_architecture,
     eagle1_loss,
@@ -41,8 +38,9 @@ from draftsmith.heads.eagle import (
     shift_left,
     step_weights,
 )
+from draftsmith.errors import ConfigError
+from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
-from draftsmith.storage import read_json
 from draftsmith.targets.families import family, lm_head, pad_token_id, whole
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
@@ -59,7 +57,7 @@ class EagleJobConfig:
     version: Literal["eagle1", "eagle3"] = "eagle3"
     target_layers: list[int] | None = None  # None: EAGLE-3 default_eagle3_layers(L), EAGLE-1 [-1]
     ttt_steps: int = 7  # EAGLE-3 training-time test unroll (EAGLE-1 preset: 1)
-    ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (heads/eagle.py)
+    ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (eagle/model.py)
     step_decay: float = 0.8  # step j weighs step_decay**j
     norm_before_residual: bool = False
     # the draft's decoder layer: "llama" = a Llama layer with the target's shapes, what vLLM / SGLang /
@@ -235,25 +233,6 @@ class EagleJob:
     def artifact_dest(self, out_dir) -> Path:
         """The artifact goes where the config says (the loop's default is <train.output_dir>/artifact)."""
         return Path(self.cfg.output) if self.cfg.output else Path(out_dir)
-
-
-def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
-    """Head and manifest of an EAGLE artifact; with `target` (fingerprint checked) the head is attached to it
-    and moved to its device / dtype."""
-    path = Path(path)
-    manifest, state = artifact.load_artifact(path, kind="eagle", target=target)
-    cfg = read_json(path / "config.json")
-    fields = {k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}
-    try:
-        config = EagleConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}/config.json: not an EAGLE head config ({e})") from None
-    head = EagleHead(config)
-    head.load_state_dict(state, strict=True)
-    if target is not None:
-        head.to(device=target.device, dtype=target.dtype)
-        head.attach_target(target.model)
-    return head.eval().requires_grad_(False), manifest
 
 
 def train_eagle(cfg: EagleJobConfig) -> Path:

@@ -1,0 +1,19 @@
+"""EAGLE-1 / EAGLE-3 heads: one decoder layer that drafts from the target's hidden states, as a tree."""
+
+from draftsmith.methods import Method
+
+METHOD = Method(
+    name="eagle",
+    summary="an EAGLE-1 or EAGLE-3 head (one decoder layer on the target's hidden states)",
+    config="draftsmith.eagle.job:EagleJobConfig",
+    train="draftsmith.eagle.job:run_train_eagle",
+    load="draftsmith.eagle.model:load_eagle",
+    proposer="draftsmith.eagle.proposer:build_proposer",
+    export="draftsmith.export.eagle:export",
+    reimport="draftsmith.export.eagle:reimport",
+    memory="draftsmith.ops.memory:eagle_shape",
+    tensors="draftsmith.eagle.model:artifact_tensors",
+    train_memory="draftsmith.ops.train_memory:eagle_memory",
+    default_config="configs/smollm2-135m/eagle3.yaml",
+    own_tree=True,
+)

@@ -1,0 +1,20 @@
+"""Medusa heads (and Medusa-2: heads with a LoRA adapter on the target): extra decoding heads on the
+target's last hidden state, one per draft position, verified as a calibrated tree."""
+
+from draftsmith.methods import Method
+
+METHOD = Method(
+    name="medusa",
+    summary="Medusa heads on the target's last hidden state (Medusa-2 with medusa2.enabled)",
+    config="draftsmith.medusa.job:MedusaJobConfig",
+    train="draftsmith.medusa.job:run_train_medusa",
+    load="draftsmith.medusa.model:load_medusa",
+    proposer="draftsmith.medusa.proposer:build_proposer",
+    export="draftsmith.export.medusa:export",
+    reimport="draftsmith.export.medusa:reimport",
+    memory="draftsmith.ops.memory:head_shape",
+    tensors="draftsmith.medusa.model:artifact_tensors",
+    train_memory="draftsmith.ops.train_memory:medusa_memory",
+    default_config="configs/smollm2-135m/medusa.yaml",
+    own_tree=True,
+)

@@ -1,0 +1,139 @@
+"""The drafting methods: each artifact kind declares itself once, in its folder, and every part reads it here.
+
+A method is one folder (`distill/` for distilled draft models, `medusa/`, `eagle/`) whose `__init__.py`
+holds a `METHOD = Method(...)`: its name (the artifact kind in `manifest.json`, the proposer spec
+`NAME:PATH`, `draftsmith train NAME`), its job config class, the function that runs its training job,
+how an artifact of it is loaded, turned into a proposer, exported for each serving stack and sized for
+`draftsmith plan`. `BUILTIN` names those folders; adding a method is a folder plus one line there (and the
+folder in pyproject.toml's package list, for the wheel), or a `register(Method(...))` call, which is how a
+test or a plugin adds one without touching any file.
+
+References are `"module:attribute"` strings (or the objects themselves), imported on first use: listing
+the methods imports none of their code, and decoding with a head imports its proposer, not its training
+job.
+
+    config    the job's config dataclass (registered with `@register_config`, so `kind: NAME` presets load)
+    train     (config_path, overrides) -> Path of the artifact it wrote
+    load      (path, target) -> the artifact's module(s), fingerprint checked against `target`
+    proposer  (target, path, **opts) -> a `decoding.proposer.Proposer`
+    export    (artifact_dir, stack, out, target, num_speculative_tokens, verify, *, overwrite, verifier)
+              -> `export.common.ExportResult`; which layout each stack takes is the method's business
+              (export/heads.py writes any head layout; export/hf.py a whole draft model)
+    reimport  (export_dir, guard) -> (config, state, writer or None) of an export of this method (guard:
+              its draftsmith.json, {} for another tool's), or None when it is not one; `import_export`
+    memory    (path, target_config) -> `ops.memory.ArtifactShape`: parameters and KV cache of the artifact
+    tensors   (path) -> (required, optional, problems): the tensor names and shapes `config.json` implies,
+              for `draftsmith check` (checks.inspect_artifact)
+    train_memory  (job config, target config, activation bytes) -> `ops.train_memory.JobMemory`, for
+              `draftsmith plan --config`
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from draftsmith.errors import ConfigError
+
+# The folders that declare the built-in methods (each has `METHOD` in its __init__.py), in CLI order.
+BUILTIN = (
+    "draftsmith.distill",
+    "draftsmith.medusa",
+    "draftsmith.eagle",
+)
+
+
+def resolve(ref: Any) -> Any:
+    """`"package.module:Name.attr"` -> the object; anything else is returned as it is."""
+    if not isinstance(ref, str):
+        return ref
+    module_name, _, attr = ref.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # artifact kind, proposer prefix, `draftsmith train NAME`
+    summary: str  # one line for `draftsmith train --help`
+    config: Any  # references (module docstring)
+    train: Any
+    load: Any
+    proposer: Any
+    export: Any = None  # None: no serving stack takes it (`draftsmith export` says so)
+    reimport: Any = None  # None: `import_export` reads none of its exports back
+    memory: Any = None  # None: `draftsmith plan` counts model.safetensors' parameters and no cache
+    tensors: Any = None  # None: `draftsmith check` compares no tensor shapes
+    train_memory: Any = None  # None: `draftsmith plan --config` cannot size its training job
+    default_config: str | None = None  # the preset `draftsmith train NAME` uses without --config
+    data_key: str = "data"  # the config key naming the self-distilled dataset (retrain and bench set it)
+    output_key: str | None = "output"  # the config key naming the artifact folder; None: the job writes
+    #                                    <train.output_dir>/artifact
+    command: tuple[str, ...] = ()  # the CLI words that run the job, when not `train NAME`
+    aliases: tuple[str, ...] = ()  # other names bench presets may give its job (`distill` for `draft`)
+    own_tree: bool = False  # its proposer has a tree of its own: end-of-training evaluation verifies it
+
+    def get(self, what: str) -> Any:
+        """The object a reference field names, imported on first use."""
+        ref = getattr(self, what)
+        if ref is None:
+            raise ConfigError(f"method '{self.name}' declares no {what}")
+        return resolve(ref)
+
+    @property
+    def cli(self) -> tuple[str, ...]:
+        return self.command or ("train", self.name)
+
+
+_METHODS: dict[str, Method] = {}
+_loaded = False
+
+
+def register(method: Method, replace: bool = False) -> Method:
+    """Add a method (a name already taken is refused unless `replace`); the built-in ones come first."""
+    _load_builtin()
+    if method.name in _METHODS and not replace and _METHODS[method.name] != method:
+        raise ConfigError(f"method '{method.name}' is already registered")
+    _METHODS[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    _METHODS.pop(name, None)
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for package in BUILTIN:
+        method = importlib.import_module(package).METHOD
+        _METHODS[method.name] = method
+
+
+def all_methods() -> list[Method]:
+    _load_builtin()
+    return list(_METHODS.values())
+
+
+def names() -> list[str]:
+    return [m.name for m in all_methods()]
+
+
+def get(name: str, what: str = "artifact kind") -> Method:
+    """The method called `name` (or one of its aliases); a one-line error naming the known ones."""
+    for m in all_methods():
+        if name == m.name or name in m.aliases:
+            return m
+    raise ConfigError(f"unknown {what} '{name}' (known: {', '.join(names())})")
+
+
+def find(name: str) -> Method | None:
+    for m in all_methods():
+        if name == m.name or name in m.aliases:
+            return m
+    return None

@@ -1,0 +1,163 @@
+"""Import rules of the package, checked from the source (ast; nothing is imported):
+
+1. no import cycle between files: every `import` / `from ... import` of a draftsmith module counts, at module
+   level and inside functions alike (a function-level import is a dependency all the same, only a later one);
+2. `targets/` is the bottom layer: it imports no other draftsmith subpackage (the package root's
+   `errors`, `storage` and `__init__` only), so a target loads without training, decoding or export.
+
+    python scripts/check_imports.py          # exit 1 with one line per violation, else one line of totals
+
+`from draftsmith.export import eagle` is a dependency on the submodule export/eagle.py; a package's own
+`__init__` (run first by any import of its submodules) counts only where a file imports a name it defines. ALLOWED_CYCLES lists the cycles still accepted, each with its reason;
+a listed cycle that no longer occurs is reported too, so the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "draftsmith"
+SKIP = {"tests", "scripts", "bench", "configs", "docs", "build", "dist"}
+BOTTOM = "targets"  # rule 2
+BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage"}
+
+# frozenset of the modules of one cycle -> why it stays
+ALLOWED_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"draftsmith.targets.gemm", "draftsmith.targets.loading"}):
+        "loading calibrates the kernel plan when it freezes a target; gemm's own command line "
+        "(`python -m draftsmith.targets.gemm`, in main() only) loads a target to time it",
+}
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = [PACKAGE, *rel.parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in SKIP or rel.parts[0].startswith("."):
+            continue
+        found[module_name(path, root)] = path
+    return found
+
+
+def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """The draftsmith modules `path` imports (module level and inside functions)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                out.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for alias in node.names:  # `from draftsmith.export import eagle` imports the submodule
+                sub = f"{mod}.{alias.name}"
+                out.add(sub if sub in known else mod)
+    deps = set()
+    for mod in out:
+        if not (mod == PACKAGE or mod.startswith(PACKAGE + ".")):
+            continue
+        while mod and mod not in known:  # `from x.y import func`: the module is x.y
+            mod = mod.rpartition(".")[0]
+        if mod and mod != name:
+            deps.add(mod)
+    return deps
+
+
+def graph(root: Path = ROOT) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imports_of(path, name, known) for name, path in known.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def problems(g: dict[str, set[str]], allowed: dict[frozenset[str], str] = ALLOWED_CYCLES) -> list[str]:
+    found = []
+    for comp in cycles(g):
+        if frozenset(comp) not in allowed:
+            edges = [f"{a} -> {b}" for a in comp for b in sorted(g[a]) if b in comp]
+            found.append(f"import cycle between {len(comp)} files: {', '.join(edges)}")
+    seen = {frozenset(c) for c in cycles(g)}
+    for cycle in allowed:
+        if cycle not in seen:
+            found.append(f"ALLOWED_CYCLES lists a cycle that no longer occurs: {', '.join(sorted(cycle))}")
+    bottom = f"{PACKAGE}.{BOTTOM}"
+    for mod, deps in sorted(g.items()):
+        if mod != bottom and not mod.startswith(bottom + "."):
+            continue
+        for dep in sorted(deps):
+            if dep in BOTTOM_MAY_IMPORT or dep == bottom or dep.startswith(bottom + "."):
+                continue
+            found.append(f"{mod} imports {dep}: {BOTTOM}/ is the bottom layer and imports no other draftsmith "
+                         "subpackage")
+    return found
+
+
+def main() -> int:
+    g = graph()
+    found = problems(g)
+    for line in found:
+        print(line)
+    edges = sum(len(v) for v in g.values())
+    if found:
+        print(f"check_imports: {len(found)} problem(s) in {len(g)} modules, {edges} imports", file=sys.stderr)
+        return 1
+    print(f"check_imports: {len(g)} modules, {edges} imports, no cycle, {BOTTOM}/ imports nothing above it"
+          + (f" ({len(ALLOWED_CYCLES)} cycle(s) allowed)" if ALLOWED_CYCLES else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

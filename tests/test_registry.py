@@ -1,0 +1,214 @@
+"""Adding a drafting method is one registration: a toy method, declared here and nowhere else, is trained
+by `draftsmith train`, loaded by the config loader, accepted as an artifact kind, decoded losslessly by
+the verifier and evaluated, exported in a layout of its own, and known to retrain, bench and plan.
+
+The toy drafts from a next-token table: entry t is the target's greedy token after the one-token context
+t, computed by its "training job" in one batched target forward. Its proposal is the chain the table
+spells from the pending token."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith import artifact, methods
+from draftsmith.checks import inspect_artifact
+from draftsmith.config import CONFIG_KINDS, load_config, to_dict
+from draftsmith.decoding.proposer import Proposal, Proposer
+from draftsmith.errors import ArtifactError, ConfigError
+
+
+@dataclass
+class TableConfig:
+    target: str = ""
+    data: str = ""  # unused: the table is read off the target itself
+    output: str = ""
+    train: dict = field(default_factory=dict)  # accepts the overrides bench/retrain give every job
+    evaluate: dict = field(default_factory=dict)
+
+
+class TableProposer(Proposer):
+    name = "table"
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def propose(self, context, spec, sampling, generator) -> Proposal:
+        tokens, tok = [], int(context[-1])
+        for _ in range(spec.depth):
+            tok = int(self.table[tok])
+            tokens.append(tok)
+        return Proposal.chain(tokens, device=context.device)  # q = None: deterministic candidates
+
+
+def train_table(config_path, overrides) -> Path:
+    from draftsmith.targets import load_target
+
+    cfg = load_config(config_path, overrides, cls=TableConfig)
+    target = load_target(cfg.target, device="cpu", dtype="float32")
+    with torch.no_grad():
+        ids = torch.arange(target.vocab_size)[:, None]
+        table = target.model(input_ids=ids).logits[:, -1].argmax(-1)
+    manifest = artifact.make_manifest("table", target.fingerprint(), to_dict(cfg))
+    return artifact.save_artifact(cfg.output, manifest, {"table": table}, {"vocab_size": target.vocab_size})
+
+
+def load_table(path, target=None) -> torch.Tensor:
+    _, state = artifact.load_artifact(path, kind="table", target=target)
+    return state["table"]
+
+
+def export_table(artifact_dir, stack, out, target=None, num_speculative_tokens=4, verify=True, *, overwrite=False,
+                 verifier=None):
+    """The toy's own layout, for the hf stack only, with its own serve.md text."""
+    from safetensors.torch import save_file
+
+    from draftsmith.export.heads import HeadExport, export_heads
+
+    manifest, state = artifact.load_artifact(artifact_dir, kind="table", target=target)
+
+    def write(tmp, fmt, target, target_ref, out, k):
+        save_file({"table": state["table"].contiguous()}, str(tmp / "table.safetensors"))
+        return target_ref
+
+    plan = HeadExport("table", {"hf": "table-v1"}, manifest, {}, write, unsupported={"vllm": "vLLM has no table"},
+                      serve=lambda stack, out, ref, k: f"Draft with `{out}/table.safetensors` beside `{ref}`.\n")
+    return export_heads(plan, Path(artifact_dir), stack, out, target, num_speculative_tokens, verify,
+                        overwrite=overwrite, verifier=verifier)
+
+
+def verify_table(out, target=None) -> list[str]:
+    from draftsmith.export.verify import check, read_header
+
+    names = sorted(read_header(Path(out) / "table.safetensors"))
+    check(out, [] if names == ["table"] else [f"table.safetensors holds {names}"])
+    return ["table.safetensors holds the table"]
+
+
+def table_tensors(path):
+    n = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    return {"table": ((n,), "")}, {}, []
+
+
+@pytest.fixture
+def table_method():
+    from draftsmith.export.verify import VERIFIERS
+
+    method = methods.register(methods.Method(
+        name="table", summary="a next-token table read off the target", config=TableConfig, train=train_table,
+        load=load_table, proposer=lambda target, path, **opts: TableProposer(load_table(path, target)),
+        export=export_table, tensors=table_tensors))
+    VERIFIERS["table-v1"] = verify_table  # what a layout module's @register_verifier does
+    yield method
+    methods.unregister("table")
+    CONFIG_KINDS.pop("table", None)
+    VERIFIERS.pop("table-v1", None)
+
+
+@pytest.fixture
+def table_artifact(table_method, tiny_target, tmp_path):
+    from draftsmith.cli import main
+
+    preset = tmp_path / "table.yaml"
+    preset.write_text(f"kind: table\ntarget: {tiny_target.folder}\n")
+    out = tmp_path / "table-artifact"
+    assert main(["train", "table", "--config", str(preset), f"output={out}"]) == 0
+    return out
+
+
+def test_the_cli_and_the_config_loader_see_a_registered_method(table_method, tmp_path, capsys):
+    from draftsmith.cli import build_parser
+
+    args = build_parser().parse_args(["train", "table", "--config", "x.yaml"])
+    assert args.job == "table"
+    preset = tmp_path / "p.yaml"
+    preset.write_text("kind: table\noutput: somewhere\n")
+    cfg = load_config(preset)
+    assert isinstance(cfg, TableConfig) and cfg.output == "somewhere"
+    assert to_dict(cfg)["kind"] == "table"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "nonesuch"])
+    assert "table" in capsys.readouterr().err  # argparse lists the registered methods
+
+
+def test_a_registered_method_trains_checks_and_decodes_losslessly(table_artifact, tiny_target):
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.decoding.generate import speculative_generate
+
+    manifest = artifact.load_manifest(table_artifact, kind="table")
+    assert manifest["kind"] == "table"
+    problems, checks = inspect_artifact(table_artifact)
+    assert problems == [] and any("tensors match the table module" in c for c in checks)
+
+    proposer = build_proposer(f"table:{table_artifact}", tiny_target)
+    assert isinstance(proposer, TableProposer)
+    prompts = torch.randint(3, tiny_target.vocab_size, (3, 5), generator=torch.Generator().manual_seed(7))
+    ref = tiny_target.model.generate(prompts, max_new_tokens=16, do_sample=False, pad_token_id=0)[:, 5:]
+    out = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=16, eos_ids=[], k=3)
+    assert out.tokens == ref.tolist()
+    assert out.stats.proposed > 0 and out.stats.accepted > 0  # the table drafts, the target accepts some
+
+
+def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(table_artifact, tiny_target, tmp_path):
+    from draftsmith.benchmark.config import ArtifactStage
+    from draftsmith.evaluation import evaluate
+    from draftsmith.export.api import export_artifact, import_export, verify_export
+    from draftsmith.ops.memory import artifact_shape
+    from draftsmith.retrain.config import RetrainConfig
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"category": "", "turns": [t]})
+                                 for t in ["Name three colors.", "What is a fox?"]) + "\n")
+    report = evaluate(tiny_target, f"table:{table_artifact}", prompts=[str(prompts)], max_new_tokens=8, k=3,
+                      hf_reference=False, cost_model=False)
+    assert report["overall"]["lossless"] is True and report["overall"]["n_prompts"] == 2
+
+    assert RetrainConfig(artifact_kind="table").artifact_kind == "table"
+    assert ArtifactStage(name="t", job="table", config="x.yaml").job == "table"
+    shape = artifact_shape(table_artifact, tiny_target.config)
+    assert shape.kind == "table" and shape.params == tiny_target.vocab_size
+    res = export_artifact(table_artifact, "hf", tmp_path / "export", tiny_target)
+    assert res.format == "table-v1" and "table.safetensors" in res.files
+    assert res.checks[-1] == "table.safetensors holds the table"
+    assert "table.safetensors` beside" in (res.out / "serve.md").read_text()
+    assert verify_export(res.out) == res.checks  # re-verified from draftsmith.json alone
+    with pytest.raises(ConfigError, match="vLLM has no table"):
+        export_artifact(table_artifact, "vllm", tmp_path / "export-vllm", tiny_target)
+    with pytest.raises(ArtifactError, match="no method reads this layout back"):  # no reader claims every folder
+        import_export(table_artifact, tmp_path / "back", fingerprint=tiny_target.fingerprint())
+
+
+def test_unregistered_and_unknown_methods_are_one_line_errors(tiny_target):
+    from draftsmith.decoding.factory import build_proposer
+
+    assert methods.names()[:3] == ["draft", "medusa", "eagle"]
+    with pytest.raises(ConfigError, match="unknown proposer 'table:x'"):
+        build_proposer("table:x", tiny_target)
+    with pytest.raises(ConfigError, match="unknown artifact kind 'table'"):
+        methods.get("table")
+    with pytest.raises(ConfigError, match="artifact_kind"):
+        from draftsmith.retrain.config import RetrainConfig
+
+        RetrainConfig(artifact_kind="table")
+    with pytest.raises(ConfigError, match="already registered"):
+        methods.register(methods.Method(name="medusa", summary="", config=None, train=None, load=None, proposer=None))
+
+
+def test_every_builtin_method_folder_ships_in_the_wheel():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert set(methods.BUILTIN) <= set(pyproject["tool"]["setuptools"]["packages"])
+
+
+def test_every_reference_of_the_builtin_methods_resolves():
+    fields = ("config", "train", "load", "proposer", "export", "reimport", "memory", "tensors", "train_memory")
+    for method in methods.all_methods():
+        assert method.config is not None and method.train is not None and method.proposer is not None
+        for what in fields:
+            if getattr(method, what) is not None:
+                assert callable(method.get(what)), (method.name, what)
