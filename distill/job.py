@@ -42,6 +42,7 @@ from draftsmith.evaluation.after_training import evaluate_into_artifact
 from draftsmith.targets.capture import topk_with_logsumexp
 from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
+from draftsmith.training.job import Job
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,13 @@ def prompt_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
 
 # ---- the job -------------------------------------------------------------------------------------
 
-class DistillJob:
-    """Job protocol (training/job.py) for a draft LM distilled from a frozen target."""
+class DistillJob(Job):
+    """The job (training/job.py) of a draft LM distilled from a frozen target."""
 
     kind = "draft"
+
+    def data_path(self) -> str | None:
+        return self.cfg.data.path
 
     def __init__(self, cfg: DistillConfig, target, rows=None) -> None:
         family(target.config)  # a family outside targets/families.py: one line, before any work

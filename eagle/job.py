@@ -44,6 +44,7 @@ from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverag
 from draftsmith.targets.families import family, lm_head, pad_token_id, whole
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
+from draftsmith.training.job import Job
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,11 @@ def _unwrap(module):
     return getattr(module, "module", module)  # DDP / accelerate wrappers keep the head in .module
 
 
-class EagleJob:
+class EagleJob(Job):
     kind = "eagle"
+
+    def data_path(self) -> str | None:
+        return self.cfg.data
 
     def __init__(self, cfg: EagleJobConfig, target, dataset):
         from draftsmith.targets.capture import default_eagle3_layers, resolve_layers

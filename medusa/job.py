@@ -34,6 +34,7 @@ from draftsmith.storage import atomic_write_json
 from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
+from draftsmith.training.job import Job
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,11 @@ class MedusaJobConfig:
             self.medusa2 = Medusa2Config(**self.medusa2)
 
 
-class MedusaJob:
+class MedusaJob(Job):
     kind = "medusa"
+
+    def data_path(self) -> str | None:
+        return self.cfg.data
 
     def __init__(self, cfg: MedusaJobConfig, target, dataset):
         family(target.config)  # a family outside targets/families.py: one line, before any work

@@ -27,6 +27,7 @@ from torch import nn
 
 from draftsmith.artifact import make_manifest, save_artifact  # noqa: E402
 from draftsmith.training import CaptureSource, TrainConfig, train  # noqa: E402
+from draftsmith.training.job import Job
 
 
 def make_rows(n: int, vocab: int, length: int = 12, seed: int = 123) -> list[dict]:
@@ -44,7 +45,7 @@ class Head(nn.Module):
         return self.out(h + torch.nn.functional.silu(self.fc(h)))
 
 
-class NextTokenJob:
+class NextTokenJob(Job):
     """Head on layer -1 of the frozen target -> next token. `nan_calls`: loss-call indices that return NaN."""
 
     kind = "medusa"

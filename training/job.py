@@ -5,7 +5,7 @@ TRL's trainers, which override `compute_loss` and nothing else). The loop owns e
 devices, mixed precision, accumulation, clipping, schedule, eval, logging, checkpoints, resume, NaN
 handling, distributed launch and the rank-0-only file writes.
 
-    class MedusaJob:                                   # sketch of a complete job (~100 lines in full)
+    class MedusaJob(Job):                              # sketch of a complete job (~100 lines in full)
         kind = "medusa"
         def __init__(self, cfg, target, data):
             self.cfg, self.target, self.data = cfg, target, data
@@ -40,44 +40,87 @@ Rules the loop relies on:
   ZeRO-3 the target is sharded and its forward is collective, so rank 0 cannot run it alone.
 - `setup(accelerator)` (optional) runs once on every rank after the Accelerator exists: place the
   frozen target there (`training.frozen.place_frozen`).
+- A job subclasses `Job`: the optional hooks are methods of the base class with the loop's defaults
+  (`setup`, `data_path`, `row_lengths`, `lr_scale`, `count_tokens`, `learned_tokens`, `warm_start_module`,
+  `artifact_dest`, `before_artifact`), so the loop calls them without asking whether they exist.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
 
 
-@runtime_checkable
-class Job(Protocol):
-    """What the one loop needs from a job. See the module docstring for the contract."""
+class Job:
+    """What the one loop needs from a job (module docstring). A job subclasses this and implements the six
+    required methods; every optional hook below has the loop's default, so the loop never probes a job."""
 
-    kind: str  # artifact kind: "draft" | "medusa" | "eagle"
+    kind: str = ""  # artifact kind: a registered method's name ("draft", "medusa", "eagle", ...)
+    target: Any = None  # the frozen Target, when the job has one (a warm start checks its fingerprint)
 
-    def build_module(self) -> nn.Module: ...
+    # --- required -------------------------------------------------------------------------------------
+    def build_module(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__}.build_module")
 
-    def train_rows(self) -> Sequence[Any]: ...
+    def train_rows(self) -> Sequence[Any]:
+        raise NotImplementedError(f"{type(self).__name__}.train_rows")
 
-    def eval_rows(self) -> Sequence[Any] | None: ...
+    def eval_rows(self) -> Sequence[Any] | None:
+        return None
 
-    def collate(self, rows: list[Any]) -> dict[str, torch.Tensor]: ...
+    def collate(self, rows: list[Any]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__}.collate")
 
-    def loss(self, module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def loss(self, module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError(f"{type(self).__name__}.loss")
 
-    def save_artifact(self, module: nn.Module, out_dir: Path, metrics: dict[str, float]) -> Path: ...
+    def save_artifact(self, module: nn.Module, out_dir: Path, metrics: dict[str, float]) -> Path:
+        raise NotImplementedError(f"{type(self).__name__}.save_artifact")
 
+    # --- optional hooks, with the loop's defaults ------------------------------------------------------
+    def setup(self, accelerator) -> None:
+        """Once on every rank after the Accelerator exists: place the frozen target (training.frozen)."""
 
-def count_tokens(job: Any, batch: dict[str, torch.Tensor]) -> int:
-    """Tokens in a batch, for tokens/s: the job's own count if it has one, else the attention mask."""
-    if hasattr(job, "count_tokens"):
-        return int(job.count_tokens(batch))
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    if "input_ids" in batch:
-        return int(batch["input_ids"].numel())
-    first = next(iter(batch.values()))
-    return int(first.shape[0])
+    def data_path(self) -> str | None:
+        """The training data's path, recorded in checkpoints (a resume on other data is refused)."""
+        return None
+
+    def row_lengths(self) -> list[int] | None:
+        """Each training row's length for `group_by_length` (None: the rows' own lengths)."""
+        return None
+
+    def lr_scale(self, name: str) -> float:
+        """A multiple of the base lr for the parameter `name` (Medusa-2's adapter learns slower)."""
+        return 1.0
+
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens in a batch, for tokens/s: by default the attention mask."""
+        if "attention_mask" in batch:
+            return int(batch["attention_mask"].sum())
+        if "input_ids" in batch:
+            return int(batch["input_ids"].numel())
+        first = next(iter(batch.values()))
+        return int(first.shape[0])
+
+    def learned_tokens(self, batch: dict[str, Any]) -> int | None:
+        """Learned (loss) tokens in a batch (0: the batch is skipped and counted); by default the loss mask's
+        positions a next-token prediction learns (every position but the first); None without a mask."""
+        mask = batch.get("loss_mask")
+        if not isinstance(mask, torch.Tensor):
+            return None
+        return int(mask[:, 1:].sum())
+
+    def warm_start_module(self, module: nn.Module) -> nn.Module:
+        """The part of the module an artifact's weights belong to (Medusa-2: its heads)."""
+        return module
+
+    def artifact_dest(self, default: Path) -> Path:
+        """Where the artifact goes (default: <train.output_dir>/artifact)."""
+        return default
+
+    def before_artifact(self) -> None:
+        """Every rank, before rank 0's `save_artifact`: work on a target that may be sharded across ranks."""

@@ -52,7 +52,7 @@ from draftsmith.training import checkpoint as ckpt
 from draftsmith.training import sharded
 from draftsmith.training.batching import epoch_permutation, length_grouped, rank_batches, row_lengths
 from draftsmith.training.config import TrainConfig
-from draftsmith.training.job import Job, count_tokens
+from draftsmith.training.job import Job
 from draftsmith.training.launch import make_accelerator
 from draftsmith.training.loggers import RunLogger
 
@@ -108,17 +108,6 @@ def param_groups(module: nn.Module, weight_decay: float, lr_scale=None) -> list[
     return [{"params": groups[k], "weight_decay": weight_decay if k[1] else 0.0, "lr_scale": k[0]} for k in order]
 
 
-
-
-def learned_tokens(job: Any, batch: dict[str, Any]) -> int | None:
-    """Learned (loss) tokens in a batch: the job's own count if it has one, else the loss mask's positions
-    that a next-token prediction learns (every position but the first); None when the batch has no mask."""
-    if hasattr(job, "learned_tokens"):
-        return int(job.learned_tokens(batch))
-    mask = batch.get("loss_mask")
-    if not isinstance(mask, torch.Tensor):
-        return None
-    return int(mask[:, 1:].sum())
 
 
 def _finite_state(state: dict[str, torch.Tensor]) -> str | None:
@@ -177,7 +166,7 @@ class Trainer:
         """Where the job will write its artifact: the job says so (`artifact_dest(default)`, Medusa and EAGLE
         take their `output`), else <train.output_dir>/artifact, the folder save_artifact is given."""
         default = self.out / ARTIFACT_DIR
-        return Path(self.job.artifact_dest(default)) if hasattr(self.job, "artifact_dest") else default
+        return Path(self.job.artifact_dest(default))
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -204,8 +193,7 @@ class Trainer:
                 else ckpt.load_checkpoint(self.resume_path)
 
         set_seed(cfg.seed)  # same on every rank: identical initial module everywhere
-        if hasattr(self.job, "setup"):
-            self.job.setup(acc)
+        self.job.setup(acc)
         module = self.job.build_module()
         if self.loaded is not None and not self.sharded_resume:
             try:
@@ -229,11 +217,11 @@ class Trainer:
         self.warmup = cfg.resolved_warmup(self.total_steps)
         self.lengths = None
         if cfg.group_by_length:  # the job knows its max_length; else whole rows
-            lengths = getattr(self.job, "row_lengths", None)
-            self.lengths = lengths() if lengths is not None else row_lengths(self.train_rows)
+            lengths = self.job.row_lengths()
+            self.lengths = lengths if lengths is not None else row_lengths(self.train_rows)
 
         self._fill_deepspeed_autos()
-        optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay, getattr(self.job, "lr_scale", None)),
+        optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay, self.job.lr_scale),
                                       lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         for g in optimizer.param_groups:
             g["base_lr"] = cfg.lr * g["lr_scale"]
@@ -288,12 +276,9 @@ class Trainer:
     def _warm_start(self, module: nn.Module) -> None:
         from draftsmith.artifact import load_artifact
 
-        _, weights = load_artifact(self.cfg.warm_start, kind=self.job.kind, target=getattr(self.job, "target", None))
+        _, weights = load_artifact(self.cfg.warm_start, kind=self.job.kind, target=self.job.target)
         # the part of the module an artifact's weights belong to (Medusa-2: its heads, not the adapted target)
-        module = self.job.warm_start_module(module) if hasattr(self.job, "warm_start_module") else module
-        if hasattr(self.job, "load_weights"):
-            self.job.load_weights(module, weights)
-            return
+        module = self.job.warm_start_module(module)
         missing, unexpected = module.load_state_dict(weights, strict=False)
         # a tied weight (an LM head sharing the embedding) is saved once: it is loaded through its twin
         state = module.state_dict()
@@ -305,9 +290,8 @@ class Trainer:
 
     def _data_identity(self) -> dict:
         """What the data position of a checkpoint means: the job's data path and the training rows."""
-        data = getattr(getattr(self.job, "cfg", None), "data", None)
-        data = getattr(data, "path", data)  # DistillConfig nests its data settings
-        return {"path": str(data) if isinstance(data, str | Path) else None, "rows": len(self.train_rows)}
+        data = self.job.data_path()
+        return {"path": str(data) if data is not None else None, "rows": len(self.train_rows)}
 
     def _restore(self) -> None:
         st = self.loaded.state
@@ -421,7 +405,7 @@ class Trainer:
         for _ in range(cfg.grad_accum):
             batch = next(batches)
             with acc.accumulate(self.model):
-                n = learned_tokens(self.job, batch)
+                n = self.job.learned_tokens(batch)
                 empty = self._any_rank(n == 0)
                 if not empty:
                     with acc.autocast():
@@ -440,7 +424,7 @@ class Trainer:
                     value = float(loss.detach())
                     self._watch_explosion(value)
                     self.window.add(value, metrics)
-                self.window.tokens += count_tokens(self.job, batch)
+                self.window.tokens += self.job.count_tokens(batch)
                 self.micro += 1
                 if acc.sync_gradients:
                     max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
@@ -541,7 +525,7 @@ class Trainer:
         scored = 0
         for idx in mine:
             batch = _to_device(self.job.collate([rows[i] for i in idx]), acc.device)
-            if learned_tokens(self.job, batch) == 0:
+            if self.job.learned_tokens(batch) == 0:
                 continue  # nothing to score (a non-empty eval batch on another rank keeps the sum right)
             with acc.autocast():
                 loss, metrics = self.job.loss(self.model, batch)
@@ -666,8 +650,7 @@ class Trainer:
                 f"no optimizer step was taken in {self.step} steps ({self.empty_total} batches had no learned "
                 f"token, {self.nonfinite_total} steps were non-finite): check the data's loss masks; no artifact "
                 f"was written")
-        if hasattr(self.job, "before_artifact"):  # every rank: work on a target that may be sharded across them
-            self.job.before_artifact()
+        self.job.before_artifact()  # every rank: work on a target that may be sharded across them
         artifact, module = self._save_artifact(metrics)
         self.logger.close()
         if self.main:
