@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
 from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
 from draftsmith.targets.families import text_config
 
@@ -374,17 +375,9 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, gens: Sequence[torch.G
     """
     if not sampling.do_sample:
         return logits.argmax(-1).tolist()
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        cum = sorted_p.cumsum(-1)
-        drop = cum - sorted_p >= sampling.top_p  # tokens entirely beyond the nucleus
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    out = []
-    for i, g in enumerate(gens):
-        out.append(int(torch.multinomial(probs[i], 1, generator=g)))
-    return out
+    # the decoder's own warpers (decoding/sampling.py): one definition of temperature and top-p
+    probs = probs_from_logits(logits, SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p))
+    return [sample(probs[i], g) for i, g in enumerate(gens)]
 
 
 class ContinuousBatcher:

@@ -26,7 +26,7 @@ from draftsmith.errors import TargetError
 from draftsmith.storage import atomic_dir, atomic_write_json, cache_dir, sha256_text
 from draftsmith.targets.device import select_device, select_dtype
 from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED
-from draftsmith.targets.families import text_config
+from draftsmith.targets.families import pad_token_id, text_config
 from draftsmith.targets.fingerprint import fingerprint as compute_fingerprint
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,11 @@ class Target:
     @property
     def text_config(self):
         return text_config(self.model.config)
+
+    @property
+    def pad_token_id(self) -> int:
+        """The id that pads this target's batches (targets/families.py: the pad token, else the first EOS)."""
+        return pad_token_id(self)
 
     @property
     def device(self) -> torch.device:
