@@ -77,8 +77,20 @@ def save_artifact(out: str | Path, manifest: dict, state: dict[str, torch.Tensor
     return out
 
 
-def load_manifest(path: str | Path, kind: str | None = None) -> dict:
+ZOO = Path(__file__).resolve().parent / "zoo"  # reference artifacts shipped with the package
+
+
+def resolve_path(path: str | Path) -> Path:
+    """An artifact path as given, or a shipped reference artifact by name: `zoo/<target>/<name>` names
+    draftsmith's own zoo/ folder wherever it runs from (a local folder of that name comes first)."""
     path = Path(path)
+    if not path.exists() and path.parts[:1] == ("zoo",) and (ZOO.parent / path).is_dir():
+        return ZOO.parent / path
+    return path
+
+
+def load_manifest(path: str | Path, kind: str | None = None) -> dict:
+    path = resolve_path(path)
     if not (path / MANIFEST).is_file():
         raise ArtifactError(f"{path}: not a draftsmith artifact (no {MANIFEST})")
     try:
@@ -96,7 +108,7 @@ def load_manifest(path: str | Path, kind: str | None = None) -> dict:
 
 def load_artifact(path: str | Path, kind: str | None = None, target=None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Manifest and weights; with `target`, refuse an artifact made for another target."""
-    path = Path(path)
+    path = resolve_path(path)
     manifest = load_manifest(path, kind)
     if target is not None:
         check_compatible(manifest["target"], target.fingerprint(), what=f"artifact {path}")

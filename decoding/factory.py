@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from draftsmith import methods
+from draftsmith.artifact import resolve_path
 from draftsmith.decoding.proposer import NullProposer, Proposer
 from draftsmith.errors import ConfigError
 
@@ -47,4 +48,4 @@ def build_proposer(spec: str, target, **opts) -> Proposer:
     if not arg:
         raise ConfigError(f"proposer '{method.name}' needs a path: {method.name}:PATH (a draftsmith {method.name} "
                           "artifact)")
-    return method.get("proposer")(target, arg, **opts)
+    return method.get("proposer")(target, str(resolve_path(arg)), **opts)  # zoo/<target>/<name>: shipped heads

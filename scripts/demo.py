@@ -4,7 +4,9 @@
     data    the target answers a mixed prompt set (math, NLP tasks, general, code) itself
     train   Medusa heads on the frozen target through the one training loop, from the hidden states the target
             computed while it wrote the data (the offline capture cache)
-    eval    plain decoding vs n-gram lookup vs Medusa (chain and tree) per domain: α, τ, speedup, lossless
+    eval    plain decoding vs n-gram lookup vs Medusa (chain and tree) per domain: α, τ, speedup, lossless;
+            beside them the EAGLE-3 head shipped in zoo/ (trained longer than a demo can), to show what a
+            trained head does
     export  the Medusa heads in vLLM's layout, verified by reloading
 
 Every stage is resumable: rerunning `make demo` skips what is already complete. Outputs: runs/demo/.
@@ -92,14 +94,15 @@ def train(target, data_path: Path) -> Path:
     return train_medusa(cfg)
 
 
-@stage("evaluate: plain vs n-gram vs Medusa, per domain")
+@stage("evaluate: plain vs n-gram vs Medusa vs the shipped EAGLE-3 head, per domain")
 def evaluate(target, medusa: Path) -> dict:
     from draftsmith.evaluation import evaluate as run_eval
     from draftsmith.evaluation import write_report
 
     reports = {}
     for name, spec, opts in [("ngram", "ngram", {"k": 4}), ("medusa-chain", f"medusa:{medusa}", {"k": 4}),
-                             ("medusa-tree", f"medusa:{medusa}", {"tree_from_proposer": True})]:
+                             ("medusa-tree", f"medusa:{medusa}", {"tree_from_proposer": True}),
+                             ("eagle3-zoo", "eagle:zoo/smollm2-135m/eagle3", {"tree_from_proposer": True})]:
         out = OUT / "eval" / name
         report = run_eval(target, spec, limit_per_domain=EVAL_LIMIT, max_new_tokens=64, hf_reference=False,
                           cost_repeats=3, command=f"scripts/demo.py ({name})", **opts)

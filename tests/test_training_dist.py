@@ -76,6 +76,8 @@ def launch(nproc: int, root: Path, out: Path, *args: str, env: dict | None = Non
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([*cmd, str(SCRIPT), "train", "--root", str(root), "--out", str(out), *args],
                           env=full_env, capture_output=True, text=True, timeout=180, cwd=HERE)
+    if ok and proc.returncode != 0 and exit_abort_after_a_finished_job(proc, nproc, out, env):
+        proc = subprocess.CompletedProcess(proc.args, 0, proc.stdout, proc.stderr)
     if ok:
         assert proc.returncode == 0, proc.stderr[-4000:]
     recs = {}
@@ -84,6 +86,17 @@ def launch(nproc: int, root: Path, out: Path, *args: str, env: dict | None = Non
         recs[rec["rank"]] = rec
         path.unlink()  # a later launch into the same folder writes its own
     return recs, proc
+
+
+def exit_abort_after_a_finished_job(proc, nproc: int, out: Path, env: dict | None) -> bool:
+    """DeepSpeed 0.19.8 on its CPU accelerator now and then aborts one rank at interpreter exit, after the job
+    has finished and the process group is gone ("terminate called without an active exception" from a C++
+    thread destroyed at exit; seen in about 1 of 10 ZeRO-3 launches here, under load, never reproduced on
+    demand). The tests accept that exit for a DeepSpeed preset only when every rank finished the job: each
+    wrote its record, which `train` writes last (docs/training.md says so too)."""
+    deepspeed = (env or {}).get("ACCELERATE_USE_DEEPSPEED") == "true"
+    finished = len(list(out.parent.glob(f"{out.name}.dist-rank*.json"))) == nproc
+    return deepspeed and finished and "terminate called without an active exception" in proc.stderr
 
 
 def train_losses(out: Path) -> list[float]:
