@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from _train_job import NextTokenJob
-from test_export import deep_target, make_draft_artifact, make_eagle_artifact, make_medusa_artifact  # noqa: F401
-from test_integrity import _cfg, flip_last_byte
+from test_export import make_draft_artifact, make_medusa_artifact
+from test_integrity import _cfg, flip_last_byte, siblings, snapshot, users_folder
 
-from draftsmith.errors import TrainingError
+from draftsmith.errors import IntegrityError, OutputError, TrainingError
+from draftsmith.export.api import export_artifact
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
 from draftsmith.training.loop import epoch_permutation, rank_batches
@@ -66,6 +67,14 @@ def _job(kind: str, target, rows: list[dict], tmp_path: Path, max_steps: int):
 
 
 KINDS = ["medusa", "eagle1", "eagle3", "distill"]
+
+
+@pytest.fixture(scope="module")
+def deep_target(tiny_tokenizer, tmp_path_factory):
+    """A 4-layer tiny target: EAGLE-3 reads three distinct feature layers."""
+    from tiny_models import make_target
+
+    return make_target(tiny_tokenizer, seed=5, layers=4, folder=tmp_path_factory.mktemp("deep_target"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -140,3 +149,156 @@ def test_the_last_good_checkpoint_named_after_non_finite_steps_is_intact(tiny_ta
     good = ckpt.load_checkpoint(named)
     assert all(torch.isfinite(v).all() for v in good.model.values())
     assert "step-00000004 is damaged" in caplog.text
+
+
+# --- a changed byte in a weight file: every reader of every kind ----------------------------------------
+def _eagle_artifact(target, path: Path) -> Path:
+    """An EAGLE-3 artifact as heads/eagle_job.py saves it (config from the head, manifest of kind eagle)."""
+    from dataclasses import asdict
+
+    from draftsmith import artifact
+    from draftsmith.heads.eagle import EagleHead
+    from draftsmith.heads.vocab import build_draft_vocab
+
+    counts = torch.bincount(torch.randint(0, target.vocab_size, (2000,), generator=torch.Generator().manual_seed(0)),
+                            minlength=target.vocab_size)
+    head = EagleHead.from_target(target.model, version=3, target_layers=[0, 1, 3],
+                                 draft_vocab=build_draft_vocab(counts, 64))
+    cfg = {**asdict(head.config)}
+    return artifact.save_artifact(path, artifact.make_manifest("eagle", target.fingerprint(), cfg),
+                                  dict(head.state_dict()), cfg)
+
+
+class _KindJob(NextTokenJob):
+    """The tiny loop job, taking a warm start of another artifact kind: the loop's warm start reads it."""
+
+    def __init__(self, target, kind):
+        super().__init__(target)
+        self.kind = kind
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft"])
+def test_a_flipped_bit_is_caught_by_every_reader_of_every_kind(tiny_target, deep_target, tmp_path, capsys, kind):
+    from draftsmith.cli import main
+    from draftsmith.decoding.proposer import build_proposer
+    from draftsmith.distill.builders import existing_draft
+
+    target = deep_target if kind == "eagle" else tiny_target
+    make = {"medusa": make_medusa_artifact, "eagle": _eagle_artifact, "draft": make_draft_artifact}[kind]
+    art = make(target, tmp_path / "a")
+    export = export_artifact(art, "hf" if kind == "draft" else "vllm", tmp_path / "served", target).out
+    before = snapshot(export)
+    flip_last_byte(art / "model.safetensors")
+    named = r"a/model\.safetensors: sha256 differs from the one \S+a/manifest\.json recorded"
+    readers = {
+        "load / evaluate": lambda: build_proposer(f"{kind}:{art}", target),
+        "export": lambda: export_artifact(art, "hf" if kind == "draft" else "vllm", export, target),
+        "warm start": lambda: train(_KindJob(target, kind), _cfg(tmp_path / "w", max_steps=1, warm_start=str(art))),
+    }
+    if kind == "draft":
+        readers["draft.init=existing"] = lambda: existing_draft(art, target)
+    for name, read in readers.items():
+        with pytest.raises(IntegrityError, match=named):
+            read()
+        assert snapshot(export) == before, name  # the failed export left the served one as it was
+    assert siblings(export) == []
+    capsys.readouterr()
+    assert main(["evaluate", "--proposer", f"{kind}:{art}", "--target", str(target.folder), "--no-hf-reference",
+                 "--no-cost-model"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line or "Traceback" in line]
+    assert len(err) == 1 and "model.safetensors: sha256 differs" in err[0], err
+    assert main(["check", "--artifact", str(art), "--target", str(target.folder)]) == 4
+    assert "model.safetensors: sha256 differs" in capsys.readouterr().out
+
+
+def test_a_flipped_bit_in_a_checkpoint_is_caught_by_resume(tiny_target, tmp_path, caplog):
+    out = tmp_path / "run"
+    cfg = dict(save_every=2, keep_last=3)
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, **cfg))
+    newest = out / "checkpoints" / "step-00000004"
+    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+        flip_last_byte(newest / name)
+        assert ckpt.checkpoint_problems(newest) == [f"{newest / name}: sha256 differs from the one state.json "
+                                                     "recorded when it was written (the file was changed, truncated "
+                                                     "or corrupted since)"]
+        with pytest.raises(TrainingError, match=rf"step-00000004 is damaged: .*{name}: sha256 differs"):
+            train(NextTokenJob(tiny_target), _cfg(out, max_steps=6, resume=str(newest), **cfg))
+        flip_last_byte(newest / name)  # back as it was
+    flip_last_byte(newest / "model.safetensors")
+    with caplog.at_level("WARNING"):
+        result = train(NextTokenJob(tiny_target), _cfg(out, max_steps=6, **cfg))
+    assert result.resumed_from.name == "step-00000002" and "step-00000004 is damaged" in caplog.text
+
+
+# --- writers: a user's folder survives every one ------------------------------------------------------
+def test_every_other_writer_leaves_a_users_folder_alone(tiny_target, deep_target, tmp_path):
+    import datasets
+    from test_chat_data import SHAREGPT, _jsonl
+    from test_data import _gen_cfg
+
+    from draftsmith.data import generate_dataset
+    from draftsmith.data.capture import capture_dataset_dir
+    from draftsmith.data.config import CaptureConfig, DataConfig, SourceConfig
+    from draftsmith.errors import DataError
+
+    mine = users_folder(tmp_path / "mine")
+    theirs = tmp_path / "theirs"  # a user's own datasets.save_to_disk folder, named `dataset`
+    datasets.Dataset.from_dict({"text": ["mine"]}).save_to_disk(str(theirs / "dataset"))
+    folders = {"mine": mine, "theirs": theirs}
+    before = {name: snapshot(f) for name, f in folders.items()}
+    eagle = _eagle_artifact(deep_target, tmp_path / "eagle")
+    sg = SourceConfig(name="sg", path=str(_jsonl(tmp_path / "sg.jsonl", SHAREGPT)), conversations="conversations",
+                      domain="chat")
+    for name, folder in folders.items():
+        writers = {
+            "data generate": lambda f=folder: generate_dataset(_gen_cfg(tmp_path, ["Hi"], name=f.name), tiny_target,
+                                                               progress=False),
+            "data generate, responses keep": lambda f=folder: generate_dataset(
+                DataConfig(sources=[sg], output_dir=str(f), responses="keep"), tiny_target, progress=False),
+            "export eagle": lambda f=folder: export_artifact(eagle, "vllm", f, deep_target),
+        }
+        for what, write in writers.items():
+            with pytest.raises(OutputError, match=rf"{name} already exists and is not a draftsmith"):
+                write()
+            assert snapshot(folder) == before[name] and siblings(folder) == [], (name, what)
+        # capture writes only into a finished draftsmith dataset
+        cfg = DataConfig(sources=[sg], output_dir=str(folder), capture=CaptureConfig(enabled=True, layers=[1]))
+        with pytest.raises(DataError, match=str(folder)):
+            capture_dataset_dir(cfg, tiny_target, progress=False)
+        assert snapshot(folder) == before[name]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3", "distill"])
+def test_every_job_refuses_a_users_output_folder_before_training(tiny_target, tmp_path, kind):
+    job, art = _job(kind, tiny_target, _rows(tiny_target, 10), tmp_path, 1)
+    users_folder(art)
+    with pytest.raises(OutputError, match=rf"{art} already exists and is not a draftsmith artifact .*notes\.txt"):
+        train(job, job.cfg.train)
+    assert sorted(p.name for p in art.iterdir()) == ["notes.txt"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_retrain_writes_only_its_own_names_in_a_registry_folder(tiny_target, tmp_path):
+    from draftsmith.retrain.config import RetrainConfig
+    from draftsmith.retrain.run import EXIT_OK, retrain_once
+
+    root = users_folder(tmp_path / "reg")
+    before = snapshot(root)
+    code, record = retrain_once(RetrainConfig(registry=str(root), target=str(tiny_target.folder)),
+                                init=str(make_medusa_artifact(tiny_target, tmp_path / "m")))
+    assert code == EXIT_OK
+    assert {k: v for k, v in snapshot(root).items() if k in before} == before
+    assert all(Path(k).parts[0] in ("notes.txt", Path(record["registry"]).relative_to(root).parts[0])
+               for k in snapshot(root))
+
+
+def test_a_train_output_dir_keeps_a_users_log(tiny_target, tmp_path):
+    out = users_folder(tmp_path / "run")
+    (out / "log.jsonl").write_text("my own log\n")
+    with pytest.raises(OutputError, match=r"run/log\.jsonl exists and is not a draftsmith training log"):
+        train(NextTokenJob(tiny_target), _cfg(out, max_steps=1))
+    assert (out / "log.jsonl").read_text() == "my own log\n"
+    (out / "log.jsonl").unlink()
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=1))
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=1, resume="never"))  # its own log is rewritten
+    assert (out / "notes.txt").read_text() == "my own notes"
