@@ -302,3 +302,53 @@ def test_a_train_output_dir_keeps_a_users_log(tiny_target, tmp_path):
     train(NextTokenJob(tiny_target), _cfg(out, max_steps=1))
     train(NextTokenJob(tiny_target), _cfg(out, max_steps=1, resume="never"))  # its own log is rewritten
     assert (out / "notes.txt").read_text() == "my own notes"
+
+
+# --- draftsmith check: damage to every kind, artifact and export --------------------------------------
+def _rename_first(sd):
+    name = sorted(k for k in sd if k.endswith("weight"))[0]
+    sd[name + "x"] = sd.pop(name)
+
+
+def _reshape_first_vector(sd):
+    name = sorted(k for k, v in sd.items() if v.ndim == 1 and v.is_floating_point())[0]
+    sd[name] = torch.zeros(3, dtype=sd[name].dtype)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft"])
+@pytest.mark.parametrize("damage", ["rename", "shape", "truncate"])
+def test_check_fails_on_damage_to_every_kind(tiny_target, deep_target, tmp_path, capsys, kind, damage):
+    from test_integrity import _rewrite
+
+    from draftsmith.cli import main
+
+    target = deep_target if kind == "eagle" else tiny_target
+    art = (_eagle_artifact if kind == "eagle" else make_draft_artifact)(target, tmp_path / "a")
+    out = export_artifact(art, "vllm" if kind == "eagle" else "hf", tmp_path / "x", target).out
+    check = ["check", "--target", str(target.folder), "--artifact"]
+    assert main([*check, str(art)]) == 0 and main([*check, str(out)]) == 0
+    capsys.readouterr()
+    for folder, manifest in ((art, "manifest.json"), (out, "draftsmith.json")):
+        f = folder / "model.safetensors"
+        if damage == "truncate":
+            f.write_bytes(f.read_bytes()[:-100])
+        else:
+            _rewrite(f, _rename_first if damage == "rename" else _reshape_first_vector, manifest)
+        assert main([*check, str(folder)]) == 4, folder
+        text = capsys.readouterr().out
+        expect = {"rename": ["missing tensor '", "unexpected tensor '"], "shape": ["has shape [3], expected"],
+                  "truncate": ["model.safetensors: sha256 differs"]}[damage]
+        assert all(e in text for e in expect) and "DAMAGED" in text, text
+
+
+# --- resume honesty: settings that move the data position refuse --------------------------------------
+def test_resume_refuses_a_changed_data_order(tiny_target, tmp_path):
+    out = tmp_path / "r"
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=2, save_every=2))
+    # the seed pins the permutation of every epoch: another one would repeat some rows and skip others
+    with pytest.raises(TrainingError, match=r"step-00000002 was written with seed=0.*this run has seed=7"):
+        train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2, seed=7))
+    with pytest.raises(TrainingError, match=r"step-00000002 was written with .*batch_size=4.*this run has .*batch_size=8"):
+        train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2, batch_size=8))
+    result = train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2))
+    assert result.resumed_from.name == "step-00000002" and result.steps == 4

@@ -343,11 +343,16 @@ class Trainer:
                 f"checkpoint {self.resume_path} was trained on data {old_data['path']} ({old_data['rows']} rows); "
                 f"this run has {new_data['path']} ({new_data['rows']} rows): its data position would point at "
                 "other rows (use the same data, or set train.resume=never)")
-        if st["world_size"] != self.world or st["batch_size"] != self.cfg.batch_size:
+        # what pins the rows of every future micro-batch (the seed: each epoch's permutation)
+        then = {"world_size": st["world_size"], "batch_size": st["batch_size"],
+                "seed": st.get("sampler_seed", self.cfg.seed)}
+        now = {"world_size": self.world, "batch_size": self.cfg.batch_size, "seed": self.cfg.seed}
+        changed = [k for k in then if then[k] != now[k]]
+        if changed:
             raise TrainingError(
-                f"checkpoint {self.resume_path} was written with world_size={st['world_size']}, "
-                f"batch_size={st['batch_size']}; this run has {self.world}, {self.cfg.batch_size} "
-                "(the data position would not match: resume with the same layout or train.resume=never)")
+                f"checkpoint {self.resume_path} was written with {', '.join(f'{k}={then[k]}' for k in changed)}; "
+                f"this run has {', '.join(f'{k}={now[k]}' for k in changed)} (the data position would not match: "
+                "resume with the same layout or train.resume=never)")
         opt = self.loaded.optimizer
         fresh = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
