@@ -352,3 +352,10 @@ def test_resume_refuses_a_changed_data_order(tiny_target, tmp_path):
         train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2, batch_size=8))
     result = train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2))
     assert result.resumed_from.name == "step-00000002" and result.steps == 4
+
+
+def test_resume_records_a_changed_precision(tiny_target, tmp_path):
+    out = tmp_path / "p"
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=2, save_every=2, mixed_precision="auto"))
+    result = train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2, mixed_precision="no"))
+    assert result.metrics["resume_changes"]["mixed_precision"] == {"checkpoint": "auto", "now": "no"}

@@ -60,9 +60,9 @@ EXPLODE_FACTOR = 100.0  # a loss this many times the running median (floored at 
 EXPLODE_FLOOR = 0.1
 EXPLODE_WINDOW = 32  # micro-batch losses in the running median
 # train settings a resumed run may change (applied from the resume on, both values recorded); others that
-# move the data position (batch_size, world size, data) refuse
+# move the data position (batch_size, world size, seed, data) refuse
 RESUMABLE_CHANGES = ("lr", "betas", "eps", "weight_decay", "schedule", "warmup_steps", "warmup_ratio",
-                     "min_lr_ratio", "max_steps", "epochs", "max_grad_norm", "grad_accum")
+                     "min_lr_ratio", "max_steps", "epochs", "max_grad_norm", "grad_accum", "mixed_precision")
 
 log = logging.getLogger(__name__)
 
