@@ -5,6 +5,7 @@ on damage to every kind, every writer leaves a user's folder alone, and unreadab
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -359,3 +360,37 @@ def test_resume_records_a_changed_precision(tiny_target, tmp_path):
     train(NextTokenJob(tiny_target), _cfg(out, max_steps=2, save_every=2, mixed_precision="auto"))
     result = train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2, mixed_precision="no"))
     assert result.metrics["resume_changes"]["mixed_precision"] == {"checkpoint": "auto", "now": "no"}
+
+
+# --- errors name the file -----------------------------------------------------------------------------
+def test_more_errors_name_the_file(tiny_target, deep_target, tmp_path):
+    from test_integrity import _rename_export, _rewrite
+
+    from draftsmith.config import read_yaml
+    from draftsmith.errors import ArtifactError, ConfigError
+    from draftsmith.heads.eagle_job import load_eagle
+    from draftsmith.heads.medusa_job import load_medusa
+
+    (tmp_path / "c.yaml").write_bytes(b"kind: medusa\nnum_heads: \xff\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: not UTF-8 text \(byte 24\)"):
+        read_yaml(tmp_path / "c.yaml")
+    med = make_medusa_artifact(tiny_target, tmp_path / "m")
+    cfg = json.loads((med / "config.json").read_text())
+    (med / "config.json").write_text(json.dumps({**cfg, "num_heads": "three"}))
+    with pytest.raises(ConfigError, match=r"m/config\.json: not a Medusa heads config"):
+        load_medusa(med, tiny_target)
+    (med / "config.json").write_text(json.dumps(cfg))
+    # a renamed tensor whose checksum was recorded again: the load names the weights and the config
+    _rewrite(med / "model.safetensors", _rename_export, "manifest.json")
+    with pytest.raises(ArtifactError, match=r"m/model\.safetensors: does not fit the module \S+m/config\.json "
+                                            r"describes \(Missing key"):
+        load_medusa(med, tiny_target)
+    eagle = _eagle_artifact(deep_target, tmp_path / "e")
+    _rewrite(eagle / "model.safetensors", _rename_export, "manifest.json")
+    with pytest.raises(ArtifactError, match=r"e/model\.safetensors: does not fit the module"):
+        load_eagle(eagle, deep_target)
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(OutputError, match=r"file/sub: cannot be written, \S+file is a file, not a folder"):
+        export_artifact(make_medusa_artifact(tiny_target, tmp_path / "m2"), "vllm", tmp_path / "file" / "sub",
+                        tiny_target)
+    assert (tmp_path / "file").read_text() == "mine"
