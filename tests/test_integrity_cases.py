@@ -217,7 +217,7 @@ def test_a_flipped_bit_in_a_checkpoint_is_caught_by_resume(tiny_target, tmp_path
     cfg = dict(save_every=2, keep_last=3)
     train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, **cfg))
     newest = out / "checkpoints" / "step-00000004"
-    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "optimizer.json", "log.jsonl"):
         flip_last_byte(newest / name)
         assert ckpt.checkpoint_problems(newest) == [f"{newest / name}: sha256 differs from the one state.json "
                                                      "recorded when it was written (the file was changed, truncated "
