@@ -394,3 +394,17 @@ def test_more_errors_name_the_file(tiny_target, deep_target, tmp_path):
         export_artifact(make_medusa_artifact(tiny_target, tmp_path / "m2"), "vllm", tmp_path / "file" / "sub",
                         tiny_target)
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_garbled_current_pointer_is_a_recorded_error(tiny_target, tmp_path):
+    from draftsmith.retrain.config import RetrainConfig
+    from draftsmith.retrain.run import EXIT_ERROR, EXIT_OK, retrain_once
+
+    cfg = RetrainConfig(registry=str(tmp_path / "reg"), target=str(tiny_target.folder))
+    code, record = retrain_once(cfg, init=str(make_medusa_artifact(tiny_target, tmp_path / "m")))
+    assert code == EXIT_OK
+    pointer = Path(record["registry"]) / "current.json"
+    pointer.write_text('{"version": ')  # torn by hand: the registry writes it atomically
+    code, record = retrain_once(cfg)
+    assert code == EXIT_ERROR and record["error"].startswith(f"{pointer}: not valid JSON") and record["current"] is None
+    assert json.loads(Path(record["record_path"]).read_text())["error"] == record["error"]
