@@ -408,3 +408,15 @@ def test_a_garbled_current_pointer_is_a_recorded_error(tiny_target, tmp_path):
     code, record = retrain_once(cfg)
     assert code == EXIT_ERROR and record["error"].startswith(f"{pointer}: not valid JSON") and record["current"] is None
     assert json.loads(Path(record["record_path"]).read_text())["error"] == record["error"]
+
+
+def test_a_bench_refuses_a_users_folder(tmp_path):
+    from draftsmith.benchmark.run import Bench, BenchConfig
+
+    mine = users_folder(tmp_path / "mine")
+    (mine / "summary.md").write_text("my own summary")
+    before = snapshot(mine)
+    with pytest.raises(OutputError, match=r"mine already exists and is not a draftsmith bench folder"):
+        Bench(BenchConfig(target="tiny"), "quick", mine, progress=False)
+    assert snapshot(mine) == before
+    Bench(BenchConfig(target="tiny"), "quick", tmp_path / "new", progress=False)  # a new folder is fine
