@@ -6,6 +6,7 @@ on damage to every kind, every writer leaves a user's folder alone, and unreadab
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -420,3 +421,26 @@ def test_a_bench_refuses_a_users_folder(tmp_path):
         Bench(BenchConfig(target="tiny"), "quick", mine, progress=False)
     assert snapshot(mine) == before
     Bench(BenchConfig(target="tiny"), "quick", tmp_path / "new", progress=False)  # a new folder is fine
+
+
+def test_a_really_held_lock_exits_12_and_touches_nothing(tiny_target, tmp_path, capsys):
+    from draftsmith.cli import main
+    from draftsmith.retrain.config import RetrainConfig
+    from draftsmith.retrain.lock import RunLock
+    from draftsmith.retrain.run import EXIT_LOCKED, retrain_once
+
+    cfg = RetrainConfig(registry=str(tmp_path / "reg"), target=str(tiny_target.folder))
+    _, record = retrain_once(cfg, init=str(make_medusa_artifact(tiny_target, tmp_path / "m")))
+    base = Path(record["registry"])
+    before = snapshot(base)
+    with RunLock(base / ".lock"):  # a live run holds it (a flock: another open file is refused)
+        capsys.readouterr()
+        rc = main(["retrain", "--init", str(tmp_path / "m"), f"registry={tmp_path / 'reg'}",
+                   f"target={tiny_target.folder}"])
+        err = capsys.readouterr().err
+    assert rc == EXIT_LOCKED == 12 and "another retraining run holds" in err and f"pid {os.getpid()}" in err
+    after = snapshot(base)
+    assert {k: v for k, v in after.items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+    with pytest.raises(SystemExit):
+        main(["retrain", "--help"])
+    assert "12 another run holds the registry's lock" in " ".join(capsys.readouterr().out.split())
