@@ -444,3 +444,22 @@ def test_a_really_held_lock_exits_12_and_touches_nothing(tiny_target, tmp_path, 
     with pytest.raises(SystemExit):
         main(["retrain", "--help"])
     assert "12 another run holds the registry's lock" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft"])
+def test_a_failed_export_of_every_kind_leaves_the_previous_one_byte_identical(tiny_target, deep_target, tmp_path,
+                                                                               kind):
+    from test_integrity import _rewrite
+
+    from draftsmith.errors import DraftsmithError
+
+    target = deep_target if kind == "eagle" else tiny_target
+    make = _eagle_artifact if kind == "eagle" else make_draft_artifact
+    stack = "vllm" if kind == "eagle" else "hf"
+    served = export_artifact(make(target, tmp_path / "good"), stack, tmp_path / "served", target).out
+    before = snapshot(served)
+    bad = make(target, tmp_path / "bad")
+    _rewrite(bad / "model.safetensors", _rename_first, "manifest.json")  # checksums agree: only structure is wrong
+    with pytest.raises(DraftsmithError, match=r"weight|tensor|fit"):
+        export_artifact(bad, stack, served, target)
+    assert snapshot(served) == before and siblings(served) == []
