@@ -463,3 +463,20 @@ def test_a_failed_export_of_every_kind_leaves_the_previous_one_byte_identical(ti
     with pytest.raises(DraftsmithError, match=r"weight|tensor|fit"):
         export_artifact(bad, stack, served, target)
     assert snapshot(served) == before and siblings(served) == []
+
+
+def test_a_symlink_out_is_refused_and_its_target_kept(tiny_target, tmp_path):
+    from test_data import _gen_cfg
+
+    from draftsmith.data import generate_dataset
+
+    mine = users_folder(tmp_path / "mine")
+    link = tmp_path / "link"
+    link.symlink_to(mine, target_is_directory=True)
+    before = snapshot(mine)
+    med = make_medusa_artifact(tiny_target, tmp_path / "m")
+    for write in (lambda: export_artifact(med, "vllm", link, tiny_target),
+                  lambda: generate_dataset(_gen_cfg(tmp_path, ["Hi"], name="link"), tiny_target, progress=False)):
+        with pytest.raises(OutputError, match=r"link already exists and is a symlink"):
+            write()
+    assert link.is_symlink() and snapshot(mine) == before
