@@ -496,8 +496,16 @@ def load_distilled(path: str | Path, target=None):
     path = Path(path).expanduser()
     prov = read_provenance(path)
     if target is not None:
-        check_compatible(prov["target"]["fingerprint"], target.fingerprint(), what=f"dataset {path}")
-    return datasets.load_from_disk(str(path / DATASET_DIR))
+        fp = (prov.get("target") or {}).get("fingerprint") if isinstance(prov, dict) else None
+        if not isinstance(fp, dict):
+            raise DataError(f"{path / PROVENANCE}: missing field 'target.fingerprint' (which target made the rows)")
+        check_compatible(fp, target.fingerprint(), what=f"dataset {path}")
+    try:
+        return datasets.load_from_disk(str(path / DATASET_DIR))
+    except (OSError, ValueError) as e:  # pyarrow's errors for a torn or changed file are of these kinds
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DataError(f"{path / DATASET_DIR}: cannot be read, damaged or incomplete ({type(e).__name__}: "
+                        f"{first})") from None
 
 
 def load_data_config(path: str | Path | None, overrides: list[str] | None = None) -> DataConfig:

@@ -480,3 +480,33 @@ def test_a_symlink_out_is_refused_and_its_target_kept(tiny_target, tmp_path):
         with pytest.raises(OutputError, match=r"link already exists and is a symlink"):
             write()
     assert link.is_symlink() and snapshot(mine) == before
+
+
+def test_bad_data_rows_and_damaged_datasets_are_named(tiny_target, tmp_path):
+    from test_integrity import make_dataset
+
+    from draftsmith.data import load_distilled
+    from draftsmith.errors import DataError
+    from draftsmith.retrain.traffic import read_traffic
+
+    logs = tmp_path / "traffic"
+    logs.mkdir()
+    (logs / "a.jsonl").write_text('{"domain": "chat"}\n{"prompt": " ", "domain": "chat"}\n[1, 2]\n{"prompt": \n'
+                                  '{"prompt": "a fine prompt", "domain": "chat", "timestamp": 1763632800}\n')
+    sample = read_traffic(logs)
+    assert len(sample.rows) == 1 and sample.malformed == 4
+    f = logs / "a.jsonl"
+    assert sample.bad == [f"{f}:1: missing field 'prompt'", f"{f}:2: empty prompt", f"{f}:3: not a JSON object (list)",
+                          f"{f}:4: not valid JSON (Expecting value)"]
+    data = make_dataset(tiny_target, tmp_path / "d")
+    assert len(load_distilled(data, tiny_target)) == 2
+    arrow = next((data / "dataset").glob("*.arrow"))
+    whole = arrow.read_bytes()
+    arrow.write_bytes(whole[:200])  # torn by a full disk or a killed copy
+    with pytest.raises(DataError, match=r"d/dataset: cannot be read, damaged or incomplete"):
+        load_distilled(data, tiny_target)
+    arrow.write_bytes(whole)
+    prov = json.loads((data / "provenance.json").read_text())
+    (data / "provenance.json").write_text(json.dumps({**prov, "target": {}}))
+    with pytest.raises(DataError, match=r"d/provenance\.json: missing field 'target\.fingerprint'"):
+        load_distilled(data, tiny_target)
