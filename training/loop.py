@@ -339,10 +339,13 @@ class Trainer:
         st = self.loaded.state
         old_data, new_data = st.get("data"), self._data_identity()
         if old_data is not None and old_data != new_data:
+            def shown(d: dict) -> str:
+                return f"{d['path'] or 'rows given in memory'} ({d['rows']} rows)"
+
             raise TrainingError(
-                f"checkpoint {self.resume_path} was trained on data {old_data['path']} ({old_data['rows']} rows); "
-                f"this run has {new_data['path']} ({new_data['rows']} rows): its data position would point at "
-                "other rows (use the same data, or set train.resume=never)")
+                f"checkpoint {self.resume_path} was trained on data {shown(old_data)}; this run has "
+                f"{shown(new_data)}: its data position would point at other rows (use the same data, or set "
+                "train.resume=never)")
         # what pins the rows of every future micro-batch (the seed: each epoch's permutation)
         then = {"world_size": st["world_size"], "batch_size": st["batch_size"],
                 "seed": st.get("sampler_seed", self.cfg.seed)}
