@@ -337,25 +337,22 @@ class Trainer:
 
     def _restore(self) -> None:
         st = self.loaded.state
+        seed = st.get("sampler_seed", self.cfg.seed)
+        if seed != self.cfg.seed:  # it pins every epoch's permutation: another one repeats rows and skips others
+            raise TrainingError(f"checkpoint {self.resume_path} was written with seed={seed}; this run has "
+                                f"seed={self.cfg.seed} (the data position would not match: resume with the same "
+                                "seed or train.resume=never)")
         old_data, new_data = st.get("data"), self._data_identity()
         if old_data is not None and old_data != new_data:
-            def shown(d: dict) -> str:
-                return f"{d['path'] or 'rows given in memory'} ({d['rows']} rows)"
-
             raise TrainingError(
-                f"checkpoint {self.resume_path} was trained on data {shown(old_data)}; this run has "
-                f"{shown(new_data)}: its data position would point at other rows (use the same data, or set "
-                "train.resume=never)")
-        # what pins the rows of every future micro-batch (the seed: each epoch's permutation)
-        then = {"world_size": st["world_size"], "batch_size": st["batch_size"],
-                "seed": st.get("sampler_seed", self.cfg.seed)}
-        now = {"world_size": self.world, "batch_size": self.cfg.batch_size, "seed": self.cfg.seed}
-        changed = [k for k in then if then[k] != now[k]]
-        if changed:
+                f"checkpoint {self.resume_path} was trained on data {old_data['path']} ({old_data['rows']} rows); "
+                f"this run has {new_data['path']} ({new_data['rows']} rows): its data position would point at "
+                "other rows (use the same data, or set train.resume=never)")
+        if st["world_size"] != self.world or st["batch_size"] != self.cfg.batch_size:
             raise TrainingError(
-                f"checkpoint {self.resume_path} was written with {', '.join(f'{k}={then[k]}' for k in changed)}; "
-                f"this run has {', '.join(f'{k}={now[k]}' for k in changed)} (the data position would not match: "
-                "resume with the same layout or train.resume=never)")
+                f"checkpoint {self.resume_path} was written with world_size={st['world_size']}, "
+                f"batch_size={st['batch_size']}; this run has {self.world}, {self.cfg.batch_size} "
+                "(the data position would not match: resume with the same layout or train.resume=never)")
         opt = self.loaded.optimizer
         fresh = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
