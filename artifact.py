@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__
-from draftsmith.errors import ArtifactError, FileFormatError
+from draftsmith.errors import ArtifactError
 from draftsmith.storage import atomic_dir, atomic_write_json, read_json, verify_checksums, weight_checksums
 from draftsmith.targets.fingerprint import check_compatible
 
@@ -82,6 +82,8 @@ def load_manifest(path: str | Path, kind: str | None = None) -> dict:
     path = Path(path)
     if not (path / MANIFEST).is_file():
         raise ArtifactError(f"{path}: not a draftsmith artifact (no {MANIFEST})")
+    from draftsmith.errors import FileFormatError
+
     try:
         manifest = read_json(path / MANIFEST)
     except FileFormatError as e:  # names the file already
@@ -116,6 +118,17 @@ def verify_weights(path: str | Path, manifest: dict) -> None:
     """Every weight file the manifest lists is present with the sha256 recorded at save time (artifacts
     written before checksums were recorded have none to compare)."""
     verify_checksums(path, manifest.get("checksums"), f"{Path(path) / MANIFEST}")
+
+
+def load_strict(module, state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Load an artifact's weights into the module its config.json describes; a tensor that is missing,
+    unexpected or of another shape is one line naming the files (torch lists every mismatch over many)."""
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
+        raise ArtifactError(f"{Path(path) / WEIGHTS}: does not fit the module {Path(path) / 'config.json'} "
+                            f"describes ({first})") from None
 
 
 def update_manifest(path: str | Path, **fields: Any) -> dict:
@@ -215,14 +228,3 @@ def _expected_tensors(path: Path, kind: str) -> tuple[dict, dict, list[str]]:
             module = EagleHead(EagleConfig(**{k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}))
     spec = {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}
     return spec, {}, extra
-
-
-def load_strict(module, state: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Load an artifact's weights into the module its config.json describes; a tensor that is missing,
-    unexpected or of another shape is one line naming the files (torch lists every mismatch over many)."""
-    try:
-        module.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
-        raise ArtifactError(f"{Path(path) / WEIGHTS}: does not fit the module {Path(path) / 'config.json'} "
-                            f"describes ({first})") from None
