@@ -22,6 +22,26 @@ from draftsmith.training import checkpoint as ckpt
 from draftsmith.training.loop import epoch_permutation, rank_batches
 
 
+def _find(name: str, *modules: str):
+    """`name` from the first of `modules` that defines it: the head modules live in draftsmith.medusa /
+    draftsmith.eagle, earlier in draftsmith.heads."""
+    import importlib
+
+    for module in modules:
+        try:
+            found = importlib.import_module(f"draftsmith.{module}")
+        except ImportError:
+            continue
+        if hasattr(found, name):
+            return getattr(found, name)
+    raise ImportError(f"{name} is in none of {modules}")
+
+
+MEDUSA_JOB, EAGLE_JOB = ("medusa.job", "heads.medusa_job"), ("eagle.job", "heads.eagle_job")
+EAGLE_MODEL = ("eagle.model", "heads.eagle", "heads.eagle_job")
+MEDUSA_MODEL = ("medusa.model", "heads.medusa_job")
+
+
 # --- training: a batch nothing can be learned from, for every head kind --------------------------------
 def _rows(target, n: int, seed: int = 0) -> list[dict]:
     """Self-distilled rows (prompt 6 tokens, answer 10), kept short so four kinds train in seconds."""
@@ -45,15 +65,13 @@ def _job(kind: str, target, rows: list[dict], tmp_path: Path, max_steps: int):
     train_cfg = TrainConfig(max_steps=max_steps, batch_size=4, output_dir=str(tmp_path / "run"), progress=False,
                             eval_every=0, log_every=1, loggers=["jsonl"], lr=1e-3, warmup_steps=0)
     if kind == "medusa":
-        from draftsmith.heads.medusa_job import MedusaJob, MedusaJobConfig
-
+        MedusaJob, MedusaJobConfig = _find("MedusaJob", *MEDUSA_JOB), _find("MedusaJobConfig", *MEDUSA_JOB)
         cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "art"), num_heads=2,
                               num_layers=1, eval_fraction=0.2, calibration_rows=2, train=train_cfg)
         cfg.evaluate.enabled = False
         return MedusaJob(cfg, target, rows), tmp_path / "art"
     if kind in ("eagle1", "eagle3"):
-        from draftsmith.heads.eagle_job import EagleJob, EagleJobConfig
-
+        EagleJob, EagleJobConfig = _find("EagleJob", *EAGLE_JOB), _find("EagleJobConfig", *EAGLE_JOB)
         extra = dict(target_layers=[0, 1, 1], draft_vocab_size=64) if kind == "eagle3" else {}
         cfg = EagleJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "art"), version=kind,
                              ttt_steps=2, eval_fraction=0.2, train=train_cfg, **extra)
@@ -159,8 +177,9 @@ def _eagle_artifact(target, path: Path) -> Path:
     from dataclasses import asdict
 
     from draftsmith import artifact
-    from draftsmith.heads.eagle import EagleHead
     from draftsmith.heads.vocab import build_draft_vocab
+
+    EagleHead = _find("EagleHead", *EAGLE_MODEL)
 
     counts = torch.bincount(torch.randint(0, target.vocab_size, (2000,), generator=torch.Generator().manual_seed(0)),
                             minlength=target.vocab_size)
@@ -182,7 +201,6 @@ class _KindJob(NextTokenJob):
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "draft"])
 def test_a_flipped_bit_is_caught_by_every_reader_of_every_kind(tiny_target, deep_target, tmp_path, capsys, kind):
     from draftsmith.cli import main
-    from draftsmith.decoding.proposer import build_proposer
     from draftsmith.distill.builders import existing_draft
 
     target = deep_target if kind == "eagle" else tiny_target
@@ -193,7 +211,9 @@ def test_a_flipped_bit_is_caught_by_every_reader_of_every_kind(tiny_target, deep
     flip_last_byte(art / "model.safetensors")
     named = r"a/model\.safetensors: sha256 differs from the one \S+a/manifest\.json recorded"
     readers = {
-        "load / evaluate": lambda: build_proposer(f"{kind}:{art}", target),
+        "load": {"medusa": lambda: _find("load_medusa", *MEDUSA_MODEL)(art, target),
+                 "eagle": lambda: _find("load_eagle", *EAGLE_MODEL)(art, target),
+                 "draft": lambda: _find("DraftProposer", "decoding.draft").from_path(art, target)}[kind],
         "export": lambda: export_artifact(art, "hf" if kind == "draft" else "vllm", export, target),
         "warm start": lambda: train(_KindJob(target, kind), _cfg(tmp_path / "w", max_steps=1, warm_start=str(art))),
     }
@@ -369,8 +389,7 @@ def test_more_errors_name_the_file(tiny_target, deep_target, tmp_path):
 
     from draftsmith.config import read_yaml
     from draftsmith.errors import ArtifactError, ConfigError
-    from draftsmith.heads.eagle_job import load_eagle
-    from draftsmith.heads.medusa_job import load_medusa
+    load_eagle, load_medusa = _find("load_eagle", *EAGLE_MODEL), _find("load_medusa", *MEDUSA_MODEL)
 
     (tmp_path / "c.yaml").write_bytes(b"kind: medusa\nnum_heads: \xff\n")
     with pytest.raises(ConfigError, match=r"c\.yaml: not UTF-8 text \(byte 24\)"):
