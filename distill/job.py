@@ -291,8 +291,17 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
     """
     from draftsmith.targets import load_target
     from draftsmith.training import train
+    from draftsmith.training.launch import (
+        evaluation_target,
+        leave_process_group,
+        load_target_for,
+        make_accelerator,
+    )
 
-    target = target or load_target(cfg.target)
+    if accelerator is None and not init_only:
+        accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
+    if target is None:
+        target = load_target_for(cfg.target, accelerator) if accelerator is not None else load_target(cfg.target)
     job = DistillJob(cfg, target, rows)
     d = size_report(job.build_module())  # cheap at this size; logged so the run says what it trains
     t = size_report(target.model)
@@ -306,6 +315,7 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
         out = {"artifact": path, "train_seconds": 0.0, "metrics": {"steps": 0}, "eval": None}
     else:
         result = train(job, cfg.train, accelerator)
+        leave_process_group(accelerator)  # training was the last collective work
         out = {"artifact": result.artifact, "train_seconds": time.perf_counter() - t0, "metrics": result.metrics,
                "eval": None}
     seconds = out["train_seconds"]
@@ -313,7 +323,8 @@ def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
         result_artifact = out["artifact"]
         artifact.update_manifest(result_artifact, train_seconds=seconds)
         if cfg.evaluate.enabled:
-            evaluate_into_artifact(result_artifact, target, "draft", cfg.evaluate,
+            eval_target = evaluation_target(target, cfg.target, accelerator) if accelerator is not None else target
+            evaluate_into_artifact(result_artifact, eval_target, "draft", cfg.evaluate,
                                    command=f"draftsmith distill (output {result_artifact})")
             out["eval"] = artifact.load_manifest(result_artifact)["eval"]
     return out

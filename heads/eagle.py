@@ -75,6 +75,7 @@ from draftsmith.targets.families import (
     lm_head,
     rope_fields,
     text_config,
+    whole,
 )
 from draftsmith.targets.gemm import rows_linear, use_rows_linear
 
@@ -341,10 +342,11 @@ class EagleHead(nn.Module):
 
     def attach_target(self, target_model) -> None:
         """Keep references to the target's frozen embedding (and EAGLE-1: final norm, lm_head)."""
-        object.__setattr__(self, "_embed", embeddings(target_model))
+        # whole(): the module itself, or a whole copy where ZeRO-3 partitions the target (targets/families.py)
+        object.__setattr__(self, "_embed", whole(embeddings(target_model)))
         if not self.config.eagle3:
-            object.__setattr__(self, "_target_norm", final_norm(target_model))
-            object.__setattr__(self, "_target_head", lm_head(target_model))
+            object.__setattr__(self, "_target_norm", whole(final_norm(target_model)))
+            object.__setattr__(self, "_target_head", whole(lm_head(target_model)))
 
     # --- pieces -----------------------------------------------------------------------------------
     @property

@@ -43,7 +43,7 @@ from draftsmith.heads.eagle import (
 )
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.storage import read_json
-from draftsmith.targets.families import family, pad_token_id
+from draftsmith.targets.families import family, lm_head, pad_token_id, whole
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import TrainConfig
 
@@ -154,8 +154,9 @@ class EagleJob:
         self.features.place(accelerator)
         if self.features.offline:  # the target still supplies the embedding and the lm_head rows
             self.target.model = place_frozen(self.target.model, accelerator, shard=False)
-        else:
-            self.target.model = self.features.model
+        else:  # the placed target; under ZeRO-3 the model inside its inference engine (hooks gather its layers)
+            placed = self.features.model
+            self.target.model = getattr(placed, "module", placed)
 
     def train_rows(self):
         return self.train_set
@@ -209,7 +210,7 @@ class EagleJob:
 
     def teacher_rows(self, head: EagleHead) -> torch.Tensor:
         """The target's lm_head rows of the draft vocabulary [N, H] (frozen)."""
-        w = self.target.model.get_output_embeddings().weight
+        w = whole(lm_head(self.target.model)).weight  # a whole copy where ZeRO-3 partitions the target
         if self._teacher_w is None or self._teacher_w.device != w.device or self._teacher_w.dtype != w.dtype:
             self._teacher_w = w[head.t2d.to(w.device)].detach()
         return self._teacher_w
@@ -264,16 +265,23 @@ def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
 def train_eagle(cfg: EagleJobConfig) -> Path:
     """Load the target and the self-distilled data, train, save, evaluate. Returns the artifact directory."""
     from draftsmith.data import load_distilled
-    from draftsmith.targets import load_target
     from draftsmith.training import train
+    from draftsmith.training.launch import (
+        evaluation_target,
+        leave_process_group,
+        load_target_for,
+        make_accelerator,
+    )
 
-    target = load_target(cfg.target)
+    accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
+    target = load_target_for(cfg.target, accelerator)
     dataset = load_distilled(cfg.data, target)
     job = EagleJob(cfg, target, dataset)
-    result = train(job, cfg.train)
+    result = train(job, cfg.train, accelerator)
+    leave_process_group(accelerator)  # training was the last collective work
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and int(os.environ.get("RANK", "0")) == 0:
-        evaluate_into_artifact(out, target, "eagle", cfg.evaluate)
+        evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "eagle", cfg.evaluate)
     return out
 
 

@@ -95,6 +95,7 @@ class MedusaJob:
         family(target.config)  # a family outside targets/families.py: one line, before any work
         self.cfg, self.target = cfg, target
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
+        self._calib_hidden: dict[tuple[str, int], torch.Tensor] = {}  # before_artifact's target hidden states
         self.weights = head_weights(cfg.num_heads, cfg.decay)
         self.pad_id = pad_token_id(target)
         from draftsmith.training import CaptureSource
@@ -269,27 +270,51 @@ class MedusaJob:
         return Path(self.cfg.output or out_dir)
 
     # --- calibration ------------------------------------------------------------------------------
+    def _calibration_rows(self, split: str) -> list:
+        return list(self.eval_set if split == "eval" else self.train_set)[: self.cfg.calibration_rows]
+
+    @torch.no_grad()
+    def before_artifact(self) -> None:
+        """Every rank, before rank 0 writes the artifact: the frozen target's hidden states on the calibration
+        rows. Under FSDP / ZeRO-3 the target is sharded across ranks and its forward is collective (each layer
+        is all-gathered), so rank 0 cannot run it alone inside `save_artifact`; all ranks run it here on the
+        same rows and rank 0 keeps the result. Medusa-2 calibrates with its own adapted backbone instead."""
+        if self.medusa2:
+            return
+        self._calib_hidden = {}
+        device = next(self.target.model.parameters()).device
+        for split in ("eval", "train"):
+            rows = self._calibration_rows(split)
+            for start in range(0, len(rows), 8):
+                batch = {k: v.to(device) for k, v in self.collate(rows[start : start + 8]).items()}
+                self._calib_hidden[(split, start)] = self.target_outputs(batch)[0].cpu()
+
     @torch.no_grad()
     def calibrate(self, module) -> list[list[float]]:
         """acc[i][r]: how often head i's rank-r candidate is the right token, on held-out rows."""
         module.eval()
-        acc = self._rank_accuracies(module, list(self.eval_set)[: self.cfg.calibration_rows])
+        acc = self._rank_accuracies(module, "eval")
         if acc is None:  # held-out rows with no assistant token inside max_length: fall back to training rows
             log.warning("no held-out assistant tokens: calibrating the tree on training rows")
-            acc = self._rank_accuracies(module, list(self.train_set)[: self.cfg.calibration_rows])
+            acc = self._rank_accuracies(module, "train")
         if acc is None:
             raise ConfigError("no assistant tokens within max_length to calibrate the Medusa tree on")
         return acc
 
-    def _rank_accuracies(self, module, rows) -> list[list[float]] | None:
+    def _rank_accuracies(self, module, split: str) -> list[list[float]] | None:
         R, K = self.cfg.tree_max_rank, self.cfg.num_heads
         hits = [[] for _ in range(K)]
         full = module
         module = module.heads if self.medusa2 else module
         device = next(module.parameters()).device
+        rows = self._calibration_rows(split)
+        cached = self._calib_hidden
         for start in range(0, len(rows), 8):
             batch = {k: v.to(device) for k, v in self.collate(rows[start : start + 8]).items()}
-            hidden, _ = self.target_outputs(batch, full if self.medusa2 else None)
+            if (split, start) in cached:
+                hidden = cached[(split, start)].to(device)
+            else:
+                hidden, _ = self.target_outputs(batch, full if self.medusa2 else None)
             T = batch["input_ids"].shape[1]
             for i in range(K):
                 shift = i + 2
@@ -346,16 +371,29 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
 def train_medusa(cfg: MedusaJobConfig) -> Path:
     """Load the target and the self-distilled data, train, calibrate, save, evaluate. Returns the artifact."""
     from draftsmith.data import load_distilled
-    from draftsmith.targets import load_target
     from draftsmith.training import train
+    from draftsmith.training.launch import (
+        SHARDED,
+        evaluation_target,
+        leave_process_group,
+        load_target_for,
+        make_accelerator,
+        preset_kind,
+    )
 
-    target = load_target(cfg.target)
+    accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
+    if cfg.medusa2.enabled and accelerator.num_processes > 1 and preset_kind(accelerator) in SHARDED:
+        raise ConfigError(f"medusa2.enabled: Medusa-2 adapts the target itself and checks its drift against a "
+                          f"whole target on rank 0; under {preset_kind(accelerator)} the target is sharded across "
+                          "ranks: use a DDP preset (configs/accelerate/multi_gpu_ddp.yaml) for Medusa-2")
+    target = load_target_for(cfg.target, accelerator)
     dataset = load_distilled(cfg.data, target)
     job = MedusaJob(cfg, target, dataset)
-    result = train(job, cfg.train)
+    result = train(job, cfg.train, accelerator)
+    leave_process_group(accelerator)  # training was the last collective work
     out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
     if cfg.evaluate.enabled and _is_main_process():
-        evaluate_into_artifact(out, target, "medusa", cfg.evaluate)
+        evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "medusa", cfg.evaluate)
     return out
 
 

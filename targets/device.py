@@ -12,9 +12,30 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def select_device(device: str | torch.device | None = None) -> torch.device:
+    """The device asked for; "auto" -> CUDA if any, else the CPU. A bare "cuda" means THIS rank's GPU
+    under a launcher (`local_cuda_device`): eight ranks of `accelerate launch` load onto eight GPUs."""
     if device is not None and str(device) != "auto":
-        return torch.device(device)
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        d = torch.device(device)
+        if d.type == "cuda" and d.index is None:
+            return local_cuda_device(os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+        return d
+    if torch.cuda.is_available():
+        return local_cuda_device(os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def local_cuda_device(local_rank: str | int | None, count: int) -> torch.device:
+    """`cuda:LOCAL_RANK` under a launcher (torchrun / accelerate launch set LOCAL_RANK), plain "cuda" (the
+    current device) without one. More ranks on a node than GPUs is an error, not a silent pile-up."""
+    if local_rank is None or str(local_rank).strip() in ("", "-1"):
+        return torch.device("cuda")
+    rank = int(local_rank)
+    if count and rank >= count:
+        from draftsmith.errors import ConfigError
+
+        raise ConfigError(f"LOCAL_RANK={rank} but this node has {count} CUDA device(s): launch at most "
+                          f"{count} processes per node (accelerate launch --num_processes)")
+    return torch.device("cuda", rank)
 
 
 def select_dtype(device: torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:

@@ -31,6 +31,7 @@ sqrt(H) inside its own forward only. `embedding_rows` is that plain lookup, for 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,36 @@ def text_state_dict(model) -> dict[str, torch.Tensor]:
     if head is not None:
         out["lm_head.weight"] = head.weight
     return out
+
+
+_WHOLE: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def whole(module: nn.Module) -> nn.Module:
+    """`module` itself, or, when DeepSpeed ZeRO-3 partitions its parameters across ranks (an inference engine
+    around a sharded target, training/frozen.py), a whole copy of it held by this rank: the same class and
+    buffers, plain frozen parameters, no ZeRO hooks. EAGLE heads read the target's embedding (and EAGLE-1 its
+    final norm and lm_head) outside the target's forward, where ZeRO-3 gathers nothing; the copy is made once
+    per module, as FSDP keeps these modules whole. Collective the first time (an all-gather): every rank
+    calls it at the same point."""
+    params = list(module.parameters(recurse=False))
+    if not any(hasattr(p, "ds_id") for p in params):
+        return module
+    if module in _WHOLE:
+        return _WHOLE[module]
+    import copy
+    from collections import OrderedDict
+
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        gathered = {name: p.data.detach().clone() for name, p in module.named_parameters(recurse=False)}
+    shadow = copy.copy(module)
+    shadow.__dict__ = dict(module.__dict__)
+    shadow._parameters = {name: nn.Parameter(t, requires_grad=False) for name, t in gathered.items()}
+    shadow._forward_pre_hooks, shadow._forward_hooks = OrderedDict(), OrderedDict()
+    _WHOLE[module] = shadow
+    return shadow
 
 
 def embedding_rows(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -159,8 +159,9 @@ def calibrate(model: nn.Module, repeats: int = 3) -> Plan | None:
     global _plan
     if not ENABLED:
         return None
+    # a ZeRO-3-partitioned weight is a placeholder (its rows live on other ranks): nothing here to time
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"
-               and m.weight.dtype == torch.float32]
+               and m.weight.dtype == torch.float32 and m.weight.dim() == 2]
     if not linears:
         return None
     key = (tuple((m.weight.shape[0], m.weight.shape[1]) for m in linears), torch.get_num_threads())

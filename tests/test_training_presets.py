@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
 EXPECTED = {
     "single_cpu": "NO", "single_gpu": "NO", "multi_gpu_ddp": "MULTI_GPU", "fsdp": "FSDP",
-    "deepspeed_zero2": "DEEPSPEED", "deepspeed_zero3": "DEEPSPEED",
+    "deepspeed_zero2": "DEEPSPEED", "deepspeed_zero3": "DEEPSPEED", "two_node_ddp": "MULTI_GPU",
+    "cpu_ddp": "MULTI_CPU", "cpu_fsdp2": "FSDP", "cpu_zero2": "DEEPSPEED", "cpu_zero3": "DEEPSPEED",
 }
 
 
@@ -40,6 +41,9 @@ def test_preset_loads_with_accelerate(preset, monkeypatch):
         _, env = prepare_deepspeed_cmd_env(args)
     elif args.use_fsdp or args.multi_gpu:
         env = prepare_multi_gpu_env(args)
+    elif cfg.distributed_type.value == "MULTI_CPU":  # the CPU form of DDP (tests/test_training_dist.py)
+        assert args.use_cpu and args.num_processes == 2
+        return
     else:
         assert args.num_processes == 1
         return

@@ -6,12 +6,14 @@ How each accelerate preset treats it (`place_frozen`):
   trainable parameters, so DDP would have nothing to all-reduce (and refuses such a module), and ZeRO-1/2
   only shard optimizer state and gradients, which the target does not have.
 - FSDP: the target is SHARDED with its own FSDP wrapper (`accelerator.prepare_model` for FSDP1, which
-  wraps modules whose parameters are all frozen; `fully_shard` per decoder layer for FSDP2). Every
-  forward all-gathers one layer at a time, so a target larger than one GPU fits. No optimizer touches it.
+  wraps modules whose parameters are all frozen; `fully_shard` per decoder layer for FSDP2, the
+  embedding / final norm / lm_head left whole on each rank). Every forward all-gathers one layer at a
+  time, so a target larger than one GPU fits. No optimizer touches it.
 - DeepSpeed ZeRO-3: the target gets its own inference-only DeepSpeed engine (`deepspeed.initialize` with
   the training config's ZeRO-3 section and no optimizer), the same pattern TRL uses for reference models,
   so its parameters are partitioned across ranks and gathered per layer on forward.
-The sharded paths need GPUs and were not run on this CPU-only machine; the replicated path is tested.
+The FSDP2 path runs with 2 CPU processes over gloo in tests/test_training_dist.py; FSDP1 and the ZeRO-3
+engine were not run here.
 
 Dtype: with mixed precision bf16/fp16 on a GPU the target's weights are cast to that dtype (halving its
 memory; it is never updated, so there is no master copy to keep); with "no" it keeps its own dtype. On the
@@ -44,6 +46,10 @@ def compute_dtype(accelerator) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(accelerator.mixed_precision))
 
 
+def _reshard_after_forward(module, args, output):
+    module.reshard()
+
+
 def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None, shard: bool | None = None) -> Any:
     """Freeze `model` and put it where the preset says (see module docstring). Returns the module to call.
 
@@ -71,9 +77,17 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
 
             from draftsmith.targets.capture import decoder_layers
 
+
+            # the decoder layers (nearly all of a target's weights) are sharded, each all-gathered for its
+            # own forward; the root's embedding, final norm and lm_head stay whole on every rank, since the
+            # heads call them outside the target's forward (EAGLE's embedding and lm_head rows)
+            # each layer is its own FSDP root, and FSDP2 keeps a root's parameters gathered after its forward
+            # (it expects the backward next): the hook frees them again, so a rank holds one whole layer at
+            # a time (the target has no backward)
             for layer in decoder_layers(model):
                 fully_shard(layer)
-            fully_shard(model)
+                layer.register_forward_hook(_reshard_after_forward)
+            model.to(accelerator.device)
             return freeze_module(model)
         return freeze_module(accelerator.prepare_model(model, evaluation_mode=False))
     if dist == DistributedType.DEEPSPEED:
@@ -88,10 +102,25 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
             "stage": 3, "stage3_param_persistence_threshold": 10 * model.config.hidden_size
             if hasattr(model, "config") else 1e4,
         }
-        for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
-            if ds_config.get(key) == "auto":
-                ds_config[key] = 1
+        # an inference-only engine: its batch settings only have to agree with each other (DeepSpeed checks
+        # train_batch = micro x accumulation x ranks); the training engine fills its own from the config
+        ds_config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                         train_batch_size=accelerator.num_processes, gradient_clipping=0.0)
+        for key in ("bf16", "fp16"):  # "auto" is resolved by accelerate for the engines it prepares, not here
+            if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled") == "auto":
+                ds_config[key]["enabled"] = str(accelerator.mixed_precision) == key
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
         engine.eval()
+        # as under FSDP: the decoder layers stay partitioned, each gathered for its own forward; the embedding,
+        # final norm and lm_head are gathered once and kept whole on every rank (persistent), since the heads
+        # read them outside the target's forward (Medusa's lm_head copy, EAGLE's embedding and lm_head rows)
+        from draftsmith.targets.capture import decoder_layers
+
+        in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+        root = [p for p in model.parameters() if id(p) not in in_layers and hasattr(p, "ds_id")]
+        for p in root:
+            p.ds_persist = True
+        if root:
+            root[0].all_gather(param_list=root)  # collective: every rank places its target here
         return engine
     raise ValueError(f"cannot shard a frozen target under {dist}")

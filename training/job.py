@@ -35,7 +35,9 @@ Rules the loop relies on:
 - `loss(module, batch)` returns a scalar loss tensor and a dict of float metrics. The metric names must
   be the same on every call (they are averaged across ranks by position). The loop runs it under
   autocast; in eval mode under `torch.no_grad()` with `module.eval()`.
-- `save_artifact(module, out_dir, metrics)` gets the unwrapped module on rank 0 only.
+- `save_artifact(module, out_dir, metrics)` gets the unwrapped module on rank 0 only. Anything it needs from
+  the frozen target belongs in `before_artifact()` (optional), which every rank runs first: under FSDP /
+  ZeRO-3 the target is sharded and its forward is collective, so rank 0 cannot run it alone.
 - `setup(accelerator)` (optional) runs once on every rank after the Accelerator exists: place the
   frozen target there (`training.frozen.place_frozen`).
 """

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 import time
 from collections import deque
@@ -50,9 +49,11 @@ from torch import nn
 from draftsmith.config import to_dict
 from draftsmith.errors import DataError, TrainingError
 from draftsmith.training import checkpoint as ckpt
+from draftsmith.training import sharded
 from draftsmith.training.batching import length_grouped, row_lengths
 from draftsmith.training.config import TrainConfig
 from draftsmith.training.job import Job, count_tokens
+from draftsmith.training.launch import make_accelerator
 from draftsmith.training.loggers import RunLogger
 
 ARTIFACT_DIR = "artifact"
@@ -122,14 +123,6 @@ def rank_batches(perm: list[int], batch_size: int, world: int, rank: int, start:
     return out
 
 
-def _cpu_only() -> bool:
-    """No accelerator device: tell accelerate so, or under torchrun it stays single-process (DistributedType.NO)
-    instead of MULTI_CPU over gloo (accelerate 1.15 only picks MULTI_CPU with cpu=True)."""
-    acc = getattr(torch, "accelerator", None)
-    has_device = acc.is_available() if acc is not None else torch.cuda.is_available()
-    return not has_device
-
-
 def learned_tokens(job: Any, batch: dict[str, Any]) -> int | None:
     """Learned (loss) tokens in a batch: the job's own count if it has one, else the loss mask's positions
     that a next-token prediction learns (every position but the first); None when the batch has no mask."""
@@ -178,37 +171,17 @@ class _Window:
             self.metrics[k] = self.metrics.get(k, 0.0) + float(v)
 
 
-def _release_precision(wanted: str) -> None:
-    """Let a single-process run pick its own mixed precision after an earlier run in the same process.
-
-    accelerate keeps one AcceleratorState per process and refuses an Accelerator with another precision (a
-    Python session that trains in float32, then in bf16). In a single process nothing else shares that state,
-    so it is cleared; under a multi-process launcher the launcher's precision stands and accelerate's error
-    says so.
-    """
-    from accelerate.state import AcceleratorState
-
-    state = AcceleratorState._shared_state
-    if state and int(os.environ.get("WORLD_SIZE", "1")) == 1 and str(state.get("_mixed_precision")) != wanted:
-        AcceleratorState._reset_state()
-
-
 class Trainer:
     """State of one run. `train()` is the public entry point; this class keeps the loop readable."""
 
     def __init__(self, job: Job, cfg: TrainConfig, accelerator=None) -> None:
-        from accelerate import Accelerator
         from accelerate.utils import DistributedType
 
         self.job, self.cfg = job, cfg
-        if accelerator is None:
-            precision = cfg.resolved_mixed_precision()
-            _release_precision(precision)
-            accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.grad_accum,
-                                      step_scheduler_with_optimizer=False, cpu=_cpu_only())
-        self.acc = accelerator
+        self.acc = accelerator if accelerator is not None else make_accelerator(cfg)
         self.dist = self.acc.distributed_type
         self.sharded = self.dist in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        self.fsdp = self.dist == DistributedType.FSDP
         self.world, self.rank = self.acc.num_processes, self.acc.process_index
         self.main = self.acc.is_main_process
         self.out = Path(cfg.output_dir)
@@ -237,13 +210,17 @@ class Trainer:
             clean_stale(self.artifact_dest())  # what a run killed while saving its artifact left beside it
         acc.wait_for_everyone()
         self.resume_path = ckpt.resolve_resume(cfg.resume, self.out)
-        self.loaded = ckpt.load_checkpoint(self.resume_path) if self.resume_path else None
+        self.sharded_resume = self.resume_path is not None and sharded.is_sharded(self.resume_path)
+        self.loaded = None
+        if self.resume_path is not None:
+            self.loaded = sharded.load_meta(self.resume_path) if self.sharded_resume \
+                else ckpt.load_checkpoint(self.resume_path)
 
         set_seed(cfg.seed)  # same on every rank: identical initial module everywhere
         if hasattr(self.job, "setup"):
             self.job.setup(acc)
         module = self.job.build_module()
-        if self.loaded is not None:
+        if self.loaded is not None and not self.sharded_resume:
             try:
                 module.load_state_dict(self.loaded.model)
             except RuntimeError as e:  # torch lists every mismatch over many lines: name the first
@@ -256,6 +233,9 @@ class Trainer:
         self.eval_rows = self.job.eval_rows()
         n = len(self.train_rows)
         self.micro_per_epoch = n // (cfg.batch_size * self.world)
+        # length grouping sorts the rows of one optimizer step together: a step reads the same rows whatever
+        # mix of ranks and accumulation gives it its batch (so another world size can resume)
+        self.length_group = cfg.batch_size * self.world * cfg.grad_accum
         if self.micro_per_epoch < 1:
             raise DataError(f"{n} training rows cannot fill one batch of {cfg.batch_size} on each of {self.world} ranks")
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.micro_per_epoch / cfg.grad_accum))
@@ -271,6 +251,13 @@ class Trainer:
         for g in optimizer.param_groups:
             g["base_lr"] = cfg.lr * g["lr_scale"]
         self.model, self.optimizer = acc.prepare(module, optimizer)
+        # this run's optimizer settings: a resumed optimizer's param groups carry the checkpoint's
+        self.fresh_groups = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")}
+                             for g in self.optimizer.param_groups]
+        if self.sharded_resume and sharded.is_deepspeed(self.resume_path):  # each rank its own ZeRO partition
+            sharded.load_deepspeed(self.resume_path, self.model, self.world)
+        elif self.sharded_resume:  # every rank reads the slices it owns now (any world size)
+            sharded.load_sharded(self.resume_path, self.model, self.optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
         # counters (overwritten by a checkpoint)
@@ -348,24 +335,56 @@ class Trainer:
                 f"checkpoint {self.resume_path} was trained on data {old_data['path']} ({old_data['rows']} rows); "
                 f"this run has {new_data['path']} ({new_data['rows']} rows): its data position would point at "
                 "other rows (use the same data, or set train.resume=never)")
-        if st["world_size"] != self.world or st["batch_size"] != self.cfg.batch_size:
-            raise TrainingError(
-                f"checkpoint {self.resume_path} was written with world_size={st['world_size']}, "
-                f"batch_size={st['batch_size']}; this run has {self.world}, {self.cfg.batch_size} "
-                "(the data position would not match: resume with the same layout or train.resume=never)")
-        opt = self.loaded.optimizer
-        fresh = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
-        for g, values in zip(self.optimizer.param_groups, fresh):  # this run's settings, not the checkpoint's
+        self.micro = self._translated_position(st)
+        if not self.sharded_resume:  # a sharded checkpoint's optimizer state was loaded with the module
+            opt = self.loaded.optimizer
+            if "ranks" in opt and len(opt["ranks"]) != self.world:
+                raise TrainingError(f"checkpoint {self.resume_path} holds optimizer shards of {len(opt['ranks'])} "
+                                    f"ranks; this run has {self.world} (resume with the same world size)")
+            self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
+        for g, values in zip(self.optimizer.param_groups, self.fresh_groups):  # this run's, not the checkpoint's
             g.update(values)
         self._record_changed_settings(st.get("config") or {})
-        self.step, self.micro = st["step"], st["micro"]
+        self.step = st["step"]
         self.nonfinite_total, self.nonfinite_in_row = st["nonfinite_total"], st["nonfinite_in_row"]
         self.tokens_total = st["tokens_total"]
         self.empty_total = st.get("empty_total", 0)
         self.updates_total = st.get("updates_total", self.step)  # older checkpoints: assume every step updated
         self.last_eval, self.last_train = st["last_eval"], st["last_train"]
-        ckpt.restore_rng(self.loaded.rng_json[self.rank], self.loaded.rng_tensors[self.rank])
+        if self.rank < len(self.loaded.rng_json):  # a rank the writing run did not have starts its own stream
+            ckpt.restore_rng(self.loaded.rng_json[self.rank], self.loaded.rng_tensors[self.rank])
+        else:
+            from accelerate.utils import set_seed
+
+            set_seed(self.cfg.seed + 1 + self.rank)
+
+    def _translated_position(self, st: dict) -> int:
+        """This run's micro-batch position for a checkpoint's. The same layout resumes as is; another world
+        size resumes when every optimizer step still covers the same rows (batch_size * grad_accum * world
+        unchanged, e.g. 2 ranks x 4 rows -> 1 rank x 4 rows x grad_accum 2), since micro-batch b of rank r
+        reads rows perm[(b * world + r) * batch_size ...] (module docstring)."""
+        cfg = self.cfg
+        old_world, old_bs = st["world_size"], st["batch_size"]
+        old_accum = st.get("config", {}).get("grad_accum", cfg.grad_accum)
+        if cfg.group_by_length and st.get("length_group", old_world * old_bs) != self.length_group:
+            raise TrainingError(
+                f"checkpoint {self.resume_path} grouped rows by length in runs of "
+                f"{st.get('length_group', old_world * old_bs)}; this run groups {self.length_group} "
+                "(batch_size * grad_accum * world_size): its data position would point at other rows "
+                "(keep that product, or set train.resume=never)")
+        if old_world == self.world and old_bs == cfg.batch_size:
+            return st["micro"]
+        rows_before = st["micro"] * old_world * old_bs
+        per_micro = self.world * cfg.batch_size
+        same_step = old_world * old_bs * old_accum == self.world * cfg.batch_size * cfg.grad_accum
+        same_epoch = st["micro_per_epoch"] * old_world * old_bs == self.micro_per_epoch * per_micro
+        if not (same_step and same_epoch and rows_before % per_micro == 0):
+            raise TrainingError(
+                f"checkpoint {self.resume_path} was written with world_size={old_world}, batch_size={old_bs}, "
+                f"grad_accum={old_accum}; this run has {self.world}, {cfg.batch_size}, {cfg.grad_accum}: the rows "
+                "of a step differ (keep batch_size * grad_accum * world_size, with whole epochs of the same "
+                "length, or train.resume=never)")
+        return rows_before // per_micro
 
     def _record_changed_settings(self, old: dict) -> None:
         """A resumed optimizer carries the checkpoint's lr / betas / eps / weight decay in its param groups;
@@ -395,7 +414,7 @@ class Trainer:
         while True:
             perm = epoch_permutation(len(self.train_rows), cfg.seed, epoch)
             if self.lengths is not None:
-                perm = length_grouped(perm, self.lengths, cfg.batch_size * self.world, cfg.seed, epoch)
+                perm = length_grouped(perm, self.lengths, self.length_group, cfg.seed, epoch)
             batches = rank_batches(perm, cfg.batch_size, self.world, self.rank, start)
             loader = DataLoader(self.train_rows, batch_sampler=batches, collate_fn=self.job.collate,
                                 num_workers=cfg.num_workers)
@@ -568,28 +587,54 @@ class Trainer:
 
         return gather_object([mine])
 
+    def _loop_state(self) -> dict:
+        return {"micro": self.micro, "epoch": self.micro // self.micro_per_epoch,
+                "batch_in_epoch": self.micro % self.micro_per_epoch, "sampler_seed": self.cfg.seed,
+                "micro_per_epoch": self.micro_per_epoch, "world_size": self.world,
+                "batch_size": self.cfg.batch_size, "nonfinite_total": self.nonfinite_total,
+                "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
+                "empty_total": self.empty_total, "updates_total": self.updates_total,
+                "data": self._data_identity(), "length_group": self.length_group,
+                "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg)}
+
+    def _nonfinite_shard(self) -> str | None:
+        """The first parameter whose local shard holds a non-finite value on any rank (a collective: every
+        rank gets the same answer, so all of them skip or all of them write the sharded checkpoint)."""
+        from accelerate.utils import gather_object
+
+        mine = None
+        for name, p in self.model.named_parameters():
+            # FSDP2: a DTensor's local shard; ZeRO-3: the partition in ds_tensor (the parameter is a placeholder)
+            local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+            if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+                mine = name
+                break
+        return next((n for n in gather_object([mine]) if n is not None), None)
+
     def save(self) -> None:
         acc = self.acc
-        model_state = acc.get_state_dict(self.model)  # collective under FSDP / ZeRO-3
+        if self.sharded and self.world > 1:  # each rank writes its own shard (training/sharded.py)
+            bad = self._nonfinite_shard()
+            if bad is not None:
+                if self.main:
+                    log.warning("step %d: not saving a checkpoint: tensor '%s' holds non-finite values (the last "
+                                "good checkpoint stays %s)", self.step, bad, ckpt.latest_intact(self.out) or "none")
+                return
+            args = (self._loop_state(), self._gather_rng(), self.logger.text if self.main else "", self.cfg.keep_last)
+            if self.fsdp:
+                sharded.save_sharded(acc, self.out, self.step, self.model, self.optimizer, *args)
+            else:  # DeepSpeed ZeRO: its own per-rank partition files
+                sharded.save_deepspeed(acc, self.out, self.step, self.model, *args)
+            return
+        model_state = acc.get_state_dict(self.model)
         opt_state = self.optimizer.state_dict()
-        if self.sharded and self.world > 1:
-            from accelerate.utils import gather_object
-
-            opt_state = {"ranks": gather_object([opt_state])}
         rng = self._gather_rng()
         bad = _finite_state(model_state) if self.main else None
         if bad is not None:  # a checkpoint is a promise of good weights: keep the last one that is
             log.warning("step %d: not saving a checkpoint: tensor '%s' holds non-finite values (the last good "
                         "checkpoint stays %s)", self.step, bad, ckpt.latest_intact(self.out) or "none")
         elif self.main:
-            state = {"micro": self.micro, "epoch": self.micro // self.micro_per_epoch,
-                     "batch_in_epoch": self.micro % self.micro_per_epoch, "sampler_seed": self.cfg.seed,
-                     "micro_per_epoch": self.micro_per_epoch, "world_size": self.world,
-                     "batch_size": self.cfg.batch_size, "nonfinite_total": self.nonfinite_total,
-                     "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
-                     "empty_total": self.empty_total, "updates_total": self.updates_total,
-                     "data": self._data_identity(),
-                     "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg)}
+            state = self._loop_state()
             ckpt.save_checkpoint(self.out, self.step, model_state, opt_state, state, rng, self.logger.text,
                                  self.cfg.keep_last)
         acc.wait_for_everyone()
@@ -639,6 +684,8 @@ class Trainer:
                 f"no optimizer step was taken in {self.step} steps ({self.empty_total} batches had no learned "
                 f"token, {self.nonfinite_total} steps were non-finite): check the data's loss masks; no artifact "
                 f"was written")
+        if hasattr(self.job, "before_artifact"):  # every rank: work on a target that may be sharded across them
+            self.job.before_artifact()
         artifact, module = self._save_artifact(metrics)
         self.logger.close()
         if self.main:
@@ -647,10 +694,16 @@ class Trainer:
                            self.logger.path if self.main else None,
                            ckpt.read_log(self.logger.path) if self.main else [], module)
 
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The FSDP module's whole state dict, gathered onto rank 0's CPU (a collective; empty elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def _save_artifact(self, metrics: dict[str, float]) -> tuple[Path | None, nn.Module | None]:
         acc = self.acc
         if self.sharded:  # gather full weights (collective), then rebuild a plain module on rank 0
-            state = acc.get_state_dict(self.model)
+            state = self._full_state() if self.fsdp else acc.get_state_dict(self.model)
             module = None
             if self.main:
                 module = self.job.build_module()
