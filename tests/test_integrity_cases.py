@@ -529,3 +529,22 @@ def test_bad_data_rows_and_damaged_datasets_are_named(tiny_target, tmp_path):
     (data / "provenance.json").write_text(json.dumps({**prov, "target": {}}))
     with pytest.raises(DataError, match=r"d/provenance\.json: missing field 'target\.fingerprint'"):
         load_distilled(data, tiny_target)
+
+
+def test_resume_records_a_changed_job_setting(tiny_target, tmp_path):
+    from draftsmith import artifact
+
+    rows = _rows(tiny_target, 10)
+    job, art = _job("medusa", tiny_target, rows, tmp_path, 2)
+    job.cfg.train.save_every = 2
+    train(job, job.cfg.train)
+    job, art = _job("medusa", tiny_target, rows, tmp_path, 4)  # the same run, another head weighting
+    job.cfg.train.save_every = 2
+    job.cfg.decay = 0.5
+    result = train(job, job.cfg.train)
+    assert result.resumed_from.name == "step-00000002"
+    assert result.metrics["resume_changes"] == {"max_steps": {"checkpoint": 2, "now": 4},
+                                                "job.decay": {"checkpoint": 0.8, "now": 0.5}}
+    manifest = artifact.load_manifest(art)
+    assert manifest["config"]["decay"] == 0.5  # the value used from the resume on ...
+    assert manifest["metrics"]["resume_changes"]["job.decay"]["checkpoint"] == 0.8  # ... and the one before
