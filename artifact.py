@@ -93,8 +93,12 @@ def load_manifest(path: str | Path, kind: str | None = None) -> dict:
     path = resolve_path(path)
     if not (path / MANIFEST).is_file():
         raise ArtifactError(f"{path}: not a draftsmith artifact (no {MANIFEST})")
+    from draftsmith.errors import FileFormatError
+
     try:
         manifest = read_json(path / MANIFEST)
+    except FileFormatError as e:  # names the file already
+        raise ArtifactError(str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path / MANIFEST}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or "kind" not in manifest:
@@ -125,6 +129,17 @@ def verify_weights(path: str | Path, manifest: dict) -> None:
     """Every weight file the manifest lists is present with the sha256 recorded at save time (artifacts
     written before checksums were recorded have none to compare)."""
     verify_checksums(path, manifest.get("checksums"), f"{Path(path) / MANIFEST}")
+
+
+def load_strict(module, state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Load an artifact's weights into the module its config.json describes; a tensor that is missing,
+    unexpected or of another shape is one line naming the files (torch lists every mismatch over many)."""
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
+        raise ArtifactError(f"{Path(path) / WEIGHTS}: does not fit the module {Path(path) / 'config.json'} "
+                            f"describes ({first})") from None
 
 
 def update_manifest(path: str | Path, **fields: Any) -> dict:

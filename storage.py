@@ -51,9 +51,20 @@ def _as_umask_allows(path: str | os.PathLike, directory: bool = False) -> None:
         os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
 
 
+def _make_parent(path: Path) -> None:
+    """Create the folder `path` goes in; a file where a folder must be is one line naming it."""
+    from draftsmith.errors import OutputError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), path.parent)
+        raise OutputError(f"{path}: cannot be written, {blocker} is a file, not a folder") from None
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
         _as_umask_allows(tmp)
@@ -222,7 +233,7 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | No
     every moment except between two renames (and `clean_stale` puts it back after a crash there).
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(final)
     clean_stale(final)
 
     def allowed() -> None:

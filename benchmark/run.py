@@ -114,9 +114,15 @@ class Bench:
         self.prompts = list(cfg.prompts) + list(extra_prompts or [])
         self.progress = progress
         self.state_file = out / "stages.json"
-        self.stages: dict[str, dict] = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
         from draftsmith.config import to_dict
-        from draftsmith.storage import sha256_json
+        from draftsmith.errors import OutputError
+        from draftsmith.storage import read_json, sha256_json
+
+        self.stages: dict[str, dict] = read_json(self.state_file) if self.state_file.is_file() else {}
+        if out.is_dir() and any(out.iterdir()) and not (isinstance(self.stages, dict) and "_bench" in self.stages):
+            # a folder of the user's (or of another tool): the bench writes summary.md, data/, ... into it
+            raise OutputError(f"{out} already exists and is not a draftsmith bench folder (no stages.json of a "
+                              "bench): give another --out")
 
         # what this folder's results belong to: resuming is only allowed into the same bench
         self.identity = {"target": cfg.target, "budget": budget,

@@ -43,6 +43,7 @@ from draftsmith.storage import (
     atomic_write_json,
     atomic_write_text,
     check_replaceable,
+    output_kind,
     read_json,
     sha256_json,
 )
@@ -59,6 +60,28 @@ CHUNKS_DIR = "chunks"
 CAPTURE_DIR = "capture"
 # what generation writes into output_dir (magpie requests come first, from data/magpie.py)
 GENERATED = {DATASET_DIR, PROVENANCE, CHUNKS_DIR, CAPTURE_DIR, "run.json", "requests"}
+
+
+def _claim_output(out: Path) -> None:
+    """Refuse (one line, nothing touched) an output_dir that is a user's folder: generation writes `dataset/`,
+    `provenance.json`, `chunks/` ... into it and replaces a `dataset/` there. Ours is: absent or empty, a
+    draftsmith dataset, an interrupted generation (its run.json), or only what generation writes before
+    run.json (magpie requests, chunks, capture shards)."""
+    if not out.is_dir():
+        check_replaceable(out, "dataset")  # a file or a symlink is refused; an absent folder passes
+        return
+    names = {p.name for p in out.iterdir()}
+    if not names or output_kind(out) == "dataset":
+        return
+    try:
+        run = read_json(out / "run.json") if "run.json" in names else None
+    except (OSError, ValueError):
+        run = None
+    if isinstance(run, dict) and {"fingerprint", "sampling"} <= set(run) and not names - GENERATED:
+        return
+    if not names & {DATASET_DIR, PROVENANCE, "run.json"} and not names - GENERATED:
+        return
+    check_replaceable(out, "dataset")
 
 
 def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | None = None) -> dict[str, Any]:
@@ -182,6 +205,7 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     out = Path(config.output_dir).expanduser()
     if (out / PROVENANCE).is_file() and (out / DATASET_DIR).is_dir() and not overwrite:
         raise DataError(f"{out} already holds a finished dataset (pass overwrite, or choose another output_dir)")
+    _claim_output(out)  # before any work: a user's folder is not written into
     target = target or load_target(config.target)
     t_start = time.time()
     if config.responses == "keep":
@@ -211,10 +235,6 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 raise DataError(f"{out} holds rows generated with a different {field_name}; "
                                 "use another output_dir or delete it")
     else:
-        # a user's folder is not written into (its `dataset/` would be replaced); what generation itself
-        # writes before run.json (magpie requests) does not make the folder someone else's
-        if not out.is_dir() or {p.name for p in out.iterdir()} - GENERATED:
-            check_replaceable(out, "dataset")
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_file, key)
     done = _read_chunks(chunk_dir)
@@ -476,8 +496,16 @@ def load_distilled(path: str | Path, target=None):
     path = Path(path).expanduser()
     prov = read_provenance(path)
     if target is not None:
-        check_compatible(prov["target"]["fingerprint"], target.fingerprint(), what=f"dataset {path}")
-    return datasets.load_from_disk(str(path / DATASET_DIR))
+        fp = (prov.get("target") or {}).get("fingerprint") if isinstance(prov, dict) else None
+        if not isinstance(fp, dict):
+            raise DataError(f"{path / PROVENANCE}: missing field 'target.fingerprint' (which target made the rows)")
+        check_compatible(fp, target.fingerprint(), what=f"dataset {path}")
+    try:
+        return datasets.load_from_disk(str(path / DATASET_DIR))
+    except (OSError, ValueError) as e:  # pyarrow's errors for a torn or changed file are of these kinds
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DataError(f"{path / DATASET_DIR}: cannot be read, damaged or incomplete ({type(e).__name__}: "
+                        f"{first})") from None
 
 
 def load_data_config(path: str | Path | None, overrides: list[str] | None = None) -> DataConfig:

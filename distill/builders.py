@@ -177,6 +177,10 @@ def existing_draft(path: str | Path, target, check_tokenizer_files: bool = True)
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise DraftsmithError(f"{path}: not a Hugging Face model folder (no config.json)")
+    if (path / "manifest.json").is_file():  # a draftsmith artifact: its weights are the ones it recorded
+        from draftsmith.artifact import load_manifest, verify_weights
+
+        verify_weights(path, load_manifest(path, kind="draft"))
     if check_tokenizer_files:
         try:
             tok = AutoTokenizer.from_pretrained(path)

@@ -172,6 +172,12 @@ class EagleJob(Job):
     def row_lengths(self) -> list[int]:
         return row_lengths(self.train_set, self.cfg.max_length, self.cfg.prompt_context)
 
+    def learned_tokens(self, batch) -> int:
+        """Positions the first test-time step learns from (label x_{t+2} target-written; later steps' are a
+        subset). A batch whose only learned tokens sit at position 1 has none: the loop skips and counts it
+        instead of training on a loss of 0."""
+        return int(shift_left(batch["loss_mask"], 2).sum())
+
     def loss(self, module, batch):
         head = _unwrap(module)
         head.attach_target(self.target.model)  # the placed target (device / dtype of this rank)

@@ -553,7 +553,7 @@ def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}/config.json: not an EAGLE head config ({e})") from None
     head = EagleHead(config)
-    head.load_state_dict(state, strict=True)
+    artifact.load_strict(head, state, path)
     if target is not None:
         head.to(device=target.device, dtype=target.dtype)
         head.attach_target(target.model)

@@ -101,6 +101,9 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
     cfg = {k: src[k] for k in LAYER_FIELDS if src.get(k) is not None}
     cfg.update(rope_fields(full_attention_rope(src)))  # every spelling, one base (families.rope_fields)
     cfg["layer_model_type"] = (acfg.get("layer_config") or {}).get("model_type") or acfg.get("model_type") or "llama"
+    if "fc.weight" not in state:  # every EAGLE head has its feature projection
+        raise ArtifactError(f"{path / artifact.WEIGHTS}: missing tensor 'fc.weight' (an EAGLE head's feature "
+                            f"projection; it holds {', '.join(sorted(raw)[:3])}{' ...' if len(raw) > 3 else ''})")
     H = state["fc.weight"].shape[0]
     cfg["hidden_size"] = H
     cfg.setdefault("head_dim", H // cfg["num_attention_heads"])

@@ -153,6 +153,14 @@ class MedusaJob(Job):
     def row_lengths(self) -> list[int]:
         return row_lengths(self.train_set, self.cfg.max_length)
 
+    def learned_tokens(self, batch) -> int:
+        """Positions this job learns from: head 0's (label x_{t+2} learned; the later heads' are a subset),
+        and for Medusa-2 also the adapter's next-token positions. A batch whose only learned tokens sit at
+        position 1 has none for the heads: the loop skips and counts it instead of scoring a loss of 0."""
+        mask = batch["loss_mask"]
+        n = int(head_positions(mask, 0).sum())
+        return n + int(next_token_learned(mask).sum()) if self.medusa2 else n
+
     def target_outputs(self, batch, module=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Post-norm last hidden state [B, T, H] (and top-k logits when KD is on), online or from the cache;
         for Medusa-2 the ADAPTED target's (no grad: calibration)."""

@@ -358,8 +358,11 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
         raise ConfigError(f"{path / 'config.json'}: missing field '{missing[0]}' (not a Medusa heads config)")
     fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
     fields["draft_vocab_size"] = cfg.get("draft_vocab_size")  # absent from artifacts older than the option
-    heads = MedusaHeads(MedusaHeadsConfig(**fields))
-    heads.load_state_dict(state, strict=True)
+    try:
+        heads = MedusaHeads(MedusaHeadsConfig(**fields))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path / 'config.json'}: not a Medusa heads config ({e})") from None
+    artifact.load_strict(heads, state, path)
     if heads.config.share_lm_head:
         if target is None:
             raise ConfigError(f"{path}: these heads share the target's lm_head; give the target to load them")

@@ -7,7 +7,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "retrain", help="measure the current draft on recent traffic; retrain, gate and promote when stale",
         description="Exit codes: 0 fresh or promoted, 10 stale but candidate rejected, 11 stale without "
-                    "traffic to train on, 1 error, 2 bad configuration.")
+                    "traffic to train on, 12 another run holds the registry's lock (nothing done), 1 error, "
+                    "2 bad configuration.")
     p.add_argument("--config", default="configs/retrain.yaml")
     p.add_argument("--init", default=None, metavar="ARTIFACT",
                    help="publish ARTIFACT as the registry's first version and make it current")

@@ -55,7 +55,7 @@ class RunLock:
         try:
             text = self.path.read_text()
             return json.loads(text) if text.strip() else None
-        except (FileNotFoundError, json.JSONDecodeError):
+        except (OSError, ValueError):  # gone, or not the JSON a run writes (informational only)
             return None
 
     def release(self) -> None:

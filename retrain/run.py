@@ -166,7 +166,7 @@ def retrain_once(cfg: RetrainConfig, init: str | None = None) -> tuple[int, dict
 def _safe_current(reg: Registry) -> str | None:
     try:
         return reg.current()
-    except ArtifactError:
+    except DraftsmithError:  # a missing version, or a current.json that is not JSON: the record says why
         return None
 
 

@@ -88,6 +88,10 @@ def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: i
                 try:
                     line = raw_line.decode("utf-8")
                     obj = json.loads(line)
+                    if not isinstance(obj, dict):
+                        raise ValueError(f"not a JSON object ({type(obj).__name__})")
+                    if "prompt" not in obj:
+                        raise ValueError("missing field 'prompt'")
                     raw = obj["prompt"]
                     messages = raw if isinstance(raw, list) else None
                     prompt = raw if isinstance(raw, str) else next(
@@ -101,6 +105,8 @@ def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: i
                     malformed += 1
                     if len(bad) < MAX_NAMED:
                         why = "not UTF-8" if isinstance(e, UnicodeDecodeError) else \
+                            f"not valid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else \
+                            str(e).splitlines()[0] if isinstance(e, ValueError) and str(e) else \
                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                         bad.append(f"{path}:{number}: {why}")
     if not rows:

@@ -281,7 +281,8 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tiny_target, tmp_path, capl
     names = [p.name for p in ckpt.list_checkpoints(out)]
     assert names == ["step-00000002", "step-00000004"]
     state = json.loads((out / "checkpoints" / "step-00000004" / "state.json").read_text())
-    assert set(state["checksums"]) == {"model.safetensors", "optimizer.safetensors", "rng.safetensors"}
+    assert set(state["checksums"]) == {"model.safetensors", "optimizer.safetensors", "rng.safetensors",
+                                       "optimizer.json", "log.jsonl"}
     f = out / "checkpoints" / "step-00000004" / "optimizer.safetensors"
     f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])  # torn
     with pytest.raises(TrainingError, match=r"step-00000004 is damaged: .*optimizer\.safetensors"):

@@ -20,7 +20,7 @@ safetensors, everything else to JSON, so no `torch.load` is ever called.
 Atomicity: rank 0 writes into `.step-00000100.tmp-<random>` and renames it to `step-00000100` only after
 every file is fsynced; `state.json` is written last. `list_checkpoints` only returns `step-N` dirs with a
 `state.json`, and leftover `.tmp-` dirs from a killed save are deleted by `clean_temp`. `state.json` records
-the sha256 of each safetensors file; a checkpoint whose files differ (torn by a full disk, a bad copy, a
+the sha256 of every other file (tensors and JSON); a checkpoint whose files differ (torn by a full disk, a bad copy, a
 flipped bit) is not resumed from: `resume: auto` falls back to the newest intact one and says so. Per-rank state
 (RNG) is gathered to rank 0 over the process group, so only rank 0 ever writes files.
 """
@@ -49,6 +49,7 @@ from draftsmith.storage import (
     atomic_write_text,
     checksum_problems,
     read_json,
+    sha256_file,
     weight_checksums,
 )
 
@@ -257,7 +258,9 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
         rng_tensors = {f"rank{r}.{k}": v for r, (_, ts) in enumerate(rng_per_rank) for k, v in ts.items()}
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
         atomic_write_text(tmp / "log.jsonl", log_text)
-        full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "checksums": weight_checksums(tmp)}
+        # every file a resume reads, JSON included: a changed digit in optimizer.json is a wrong optimizer
+        sums = {**weight_checksums(tmp), **{n: sha256_file(tmp / n) for n in ("optimizer.json", "log.jsonl")}}
+        full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "checksums": sums}
         atomic_write_json(tmp / "state.json", full)  # last: its presence marks a complete checkpoint
     prune(output_dir, keep_last)
     return final

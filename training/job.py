@@ -85,6 +85,10 @@ class Job:
     def setup(self, accelerator) -> None:
         """Once on every rank after the Accelerator exists: place the frozen target (training.frozen)."""
 
+    def config(self) -> Any:
+        """The job's own settings (a dataclass), recorded in checkpoints: a resume names what changed."""
+        return getattr(self, "cfg", None)
+
     def data_path(self) -> str | None:
         """The training data's path, recorded in checkpoints (a resume on other data is refused)."""
         return None

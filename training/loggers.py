@@ -19,6 +19,27 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _check_ours(path: Path) -> None:
+    """A log.jsonl that is not a draftsmith training log (its first line is not a record of ours) belongs to
+    the user: it is not overwritten."""
+    from draftsmith.errors import OutputError
+
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+    except FileNotFoundError:
+        return
+    if not first.strip():
+        return
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    if not (isinstance(record, dict) and "type" in record and "step" in record):
+        raise OutputError(f"{path} exists and is not a draftsmith training log: set train.output_dir to another "
+                          "folder, or move it")
+
+
 class RunLogger:
     def __init__(self, output_dir: Path, loggers: list[str], config: dict, active: bool,
                  wandb_project: str | None = None, initial_text: str = "") -> None:
@@ -30,6 +51,7 @@ class RunLogger:
         if not active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _check_ours(self.path)
         # rewrite the file to the checkpointed prefix (drops lines logged after the checkpoint)
         self.path.write_text(initial_text, encoding="utf-8")
         if "tensorboard" in loggers:

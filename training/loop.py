@@ -61,9 +61,9 @@ EXPLODE_FACTOR = 100.0  # a loss this many times the running median (floored at 
 EXPLODE_FLOOR = 0.1
 EXPLODE_WINDOW = 32  # micro-batch losses in the running median
 # train settings a resumed run may change (applied from the resume on, both values recorded); others that
-# move the data position (batch_size, world size, data) refuse
+# move the data position (batch_size, world size, seed, data) refuse
 RESUMABLE_CHANGES = ("lr", "betas", "eps", "weight_decay", "schedule", "warmup_steps", "warmup_ratio",
-                     "min_lr_ratio", "max_steps", "epochs", "max_grad_norm", "grad_accum")
+                     "min_lr_ratio", "max_steps", "epochs", "max_grad_norm", "grad_accum", "mixed_precision")
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +295,11 @@ class Trainer:
 
     def _restore(self) -> None:
         st = self.loaded.state
+        seed = st.get("sampler_seed", self.cfg.seed)
+        if seed != self.cfg.seed:  # it pins every epoch's permutation: another one repeats rows and skips others
+            raise TrainingError(f"checkpoint {self.resume_path} was written with seed={seed}; this run has "
+                                f"seed={self.cfg.seed} (the data position would not match: resume with the same "
+                                "seed or train.resume=never)")
         old_data, new_data = st.get("data"), self._data_identity()
         if old_data is not None and old_data != new_data:
             raise TrainingError(
@@ -364,6 +369,11 @@ class Trainer:
                 now = list(now)
             if key in old and before != now:
                 changes[key] = {"checkpoint": before, "now": now}
+        # the job's own settings (a Medusa kd_weight, an EAGLE ttt_steps ...): used from here on, both recorded
+        old_job, now_job = (self.loaded.state.get("job_config") or {}), self._job_config()
+        for key, before in old_job.items():
+            if now_job.get(key) != before:
+                changes[f"job.{key}"] = {"checkpoint": before, "now": now_job.get(key)}
         self.resume_changes = changes
         if changes and self.main:
             log.warning("resuming %s with changed settings, applied from here on: %s", self.resume_path,
@@ -561,7 +571,27 @@ class Trainer:
                 "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
                 "empty_total": self.empty_total, "updates_total": self.updates_total,
                 "data": self._data_identity(), "length_group": self.length_group,
-                "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg)}
+                "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg),
+                "job_config": self._job_config()}
+
+    def _job_config(self) -> dict:
+        """The job's own settings (loss weights, lengths, head shape ...) as dotted keys, JSON values; its
+        train settings are compared on their own (RESUMABLE_CHANGES)."""
+        import json
+
+        cfg = to_dict(self.job.config())
+        flat: dict = {}
+
+        def walk(d: dict, prefix: str) -> None:
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    walk(v, f"{prefix}{k}.")
+                else:
+                    flat[prefix + k] = json.loads(json.dumps(v, default=str))
+
+        if isinstance(cfg, dict):
+            walk({k: v for k, v in cfg.items() if k != "train"}, "")
+        return flat
 
     def _nonfinite_shard(self) -> str | None:
         """The first parameter whose local shard holds a non-finite value on any rank (a collective: every

@@ -97,7 +97,8 @@ def _commit(accelerator, output_dir, tmp: Path, final: Path, step: int, state: d
     rng_tensors = {f"rank{r}.{k}": v for r, (_, ts) in enumerate(rng_per_rank) for k, v in ts.items()}
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     atomic_write_text(tmp / "log.jsonl", log_text)
-    sums = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted([*weights, tmp / "rng.safetensors"])}
+    files = sorted([*weights, tmp / "rng.safetensors", tmp / "log.jsonl"])  # every file a resume reads
+    sums = {p.relative_to(tmp).as_posix(): _sha256(p) for p in files}
     full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "format": fmt, "checksums": sums}
     if fmt == FORMAT:
         full["metadata_sha256"] = sums[f"{SHARDS}/.metadata"]
