@@ -103,7 +103,7 @@ class DistillJob(Job):
         family(target.config)  # a family outside targets/families.py: one line, before any work
         self.cfg, self.target = cfg, target
         rows = rows if rows is not None else load_rows(cfg.data.path, target, cfg.data.max_rows)
-        self.train_set, self.eval_set = split_rows(rows, cfg.data.eval_fraction, cfg.train.seed)
+        self.train_set, self.eval_set = split_rows(rows, cfg.data.eval_fraction, cfg.train.seed, cfg.train.train_rows)
         self.pad_id = pad_token_id(target)
         self.eos = set(target.eos_token_ids)
         self.teacher_model = target.model

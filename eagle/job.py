@@ -121,7 +121,7 @@ class EagleJob(Job):
                               "no serving stack loads (their EAGLE drafters are Llama layers): use draft_layer: "
                               "llama, or set exportable: false to train it for draftsmith's own decoder only")
         self.cfg, self.target = cfg, target
-        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
+        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
         self.pad_id = pad_token_id(target)
         L = target.num_layers
         self.eagle3 = cfg.version == "eagle3"

@@ -96,7 +96,7 @@ class MedusaJob(Job):
     def __init__(self, cfg: MedusaJobConfig, target, dataset):
         family(target.config)  # a family outside targets/families.py: one line, before any work
         self.cfg, self.target = cfg, target
-        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed)
+        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
         self._calib_hidden: dict[tuple[str, int], torch.Tensor] = {}  # before_artifact's target hidden states
         self.weights = head_weights(cfg.num_heads, cfg.decay)
         self.pad_id = pad_token_id(target)

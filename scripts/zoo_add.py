@@ -1,6 +1,7 @@
 """Add a trained artifact to the reference heads shipped with the package (zoo/<target>/<name>).
 
-    python scripts/zoo_add.py runs/eagle/s12 zoo/smollm2-135m/eagle3
+    python scripts/zoo_add.py runs/b31/eagle3b zoo/smollm2-135m/eagle3 --evaluate
+    python scripts/zoo_add.py zoo/smollm2-135m/eagle3 --evaluate        # evaluate a shipped head again
 
 The weights are verified against the artifact's checksums, stored in bfloat16 (half the bytes; the heads
 draft in bf16 on CPUs that have it, and the target verifies, so decoding stays lossless), and the manifest
@@ -23,9 +24,15 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("artifact", type=Path)
-    p.add_argument("dest", type=Path, help="zoo/<target>/<name> under the repository root")
+    p.add_argument("dest", type=Path, nargs="?", help="zoo/<target>/<name> under the repository root "
+                   "(omitted: evaluate the shipped head ARTIFACT in place; needs --evaluate)")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--evaluate", action="store_true", help="evaluate the shipped head and write its report")
     a = p.parse_args(argv)
+    if a.dest is None:
+        if not a.evaluate:
+            p.error("give DEST, or --evaluate to evaluate a shipped head in place")
+        return evaluate(a.artifact)
     manifest, state = artifact.load_artifact(a.artifact)  # checksums verified
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
     manifest = {k: v for k, v in manifest.items() if k != "checksums"}
@@ -39,6 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     out = artifact.save_artifact(a.dest, manifest, state, writer=extra, overwrite=a.overwrite)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{out}: {len(state)} tensors in bfloat16, {size / 2**20:.1f} MiB")
+    return evaluate(out) if a.evaluate else 0
+
+
+def evaluate(head: Path) -> int:
+    from draftsmith import artifact
+    from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
+    from draftsmith.targets import load_target
+
+    manifest = artifact.load_manifest(head)
+    target = load_target(manifest["config"]["target"])
+    report = evaluate_into_artifact(head, target, manifest["kind"], EvalAfterTraining(),
+                                    command=f"python scripts/zoo_add.py {head} --evaluate")
+    overall = report["overall"]
+    print(f"{head}: tau {overall.get('tau')}, speedup {overall.get('speedup')}, lossless {overall.get('lossless')}; "
+          f"report in {head / 'eval'}")
     return 0
 
 

@@ -184,3 +184,24 @@ def test_split_by_row_id_survives_a_growing_dataset():
     ds_train, ds_held = split_rows(datasets.Dataset.from_list(rows), 0.05, seed=0)  # datasets use the column
     assert ds_held["row_id"] == [r["row_id"] for r in held]
     assert split_rows(rows, 0.05, seed=1)[1] != held
+
+
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_train_rows_gives_nested_points_of_one_learning_curve(with_ids):
+    rows = [{"row_id": 1000 + 7 * i, "input_ids": [i]} if with_ids else {"input_ids": [i]} for i in range(100)]
+    full_train, held = split_rows(rows, 0.05, seed=0)
+    points = {n: split_rows(rows, 0.05, seed=0, train_rows=n) for n in (10, 20, 40, 95)}
+    for n, (train, h) in points.items():
+        assert h == held and len(train) == n  # the same held-out rows whatever N
+    kept = {n: {r["input_ids"][0] for r in train} for n, (train, _) in points.items()}
+    assert kept[10] < kept[20] < kept[40] < kept[95] == {r["input_ids"][0] for r in full_train}
+    assert points[95][0] == full_train
+    with pytest.raises(ValueError, match="train.train_rows=96 but the data has 95 training rows"):
+        split_rows(rows, 0.05, seed=0, train_rows=96)
+
+
+def test_train_rows_is_checked_in_the_config():
+    from draftsmith.training.config import TrainConfig
+
+    with pytest.raises(ValueError, match="train.train_rows must be >= 1"):
+        TrainConfig(train_rows=0)

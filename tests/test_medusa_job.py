@@ -410,3 +410,26 @@ def test_medusa_trains_under_bf16_autocast_on_the_cpu(tiny_target, tmp_path):
     out = speculative_generate(tiny_target, proposer, prompts, max_new_tokens=12, eos_ids=[], k=None,
                                tree=proposer.default_tree_spec())
     assert out.tokens == ref.tolist()
+
+
+def test_train_rows_trains_on_fewer_rows_against_the_same_held_out_rows(tiny_target, tmp_path):
+    """train.train_rows: a learning curve's point. The job keeps N training rows, the held-out split does not
+    move, and the artifact's manifest records the N that was used."""
+    rows = self_distilled_rows(tiny_target, n=24)
+
+    def job(n):
+        cfg = MedusaJobConfig(target="tiny", data="in-memory", output=str(tmp_path / f"a{n}"), num_heads=2,
+                              num_layers=1, eval_fraction=0.125, calibration_rows=4, tree_budget=4, tree_max_rank=2,
+                              train=TrainConfig(lr=3e-3, max_steps=2, batch_size=4, train_rows=n, progress=False,
+                                                output_dir=str(tmp_path / f"run{n}")))
+        cfg.evaluate.enabled = False
+        return cfg, MedusaJob(cfg, tiny_target, rows)
+
+    _, whole = job(None)
+    cfg, part = job(8)
+    assert len(whole.train_set) == 21 and len(part.train_set) == 8 and part.eval_set == whole.eval_set
+    train(part, cfg.train)
+    manifest = json.loads((tmp_path / "a8" / "manifest.json").read_text())
+    assert manifest["config"]["train"]["train_rows"] == 8
+    with pytest.raises(ValueError, match="train.train_rows=22 but the data has 21 training rows"):
+        job(22)

@@ -36,26 +36,38 @@ def test_a_name_resolves_to_the_zoo_only_where_no_local_folder_has_it(tmp_path, 
     assert artifact.resolve_path("zoo/no-such/head") == Path("zoo/no-such/head")
 
 
-def test_a_shipped_head_refuses_another_target(tiny_target):
+SHIPPED = ["eagle:zoo/smollm2-135m/eagle3", "medusa:zoo/smollm2-135m/medusa"]
+
+
+def test_every_shipped_head_is_listed_and_carries_its_evaluation():
+    assert sorted(f"{artifact.load_manifest(h)['kind']}:zoo/{h.parent.name}/{h.name}" for h in ZOO_HEADS) == SHIPPED
+    for head in ZOO_HEADS:
+        manifest = artifact.load_manifest(head)
+        assert manifest["eval"]["overall"]["lossless"] is True and (head / manifest["eval"]["report"]).is_file()
+
+
+@pytest.mark.parametrize("spec", SHIPPED)
+def test_a_shipped_head_refuses_another_target(tiny_target, spec):
     from draftsmith.decoding.factory import build_proposer
     from draftsmith.errors import DraftsmithError
 
-    with pytest.raises(DraftsmithError, match="zoo/smollm2-135m/eagle3"):
-        build_proposer("eagle:zoo/smollm2-135m/eagle3", tiny_target)
+    with pytest.raises(DraftsmithError, match=spec.split(":")[1]):
+        build_proposer(spec, tiny_target)
 
 
 @pytest.mark.real
-def test_the_shipped_eagle3_head_drafts_losslessly_for_its_target(real_target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("spec", SHIPPED)
+def test_a_shipped_head_drafts_losslessly_for_its_target(real_target, tmp_path, monkeypatch, spec):
     from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
 
     monkeypatch.chdir(tmp_path)  # by name, from a directory that is not the repository
-    proposer = build_proposer("eagle:zoo/smollm2-135m/eagle3", real_target)
+    proposer = build_proposer(spec, real_target)
     tok = real_target.tokenizer
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
              for q in ("What is 12 times 7?", "Name three colours of the rainbow.")]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     plain = speculative_generate(real_target, None, prompts, 24, k=0)
-    fast = speculative_generate(real_target, proposer, prompts, 24, k=4)
+    fast = speculative_generate(real_target, proposer, prompts, 24, k=None, tree=proposer.default_tree_spec())
     assert fast.tokens == plain.tokens
     assert fast.stats.tau > 1.0  # a trained head: some drafts are accepted

@@ -47,14 +47,16 @@ def _row_ids(rows) -> list | None:
 CONTEXT = 32  # prompt tokens kept before the first learned token when a row's window cannot hold it all
 
 
-def split_rows(rows, eval_fraction: float, seed: int):
+def split_rows(rows, eval_fraction: float, seed: int, train_rows: int | None = None):
     """Deterministic (train, held-out) split of a datasets.Dataset or a list.
 
     Rows with a `row_id` (every self-distilled dataset) are ranked by a seeded hash of it and the lowest
     ranks are held out: a row's side depends on its id, not on its position, so a dataset that grows
     (new sources, retraining on recent traffic) keeps its held-out rows held out, except the few near
     the cut. Rows without ids fall back to a seeded permutation.
-    At least one row is held out, except from a one-row set, which is all training."""
+    At least one row is held out, except from a one-row set, which is all training.
+    `train_rows` keeps the first N training rows in that ranked order (train.train_rows): the held-out rows
+    do not depend on N and the rows kept for a smaller N are among those kept for a larger one."""
     n = len(rows)
     n_eval = max(1, round(n * eval_fraction)) if n > 1 else 0
     ids = _row_ids(rows)
@@ -62,7 +64,11 @@ def split_rows(rows, eval_fraction: float, seed: int):
         order = sorted(range(n), key=lambda i: sha256_text(f"{seed}:{ids[i]}"))
     else:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    held, train = sorted(order[:n_eval]), sorted(order[n_eval:])
+    if train_rows is not None and train_rows > n - n_eval:
+        raise ValueError(f"train.train_rows={train_rows} but the data has {n - n_eval} training rows "
+                         f"({n} rows, {n_eval} held out)")
+    keep = n if train_rows is None else n_eval + train_rows
+    held, train = sorted(order[:n_eval]), sorted(order[n_eval:keep])
     if hasattr(rows, "select"):
         return rows.select(train), rows.select(held)
     return [rows[i] for i in train], [rows[i] for i in held]

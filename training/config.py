@@ -52,6 +52,10 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 10
     seed: int = 0
+    # train on only the first N rows of the training split, in its seeded order (training/batching.py
+    # split_rows): the held-out split is the same whatever N, and a smaller N's rows are a subset of a
+    # larger N's, so runs with growing N are the points of one learning curve. None = every training row
+    train_rows: int | None = None
     output_dir: str = "runs/train"
     resume: str = "auto"  # "auto" (newest complete checkpoint if any) | "never" | a checkpoint dir
     warm_start: str | None = None  # an artifact dir whose weights initialise the module (weights only)
@@ -75,6 +79,8 @@ class TrainConfig:
             raise ValueError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.train_rows is not None and self.train_rows < 1:
+            raise ValueError(f"train.train_rows must be >= 1 or null, got {self.train_rows}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1, got {self.max_steps}")
         if self.max_steps is None and self.epochs <= 0:

@@ -1,0 +1,143 @@
+"""How acceptance grows with data: train one method at several training-set sizes, same held-out rows and
+same optimizer steps for every point, then evaluate each head with the speculative decoder.
+
+    python scripts/learning_curve.py --method eagle --config configs/smollm2-135m/eagle3.yaml \\
+        --data runs/b31/data --rows 67,134,268,536 --steps 150 --out runs/curve/eagle3 \\
+        capture_cache=runs/b31/data/capture prompt_context=64
+
+Each point is `draftsmith train METHOD --config C data=D train.train_rows=N train.max_steps=S ...` (the
+command is printed and kept in curve.json): the first N rows of the training split in its seeded order, so
+a smaller point's rows are part of a larger point's and the held-out split is the same for all
+(training/batching.py split_rows). Equal optimizer steps make the points differ in data only: a small point
+sees its rows many times, which is what a data-limited head would do with more compute.
+
+Each head is then evaluated on the default eval sets (`--eval-limit` prompts per domain): τ with the tree the
+cost model cuts for this machine and with the GPU-sized tree, α, and losslessness. Held-out top-1 comes from
+the training log's last evaluation (EAGLE: per TTT step; Medusa: per head).
+Outputs in --out: one folder per point (artifact, training log, eval/), curve.json, curve.md (the table)
+and curve.png. Rerunning skips the points whose artifact and evaluation are complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def held_out_top1(train_dir: Path) -> list[float]:
+    """Top-1 per TTT step (EAGLE) or per head (Medusa) from the run's final summary."""
+    summary = None
+    for line in (train_dir / "log.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "summary":
+            summary = rec
+    if summary is None:
+        raise SystemExit(f"{train_dir / 'log.jsonl'}: no summary record (the run did not finish)")
+    for key in ("eval/step{}/acc", "eval/head{}/top1"):
+        vals = []
+        while key.format(len(vals)) in summary:
+            vals.append(summary[key.format(len(vals))])
+        if vals:
+            return vals
+    raise SystemExit(f"{train_dir / 'log.jsonl'}: the summary has no held-out top-1 (eval/step0/acc, eval/head0/top1)")
+
+
+def learned_tokens(data: str, target, eval_fraction: float, seed: int, n: int) -> int:
+    from draftsmith.data.generate import load_distilled
+    from draftsmith.training.batching import split_rows
+
+    train, _ = split_rows(load_distilled(data, target), eval_fraction, seed, n)
+    return int(sum(sum(m) for m in train["loss_mask"]))
+
+
+def plot(points: list[dict], out: Path, method: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [p["learned_tokens"] for p in points]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for i in range(len(points[0]["held_out_top1"])):
+        a.plot(x, [p["held_out_top1"][i] for p in points], "o-", label=f"{'step' if method == 'eagle' else 'head'} {i}")
+    a.set(xscale="log", xlabel="distinct training tokens (learned)", ylabel="held-out top-1",
+          title="held-out top-1")
+    a.legend(fontsize=8)
+    b.plot(x, [p["tau_cut"] for p in points], "o-", label="tree cut for this CPU")
+    b.plot(x, [p["tau_gpu"] for p in points], "s-", label="GPU-sized tree")
+    b.set(xscale="log", xlabel="distinct training tokens (learned)", ylabel="τ (tokens per target step)",
+          title="accepted length τ")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--method", required=True, choices=["eagle", "medusa"])
+    p.add_argument("--config", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--rows", required=True, help="training rows per point, comma-separated (e.g. 67,134,268,536)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps for every point")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--eval-limit", type=int, default=4, help="eval prompts per domain")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("overrides", nargs="*", help="more key=value overrides for every point's training")
+    a = p.parse_args(argv)
+    from draftsmith import artifact
+    from draftsmith.config import load_config
+    from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
+    from draftsmith.targets import load_target
+
+    rows = sorted(int(n) for n in a.rows.split(","))
+    cfg = load_config(a.config, [f"data={a.data}", *a.overrides])  # the preset's kind picks the class
+    target = load_target(cfg.target)
+    exe = str(Path(sys.executable).parent / "draftsmith")
+    a.out.mkdir(parents=True, exist_ok=True)
+    points = []
+    for n in rows:
+        head, run = a.out / f"rows{n}", a.out / f"rows{n}.train"
+        cmd = [exe, "train", a.method, "--config", a.config, f"data={a.data}", *a.overrides,
+               f"train.train_rows={n}", f"train.max_steps={a.steps}", f"output={head}", f"train.output_dir={run}",
+               "evaluate.enabled=false", "train.progress=false", "train.save_every=50"]
+        if not (head / artifact.MANIFEST).is_file():
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+        manifest = artifact.load_manifest(head)
+        if "eval" not in manifest:
+            evaluate_into_artifact(head, target, a.method, EvalAfterTraining(
+                limit_per_domain=a.eval_limit, max_new_tokens=a.max_new_tokens),
+                command=f"python scripts/learning_curve.py (point rows={n})")
+            manifest = artifact.load_manifest(head)
+        report = json.loads((head / "eval" / "report.json").read_text())
+        overall = report["overall"]
+        summary = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()][-1]
+        points.append({
+            "rows": n, "learned_tokens": learned_tokens(a.data, target, cfg.eval_fraction, cfg.train.seed, n),
+            "steps": a.steps, "train_wall_s": round(summary.get("wall_s", 0.0), 1),
+            "held_out_top1": [round(v, 4) for v in held_out_top1(run)],
+            "tau_cut": overall["tau"], "tau_gpu": (overall.get("gpu_tree") or {}).get("tau"),
+            "alpha": overall["alpha"], "lossless": overall["lossless"], "command": " ".join(cmd),
+        })
+        print(f"rows {n}: top-1 {points[-1]['held_out_top1']}, tau {overall['tau']:.2f} (cut) / "
+              f"{points[-1]['tau_gpu'] or 0:.2f} (GPU-sized), lossless {overall['lossless']}", flush=True)
+    (a.out / "curve.json").write_text(json.dumps({"method": a.method, "config": a.config, "data": a.data,
+                                                   "overrides": a.overrides, "points": points}, indent=1))
+    lines = ["| rows | learned tokens | held-out top-1 (per step/head) | τ cut tree | τ GPU-sized tree | lossless |",
+             "|---|---|---|---|---|---|"]
+    for q in points:
+        lines.append(f"| {q['rows']} | {q['learned_tokens']:,} | {' / '.join(f'{v:.3f}' for v in q['held_out_top1'])} "
+                     f"| {q['tau_cut']:.2f} | {q['tau_gpu'] or 0:.2f} | {q['lossless']} |")
+    (a.out / "curve.md").write_text("\n".join(lines) + "\n")
+    plot(points, a.out / "curve.png", a.method)
+    print("\n".join(lines))
+    print(f"curve: {a.out / 'curve.md'}, {a.out / 'curve.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
