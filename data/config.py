@@ -49,6 +49,8 @@ class SourceConfig:
       turns            a field holding a list of user turns (multi-turn: the target answers each in turn);
       conversations    a ShareGPT field: [{"from": "human"|"gpt"|"system", "value": text}, ...];
       messages         an OpenAI messages field: [{"role": "user"|"assistant"|"system", "content": text}, ...].
+    With `prompt` or `prompt_template`, `response` names the field holding the row's own answer (Alpaca's
+    `output`, GSM8K's `answer`): a single-turn conversation whose answer `responses: keep` trains on.
     A conversation is an optional system message, then user and assistant messages in turn; its assistant
     messages are the dataset's own responses (trained on with `responses: keep`, else the target rewrites
     them). `roles` maps further role names (`{bing: assistant}`); any other role is a malformed row.
@@ -64,6 +66,7 @@ class SourceConfig:
     turns: str | None = None
     conversations: str | None = None  # ShareGPT
     messages: str | None = None  # OpenAI chat messages
+    response: str | None = None  # the row's own answer to its prompt / prompt_template (kept with responses: keep)
     roles: dict[str, str] = field(default_factory=dict)  # extra role names -> user / assistant / system
     system: str | None = None  # optional system message for every row of this source (a row's own wins)
     id_field: str | None = None
@@ -93,6 +96,9 @@ class SourceConfig:
                 raise ValueError(
                     f"source '{self.name}': give exactly one of {', '.join(MAPPINGS)} (got {given or 'none'})"
                 )
+        if self.response is not None and not (self.prompt or self.prompt_template):
+            raise ValueError(f"source '{self.name}': response goes with prompt or prompt_template (a single-turn "
+                             "row and its answer; conversations and messages carry their own answers)")
         for name, role in self.roles.items():
             if role not in ("user", "assistant", "system"):
                 raise ValueError(f"source '{self.name}': roles.{name} must be user, assistant or system, got {role!r}")
@@ -114,8 +120,8 @@ class SourceConfig:
 
     @property
     def has_responses(self) -> bool:
-        """Whether rows carry the dataset's own assistant turns (ShareGPT / messages)."""
-        return bool(self.conversations or self.messages)
+        """Whether rows carry the dataset's own assistant turns (ShareGPT / messages, or a response field)."""
+        return bool(self.conversations or self.messages or self.response)
 
 
 @dataclass
@@ -282,8 +288,8 @@ class DataConfig:
         if self.responses == "keep":
             bare = [s.name for s in self.sources if not s.has_responses]
             if bare:
-                raise ValueError(f"sources.{bare[0]}: responses: keep needs conversations or messages "
-                                 "(a source with assistant turns to keep)")
+                raise ValueError(f"sources.{bare[0]}: responses: keep needs conversations, messages or a "
+                                 "response field (a source with assistant turns to keep)")
         forbidden = [data_path(d).resolve() for d in self.eval_dirs]
         forbidden += [data_path(e.path).resolve() for e in self.eval_sets]
         for s in self.sources:

@@ -174,6 +174,17 @@ def extract_conversation(row: Any, field_name: str, sharegpt: bool, roles: dict[
     return system, users, assistants
 
 
+def extract_response(row: dict, field_name: str) -> str:
+    """The row's own answer under `response: field_name`; _FieldError says what is wrong."""
+    value = get_field(row, field_name)
+    if value is _MISSING or value is None:
+        raise _FieldError(f"missing field '{field_name}' (response)")
+    text = _text(value, f"field '{field_name}' (response)")  # text, valid UTF-8, stripped like every turn
+    if not text:
+        raise _FieldError(f"field '{field_name}' (response) is empty")
+    return text
+
+
 def extract_turns(row: Any, prompt: str | None, template: str | None, turns: str | None) -> list[str]:
     """The user turns of one row under a field mapping; _FieldError says what is wrong."""
     if not isinstance(row, dict):
@@ -308,7 +319,7 @@ def _records_source(source: SourceConfig, report: MalformedReport, keep: bool = 
             continue
         system, responses = source.system, None
         try:
-            if source.has_responses:
+            if source.conversations or source.messages:
                 own, turns, responses = extract_conversation(
                     obj, source.conversations or source.messages, bool(source.conversations), source.roles)
                 system = own or system
@@ -318,6 +329,8 @@ def _records_source(source: SourceConfig, report: MalformedReport, keep: bool = 
                         raise _FieldError("no assistant turn to keep")
             else:
                 turns = extract_turns(obj, source.prompt, source.prompt_template, source.turns)
+                if source.response is not None:
+                    responses = [extract_response(obj, source.response)]
             domain = _domain(obj, source)
         except _FieldError as e:
             report.add(origin, str(e))

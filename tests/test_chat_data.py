@@ -121,7 +121,7 @@ def test_bad_rows_are_counted_and_named(tmp_path):
 
 
 def test_keep_needs_sources_with_responses(tmp_path):
-    with pytest.raises(ValueError, match="responses: keep needs conversations or messages"):
+    with pytest.raises(ValueError, match="responses: keep needs conversations, messages or a response field"):
         _cfg(tmp_path, [SourceConfig(name="p", path="x.jsonl", prompt="q", domain="d")], responses="keep")
     with pytest.raises(ValueError, match="give exactly one of"):
         SourceConfig(name="p", path="x.jsonl", prompt="q", messages="messages", domain="d")
@@ -267,3 +267,29 @@ def test_heads_train_from_kept_rows_and_their_capture(tmp_path, tiny_target, mon
     got = speculative_generate(tiny_target, build_proposer(f"eagle:{result.artifact}", tiny_target), [prompt],
                                max_new_tokens=12, k=3, eos_ids=[])
     assert got.tokens[0] == ref[0, len(prompt):].tolist()
+
+
+def test_a_response_field_keeps_single_turn_answers(tmp_path, tiny_target):
+    """Alpaca / GSM8K-style rows (a prompt and its answer in fields): `response:` keeps the answer, masked
+    exactly; a row whose answer is missing, not text or empty is a counted, named bad row."""
+    rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+            {"instruction": "Name a fruit.", "input": "", "output": " An apple. "},
+            {"instruction": "No answer here.", "input": ""},
+            {"instruction": "A list answer.", "input": "", "output": ["x"]},
+            {"instruction": "Blank answer.", "input": "", "output": "  "}]
+    src = SourceConfig(name="alpaca", path=str(_jsonl(tmp_path / "alpaca.jsonl", rows)),
+                       prompt_template="{instruction}\n\n{input}", response="output", domain="general")
+    loaded = load_prompts(_cfg(tmp_path, [src], responses="keep"))
+    assert [(r.turns, r.responses) for r in loaded.rows] == [(["Add the numbers.\n\n2 and 3"], ["5"]),
+                                                             (["Name a fruit."], ["An apple."])]
+    reasons = [why for _, why in loaded.malformed.items]
+    assert reasons == ["missing field 'output' (response)", "field 'output' (response) is not text (got list)",
+                       "field 'output' (response) is empty"]
+    out = generate_dataset(_cfg(tmp_path, [src], responses="keep", name="kept"), tiny_target, progress=False)
+    ds = load_distilled(out, tiny_target)
+    tok = tiny_target.tokenizer
+    spans = [[tok.decode(r["input_ids"][a:b], skip_special_tokens=False)
+              for a, b in masked_spans(r["input_ids"], r["loss_mask"])] for r in ds]
+    assert spans == [["5<|im_end|>"], ["An apple.<|im_end|>"]]
+    with pytest.raises(ValueError, match="response goes with prompt or prompt_template"):
+        SourceConfig(name="p", path="x.jsonl", turns="t", response="a", domain="d")
