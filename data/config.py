@@ -120,8 +120,9 @@ class SourceConfig:
 
     @property
     def has_responses(self) -> bool:
-        """Whether rows carry the dataset's own assistant turns (ShareGPT / messages, or a response field)."""
-        return bool(self.conversations or self.messages or self.response)
+        """Whether rows carry the dataset's own assistant turns (ShareGPT / messages, a response field, or the
+        standard library's code after each prompt)."""
+        return bool(self.conversations or self.messages or self.response) or self.type == "stdlib"
 
 
 @dataclass
@@ -288,8 +289,8 @@ class DataConfig:
         if self.responses == "keep":
             bare = [s.name for s in self.sources if not s.has_responses]
             if bare:
-                raise ValueError(f"sources.{bare[0]}: responses: keep needs conversations, messages or a "
-                                 "response field (a source with assistant turns to keep)")
+                raise ValueError(f"sources.{bare[0]}: responses: keep needs conversations, messages, a "
+                                 "response field or type stdlib (a source with assistant turns to keep)")
         forbidden = [data_path(d).resolve() for d in self.eval_dirs]
         forbidden += [data_path(e.path).resolve() for e in self.eval_sets]
         for s in self.sources:

@@ -359,8 +359,9 @@ def _stdlib_files(root: Path) -> list[Path]:
     return out
 
 
-def _function_prompts(tree: ast.Module, lines: list[str]) -> list[tuple[int, str]]:
-    """(line, prompt) for every function with a docstring and a body after it: signature + docstring."""
+def _function_prompts(tree: ast.Module, lines: list[str]) -> list[tuple[int, str, str]]:
+    """(line, prompt, whole function) for every function with a docstring and a body after it: the prompt is
+    its signature + docstring."""
     out = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -373,16 +374,18 @@ def _function_prompts(tree: ast.Module, lines: list[str]) -> list[tuple[int, str
         text = textwrap.dedent("\n".join(lines[start:head_end]))
         if len(text) > 1500:
             continue
-        out.append((node.lineno, text))
+        out.append((node.lineno, text, textwrap.dedent("\n".join(lines[start:node.end_lineno]))))
     return out
 
 
-def stdlib_code_rows(source: SourceConfig, root: str | Path | None = None) -> list[PromptRow]:
+def stdlib_code_rows(source: SourceConfig, root: str | Path | None = None, keep: bool = False) -> list[PromptRow]:
     """Code prompts from the standard library, deterministic for a given seed and Python version.
 
     Function completion: "complete this function" with the signature and docstring. Module continuation:
     `chunk_lines` consecutive lines of a module, to be continued. Files are visited in a seeded order and
     each contributes at most two functions and one chunk, so the prompts spread over many modules.
+    With `keep` (responses: keep) each row's response is the code itself, as a fenced block: the whole
+    function, or the module's next `chunk_lines` lines (existing text for teacher-forced capture).
     """
     root = Path(root or sysconfig.get_paths()["stdlib"])
     limit = source.limit or 200
@@ -407,19 +410,22 @@ def stdlib_code_rows(source: SourceConfig, root: str | Path | None = None) -> li
         module = rel[:-3].replace("/", ".").removesuffix(".__init__")
         if len(completions) < n_completion:
             funcs = _function_prompts(tree, lines)
-            for lineno, body in rng.sample(funcs, min(2, len(funcs))):
+            for lineno, body, whole in rng.sample(funcs, min(2, len(funcs))):
                 if len(completions) >= n_completion:
                     break
                 prompt = f"Complete this Python function from the `{module}` module.\n\n```python\n{body}\n```"
                 completions.append(PromptRow(make_row_id(source.name, f"{rel}:{lineno}:fn"), source.name,
-                                             domain, [prompt], f"{path}:{lineno}", source.system))
+                                             domain, [prompt], f"{path}:{lineno}", source.system,
+                                             [f"```python\n{whole}\n```"] if keep else None))
         if len(continuations) < n_continuation and len(lines) > 2 * source.chunk_lines:
             start = rng.randrange(0, len(lines) - source.chunk_lines)
             chunk = "\n".join(lines[start:start + source.chunk_lines]).strip("\n")
-            if len(chunk.strip()) >= 80:
+            after = "\n".join(lines[start + source.chunk_lines:start + 2 * source.chunk_lines]).strip("\n")
+            if len(chunk.strip()) >= 80 and (not keep or after.strip()):
                 prompt = f"Continue this code from the Python module `{module}`.\n\n```python\n{chunk}\n```"
                 continuations.append(PromptRow(make_row_id(source.name, f"{rel}:{start + 1}:chunk"), source.name,
-                                               domain, [prompt], f"{path}:{start + 1}", source.system))
+                                               domain, [prompt], f"{path}:{start + 1}", source.system,
+                                               [f"```python\n{after}\n```"] if keep else None))
     rows = completions + continuations
     if not rows:
         raise DataError(f"source '{source.name}': found no Python code under {root}")
@@ -450,7 +456,7 @@ def normalize_text(text: str) -> str:
 def load_source(source: SourceConfig, report: MalformedReport, keep: bool = False) -> list[PromptRow]:
     """The rows of one source; with `keep` they carry the dataset's own responses."""
     if source.type == "stdlib":
-        return stdlib_code_rows(source, source.path)
+        return stdlib_code_rows(source, source.path, keep)
     return _records_source(source, report, keep)
 
 

@@ -169,6 +169,25 @@ def test_stdlib_code_source_is_deterministic():
     assert [r.row_id for r in other] != [r.row_id for r in a]
 
 
+def test_stdlib_rows_keep_the_code_that_follows_each_prompt():
+    """responses: keep on the standard library: a function's response is the whole function as written, a
+    chunk's is the module's next lines: existing code to capture teacher-forced."""
+    src = SourceConfig(name="code", type="stdlib", domain="code", limit=12, seed=3)
+    rows = stdlib_code_rows(src, keep=True)
+    assert len(rows) == 12 and all(r.responses and r.responses[0].startswith("```python\n") for r in rows)
+    for r in rows:
+        path, line = r.origin.rsplit(":", 1)
+        file_lines = Path(path).read_text(encoding="utf-8").splitlines()
+        code = r.responses[0].removeprefix("```python\n").removesuffix("\n```")
+        if r.prompt.startswith("Complete"):
+            assert code.lstrip().startswith(("def ", "async def ")) and code.splitlines()[0].strip() in r.prompt
+        else:
+            shown = r.prompt.split("```python\n", 1)[1].removesuffix("\n```").splitlines()
+            start = int(line) - 1 + src.chunk_lines
+            assert shown and code.splitlines()[0] == next(x for x in file_lines[start:] if x.strip())
+    assert DataConfig(sources=[src], output_dir="o", responses="keep").responses == "keep"
+
+
 def _bad_file(tmp_path) -> Path:
     p = tmp_path / "rows.jsonl"
     p.write_text("\n".join([
