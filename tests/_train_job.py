@@ -28,6 +28,7 @@ from torch import nn
 from draftsmith.artifact import make_manifest, save_artifact  # noqa: E402
 from draftsmith.training import CaptureSource, TrainConfig, train  # noqa: E402
 from draftsmith.training.job import Job
+from draftsmith.training.launch import leave_process_group, make_accelerator
 
 
 def make_rows(n: int, vocab: int, length: int = 12, seed: int = 123) -> list[dict]:
@@ -146,13 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(lr=3e-3, max_steps=a.max_steps, save_every=a.save_every, batch_size=a.batch_size,
                       grad_accum=a.grad_accum, log_every=2, eval_every=4, keep_last=2, output_dir=str(out),
                       warmup_steps=2, progress=False, loggers=["jsonl", "tensorboard"])
-    result = train(job, cfg)
+    accelerator = make_accelerator(cfg)  # as the job runners do: one accelerator for training and leaving
+    result = train(job, cfg, accelerator)
     if a.audit:
         from accelerate import PartialState
 
         state = PartialState()
         print("AUDIT " + json.dumps({"rank": state.process_index, "world": state.num_processes, "events": events,
                                      "weights": state_hash(result.module), "metrics": result.metrics}), flush=True)
+    # as the job runners do after train(): ranks meet and leave the gloo group together (a rank that exits
+    # with it open can abort in gloo's threads at exit, seen under load)
+    leave_process_group(accelerator)
     return 0
 
 

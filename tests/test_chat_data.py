@@ -121,7 +121,7 @@ def test_bad_rows_are_counted_and_named(tmp_path):
 
 
 def test_keep_needs_sources_with_responses(tmp_path):
-    with pytest.raises(ValueError, match="responses: keep needs conversations, messages or a response field"):
+    with pytest.raises(ValueError, match="responses: keep needs conversations, messages, a response field or type stdlib"):
         _cfg(tmp_path, [SourceConfig(name="p", path="x.jsonl", prompt="q", domain="d")], responses="keep")
     with pytest.raises(ValueError, match="give exactly one of"):
         SourceConfig(name="p", path="x.jsonl", prompt="q", messages="messages", domain="d")
