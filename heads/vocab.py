@@ -64,7 +64,7 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, tor
     n = min(size, counts.numel())
     d2t, t2d = build_draft_vocab(counts, n)
     coverage = vocab_coverage(counts, t2d)
-    log.info("draft vocabulary: %d tokens cover %.2f%% of target-written training tokens", n, 100 * coverage)
+    log.info("draft vocabulary: %d tokens cover %.2f%% of the learned training tokens", n, 100 * coverage)
     return d2t, t2d, coverage
 
 

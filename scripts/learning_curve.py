@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--eval-limit", type=int, default=4, help="eval prompts per domain")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--train-only", action="store_true",
+                   help="train the missing points and stop (evaluate later, on a quiet machine: the cut tree is "
+                        "chosen from timings)")
     p.add_argument("overrides", nargs="*", help="more key=value overrides for every point's training")
     a = p.parse_args(argv)
     from draftsmith import artifact
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = sorted(int(n) for n in a.rows.split(","))
     cfg = load_config(a.config, [f"data={a.data}", *a.overrides])  # the preset's kind picks the class
-    target = load_target(cfg.target)
+    target = None if a.train_only else load_target(cfg.target)
     exe = str(Path(sys.executable).parent / "draftsmith")
     a.out.mkdir(parents=True, exist_ok=True)
     points = []
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (head / artifact.MANIFEST).is_file():
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
+        if a.train_only:
+            continue
         manifest = artifact.load_manifest(head)
         if "eval" not in manifest:
             evaluate_into_artifact(head, target, a.method, EvalAfterTraining(
@@ -125,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         })
         print(f"rows {n}: top-1 {points[-1]['held_out_top1']}, tau {overall['tau']:.2f} (cut) / "
               f"{points[-1]['tau_gpu'] or 0:.2f} (GPU-sized), lossless {overall['lossless']}", flush=True)
+    if a.train_only:
+        return 0
     (a.out / "curve.json").write_text(json.dumps({"method": a.method, "config": a.config, "data": a.data,
                                                    "overrides": a.overrides, "points": points}, indent=1))
     lines = ["| rows | learned tokens | held-out top-1 (per step/head) | τ cut tree | τ GPU-sized tree | lossless |",

@@ -116,8 +116,11 @@ def test_plain_step_is_not_slower_than_a_two_token_verify_forward(real_target):
     measured the same way (median of 9, interleaved): on the AMD EPYC VM where the stock one-row kernel made
     it 1.5-1.8x slower, plain decoding inflated every speedup. `draftsmith bench` runs the same check."""
     from draftsmith.evaluation.baseline import check_plain_step
+    from draftsmith.evaluation.cost import contended
 
     r = check_plain_step(real_target, context_length=256, repeats=9)
+    if not r["ok"] and contended(r["other_cpu_share"]):  # a timing under load says nothing (as the reports say)
+        pytest.skip(f"other processes used {r['other_cpu_share']:.0%} of the CPU while timing: not judged")
     assert r["ok"], (f"1-token step {1e3 * r['plan_1_token_s']:.1f} ms > {r['tolerance']} x 2-token forward "
                      f"{1e3 * r['plan_2_token_s']:.1f} ms (other processes' CPU share {r['other_cpu_share']})")
 
