@@ -16,6 +16,10 @@ cost model cuts for this machine and with the GPU-sized tree, α, and losslessne
 the training log's last evaluation (EAGLE: per TTT step; Medusa: per head).
 Outputs in --out: one folder per point (artifact, training log, eval/), curve.json, curve.md (the table)
 and curve.png. Rerunning skips the points whose artifact and evaluation are complete.
+
+    python scripts/learning_curve.py together OUT.png runs/curve/eagle3-a runs/curve/eagle3-b
+
+draws finished curves in one chart.
 """
 
 from __future__ import annotations
@@ -76,7 +80,35 @@ def plot(points: list[dict], out: Path, method: str) -> None:
     plt.close(fig)
 
 
+def plot_together(dirs: list[Path], out: Path) -> None:
+    """Several finished curves (their curve.json) in one chart: step-0 top-1 and both τ against data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for d in dirs:
+        pts = json.loads((d / "curve.json").read_text())["points"]
+        x = [p["learned_tokens"] for p in pts]
+        a.plot(x, [p["held_out_top1"][0] for p in pts], "o-", label=d.name)
+        line = b.plot(x, [p["tau_gpu"] for p in pts], "s-", label=f"{d.name}, GPU-sized tree")[0]
+        b.plot(x, [p["tau_cut"] for p in pts], "o--", color=line.get_color(), label=f"{d.name}, cut tree")
+    a.set(xscale="log", xlabel="distinct training tokens (learned)", ylabel="held-out top-1, step 0 (own split)")
+    b.set(xscale="log", xlabel="distinct training tokens (learned)", ylabel="τ on the shared eval sets")
+    a.legend(fontsize=8)
+    b.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["together"]:  # learning_curve.py together OUT.png DIR [DIR ...]
+        plot_together([Path(d) for d in argv[2:]], Path(argv[1]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--method", required=True, choices=["eagle", "medusa"])
     p.add_argument("--config", required=True)
@@ -113,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.train_only:
             continue
         manifest = artifact.load_manifest(head)
-        if "eval" not in manifest:
+        if not manifest.get("eval"):  # a trained artifact holds an empty eval until evaluated
             evaluate_into_artifact(head, target, a.method, EvalAfterTraining(
                 limit_per_domain=a.eval_limit, max_new_tokens=a.max_new_tokens),
                 command=f"python scripts/learning_curve.py (point rows={n})")
