@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if not manifest.get("eval"):  # a trained artifact holds an empty eval until evaluated
             evaluate_into_artifact(head, target, a.method, EvalAfterTraining(
                 limit_per_domain=a.eval_limit, max_new_tokens=a.max_new_tokens),
-                command=f"python scripts/learning_curve.py (point rows={n})")
+                command=" ".join(["python", "scripts/learning_curve.py", *argv]) + f"  (point rows={n})")
             manifest = artifact.load_manifest(head)
         report = json.loads((head / "eval" / "report.json").read_text())
         overall = report["overall"]

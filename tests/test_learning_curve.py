@@ -1,0 +1,50 @@
+"""scripts/learning_curve.py's readers and chart, on logs and curves written here (the training and evaluation
+it drives are the jobs' and the evaluator's own, tested with them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "learning_curve.py"
+
+
+@pytest.fixture(scope="module")
+def lc():
+    spec = importlib.util.spec_from_file_location("learning_curve", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _log(path: Path, *records) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_held_out_top1_reads_the_final_summary_of_either_method(lc, tmp_path):
+    eagle = _log(tmp_path / "e", {"type": "eval", "step": 5, "step0/acc": 0.1},
+                 {"type": "summary", "eval/step0/acc": 0.3, "eval/step1/acc": 0.2, "train/step0/acc": 0.9})
+    medusa = _log(tmp_path / "m", {"type": "summary", "eval/head0/top1": 0.4, "eval/head1/top1": 0.25})
+    assert lc.held_out_top1(eagle) == [0.3, 0.2]
+    assert lc.held_out_top1(medusa) == [0.4, 0.25]
+    with pytest.raises(SystemExit, match="no summary record"):
+        lc.held_out_top1(_log(tmp_path / "x", {"type": "train", "step": 1}))
+    with pytest.raises(SystemExit, match="no held-out top-1"):
+        lc.held_out_top1(_log(tmp_path / "y", {"type": "summary", "train/loss": 1.0}))
+
+
+def test_curves_are_drawn_alone_and_together(lc, tmp_path):
+    points = [{"rows": n, "learned_tokens": 100 * n, "held_out_top1": [0.1 + n / 100, 0.05], "tau_cut": 1.1,
+               "tau_gpu": 1.3 + n / 100} for n in (1, 2, 4)]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "curve.json").write_text(json.dumps({"points": points}))
+    lc.plot(points, tmp_path / "a" / "curve.png", "eagle")
+    assert lc.main(["together", str(tmp_path / "out" / "together.png"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    for png in (tmp_path / "a" / "curve.png", tmp_path / "out" / "together.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
