@@ -31,29 +31,35 @@ import sys
 from pathlib import Path
 
 
-def held_out_top1(train_dir: Path) -> list[float]:
-    """Top-1 per TTT step (EAGLE) or per head (Medusa) from the run's final summary."""
+def final_summary(train_dir: Path) -> dict:
+    """The run's final summary record (log.jsonl), with the log's path for messages under "_log"."""
+    log_path = train_dir / "log.jsonl"
     summary = None
-    for line in (train_dir / "log.jsonl").read_text().splitlines():
+    for line in log_path.read_text().splitlines():
         rec = json.loads(line)
         if rec.get("type") == "summary":
             summary = rec
     if summary is None:
-        raise SystemExit(f"{train_dir / 'log.jsonl'}: no summary record (the run did not finish)")
+        raise SystemExit(f"{log_path}: no summary record (the run did not finish)")
+    return {**summary, "_log": str(log_path)}
+
+
+def held_out_top1(summary: dict) -> list[float]:
+    """Top-1 per TTT step (EAGLE) or per head (Medusa) from a run's final summary."""
     for key in ("eval/step{}/acc", "eval/head{}/top1"):
         vals = []
         while key.format(len(vals)) in summary:
             vals.append(summary[key.format(len(vals))])
         if vals:
             return vals
-    raise SystemExit(f"{train_dir / 'log.jsonl'}: the summary has no held-out top-1 (eval/step0/acc, eval/head0/top1)")
+    raise SystemExit(f"{summary['_log']}: the summary has no held-out top-1 (eval/step0/acc, eval/head0/top1)")
 
 
-def learned_tokens(data: str, target, eval_fraction: float, seed: int, n: int) -> int:
-    from draftsmith.data.generate import load_distilled
+def learned_tokens(dataset, eval_fraction: float, seed: int, n: int) -> int:
+    """Learned tokens of the first n training rows: the split the job makes (training/batching.py)."""
     from draftsmith.training.batching import split_rows
 
-    train, _ = split_rows(load_distilled(data, target), eval_fraction, seed, n)
+    train, _ = split_rows(dataset, eval_fraction, seed, n)
     return int(sum(sum(m) for m in train["loss_mask"]))
 
 
@@ -130,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = sorted(int(n) for n in a.rows.split(","))
     cfg = load_config(a.config, [f"data={a.data}", *a.overrides])  # the preset's kind picks the class
-    target = None if a.train_only else load_target(cfg.target)
+    target = dataset = None
+    if not a.train_only:
+        from draftsmith.data.generate import load_distilled
+
+        target = load_target(cfg.target)
+        dataset = load_distilled(a.data, target)  # once: every point's learned tokens are counted from it
     exe = str(Path(sys.executable).parent / "draftsmith")
     a.out.mkdir(parents=True, exist_ok=True)
     points = []
@@ -152,11 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             manifest = artifact.load_manifest(head)
         report = json.loads((head / "eval" / "report.json").read_text())
         overall = report["overall"]
-        summary = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()][-1]
+        summary = final_summary(run)
         points.append({
-            "rows": n, "learned_tokens": learned_tokens(a.data, target, cfg.eval_fraction, cfg.train.seed, n),
+            "rows": n, "learned_tokens": learned_tokens(dataset, cfg.eval_fraction, cfg.train.seed, n),
             "steps": a.steps, "train_wall_s": round(summary.get("wall_s", 0.0), 1),
-            "held_out_top1": [round(v, 4) for v in held_out_top1(run)],
+            "held_out_top1": [round(v, 4) for v in held_out_top1(summary)],
             "tau_cut": overall["tau"], "tau_gpu": (overall.get("gpu_tree") or {}).get("tau"),
             "alpha": overall["alpha"], "lossless": overall["lossless"], "command": " ".join(cmd),
         })

@@ -30,12 +30,12 @@ def test_held_out_top1_reads_the_final_summary_of_either_method(lc, tmp_path):
     eagle = _log(tmp_path / "e", {"type": "eval", "step": 5, "step0/acc": 0.1},
                  {"type": "summary", "eval/step0/acc": 0.3, "eval/step1/acc": 0.2, "train/step0/acc": 0.9})
     medusa = _log(tmp_path / "m", {"type": "summary", "eval/head0/top1": 0.4, "eval/head1/top1": 0.25})
-    assert lc.held_out_top1(eagle) == [0.3, 0.2]
-    assert lc.held_out_top1(medusa) == [0.4, 0.25]
+    assert lc.held_out_top1(lc.final_summary(eagle)) == [0.3, 0.2]
+    assert lc.held_out_top1(lc.final_summary(medusa)) == [0.4, 0.25]
     with pytest.raises(SystemExit, match="no summary record"):
-        lc.held_out_top1(_log(tmp_path / "x", {"type": "train", "step": 1}))
+        lc.final_summary(_log(tmp_path / "x", {"type": "train", "step": 1}))
     with pytest.raises(SystemExit, match="no held-out top-1"):
-        lc.held_out_top1(_log(tmp_path / "y", {"type": "summary", "train/loss": 1.0}))
+        lc.held_out_top1(lc.final_summary(_log(tmp_path / "y", {"type": "summary", "train/loss": 1.0})))
 
 
 def test_curves_are_drawn_alone_and_together(lc, tmp_path):
