@@ -44,6 +44,13 @@ def register(subparsers) -> None:
     group.add_argument("--exclude", nargs="+", help="keep every domain but these")
     sel.set_defaults(func=run_subset)
 
+    mer = sub.add_parser("merge", help="one dataset folder with the rows of several (same target): a mix of "
+                                       "sources, or new rollouts next to earlier rows")
+    mer.add_argument("paths", nargs="+", help="output_dirs of `data generate` (the first one's row ids are kept)")
+    mer.add_argument("--out", required=True, help="the new dataset folder")
+    mer.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith dataset")
+    mer.set_defaults(func=run_merge)
+
 
 def run_generate(args: argparse.Namespace) -> int:
     from draftsmith.data.generate import generate_dataset, load_data_config, read_provenance
@@ -151,6 +158,75 @@ def run_subset(args: argparse.Namespace) -> int:
 
     s = read_provenance(out)["subset"]
     print(f"wrote {s['rows']} of {s['parent_rows']} rows ({', '.join(s['domains'])}) to {out}")
+    return 0
+
+
+ID_STRIDE = 2**40  # a merged dataset's rows move to the next free block of this many ids
+
+
+def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = False) -> Path:
+    """Concatenate the rows of datasets one target wrote into a new dataset folder.
+
+    Row ids stay unique and stable: the first dataset keeps its own (so the rows it held out for evaluation
+    stay held out, training/batching.py `split_rows`), each later one's are shifted to the next block of
+    ID_STRIDE ids above those taken (a merged dataset merged again keeps its blocks). Rollout
+    marks (`replay`, data/rollout.py) are kept; rows without them get zeros (no draft rejected there).
+    Captured states are not carried over: `draftsmith data capture` reads the merged rows once."""
+    import datasets
+
+    from draftsmith.data.generate import DATASET_DIR, PROVENANCE, load_distilled, read_provenance
+    from draftsmith.errors import DataError
+    from draftsmith.storage import atomic_dir, atomic_write_json, check_replaceable
+    from draftsmith.targets import check_compatible
+
+    paths, out = [Path(p) for p in paths], Path(out)
+    if len(paths) < 2:
+        raise DataError("data merge needs two or more datasets")
+    if any(out.resolve() == p.resolve() for p in paths):
+        raise DataError(f"{out}: the merge would replace a dataset it reads; choose another --out")
+    check_replaceable(out, "dataset", overwrite)
+    provs = [read_provenance(p) for p in paths]
+    fp0 = (provs[0].get("target") or {}).get("fingerprint")
+    parts = []
+    for k, (p, prov) in enumerate(zip(paths, provs)):
+        fp = (prov.get("target") or {}).get("fingerprint")
+        if not isinstance(fp, dict):
+            raise DataError(f"{p / PROVENANCE}: missing field 'target.fingerprint' (which target made the rows)")
+        check_compatible(fp0, fp, what=f"dataset {p} (merged with {paths[0]})")
+        ds = load_distilled(p)
+        if k:
+            shift = (max(max(d["row_id"]) for d in parts) // ID_STRIDE + 1) * ID_STRIDE
+            ds = ds.map(lambda r, shift=shift: {"row_id": int(r["row_id"]) + shift})
+        parts.append(ds)
+    if any("replay" in d.column_names for d in parts):
+        parts = [d if "replay" in d.column_names else
+                 d.add_column("replay", [[0] * len(x) for x in d["input_ids"]]).cast_column(
+                     "replay", datasets.Sequence(datasets.Value("int8"))) for d in parts]
+    columns = sorted(set.intersection(*(set(d.column_names) for d in parts)))
+    merged = datasets.concatenate_datasets([d.select_columns(columns) for d in parts])
+    ids = merged["row_id"]
+    if len(set(ids)) != len(ids):
+        raise DataError(f"{paths[0]}: a row id repeats after merging (ids of one dataset repeat)")
+    prov = {**provs[0], "merge": {"parents": [str(p) for p in paths], "rows": [len(d) for d in parts],
+                                  "first_ids": [int(d["row_id"][0]) for d in parts], "id_stride": ID_STRIDE},
+            "capture": None}
+    prov["counts"] = {"rows": len(merged), "per_domain": dict(sorted(Counter(merged["domain"]).items())),
+                      "tokens": sum(len(x) for x in merged["input_ids"]),
+                      "loss_tokens": sum(sum(m) for m in merged["loss_mask"])}
+    prov["timing"] = {"parents": [p.get("timing") for p in provs]}
+    with atomic_dir(out, overwrite=overwrite, kind="dataset") as tmp:
+        merged.save_to_disk(str(tmp / DATASET_DIR))
+        atomic_write_json(tmp / PROVENANCE, prov)
+    return out
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    out = merge_datasets(args.paths, args.out, args.overwrite)
+    from draftsmith.data.generate import read_provenance
+
+    m = read_provenance(out)["merge"]
+    print(f"wrote {sum(m['rows'])} rows ({' + '.join(map(str, m['rows']))}) to {out}; "
+          f"capture them with `draftsmith data capture` before offline training")
     return 0
 
 

@@ -165,7 +165,13 @@ class GenerationConfig:
     top_p: float = 0.95
     seed: int = 0
     batch_size: int = 32  # rows decoded together (continuous batching keeps the batch full)
-    engine: Literal["continuous", "hf"] = "continuous"  # hf = transformers `generate`, for comparison
+    engine: Literal["continuous", "hf", "speculative"] = "continuous"  # hf = transformers `generate`, for comparison
+    # speculative = on-policy rollouts (data/rollout.py): our speculative decoder with `proposer` (e.g. the head
+    # being trained) writes the rows, one row at a time; they are the target's rows (lossless) and each one
+    # records where verification rejected the draft (column `replay`, read by EAGLE's replay_weight)
+    proposer: str | None = None  # engine speculative: a proposer spec, e.g. eagle:zoo/smollm2-135m/eagle3
+    tree: list[int] | None = None  # engine speculative: branching per depth (null: a chain of k)
+    k: int = 6  # engine speculative: chain length when tree is null
     threads: int | None = 2  # torch intra-op threads (None leaves torch's default)
     # the target's dtype while it writes: auto = bf16 on a GPU or a CPU with native bf16 (AVX512-BF16 / AMX),
     # else float32 (targets/precision.py; on this project's CPU bf16 writes 1.4x faster, BENCHMARKS.md)
@@ -204,6 +210,17 @@ class GenerationConfig:
             raise ValueError("generation.flush_every must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"generation.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.engine not in ("continuous", "hf", "speculative"):
+            raise ValueError(f"generation.engine must be continuous, hf or speculative, got {self.engine!r}")
+        if self.engine == "speculative":
+            if not self.proposer:
+                raise ValueError("generation.engine speculative needs generation.proposer (e.g. eagle:PATH)")
+            if self.backend != "engine":
+                raise ValueError("generation.engine speculative runs on this machine: it needs backend: engine")
+            if self.tree is not None and (not self.tree or any(b < 1 for b in self.tree)):
+                raise ValueError(f"generation.tree: branching factors must be >= 1, got {self.tree}")
+            if self.k < 1:
+                raise ValueError(f"generation.k must be >= 1, got {self.k}")
         if self.backend not in ("engine", "openai"):
             raise ValueError(f"generation.backend must be engine or openai, got {self.backend!r}")
         if self.backend == "openai":

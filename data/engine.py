@@ -151,6 +151,8 @@ class Completion:
     stopped: bool  # True: ended with an EOS id; False: hit max_new_tokens
     # {"layers": {i: [T,H]}, "last_hidden": [T,H], "topk_values"/"topk_indices": [T,k], "topk_logsumexp": [T]}
     capture: dict[str, Any] | None = None
+    # on-policy rollouts (data/rollout.py): per position of prompt + tokens, where the draft was rejected
+    replay: list[int] | None = None
 
 
 @dataclass

@@ -95,6 +95,8 @@ def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | Non
         "sampling": {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p,
                      "seed": gen.seed, "max_new_tokens": gen.max_new_tokens},
         "capture": {k: v for k, v in to_dict(config.capture).items() if k in ("enabled", "layers", "topk", "last_hidden")},
+        # rollouts: the rows are the target's whatever the head, but their replay marks are the head's
+        **({"rollout": {"proposer": gen.proposer, "tree": gen.tree, "k": gen.k}} if gen.engine == "speculative" else {}),
     }
 
 
@@ -243,8 +245,13 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     todo = [r for r in rows if r.row_id not in done]
     log.info("%d rows to generate (%d already done)", len(todo), resumed)
 
+    rollout = None
+    if gen.engine == "speculative":  # on-policy rollouts by our decoder with the head (data/rollout.py)
+        from draftsmith.data.rollout import speculative_engine
+
+        rollout = speculative_engine(target, gen)
     writer = None
-    if config.capture.enabled and remote is None:
+    if config.capture.enabled and remote is None and rollout is None:
         from draftsmith.targets.cache_shards import ShardWriter
 
         writer = ShardWriter(out / CAPTURE_DIR, config.capture.layers, config.capture.topk, fingerprint=fp)
@@ -278,6 +285,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         rec = {"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
                "response": "\n\n".join(responses[row.row_id]), "input_ids": ids, "loss_mask": mask,
                "origin": row.origin, "stopped": bool(c.stopped), "n_turns": len(row.turns)}
+        if c.replay is not None:
+            rec["replay"] = list(c.replay)
         if writer is not None and c.capture is not None:
             cap = c.capture
             writer.add(row.row_id, cap["layers"], cap["topk_values"], cap["topk_indices"], cap["last_hidden"],
@@ -311,6 +320,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
             on_done = lambda c, masks=masks: finish(c, masks[c.key])  # noqa: E731
             if remote is not None:
                 remote.run(reqs, on_done, on_tokens)
+            elif rollout is not None:
+                rollout.run(reqs, on_done, on_tokens)
             else:
                 _run_engine(target, config, reqs, on_done, on_tokens)
             turn += 1
@@ -330,9 +341,12 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     records = [done[r.row_id] for r in rows]
     timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
               "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None}
-    if remote is not None:
-        timing["servers"] = remote.describe()
-        if config.capture.enabled:  # the servers wrote the rows; the target reads them once (data/capture.py)
+    if rollout is not None:
+        timing["rollout"] = rollout.describe()
+    if remote is not None or rollout is not None:
+        if remote is not None:
+            timing["servers"] = remote.describe()
+        if config.capture.enabled:  # the servers / rollouts wrote the rows; the target reads them once (data/capture.py)
             from draftsmith.data.capture import capture_rows
 
             timing["capture"] = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
@@ -449,11 +463,16 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
     import datasets
 
     columns = {c: [r[c] for r in records] for c in COLUMNS}
+    extra = {}
+    if records and all("replay" in r for r in records):  # on-policy rollouts (data/rollout.py)
+        columns["replay"] = [r["replay"] for r in records]
+        extra["replay"] = datasets.Sequence(datasets.Value("int8"))
     features = datasets.Features({
         "row_id": datasets.Value("int64"), "source": datasets.Value("string"), "domain": datasets.Value("string"),
         "prompt": datasets.Value("string"), "response": datasets.Value("string"),
         "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
         "origin": datasets.Value("string"), "stopped": datasets.Value("bool"), "n_turns": datasets.Value("int32"),
+        **extra,
     })
     ds = datasets.Dataset.from_dict(columns, features=features)
     with atomic_dir(out / DATASET_DIR, overwrite=True) as tmp:

@@ -181,6 +181,9 @@ class SequenceVerifier:
         self.context: torch.Tensor | None = None
         self.stats = StepStats()
         self.last_step: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)  # proposed, accepted, proposer s, target s
+        # whether the last step's draft was rejected: the node where the accepted path ends (the root when
+        # nothing was accepted) had children in the proposal, none of them the target's token
+        self.last_rejected = False
 
     # -- target forward ------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -271,6 +274,7 @@ class SequenceVerifier:
         self.stats.target_time += t2 - t1
         self.stats.record(proposal, len(path), path)
         self.last_step = (len(proposal), len(path), t1 - t0, t2 - t1)
+        self.last_rejected = (path[-1] if path else -1) in proposal.children
 
         if feats is not None:
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)

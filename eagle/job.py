@@ -70,6 +70,10 @@ class EagleJobConfig:
     exportable: bool = True
     draft_vocab_size: int = 8192  # EAGLE-3 only (see module docstring)
     w_cls: float = 0.1  # EAGLE-1: weight of the token loss next to the feature regression
+    # on-policy training (EAGLE-3): data written by rollouts of our decoder with a head (generation.engine:
+    # speculative, data/rollout.py) marks where verification rejected its draft; those (base, TTT step)
+    # pairs count 1 + replay_weight times in the loss. 0 = plain supervised training on any rows
+    replay_weight: float = 0.0
     max_length: int = 512
     # keep at most this many prompt tokens before a row's first learned token (training/batching.py): from
     # the capture cache every feature has seen the whole row, and the draft layer gets its context from them
@@ -88,6 +92,10 @@ class EagleJobConfig:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if self.w_cls < 0:
             raise ValueError(f"w_cls must be >= 0, got {self.w_cls}")
+        if self.replay_weight < 0:
+            raise ValueError(f"replay_weight must be >= 0, got {self.replay_weight}")
+        if self.replay_weight and self.version != "eagle3":
+            raise ValueError("replay_weight: on-policy replay is implemented for EAGLE-3 heads (version: eagle3)")
         if not 0 < self.eval_fraction < 0.5:
             raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
         if self.max_length < 8:
@@ -121,6 +129,11 @@ class EagleJob(Job):
                               "no serving stack loads (their EAGLE drafters are Llama layers): use draft_layer: "
                               "llama, or set exportable: false to train it for draftsmith's own decoder only")
         self.cfg, self.target = cfg, target
+        columns = getattr(dataset, "column_names", None)
+        has_replay = "replay" in columns if columns is not None else all("replay" in r for r in dataset)
+        if cfg.replay_weight and not has_replay:
+            raise ConfigError(f"replay_weight: {cfg.data} has no 'replay' column (write it with generation.engine: "
+                              "speculative, data/rollout.py), or set replay_weight: 0")
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
         self.pad_id = pad_token_id(target)
         L = target.num_layers
@@ -198,8 +211,11 @@ class EagleJob(Job):
             logits_at = feats["last_hidden"][at].to(w.dtype) @ w.T  # the target's logits on the draft vocabulary
             top1_at = feats["topk_indices"][..., 0][at]
             rows = [shift_left(row_of, 1 + j, fill=-1)[select[j]] for j in range(S)]
+            replay = None
+            if "replay" in batch:  # rollout marks: replay[t] = j + 1 where step j at base t was rejected
+                replay = [(batch["replay"] == j + 1)[select[j]] for j in range(S)]
             return eagle3_loss(out.logits, [logits_at[r] for r in rows], [top1_at[r] for r in rows], head.d2t,
-                               self.weights)
+                               self.weights, replay, self.cfg.replay_weight)
         f = feats[f"layer.{self.layers[0]}"]
         preds, targets, teacher = [], [], []
         for j in range(S):

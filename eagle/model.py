@@ -484,15 +484,23 @@ def step_weights(steps: int, decay: float) -> list[float]:
     return [decay**j for j in range(steps)]
 
 
-def soft_ce(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of -Σ_v softmax(teacher)_v · log softmax(student)_v. Both [n, V']."""
+def soft_ce(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over rows of -Σ_v softmax(teacher)_v · log softmax(student)_v. Both [n, V']. `weights` [n]: each
+    row's cross-entropy is multiplied by its weight before the mean (1 everywhere = the plain mean)."""
     p = F.softmax(teacher_logits.float(), dim=-1)
-    return -(p * F.log_softmax(student_logits.float(), dim=-1)).sum(-1).mean()
+    ce = -(p * F.log_softmax(student_logits.float(), dim=-1)).sum(-1)
+    return (ce if weights is None else ce * weights.to(ce.dtype)).mean()
 
 
 def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_ids: list[torch.Tensor],
-                d2t: torch.Tensor, weights: list[float]) -> tuple[torch.Tensor, dict[str, float]]:
+                d2t: torch.Tensor, weights: list[float], replay: list[torch.Tensor] | None = None,
+                replay_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Σ_j w_j · soft-CE(p̃_target, draft) over the selected positions of step j.
+
+    replay[j] (bool [n_j], optional): the positions where an on-policy rollout's draft was rejected at step j
+    (data/rollout.py); their cross-entropy counts 1 + replay_weight times. `replay/acc` is the draft's
+    top-1 accuracy on them (on a head's own rollouts it starts at 0: the draft was rejected there).
 
     logits[j]: [n_j, N] draft logits; teacher[j]: [n_j, N] the target's logits restricted to the draft
     vocabulary (softmax renormalises over it); target_ids[j]: [n_j] the target's argmax over its FULL
@@ -501,17 +509,26 @@ def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_
     """
     total = None
     metrics: dict[str, float] = {}
+    hits = seen = 0
     for j, (lg, te, ti) in enumerate(zip(logits, teacher, target_ids)):
         if lg.shape[0] == 0:
             metrics[f"step{j}/loss"], metrics[f"step{j}/acc"] = 0.0, 0.0
             loss_j = lg.sum() * 0.0
         else:
-            loss_j = soft_ce(lg, te)
+            rj = replay[j] if replay is not None else None
+            w = None if rj is None or not replay_weight else 1.0 + replay_weight * rj.float()
+            loss_j = soft_ce(lg, te, w)
             with torch.no_grad():
                 pred = lg.argmax(-1)
-                acc = (pred + d2t[pred] == ti).float().mean()
+                right = pred + d2t[pred] == ti
+                acc = right.float().mean()
+                if rj is not None:
+                    hits, seen = hits + int(right[rj].sum()), seen + int(rj.sum())
             metrics[f"step{j}/loss"], metrics[f"step{j}/acc"] = float(loss_j.detach()), float(acc)
         total = weights[j] * loss_j if total is None else total + weights[j] * loss_j
+    if replay is not None:
+        metrics["replay/n"] = float(seen)
+        metrics["replay/acc"] = hits / seen if seen else 0.0
     return total, metrics
 
 

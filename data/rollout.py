@@ -1,0 +1,103 @@
+"""On-policy rollouts: our speculative decoder, with the head being trained, writes the rows.
+
+`generation.engine: speculative` (data/config.py) hands the requests of `generate_dataset` to this engine
+instead of the batched decode loop. Each row is decoded alone by `decoding.verify.SequenceVerifier` with
+`generation.proposer` (e.g. `eagle:runs/eagle/round0`), so the rows are the target's own (greedy output
+equals the target's greedy output; sampling keeps its distribution) and, on top of what the batched engine
+writes, every row records the positions where verification rejected the draft:
+
+    replay[t] = j + 1   the draft that started at base t (it read the target's features up to t and the
+                        pending token x_{t+1}) had its first j tokens accepted and its (j+1)-th rejected:
+                        TTT step j at base t (eagle/model.py) is where the head failed on its own path
+    replay[t] = 0       no draft started at t, or it was wholly accepted
+
+That is the on-policy signal (Draft-OPD, arXiv 2605.29343: drafting replayed from the positions where
+verification rejected the draft, supervised by the target): EAGLE training with `replay_weight` weighs those
+(base, step) pairs up, with the target's distribution there as the teacher (teacher-forced capture of the
+finished rows). The state at such a pair is the one the head's own proposals reached: its first j tokens
+were accepted, so they are the target's tokens, which is what TTT with `ttt_tokens: target` feeds.
+
+Rows are decoded one at a time (the verifier keeps one sequence), so on a CPU this writes fewer tokens per
+second than the batched engine: the price of the on-policy signal, measured in BENCHMARKS.md. Multi-turn
+rows keep the marks of their last turn (earlier turns are re-read as prompt).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from draftsmith.data.engine import Completion, Request
+from draftsmith.decoding.generate import GenerationStats
+from draftsmith.decoding.proposer import TreeSpec
+from draftsmith.decoding.sampling import SamplingConfig
+from draftsmith.decoding.verify import SequenceVerifier
+
+
+class SpeculativeEngine:
+    """`run(requests, on_done, on_tokens)` like `data.engine.ContinuousBatcher`, one row at a time through
+    the speculative decoder; each Completion carries `replay` (module docstring) over prompt + tokens."""
+
+    def __init__(self, target, proposer, spec: TreeSpec, sampling: SamplingConfig):
+        self.target, self.proposer, self.spec, self.sampling = target, proposer, spec, sampling
+        self.model = target.model
+        self.eos = set(int(e) for e in target.eos_token_ids)
+        self.stats = GenerationStats()
+        self.spec_string: str | None = None
+
+    @torch.inference_mode()
+    def run(self, requests: Sequence[Request], on_done: Callable[[Completion], None],
+            on_tokens: Callable[[int], None] | None = None) -> dict:
+        device = next(self.model.parameters()).device
+        t0 = time.perf_counter()
+        tokens = 0
+        for req in requests:
+            generator = None
+            if not self.sampling.greedy:
+                generator = torch.Generator(device=device)
+                generator.manual_seed(int(req.seed))
+            seq = SequenceVerifier(self.model, self.proposer, self.sampling, generator, self.target.vocab_size)
+            P = len(req.prompt_ids)
+            new = [seq.begin(torch.tensor(req.prompt_ids, dtype=torch.long))]
+            replay = [0] * (P + req.max_new_tokens)
+            while len(new) < req.max_new_tokens and new[-1] not in self.eos:
+                depth = min(self.spec.depth, req.max_new_tokens - len(new) - 1)
+                base = P + len(new) - 2  # the pending token x_{base+1} is the last one emitted
+                step = seq.step(self.spec.truncated(depth))
+                if seq.last_rejected and base >= 0:
+                    replay[base] = len(step)  # accepted j = len(step) - 1: step j failed -> j + 1
+                for t in step:
+                    new.append(t)
+                    if t in self.eos or len(new) >= req.max_new_tokens:
+                        break
+            seq.stats.emitted = len(new)
+            self.stats.add(seq.stats, len(new))
+            tokens += len(new)
+            if on_tokens is not None:
+                on_tokens(len(new))
+            on_done(Completion(req.key, list(req.prompt_ids), new, stopped=new[-1] in self.eos,
+                               replay=replay[: P + len(new)]))
+        seconds = time.perf_counter() - t0
+        self.stats.wall_time += seconds
+        return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
+
+    def describe(self) -> dict:
+        """What the rollouts measured: the head's acceptance on its own rows (provenance.json)."""
+        s = self.stats
+        return {"proposer": self.spec_string, "tree": list(self.spec.branching),
+                "alpha": s.alpha, "tau": s.tau, "per_position_acceptance": s.per_position_acceptance,
+                "new_tokens": s.new_tokens, "target_forwards": s.target_forwards}
+
+
+def speculative_engine(target, gen) -> SpeculativeEngine:
+    """The engine of `generation` (engine: speculative) on `target`."""
+    from draftsmith.decoding.factory import build_proposer
+
+    proposer = build_proposer(gen.proposer, target)
+    spec = TreeSpec(tuple(gen.tree)) if gen.tree else TreeSpec.chain(gen.k)
+    sampling = SamplingConfig(gen.temperature, 0, gen.top_p) if gen.do_sample else SamplingConfig(0.0, 0, 1.0)
+    engine = SpeculativeEngine(target, proposer, spec, sampling)
+    engine.spec_string = gen.proposer
+    return engine
