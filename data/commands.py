@@ -161,15 +161,22 @@ def run_subset(args: argparse.Namespace) -> int:
     return 0
 
 
-ID_STRIDE = 2**40  # a merged dataset's rows move to the next free block of this many ids
+def merged_row_id(provenance: dict, row_id: int) -> int:
+    """The id a row of a merge's later dataset takes: a hash of that dataset's creation record and the row's
+    own id, 60 bits like the ids generation gives (data/sources.py). Two datasets that answered the same
+    prompt (rollouts of two rounds) keep distinct rows; the same dataset merged twice repeats ids (refused)."""
+    from draftsmith.storage import sha256_json
+
+    return int(sha256_json(["merge", provenance.get("created"), provenance.get("counts", {}).get("tokens"),
+                            int(row_id)])[:15], 16)
 
 
 def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = False) -> Path:
     """Concatenate the rows of datasets one target wrote into a new dataset folder.
 
     Row ids stay unique and stable: the first dataset keeps its own (so the rows it held out for evaluation
-    stay held out, training/batching.py `split_rows`), each later one's are shifted to the next block of
-    ID_STRIDE ids above those taken (a merged dataset merged again keeps its blocks). Rollout
+    stay held out, training/batching.py `split_rows`), each later one's are rehashed (`merged_row_id`), so a
+    merged dataset merged again keeps its ids and a repeated id is refused. Rollout
     marks (`replay`, data/rollout.py) are kept; rows without them get zeros (no draft rejected there).
     Captured states are not carried over: `draftsmith data capture` reads the merged rows once."""
     import datasets
@@ -195,8 +202,7 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
         check_compatible(fp0, fp, what=f"dataset {p} (merged with {paths[0]})")
         ds = load_distilled(p)
         if k:
-            shift = (max(max(d["row_id"]) for d in parts) // ID_STRIDE + 1) * ID_STRIDE
-            ds = ds.map(lambda r, shift=shift: {"row_id": int(r["row_id"]) + shift})
+            ds = ds.map(lambda r, prov=prov: {"row_id": merged_row_id(prov, r["row_id"])})
         parts.append(ds)
     if any("replay" in d.column_names for d in parts):
         parts = [d if "replay" in d.column_names else
@@ -206,9 +212,10 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
     merged = datasets.concatenate_datasets([d.select_columns(columns) for d in parts])
     ids = merged["row_id"]
     if len(set(ids)) != len(ids):
-        raise DataError(f"{paths[0]}: a row id repeats after merging (ids of one dataset repeat)")
+        raise DataError(f"{paths[0]}: a row id repeats after merging (a dataset given twice, or one already in "
+                        "a merged one)")
     prov = {**provs[0], "merge": {"parents": [str(p) for p in paths], "rows": [len(d) for d in parts],
-                                  "first_ids": [int(d["row_id"][0]) for d in parts], "id_stride": ID_STRIDE},
+                                  "row_ids": "the first dataset's own, the others' merged_row_id"},
             "capture": None}
     prov["counts"] = {"rows": len(merged), "per_domain": dict(sorted(Counter(merged["domain"]).items())),
                       "tokens": sum(len(x) for x in merged["input_ids"]),

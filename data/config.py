@@ -172,6 +172,9 @@ class GenerationConfig:
     proposer: str | None = None  # engine speculative: a proposer spec, e.g. eagle:zoo/smollm2-135m/eagle3
     tree: list[int] | None = None  # engine speculative: branching per depth (null: a chain of k)
     k: int = 6  # engine speculative: chain length when tree is null
+    # engine speculative: decode as `draftsmith evaluate --tree auto` does, with the proposer's own tree cut
+    # every step to the nodes that pay on this device (v(n) measured first); overrides tree and k
+    tree_auto: bool = False
     threads: int | None = 2  # torch intra-op threads (None leaves torch's default)
     # the target's dtype while it writes: auto = bf16 on a GPU or a CPU with native bf16 (AVX512-BF16 / AMX),
     # else float32 (targets/precision.py; on this project's CPU bf16 writes 1.4x faster, BENCHMARKS.md)

@@ -96,7 +96,7 @@ def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | Non
                      "seed": gen.seed, "max_new_tokens": gen.max_new_tokens},
         "capture": {k: v for k, v in to_dict(config.capture).items() if k in ("enabled", "layers", "topk", "last_hidden")},
         # rollouts: the rows are the target's whatever the head, but their replay marks are the head's
-        **({"rollout": {"proposer": gen.proposer, "tree": gen.tree, "k": gen.k}} if gen.engine == "speculative" else {}),
+        **({"rollout": {"proposer": gen.proposer, "tree": gen.tree, "k": gen.k, "tree_auto": gen.tree_auto}} if gen.engine == "speculative" else {}),
     }
 
 

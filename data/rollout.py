@@ -40,8 +40,8 @@ class SpeculativeEngine:
     """`run(requests, on_done, on_tokens)` like `data.engine.ContinuousBatcher`, one row at a time through
     the speculative decoder; each Completion carries `replay` (module docstring) over prompt + tokens."""
 
-    def __init__(self, target, proposer, spec: TreeSpec, sampling: SamplingConfig):
-        self.target, self.proposer, self.spec, self.sampling = target, proposer, spec, sampling
+    def __init__(self, target, proposer, spec: TreeSpec, sampling: SamplingConfig, cost=None):
+        self.target, self.proposer, self.spec, self.sampling, self.cost = target, proposer, spec, sampling, cost
         self.model = target.model
         self.eos = set(int(e) for e in target.eos_token_ids)
         self.stats = GenerationStats()
@@ -58,7 +58,8 @@ class SpeculativeEngine:
             if not self.sampling.greedy:
                 generator = torch.Generator(device=device)
                 generator.manual_seed(int(req.seed))
-            seq = SequenceVerifier(self.model, self.proposer, self.sampling, generator, self.target.vocab_size)
+            seq = SequenceVerifier(self.model, self.proposer, self.sampling, generator, self.target.vocab_size,
+                                   cost=self.cost)
             P = len(req.prompt_ids)
             new = [seq.begin(torch.tensor(req.prompt_ids, dtype=torch.long))]
             replay = [0] * (P + req.max_new_tokens)
@@ -86,7 +87,7 @@ class SpeculativeEngine:
     def describe(self) -> dict:
         """What the rollouts measured: the head's acceptance on its own rows (provenance.json)."""
         s = self.stats
-        return {"proposer": self.spec_string, "tree": list(self.spec.branching),
+        return {"proposer": self.spec_string, "tree": list(self.spec.branching), "cut_by_cost": self.cost is not None,
                 "alpha": s.alpha, "tau": s.tau, "per_position_acceptance": s.per_position_acceptance,
                 "new_tokens": s.new_tokens, "target_forwards": s.target_forwards}
 
@@ -98,6 +99,18 @@ def speculative_engine(target, gen) -> SpeculativeEngine:
     proposer = build_proposer(gen.proposer, target)
     spec = TreeSpec(tuple(gen.tree)) if gen.tree else TreeSpec.chain(gen.k)
     sampling = SamplingConfig(gen.temperature, 0, gen.top_p) if gen.do_sample else SamplingConfig(0.0, 0, 1.0)
-    engine = SpeculativeEngine(target, proposer, spec, sampling)
+    cost = None
+    if gen.tree_auto:  # as `draftsmith evaluate --tree auto` decodes (evaluation/evaluate.py `_cut_trees`)
+        from draftsmith.decoding.budget import VerifyCost
+        from draftsmith.errors import ConfigError
+        from draftsmith.evaluation.cost import measure_verify_cost
+
+        spec = proposer.default_tree_spec()
+        if spec is None:
+            raise ConfigError(f"generation.tree_auto: proposer '{gen.proposer}' has no tree of its own; give "
+                              "generation.tree or generation.k")
+        cost = VerifyCost.from_measurement(measure_verify_cost(target, 256, spec.capacity(), 5, 0, tree_mask=True))
+        spec = proposer.fit_tree(spec, cost)
+    engine = SpeculativeEngine(target, proposer, spec, sampling, cost)
     engine.spec_string = gen.proposer
     return engine

@@ -121,7 +121,39 @@ def _eagle_cfg(tmp: Path, name: str, data: Path, steps: int, **kw):
         evaluate=EvalAfterTraining(enabled=False), **kw)
 
 
-def test_on_policy_round_rollouts_capture_and_replay_training(target4, tmp_path):
+@pytest.fixture(scope="module")
+def round0(target4, tmp_path_factory):
+    """Rows the batched engine wrote (captured) and a barely trained EAGLE-3 head on them."""
+    from draftsmith.data import generate_dataset, load_distilled
+    from draftsmith.eagle.job import EagleJob
+    from draftsmith.targets import gemm
+    from draftsmith.training import train
+
+    tmp = tmp_path_factory.mktemp("round0")
+    with gemm.disabled():
+        base = generate_dataset(_data_config(tmp, "base"), target4, progress=False)
+        cfg = _eagle_cfg(tmp, "head0", base, 1)
+        head0 = train(EagleJob(cfg, target4, load_distilled(base, target4)), cfg.train).artifact
+    return base, head0
+
+
+def test_rollouts_with_the_cut_tree_decode_as_evaluate_does(target4, round0, tmp_path):
+    from draftsmith.data import generate_dataset, load_distilled
+    from draftsmith.data.generate import read_provenance
+    from draftsmith.targets import gemm
+
+    base, head0 = round0
+    with gemm.disabled():
+        roll = generate_dataset(_data_config(tmp_path, "roll", engine="speculative", proposer=f"eagle:{head0}",
+                                             tree_auto=True), target4, progress=False)
+    rows, ref = load_distilled(roll, target4), load_distilled(base, target4)
+    assert rows["input_ids"] == ref["input_ids"]
+    info = read_provenance(roll)["timing"]["rollout"]
+    assert info["cut_by_cost"] is True and info["tree"]  # the head's own tree, cut by v(n) measured here
+    assert all(0 <= v <= len(info["tree"]) for r in rows["replay"] for v in r)
+
+
+def test_on_policy_round_rollouts_capture_and_replay_training(target4, round0, tmp_path):
     """Supervised head -> rollouts with it through `draftsmith data` (engine: speculative) -> the same rows the
     batched engine writes, plus replay marks -> a warm-started head trained with replay_weight, lossless."""
     from draftsmith.data import generate_dataset, load_distilled
@@ -131,11 +163,9 @@ def test_on_policy_round_rollouts_capture_and_replay_training(target4, tmp_path)
     from draftsmith.targets import gemm
     from draftsmith.training import train
 
+    base, head0 = round0
+    spec = f"eagle:{head0}"
     with gemm.disabled():
-        base = generate_dataset(_data_config(tmp_path, "base"), target4, progress=False)
-        head0 = train(EagleJob(_eagle_cfg(tmp_path, "head0", base, 1), target4, load_distilled(base, target4)),
-                      _eagle_cfg(tmp_path, "head0", base, 1).train).artifact
-        spec = f"eagle:{head0}"
         roll = generate_dataset(_data_config(tmp_path, "roll", engine="speculative", proposer=spec, k=3),
                                 target4, progress=False)
     rows, ref = load_distilled(roll, target4), load_distilled(base, target4)
@@ -162,7 +192,7 @@ def test_on_policy_round_rollouts_capture_and_replay_training(target4, tmp_path)
         generate_dataset(dataclasses.replace(cfg), target4, progress=False)
 
     # the next round trains on the earlier rows and the rollouts together: `draftsmith data merge` + capture
-    from draftsmith.data.commands import ID_STRIDE, merge_datasets
+    from draftsmith.data.commands import merge_datasets, merged_row_id
     from draftsmith.data.generate import capture_dataset_dir
     from draftsmith.training.batching import split_rows
 
@@ -171,11 +201,11 @@ def test_on_policy_round_rollouts_capture_and_replay_training(target4, tmp_path)
     merged = merge_datasets([base, roll], tmp_path / "merged")
     both = load_distilled(merged, target4)
     assert len(both) == 2 * len(ref) and both["row_id"][: len(ref)] == ref["row_id"]
-    assert both["row_id"][len(ref):] == [i + ID_STRIDE for i in rows["row_id"]]
+    assert both["row_id"][len(ref):] == [merged_row_id(read_provenance(roll), i) for i in rows["row_id"]]
     assert both["replay"][: len(ref)] == [[0] * len(x) for x in ref["input_ids"]]
     assert both["replay"][len(ref):] == rows["replay"]
-    again = load_distilled(merge_datasets([merged, roll], tmp_path / "again"), target4)  # blocks 0, 1, then 2
-    assert again["row_id"][len(both):] == [i + 2 * ID_STRIDE for i in rows["row_id"]]
+    with pytest.raises(DataError, match="repeats"):  # the same rows twice
+        merge_datasets([merged, roll], tmp_path / "again")
     held = set(split_rows(ref, 0.1, 0)[1]["row_id"])
     assert held <= set(split_rows(both, 0.1, 0)[1]["row_id"])  # the first dataset's held-out rows stay held out
     with pytest.raises(DataError, match="replace"):
