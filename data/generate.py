@@ -8,7 +8,8 @@
   4. appends finished rows to chunk files in `output_dir/chunks/` (each chunk written atomically), so a
      killed run resumes where it stopped: rerunning skips rows already generated (keyed by `row_id`);
   5. assembles a `datasets` dataset in `output_dir/dataset/` (columns input_ids, loss_mask, domain,
-     row_id, source, prompt, response, origin, stopped, n_turns) and `output_dir/provenance.json`.
+     row_id, source, prompt, response, origin, stopped, n_turns; rollouts by a head, `generation.engine:
+     speculative`, add `replay`: data/rollout.py) and `output_dir/provenance.json`.
 
 A row's input_ids are exactly the prompt tokens followed by the tokens the target generated (the stop
 token included when it produced one), so they are what the target saw and what captured states index.
