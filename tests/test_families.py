@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILY_NAMES, NO_PAD, build_tiny_family
+from tiny_models import FAMILY_NAMES, NO_PAD, build_tiny_family, prompt_rows
 
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.after_training import EvalAfterTraining
@@ -48,15 +48,7 @@ def _train_cfg(tmp: Path, name: str, steps: int = 3) -> TrainConfig:
 
 def _data(target, tmp: Path) -> list[dict]:
     """A few rows the target writes itself, through the data pipeline (chat template, loss masks, pad id)."""
-    from draftsmith.data import generate_dataset, load_distilled
-    from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
-
-    src = tmp / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"q": p}) + "\n" for p in PROMPTS))
-    cfg = DataConfig(sources=[SourceConfig(name="mixed", path=str(src), prompt="q", domain="chat")],
-                     output_dir=str(tmp / "data"), generation=GenerationConfig(max_new_tokens=16, batch_size=8, threads=1))
-    generate_dataset(cfg, target, progress=False)
-    rows = load_distilled(tmp / "data", target)
+    rows = prompt_rows(target, tmp, PROMPTS)
     assert len(rows) == len(PROMPTS) and all(sum(r["loss_mask"]) > 0 for r in rows)
     return rows
 

@@ -48,21 +48,14 @@ def sc():
 @pytest.fixture(scope="module")
 def setup(sc, tiny_tokenizer, tmp_path_factory):
     """A 3-layer target as an HF folder, self-distilled rows, their capture cache, a speculators-trained head."""
-    from tiny_models import make_target
+    from tiny_models import make_target, prompt_rows
 
-    from draftsmith.data import generate_dataset, load_distilled
-    from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
     from draftsmith.targets.cache_shards import capture_dataset
 
     tmp = tmp_path_factory.mktemp("peer")
     torch.set_num_threads(1)
     target = make_target(tiny_tokenizer, seed=0, layers=3, folder=tmp / "target")
-    src = tmp / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"q": p}) + "\n" for p in PROMPTS))
-    dcfg = DataConfig(sources=[SourceConfig(name="mixed", path=str(src), prompt="q", domain="chat")],
-                      output_dir=str(tmp / "data"), generation=GenerationConfig(max_new_tokens=16, batch_size=8, threads=1))
-    generate_dataset(dcfg, target, progress=False)
-    rows = load_distilled(tmp / "data", target)
+    rows = prompt_rows(target, tmp, PROMPTS)
     capture_dataset(target, list(rows), tmp / "data" / "capture", layers=LAYERS, topk=1, last_hidden=True, progress=False)
     cfg = sc.PeerConfig(target=str(tmp / "target"), data=str(tmp / "data"), out=str(tmp / "theirs"), seconds=60,
                         max_steps=3, draft_vocab_size=64, ttt_steps=3, warmup_steps=0, lr=3e-3, max_length=64,

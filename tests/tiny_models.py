@@ -138,3 +138,19 @@ def build_tiny_family(family: str, tokenizer, folder: Path, seed: int = 0):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def prompt_rows(target, tmp: Path, prompts: list[str], out: str = "data"):
+    """Rows the target writes itself for `prompts`, through the data pipeline (chat template, loss masks, pad
+    id), in tmp/out; returns the dataset."""
+    import json
+
+    from draftsmith.data import generate_dataset, load_distilled
+    from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
+
+    src = tmp / f"{out}-prompts.jsonl"
+    src.write_text("".join(json.dumps({"q": p}) + "\n" for p in prompts))
+    cfg = DataConfig(sources=[SourceConfig(name="mixed", path=str(src), prompt="q", domain="chat")],
+                     output_dir=str(tmp / out), generation=GenerationConfig(max_new_tokens=16, batch_size=8, threads=1))
+    generate_dataset(cfg, target, progress=False)
+    return load_distilled(tmp / out, target)
