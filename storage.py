@@ -286,33 +286,42 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def shared_data_dir() -> Path:
-    """The public prompt sets (train/ and eval/): `$DRAFTSMITH_DATA`, else `shared/data` beside the checkout.
-
-    Presets name them as `../shared/data/...`; `data_path` maps that prefix here.
-    """
+    """The public prompt sets (train/, eval/dev/, eval/test/): `$DRAFTSMITH_DATA` when set, else the
+    `prompts/` folder shipped inside the package (prompts/README.md)."""
     env = os.environ.get("DRAFTSMITH_DATA")
     if env:
         return Path(env).expanduser()
-    repo = Path(__file__).resolve().parent  # the package directory is the repository root
-    for candidate in (repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"):
-        if candidate.is_dir():
-            return candidate
-    return repo.parent / "shared" / "data"
+    return Path(__file__).resolve().parent / "prompts"  # the package directory is the repository root
 
 
-_SHARED_PREFIX = ("..", "shared", "data")
+_SETS_PREFIX = "prompts"
+
+
+def open_data(path: str | os.PathLike):
+    """A data file opened for reading bytes, gzip-decompressed when its name ends in `.gz`."""
+    import gzip
+
+    return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+
+
+def data_stem(path: str | os.PathLike) -> str:
+    """A data file's name without its format and compression suffixes: `prompts/eval/dev/gsm8k.jsonl` and
+    `gsm8k.jsonl.gz` are both `gsm8k`."""
+    name = Path(path).name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
 
 
 def data_path(path: str | os.PathLike) -> Path:
-    """A configured data path, with a leading `../shared/data` read as `shared_data_dir()`.
+    """A configured data path, with a leading `prompts/` read as `shared_data_dir()`.
 
-    Presets name the public prompt sets as `../shared/data/...`; this lets them work from any directory
-    and under `$DRAFTSMITH_DATA`. Every other path is taken as given (relative to the working directory).
+    Presets name the shipped prompt sets as `prompts/...`; this lets them work from any directory and under
+    `$DRAFTSMITH_DATA`. Every other path is taken as given (relative to the working directory).
     """
     p = Path(path).expanduser()
-    parts = p.parts
-    if parts[: len(_SHARED_PREFIX)] == _SHARED_PREFIX:
-        return shared_data_dir().joinpath(*parts[len(_SHARED_PREFIX):])
+    if not p.is_absolute() and p.parts[:1] == (_SETS_PREFIX,):
+        return shared_data_dir().joinpath(*p.parts[1:])
     return p
 
 

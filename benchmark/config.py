@@ -91,7 +91,7 @@ class BenchConfig:
     data: DataStage = field(default_factory=lambda: DataStage(config="configs/smollm2-135m/data.yaml"))
     artifacts: list[ArtifactStage] = field(default_factory=list)
     baselines: list[Baseline] = field(default_factory=lambda: [Baseline("ngram", "ngram")])
-    prompts: list[str] = field(default_factory=list)  # extra prompt files (default: ../shared/data/eval)
+    prompts: list[str] = field(default_factory=list)  # extra prompt files (default: the shipped eval sets of `split`)
     budgets: dict[str, Budget] = field(default_factory=lambda: {"full": Budget(), "quick": Budget()})
 
     def __post_init__(self):

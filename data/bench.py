@@ -24,13 +24,25 @@ import torch
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.evaluation.cost import CpuShare
-from draftsmith.storage import atomic_write_json, shared_data_dir
+from draftsmith.storage import atomic_write_json, open_data, shared_data_dir
 from draftsmith.targets import load_target
 from draftsmith.targets.capture import default_eagle3_layers
 from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.precision import inference_copy
 
 TRAIN = shared_data_dir() / "train"
+
+
+def read_rows(path, n: int) -> list[dict]:
+    """The first `n` rows of a (possibly gzip-compressed) jsonl file."""
+    rows = []
+    with open_data(path) as f:
+        for line in f:
+            if len(rows) >= n:
+                break
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
 
 
 def main(argv: list[str]) -> dict:
@@ -45,10 +57,8 @@ def main(argv: list[str]) -> dict:
     torch.set_num_threads(2)
     t = load_target(target_spec)
     layers = default_eagle3_layers(t.num_layers)
-    with open(f"{TRAIN}/gsm8k_train.jsonl") as f:
-        rows = [json.loads(line) for line in f][: n // 2]
-    with open(f"{TRAIN}/self_instruct_seed_tasks.jsonl") as f:
-        rows += [json.loads(line) for line in f][: n - n // 2]
+    rows = read_rows(TRAIN / "gsm8k_train.jsonl.gz", n // 2)
+    rows += read_rows(TRAIN / "self_instruct_seed_tasks.jsonl.gz", n - n // 2)
     texts = [r.get("question") or (r["instruction"] + "\n\n" + r["instances"][0]["input"]).strip() for r in rows]
     prompts = [tokenize_conversation(t.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)[0]
                for q in texts]

@@ -13,13 +13,12 @@ logits). The learned tokens are the same in both, so the ratio of the two times 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import tempfile
 
 import torch
 
-from draftsmith.data.bench import TRAIN, emit
+from draftsmith.data.bench import TRAIN, emit, read_rows
 from draftsmith.data.capture import capture_rows
 from draftsmith.data.config import CaptureConfig
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request
@@ -51,10 +50,8 @@ def main(argv: list[str]) -> dict:
     dtype = inference_dtype(target.device, "auto")
     writing = dataclasses.replace(target, model=inference_copy(target.model, dtype, True))
     layers = default_eagle3_layers(target.num_layers)
-    with open(TRAIN / "gsm8k_train.jsonl") as f:
-        rows = [json.loads(line) for line in f][: n // 2]
-    with open(TRAIN / "self_instruct_seed_tasks.jsonl") as f:
-        rows += [json.loads(line) for line in f][: n - n // 2]
+    rows = read_rows(TRAIN / "gsm8k_train.jsonl.gz", n // 2)
+    rows += read_rows(TRAIN / "self_instruct_seed_tasks.jsonl.gz", n - n // 2)
     texts = [r.get("question") or (r["instruction"] + "\n\n" + r["instances"][0]["input"]).strip() for r in rows]
     prompts = [tokenize_conversation(target.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)[0]
                for q in texts]

@@ -79,9 +79,9 @@ def main(argv: list[str]) -> dict:
     target = load_target(spec)
     if target.folder is None:
         raise SystemExit(f"{spec}: no HF folder to serve")
-    sources = [SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl"), prompt="question", domain="math",
+    sources = [SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl.gz"), prompt="question", domain="math",
                             limit=n // 2, sample="first"),
-               SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl"), domain="general",
+               SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl.gz"), domain="general",
                             prompt_template="{instruction}\n\n{instances[0][input]}", limit=n - n // 2, sample="first")]
     gen = {"max_new_tokens": max_new, "batch_size": 96, "threads": 2, "dtype": "float32"}
     proc, url = _serve(target.folder)

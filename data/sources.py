@@ -26,7 +26,7 @@ from typing import Any
 
 from draftsmith.data.config import DataConfig, SourceConfig
 from draftsmith.errors import DataError
-from draftsmith.storage import data_path, sha256_text
+from draftsmith.storage import data_path, open_data, sha256_text
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +232,9 @@ def _domain(row: Any, source: SourceConfig) -> str:
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, parsed object or None, error) for every non-blank line. A line that is not UTF-8 is an
-    error of its own (decoding it with replacement characters would store mangled text)."""
-    with open(path, "rb") as f:
+    error of its own (decoding it with replacement characters would store mangled text). `.gz` files are
+    read decompressed."""
+    with open_data(path) as f:
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
@@ -275,9 +276,11 @@ def load_hf_dataset(path: str, split: str = "train"):
             ds = ds[split]
         return ds
     if p.is_file():
-        fmt = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(p.suffix.lower())
+        suffixes = [s.lower() for s in p.suffixes]
+        plain = suffixes[-2] if suffixes[-1:] == [".gz"] and len(suffixes) > 1 else (suffixes or [""])[-1]
+        fmt = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(plain)
         if fmt is None:
-            raise DataError(f"{path}: unsupported data file type (use .json, .jsonl, .parquet or .csv)")
+            raise DataError(f"{path}: unsupported data file type (use .json, .jsonl, .parquet or .csv, or .gz of the text ones)")
         return datasets.load_dataset(fmt, data_files=str(p), split="train")
     if p.is_absolute() or path.startswith("."):
         raise DataError(f"{path}: no such file or folder")

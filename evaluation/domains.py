@@ -1,6 +1,6 @@
 """Evaluation domains: prompts read from jsonl files, grouped by a `domain` / `category` field.
 
-Understood row shapes (the sets in shared/data/eval work as they are):
+Understood row shapes (the shipped sets in prompts/eval work as they are):
   - `turns: [str, ...]` (MT-bench / EAGLE style: alpaca, gsm8k, humaneval) with `category`;
   - `instruction` (+ `instances: [{input, ...}]`), as in self-instruct's user_oriented_instructions;
   - `prompt` / `text` / `question` / `messages` (a chat list).
@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.errors import DataError
-from draftsmith.storage import data_path, shared_data_dir
+from draftsmith.storage import data_path, data_stem, open_data, shared_data_dir
 
-DEFAULT_PROMPT_FILES = ["eagle/alpaca.jsonl", "eagle/gsm8k.jsonl", "eagle/humaneval.jsonl",
-                        "user_oriented_instructions.jsonl"]
+DEFAULT_PROMPT_FILES = ["alpaca.jsonl", "gsm8k.jsonl", "humaneval.jsonl", "user_oriented_instructions.jsonl"]
+# dev: everything that chooses (heads, recipes, trees, policies); test: the headline numbers only
+SPLITS = ("dev", "test")
 
 # file stem or category -> domain name
 DOMAIN_ALIASES = {
@@ -41,9 +42,12 @@ class EvalPrompt:
     meta: dict = field(default_factory=dict)
 
 
-def default_prompt_files(root: str | Path | None = None) -> list[Path]:
-    root = Path(root) if root else shared_data_dir() / "eval"  # $DRAFTSMITH_DATA/eval or shared/data/eval
-    return [root / f for f in DEFAULT_PROMPT_FILES]
+def default_prompt_files(split: str = "dev", root: str | Path | None = None) -> list[Path]:
+    """The four shipped eval sets of one split (prompts/eval/<split>/, or $DRAFTSMITH_DATA/eval/<split>/)."""
+    if split not in SPLITS:
+        raise DataError(f"eval split must be one of {', '.join(SPLITS)}, got {split!r}")
+    root = Path(root) if root else shared_data_dir() / "eval"
+    return [root / split / f for f in DEFAULT_PROMPT_FILES]
 
 
 def canonical_domain(name: str) -> str:
@@ -74,8 +78,8 @@ def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, s
         path = data_path(f)
         if not path.is_file():
             raise DataError(f"prompt file not found: {path}")
-        stem_domain = canonical_domain(path.stem)
-        with open(path, "rb") as fh:
+        stem_domain = canonical_domain(data_stem(path))
+        with open_data(path) as fh:
             for lineno, raw_line in enumerate(fh, 1):
                 if not raw_line.strip():
                     continue

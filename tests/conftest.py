@@ -73,8 +73,8 @@ def pytest_report_header(config):
     root = shared_data_dir()
     if root.is_dir():
         return f"draftsmith prompt sets: {root}"
-    return (f"draftsmith prompt sets: {root} is MISSING - clone beside shared/ or set DRAFTSMITH_DATA; "
-            "the tests that read them will fail")
+    return (f"draftsmith prompt sets: {root} is MISSING - the repository ships them in prompts/; "
+            "unset DRAFTSMITH_DATA or point it at a copy; the tests that read them will fail")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,7 +30,6 @@ from draftsmith.storage import data_path, shared_data_dir
 
 SHARED = shared_data_dir()
 TRAIN = SHARED / "train"
-needs_shared = pytest.mark.skipif(not TRAIN.is_dir(), reason="shared data not present")
 
 CONVO = [
     {"role": "user", "content": "What is 2+2?"},
@@ -118,15 +117,14 @@ def _cfg(tmp_path, sources, **kw):
     return DataConfig(sources=sources, output_dir=str(tmp_path / "out"), **kw)
 
 
-@needs_shared
 def test_every_shared_train_file_loads(tmp_path):
     sources = [
-        SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl"), prompt="question", domain="math", limit=30),
-        SourceConfig(name="t0", path=str(TRAIN / "t0_prompts.jsonl"), prompt="prompt", limit=200, domain="nlp",
+        SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl.gz"), prompt="question", domain="math", limit=30),
+        SourceConfig(name="t0", path=str(TRAIN / "t0_prompts.jsonl.gz"), prompt="prompt", limit=200, domain="nlp",
                      domain_rules=[{"field": "source", "pattern": "xsum|cnn_dailymail|gigaword|samsum|multi_news",
                                     "domain": "summarization"},
                                    {"field": "source", "pattern": "qa|quoref|ropes|duorc", "domain": "qa"}]),
-        SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl"),
+        SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl.gz"),
                      prompt_template="{instruction}\n\n{instances[0][input]}", domain="general"),
     ]
     cfg = _cfg(tmp_path, sources)
@@ -141,12 +139,11 @@ def test_every_shared_train_file_loads(tmp_path):
     assert [r.row_id for r in load_prompts(cfg).rows] == [r.row_id for r in ps.rows]
 
 
-@needs_shared
 def test_eval_set_schemas_load_as_multi_turn():
-    texts = load_eval_texts([EvalSetConfig(path=str(SHARED / "eval/eagle/alpaca.jsonl"), turns="turns"),
-                             EvalSetConfig(path=str(SHARED / "eval/user_oriented_instructions.jsonl"),
-                                           prompt_template="{instruction}\n\n{instances[0][input]}")], 8)
-    assert len(texts) >= 80 + 252
+    sets = [EvalSetConfig(path=str(SHARED / f"eval/{split}/alpaca.jsonl"), turns="turns") for split in ("dev", "test")]
+    sets += [EvalSetConfig(path=str(SHARED / f"eval/{split}/user_oriented_instructions.jsonl"),
+                           prompt_template="{instruction}\n\n{instances[0][input]}") for split in ("dev", "test")]
+    assert len(load_eval_texts(sets, 8)) == 80 + 252
 
 
 def test_eval_data_cannot_be_a_source(tmp_path):
@@ -580,7 +577,7 @@ def test_presets_load(preset):
 
 
 def test_preset_data_paths_follow_draftsmith_data(tmp_path, monkeypatch):
-    """`../shared/data/...` in a preset means $DRAFTSMITH_DATA, whatever the working directory."""
+    """`prompts/...` in a preset means the shipped sets, or $DRAFTSMITH_DATA, whatever the working directory."""
     data = tmp_path / "elsewhere" / "prompts"
     (data / "train").mkdir(parents=True)
     (data / "eval").mkdir()
@@ -588,19 +585,22 @@ def test_preset_data_paths_follow_draftsmith_data(tmp_path, monkeypatch):
     (data / "eval" / "e.jsonl").write_text('{"q": "What is the capital of France?"}\n')
     work = tmp_path / "a" / "b"
     work.mkdir(parents=True)
-    monkeypatch.chdir(work)  # ../shared/data does not exist from here
+    monkeypatch.chdir(work)  # no prompts/ folder here
+    monkeypatch.delenv("DRAFTSMITH_DATA", raising=False)
+    shipped = data_path("prompts/train/gsm8k_train.jsonl.gz")
+    assert shipped.is_file() and shipped.parent.parent.parent.name != "shared"  # inside the package itself
     monkeypatch.setenv("DRAFTSMITH_DATA", str(data))
-    assert data_path("../shared/data/train/q.jsonl") == data / "train" / "q.jsonl"
-    assert data_path("../shared/datasets/q.jsonl") == Path("../shared/datasets/q.jsonl")  # only the whole prefix
+    assert data_path("prompts/train/q.jsonl") == data / "train" / "q.jsonl"
+    assert data_path("prompts_old/q.jsonl") == Path("prompts_old/q.jsonl")  # only the whole first part
     assert data_path("rel/q.jsonl") == Path("rel/q.jsonl")
-    src = SourceConfig(name="q", path="../shared/data/train/q.jsonl", prompt="q", domain="general")
-    cfg = _cfg(tmp_path, [src], eval_sets=[EvalSetConfig(path="../shared/data/eval/e.jsonl", prompt="q")])
+    src = SourceConfig(name="q", path="prompts/train/q.jsonl", prompt="q", domain="general")
+    cfg = _cfg(tmp_path, [src], eval_sets=[EvalSetConfig(path="prompts/eval/e.jsonl", prompt="q")])
     assert len(load_prompts(cfg).rows) == 2
     assert len(load_eval_texts(cfg.eval_sets, 8)) == 1
     # the train/eval guard resolves the same way: a source inside the mapped eval folder is refused
     with pytest.raises(ValueError, match="held-out"):
-        _cfg(tmp_path, [SourceConfig(name="e", path="../shared/data/eval/e.jsonl", prompt="q", domain="d")],
-             eval_dirs=["../shared/data/eval"])
+        _cfg(tmp_path, [SourceConfig(name="e", path="prompts/eval/e.jsonl", prompt="q", domain="d")],
+             eval_dirs=["prompts/eval"])
 
 
 def test_bad_config_values_fail_at_load(tmp_path):

@@ -36,9 +36,9 @@ def test_data_train_evaluate_export(real_target, tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["kind"] == "medusa" and manifest["target"]["vocab_size"] == 49152
 
-    gsm8k = shared_data_dir() / "eval" / "eagle" / "gsm8k.jsonl"
+    gsm8k = shared_data_dir() / "eval" / "dev" / "gsm8k.jsonl"
     report = evaluate(real_target, f"medusa:{art}", prompts=[str(gsm8k)], limit_per_domain=1,
-                      max_new_tokens=16, tree_from_proposer=True, hf_reference=False, cost_model=False)
+                      max_new_tokens=16, tree_from_proposer=True, cost_model=False)
     assert report["domains"]["math"]["lossless"] is True
     assert report["overall"]["tau"] >= 1.0
     # the whole calibrated tree, uncut, decoded beside the cut one for its τ

@@ -68,7 +68,7 @@ def test_readme_commands_run_from_a_hub_id_to_a_served_eagle3_head(tiny_tokenize
     for name in ("configs", "scripts"):
         (work / name).symlink_to(ROOT / name)
     monkeypatch.chdir(work)
-    gsm8k = ROOT.parent / "shared" / "data" / "eval" / "eagle" / "gsm8k.jsonl"
+    gsm8k = ROOT / "prompts" / "eval" / "dev" / "gsm8k.jsonl"
     ran, checked = [], []
     export_dir = None
     with gemm.disabled():  # the CPU kernel plan is tested in test_gemm.py; here, the commands
