@@ -92,6 +92,7 @@ class BenchConfig:
     artifacts: list[ArtifactStage] = field(default_factory=list)
     baselines: list[Baseline] = field(default_factory=lambda: [Baseline("ngram", "ngram")])
     prompts: list[str] = field(default_factory=list)  # extra prompt files (default: the shipped eval sets of `split`)
+    split: str = "test"  # published numbers come from the split nothing was chosen on (prompts/README.md)
     budgets: dict[str, Budget] = field(default_factory=lambda: {"full": Budget(), "quick": Budget()})
 
     def __post_init__(self):
@@ -100,6 +101,8 @@ class BenchConfig:
         self.artifacts = [a if isinstance(a, ArtifactStage) else ArtifactStage(**a) for a in self.artifacts]
         self.baselines = [b if isinstance(b, Baseline) else Baseline(**b) for b in self.baselines]
         self.budgets = {k: v if isinstance(v, Budget) else Budget(**v) for k, v in self.budgets.items()}
+        if self.split not in ("dev", "test"):
+            raise ValueError(f"bench: split must be dev or test, got {self.split!r}")
         names = [a.name for a in self.artifacts] + [b.name for b in self.baselines]
         if len(set(names)) != len(names):
             raise ValueError(f"bench: artifact and baseline names must be unique, got {names}")

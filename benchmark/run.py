@@ -235,7 +235,7 @@ class Bench:
         b = self.b
         argv = [*_draftsmith(), "evaluate", "--target", self.cfg.target, "--proposer", proposer,
                 "--max-new-tokens", str(b.max_new_tokens), "--cost-repeats", str(b.cost_repeats),
-                "--out", str(self.out / "eval" / name)]
+                "--split", self.cfg.split, "--out", str(self.out / "eval" / name)]
         if b.limit_per_domain is not None:
             argv += ["--limit-per-domain", str(b.limit_per_domain)]
         argv += ["--tree", spec.tree] if spec.tree else ["--k", str(spec.k)]
@@ -244,7 +244,7 @@ class Bench:
         if self.prompts:
             from draftsmith.evaluation.domains import default_prompt_files
 
-            argv += ["--prompts", *map(str, default_prompt_files()), *self.prompts]
+            argv += ["--prompts", *map(str, default_prompt_files(self.cfg.split)), *self.prompts]
         self._stage(f"eval/{name}", self.out / "eval" / name / "report.json", argv)
 
     # --- the run ----------------------------------------------------------------------------------

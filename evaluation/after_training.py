@@ -24,7 +24,7 @@ class EvalAfterTraining:
     max_new_tokens: int = 64
     k: int = 4  # chain length (draft models, and heads when tree is false)
     tree: bool = True  # heads: verify the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)
-    hf_reference: bool = False  # also time HF generate / assisted generation in the same run
+    hf_reference: bool = True  # HF generate beside: the independent reference `lossless` is judged against
     cost_model: bool = True  # measure v(k) and c on this machine -> recommended k
 
     def __post_init__(self):

@@ -25,6 +25,7 @@ FLAGS = {  # flag -> (EvalConfig field, type)
     "--draft-dtype": ("draft_dtype", str),
     "--cost-repeats": ("cost_repeats", int), "--cost-k-max": ("cost_k_max", int),
     "--cost-context": ("cost_context", int), "--policy-threshold": ("policy_threshold", float),
+    "--split": ("split", str), "--repeats": ("repeats", int), "--remeasure": ("remeasure", int),
 }
 
 
@@ -40,9 +41,10 @@ def register(subparsers) -> None:
                    help="also decode with adaptive k (chains up to --k) and compare it with fixed k")
     p.add_argument("--compare", nargs="+", default=None, metavar="PROPOSER",
                    help="more proposers decoded on the same prompts in the same run (side-by-side speedups)")
-    p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the shared eval sets)")
+    p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the four shipped eval sets of --split)")
     p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1; `auto` = the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)")
-    p.add_argument("--no-hf-reference", action="store_true", help="skip timing HF generate")
+    p.add_argument("--no-hf-reference", action="store_true",
+                   help="skip HF generate: faster, but `lossless` is then not judged (null)")
     p.add_argument("--no-cost-model", action="store_true", help="skip measuring v(k)")
     p.add_argument("--no-prune-tree", action="store_true",
                    help="verify every node a tree proposer returns (default: cut scored trees to the nodes that pay)")
@@ -118,7 +120,8 @@ def summary_line(report: dict) -> str:
     line = (f"overall: alpha {fmt(o['alpha'])}, tau {fmt(o['tau'])}, {fmt(o['tokens_per_s'])} tok/s vs "
             f"{fmt(o['baseline_tokens_per_s'])} plain, speedup {fmt(o['speedup'])}"
             + (f" ({fmt(o['speedup_vs_hf_generate'])} vs HF generate)" if o.get("speedup_vs_hf_generate") else "")
-            + f", lossless {o['lossless']}")
+            + f", lossless {o['lossless']}"
+            + ("" if o.get("timing_valid", True) else f" (speedups from {o.get('n_timed')} of {o['n_prompts']} prompts)"))
     busy = report.get("contention") or {}
     if busy.get("speedups_valid") is False:
         line += f"\nSPEEDUPS NOT VALID: {busy['note']}"

@@ -12,7 +12,8 @@ from draftsmith.config import register_config
 class EvalConfig:
     target: str = "smollm2-135m"
     proposer: str = "ngram"  # ngram | ngram:N | draft:PATH | medusa:PATH | eagle:PATH
-    prompts: list[str] = field(default_factory=list)  # empty = the four shared eval files
+    prompts: list[str] = field(default_factory=list)  # empty = the four shipped eval sets of `split`
+    split: str = "dev"  # dev: choosing heads, trees, policies; test: the headline numbers only (prompts/README.md)
     max_new_tokens: int = 128
     k: int = 4  # chain length (ignored when tree is given)
     tree: list[int] | None = None  # branching factor per depth, e.g. [4, 2, 1]
@@ -27,7 +28,11 @@ class EvalConfig:
     limit_per_domain: int | None = None
     seed: int = 0
     out: str = "runs/eval"
-    hf_reference: bool = True  # time HF generate (and assisted generation for drafts) in the same run
+    # HF generate (stock kernels) on every prompt: the independent reference `lossless` is judged against, and
+    # the other plain decoding speedups are stated against; off, `lossless` is null (not judged)
+    hf_reference: bool = True
+    repeats: int = 3  # timed runs of each decoding per prompt, interleaved; the median is the time
+    remeasure: int = 3  # extra rounds for a prompt whose runs were not quiet `repeats` times
     cost_model: bool = True
     cost_context: int = 256
     cost_k_max: int = 16
@@ -57,5 +62,9 @@ class EvalConfig:
             raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {self.temperatures}")
         if self.adaptive and (self.tree is not None or self.tree_from_proposer or self.k < 1):
             raise ValueError("adaptive k chooses chain lengths: use it with k >= 1, not with a tree")
+        if self.split not in ("dev", "test"):
+            raise ValueError(f"split must be dev or test, got {self.split!r}")
+        if self.repeats < 1 or self.remeasure < 0:
+            raise ValueError(f"repeats must be >= 1 and remeasure >= 0, got {self.repeats} and {self.remeasure}")
         if self.cost_k_max < 1 or self.cost_repeats < 1 or self.cost_context < 1:
             raise ValueError("cost_k_max, cost_repeats and cost_context must be >= 1")

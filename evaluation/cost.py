@@ -1,4 +1,4 @@
-"""The cost model, measured on the machine it runs on (DESIGN.md, "Cost model").
+"""The cost model, measured on the machine it runs on (docs/evaluation.md, "The cost model").
 
 Speedup of a chain of k draft tokens:
 

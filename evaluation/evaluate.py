@@ -42,6 +42,7 @@ from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation import cost
 from draftsmith.evaluation.config import EvalConfig
+from draftsmith.evaluation.cost import CpuShare
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
 from draftsmith.targets import gemm
 from draftsmith.targets.device import dtype_name
@@ -146,11 +147,58 @@ def _compare_entry(entry: str) -> tuple[str, int | str | TreeSpec | None, str | 
                       f"numbers >= 1) and/or one dtype ({', '.join(_DTYPE_NAMES)})")
 
 
+@dataclass
+class Speed:
+    """Token counts and median seconds summed over the prompts whose timing of one entry is valid."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    base_tokens: int = 0
+    base_seconds: float = 0.0
+    hf_tokens: int = 0
+    hf_seconds: float = 0.0
+    n: int = 0
+
+    @staticmethod
+    def of(recs: list[dict], key: str) -> Speed:
+        sp = Speed()
+        for r in recs:
+            if not r.get("timed", {}).get(key):
+                continue
+            st = _entry_stats(r, key)
+            sp.tokens += st.new_tokens
+            sp.seconds += st.wall_time
+            sp.base_tokens += r["base"].new_tokens
+            sp.base_seconds += r["base"].wall_time
+            sp.hf_tokens += r.get("hf_tokens", 0)
+            sp.hf_seconds += r.get("hf_time", 0.0)
+            sp.n += 1
+        return sp
+
+    def fields(self) -> dict:
+        """tokens/s of the entry, of our plain decoding and of HF generate, and the speedups: `speedup` is
+        against the faster of the two plain decodings (`fastest_plain` says which), both shown beside it."""
+        rate = lambda t, s: t / s if s > 0 and t else None  # noqa: E731
+        tps, btps, hf = rate(self.tokens, self.seconds), rate(self.base_tokens, self.base_seconds), \
+            rate(self.hf_tokens, self.hf_seconds)
+        fastest = max((x for x in (btps, hf) if x), default=None)
+        return {"tokens_per_s": tps, "baseline_tokens_per_s": btps, "hf_generate_tokens_per_s": hf,
+                "speedup": tps / fastest if tps and fastest else None,
+                "fastest_plain": None if fastest is None else ("draftsmith" if fastest == btps else "hf_generate"),
+                "speedup_vs_plain": tps / btps if tps and btps else None,
+                "speedup_vs_hf_generate": tps / hf if tps and hf else None, "n_timed": self.n}
+
+
+def _entry_stats(rec: dict, key: str) -> GenerationStats:
+    if key == "spec":
+        return rec["spec"]
+    if key == "adaptive":
+        return rec["adaptive"]
+    return rec["compare"][key][0]
+
+
 def _summary(spec: GenerationStats, base: GenerationStats, n_prompts: int, lossless: bool | None, depth: int,
-             hf_tokens: int, hf_time: float) -> dict:
-    tps = spec.new_tokens / spec.wall_time if spec.wall_time > 0 else None
-    btps = base.new_tokens / base.wall_time if base.wall_time > 0 else None
-    hf_tps = hf_tokens / hf_time if hf_time > 0 else None
+             speed: Speed) -> dict:
     alpha = spec.alpha
     return {
         "n_prompts": n_prompts,
@@ -159,12 +207,9 @@ def _summary(spec: GenerationStats, base: GenerationStats, n_prompts: int, lossl
         "tau_predicted_from_alpha": cost.tau_from_alpha(alpha, depth),
         "per_position_acceptance": spec.per_position_acceptance,
         "conditional_acceptance": spec.conditional_acceptance,
-        "tokens_per_s": tps,
-        "baseline_tokens_per_s": btps,
-        "speedup": (tps / btps) if tps and btps else None,
+        **speed.fields(),
+        "timing_valid": speed.n == n_prompts,
         "lossless": lossless,
-        "hf_generate_tokens_per_s": hf_tps,
-        "speedup_vs_hf_generate": (tps / hf_tps) if tps and hf_tps else None,
         "proposed": spec.proposed,
         "pruned": spec.pruned,
         "verified_nodes_per_step": spec.proposed / spec.target_forwards if spec.target_forwards else None,
@@ -234,32 +279,66 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
         overrides["proposer"] = proposer
     cfg = dataclasses.replace(cfg, **overrides)
     setup = build_setup(target, proposer, cfg)
-    from draftsmith.evaluation.cost import CpuShare
-
-    with CpuShare() as share:  # tokens/s and every speedup are timed in here
+    with CpuShare() as share:
         per_prompt = decode_prompts(setup)
+    chain_cost = _measure_chain_cost(setup)
+    judge_timing(per_prompt, _speed_limit_cost(setup, chain_cost), cfg.hf_reference)
     depth = setup.spec.depth
     domains = {name: aggregate([r for r in per_prompt if r["domain"] == name], depth)
                for name in sorted({r["domain"] for r in per_prompt})}
     overall = aggregate(per_prompt, depth)
-    cost_model, recommended, policy = _cost_model(setup, per_prompt, domains, overall)
+    cost_model, recommended, policy = _cost_model(setup, per_prompt, domains, overall, chain_cost)
     for d in list(domains.values()) + [overall]:
         d.pop("_stats")
     name = cfg.proposer if isinstance(proposer, str) else proposer.name
     report = _report(setup, name, command, per_prompt, domains, overall, cost_model, recommended, policy)
-    report["contention"] = contention(share.others)
+    report["contention"] = contention(share.others, per_prompt, cfg)
     return report
 
 
-def contention(share: float | None) -> dict:
-    """How busy the machine was while the prompts were decoded. Above cost.BUSY_SHARE the measured tokens/s
-    and speedups say how busy the machine was, not how fast the decoding is: the report says so."""
+def _measure_chain_cost(setup: Setup) -> dict | None:
+    """v(k), k = 0..max(cost_k_max, depth), measured here (cost_model on), else None."""
+    cfg = setup.cfg
+    if not cfg.cost_model:
+        return None
+    k_max = max(cfg.cost_k_max, setup.spec.depth)
+    log.info("measuring the cost model v(k), k = 0..%d", k_max)
+    return cost.measure_verify_cost(setup.target, cfg.cost_context, k_max, cfg.cost_repeats, cfg.seed)
+
+
+def _speed_limit_cost(setup: Setup, chain_cost: dict | None):
+    """v(n) for the impossible-speedup check: the cheapest a forward over n nodes was seen to be (fastest
+    repeats, so that a measurement under load does not make a real speedup look impossible); the tree
+    measurement for trees, the chain one otherwise; None (v = 1) when neither was measured."""
+    measured = setup.tree_cost if setup.tree_cost is not None else chain_cost
+    if not measured or "t_forward_min_s" not in measured:
+        return None
+    t = measured["t_forward_min_s"]
+    v = [t[str(n)] / t["0"] for n in range(len(t))]
+    return lambda n: v[min(n, len(v) - 1)]
+
+
+def contention(share: float | None, per_prompt: list[dict] | None = None, cfg: EvalConfig | None = None) -> dict:
+    """How busy the machine was while the prompts were decoded, and which timings are valid. Validity follows
+    from the per-prompt checks (`judge_timing`): each run measured quietly (re-measured when not), and no
+    speedup above what τ and v allow. `other_cpu_share` is the whole run's average, for the record only."""
     from draftsmith.evaluation.cost import BUSY_SHARE, contended
 
-    return {"other_cpu_share": share, "threshold": BUSY_SHARE, "speedups_valid": not contended(share),
-            "note": None if not contended(share) else
-            f"other processes used {100 * share:.0f}% of the CPU while the prompts were decoded: tokens/s and "
-            f"speedups are not valid (rerun on a quiet machine); acceptance (alpha, tau) and losslessness still hold"}
+    invalid = [{"prompt": r["source"], "domain": r["domain"], "entry": e, "reason": why}
+               for r in per_prompt or [] for e, why in r["timing"].get("invalid", {}).items()]
+    if per_prompt is None:  # a caller with only the run's average (older reports)
+        valid = not contended(share)
+    else:
+        valid = not invalid
+    n = len(per_prompt or [])
+    bad = len({i["prompt"] for i in invalid})
+    return {"other_cpu_share": share, "threshold": BUSY_SHARE, "speedups_valid": valid,
+            "repeats": cfg.repeats if cfg else None, "remeasure": cfg.remeasure if cfg else None,
+            "prompts": n, "prompts_with_invalid_timing": bad, "invalid": invalid,
+            "note": None if valid else
+            f"speedups not valid for {bad} of {n} prompts (timed on a busy machine, or an impossible speedup): "
+            f"they are left out of every summary and of the policy; acceptance (alpha, tau) and "
+            f"losslessness still hold for all of them"}
 
 
 def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
@@ -284,7 +363,7 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
         cfg = dataclasses.replace(cfg, tree=list(spec.branching))
     else:
         spec = TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)
-    files = cfg.prompts or [str(p) for p in default_prompt_files()]
+    files = cfg.prompts or [str(p) for p in default_prompt_files(cfg.split)]
     rows = load_prompts(files, cfg.limit_per_domain, cfg.seed)
     eos = list(target.eos_token_ids)
     entries = [Entry("spec", prop, dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k),
@@ -351,25 +430,31 @@ def _cut_trees(setup: Setup) -> None:
 
 
 def decode_prompts(setup: Setup) -> list[dict]:
-    """Decode every prompt with every run — plain decoding ("base"), each entry, HF generate ("hf") — in an
-    order that rotates prompt by prompt, so that a drift in machine load hits each alike; one record per
-    prompt with each run's statistics and whether its output is the target's."""
+    """Decode every prompt with every run — plain decoding ("base"), each entry, HF generate ("hf") — and time
+    it robustly: per prompt, `repeats` rounds in which every timed run decodes once, the order rotating round
+    by round and prompt by prompt, so that a drift or a burst of machine load hits each alike. Each run's
+    share of the CPU used by other processes is read around it; a prompt whose runs were not quiet often
+    enough gets up to `remeasure` more rounds. Each run's time is the median of its quiet measurements. One
+    record per prompt with each run's statistics (from its median run), its measurements, and whether its
+    output is the target's."""
     cfg, target, prop = setup.cfg, setup.target, setup.prop
     tok, gen_kw = target.tokenizer, setup.gen_kw
     eos = gen_kw["eos_ids"]
     pad = pad_token_id(target)
 
-    def runner(name: str):
+    def runner(name: str):  # -> (result, seconds)
         if name == "base":
-            return lambda ids, seed, n: speculative_generate(target, None, [ids], n, k=0, seed=seed, **gen_kw)
+            return lambda ids, seed, n: _timed(speculative_generate(target, None, [ids], n, k=0, seed=seed, **gen_kw))
         if name == "hf":
             return lambda ids, seed, n: _hf_generate(target.model, ids, dataclasses.replace(cfg, max_new_tokens=n),
                                                      eos, pad)
         e = next(e for e in setup.entries if e.name == name)
-        return lambda ids, seed, n: speculative_generate(target, e.proposer, [ids], n, seed=seed, **e.kw, **gen_kw)
+        return lambda ids, seed, n: _timed(speculative_generate(target, e.proposer, [ids], n, seed=seed, **e.kw,
+                                                                **gen_kw))
 
     names = ["base", "spec"] + (["hf"] if cfg.hf_reference else []) + [e.name for e in setup.entries[1:]]
     runs = {name: runner(name) for name in names}
+    timed = [n for n in names if n not in UNTIMED]
     warm = format_prompt(tok, setup.rows[0].text)  # every code path once, not counted
     for name in names:
         if name != "adaptive":
@@ -379,34 +464,94 @@ def decode_prompts(setup: Setup) -> list[dict]:
     for i, row in enumerate(setup.rows):
         ids = format_prompt(tok, row.text)
         routed_as = prop.route(domain=row.domain, text=row.text) if prop.routes else None
-        prop.reset_stats()
-        out: dict = {}
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            out[name] = runs[name](ids, cfg.seed + i, cfg.max_new_tokens)
-            if name == "spec" and prop.tracks_branches:
-                out["branches"] = prop.branch_stats()
+        seed = cfg.seed + i
+        measured: dict[str, list] = {name: [] for name in timed}  # (result, seconds, other CPU share)
+        branches = None
+        rounds = 0
+        while True:
+            shift = (i + rounds) % len(timed)
+            for name in timed[shift:] + timed[:shift]:
+                if name == "spec":
+                    prop.reset_stats()
+                with CpuShare() as share:
+                    result, seconds = runs[name](ids, seed, cfg.max_new_tokens)
+                measured[name].append((result, seconds, share.others))
+                if name == "spec" and prop.tracks_branches and branches is None:
+                    branches = prop.branch_stats()
+            rounds += 1
+            short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
+            if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
+                break
+        out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
+        for name in names:
+            if name in UNTIMED:  # decoded for its acceptance only: its speed is not what it reports
+                out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
+        if branches is not None:
+            out["branches"] = branches
         rec = _record(setup, row, ids, out, routed_as, eos, pad)
+        rec["timing"] = {"rounds": rounds, "measurements": {
+            name: [[round(sec, 6), None if sh is None else round(sh, 4)] for _, sec, sh in measured[name]]
+            for name in timed}, "quiet": {name: _quiet_count(measured[name]) >= cfg.repeats for name in timed}}
         per_prompt.append(rec)
         sp, base = rec["spec"], rec["base"]
-        log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s%s", i + 1, len(setup.rows),
-                 row.domain, row.source, rec["new_tokens"], f"{sp.alpha:.2f}" if sp.alpha is not None else "-",
-                 sp.tau or 0, sp.new_tokens / sp.wall_time, base.new_tokens / base.wall_time,
-                 f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "",
+        log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s (median of %d)%s%s",
+                 i + 1, len(setup.rows), row.domain, row.source, rec["new_tokens"],
+                 f"{sp.alpha:.2f}" if sp.alpha is not None else "-", sp.tau or 0, sp.new_tokens / sp.wall_time,
+                 base.new_tokens / base.wall_time,
+                 f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "", rounds,
+                 "" if all(rec["timing"]["quiet"].values()) else " BUSY MACHINE",
                  "" if rec["lossless"] is not False else " NOT LOSSLESS")
     return per_prompt
 
 
+# decoded once per prompt, for acceptance only: the uncut GPU-sized tree's speed on this CPU is not reported
+UNTIMED = ("gpu_tree",)
+
+
+def _timed(result):
+    return result, result.stats.wall_time
+
+
+def _quiet_count(runs: list) -> int:
+    from draftsmith.evaluation.cost import contended
+
+    return sum(1 for _, _, share in runs if not contended(share))
+
+
+def _median_run(runs: list, need: int):
+    """The run with the median time among the quiet ones (all of them when fewer than `need` were quiet):
+    its result, with its time as the run's time."""
+    from draftsmith.evaluation.cost import contended
+
+    quiet = [r for r in runs if not contended(r[2])]
+    pool = sorted(quiet if len(quiet) >= need else runs, key=lambda r: r[1])
+    result, seconds, _ = pool[(len(pool) - 1) // 2]
+    if isinstance(result, list):  # HF generate: (tokens, seconds)
+        return result, seconds
+    return result
+
+
 def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as, eos: list[int], pad) -> dict:
-    """One prompt's record from its runs' results (greedy: each output compared with plain decoding's)."""
+    """One prompt's record from its runs' results. Greedy: `lossless` compares each output with HF generate's
+    (stock kernels, an implementation independent of ours); `self_consistent` with our own plain decoding."""
     cfg, prop = setup.cfg, setup.prop
     greedy = cfg.temperature == 0
     base = out["base"]
+    eos_set = set(eos)
+    reference = None
+    if "hf" in out:
+        hf_tokens, hf_time = out["hf"]
+        reference = _strip_after_eos(hf_tokens, eos_set)
 
-    def same(result) -> bool | None:
+    def same(result) -> bool | None:  # the independent check
+        return (result.tokens[0] == reference) if greedy and reference is not None else None
+
+    def consistent(result) -> bool | None:  # ours against ours: a bug shared by both would pass it
         return (result.tokens[0] == base.tokens[0]) if greedy else None
 
     rec = {"domain": row.domain, "source": row.source, "prompt_tokens": len(ids), "base": base.stats,
-           "spec": out["spec"].stats, "new_tokens": len(out["spec"].tokens[0]), "lossless": same(out["spec"])}
+           "spec": out["spec"].stats, "new_tokens": len(out["spec"].tokens[0]), "lossless": same(out["spec"]),
+           "self_consistent": consistent(out["spec"])}
     if prop.routes:
         rec["route"] = prop.route_name()
         rec["routed_as"] = routed_as
@@ -414,6 +559,7 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
         rec["branches"] = out["branches"]
     if setup.compared:
         rec["compare"] = {e.name[4:]: (out[e.name].stats, same(out[e.name])) for e in setup.compared}
+        rec["self_consistent"] = _all_or_none([rec["self_consistent"]] + [consistent(out[e.name]) for e in setup.compared])
     if "gpu_tree" in out:
         rec["gpu_tree"] = (out["gpu_tree"].stats, same(out["gpu_tree"]))
     if "adaptive" in out:
@@ -421,17 +567,14 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
         rec["adaptive"] = ad.stats
         rec["adaptive_k"] = ad.k_history[0]
         rec["adaptive_lossless"] = same(ad)
-    if "hf" in out:
-        eos_set = set(eos)
-        hf_tokens, hf_time = out["hf"]
-        hf_tokens = _strip_after_eos(hf_tokens, eos_set)
-        rec["hf_tokens"], rec["hf_time"] = len(hf_tokens), hf_time
-        rec["hf_matches_baseline"] = (hf_tokens == base.tokens[0]) if greedy else None
+    if reference is not None:
+        rec["hf_tokens"], rec["hf_time"] = len(reference), hf_time
+        rec["hf_matches_baseline"] = (reference == base.tokens[0]) if greedy else None
         if setup.assistant is not None:
             as_tokens, as_time = _hf_generate(setup.target.model, ids, cfg, eos, pad, assistant_model=setup.assistant)
             as_tokens = _strip_after_eos(as_tokens, eos_set)
             rec["assisted_tokens"], rec["assisted_time"] = len(as_tokens), as_time
-            rec["assisted_matches_baseline"] = (as_tokens == base.tokens[0]) if greedy else None
+            rec["assisted_matches_baseline"] = (as_tokens == reference) if greedy else None
     return rec
 
 
@@ -442,14 +585,15 @@ def _all_or_none(flags: list) -> bool | None:
 
 def aggregate(recs: list[dict], depth: int) -> dict:
     """Per-prompt records -> the report's summary of them (`_summary`, plus routes, branches, side-by-side
-    entries and adaptive k where the records have them). `_stats` keeps the merged statistics of the main
-    entry for the cost model; the caller drops it."""
+    entries and adaptive k where the records have them). Acceptance counts every prompt; tokens/s and
+    speedups only the prompts whose timing of that entry is valid (`judge_timing`). `_stats` keeps the merged
+    statistics of the main entry for the cost model; the caller drops it."""
     s, b = GenerationStats(), GenerationStats()
     for r in recs:
         s.merge(r["spec"])
         b.merge(r["base"])
-    out = _summary(s, b, len(recs), _all_or_none([r["lossless"] for r in recs]), depth,
-                   sum(r.get("hf_tokens", 0) for r in recs), sum(r.get("hf_time", 0.0) for r in recs))
+    out = _summary(s, b, len(recs), _all_or_none([r["lossless"] for r in recs]), depth, Speed.of(recs, "spec"))
+    out["self_consistent"] = _all_or_none([r.get("self_consistent") for r in recs])
     out["_stats"] = s
     if recs and "route" in recs[0]:
         counts: dict[str, int] = {}
@@ -459,32 +603,79 @@ def aggregate(recs: list[dict], depth: int) -> dict:
         out["routes"] = counts
     if recs and "branches" in recs[0]:
         out["branches"] = _sum_branches([r["branches"] for r in recs])
-    def beside(pairs: list[tuple]) -> dict:  # another entry's (stats, lossless) per prompt, summarised
+    def beside(pairs: list[tuple], key: str | None) -> dict:  # another entry's (stats, lossless) per prompt
         c = GenerationStats()
         for st, _ in pairs:
             c.merge(st)
-        summ = _summary(c, b, len(recs), _all_or_none([same for _, same in pairs]), 0, 0, 0.0)
-        return {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup", "lossless",
-                                           "per_position_acceptance", "conditional_acceptance", "verified_nodes_per_step")}
+        summ = _summary(c, b, len(recs), _all_or_none([same for _, same in pairs]), 0,
+                        Speed.of(recs, key) if key else Speed())
+        keep = ("alpha", "tau", "lossless", "per_position_acceptance", "conditional_acceptance", "verified_nodes_per_step")
+        if key:  # the uncut GPU-sized tree is decoded for its τ only
+            keep += ("tokens_per_s", "speedup", "speedup_vs_plain", "speedup_vs_hf_generate", "n_timed")
+        return {k: summ[k] for k in keep}
 
     if recs and "compare" in recs[0]:
-        out["compare"] = {name: beside([r["compare"][name] for r in recs]) for name in recs[0]["compare"]}
+        out["compare"] = {name: beside([r["compare"][name] for r in recs], name) for name in recs[0]["compare"]}
     if recs and "gpu_tree" in recs[0]:
-        out["gpu_tree"] = beside([r["gpu_tree"] for r in recs])
+        out["gpu_tree"] = beside([r["gpu_tree"] for r in recs], None)
     if recs and "adaptive" in recs[0]:
         a = GenerationStats()
         for r in recs:
             a.merge(r["adaptive"])
         ks = [k for r in recs for k in r["adaptive_k"]]
-        summ = _summary(a, b, len(recs), _all_or_none([r["adaptive_lossless"] for r in recs]), 0, 0, 0.0)
+        summ = _summary(a, b, len(recs), _all_or_none([r["adaptive_lossless"] for r in recs]), 0,
+                        Speed.of(recs, "adaptive"))
         out["adaptive"] = {key: summ[key] for key in ("alpha", "tau", "tokens_per_s", "speedup", "lossless",
-                                                      "proposed", "accepted", "target_forwards")}
+                                                      "proposed", "accepted", "target_forwards", "n_timed")}
         out["adaptive"]["mean_k"] = sum(ks) / len(ks) if ks else None
         out["adaptive"]["plain_step_share"] = sum(1 for k in ks if k == 0) / len(ks) if ks else None
     return out
 
 
-def _cost_model(setup: Setup, per_prompt: list[dict], domains: dict, overall: dict) -> tuple[dict, dict, dict]:
+# a measured speedup above max(1, τ / v(verified nodes)) by more than this factor cannot be what speculation
+# bought (each verify forward costs v steps and emits τ tokens on average): timing noise moves a median of
+# three by a few percent, a burst of load on one of the two runs by 2-3x
+IMPOSSIBLE_FACTOR = 1.25
+
+
+def speedup_bound(tau: float | None, nodes: float | None, v) -> float:
+    """The largest speedup τ tokens a verify forward over `nodes` nodes can give, when v(n) (a callable, or
+    None for 1 everywhere) is what that forward costs in plain steps: max(1, τ / v(⌊nodes⌋))."""
+    if not tau:
+        return 1.0
+    cost_n = v(int(nodes or 0)) if v is not None else 1.0
+    return max(1.0, tau / max(cost_n, 1e-9))
+
+
+def judge_timing(per_prompt: list[dict], v, hf: bool) -> None:
+    """Mark, per prompt and per timed entry, whether its speedup may be published (`rec["timed"]`), and why not
+    (`rec["timing"]["invalid"]`): every run it is compared with (plain decoding, HF generate) and the entry
+    itself measured quietly, and its speedup over plain decoding within what its τ and v allow."""
+    for rec in per_prompt:
+        quiet = rec["timing"]["quiet"]
+        keys = ["spec"] + list(rec.get("compare", {})) + (["adaptive"] if "adaptive" in rec else [])
+        names = {"spec": "spec", "adaptive": "adaptive"}
+        rec["timed"], invalid = {}, {}
+        base_quiet = quiet["base"] and (quiet.get("hf", True) if hf else True)
+        for key in keys:
+            st = _entry_stats(rec, key)
+            if not (base_quiet and quiet.get(names.get(key, f"cmp:{key}"), True)):
+                invalid[key] = "other processes used the CPU during its measurements (re-measured, still busy)"
+            else:
+                b = rec["base"]
+                s = (st.new_tokens / st.wall_time) / (b.new_tokens / b.wall_time) \
+                    if st.wall_time > 0 and b.wall_time > 0 and b.new_tokens else None
+                nodes = st.proposed / st.target_forwards if st.target_forwards else 0.0
+                bound = speedup_bound(st.tau, nodes, v)
+                if s is not None and s > IMPOSSIBLE_FACTOR * bound:
+                    invalid[key] = (f"impossible speedup {s:.2f}: tau {st.tau:.2f} at {nodes:.1f} verified nodes "
+                                    f"a step allows at most {bound:.2f}")
+            rec["timed"][key] = key not in invalid
+        rec["timing"]["invalid"] = invalid
+
+
+def _cost_model(setup: Setup, per_prompt: list[dict], domains: dict, overall: dict,
+                chain_cost: dict | None) -> tuple[dict, dict, dict]:
     """The cost model (v(k) measured here; c from the run: proposer time per proposed token / one target step),
     the recommended k per domain and the per-domain policy; sets each domain's `predicted_speedup`."""
     cfg, spec = setup.cfg, setup.spec
@@ -500,11 +691,9 @@ def _cost_model(setup: Setup, per_prompt: list[dict], domains: dict, overall: di
         cost_model["v_tree_other_cpu_share"] = setup.tree_cost["other_cpu_share"]
     recommended: dict = {}
     policy: dict = {}
-    if not cfg.cost_model:
+    if chain_cost is None:
         return cost_model, recommended, policy
-    log.info("measuring the cost model v(k), k = 0..%d", max(cfg.cost_k_max, spec.depth))
-    cost_model.update(cost.measure_verify_cost(setup.target, cfg.cost_context, max(cfg.cost_k_max, spec.depth),
-                                               cfg.cost_repeats, cfg.seed))
+    cost_model.update(chain_cost)
     v = cost_model["v"]
     for name, d in list(domains.items()) + [("overall", overall)]:
         st: GenerationStats = d["_stats"]
@@ -524,14 +713,16 @@ def _references(setup: Setup, per_prompt: list[dict], overall: dict) -> dict:
     """Plain decoding's speed, and HF generate (and assisted generation) beside it: speed and same output."""
     references: dict = {"plain_decoding_tokens_per_s": overall["baseline_tokens_per_s"]}
     if not setup.cfg.hf_reference:
+        references["lossless_not_judged"] = ("no independent reference in this run (hf_reference off): `lossless` "
+                                             "is null; `self_consistent` compares with our own plain decoding")
         return references
-    hf_tok = sum(r.get("hf_tokens", 0) for r in per_prompt)
-    hf_time = sum(r.get("hf_time", 0.0) for r in per_prompt)
-    hf_tps = hf_tok / hf_time if hf_time > 0 else None
+    hf_tps = overall["hf_generate_tokens_per_s"]  # over the validly timed prompts, like plain decoding's
     flags = [r.get("hf_matches_baseline") for r in per_prompt]
     references["hf_generate"] = {"tokens_per_s": hf_tps, "matches_plain_decoding": _all_or_none(flags),
-                                 "n_mismatch": sum(1 for f in flags if f is False)}
-    references["plain_vs_hf_generate"] = (overall["baseline_tokens_per_s"] / hf_tps) if hf_tps else None
+                                 "n_mismatch": sum(1 for f in flags if f is False),
+                                 "role": "the independent reference: `lossless` is equality with its greedy output"}
+    references["plain_vs_hf_generate"] = (overall["baseline_tokens_per_s"] / hf_tps) \
+        if hf_tps and overall["baseline_tokens_per_s"] else None
     if setup.assistant is not None:
         a_tok = sum(r.get("assisted_tokens", 0) for r in per_prompt)
         a_time = sum(r.get("assisted_time", 0.0) for r in per_prompt)
@@ -559,6 +750,7 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
             "tree_verified": list(spec.branching) if cfg.tree else None,  # after a cut by the cost model
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": setup.files,
+            "split": None if cfg.prompts else cfg.split, "repeats": cfg.repeats, "remeasure": cfg.remeasure,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
             "gpu_tree": next(({"tree": list(e.kw["tree"].branching), "tree_max_nodes": e.kw["tree"].max_nodes}
                               for e in setup.entries if e.name == "gpu_tree"), None),

@@ -8,9 +8,8 @@ from pathlib import Path
 from draftsmith.storage import atomic_write_json, atomic_write_text
 
 FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "conditional_acceptance",
-          "tokens_per_s",
-          "baseline_tokens_per_s", "speedup", "lossless", "hf_generate_tokens_per_s", "speedup_vs_hf_generate",
-          "predicted_speedup",
+          "n_timed", "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "speedup", "fastest_plain",
+          "speedup_vs_plain", "speedup_vs_hf_generate", "lossless", "self_consistent", "predicted_speedup",
           "verified_nodes_per_step"]
 
 
@@ -36,10 +35,16 @@ def _contention_line(share: float | None, what: str) -> list[str]:
 
 
 def _decode_contention(c: dict | None) -> list[str]:
-    """A bold warning at the top when the decoding was timed on a busy machine (evaluate.contention)."""
+    """A bold warning at the top when some prompts could not be timed validly (evaluate.contention), with each
+    of them and why."""
     if not c or c.get("speedups_valid") is not False:
         return []
-    return [f"**Speedups are not valid: {c['note']}.**", ""]
+    lines = [f"**Speedups are not valid: {c['note']}.**", ""]
+    for item in (c.get("invalid") or [])[:20]:
+        lines.append(f"- {item['prompt']} ({item['domain']}), {item['entry']}: {item['reason']}")
+    if len(c.get("invalid") or []) > 20:
+        lines.append(f"- ... {len(c['invalid']) - 20} more in report.json")
+    return lines + [""]
 
 
 def _kernel_lines(k: dict | None) -> list[str]:
@@ -79,8 +84,11 @@ def render_markdown(report: dict) -> str:
         f"device {report['machine'].get('device')}", *_kernel_lines(report["machine"].get("few_row_kernels")), "",
         *_decode_contention(report.get("contention")),
         "## Per domain", "",
-        "speedup is against our plain decoding (the fastest this machine does, same kernels as the verifier); "
-        "speedup_vs_hf_generate against HF `generate` with its stock kernels.", "",
+        "Each prompt is decoded by every run several times, interleaved (repeats, median); tokens/s and speedups "
+        "count only the prompts timed validly (n_timed: quiet measurements, no speedup above what τ and v allow). "
+        "speedup is against the faster plain decoding (fastest_plain): our own (same kernels as the verifier) or "
+        "HF `generate` with its stock kernels; both are shown. lossless: the greedy output equals HF `generate`'s "
+        "(an independent implementation); self_consistent: it equals our own plain decoding's.", "",
     ]
     names = list(report["domains"]) + ["overall"]
     lines.append("| field | " + " | ".join(names) + " |")

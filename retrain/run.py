@@ -46,10 +46,11 @@ EXIT_OK, EXIT_ERROR, EXIT_REJECTED, EXIT_NO_TRAFFIC, EXIT_LOCKED = 0, 1, 10, 11,
 def _measure(target, kind: str, path: Path, prompts: list[str] | None, limit: int | None, cfg: RetrainConfig) -> dict:
     from draftsmith.evaluation import evaluate
 
-    # α and losslessness only: no HF reference timing, no cost model (they do not move the decision)
+    # α and losslessness decide (losslessness against HF generate, the independent reference); speed does
+    # not: one timed run a prompt and no cost model
     return evaluate(target, f"{kind}:{path}", prompts=prompts, limit_per_domain=limit,
                     max_new_tokens=cfg.measure.max_new_tokens, k=cfg.measure.k, seed=cfg.traffic.seed,
-                    hf_reference=False, cost_model=False)
+                    cost_model=False, repeats=1, remeasure=0)
 
 
 def _summary(report: dict) -> dict:

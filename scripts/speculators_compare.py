@@ -56,7 +56,7 @@ eagle:OURS --compare eagle:THEIRS ...`): each head's EAGLE-2 tree cut by this ma
 chain of `--chain` tokens for each, and writes report.json / report.md plus comparison.md / .json: τ, α and
 per-position acceptance per head (overall and per domain) and the uncut GPU-tree τ of the first head.
 The same decoding by hand: `draftsmith evaluate --target smollm2-135m --proposer eagle:OURS --tree auto
---limit-per-domain 4 --max-new-tokens 64 --no-hf-reference --compare eagle:THEIRS eagle:OURS@chain=5
+--limit-per-domain 4 --max-new-tokens 64 --compare eagle:THEIRS eagle:OURS@chain=5
 eagle:THEIRS@chain=5 --out DIR`.
 """
 
@@ -549,7 +549,7 @@ def compare(ours: str | Path, theirs: str | Path, out: str | Path, target="smoll
                "chain": [f"eagle:{ours}@chain={chain}", f"eagle:{theirs}@chain={chain}"] if chain else []}
     cfg = EvalConfig(target=target if isinstance(target, str) else target.spec, proposer=f"eagle:{ours}",
                      prompts=list(prompts or []), max_new_tokens=max_new_tokens, limit_per_domain=limit_per_domain,
-                     tree_from_proposer=True, hf_reference=False, cost_model=cost_model,
+                     tree_from_proposer=True, cost_model=cost_model,
                      compare=entries["tree"] + entries["chain"])
     command = f"scripts/speculators_compare.py compare {ours} {theirs} --out {out}"
     report = evaluate(target, cfg.proposer, config=cfg, command=command)

@@ -58,7 +58,7 @@ def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
         "artifacts": [{"name": "medusa", "job": "medusa", "config": "medusa.yaml", "eval": {"tree": "auto"}}],
         "baselines": [{"name": "ngram", "proposer": "ngram", "eval": {"k": 2}}],
         "budgets": {"quick": {"data_rows": 5, "data_new_tokens": 8, "train_steps": {"medusa": 2},
-                              "limit_per_domain": 1, "max_new_tokens": 6, "hf_reference": False,
+                              "limit_per_domain": 1, "max_new_tokens": 6,
                               "engine_prompts": 2, "engine_new_tokens": 4, "cost_repeats": 1}}}))
     out = tmp_path / "results" / "run"
     summary = run_bench("bench.yaml", [], quick=True, out=str(out), progress=False)

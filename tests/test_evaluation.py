@@ -140,7 +140,16 @@ def check_report(report, out_dir, lossless=True):
         for f in DOMAIN_FIELDS:
             assert f in d, f
         assert d["lossless"] is lossless
-        assert d["tau"] >= 1.0 and d["tokens_per_s"] > 0 and d["baseline_tokens_per_s"] > 0
+        assert d["tau"] >= 1.0
+        # speeds come from the prompts timed validly; a prompt left out is named with its reason
+        if d["n_timed"]:
+            assert d["tokens_per_s"] > 0 and d["baseline_tokens_per_s"] > 0 and d["speedup"] > 0
+        else:
+            assert d["tokens_per_s"] is None and d["speedup"] is None
+    invalid = report["contention"]["invalid"]
+    assert report["overall"]["n_timed"] == report["overall"]["n_prompts"] - len({i["prompt"] for i in invalid
+                                                                               if i["entry"] == "spec"})
+    assert report["contention"]["speedups_valid"] is (not invalid)
     for key in ("cost_model", "recommended_k", "policy", "memory", "references", "machine", "command", "date"):
         assert key in report, key
     assert set(report["policy"]) == set(report["domains"])
@@ -252,7 +261,7 @@ def test_evaluate_cuts_scored_trees_and_survives_a_cut_to_nothing(tiny_target, p
             return TreeSpec(())
 
     kw = dict(prompts=prompt_files, max_new_tokens=8, tree_from_proposer=True, cost_context=16, cost_k_max=4,
-              cost_repeats=1, limit_per_domain=1, hf_reference=False)
+              cost_repeats=1, limit_per_domain=1)
     report = evaluate(tiny_target, OwnTree(tiny_target.model), **kw)
     assert report["overall"]["lossless"] is True and report["settings"]["prune_tree"] is True
     assert len(report["cost_model"]["v_tree"]) == 6 + 1
@@ -293,7 +302,7 @@ def test_compare_entries_pick_their_own_shape(tiny_target, prompt_files, tmp_pat
         with pytest.raises(ConfigError, match="after '@'"):
             _compare_entry(bad)
     kw = dict(prompts=prompt_files, max_new_tokens=8, k=3, cost_context=16, cost_k_max=3, cost_repeats=1,
-              limit_per_domain=1, hf_reference=False)
+              limit_per_domain=1)
     with pytest.raises(ConfigError, match="no tree of its own"):
         evaluate(tiny_target, "ngram", compare=["ngram@tree"], **kw)
 
@@ -313,7 +322,7 @@ def test_draft_networks_run_in_the_draft_dtype(tiny_target, prompt_files, tmp_pa
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
 
-    kw = dict(prompts=prompt_files, max_new_tokens=6, k=2, limit_per_domain=1, hf_reference=False,
+    kw = dict(prompts=prompt_files, max_new_tokens=6, k=2, limit_per_domain=1,
               cost_model=False)
     report = evaluate(tiny_target, DraftProposer(tiny_target), draft_dtype="bfloat16",
                       compare=["ngram", f"draft:{tiny_target.folder}@float32"], **kw)
@@ -335,14 +344,16 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
                       cost_k_max=2, cost_repeats=1, limit_per_domain=1, adaptive=True, compare=["ngram@chain=1"])
     assert set(report) == {"command", "date", "machine", "target", "proposer", "settings", "domains", "overall",
                           "cost_model", "recommended_k", "policy", "memory", "references", "prompts", "contention"}
-    assert set(report["contention"]) == {"other_cpu_share", "threshold", "speedups_valid", "note"}
+    assert set(report["contention"]) == {"other_cpu_share", "threshold", "speedups_valid", "note", "repeats", "remeasure",
+                                         "prompts", "prompts_with_invalid_timing", "invalid"}
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
         "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",
-        "compare_settings"}
+        "compare_settings", "split", "repeats", "remeasure"}
     overall = {"n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance",
                "conditional_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
-               "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "proposed", "pruned", "verified_nodes_per_step",
+               "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_plain", "fastest_plain", "n_timed",
+               "timing_valid", "self_consistent", "proposed", "pruned", "verified_nodes_per_step",
                "accepted", "proposed_per_position", "accepted_per_position", "target_forwards", "new_tokens",
                "baseline_new_tokens", "proposer_time_s", "target_time_s", "wall_time_s", "baseline_wall_time_s",
                "compare", "adaptive", "predicted_speedup"}
@@ -350,13 +361,139 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
     assert all(set(d) == overall for d in report["domains"].values())
     assert set(report["overall"]["compare"]["ngram@chain=1"]) == {
         "alpha", "tau", "tokens_per_s", "speedup", "lossless", "per_position_acceptance", "conditional_acceptance",
-        "verified_nodes_per_step"}
+        "verified_nodes_per_step", "speedup_vs_plain", "speedup_vs_hf_generate", "n_timed"}
     assert set(report["overall"]["adaptive"]) == {"alpha", "tau", "tokens_per_s", "speedup", "lossless", "proposed",
-                                                 "accepted", "target_forwards", "mean_k", "plain_step_share"}
+                                                 "accepted", "target_forwards", "mean_k", "plain_step_share", "n_timed"}
     assert set(report["references"]) == {"plain_decoding_tokens_per_s", "hf_generate", "plain_vs_hf_generate"}
-    assert set(report["references"]["hf_generate"]) == {"tokens_per_s", "matches_plain_decoding", "n_mismatch"}
+    assert set(report["references"]["hf_generate"]) == {"tokens_per_s", "matches_plain_decoding", "n_mismatch", "role"}
     assert {"c", "t_step_decode_s", "v", "t_step_s", "t_forward_s", "context_length"} <= set(report["cost_model"])
     assert set(report["policy"]) == set(report["domains"])
     assert set(report["prompts"][0]) == {"domain", "source", "prompt_tokens", "new_tokens", "lossless", "hf_tokens",
                                         "hf_time", "hf_matches_baseline", "adaptive_lossless", "alpha", "tau",
-                                        "tokens_per_s", "baseline_tokens_per_s"}
+                                        "tokens_per_s", "baseline_tokens_per_s", "self_consistent", "timing", "timed"}
+
+
+class _ScriptedShare:
+    """Stands in for cost.CpuShare inside the evaluator: the n-th timed block reads `shares(n)` (0 = the
+    evaluator's own outer block), so a burst of load can be placed on exact runs."""
+
+    count = 0
+    shares = staticmethod(lambda n: 0.0)
+
+    def __enter__(self):
+        self.n = _ScriptedShare.count
+        _ScriptedShare.count += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.others = _ScriptedShare.shares(self.n)
+
+    @property
+    def busy(self):
+        from draftsmith.evaluation.cost import contended
+
+        return contended(self.others)
+
+
+def _scripted(monkeypatch, shares):
+    import importlib
+
+    ev = importlib.import_module("draftsmith.evaluation.evaluate")
+    _ScriptedShare.count = 0
+    _ScriptedShare.shares = staticmethod(shares)
+    monkeypatch.setattr(ev, "CpuShare", _ScriptedShare)
+    monkeypatch.setattr(ev, "IMPOSSIBLE_FACTOR", float("inf"))  # this test is about load, not the bound
+
+
+def test_a_burst_of_load_is_remeasured_and_a_prompt_that_stays_busy_is_left_out(tiny_target, prompt_files,
+                                                                                  monkeypatch):
+    from draftsmith.evaluation.evaluate import evaluate
+
+    kw = dict(prompts=[prompt_files[0]], limit_per_domain=1, max_new_tokens=6, k=2, cost_model=False,
+              repeats=3, remeasure=3)
+    # blocks 1-4 busy: round 1 (base, spec, hf) and the first run of round 2; more rounds until each run has
+    # 3 quiet measurements, and then the prompt's timing is valid
+    _scripted(monkeypatch, lambda n: 0.9 if 1 <= n <= 4 else 0.0)
+    report = evaluate(tiny_target, "ngram", **kw)
+    timing = report["prompts"][0]["timing"]
+    assert timing["rounds"] == 5 and all(timing["quiet"].values())
+    assert [share for _, share in timing["measurements"]["base"]][:1] == [0.9]
+    assert report["overall"]["n_timed"] == 1 and report["overall"]["speedup"] is not None
+    assert report["contention"]["speedups_valid"] is True
+    # a machine busy all along: re-measured up to repeats + remeasure rounds, then left out of every speed
+    _scripted(monkeypatch, lambda n: 0.9 if n >= 1 else 0.0)
+    report = evaluate(tiny_target, "ngram", **kw)
+    timing = report["prompts"][0]["timing"]
+    assert timing["rounds"] == 6 and not any(timing["quiet"].values())
+    o = report["overall"]
+    assert o["n_timed"] == 0 and o["speedup"] is None and o["tokens_per_s"] is None and o["timing_valid"] is False
+    assert o["lossless"] is True and o["tau"] >= 1.0  # acceptance and losslessness stand
+    c = report["contention"]
+    assert c["speedups_valid"] is False and c["invalid"][0]["entry"] == "spec" and "busy" in c["invalid"][0]["reason"]
+
+
+def test_an_impossible_speedup_is_flagged_and_left_out():
+    """Burst-corrupted timing seen in a demo: Medusa at tau 1.34 read 2.82x because plain decoding ran during
+    the burst. A speedup above max(1, tau / v(nodes)) by more than IMPOSSIBLE_FACTOR is not published."""
+    from draftsmith.decoding.generate import GenerationStats
+    from draftsmith.evaluation.evaluate import Speed, judge_timing, speedup_bound
+
+    def rec(tau_steps, spec_s, base_s, nodes=4):
+        # 100 tokens either way; tau = 100 / target_forwards
+        spec = GenerationStats(proposed=nodes * tau_steps, accepted=100 - tau_steps, target_forwards=tau_steps,
+                               new_tokens=100, wall_time=spec_s)
+        base = GenerationStats(target_forwards=100, new_tokens=100, wall_time=base_s)
+        return {"spec": spec, "base": base, "timing": {"quiet": {"base": True, "spec": True, "hf": True}}}
+
+    v = lambda n: 1.0 + 0.1 * n  # noqa: E731  v(4) = 1.4
+    burst = rec(75, spec_s=1.0, base_s=2.82)  # tau 1.33, speedup 2.82
+    fine = rec(50, spec_s=1.0, base_s=1.3)  # tau 2.0, speedup 1.3 <= 2.0 / 1.4
+    judge_timing([burst, fine], v, hf=False)
+    assert burst["timed"] == {"spec": False} and "impossible speedup 2.82" in burst["timing"]["invalid"]["spec"]
+    assert fine["timed"] == {"spec": True} and fine["timing"]["invalid"] == {}
+    assert speedup_bound(2.0, 4, v) == pytest.approx(2.0 / 1.4) and speedup_bound(1.0, 0, None) == 1.0
+    sp = Speed.of([burst, fine], "spec")
+    assert sp.n == 1 and sp.fields()["speedup"] == pytest.approx(1.3)
+    # a busy plain-decoding run invalidates every entry compared with it
+    busy = rec(50, 1.0, 1.3)
+    busy["timing"]["quiet"]["base"] = False
+    judge_timing([busy], v, hf=False)
+    assert busy["timed"] == {"spec": False} and "busy" in busy["timing"]["invalid"]["spec"]
+
+
+def test_speedup_is_against_the_faster_plain_decoding():
+    from draftsmith.evaluation.evaluate import Speed
+
+    ours_faster = Speed(tokens=100, seconds=1.0, base_tokens=100, base_seconds=1.25, hf_tokens=100, hf_seconds=2.0, n=1)
+    f = ours_faster.fields()
+    assert f["fastest_plain"] == "draftsmith" and f["speedup"] == pytest.approx(1.25)
+    assert f["speedup_vs_plain"] == pytest.approx(1.25) and f["speedup_vs_hf_generate"] == pytest.approx(2.0)
+    hf_faster = Speed(tokens=100, seconds=1.0, base_tokens=100, base_seconds=1.25, hf_tokens=100, hf_seconds=1.1, n=1)
+    f = hf_faster.fields()
+    assert f["fastest_plain"] == "hf_generate" and f["speedup"] == pytest.approx(1.1)
+    assert f["speedup_vs_plain"] == pytest.approx(1.25)
+
+
+def test_lossless_is_judged_against_hf_generate_not_our_own_plain_decoding(tiny_target, prompt_files, monkeypatch):
+    """A bug shared by our plain decoding and our speculative decoding (same verifier, KV cache, kernels) would
+    pass a self-consistency check: `lossless` compares with HF generate, `self_consistent` with ourselves."""
+    import importlib
+
+    from draftsmith.evaluation.evaluate import evaluate
+
+    ev = importlib.import_module("draftsmith.evaluation.evaluate")
+    kw = dict(prompts=[prompt_files[0]], limit_per_domain=1, max_new_tokens=6, k=2, cost_model=False, repeats=1)
+    report = evaluate(tiny_target, "ngram", **kw)
+    assert report["overall"]["lossless"] is True and report["overall"]["self_consistent"] is True
+    real = ev.speculative_generate
+
+    def shared_bug(*args, **kwargs):  # every output of ours ends in a wrong token: ours agree, HF does not
+        out = real(*args, **kwargs)
+        out.tokens[0][-1] = (out.tokens[0][-1] + 1) % tiny_target.vocab_size
+        return out
+
+    monkeypatch.setattr(ev, "speculative_generate", shared_bug)
+    report = evaluate(tiny_target, "ngram", **kw)
+    assert report["overall"]["self_consistent"] is True and report["overall"]["lossless"] is False
+    off = evaluate(tiny_target, "ngram", **kw, hf_reference=False)  # no reference: not judged, and it says so
+    assert off["overall"]["lossless"] is None and "lossless_not_judged" in off["references"]

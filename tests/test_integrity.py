@@ -547,7 +547,7 @@ def test_an_evaluation_on_a_busy_machine_says_its_speedups_are_not_valid(tiny_ta
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"category": "chat", "turns": ["Say hi."]}) + "\n")
-    kw = dict(prompts=[str(prompts)], max_new_tokens=4, k=2, cost_model=False, hf_reference=False)
+    kw = dict(prompts=[str(prompts)], max_new_tokens=4, k=2, cost_model=False)
     quiet = evaluate(tiny_target, "ngram", **kw)
     clock = {"busy": 0.0, "total": 0.0}
 

@@ -175,15 +175,25 @@ def test_routed_decoding_follows_the_policy_and_stays_lossless(target, draft, pr
     assert prop.route(domain=None, text="def f(x): return x") == "code" and prop.active is not None
 
 
-def test_evaluate_with_a_route_policy_and_compare(tiny_target, tiny_tokenizer, tmp_path):
+def test_evaluate_with_a_route_policy_and_compare(tiny_target, tiny_tokenizer, tmp_path, monkeypatch):
+    import importlib
+
+    from draftsmith.evaluation import cost
     from draftsmith.evaluation.evaluate import evaluate
+
+    ev = importlib.import_module("draftsmith.evaluation.evaluate")
+
+    # routing mechanics, not timing: every measurement counts as valid here (a busy machine would leave a
+    # domain without a measured speedup, and the policy would rightly turn it off)
+    monkeypatch.setattr(cost, "BUSY_SHARE", 1.0)
+    monkeypatch.setattr(ev, "IMPOSSIBLE_FACTOR", float("inf"))
 
     files = []
     for dom, text in (("code", "def add(a, b):"), ("math", "What is 7 times 6?")):
         f = tmp_path / f"{dom}.jsonl"
         f.write_text(json.dumps({"turns": [text], "category": dom}) + "\n")
         files.append(str(f))
-    kw = dict(prompts=files, max_new_tokens=8, hf_reference=False, cost_model=False)
+    kw = dict(prompts=files, max_new_tokens=8, cost_model=False)
     single = evaluate(tiny_target, "ngram", **kw, k=2)
     policy = build_policy([single | {"_path": "x"}], threshold=0.0)
     path = write_policy(policy, tmp_path / "policy.json")
@@ -247,7 +257,7 @@ def test_evaluate_reports_fixed_vs_adaptive(tiny_target, tmp_path):
     f = tmp_path / "code.jsonl"
     f.write_text(json.dumps({"turns": ["def add(a, b):"], "category": "code"}) + "\n")
     rep = evaluate(tiny_target, "ngram", prompts=[str(f)], max_new_tokens=8, k=3, adaptive=True,
-                   hf_reference=False, cost_model=False, cost_context=16)
+                   cost_model=False, cost_context=16)
     a = rep["domains"]["code"]["adaptive"]
     assert a["lossless"] is True and a["mean_k"] is not None and 0 <= a["mean_k"] <= 3
     assert "adaptive k" in render_markdown(rep)
@@ -263,7 +273,7 @@ def test_temperature_sweep(tiny_target, tmp_path, monkeypatch):
     f = tmp_path / "code.jsonl"
     f.write_text(json.dumps({"turns": ["def add(a, b):"], "category": "code"}) + "\n")
     cfg = EvalConfig(proposer="ngram", prompts=[str(f)], max_new_tokens=8, k=2, temperatures=[0.0, 1.0],
-                     hf_reference=False, cost_model=False, out=str(tmp_path / "sweep"))
+                     cost_model=False, out=str(tmp_path / "sweep"))
     summary = sweep.sweep_temperatures(cfg, command="test")
     assert summary["temperatures"] == ["0", "1"]
     row = summary["domains"]["code"]

@@ -164,7 +164,7 @@ def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(tab
     prompts.write_text("\n".join(json.dumps({"category": "", "turns": [t]})
                                  for t in ["Name three colors.", "What is a fox?"]) + "\n")
     report = evaluate(tiny_target, f"table:{table_artifact}", prompts=[str(prompts)], max_new_tokens=8, k=3,
-                      hf_reference=False, cost_model=False)
+                      cost_model=False)
     assert report["overall"]["lossless"] is True and report["overall"]["n_prompts"] == 2
 
     assert RetrainConfig(artifact_kind="table").artifact_kind == "table"
