@@ -5,10 +5,11 @@ The job trains a small MLP head on the tiny target's last pre-norm layer output 
 the step) or offline (a capture cache). Rows are random token sequences from a fixed seed.
 
     python tests/_train_job.py --out DIR [--max-steps N --save-every K ...]        # one process
-    torchrun --nproc_per_node 2 tests/_train_job.py --out DIR --audit                 # DDP over gloo
+    torchrun --nproc_per_node 2 tests/_train_job.py --out DIR --audit AUDIT_DIR       # DDP over gloo
 
-With --audit, every rank prints the files it created/renamed/opened for writing under DIR and a hash of
-its final weights (stdout, not files), so the test can check "only rank 0 writes" and "same weights".
+With --audit AUDIT_DIR, every rank writes the files it created/renamed/opened for writing under DIR and a hash
+of its final weights to AUDIT_DIR/rank-<N>.json (a file of its own: the ranks' stdout lines interleave), so the
+test can check "only rank 0 writes" and "same weights".
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0)
-    p.add_argument("--audit", action="store_true")
+    p.add_argument("--audit", default=None, metavar="AUDIT_DIR", help="write each rank's record here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -153,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         from accelerate import PartialState
 
         state = PartialState()
-        print("AUDIT " + json.dumps({"rank": state.process_index, "world": state.num_processes, "events": events,
-                                     "weights": state_hash(result.module), "metrics": result.metrics}), flush=True)
+        record = {"rank": state.process_index, "world": state.num_processes, "events": list(events),
+                  "weights": state_hash(result.module), "metrics": result.metrics}
+        audit_dir = Path(a.audit)
+        audit_dir.mkdir(parents=True, exist_ok=True)
+        (audit_dir / f"rank-{state.process_index}.json").write_text(json.dumps(record))
     # as the job runners do after train(): ranks meet and leave the gloo group together (a rank that exits
     # with it open can abort in gloo's threads at exit, seen under load)
     leave_process_group(accelerator)

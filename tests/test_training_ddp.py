@@ -21,15 +21,15 @@ def test_two_process_gloo_run(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    audit = tmp_path / "audit"  # each rank's record in a file of its own: their stdout lines interleave
     proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out),
-                           "--audit", "--max-steps", "8"],
+                           "--audit", str(audit), "--max-steps", "8"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     audits = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("AUDIT "):
-            rec = json.loads(line[6:])
-            audits[rec["rank"]] = rec
+    for path in sorted(audit.glob("rank-*.json")):
+        rec = json.loads(path.read_text())
+        audits[rec["rank"]] = rec
     assert sorted(audits) == [0, 1] and {a["world"] for a in audits.values()} == {2}
     assert audits[0]["weights"] == audits[1]["weights"]  # DDP kept the replicas in lock-step
     assert audits[0]["metrics"] == audits[1]["metrics"]  # all-reduced metrics agree
