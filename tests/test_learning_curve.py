@@ -39,8 +39,9 @@ def test_held_out_top1_reads_the_final_summary_of_either_method(lc, tmp_path):
 
 
 def test_curves_are_drawn_alone_and_together(lc, tmp_path):
-    points = [{"rows": n, "learned_tokens": 100 * n, "held_out_top1": [0.1 + n / 100, 0.05], "tau_cut": 1.1,
-               "tau_gpu": 1.3 + n / 100} for n in (1, 2, 4)]
+    points = [{"rows": n, "learned_tokens": 100 * n, "steps": 2, "held_out_top1": [0.1 + n / 100, 0.05],
+               "tau_cut": 1.1, "tau_gpu": 1.3 + n / 100} for n in (1, 2, 4)]
+    points = [p | lc.trained_on(p, 8) for p in points]
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "curve.json").write_text(json.dumps({"points": points}))
@@ -48,3 +49,23 @@ def test_curves_are_drawn_alone_and_together(lc, tmp_path):
     assert lc.main(["together", str(tmp_path / "out" / "together.png"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     for png in (tmp_path / "a" / "curve.png", tmp_path / "out" / "together.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_points_record_epochs_and_tokens_trained_on(lc, tmp_path):
+    """Equal steps are not equal epochs: 150 steps of 8 rows see a 67-row point 17.9 times and a 2,048-row
+    point 0.59 times; the curve's x-axis is the tokens each point trained on."""
+    small = {"rows": 67, "learned_tokens": 7009, "steps": 150}
+    large = {"rows": 2048, "learned_tokens": 229990, "steps": 150}
+    assert lc.trained_on(small, 8) == {"rows_per_step": 8, "rows_seen": 1200, "epochs": 17.91, "tokens_trained": 125534}
+    assert lc.trained_on(large, 8)["epochs"] == pytest.approx(0.586, abs=1e-3)
+    # a kept curve without them gets them from its config and each point's command, and is redrawn
+    cfg = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m" / "eagle3.yaml"
+    points = [{**p, "held_out_top1": [0.2], "tau_cut": 1.2, "tau_gpu": 1.5, "lossless": True,
+               "command": "draftsmith train eagle train.train_rows=5 train.batch_size=4 train.max_steps=150"}
+              for p in (small, large)]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "curve.json").write_text(json.dumps({"method": "eagle", "config": str(cfg), "points": points}))
+    assert lc.main(["replot", str(tmp_path / "c")]) == 0
+    kept = json.loads((tmp_path / "c" / "curve.json").read_text())["points"]
+    assert [p["rows_per_step"] for p in kept] == [4, 4] and kept[0]["rows_seen"] == 600
+    assert "| 67 | 7,009 | 150 | 8.96 | 62,767 |" in (tmp_path / "c" / "curve.md").read_text()
