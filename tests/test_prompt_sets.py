@@ -1,0 +1,100 @@
+"""The prompt sets ship inside the repository: intact (manifest sha256 and rows), split once into dev and test,
+held out from every training set the presets read, and nothing in the repository points outside it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from draftsmith.config import load_config
+from draftsmith.data.config import DataConfig
+from draftsmith.data.overlap import find_overlap, load_eval_texts
+from draftsmith.data.sources import load_prompts
+from draftsmith.evaluation.domains import SPLITS, default_prompt_files
+from draftsmith.evaluation.domains import load_prompts as load_eval_prompts
+from draftsmith.storage import open_data
+
+ROOT = Path(__file__).resolve().parents[1]
+SETS = ROOT / "prompts"
+
+
+@pytest.fixture(autouse=True)
+def _shipped_sets(monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_DATA", raising=False)  # these tests are about the copy in the repository
+
+
+def test_every_shipped_file_matches_its_manifest():
+    manifest = json.loads((SETS / "manifest.json").read_text())
+    listed = {f["path"] for f in manifest["files"]}
+    on_disk = {p.relative_to(SETS).as_posix() for p in SETS.rglob("*.jsonl*")}
+    assert listed == on_disk
+    for f in manifest["files"]:
+        path = SETS / f["path"]
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == f["sha256"], f["path"]
+        with open_data(path) as fh:
+            assert sum(1 for line in fh if line.strip()) == f["rows"], f["path"]
+        assert (SETS / f["licence"]).is_file(), f["licence"]
+
+
+def _keys(path: Path) -> set[str]:
+    with open_data(path) as fh:
+        return {str(row.get("question_id", row.get("id"))) for row in map(json.loads, fh) if row}
+
+
+def test_dev_and_test_splits_are_disjoint_and_both_cover_every_domain():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ship_prompt_sets", ROOT / "scripts" / "ship_prompt_sets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    split_of = module.split_of
+
+    dev, test = default_prompt_files("dev"), default_prompt_files("test")
+    for d, t in zip(dev, test):
+        assert d.name == t.name and not (_keys(d) & _keys(t)), d.name
+        stem = d.name.removesuffix(".jsonl")
+        assert {split_of(stem, k) for k in _keys(d)} == {"dev"} and {split_of(stem, k) for k in _keys(t)} == {"test"}
+    for split in SPLITS:
+        rows = load_eval_prompts([str(p) for p in default_prompt_files(split)])
+        assert {r.domain for r in rows} == {"general", "math", "code", "instructions"}
+    with pytest.raises(Exception, match="dev, test"):
+        default_prompt_files("train")
+
+
+def test_no_eval_prompt_of_either_split_is_in_a_shipped_training_set():
+    """Exact, substring and near-duplicate matches (data/overlap.py, at the presets' thresholds) between every
+    training set the presets read and both eval splits: none."""
+    cfg = load_config(ROOT / "configs/smollm2-135m/data.yaml", cls=DataConfig)
+    assert {Path(e.path).parts[2] for e in cfg.eval_sets} == set(SPLITS)  # both splits held out
+    cfg.sources = [s for s in cfg.sources if s.type == "jsonl"]
+    for s in cfg.sources:
+        s.limit = None  # every row of every file, not the preset's sample
+    assert {Path(s.path).name for s in cfg.sources} == {p.name for p in (SETS / "train").glob("*.jsonl.gz")}
+    rows = load_prompts(cfg).rows
+    texts = load_eval_texts(cfg.eval_sets, cfg.overlap_ngram)
+    assert len(rows) > 18000 and len(texts) > 480
+    report = find_overlap(rows, texts, cfg.overlap_ngram, cfg.overlap_jaccard)
+    assert report.hits == []
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    """Code, configs, docs and commands name no file outside the repository. Kept results (bench/results/,
+    the zoo heads' manifests and reports) record the paths their runs used, as they were: not pointers."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = [f for f in files if not f.startswith(("bench/results/", "zoo/"))]
+    if not files:
+        pytest.skip("not a git checkout")
+    bad = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix in (".gz", ".png", ".safetensors") or not path.is_file() or name == "tests/test_prompt_sets.py":
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for needle in ("../shared", "/work/shared"):
+            if needle in text:
+                bad.append(f"{name}: {needle}")
+    assert bad == []
