@@ -35,7 +35,7 @@ def gguf_of(target) -> Path:
 
 
 def run(target, limit_per_domain: int = 2, max_new_tokens: int = 96, seed: int = 0,
-        threads: int | None = None) -> dict:
+        threads: int | None = None, split: str = "dev") -> dict:
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -48,7 +48,7 @@ def run(target, limit_per_domain: int = 2, max_new_tokens: int = 96, seed: int =
     threads = threads or torch.get_num_threads()
     llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
     eos = set(target.eos_token_ids) | {llm.token_eos()}
-    rows = load_prompts([str(p) for p in default_prompt_files()], limit_per_domain, seed)
+    rows = load_prompts([str(p) for p in default_prompt_files(split)], limit_per_domain, seed)
     prompts = [format_prompt(target.tokenizer, r.text) for r in rows]
 
     def ours(ids: list[int]) -> tuple[list[int], float]:
@@ -95,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("target", nargs="?", default=None)
     ap.add_argument("--limit-per-domain", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--split", default="dev", choices=["dev", "test"], help="which eval split's prompts")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    r = run(load_target(args.target), args.limit_per_domain, args.max_new_tokens)
+    r = run(load_target(args.target), args.limit_per_domain, args.max_new_tokens, split=args.split)
     tps = r["tokens_per_s"]
     print(f"{r['target']} ({r['gguf']}), {r['prompts']} prompts, {r['threads']} threads: draftsmith plain decoding "
           f"{tps['draftsmith']:.1f} tok/s, llama.cpp {r['llama_cpp_version']} {tps['llama.cpp']:.1f} tok/s; same "

@@ -38,8 +38,11 @@ MAPPINGS = ("prompt", "prompt_template", "turns", "conversations", "messages")
 class SourceConfig:
     """One prompt source.
 
-    type: jsonl (one JSON object per line), hf (a `datasets` dataset: a `save_to_disk` folder, data files
-    (.json/.jsonl/.parquet/.csv) or a hub name where the hub is reachable), stdlib (code prompts built from
+    type: jsonl (one JSON object per line, `.gz` read decompressed), hf (a `datasets` dataset: a `save_to_disk`
+    folder, data files (.json/.jsonl/.parquet/.csv) or a hub name where the hub is reachable), hub (a dataset on
+    the Hugging Face hub by `id`, with its `config` name, `split` and `revision`: `datasets.load_dataset`, which
+    reads it from the local datasets cache when it was downloaded before or HF_DATASETS_OFFLINE=1 is set;
+    pin `revision` so that a rerun reads the same rows), stdlib (code prompts built from
     the Python standard library), magpie (`limit` user requests the chat-tuned target writes itself when
     given its chat template up to a user turn; data/magpie.py).
 
@@ -58,9 +61,12 @@ class SourceConfig:
     """
 
     name: str
-    type: Literal["jsonl", "hf", "stdlib", "magpie"] = "jsonl"
+    type: Literal["jsonl", "hf", "hub", "stdlib", "magpie"] = "jsonl"
     path: str | None = None
-    split: str = "train"  # hf only
+    split: str = "train"  # hf and hub
+    id: str | None = None  # hub only: the dataset id, e.g. HuggingFaceH4/ultrachat_200k
+    config: str | None = None  # hub only: the dataset's configuration name (load_dataset's `name`)
+    revision: str | None = None  # hub only: a commit, tag or branch
     prompt: str | None = None
     prompt_template: str | None = None
     turns: str | None = None
@@ -88,8 +94,12 @@ class SourceConfig:
         self.domain_rules = [DomainRule(**r) if isinstance(r, dict) else r for r in self.domain_rules]
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
             raise ValueError(f"source name {self.name!r} must be non-empty [A-Za-z0-9_.-]")
-        if self.type in ("jsonl", "hf"):
-            if not self.path:
+        if self.type == "hub" and not (self.id and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", self.id)):
+            raise ValueError(f"source '{self.name}': type hub needs an id like ORG/NAME, got {self.id!r}")
+        if self.type != "hub" and (self.id or self.config or self.revision):
+            raise ValueError(f"source '{self.name}': id, config and revision go with type hub")
+        if self.type in ("jsonl", "hf", "hub"):
+            if self.type != "hub" and not self.path:
                 raise ValueError(f"source '{self.name}': type {self.type} needs a path")
             given = [k for k in MAPPINGS if getattr(self, k)]
             if len(given) != 1:

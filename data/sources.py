@@ -250,9 +250,23 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
 
 
 def _iter_hf(source: SourceConfig) -> Iterator[tuple[int, Any, str | None]]:
-    ds = load_hf_dataset(source.path, source.split)
+    ds = load_hub_dataset(source) if source.type == "hub" else load_hf_dataset(source.path, source.split)
     for i, row in enumerate(ds):
         yield i, row, None
+
+
+def load_hub_dataset(source: SourceConfig):
+    """A hub dataset by id, config name, split and revision (`datasets.load_dataset`): from the network, or from
+    the local datasets cache where it was downloaded before (offline with HF_DATASETS_OFFLINE=1)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(source.id, name=source.config, split=source.split, revision=source.revision)
+    except Exception as e:  # datasets raises many types for network, cache and missing-split failures
+        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        where = f"{source.id}" + (f" (config {source.config})" if source.config else "") + \
+            (f" at revision {source.revision}" if source.revision else "") + f", split {source.split}"
+        raise DataError(f"source '{source.name}': cannot load hub dataset {where}: {msg}") from None
 
 
 def load_hf_dataset(path: str, split: str = "train"):
@@ -313,7 +327,8 @@ def _records_source(source: SourceConfig, report: MalformedReport, keep: bool = 
         where = lambda i: f"{path}:{i}"  # noqa: E731
     else:
         records = _iter_hf(source)
-        where = lambda i: f"{source.path}[{i}]"  # noqa: E731
+        label = source.id if source.type == "hub" else source.path
+        where = lambda i: f"{label}[{i}]"  # noqa: E731
     rows = []
     for index, obj, error in records:
         origin = where(index)
