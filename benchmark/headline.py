@@ -1,0 +1,148 @@
+"""The headline numbers of README.md and BENCHMARKS.md, rendered from one committed evaluation report.
+
+    python -m draftsmith.benchmark.headline bench/results/headline-smollm2-135m/report.json --write
+
+Each file holds the headline between `<!-- headline: REPORT -->` and `<!-- /headline -->`. `--write` renders
+the block from REPORT (a report.json of `draftsmith evaluate`, committed beside the numbers) and replaces it;
+without `--write` the command prints the block. tests/test_headline.py renders every block from the report it
+names and fails on any difference: a published number is always the number its report holds, with the
+report's command, machine and date above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+BEGIN = re.compile(r"<!-- headline: (?P<path>\S+) -->\n")
+END = "<!-- /headline -->"
+
+# how a proposer spec of the headline run reads in the table; anything else is shown as its spec
+LABELS = {
+    "eagle:zoo/smollm2-135m/eagle3": "EAGLE-3, the shipped head `eagle:zoo/smollm2-135m/eagle3`",
+    "medusa:zoo/smollm2-135m/medusa": "Medusa-1, the shipped heads `medusa:zoo/smollm2-135m/medusa`",
+    "ngram": "n-gram lookup",
+}
+
+
+def _label(spec: str, settings: dict) -> str:
+    name, _, shape = spec.partition("@")
+    base = LABELS.get(name, f"`{name}`")
+    if settings.get("tree") is not None:
+        return f"{base}, tree cut by the cost model (at most {settings.get('tree_max_nodes')} nodes)"
+    return f"{base}, chain of {settings.get('k')}"
+
+
+def _f(v, digits: int = 2) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def _entries(report: dict) -> list[tuple[str, dict, dict, dict]]:
+    """(label, overall summary, per-domain summaries, settings) of the main proposer and each side-by-side one."""
+    s = report["settings"]
+    main_settings = {"tree": s.get("tree"), "tree_max_nodes": s.get("tree_max_nodes"), "k": s.get("k")}
+    out = [(_label(report["proposer"], main_settings), report["overall"],
+            {d: r for d, r in report["domains"].items()}, main_settings)]
+    for name, cs in (s.get("compare_settings") or {}).items():
+        out.append((_label(name, cs), report["overall"]["compare"][name],
+                    {d: r["compare"][name] for d, r in report["domains"].items()}, cs))
+    return out
+
+
+def render(report: dict, path: str) -> str:
+    """The headline block for `report` (kept at `path`): where it comes from, then the tables."""
+    o, s, m = report["overall"], report["settings"], report["machine"]
+    c = report.get("contention") or {}
+    gpu = s.get("gpu_tree") or {}
+    n = o["n_prompts"]
+    per_domain = s.get("limit_per_domain")
+    share = c.get("other_cpu_share")
+    lines = [
+        f"From [{path}]({path}) ({report['date'][:10]}): `{report['command']}`",
+        "",
+        f"Machine: {m.get('platform')}, {m.get('cpu_count')} CPUs, torch {m.get('torch')}, transformers "
+        f"{m.get('transformers')}, device {m.get('device')}. Target `{report['target']['name']}`; "
+        f"{n} prompts of the eval **{s.get('split') or 'given'}** split"
+        + (f" ({per_domain} per domain)" if per_domain else "")
+        + f", {s['max_new_tokens']} new tokens, greedy; each prompt decoded {s.get('repeats')} times by every run, "
+        f"interleaved (median); speeds from the {o['n_timed']} of {n} prompts timed validly"
+        + (f"; other processes used {100 * share:.1f}% of the CPU over the run" if share is not None else "")
+        + ". `speedup` is against the faster plain decoding (here "
+        + {"draftsmith": "our own", "hf_generate": "HF `generate`"}.get(o.get("fastest_plain"), "–")
+        + "); lossless = the greedy output equals HF `generate`'s on every prompt.",
+        "",
+        "| decoding | tokens/s | speedup | vs our plain | vs HF `generate` | α | τ | τ (GPU-sized tree) | lossless |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| plain decoding (ours: measured kernel plan) | {_f(o['baseline_tokens_per_s'], 1)} | – | 1.00 | "
+        f"{_f((o['baseline_tokens_per_s'] or 0) / o['hf_generate_tokens_per_s'] if o.get('hf_generate_tokens_per_s') else None)} "
+        f"| – | 1.00 | – | – |",
+        f"| HF `generate` (stock kernels) | {_f(o.get('hf_generate_tokens_per_s'), 1)} | – | "
+        f"{_f(o['hf_generate_tokens_per_s'] / o['baseline_tokens_per_s'] if o.get('hf_generate_tokens_per_s') and o['baseline_tokens_per_s'] else None)} "
+        f"| 1.00 | – | 1.00 | – | – |",
+    ]
+    entries = _entries(report)
+    for i, (label, e, _, _) in enumerate(entries):
+        tau_gpu = o.get("gpu_tree", {}).get("tau") if i == 0 else None
+        lines.append(f"| {label} | {_f(e['tokens_per_s'], 1)} | **{_f(e['speedup'])}** | {_f(e['speedup_vs_plain'])} "
+                     f"| {_f(e['speedup_vs_hf_generate'])} | {_f(e['alpha'], 3)} | {_f(e['tau'])} | {_f(tau_gpu)} "
+                     f"| {'yes' if e['lossless'] else ('no' if e['lossless'] is False else '–')} |")
+    if gpu:
+        lines += ["", f"τ (GPU-sized tree): the same prompts decoded with the uncut tree of {gpu.get('tree_max_nodes')} "
+                      f"nodes (branching {gpu.get('tree')}), what a GPU verifies in about one step."]
+    domains = list(report["domains"])
+    lines += ["", "Per domain, speedup (τ):", "",
+              "| decoding | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+    for label, _, per, _ in entries:
+        lines.append(f"| {label.split(',')[0]} | "
+                     + " | ".join(f"{_f(per[d]['speedup'])} ({_f(per[d]['tau'])})" for d in domains) + " |")
+    invalid = c.get("invalid") or []
+    if invalid:
+        lines += ["", f"Left out of the speeds ({len(invalid)}): "
+                  + "; ".join(f"{i['prompt']} {i['entry']}: {i['reason']}" for i in invalid[:6])
+                  + (" ..." if len(invalid) > 6 else "")]
+    return "\n".join(lines) + "\n"
+
+
+def blocks(text: str) -> list[tuple[int, int, str]]:
+    """(start of the block's body, end of the body, report path) for every headline block in `text`."""
+    out = []
+    for mt in BEGIN.finditer(text):
+        end = text.find(END, mt.end())
+        if end < 0:
+            raise ValueError(f"headline block for {mt['path']} has no {END}")
+        out.append((mt.end(), end, mt["path"]))
+    return out
+
+
+def rewrite(doc: Path, root: Path) -> int:
+    """Replace every headline block of `doc` by the rendering of its report; returns the number of blocks."""
+    text = doc.read_text(encoding="utf-8")
+    found = blocks(text)
+    for start, end, path in reversed(found):
+        report = json.loads((root / path).read_text(encoding="utf-8"))
+        text = text[:start] + render(report, path) + text[end:]
+    doc.write_text(text, encoding="utf-8")
+    return len(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m draftsmith.benchmark.headline", description=__doc__.split("\n")[0])
+    ap.add_argument("report", nargs="?", help="print the block rendered from this report.json")
+    ap.add_argument("--write", action="store_true", help="rewrite the headline blocks of README.md and BENCHMARKS.md")
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
+    a = ap.parse_args(argv)
+    if a.write:
+        for name in ("README.md", "BENCHMARKS.md"):
+            print(f"{name}: {rewrite(a.root / name, a.root)} headline block(s) rendered")
+        return 0
+    if not a.report:
+        ap.error("give a report.json, or --write")
+    print(render(json.loads(Path(a.report).read_text()), a.report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
