@@ -19,7 +19,8 @@ SUMMARY_FIELDS = ("n_prompts", "alpha", "tau", "speedup", "tokens_per_s", "basel
 @dataclass
 class EvalAfterTraining:
     enabled: bool = True
-    prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
+    prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets of `split`
+    split: str = "dev"  # the end-of-training evaluation chooses (checkpoints, recipes): never the test split
     limit_per_domain: int | None = 8
     max_new_tokens: int = 64
     k: int = 4  # chain length (draft models, and heads when tree is false)
@@ -30,6 +31,8 @@ class EvalAfterTraining:
     def __post_init__(self):
         if self.limit_per_domain is not None and self.limit_per_domain < 1:
             raise ValueError("evaluate.limit_per_domain must be >= 1 or null")
+        if self.split not in ("dev", "test"):
+            raise ValueError(f"evaluate.split must be dev or test, got {self.split!r}")
         if self.max_new_tokens < 1 or self.k < 1:
             raise ValueError("evaluate.max_new_tokens and evaluate.k must be >= 1")
 
@@ -41,7 +44,7 @@ def evaluate_into_artifact(path: str | Path, target, kind: str, opts: EvalAfterT
     from draftsmith.evaluation.report import write_report
 
     path = Path(path)
-    report = evaluate(target, f"{kind}:{path}", prompts=opts.prompts or None,
+    report = evaluate(target, f"{kind}:{path}", prompts=opts.prompts or None, split=opts.split,
                       limit_per_domain=opts.limit_per_domain, max_new_tokens=opts.max_new_tokens, k=opts.k,
                       tree_from_proposer=opts.tree and methods.get(kind).own_tree, hf_reference=opts.hf_reference,
                       cost_model=opts.cost_model, command=command or f"end-of-training evaluation of {path}")
