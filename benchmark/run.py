@@ -402,7 +402,9 @@ def render(s: dict) -> str:
                          + ("" if ok in (True, None) else " (NOT lossless)"))
             # τ = 1 means no draft token was ever accepted: that run was plain decoding plus overhead, and a
             # speedup above 1 there is timing noise, not a win
-            valid = (r.get("contention") or {}).get("speedups_valid") is not False  # timed on a busy machine
+            # a speedup is computed from the prompts timed validly only (None when there were none), and a
+            # report from before per-prompt timing judged validity for the whole run
+            valid = "n_timed" in x or (r.get("contention") or {}).get("speedups_valid") is not False
             if x.get("speedup") is not None and ok is not False and valid and x["speedup"] > best[0] \
                     and (x.get("tau") or 1) > 1:
                 best = (x["speedup"], n)
@@ -412,8 +414,9 @@ def render(s: dict) -> str:
               "cost model cut every tree to nothing, which is plain decoding."]
     busy = [n for n in names if (s["reports"][n].get("contention") or {}).get("speedups_valid") is False]
     if busy:
-        lines += ["", f"**Speedups not valid for {', '.join(busy)}: other processes used a large share of the CPU "
-                      "while they were decoded (see each report's `contention`); they take no part in the winner.**"]
+        lines += ["", f"**Some prompts of {', '.join(busy)} could not be timed validly (other processes used the CPU, "
+                      "or an impossible speedup): their speedups count only the prompts that were (each report's "
+                      "`contention.invalid` names the others).**"]
     lines += ["", "| proposer | lossless | τ (GPU-sized tree) | tokens/s | plain tokens/s | speedup vs plain | "
               "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | "
               "peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
