@@ -16,11 +16,13 @@ Budget knobs: DEMO_ROWS, DEMO_STEPS, DEMO_EVAL_LIMIT (environment variables).
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 from pathlib import Path
 
 from draftsmith.cli import run_entry_point
+from draftsmith.targets.device import release_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("DEMO_OUT", ROOT / "runs" / "demo"))
@@ -35,7 +37,9 @@ def stage(name: str):
             print(f"\n=== {name} ===", flush=True)
             start = time.perf_counter()
             result = fn(*args, **kwargs)
-            print(f"--- {name}: done in {time.perf_counter() - start:.0f} s", flush=True)
+            release_memory()  # what the stage freed goes back to the system before the next one grows
+            print(f"--- {name}: done in {time.perf_counter() - start:.0f} s, peak resident memory so far "
+                  f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB", flush=True)
             return result
         return run
     return deco

@@ -60,6 +60,26 @@ def dtype_name(dtype: torch.dtype) -> str:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 
 
+def release_memory() -> bool:
+    """Hand the memory a finished stage freed back to the system (glibc `malloc_trim`): with the allocator tuned
+    as below, freed blocks otherwise stay resident until the process ends, and a later stage's peak stacks on
+    an earlier one's leftovers. Returns whether anything could be asked of the allocator."""
+    import gc
+
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def tune_cpu_allocator() -> bool:
     """Keep freed memory inside the process (glibc): no mmap per large block, no trimming, 1 GB growth steps.
 
