@@ -69,6 +69,19 @@ class _Server:
     stats: dict[str, int] = field(default_factory=dict)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is refused, never followed: a followed one would carry the API key (`Authorization`) to
+    whatever origin the server names, and turn the POST into a GET."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        fp.close()
+        raise _Refused(f"HTTP {code} from {req.full_url}: a redirect to {str(newurl)[:200]} is not followed (the "
+                       "API key goes only to the addresses in generation.base_urls; give the final address there)")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> dict:
     """One request, bounded by `timeout` seconds per socket operation; _Retry / _Refused on failure."""
     data = None if body is None else json.dumps(body).encode()
@@ -77,7 +90,7 @@ def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> d
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _OPENER.open(req, timeout=timeout) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as e:
         detail = e.read()[:300].decode("utf-8", "replace").strip()

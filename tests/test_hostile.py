@@ -1,0 +1,114 @@
+"""Hostile servers, hostile files, concurrent runs: no leaked key, no silent wrong result, no raw crash.
+
+The hostile servers are stdlib HTTP servers on 127.0.0.1 in a thread of the test (`fake_server`), each
+answering what its `answer(method, path, body, headers)` says and stopped when the test leaves it; the
+targets are the tiny random ones of conftest.py; the hostile files are written by each test in tmp_path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from draftsmith.data import generate_dataset
+from draftsmith.data.config import ChatConfig, DataConfig, GenerationConfig, SourceConfig
+from draftsmith.errors import DataError
+
+PLAIN = ChatConfig(mode="plain", plain_separator="")
+Answer = Callable[[str, str, bytes, dict], tuple]
+
+
+@contextlib.contextmanager
+def fake_server(answer: Answer):
+    """An HTTP server on 127.0.0.1 whose every request is answered by `answer(method, path, body, headers)`
+    -> (status, headers, body bytes); yields its base address (`http://127.0.0.1:PORT`). `seen` on the
+    yielded object lists every (method, path, headers) it got."""
+    seen: list[tuple[str, str, dict]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _reply(self, method: str) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+            seen.append((method, self.path, dict(self.headers)))
+            status, headers, data = answer(method, self.path, body, dict(self.headers))
+            with contextlib.suppress(OSError):
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if "Content-Length" not in headers:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        def do_GET(self):
+            self._reply("GET")
+
+        def do_POST(self):
+            self._reply("POST")
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+
+    class Address(str):
+        pass
+
+    url = Address(f"http://127.0.0.1:{srv.server_address[1]}")
+    url.seen = seen
+    try:
+        yield url
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(timeout=5)
+
+
+def _json(obj, status: int = 200) -> tuple:
+    return status, {"Content-Type": "application/json"}, json.dumps(obj).encode()
+
+
+def openai_answer(model: str, choice: Callable[[dict], dict], models=None) -> Answer:
+    """An OpenAI-compatible server of `model`: /models lists it (or `models`, verbatim), /completions answers
+    `choice(request body)` as its choices[0]."""
+
+    def answer(method, path, body, headers):
+        if path.endswith("/models"):
+            return _json(models if models is not None else {"object": "list", "data": [{"id": model}]})
+        req = json.loads(body or b"{}")
+        return _json({"model": model, "choices": [choice(req)]})
+
+    return answer
+
+
+def data_cfg(tmp_path: Path, urls: list[str], name: str = "out", n: int = 3, **gen) -> DataConfig:
+    p = tmp_path / "prompts.jsonl"
+    if not p.exists():
+        p.write_text("".join(json.dumps({"q": f"Question {i}: what is {i} plus {i}"}) + "\n" for i in range(n)))
+    g = {"max_new_tokens": 6, "batch_size": 2, "flush_every": 2, "max_retries": 1, "retry_backoff": 0.01,
+         "request_timeout": 5.0, "concurrency": 1, "backend": "openai", "base_urls": list(urls), **gen}
+    return DataConfig(sources=[SourceConfig(name="p", path=str(p), prompt="q", domain="general")],
+                      output_dir=str(tmp_path / name), generation=GenerationConfig(**g), chat=PLAIN)
+
+
+# --- 1. the API key never follows a redirect ------------------------------------------------------------
+def test_a_redirect_is_refused_and_the_key_never_reaches_the_other_origin(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("DS_TEST_KEY", "sk-secret-123")
+    with fake_server(openai_answer("tiny", lambda req: {"text": "x", "finish_reason": "length"})) as other:
+        def redirect(method, path, body, headers):
+            return 302, {"Location": f"{other}{path}"}, b""
+
+        with fake_server(redirect) as first:
+            with pytest.raises(DataError, match="HTTP 302 .*redirect .* not followed"):
+                generate_dataset(data_cfg(tmp_path, [f"{first}/v1"], api_key_env="DS_TEST_KEY"), tiny_target,
+                                 progress=False)
+            assert first.seen and all(h.get("Authorization") == "Bearer sk-secret-123" for _, _, h in first.seen)
+        assert other.seen == []  # the other origin saw no request at all, so never the key
