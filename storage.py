@@ -329,10 +329,15 @@ def weight_checksums(folder: str | os.PathLike) -> dict[str, str]:
 def checksum_problems(folder: str | os.PathLike, recorded: dict[str, str] | None, manifest: str) -> list[str]:
     """One line per weight file that is missing or whose sha256 differs from what `manifest` recorded."""
     folder = Path(folder)
+    if recorded is not None and not isinstance(recorded, dict):
+        return [f"{manifest}: field 'checksums' is not a mapping of weight file -> sha256"]
     problems = []
+    root = folder.resolve()
     for rel, want in sorted((recorded or {}).items()):
         path = folder / rel
-        if not path.is_file():
+        if not path.resolve().is_relative_to(root):  # `../../etc/x`, an absolute path, a symlink out: never read
+            problems.append(f"{path}: outside {folder} (listed in {manifest}): refused, not read")
+        elif not path.is_file():
             problems.append(f"{path}: missing (listed in {manifest})")
         elif sha256_file(path) != want:
             problems.append(f"{path}: sha256 differs from the one {manifest} recorded when it was written "

@@ -112,3 +112,44 @@ def test_a_redirect_is_refused_and_the_key_never_reaches_the_other_origin(tiny_t
                                  progress=False)
             assert first.seen and all(h.get("Authorization") == "Bearer sk-secret-123" for _, _, h in first.seen)
         assert other.seen == []  # the other origin saw no request at all, so never the key
+
+
+# --- 2. a manifest cannot make `check` read outside its folder ------------------------------------------
+@pytest.fixture(scope="module")
+def medusa(tiny_target, tmp_path_factory):
+    from test_export import make_medusa_artifact
+
+    return make_medusa_artifact(tiny_target, tmp_path_factory.mktemp("hostile") / "medusa")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(src, dst))
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/hostname", "/etc/hostname", "link/hostname"])
+def test_a_manifest_naming_a_file_outside_its_folder_is_damaged(tiny_target, medusa, tmp_path, capsys, name):
+    from draftsmith.cli import main
+    from draftsmith.storage import sha256_file
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "hostname").write_text("somebody else's file\n")
+    art = _copy(medusa, tmp_path / "a" / "b" / "c" / "d" / "m")
+    (art / "link").symlink_to(outside)  # a symlink inside the folder that leads out of it
+    real = "../../../../../outside/hostname" if name.startswith("..") else name
+    if name == "/etc/hostname":
+        real = str(outside / "hostname")
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["checksums"] = {**manifest["checksums"], real: sha256_file(outside / "hostname")}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    check = ["check", "--target", str(tiny_target.folder), "--artifact", str(art)]
+    assert main(check) == 4
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "outside" in out and "refused, not read" in out, out
+    from draftsmith.artifact import load_artifact
+    from draftsmith.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match="outside .* refused, not read"):
+        load_artifact(art, target=tiny_target)
