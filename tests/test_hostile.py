@@ -153,3 +153,32 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_damaged(tiny_target, med
 
     with pytest.raises(IntegrityError, match="outside .* refused, not read"):
         load_artifact(art, target=tiny_target)
+
+
+# --- 3. the same dataset twice is refused by data merge ---------------------------------------------------
+def test_merging_a_dataset_with_itself_is_refused(tiny_target, tmp_path, capsys):
+    import shutil
+
+    from test_integrity import make_dataset
+
+    from draftsmith.cli import main
+    from draftsmith.data.commands import merge_datasets
+
+    x = make_dataset(tiny_target, tmp_path / "x")
+    prov = json.loads((x / "provenance.json").read_text())
+    (x / "provenance.json").write_text(json.dumps({**prov, "created": "2026-01-02T03:04:05+0000"}))
+    (tmp_path / "link").symlink_to(x)
+    copy = Path(shutil.copytree(x, tmp_path / "copy"))
+    y = make_dataset(tiny_target, tmp_path / "y")  # another dataset (no creation record): merges
+    for other in (str(x), f"{x}/", str(tmp_path / "link"), str(tmp_path / "sub" / ".." / "x"), str(copy)):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        with pytest.raises(DataError, match="given twice to data merge"):
+            merge_datasets([x, other], tmp_path / "m")
+        assert not (tmp_path / "m").exists()
+    capsys.readouterr()
+    assert main(["data", "merge", str(x), str(x), "--out", str(tmp_path / "m")]) != 0
+    err = capsys.readouterr().err
+    assert "given twice" in err and len(err.strip().splitlines()) == 1, err
+    from draftsmith.data.generate import load_distilled
+
+    assert len(load_distilled(merge_datasets([x, y], tmp_path / "m"))) == 4
