@@ -182,3 +182,46 @@ def test_merging_a_dataset_with_itself_is_refused(tiny_target, tmp_path, capsys)
     from draftsmith.data.generate import load_distilled
 
     assert len(load_distilled(merge_datasets([x, y], tmp_path / "m"))) == 4
+
+
+# --- 4. one row dated in the future (or Infinity) cannot hide the other traffic -----------------------------
+@pytest.mark.parametrize("stamp", ['"2099-01-01T00:00:00Z"', "Infinity", "NaN", "1e400", "-Infinity"])
+def test_a_traffic_row_from_the_future_is_a_named_bad_row(tmp_path, stamp):
+    import time
+
+    from draftsmith.retrain.traffic import read_traffic
+
+    logs = tmp_path / "traffic"
+    logs.mkdir()
+    now = int(time.time())
+    good = [json.dumps({"prompt": f"question {i}", "domain": "chat", "timestamp": now - 3600 * i}) for i in range(5)]
+    hostile = f'{{"prompt": "from the future", "domain": "chat", "timestamp": {stamp}}}'
+    (logs / "a.jsonl").write_text("\n".join([*good[:2], hostile, *good[2:]]) + "\n")
+    sample = read_traffic(logs, window_days=7)
+    assert sorted(r.prompt for r in sample.rows) == sorted(f"question {i}" for i in range(5))
+    assert sample.malformed == 1 and len(sample.bad) == 1
+    assert sample.bad[0].startswith(f"{logs / 'a.jsonl'}:3: timestamp ")
+    assert "in the future" in sample.bad[0] or "not a finite time" in sample.bad[0], sample.bad
+
+
+# --- 12. a partly written .jsonl.gz is named and skipped, its good rows kept ----------------------------------
+def test_a_partly_written_gz_traffic_file_is_named_and_its_rows_used(tmp_path):
+    import gzip
+    import time
+
+    from draftsmith.retrain.traffic import read_traffic
+
+    logs = tmp_path / "traffic"
+    logs.mkdir()
+    now = int(time.time())
+    line = lambda i: json.dumps({"prompt": f"q{i} " + "x" * 200, "domain": "chat", "timestamp": now - i})  # noqa: E731
+    (logs / "a.jsonl").write_text("".join(line(i) + "\n" for i in range(3)))
+    whole = gzip.compress("".join(line(i) + "\n" for i in range(3, 400)).encode())
+    (logs / "b.jsonl.gz").write_bytes(whole[: len(whole) // 2])  # a writer stopped half-way
+    (logs / "c.jsonl.gz").write_bytes(b"\x1f\x8b not gzip at all")
+    sample = read_traffic(logs)
+    prompts = {r.prompt.split()[0] for r in sample.rows}
+    assert {"q0", "q1", "q2", "q3"} <= prompts and "q399" not in prompts
+    damaged = [b for b in sample.bad if "damaged or partly written" in b]
+    assert [b.split(":")[0] for b in damaged] == [str(logs / "b.jsonl.gz"), str(logs / "c.jsonl.gz")], sample.bad
+    assert sample.malformed == 2
