@@ -225,3 +225,57 @@ def test_a_partly_written_gz_traffic_file_is_named_and_its_rows_used(tmp_path):
     damaged = [b for b in sample.bad if "damaged or partly written" in b]
     assert [b.split(":")[0] for b in damaged] == [str(logs / "b.jsonl.gz"), str(logs / "c.jsonl.gz")], sample.bad
     assert sample.malformed == 2
+
+
+# --- 5. check validates every tensor's data_offsets -------------------------------------------------------
+def _rewrite_header(path: Path, change) -> None:
+    """Rewrite a safetensors file's JSON header with `change(header)` (the tensor bytes stay as they are)."""
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    change(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _all_at_zero(header: dict) -> None:
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    first = header[names[0]]
+    for k in names[1:]:
+        if header[k]["dtype"] == first["dtype"] and header[k]["shape"] == first["shape"]:
+            header[k]["data_offsets"] = list(first["data_offsets"])
+
+
+def _overlap(header: dict) -> None:
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    a, b = header[names[0]]["data_offsets"], header[names[1]]["data_offsets"]
+    size = b[1] - b[0]
+    header[names[1]]["data_offsets"] = [a[1] - 4, a[1] - 4 + size]
+
+
+def _wrong_size(header: dict) -> None:
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    last = header[names[-1]]
+    last["shape"] = [*last["shape"][:-1], last["shape"][-1] - 1]
+
+
+@pytest.mark.parametrize("damage,expect", [(_all_at_zero, "overlaps tensor"), (_overlap, "overlaps tensor"),
+                                           (_wrong_size, "needs")])
+def test_check_refuses_tensors_whose_data_offsets_overlap_or_misfit(tiny_target, medusa, tmp_path, capsys, damage,
+                                                                    expect):
+    from draftsmith.cli import main
+    from draftsmith.storage import weight_checksums
+
+    art = _copy(medusa, tmp_path / "m")
+    weights = art / "model.safetensors"
+    _rewrite_header(weights, damage)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["checksums"] = weight_checksums(art)  # whoever changed the file also rewrote its checksums
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["check", "--target", str(tiny_target.folder), "--artifact", str(art)]) == 4
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and f"{weights}: tensor '" in out and expect in out, out
