@@ -154,6 +154,12 @@ class ChatConfig:
     add_bos: bool = True  # plain mode: prepend the tokenizer's BOS token when it has one
 
 
+# request fields the OpenAI backend sets from GenerationConfig; extra_body may not override them (a server told
+# max_tokens 10**9 through extra_body would write past max_new_tokens)
+OWNED_REQUEST_FIELDS = {"model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                        "n", "best_of", "stream", "echo"}
+
+
 @dataclass
 class GenerationConfig:
     """Self-distillation sampling and the decode engine."""
@@ -240,6 +246,12 @@ class GenerationConfig:
             raise ValueError("generation.retry_backoff must be >= 0 and request_timeout > 0")
         if self.prompt_as not in ("text", "token_ids"):
             raise ValueError(f"generation.prompt_as must be text or token_ids, got {self.prompt_as!r}")
+        if not isinstance(self.extra_body, dict):
+            raise ValueError("generation.extra_body must be a mapping of request fields")
+        owned = sorted(set(self.extra_body) & OWNED_REQUEST_FIELDS)
+        if owned:
+            raise ValueError(f"generation.extra_body: {', '.join(owned)} set by draftsmith from the generation "
+                             "settings (max_new_tokens, do_sample, temperature, top_p, seed); set those instead")
 
 
 @dataclass

@@ -218,7 +218,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         from draftsmith.data.remote import RemoteEngine
 
         remote = RemoteEngine(target.tokenizer, target.eos_token_ids, gen, resolve_mode(target.tokenizer,
-                                                                                       config.chat.mode))
+                                                                                       config.chat.mode),
+                              vocab_size=target.vocab_size)
         remote.check_servers()
         precision = {"backend": "openai", "served_model": remote.model}
     else:

@@ -26,6 +26,7 @@ stop`), exactly as the chat template ends an assistant turn.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -98,11 +99,33 @@ def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> d
         raise (_Retry if e.code in RETRY_STATUS else _Refused)(msg) from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise _Retry(f"{url}: {type(reason).__name__}: {reason}") from None
+        raise _Retry(f"{url}: {type(reason).__name__}: {str(reason)[:200]}") from None
+    except http.client.HTTPException as e:  # an answer cut short (IncompleteRead), a garbled status line
+        raise _Retry(f"{url}: {type(e).__name__}: the answer was cut short or garbled ({str(e)[:120]})") from None
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or not UTF-8
         raise _Retry(f"{url}: the answer is not JSON ({raw[:80]!r})") from None
+
+
+def _listed_models(url: str, answer) -> list[str]:
+    """The model names of a /models answer ({"data": [{"id": name}, ...]}); anything else is a bad answer."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        raise _Retry(f"{url}: not an OpenAI /models answer ({{\"data\": [{{\"id\": ...}}]}} expected, got "
+                     f"{str(answer)[:80]})")
+    return [m["id"] for m in data]
+
+
+def _token_ids(ids, vocab_size: int, what: str) -> list[int]:
+    """A server's token ids: a list of ints in [0, vocab_size); a float (5.7), a string or a negative id is a
+    bad answer, never truncated or stored."""
+    if not isinstance(ids, list):
+        raise _Retry(f"{what} is not a list ({type(ids).__name__})")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise _Retry(f"{what}[{i}] = {repr(t)[:40]} is not a token id of the target (ints in [0, {vocab_size}))")
+    return ids
 
 
 def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
@@ -126,8 +149,9 @@ def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
 class RemoteEngine:
     """Drives `base_urls` like the embedded engine: `run(requests, on_done, on_tokens)`."""
 
-    def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str):
+    def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str, vocab_size: int | None = None):
         self.tok = tokenizer
+        self.vocab_size = vocab_size or len(tokenizer)
         self.eos_ids = list(eos_ids)
         self.gen = gen
         self.end_id = end_of_turn_id(tokenizer, self.eos_ids, chat_mode)
@@ -146,8 +170,8 @@ class RemoteEngine:
         for s in self.servers:
             for attempt in range(self.gen.max_retries + 1):
                 try:
-                    listed = [m.get("id") for m in _http(f"{s.url}/models", None, self.gen.request_timeout,
-                                                         self.api_key).get("data", [])]
+                    listed = _listed_models(f"{s.url}/models", _http(f"{s.url}/models", None,
+                                                                     self.gen.request_timeout, self.api_key))
                     break
                 except _Retry as e:
                     s.last_error = str(e)
@@ -181,7 +205,7 @@ class RemoteEngine:
 
     def _body(self, req: Request, model: str) -> dict:
         gen = self.gen
-        body: dict[str, Any] = {"model": model, "max_tokens": req.max_new_tokens}
+        body: dict[str, Any] = {**gen.extra_body, "model": model, "max_tokens": req.max_new_tokens}
         if gen.prompt_as == "token_ids":
             body["prompt"] = list(req.prompt_ids)
         else:
@@ -191,7 +215,6 @@ class RemoteEngine:
             body.update(temperature=gen.temperature, top_p=gen.top_p, seed=req.seed % (2**31))
         else:
             body["temperature"] = 0.0
-        body.update(gen.extra_body)
         return body
 
     def check_prompt(self, req: Request) -> None:
@@ -210,12 +233,18 @@ class RemoteEngine:
         try:
             choice = answer["choices"][0]
             text, finish = choice["text"], choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError):
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise _Retry(f"{s.url}: an answer with no choices[0].text ({str(answer)[:120]})") from None
+        if not isinstance(text, str):
+            raise _Retry(f"{s.url}: row {req.key}: choices[0].text is {str(text)[:40]}, not a string")
         if answer.get("model") not in (None, s.model):
             raise _Mismatch(f"answered as model {answer.get('model')!r}, not {s.model!r}")
         usage = answer.get("usage") or {}
+        if not isinstance(usage, dict):
+            raise _Retry(f"{s.url}: row {req.key}: usage is not an object ({str(usage)[:60]})")
         got_prompt = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
+        if got_prompt is not None:
+            got_prompt = _token_ids(got_prompt, self.vocab_size, f"{s.url}: row {req.key}: prompt_token_ids")
         if got_prompt is not None and list(got_prompt) != list(req.prompt_ids):
             raise _Mismatch(f"tokenized row {req.key}'s prompt differently (prompt_token_ids differ): it serves a "
                            "model with another tokenizer")
@@ -224,8 +253,11 @@ class RemoteEngine:
                            f"{len(req.prompt_ids)}: it serves a model with another tokenizer")
         ids = choice.get("token_ids")
         stopped = finish == "stop"
+        n = usage.get("completion_tokens")
+        if isinstance(n, int) and n > req.max_new_tokens:  # a server that ignored max_tokens
+            raise _Refused(f"row {req.key}: wrote {n} tokens for max_tokens {req.max_new_tokens}")
         if ids is not None:
-            tokens = [int(t) for t in ids]
+            tokens = list(_token_ids(ids, self.vocab_size, f"{s.url}: row {req.key}: token_ids"))
             if len(tokens) > req.max_new_tokens + 1:
                 raise _Refused(f"returned {len(tokens)} token ids for max_tokens {req.max_new_tokens}")
             if stopped and (not tokens or tokens[-1] not in self.eos_ids):  # a server that leaves the stop token out
@@ -236,7 +268,6 @@ class RemoteEngine:
             tokens = list(self.tok(text, add_special_tokens=False)["input_ids"])
             if stopped:
                 tokens.append(self.end_id)
-            n = usage.get("completion_tokens")
             if n is not None and n != len(tokens):  # a text round trip may split differently; counted, kept
                 s.stats["retokenized_differently"] = s.stats.get("retokenized_differently", 0) + 1
         return Completion(req.key, list(req.prompt_ids), tokens, stopped)

@@ -279,3 +279,79 @@ def test_check_refuses_tensors_whose_data_offsets_overlap_or_misfit(tiny_target,
     assert main(["check", "--target", str(tiny_target.folder), "--artifact", str(art)]) == 4
     out = capsys.readouterr().out
     assert "DAMAGED" in out and f"{weights}: tensor '" in out and expect in out, out
+
+
+# --- 6 / 13. a server's ids are the target's, its max_tokens ours, its bad answers retried elsewhere ----------
+def _good(req: dict) -> dict:
+    return {"text": " seven", "finish_reason": "length"}
+
+
+def _rows(out: Path) -> list[dict]:
+    from draftsmith.data import load_distilled
+
+    return list(load_distilled(out))
+
+
+BAD_CHOICES = {
+    "id beyond the vocabulary": ({"text": "x", "token_ids": [5, 99999], "finish_reason": "length"},
+                                 r"token_ids\[1\] = 99999 is not a token id"),
+    "float id": ({"text": "x", "token_ids": [5.7], "finish_reason": "length"}, r"token_ids\[0\] = 5.7 is not"),
+    "negative id": ({"text": "x", "token_ids": [-1], "finish_reason": "length"}, r"token_ids\[0\] = -1 is not"),
+    "string id": ({"text": "x", "token_ids": ["12"], "finish_reason": "length"}, r"token_ids\[0\] = '12' is not"),
+    "text null": ({"text": None, "finish_reason": "length"}, r"choices\[0\]\.text is None, not a string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHOICES))
+def test_a_server_answering_bad_ids_or_text_is_retried_then_dropped(tiny_target, tmp_path, case):
+    choice, expect = BAD_CHOICES[case]
+    with fake_server(openai_answer("tiny", lambda req: choice)) as bad, \
+            fake_server(openai_answer("tiny", _good)) as good:
+        with pytest.raises(DataError, match=f"every server failed.*{expect}") as e:
+            generate_dataset(data_cfg(tmp_path, [f"{bad}/v1"], "alone"), tiny_target, progress=False)
+        assert "\n" not in str(e.value)
+        out = generate_dataset(data_cfg(tmp_path, [f"{bad}/v1", f"{good}/v1"], "two"), tiny_target, progress=False)
+    rows = _rows(out)
+    assert len(rows) == 3 and all(max(r["input_ids"]) < tiny_target.vocab_size for r in rows)
+
+
+def test_a_server_that_ignores_max_tokens_is_refused(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="extra_body: max_tokens set by draftsmith"):
+        data_cfg(tmp_path, ["http://127.0.0.1:9/v1"], extra_body={"max_tokens": 100000})
+    too_many = {"text": "x", "token_ids": [5] * 50, "finish_reason": "length"}
+    with fake_server(openai_answer("tiny", lambda req: too_many)) as srv:
+        with pytest.raises(DataError, match="returned 50 token ids for max_tokens 6"):
+            generate_dataset(data_cfg(tmp_path, [f"{srv}/v1"], "ids"), tiny_target, progress=False)
+
+    def counted(method, path, body, headers):  # text only, but its own count says it wrote 50 tokens
+        if path.endswith("/models"):
+            return _json({"data": [{"id": "tiny"}]})
+        return _json({"model": "tiny", "choices": [{"text": "x " * 50, "finish_reason": "length"}],
+                      "usage": {"completion_tokens": 50}})
+
+    with fake_server(counted) as srv:
+        with pytest.raises(DataError, match="wrote 50 tokens for max_tokens 6"):
+            generate_dataset(data_cfg(tmp_path, [f"{srv}/v1"], "text"), tiny_target, progress=False)
+
+
+def test_an_answer_cut_short_is_retried_on_the_healthy_server(tiny_target, tmp_path):
+    def cut(method, path, body, headers):
+        if path.endswith("/models"):
+            return _json({"data": [{"id": "tiny"}]})
+        data = json.dumps({"model": "tiny", "choices": [_good({})]}).encode()
+        return 200, {"Content-Type": "application/json", "Content-Length": str(len(data) + 500)}, data[:20]
+
+    with fake_server(cut) as bad, fake_server(openai_answer("tiny", _good)) as good:
+        with pytest.raises(DataError, match="every server failed.*IncompleteRead") as e:
+            generate_dataset(data_cfg(tmp_path, [f"{bad}/v1"], "alone"), tiny_target, progress=False)
+        assert "\n" not in str(e.value)
+        out = generate_dataset(data_cfg(tmp_path, [f"{bad}/v1", f"{good}/v1"], "two"), tiny_target, progress=False)
+    assert len(_rows(out)) == 3
+
+
+@pytest.mark.parametrize("models", [[{"id": "tiny"}], {"data": "tiny"}, {"data": [["tiny"]]}, "tiny"])
+def test_a_models_answer_of_another_shape_is_one_line(tiny_target, tmp_path, models):
+    with fake_server(openai_answer("tiny", _good, models=models)) as srv:
+        with pytest.raises(DataError, match="no server answered: .*not an OpenAI /models answer") as e:
+            generate_dataset(data_cfg(tmp_path, [f"{srv}/v1"]), tiny_target, progress=False)
+    assert "\n" not in str(e.value)
