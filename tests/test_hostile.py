@@ -355,3 +355,44 @@ def test_a_models_answer_of_another_shape_is_one_line(tiny_target, tmp_path, mod
         with pytest.raises(DataError, match="no server answered: .*not an OpenAI /models answer") as e:
             generate_dataset(data_cfg(tmp_path, [f"{srv}/v1"]), tiny_target, progress=False)
     assert "\n" not in str(e.value)
+
+
+# --- 7. tree.json is validated: parents present, ranks within the heads' top-k, size bounded -------------------
+TREES = {
+    "parent missing": ([[0], [1, 0]], "comes before its parent"),
+    "rank 100000": ([[0], [100000]], "has rank 100000, outside the heads' top-"),
+    "negative rank": ([[0], [-1]], "has rank -1"),
+    "duplicates": ([[0]] * 200_000, "tree nodes, more than"),
+    "listed twice": ([[0], [1], [0]], "is listed twice"),
+    "not ints": ([[0], ["1"]], "is not a non-empty list of int ranks"),
+    "symlink loop": (None, "not a readable file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TREES))
+def test_a_hostile_tree_is_one_line_naming_tree_json(tiny_target, medusa, tmp_path, capsys, case):
+    from draftsmith.cli import main
+    from draftsmith.errors import ConfigError
+    from draftsmith.medusa.model import load_medusa
+
+    paths, expect = TREES[case]
+    art = _copy(medusa, tmp_path / "m")
+    tree = art / "tree.json"
+    if paths is None:
+        tree.unlink()
+        tree.symlink_to(art / "loop.json")
+        (art / "loop.json").symlink_to(tree)
+    else:
+        tree.write_text(json.dumps({"paths": paths, "expected_length": 1.0}))
+    with pytest.raises(ConfigError, match=expect) as e:
+        load_medusa(art, tiny_target)
+    assert str(e.value).startswith(str(tree)) and "\n" not in str(e.value)
+    capsys.readouterr()
+    assert main(["check", "--target", str(tiny_target.folder), "--artifact", str(art)]) == 4
+    out = capsys.readouterr().out
+    assert expect in out and "DAMAGED" in out, out
+    from draftsmith.export.api import export_artifact
+
+    with pytest.raises(ConfigError, match=expect):
+        export_artifact(art, "vllm", tmp_path / "v", tiny_target)
+    assert not (tmp_path / "v").exists()
