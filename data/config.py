@@ -12,6 +12,7 @@ from typing import Literal
 
 from draftsmith.config import register_config
 from draftsmith.storage import data_path
+from draftsmith.targets.context import MAX_NEW_TOKENS
 
 
 @dataclass
@@ -203,8 +204,8 @@ class GenerationConfig:
     extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {return_token_ids: true} (vLLM)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError("generation.max_new_tokens must be >= 1")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"generation.max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
         if self.max_prompt_tokens < 1:
             raise ValueError("generation.max_prompt_tokens must be >= 1")
         if self.temperature <= 0:

@@ -49,6 +49,7 @@ from draftsmith.storage import (
     sha256_json,
 )
 from draftsmith.targets import check_compatible, gemm, load_target
+from draftsmith.targets.context import answer_room
 from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
@@ -317,7 +318,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 masks[r.row_id] = pmask
                 # top-k logits are wanted from the position that predicts the first learned token on
                 learned = next((i for i, m in enumerate(pmask) if m), len(ids))
-                reqs.append(Request(r.row_id, ids, gen.max_new_tokens, seed=_row_seed(gen.seed, r.row_id, turn),
+                reqs.append(Request(r.row_id, ids, answer_room(target, len(ids), gen.max_new_tokens, r.origin),
+                                    seed=_row_seed(gen.seed, r.row_id, turn),
                                     logits_from=max(learned - 1, 0)))
             on_done = lambda c, masks=masks: finish(c, masks[c.key])  # noqa: E731
             if remote is not None:

@@ -396,3 +396,47 @@ def test_a_hostile_tree_is_one_line_naming_tree_json(tiny_target, medusa, tmp_pa
     with pytest.raises(ConfigError, match=expect):
         export_artifact(art, "vllm", tmp_path / "v", tiny_target)
     assert not (tmp_path / "v").exists()
+
+
+# --- 8. prompt + answer stay within the target's context; max_new_tokens is bounded ------------------------------
+def _long_text(tok, n_tokens: int) -> str:
+    words = " ".join(f"w{i % 50}" for i in range(n_tokens))
+    ids = tok(words, add_special_tokens=False)["input_ids"][:n_tokens]
+    return tok.decode(ids)
+
+
+def test_generated_rows_fit_the_targets_context(tiny_target, tmp_path):
+    ctx = tiny_target.text_config.max_position_embeddings
+    asked = []
+
+    def full(req):  # a server that always writes all max_tokens it is allowed
+        asked.append(req["max_tokens"])
+        return {"text": "", "token_ids": [7] * req["max_tokens"], "finish_reason": "length"}
+
+    p = tmp_path / "prompts.jsonl"
+    text = _long_text(tiny_target.tokenizer, ctx - 40)
+    p.write_text(json.dumps({"q": text}) + "\n" + json.dumps({"q": "short one"}) + "\n")
+    with fake_server(openai_answer("tiny", full)) as srv:
+        cfg = data_cfg(tmp_path, [f"{srv}/v1"], max_new_tokens=200, max_prompt_tokens=ctx * 2, prompt_as="token_ids")
+        rows = _rows(generate_dataset(cfg, tiny_target, progress=False))
+    assert len(rows) == 2 and max(len(r["input_ids"]) for r in rows) <= ctx
+    assert sorted(asked)[0] < 200 and sorted(asked)[-1] == 200  # the long prompt's answer was cut to the room left
+    with pytest.raises(ValueError, match=r"max_new_tokens must be in 1\.\.1048576, got 1000000000"):
+        data_cfg(tmp_path, ["http://127.0.0.1:9/v1"], max_new_tokens=10**9)
+
+
+def test_evaluate_refuses_a_prompt_longer_than_the_context(tiny_target, tmp_path):
+    from draftsmith.errors import ConfigError
+    from draftsmith.evaluation.evaluate import evaluate
+
+    ctx = tiny_target.text_config.max_position_embeddings
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"turns": ["hello"], "category": "chat"}) + "\n"
+                 + json.dumps({"turns": [_long_text(tiny_target.tokenizer, ctx + 100)], "category": "chat"}) + "\n")
+    with pytest.raises(ConfigError, match=rf"prompt p\.jsonl:2: a prompt of \d+ tokens \+ max_new_tokens 8 is more than "
+                                          rf"the target's context of {ctx}"):
+        evaluate(tiny_target, "ngram", prompts=[str(p)], max_new_tokens=8, out=str(tmp_path / "e"), hf_reference=False,
+                 cost_model=False)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be in 1\.\.1048576"):
+        evaluate(tiny_target, "ngram", prompts=[str(p)], max_new_tokens=10**9, out=str(tmp_path / "e"))
+    assert not (tmp_path / "e").exists()
