@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith.data.engine import Completion, Request
+from draftsmith.data.masks import encode_text
 from draftsmith.errors import DataError, FingerprintMismatch
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ class RemoteEngine:
         else:
             # the text as the target's tokenizer splits it: what the row stores and its mask covers. Where the
             # model wrote a split the tokenizer would not make, the count differs; the text is kept as written
-            tokens = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            tokens = encode_text(self.tok, text)  # special-token strings the model wrote stay text
             if stopped:
                 tokens.append(self.end_id)
             if n is not None and n != len(tokens):  # a text round trip may split differently; counted, kept
