@@ -477,3 +477,47 @@ def test_a_generated_row_keeps_control_token_text_as_text(tiny_target, tmp_path)
     for r in rows:
         prompt = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if not m]
         assert prompt.count(start) == 2, r["prompt"]  # the user turn's and the generation prompt's, no third
+
+
+# --- 10. draftsmith alpha refuses counters no engine could have written -------------------------------------------
+def _dump(drafts, drafted, accepted, pos0="10") -> str:
+    return "\n".join([
+        f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+        f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {drafted}',
+        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}',
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {pos0}',
+        'vllm:request_success_total{model_name="m"} 5', ""])
+
+
+@pytest.mark.parametrize("dump,expect", [
+    (_dump(100, 100, 500), "500 accepted tokens > 100 drafted"),
+    (_dump(100, "NaN", 50), "num_draft_tokens_total of model 'm' is nan, not a count"),
+    (_dump("NaN", 100, 50), "num_drafts_total of model 'm' is nan"),
+    (_dump(100, 400, "+Inf"), "is inf, not a count"),
+    (_dump(100, 400, 50, pos0="500"), "position 0 accepted 500.0 times in 100 drafts"),
+])
+def test_alpha_refuses_impossible_counters(tmp_path, capsys, dump, expect):
+    from draftsmith.cli import main
+
+    f = tmp_path / "metrics.prom"
+    f.write_text(dump)
+    assert main(["alpha", str(f)]) != 0
+    captured = capsys.readouterr()
+    assert expect in captured.err and "\n" not in captured.err.strip() and "alpha" not in captured.out, captured
+    f.write_text(_dump(100, 400, 50))
+    assert main(["alpha", str(f)]) == 0 and "0.125" in capsys.readouterr().out
+
+
+def test_alpha_from_logs_skips_non_finite_rows(tmp_path):
+    from draftsmith.ops.production import log_alpha
+
+    f = tmp_path / "log.jsonl"
+    f.write_text('{"domain": "chat", "draft_tokens": 40, "accepted_tokens": 20}\n'
+                 '{"domain": "chat", "draft_tokens": NaN, "accepted_tokens": 20}\n'
+                 '{"domain": "chat", "draft_tokens": 10, "accepted_tokens": 90}\n')
+    with pytest.raises(DataError, match="'chat': 110 accepted tokens > 50 drafted"):
+        log_alpha(f)
+    f.write_text('{"domain": "chat", "draft_tokens": 40, "accepted_tokens": 20}\n'
+                 '{"domain": "chat", "draft_tokens": NaN, "accepted_tokens": 20}\n')
+    t = log_alpha(f)
+    assert t["domains"]["chat"]["alpha"] == 0.5 and t["malformed"] == 1
