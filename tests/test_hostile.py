@@ -521,3 +521,28 @@ def test_alpha_from_logs_skips_non_finite_rows(tmp_path):
                  '{"domain": "chat", "draft_tokens": NaN, "accepted_tokens": 20}\n')
     t = log_alpha(f)
     assert t["domains"]["chat"]["alpha"] == 0.5 and t["malformed"] == 1
+
+
+# --- 11. a routing policy's routes are validated when it is loaded ------------------------------------------------
+@pytest.mark.parametrize("route,expect", [
+    ({"proposer": "ngram", "k": -3}, r"domains\.code\.k is -3: an int in 1\.\.64"),
+    ({"proposer": "ngram", "k": "abc"}, r"domains\.code\.k is 'abc'"),
+    ({"proposer": "ngram", "k": True}, r"domains\.code\.k is True"),
+    ({"proposer": "ngram", "tree": [0]}, r"domains\.code\.tree is \[0\]: a non-empty list"),
+    ({"proposer": "ngram", "tree": "4,2"}, r"domains\.code\.tree is 4,2"),
+    ({"k": 4}, r"domains\.code\.proposer missing"),
+    (7, r"domains\.code is 7: give \"off\" or a route"),
+    ({"proposer": "ngram", "tree_max_nodes": 0}, r"domains\.code\.tree_max_nodes is 0"),
+])
+def test_a_bad_routing_policy_is_one_line_naming_the_field(tiny_target, tmp_path, route, expect):
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.errors import ConfigError
+
+    f = tmp_path / "policy.json"
+    f.write_text(json.dumps({"kind": "routing_policy", "default": "off", "domains": {"chat": "off", "code": route}}))
+    with pytest.raises(ConfigError, match=f"{f}: {expect}") as e:
+        build_proposer(f"route:{f}", tiny_target)
+    assert "\n" not in str(e.value)
+    f.write_text(json.dumps({"kind": "routing_policy", "default": "off",
+                             "domains": {"chat": "off", "code": {"proposer": "ngram", "k": 3}}}))
+    assert build_proposer(f"route:{f}", tiny_target).routes
