@@ -546,3 +546,41 @@ def test_a_bad_routing_policy_is_one_line_naming_the_field(tiny_target, tmp_path
     f.write_text(json.dumps({"kind": "routing_policy", "default": "off",
                              "domains": {"chat": "off", "code": {"proposer": "ngram", "k": 3}}}))
     assert build_proposer(f"route:{f}", tiny_target).routes
+
+
+# --- 15. a YAML alias bomb is refused at load, and no error message is long ---------------------------------------
+def _bomb(levels: int = 9) -> str:
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines)
+
+
+def test_a_yaml_alias_bomb_under_a_known_key_is_refused_at_load(tmp_path):
+    import time
+
+    from draftsmith.config import load_config
+    from draftsmith.errors import ConfigError
+
+    f = tmp_path / "eval.yaml"
+    # the anchors inside the known key's own value: 9**7 nodes once walked (the value's repr alone is ~40 MB)
+    anchors = [line.split(": ", 1)[1] for line in _bomb(7).splitlines()]
+    f.write_text(f"kind: eval\nk: [{', '.join(anchors)}]\n")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="aliases expand the document past 1000000 nodes") as e:
+        load_config(f)
+    assert len(str(e.value)) < 300 and time.monotonic() - t0 < 10
+
+
+def test_a_large_bad_value_makes_a_short_error(tmp_path):
+    from draftsmith.config import load_config
+    from draftsmith.errors import ConfigError
+
+    f = tmp_path / "eval.yaml"
+    f.write_text("kind: eval\ntree: " + json.dumps([[[i, "x" * 50] for i in range(30)] for _ in range(30)]) + "\n")
+    with pytest.raises(ConfigError, match=r"tree\[0\]: expected an integer, got \[\[0, 'xxx") as e:
+        load_config(f)
+    assert len(str(e.value)) < 300 and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"unknown config key 'xxxx.*\.\.\.") as e:
+        load_config(f, ["x" * 10_000 + "=1"])
+    assert len(str(e.value)) < 1000
