@@ -221,6 +221,17 @@ def _remove(path: Path) -> None:
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | None = None,
                verify=None) -> Iterator[Path]:
+    """`_atomic_dir` while holding `final`'s writer lock (locks.py): a second process writing the same folder
+    is refused in one line instead of racing the first one's swap."""
+    from draftsmith.locks import output_lock
+
+    with output_lock(final, kind or "folder"), _atomic_dir(final, overwrite, kind, verify) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | None = None,
+                verify=None) -> Iterator[Path]:
     """Yield a temporary directory next to `final`; on success (and after `verify(tmp)`, if given, returns
     without raising) rename it to `final`.
 

@@ -202,7 +202,16 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
 
     `on_row(record)` is called after each finished row (tests use it to simulate a crash).
     With `overwrite` an existing finished dataset is replaced; chunks of an interrupted run are reused.
+    One run writes an output_dir at a time: a second is refused while the first runs (locks.py).
     """
+    from draftsmith.locks import output_lock
+
+    with output_lock(Path(config.output_dir).expanduser(), "dataset"):
+        return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite)
+
+
+def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
+                      overwrite: bool = False) -> Path:
     gen = config.generation
     if gen.threads:
         torch.set_num_threads(gen.threads)

@@ -584,3 +584,82 @@ def test_a_large_bad_value_makes_a_short_error(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key 'xxxx.*\.\.\.") as e:
         load_config(f, ["x" * 10_000 + "=1"])
     assert len(str(e.value)) < 1000
+
+
+# --- 14. one writer per output folder ------------------------------------------------------------------------------
+WRITER = """
+import sys, time
+from pathlib import Path
+import torch
+from draftsmith.artifact import make_manifest, save_artifact
+from draftsmith.errors import DraftsmithError
+out, go = Path(sys.argv[1]), Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.01)
+manifest = make_manifest("medusa", {"tokenizer_hash": "x"}, config={"writer": sys.argv[3]})
+try:
+    save_artifact(out, manifest, {"w": torch.full((64,), float(sys.argv[3]))}, writer=lambda tmp: time.sleep(1.5))
+except DraftsmithError as e:
+    print(f"draftsmith: error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def test_six_processes_writing_one_artifact_folder_never_crash(tmp_path):
+    import subprocess
+    import sys
+
+    from draftsmith.artifact import load_artifact
+
+    out, go = tmp_path / "art", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(go), str(i)], stderr=subprocess.PIPE,
+                              text=True) for i in range(6)]
+    try:
+        import time
+
+        time.sleep(4)  # every process imported torch and waits for the start
+        go.touch()
+        results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rc, err in results:
+        assert rc == 0 or (rc == 2 and "another process" in err and "is writing this artifact now" in err
+                           and len(err.strip().splitlines()) == 1), err[-2000:]
+    # the writes overlapped (each takes 1.5 s, all started together): one wins, the others are refused
+    assert any(rc == 0 for rc, _ in results) and any(rc == 2 for rc, _ in results), results
+    manifest, state = load_artifact(out)  # whole: its checksums hold
+    assert state["w"].unique().tolist() == [float(manifest["config"]["writer"])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "go"]  # no temporary or lock file left
+
+
+def test_a_second_training_into_one_output_dir_is_refused_while_the_first_runs(tiny_target, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from _train_job import NextTokenJob
+
+    from draftsmith.locks import OutputBusy
+    from draftsmith.training import TrainConfig, train
+
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_train_job.py"), "--out", str(out),
+                              "--max-steps", "400", "--save-every", "1000", "--sleep", "0.05"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and first.poll() is None and not (out.is_dir() and any(out.iterdir())):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert first.poll() is None, first.stderr.read()[-2000:]
+        cfg = TrainConfig(max_steps=2, batch_size=4, output_dir=str(out), progress=False, eval_every=0, log_every=1)
+        with pytest.raises(OutputBusy, match=f"{out}: another process \\(pid {first.pid}\\) is writing this training "
+                                             "output now"):
+            train(NextTokenJob(tiny_target), cfg)
+    finally:
+        first.kill()  # killed mid-run: the kernel drops its lock
+        first.wait(timeout=30)
+    train(NextTokenJob(tiny_target), cfg)  # the killed run held nothing
