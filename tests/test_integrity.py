@@ -18,7 +18,14 @@ from safetensors.torch import load_file, save_file
 from test_export import make_draft_artifact, make_medusa_artifact
 
 from draftsmith import artifact
-from draftsmith.errors import ArtifactError, ConfigError, DataError, IntegrityError, OutputError, TrainingError
+from draftsmith.errors import (
+    ArtifactError,
+    ConfigError,
+    DataError,
+    IntegrityError,
+    OutputError,
+    TrainingError,
+)
 from draftsmith.export.api import export_artifact, import_export, verify_export
 from draftsmith.export.verify import VerificationError
 from draftsmith.storage import atomic_dir, sha256_file, weight_checksums
