@@ -212,10 +212,10 @@ class GenerationConfig:
             raise ValueError("generation.temperature must be > 0 (use do_sample: false for greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("generation.top_p must be in (0, 1]")
-        if self.batch_size < 1:
-            raise ValueError("generation.batch_size must be >= 1")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("generation.threads must be >= 1")
+        if not 1 <= self.batch_size <= 1 << 16:
+            raise ValueError(f"generation.batch_size must be in 1..65536, got {self.batch_size}")
+        if self.threads is not None and not 1 <= self.threads <= 1024:
+            raise ValueError(f"generation.threads must be in 1..1024, got {self.threads}")
         if self.flush_every < 1:
             raise ValueError("generation.flush_every must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):

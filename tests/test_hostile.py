@@ -663,3 +663,51 @@ def test_a_second_training_into_one_output_dir_is_refused_while_the_first_runs(t
         first.kill()  # killed mid-run: the kernel drops its lock
         first.wait(timeout=30)
     train(NextTokenJob(tiny_target), cfg)  # the killed run held nothing
+
+
+# --- 16. ranges checked at load; output folders checked before training; prompts that are folders or empty ---------
+@pytest.mark.parametrize("override,expect", [
+    ("generation.threads=1000000", r"generation\.threads must be in 1\.\.1024, got 1000000"),
+    ("generation.batch_size=100000000", r"generation\.batch_size must be in 1\.\.65536, got 100000000"),
+    ("generation.max_new_tokens=1000000000", r"generation\.max_new_tokens must be in 1\.\.1048576"),
+])
+def test_huge_generation_settings_are_refused_at_load(tmp_path, override, expect):
+    from draftsmith.config import load_config
+    from draftsmith.data.config import DataConfig
+    from draftsmith.errors import ConfigError
+
+    f = tmp_path / "data.yaml"
+    f.write_text("kind: data\noutput_dir: out\nsources: [{name: p, path: p.jsonl, prompt: q, domain: d}]\n")
+    with pytest.raises(ConfigError, match=expect):
+        load_config(f, [override], cls=DataConfig)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_job_whose_output_is_its_train_output_dir_is_refused_at_load(tmp_path, kind):
+    from draftsmith.config import load_config
+    from draftsmith.errors import ConfigError
+
+    f = tmp_path / "job.yaml"
+    f.write_text(f"kind: {kind}\noutput: {tmp_path / 'run'}\ntrain: {{output_dir: {tmp_path / 'run'}, "
+                 "batch_size: 4}\n")
+    with pytest.raises(ConfigError, match="would replace train.output_dir"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="would replace train.output_dir"):
+        load_config(f, [f"train.output_dir={tmp_path / 'run' / 'train'}"])  # the swap would take it too
+    with pytest.raises(ConfigError, match=r"train\.batch_size must be at most 65536 rows, got 100000000"):
+        load_config(f, [f"output={tmp_path / 'art'}", "train.batch_size=100000000"])
+    assert load_config(f, [f"output={tmp_path / 'run' / 'artifact'}"]).output.endswith("artifact")
+
+
+def test_a_prompts_folder_or_an_empty_prompt_is_named(tiny_target, tmp_path):
+    from draftsmith.errors import ConfigError
+    from draftsmith.evaluation.evaluate import evaluate
+
+    (tmp_path / "prompts").mkdir()
+    kw = dict(max_new_tokens=4, out=str(tmp_path / "e"), hf_reference=False, cost_model=False)
+    with pytest.raises(ConfigError, match=f"--prompts {tmp_path / 'prompts'}: a folder, not a prompt file"):
+        evaluate(tiny_target, "ngram", prompts=[str(tmp_path / "prompts")], **kw)
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"turns": ["hello"]}) + "\n" + json.dumps({"turns": ["   "]}) + "\n")
+    with pytest.raises(ConfigError, match=r"prompt p\.jsonl:2: empty"):
+        evaluate(tiny_target, "ngram", prompts=[str(p)], **kw)
