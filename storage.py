@@ -11,6 +11,7 @@ Files get the mode the umask gives an ordinary open(), so a serving process of t
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -73,9 +74,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        raise_if_full(e, path)
         raise
     _fsync_dir(path.parent)
 
@@ -225,8 +227,30 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | No
     is refused in one line instead of racing the first one's swap."""
     from draftsmith.locks import output_lock
 
-    with output_lock(final, kind or "folder"), _atomic_dir(final, overwrite, kind, verify) as tmp:
-        yield tmp
+    try:
+        with output_lock(final, kind or "folder"), _atomic_dir(final, overwrite, kind, verify) as tmp:
+            yield tmp
+    except Exception as e:  # OSError, or a writer's own error type carrying one (safetensors: "os error 28")
+        raise_if_full(e, final)
+        raise
+
+
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no space, over quota, over the file size limit
+
+
+def raise_if_full(e: BaseException, path: str | os.PathLike) -> None:
+    """A write that failed for lack of space is one line naming what was being written (a raw OSError from
+    write() names no file); the temporary copy is already gone and the previous `path` is untouched."""
+    import re
+
+    from draftsmith.errors import OutputError
+
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and (m := re.search(r"os error (\d+)", str(e))):
+        code = int(m[1])
+    if code in FULL:
+        raise OutputError(f"{path}: cannot be written, {os.strerror(code)} (nothing replaced; free space and "
+                          "rerun)") from None
 
 
 @contextlib.contextmanager

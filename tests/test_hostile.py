@@ -711,3 +711,36 @@ def test_a_prompts_folder_or_an_empty_prompt_is_named(tiny_target, tmp_path):
     p.write_text(json.dumps({"turns": ["hello"]}) + "\n" + json.dumps({"turns": ["   "]}) + "\n")
     with pytest.raises(ConfigError, match=r"prompt p\.jsonl:2: empty"):
         evaluate(tiny_target, "ngram", prompts=[str(p)], **kw)
+
+
+FULL_WRITER = """
+import resource, signal, sys
+from pathlib import Path
+import torch
+from draftsmith.artifact import make_manifest, save_artifact
+from draftsmith.errors import DraftsmithError
+from draftsmith.storage import atomic_write_json
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk with ENOSPC
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+out = Path(sys.argv[1])
+for write in (lambda: atomic_write_json(out / "big.json", list(range(100_000))),
+              lambda: save_artifact(out / "art", make_manifest("medusa", {}, config={}), {"w": torch.zeros(1 << 16)})):
+    try:
+        write()
+    except DraftsmithError as e:
+        print(e)
+"""
+
+
+def test_a_write_that_runs_out_of_space_names_the_file(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run = subprocess.run([sys.executable, "-c", FULL_WRITER, str(out)], capture_output=True, text=True, timeout=120)
+    lines = run.stdout.strip().splitlines()
+    assert run.returncode == 0 and len(lines) == 2, run.stderr[-2000:]
+    assert lines[0] == f"{out / 'big.json'}: cannot be written, File too large (nothing replaced; free space and rerun)"
+    assert lines[1].startswith(f"{out / 'art'}: cannot be written, File too large")
+    assert list(out.iterdir()) == []  # no temporary copy or lock left
