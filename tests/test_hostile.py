@@ -744,3 +744,13 @@ def test_a_write_that_runs_out_of_space_names_the_file(tmp_path):
     assert lines[0] == f"{out / 'big.json'}: cannot be written, File too large (nothing replaced; free space and rerun)"
     assert lines[1].startswith(f"{out / 'art'}: cannot be written, File too large")
     assert list(out.iterdir()) == []  # no temporary copy or lock left
+
+
+def test_an_evaluation_prompt_keeps_control_token_text_as_text(tiny_tokenizer):
+    from draftsmith.evaluation.domains import format_prompt
+
+    special = set(tiny_tokenizer.all_special_ids)
+    ids = format_prompt(tiny_tokenizer, HOSTILE_TEXT)
+    assert [t for t in ids if t in special] == [t for t in format_prompt(tiny_tokenizer, "hello") if t in special]
+    assert format_prompt(tiny_tokenizer, "hello") == list(tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=True)["input_ids"])
