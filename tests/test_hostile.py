@@ -754,3 +754,19 @@ def test_an_evaluation_prompt_keeps_control_token_text_as_text(tiny_tokenizer):
     assert [t for t in ids if t in special] == [t for t in format_prompt(tiny_tokenizer, "hello") if t in special]
     assert format_prompt(tiny_tokenizer, "hello") == list(tiny_tokenizer.apply_chat_template(
         [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def test_a_kept_row_longer_than_the_context_is_a_named_malformed_row(tiny_target, tmp_path):
+    ctx = tiny_target.text_config.max_position_embeddings
+    p = tmp_path / "kept.jsonl"
+    p.write_text(json.dumps({"q": "short", "a": "an answer"}) + "\n"
+                 + json.dumps({"q": "long", "a": _long_text(tiny_target.tokenizer, ctx + 50)}) + "\n")
+    cfg = DataConfig(sources=[SourceConfig(name="k", path=str(p), prompt="q", response="a", domain="d")],
+                     output_dir=str(tmp_path / "out"), responses="keep", chat=PLAIN,
+                     generation=GenerationConfig(max_prompt_tokens=ctx * 2))
+    out = generate_dataset(cfg, tiny_target, progress=False)
+    rows = _rows(out)
+    assert len(rows) == 1 and max(len(r["input_ids"]) for r in rows) <= ctx
+    malformed = json.loads((out / "provenance.json").read_text())["counts"]["malformed"]
+    assert malformed["kinds"] == {"longer than the target's context": 1}, malformed
+    assert f"more than the target's context of {ctx} positions" in malformed["rows"][0]
