@@ -54,7 +54,11 @@ def output_lock(folder: str | os.PathLike, what: str = "output", enabled: bool =
             with _GUARD:
                 _HELD[key] -= 1
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), path.parent)
+        raise OutputError(f"{folder}: cannot be written, {blocker} is a file, not a folder") from None
     fd = _acquire(path, folder, what)
     with _GUARD:
         _HELD[key] = 1
