@@ -33,6 +33,55 @@ def register_config(kind: str):
     return deco
 
 
+MAX_YAML_NODES = 1_000_000  # a preset is a few hundred nodes; aliases may not expand a file past this
+MAX_MESSAGE_VALUE = 120  # characters of a value an error message shows
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load that refuses a document whose aliases expand it past MAX_YAML_NODES nodes (an alias bomb:
+    nine anchors of nine aliases each are 9**9 nodes once walked) or that refers to itself."""
+
+    def construct_document(self, node):
+        _expanded_size(node, {}, set())
+        return super().construct_document(node)
+
+
+def _expanded_size(node, sizes: dict[int, int], open_: set[int]) -> int:
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise yaml.YAMLError(f"an alias refers to a node that contains it (line {node.start_mark.line + 1})")
+    open_.add(key)
+    if isinstance(node, yaml.SequenceNode):
+        n = 1 + sum(_expanded_size(c, sizes, open_) for c in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n = 1 + sum(_expanded_size(k, sizes, open_) + _expanded_size(v, sizes, open_) for k, v in node.value)
+    else:
+        n = 1
+    open_.discard(key)
+    if n > MAX_YAML_NODES:
+        raise yaml.YAMLError(f"aliases expand the document past {MAX_YAML_NODES} nodes (an alias bomb?)")
+    sizes[key] = n
+    return n
+
+
+def safe_load(text: str) -> Any:
+    """yaml.safe_load with alias expansion bounded (`_BoundedLoader`)."""
+    return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def show(value: Any) -> str:
+    """A value for an error message: its repr cut to MAX_MESSAGE_VALUE characters, never walked whole (a
+    nested list from YAML aliases would print hundreds of MB)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxtuple, r.maxstring, r.maxother = 3, 8, 8, 8, MAX_MESSAGE_VALUE, 60
+    text = r.repr(value)
+    return text if len(text) <= MAX_MESSAGE_VALUE else text[:MAX_MESSAGE_VALUE] + "..."
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -55,11 +104,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
                 return _coerce(arg, value, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} fits none of {_type_name(tp)}")
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {show(value)} fits none of {_type_name(tp)}")
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, allowed))}")
+            raise ConfigError(f"{where}: {show(value)} is not one of {', '.join(map(repr, allowed))}")
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -81,11 +130,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        raise ConfigError(f"{where}: expected true/false, got {show(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        raise ConfigError(f"{where}: expected an integer, got {show(value)}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
@@ -94,13 +143,13 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected a number, got {show(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, int | float) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}: expected a string, got {show(value)}")
     if tp is Path:
         return Path(value)
     return value
@@ -110,9 +159,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     """Build dataclass `cls` from a mapping, recursively, checking every key and type."""
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields) - {"kind"})
+    unknown = sorted(set(data) - set(fields) - {"kind"}, key=str)
     if unknown:
-        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        key = show(f"{where}.{unknown[0]}" if where else unknown[0]).strip("'")
         raise ConfigError(f"unknown config key '{key}' (known: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, value in data.items():
@@ -124,8 +173,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         return cls(**kwargs)
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{where or cls.__name__}: {e}") from None
-    except ValueError as e:  # __post_init__ range checks
-        raise ConfigError(f"{where + ': ' if where else ''}{e}") from None
+    except ValueError as e:  # __post_init__ range checks (their values cut: a message is one short line)
+        text = str(e) if len(str(e)) <= 4 * MAX_MESSAGE_VALUE else str(e)[:4 * MAX_MESSAGE_VALUE] + "..."
+        raise ConfigError(f"{where + ': ' if where else ''}{text}") from None
 
 
 def to_dict(obj: Any) -> Any:
@@ -153,7 +203,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key:
         raise ConfigError(f"override '{text}' has an empty key")
-    return key.split("."), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.split("."), safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text[:MAX_MESSAGE_VALUE]}': not a YAML value ({str(e).splitlines()[0]})") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -173,7 +226,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:

@@ -11,6 +11,7 @@ Files get the mode the umask gives an ordinary open(), so a serving process of t
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -73,9 +74,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        raise_if_full(e, path)
         raise
     _fsync_dir(path.parent)
 
@@ -221,6 +223,39 @@ def _remove(path: Path) -> None:
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | None = None,
                verify=None) -> Iterator[Path]:
+    """`_atomic_dir` while holding `final`'s writer lock (locks.py): a second process writing the same folder
+    is refused in one line instead of racing the first one's swap."""
+    from draftsmith.locks import output_lock
+
+    try:
+        with output_lock(final, kind or "folder"), _atomic_dir(final, overwrite, kind, verify) as tmp:
+            yield tmp
+    except Exception as e:  # OSError, or a writer's own error type carrying one (safetensors: "os error 28")
+        raise_if_full(e, final)
+        raise
+
+
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no space, over quota, over the file size limit
+
+
+def raise_if_full(e: BaseException, path: str | os.PathLike) -> None:
+    """A write that failed for lack of space is one line naming what was being written (a raw OSError from
+    write() names no file); the temporary copy is already gone and the previous `path` is untouched."""
+    import re
+
+    from draftsmith.errors import OutputError
+
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and (m := re.search(r"os error (\d+)", str(e))):
+        code = int(m[1])
+    if code in FULL:
+        raise OutputError(f"{path}: cannot be written, {os.strerror(code)} (nothing replaced; free space and "
+                          "rerun)") from None
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | None = None,
+                verify=None) -> Iterator[Path]:
     """Yield a temporary directory next to `final`; on success (and after `verify(tmp)`, if given, returns
     without raising) rename it to `final`.
 
@@ -338,10 +373,15 @@ def weight_checksums(folder: str | os.PathLike) -> dict[str, str]:
 def checksum_problems(folder: str | os.PathLike, recorded: dict[str, str] | None, manifest: str) -> list[str]:
     """One line per weight file that is missing or whose sha256 differs from what `manifest` recorded."""
     folder = Path(folder)
+    if recorded is not None and not isinstance(recorded, dict):
+        return [f"{manifest}: field 'checksums' is not a mapping of weight file -> sha256"]
     problems = []
+    root = folder.resolve()
     for rel, want in sorted((recorded or {}).items()):
         path = folder / rel
-        if not path.is_file():
+        if not path.resolve().is_relative_to(root):  # `../../etc/x`, an absolute path, a symlink out: never read
+            problems.append(f"{path}: outside {folder} (listed in {manifest}): refused, not read")
+        elif not path.is_file():
             problems.append(f"{path}: missing (listed in {manifest})")
         elif sha256_file(path) != want:
             problems.append(f"{path}: sha256 differs from the one {manifest} recorded when it was written "

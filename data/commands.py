@@ -171,6 +171,25 @@ def merged_row_id(provenance: dict, row_id: int) -> int:
                             int(row_id)])[:15], 16)
 
 
+def refuse_repeats(paths: list[Path], provs: list[dict]) -> None:
+    """The same dataset given twice (the same folder by another spelling, through a symlink, or a copy: the
+    same creation record) is refused: merged, its rows would each be written twice under new ids."""
+    from draftsmith.errors import DataError
+    from draftsmith.storage import sha256_json
+
+    seen: dict = {}
+    for p, prov in zip(paths, provs):
+        keys = [("folder", str(p.resolve()))]
+        if prov.get("created"):  # a dataset's creation record: its time, counts and parents
+            keys.append(("record", sha256_json([prov["created"], prov.get("counts"), prov.get("merge")])))
+        for key in keys:
+            if key in seen:
+                how = "the same folder" if key[0] == "folder" else "the same dataset (an identical creation record)"
+                raise DataError(f"{p}: {how} as {seen[key]}, given twice to data merge; each row would be written "
+                                "twice under new ids")
+            seen[key] = p
+
+
 def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = False) -> Path:
     """Concatenate the rows of datasets one target wrote into a new dataset folder.
 
@@ -193,6 +212,7 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
         raise DataError(f"{out}: the merge would replace a dataset it reads; choose another --out")
     check_replaceable(out, "dataset", overwrite)
     provs = [read_provenance(p) for p in paths]
+    refuse_repeats(paths, provs)
     fp0 = (provs[0].get("target") or {}).get("fingerprint")
     parts = []
     for k, (p, prov) in enumerate(zip(paths, provs)):

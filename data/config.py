@@ -12,6 +12,7 @@ from typing import Literal
 
 from draftsmith.config import register_config
 from draftsmith.storage import data_path
+from draftsmith.targets.context import MAX_NEW_TOKENS
 
 
 @dataclass
@@ -164,6 +165,12 @@ class ChatConfig:
     add_bos: bool = True  # plain mode: prepend the tokenizer's BOS token when it has one
 
 
+# request fields the OpenAI backend sets from GenerationConfig; extra_body may not override them (a server told
+# max_tokens 10**9 through extra_body would write past max_new_tokens)
+OWNED_REQUEST_FIELDS = {"model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                        "n", "best_of", "stream", "echo"}
+
+
 @dataclass
 class GenerationConfig:
     """Self-distillation sampling and the decode engine."""
@@ -207,18 +214,18 @@ class GenerationConfig:
     extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {return_token_ids: true} (vLLM)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError("generation.max_new_tokens must be >= 1")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"generation.max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
         if self.max_prompt_tokens < 1:
             raise ValueError("generation.max_prompt_tokens must be >= 1")
         if self.temperature <= 0:
             raise ValueError("generation.temperature must be > 0 (use do_sample: false for greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("generation.top_p must be in (0, 1]")
-        if self.batch_size < 1:
-            raise ValueError("generation.batch_size must be >= 1")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("generation.threads must be >= 1")
+        if not 1 <= self.batch_size <= 1 << 16:
+            raise ValueError(f"generation.batch_size must be in 1..65536, got {self.batch_size}")
+        if self.threads is not None and not 1 <= self.threads <= 1024:
+            raise ValueError(f"generation.threads must be in 1..1024, got {self.threads}")
         if self.flush_every < 1:
             raise ValueError("generation.flush_every must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -250,6 +257,12 @@ class GenerationConfig:
             raise ValueError("generation.retry_backoff must be >= 0 and request_timeout > 0")
         if self.prompt_as not in ("text", "token_ids"):
             raise ValueError(f"generation.prompt_as must be text or token_ids, got {self.prompt_as!r}")
+        if not isinstance(self.extra_body, dict):
+            raise ValueError("generation.extra_body must be a mapping of request fields")
+        owned = sorted(set(self.extra_body) & OWNED_REQUEST_FIELDS)
+        if owned:
+            raise ValueError(f"generation.extra_body: {', '.join(owned)} set by draftsmith from the generation "
+                             "settings (max_new_tokens, do_sample, temperature, top_p, seed); set those instead")
 
 
 @dataclass

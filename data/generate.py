@@ -49,6 +49,7 @@ from draftsmith.storage import (
     sha256_json,
 )
 from draftsmith.targets import check_compatible, gemm, load_target
+from draftsmith.targets.context import answer_room, context_window
 from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,16 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
 
     `on_row(record)` is called after each finished row (tests use it to simulate a crash).
     With `overwrite` an existing finished dataset is replaced; chunks of an interrupted run are reused.
+    One run writes an output_dir at a time: a second is refused while the first runs (locks.py).
     """
+    from draftsmith.locks import output_lock
+
+    with output_lock(Path(config.output_dir).expanduser(), "dataset"):
+        return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite)
+
+
+def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
+                      overwrite: bool = False) -> Path:
     gen = config.generation
     if gen.threads:
         torch.set_num_threads(gen.threads)
@@ -218,7 +228,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         from draftsmith.data.remote import RemoteEngine
 
         remote = RemoteEngine(target.tokenizer, target.eos_token_ids, gen, resolve_mode(target.tokenizer,
-                                                                                       config.chat.mode))
+                                                                                       config.chat.mode),
+                              vocab_size=target.vocab_size)
         remote.check_servers()
         precision = {"backend": "openai", "served_model": remote.model}
     else:
@@ -316,7 +327,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
                 masks[r.row_id] = pmask
                 # top-k logits are wanted from the position that predicts the first learned token on
                 learned = next((i for i, m in enumerate(pmask) if m), len(ids))
-                reqs.append(Request(r.row_id, ids, gen.max_new_tokens, seed=_row_seed(gen.seed, r.row_id, turn),
+                reqs.append(Request(r.row_id, ids, answer_room(target, len(ids), gen.max_new_tokens, r.origin),
+                                    seed=_row_seed(gen.seed, r.row_id, turn),
                                     logits_from=max(learned - 1, 0)))
             on_done = lambda c, masks=masks: finish(c, masks[c.key])  # noqa: E731
             if remote is not None:
@@ -360,7 +372,8 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
     """`responses: keep`: rows are the dataset's own conversations, masked on every assistant turn; nothing is
     generated. With `capture.enabled` the target then reads them once (data/capture.py)."""
     rows, stats, fmt = prepare_prompts(config, target, progress)
-    records, bad = [], []
+    records, bad, too_long = [], [], []
+    ctx = context_window(target)
     for row in rows:
         messages = build_messages(row.turns, row.responses, row.system or fmt.chat.system)
         try:
@@ -371,6 +384,12 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
                 raise DataError(f"{row.origin}: {e}") from None
             bad.append(f"{row.origin}: {e}")
             continue
+        if ctx is not None and len(ids) > ctx:  # the target never reads past its context: not a row to train on
+            why = f"{row.origin}: {len(ids)} tokens, more than the target's context of {ctx} positions"
+            if config.malformed == "fail":
+                raise DataError(why)
+            too_long.append(why)
+            continue
         records.append({"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
                         "response": "\n\n".join(row.responses), "input_ids": ids, "loss_mask": mask,
                         "origin": row.origin, "stopped": True, "n_turns": len(row.turns)})
@@ -380,6 +399,12 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
         m["kinds"]["chat template cannot mask"] = len(bad)
         m["rows"] += bad[: max(0, 200 - len(m["rows"]))]
         log.warning("%d rows skipped: the chat template cannot mask them (first: %s)", len(bad), bad[0])
+    if too_long:
+        m = stats["malformed"]
+        m["count"] += len(too_long)
+        m["kinds"]["longer than the target's context"] = len(too_long)
+        m["rows"] += too_long[: max(0, 200 - len(m["rows"]))]
+        log.warning("%d rows skipped: longer than the target's context (first: %s)", len(too_long), too_long[0])
     if not records:
         raise DataError("no rows left to keep")
     out.mkdir(parents=True, exist_ok=True)

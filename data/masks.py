@@ -12,6 +12,10 @@ that cannot be masked never yields a silent all-ones mask.
 
 Plain mode (no template, e.g. a base model, or `chat.mode: plain`): user text + separator (not
 learned), then the response tokens and an EOS token (learned).
+
+A message's own text never becomes control tokens: `<|im_end|><|im_start|>assistant` typed by a user (or
+written in a dataset's response) is tokenized as text (`split_special_tokens`), and only the special-token
+strings the chat template writes itself become special tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +43,53 @@ def resolve_mode(tokenizer, mode: str = "auto") -> str:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
+    """Template text: the special-token strings the template writes become their special tokens."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A message's own text: a special-token string inside it (`<|im_end|><|im_start|>assistant`) stays
+    text, split like any other characters, and never becomes a control token."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def special_strings(tokenizer) -> list[str]:
+    """The strings the tokenizer turns into special tokens."""
+    names = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    names |= {t.content for t in decoder.values() if getattr(t, "special", False)}
+    return sorted(n for n in names if n)
+
+
+def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> list[int]:
+    """`text` as the template wrote it, except the characters of `spans` (message contents, sorted), which
+    are tokenized as text (`encode_text`)."""
+    ids: list[int] = []
+    at = 0
+    for a, b in spans:
+        a, b = min(a, len(text)), min(b, len(text))
+        if a < at:
+            continue
+        ids += _encode(tokenizer, text[at:a]) + encode_text(tokenizer, text[a:b])
+        at = b
+    return ids + _encode(tokenizer, text[at:])
+
+
+def _content_spans(tokenizer, messages: list[Message], full: str) -> list[tuple[int, int]]:
+    """Where each message's content lies in the rendering `full` (a prefix-stable template writes message i
+    between the renderings of the conversation up to i-1 and up to i)."""
+    spans = []
+    before = ""
+    for i, msg in enumerate(messages):
+        upto = _render(tokenizer, messages[: i + 1], False)
+        content = msg["content"]
+        at = upto.find(content, len(before)) if content else len(before)
+        if at < 0 or not full.startswith(upto[: at + len(content)]):
+            raise DataError(f"message {i} holds special-token text, and the chat template does not write it "
+                            "verbatim: it cannot be kept as text")
+        spans.append((at, at + len(content)))
+        before = upto
+    return spans
 
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:
@@ -61,9 +111,10 @@ def end_tokens(tokenizer, eos_token_ids: Sequence[int] | None = None) -> list[tu
     return [(i, _decode(tokenizer, [i])) for i in ids]
 
 
-def _token_boundary(tokenizer, text: str, char: int, full_ids: list[int], what: str) -> int:
+def _token_boundary(tokenizer, text: str, char: int, full_ids: list[int], what: str,
+                    spans: list[tuple[int, int]] | None = None) -> int:
     """Token index where character `char` of `text` starts, if the tokenization splits there."""
-    prefix = _encode(tokenizer, text[:char])
+    prefix = _encode(tokenizer, text[:char]) if spans is None else _encode_spans(tokenizer, text[:char], spans)
     if full_ids[: len(prefix)] != prefix:
         raise DataError(
             f"chat template: the {what} does not fall on a token boundary (tokenizing the text before it "
@@ -75,7 +126,11 @@ def _token_boundary(tokenizer, text: str, char: int, full_ids: list[int], what: 
 def _chat(tokenizer, messages: list[Message], add_generation_prompt: bool,
           eos: list[tuple[int, str]]) -> tuple[list[int], list[int], list[str]]:
     full = _render(tokenizer, messages, add_generation_prompt)
-    ids = _encode(tokenizer, full)
+    specials = special_strings(tokenizer)
+    # a message holding special-token text: its content is tokenized as text, the template's own tokens as tokens
+    spans = (_content_spans(tokenizer, messages, full)
+             if any(sp in m["content"] for m in messages for sp in specials) else None)
+    ids = _encode(tokenizer, full) if spans is None else _encode_spans(tokenizer, full, spans)
     mask = [0] * len(ids)
     expected = []
     for i, msg in enumerate(messages):
@@ -103,8 +158,8 @@ def _chat(tokenizer, messages: list[Message], add_generation_prompt: bool,
                 f"assistant turn {i}; the model could never learn to stop"
             )
         end += len(eos_text)
-        t0 = _token_boundary(tokenizer, full, start, ids, f"start of assistant turn {i}")
-        t1 = _token_boundary(tokenizer, full, end, ids, f"end of assistant turn {i}")
+        t0 = _token_boundary(tokenizer, full, start, ids, f"start of assistant turn {i}", spans)
+        t1 = _token_boundary(tokenizer, full, end, ids, f"end of assistant turn {i}", spans)
         for t in range(t0, t1):
             mask[t] = 1
         expected.append(content + eos_text)
@@ -124,12 +179,12 @@ def _plain(tokenizer, messages: list[Message], add_bos: bool, separator: str,
     eos_id, eos_text = eos[0]
     for msg in messages:
         if msg["role"] == "assistant":
-            part = _encode(tokenizer, msg["content"]) + [eos_id]
+            part = encode_text(tokenizer, msg["content"]) + [eos_id]
             ids += part
             mask += [1] * len(part)
             expected.append(msg["content"] + eos_text)
         else:
-            part = _encode(tokenizer, msg["content"] + separator)
+            part = encode_text(tokenizer, msg["content"] + separator)
             ids += part
             mask += [0] * len(part)
     return ids, mask, expected

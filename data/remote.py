@@ -26,6 +26,7 @@ stop`), exactly as the chat template ends an assistant turn.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith.data.engine import Completion, Request
+from draftsmith.data.masks import encode_text
 from draftsmith.errors import DataError, FingerprintMismatch
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,19 @@ class _Server:
     stats: dict[str, int] = field(default_factory=dict)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is refused, never followed: a followed one would carry the API key (`Authorization`) to
+    whatever origin the server names, and turn the POST into a GET."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        fp.close()
+        raise _Refused(f"HTTP {code} from {req.full_url}: a redirect to {str(newurl)[:200]} is not followed (the "
+                       "API key goes only to the addresses in generation.base_urls; give the final address there)")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> dict:
     """One request, bounded by `timeout` seconds per socket operation; _Retry / _Refused on failure."""
     data = None if body is None else json.dumps(body).encode()
@@ -77,7 +92,7 @@ def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> d
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _OPENER.open(req, timeout=timeout) as resp:
             raw = resp.read()
     except urllib.error.HTTPError as e:
         detail = e.read()[:300].decode("utf-8", "replace").strip()
@@ -85,11 +100,33 @@ def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> d
         raise (_Retry if e.code in RETRY_STATUS else _Refused)(msg) from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise _Retry(f"{url}: {type(reason).__name__}: {reason}") from None
+        raise _Retry(f"{url}: {type(reason).__name__}: {str(reason)[:200]}") from None
+    except http.client.HTTPException as e:  # an answer cut short (IncompleteRead), a garbled status line
+        raise _Retry(f"{url}: {type(e).__name__}: the answer was cut short or garbled ({str(e)[:120]})") from None
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or not UTF-8
         raise _Retry(f"{url}: the answer is not JSON ({raw[:80]!r})") from None
+
+
+def _listed_models(url: str, answer) -> list[str]:
+    """The model names of a /models answer ({"data": [{"id": name}, ...]}); anything else is a bad answer."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        raise _Retry(f"{url}: not an OpenAI /models answer ({{\"data\": [{{\"id\": ...}}]}} expected, got "
+                     f"{str(answer)[:80]})")
+    return [m["id"] for m in data]
+
+
+def _token_ids(ids, vocab_size: int, what: str) -> list[int]:
+    """A server's token ids: a list of ints in [0, vocab_size); a float (5.7), a string or a negative id is a
+    bad answer, never truncated or stored."""
+    if not isinstance(ids, list):
+        raise _Retry(f"{what} is not a list ({type(ids).__name__})")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise _Retry(f"{what}[{i}] = {repr(t)[:40]} is not a token id of the target (ints in [0, {vocab_size}))")
+    return ids
 
 
 def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
@@ -113,8 +150,9 @@ def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
 class RemoteEngine:
     """Drives `base_urls` like the embedded engine: `run(requests, on_done, on_tokens)`."""
 
-    def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str):
+    def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str, vocab_size: int | None = None):
         self.tok = tokenizer
+        self.vocab_size = vocab_size or len(tokenizer)
         self.eos_ids = list(eos_ids)
         self.gen = gen
         self.end_id = end_of_turn_id(tokenizer, self.eos_ids, chat_mode)
@@ -133,8 +171,8 @@ class RemoteEngine:
         for s in self.servers:
             for attempt in range(self.gen.max_retries + 1):
                 try:
-                    listed = [m.get("id") for m in _http(f"{s.url}/models", None, self.gen.request_timeout,
-                                                         self.api_key).get("data", [])]
+                    listed = _listed_models(f"{s.url}/models", _http(f"{s.url}/models", None,
+                                                                     self.gen.request_timeout, self.api_key))
                     break
                 except _Retry as e:
                     s.last_error = str(e)
@@ -168,7 +206,7 @@ class RemoteEngine:
 
     def _body(self, req: Request, model: str) -> dict:
         gen = self.gen
-        body: dict[str, Any] = {"model": model, "max_tokens": req.max_new_tokens}
+        body: dict[str, Any] = {**gen.extra_body, "model": model, "max_tokens": req.max_new_tokens}
         if gen.prompt_as == "token_ids":
             body["prompt"] = list(req.prompt_ids)
         else:
@@ -178,7 +216,6 @@ class RemoteEngine:
             body.update(temperature=gen.temperature, top_p=gen.top_p, seed=req.seed % (2**31))
         else:
             body["temperature"] = 0.0
-        body.update(gen.extra_body)
         return body
 
     def check_prompt(self, req: Request) -> None:
@@ -197,12 +234,18 @@ class RemoteEngine:
         try:
             choice = answer["choices"][0]
             text, finish = choice["text"], choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError):
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise _Retry(f"{s.url}: an answer with no choices[0].text ({str(answer)[:120]})") from None
+        if not isinstance(text, str):
+            raise _Retry(f"{s.url}: row {req.key}: choices[0].text is {str(text)[:40]}, not a string")
         if answer.get("model") not in (None, s.model):
             raise _Mismatch(f"answered as model {answer.get('model')!r}, not {s.model!r}")
         usage = answer.get("usage") or {}
+        if not isinstance(usage, dict):
+            raise _Retry(f"{s.url}: row {req.key}: usage is not an object ({str(usage)[:60]})")
         got_prompt = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
+        if got_prompt is not None:
+            got_prompt = _token_ids(got_prompt, self.vocab_size, f"{s.url}: row {req.key}: prompt_token_ids")
         if got_prompt is not None and list(got_prompt) != list(req.prompt_ids):
             raise _Mismatch(f"tokenized row {req.key}'s prompt differently (prompt_token_ids differ): it serves a "
                            "model with another tokenizer")
@@ -211,8 +254,11 @@ class RemoteEngine:
                            f"{len(req.prompt_ids)}: it serves a model with another tokenizer")
         ids = choice.get("token_ids")
         stopped = finish == "stop"
+        n = usage.get("completion_tokens")
+        if isinstance(n, int) and n > req.max_new_tokens:  # a server that ignored max_tokens
+            raise _Refused(f"row {req.key}: wrote {n} tokens for max_tokens {req.max_new_tokens}")
         if ids is not None:
-            tokens = [int(t) for t in ids]
+            tokens = list(_token_ids(ids, self.vocab_size, f"{s.url}: row {req.key}: token_ids"))
             if len(tokens) > req.max_new_tokens + 1:
                 raise _Refused(f"returned {len(tokens)} token ids for max_tokens {req.max_new_tokens}")
             if stopped and (not tokens or tokens[-1] not in self.eos_ids):  # a server that leaves the stop token out
@@ -220,10 +266,9 @@ class RemoteEngine:
         else:
             # the text as the target's tokenizer splits it: what the row stores and its mask covers. Where the
             # model wrote a split the tokenizer would not make, the count differs; the text is kept as written
-            tokens = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            tokens = encode_text(self.tok, text)  # special-token strings the model wrote stay text
             if stopped:
                 tokens.append(self.end_id)
-            n = usage.get("completion_tokens")
             if n is not None and n != len(tokens):  # a text round trip may split differently; counted, kept
                 s.stats["retokenized_differently"] = s.stats.get("retokenized_differently", 0) + 1
         return Completion(req.key, list(req.prompt_ids), tokens, stopped)

@@ -131,9 +131,59 @@ def load_policy(path: str | Path) -> dict:
         policy = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not a JSON routing policy ({e})") from None
-    if policy.get("kind") != "routing_policy" or not isinstance(policy.get("domains"), dict):
+    if not isinstance(policy, dict) or policy.get("kind") != "routing_policy" or not isinstance(policy.get("domains"), dict):
         raise ConfigError(f"{path}: not a routing policy (kind: routing_policy with a domains map)")
+    problem = policy_problem(policy)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     return policy
+
+
+MAX_ROUTE_K = 64  # a chain longer than this never pays; a larger k is a typo
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def route_problem(route, where: str) -> str | None:
+    """Why `route` (a policy's domain entry or default) is not "off" or {proposer, k, tree, tree_max_nodes}."""
+    if route == OFF:
+        return None
+    if not isinstance(route, dict):
+        return f"{where} is {repr(route)[:40]}: give \"off\" or a route {{proposer, k, tree}}"
+    if not isinstance(route.get("proposer"), str) or not route["proposer"].strip():
+        return f"{where}.proposer missing (a proposer spec such as ngram or medusa:PATH)"
+    if route["proposer"].startswith("route:"):
+        return f"{where}.proposer {route['proposer']!r}: routes do not nest"
+    k, tree, nodes = route.get("k"), route.get("tree"), route.get("tree_max_nodes")
+    if k is not None and not (_int(k) and 1 <= k <= MAX_ROUTE_K):
+        return f"{where}.k is {repr(k)[:20]}: an int in 1..{MAX_ROUTE_K} (or null)"
+    if tree is not None and not (isinstance(tree, list) and tree and all(_int(b) and 1 <= b <= MAX_ROUTE_K
+                                                                         for b in tree) and len(tree) <= MAX_ROUTE_K):
+        return f"{where}.tree is {str(tree)[:40]}: a non-empty list of branching factors in 1..{MAX_ROUTE_K} (or null)"
+    if nodes is not None and not (_int(nodes) and nodes >= 1):
+        return f"{where}.tree_max_nodes is {repr(nodes)[:20]}: an int >= 1 (or null)"
+    return None
+
+
+def policy_problem(policy: dict) -> str | None:
+    """The first field of a routing policy that decoding could not follow, one line, or None."""
+    for name, route in policy["domains"].items():
+        problem = route_problem(route, f"domains.{name}")
+        if problem:
+            return problem
+    problem = route_problem(policy.get("default", OFF), "default")
+    if problem:
+        return problem
+    router = policy.get("router") or {}
+    if not isinstance(router, dict) or router.get("kind", "declared") not in ("declared", "keyword"):
+        return f"router.kind is {str(router.get('kind') if isinstance(router, dict) else router)[:20]!r}: declared or keyword"
+    keywords = router.get("keywords")
+    if keywords is not None and not (isinstance(keywords, dict) and all(
+            isinstance(ks, list) and all(isinstance(k, str) and k for k in ks) for ks in keywords.values())):
+        return "router.keywords: a map of domain -> list of non-empty strings"
+    return None
 
 
 def route_spec(route: dict, proposer: Proposer) -> TreeSpec:

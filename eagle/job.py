@@ -43,7 +43,7 @@ from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_int
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.targets.families import family, lm_head, pad_token_id, whole
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
-from draftsmith.training.config import TrainConfig
+from draftsmith.training.config import TrainConfig, check_output_folders
 from draftsmith.training.job import Job
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class EagleJobConfig:
     evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
 
     def __post_init__(self):
+        check_output_folders(self.output, self.train.output_dir)
         if not 1 <= self.ttt_steps <= 16:
             raise ValueError(f"ttt_steps must be in 1..16, got {self.ttt_steps}")
         if not 0 < self.step_decay <= 1:

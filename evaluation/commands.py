@@ -94,10 +94,17 @@ def build_config(args):
 
 
 def run(args) -> int:
+    from draftsmith.locks import output_lock
+
+    cfg = build_config(args)
+    with output_lock(cfg.out, "evaluation output"):  # one evaluation per --out folder at a time
+        return _run(args, cfg)
+
+
+def _run(args, cfg) -> int:
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
 
-    cfg = build_config(args)
     command = "draftsmith " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     if cfg.temperatures:
         from draftsmith.evaluation.sweep import render, sweep_temperatures

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftsmith.config import register_config
+from draftsmith.targets.context import MAX_NEW_TOKENS
 
 
 @register_config("eval")
@@ -48,8 +49,8 @@ class EvalConfig:
     draft_dtype: str = "auto"
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0, got {self.k}")
         if self.tree is not None and (not self.tree or any(b < 1 for b in self.tree)):

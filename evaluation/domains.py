@@ -111,10 +111,9 @@ def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, s
 
 def format_prompt(tokenizer, text: str) -> list[int]:
     """The first turn as chat-templated token ids (plain tokenisation when there is no template)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+    if getattr(tokenizer, "chat_template", None):  # special-token text in the prompt stays text (data/masks.py)
+        from draftsmith.data.masks import tokenize_conversation
+
+        return tokenize_conversation(tokenizer, [{"role": "user", "content": text}], mode="chat",
+                                     add_generation_prompt=True)[0]
     return list(tokenizer(text).input_ids)

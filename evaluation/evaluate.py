@@ -44,6 +44,7 @@ from draftsmith.evaluation import cost
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.cost import CpuShare
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
+from draftsmith.evaluation.limits import check_prompt_files, fit_context
 from draftsmith.targets import gemm
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import pad_token_id
@@ -364,7 +365,9 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     else:
         spec = TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)
     files = cfg.prompts or [str(p) for p in default_prompt_files(cfg.split)]
+    check_prompt_files(files)
     rows = load_prompts(files, cfg.limit_per_domain, cfg.seed)
+    fit_context(target, rows, cfg.max_new_tokens)
     eos = list(target.eos_token_ids)
     entries = [Entry("spec", prop, dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k),
                      dtype_name(drafts_in) if cast else None)]

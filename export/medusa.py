@@ -61,7 +61,15 @@ def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dic
         w = lm_head(target.model).weight.detach().to("cpu", state_dtype(state))
         for h in range(cfg["num_heads"]):
             state[f"heads.{h}.lm_head.weight"] = w
-    tree = read_json(path / "tree.json")["paths"] if (path / "tree.json").is_file() else None
+    from draftsmith.medusa.model import read_tree_file, tree_problem
+
+    data = read_tree_file(path)
+    tree = data["paths"] if data is not None else None
+    if tree is not None:
+        problem = tree_problem(tree, cfg["num_heads"], cfg.get("draft_vocab_size") or cfg["vocab_size"],
+                               str(path / "tree.json"))
+        if problem:
+            raise ConfigError(problem)
     return manifest, cfg, state, tree
 
 
@@ -260,24 +268,32 @@ def _guard_vocab(out: Path) -> int | None:
     return read_json(out / "draftsmith.json")["target"].get("vocab_size")
 
 
+MAX_VOCAB = 1 << 30  # an export that records no vocabulary size: ranks bounded by MAX_TREE_RANK alone
+
+
 def tree_problems(out: Path) -> list[str]:
     """The tree written beside the heads (draftsmith.json `medusa_choices`, tree.json) may only use heads
     that exist: a path of depth d reads head d-1, and a stack given a deeper tree indexes past its heads."""
     config = read_json(out / "config.json")
     heads = config.get("num_heads", config.get("medusa_num_heads"))
+    from draftsmith.medusa.model import read_tree_file, tree_problem
+
     guard = read_json(out / "draftsmith.json")
-    trees = [("draftsmith.json medusa_choices", guard.get("medusa_choices"))]
-    if (out / "tree.json").is_file():
-        trees.append(("tree.json", read_json(out / "tree.json").get("paths")))
+    trees = [(f"{out / 'draftsmith.json'} medusa_choices", guard.get("medusa_choices"))]
     problems = []
+    try:
+        data = read_tree_file(out)
+    except ConfigError as e:
+        problems.append(str(e))
+        data = None
+    if data is not None:
+        trees.append((str(out / "tree.json"), data["paths"]))
+    vocab = config.get("draft_vocab_size") or config.get("vocab_size") or _guard_vocab(out) or MAX_VOCAB
     for where, paths in trees:
         if not paths or heads is None:
             continue
-        depth = max(len(p) for p in paths)
-        if depth > heads:
-            problems.append(f"{where} has a path of depth {depth}, but the export has {heads} heads")
-        if any(r < 0 for p in paths for r in p):
-            problems.append(f"{where} has a negative rank")
+        problem = tree_problem(paths, heads, vocab, where, noun="export")
+        problems += [problem] if problem else []
     return problems
 
 

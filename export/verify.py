@@ -57,11 +57,55 @@ def read_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
             header = json.loads(f.read(n))
         except (ValueError, UnicodeDecodeError):
             raise VerificationError(f"{path}: not a safetensors file (unreadable header)") from None
+    if not isinstance(header, dict):
+        raise VerificationError(f"{path}: not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
-    end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    end = check_layout(path, header)
     if 8 + n + end > size:
         raise VerificationError(f"{path}: truncated (tensor data ends at byte {8 + n + end}, file has {size})")
+    if 8 + n + end < size:
+        raise VerificationError(f"{path}: {size - 8 - n - end} bytes after the last tensor's data (no tensor "
+                                "covers them)")
     return {name: (tuple(info["shape"]), info["dtype"]) for name, info in header.items()}
+
+
+ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def check_layout(path: Path, header: dict) -> int:
+    """The tensors' `data_offsets` tile the data area exactly: each [begin, end) holds dtype size x numel
+    bytes, and sorted by begin they follow one another from 0 with no gap and no overlap (a header whose
+    tensors all point at tensor 0's bytes, or overlap, would load other weights than were saved). Returns
+    the data area's length."""
+    spans = []
+    for name, info in header.items():
+        where = f"{path}: tensor '{name}'"
+        if not isinstance(info, dict):
+            raise VerificationError(f"{where}: its header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in ST_ITEMSIZE:
+            raise VerificationError(f"{where}: unknown dtype {str(dtype)[:20]!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise VerificationError(f"{where}: shape {str(shape)[:60]} is not a list of sizes >= 0")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+            raise VerificationError(f"{where}: data_offsets {str(offsets)[:60]} is not [begin, end]")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offsets[1] - offsets[0] != numel * ST_ITEMSIZE[dtype]:
+            raise VerificationError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, its "
+                                    f"{dtype} shape {shape} needs {numel * ST_ITEMSIZE[dtype]}")
+        spans.append((offsets[0], offsets[1], name))
+    at, before = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            how = f"overlaps tensor '{before}'" if begin < at else f"leaves bytes {at}-{begin} unused"
+            raise VerificationError(f"{path}: tensor '{name}': data_offsets [{begin}, {end}] {how}")
+        at, before = end, name
+    return at
 
 
 def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -85,8 +129,9 @@ def nonfinite_tensors(folder: str | Path) -> list[str]:
                     t = f.get_tensor(name)
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         problems.append(f"{path}: tensor '{name}' holds non-finite values")
-        except Exception:  # an unreadable file is reported by the checks that read its header
-            continue
+        except Exception as e:  # safetensors raises its own error types; a file it cannot read is a problem
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            problems.append(f"{path}: cannot be read to scan for non-finite values ({type(e).__name__}: {first})")
     return problems
 
 

@@ -33,7 +33,7 @@ from draftsmith.medusa.model import (
 from draftsmith.storage import atomic_write_json
 from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
-from draftsmith.training.config import TrainConfig
+from draftsmith.training.config import TrainConfig, check_output_folders
 from draftsmith.training.job import Job
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class MedusaJobConfig:
     evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
 
     def __post_init__(self):
+        check_output_folders(self.output, self.train.output_dir)
         if not 1 <= self.num_heads <= 16:
             raise ValueError(f"num_heads must be in 1..16, got {self.num_heads}")
         if not 0 < self.decay <= 1:

@@ -304,6 +304,58 @@ class MedusaTree:
         return [index[p[:-1]] if len(p) > 1 else -1 for p in self.paths]
 
 
+MAX_TREE_NODES = 1024  # far above any tree that pays (GPU-sized trees hold ~64-256 nodes); bounds the mask
+MAX_TREE_RANK = 256  # candidates per head a tree may use (calibration considers `tree_max_rank`, default 8)
+MAX_TREE_BYTES = 4 << 20
+
+
+def read_tree_file(folder: str | Path) -> dict | None:
+    """tree.json of an artifact or export, or None where there is none. A tree.json that cannot be read (a
+    symlink loop, a dangling link, a folder, a file of many MB) is an error, never "no tree"."""
+    import os
+
+    f = Path(folder) / "tree.json"
+    if not os.path.lexists(f):
+        return None
+    if not f.is_file():
+        raise ConfigError(f"{f}: not a readable file (a symlink loop, a dangling link or a folder)")
+    if f.stat().st_size > MAX_TREE_BYTES:
+        raise ConfigError(f"{f}: {f.stat().st_size} bytes, more than a tree of {MAX_TREE_NODES} nodes needs")
+    data = read_json(f)
+    if not isinstance(data, dict) or not isinstance(data.get("paths"), list):
+        raise ConfigError(f"{f}: field 'paths' (a list of rank paths) missing")
+    return data
+
+
+def tree_problem(paths, num_heads: int, vocab: int, where: str, noun: str = "artifact") -> str | None:
+    """The first reason `paths` is not a tree the heads can draft, one line, or None: a list of at most
+    MAX_TREE_NODES distinct non-empty rank paths, each rank an int in [0, min(vocab, MAX_TREE_RANK)), each
+    no deeper than the heads, each parent listed before its children (the decoder cuts the tree to a
+    prefix, medusa/proposer.py)."""
+    if not isinstance(paths, list):
+        return f"{where}: the tree is not a list of rank paths"
+    if len(paths) > MAX_TREE_NODES:
+        return f"{where}: {len(paths)} tree nodes, more than {MAX_TREE_NODES}"
+    top = min(vocab, MAX_TREE_RANK)
+    seen: set[tuple[int, ...]] = set()
+    for i, p in enumerate(paths):
+        if (not isinstance(p, list | tuple) or not p
+                or not all(isinstance(r, int) and not isinstance(r, bool) for r in p)):
+            return f"{where}: path {i} ({str(p)[:40]}) is not a non-empty list of int ranks"
+        t = tuple(p)
+        bad = next((r for r in t if not 0 <= r < top), None)
+        if bad is not None:
+            return f"{where}: path {i} {list(t)[:8]} has rank {bad}, outside the heads' top-{top}"
+        if len(t) > num_heads:
+            return f"{where}: a path of depth {len(t)}, but the {noun} has {num_heads} heads"
+        if t in seen:
+            return f"{where}: path {i} {list(t)[:8]} is listed twice"
+        if len(t) > 1 and t[:-1] not in seen:
+            return f"{where}: path {i} {list(t)[:8]} comes before its parent {list(t[:-1])[:8]} (or without it)"
+        seen.add(t)
+    return None
+
+
 def rank_accuracies(hits: torch.Tensor) -> list[list[float]]:
     """hits [K, N, R] booleans (head i's rank-r candidate was right at calibration position n)
     -> acc[i][r] = P(rank r is the right one)."""
@@ -369,10 +421,16 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
         heads.attach_lm_head(target.model.lm_head, copy=False)
     if target is not None:
         heads.to(device=target.device, dtype=target.dtype)
-    tree = MedusaTree.from_json(read_json(path / "tree.json")) if (path / "tree.json").is_file() else None
-    if tree is not None and max((len(p) for p in tree.paths), default=0) > heads.config.num_heads:
-        raise ConfigError(f"{path / 'tree.json'}: a path of depth {max(len(p) for p in tree.paths)}, but the "
-                          f"artifact has {heads.config.num_heads} heads")
+    data = read_tree_file(path)
+    if data is not None:
+        vocab = heads.config.draft_vocab_size or heads.config.vocab_size
+        problem = tree_problem(data["paths"], heads.config.num_heads, vocab, str(path / "tree.json"))
+        probs = data.get("probs")
+        if problem is None and probs is not None and (not isinstance(probs, list) or len(probs) != len(data["paths"])):
+            problem = f"{path / 'tree.json'}: field 'probs' does not give one probability per path"
+        if problem:
+            raise ConfigError(problem)
+    tree = MedusaTree.from_json(data) if data is not None else None
     acc = (manifest.get("metrics") or {}).get("calibration_rank_accuracy")
     if tree is not None and tree.probs is None and acc:
         tree = tree.with_probs(acc)
@@ -389,10 +447,13 @@ def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
     with torch.device("meta"):
         module = MedusaHeads(MedusaHeadsConfig(**fields))
     extra: list[str] = []
-    if (path / "tree.json").is_file():
-        paths = read_json(path / "tree.json").get("paths") or []
-        depth = max((len(p) for p in paths), default=0)
-        if depth > fields["num_heads"]:
-            extra.append(f"{path / 'tree.json'}: a path of depth {depth}, but the artifact has "
-                         f"{fields['num_heads']} heads")
+    try:
+        data = read_tree_file(path)
+    except ConfigError as e:
+        extra.append(str(e))
+        data = None
+    if data is not None:
+        vocab = fields["draft_vocab_size"] or fields["vocab_size"]
+        problem = tree_problem(data["paths"], fields["num_heads"], vocab, str(path / "tree.json"))
+        extra += [problem] if problem else []
     return {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}, {}, extra

@@ -61,14 +61,16 @@ def _counter(name: str) -> str:
     return name[:-6] if name.endswith("_total") else name
 
 
-def _vllm_counts(text: str, label: str) -> dict[str, dict]:
+def _vllm_counts(text: str, label: str, source: str = "vllm metrics") -> dict[str, dict]:
     counts: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
                                                    "per_pos": defaultdict(float), "requests": 0.0})
     for name, labels, value in parse_prometheus(text):
-        if name.endswith("_created") or math.isnan(value):
+        if name.endswith("_created"):
             continue
         base = _counter(name)
         model = labels.get(label, "")
+        if (base == "vllm:request_success" or base.startswith(PREFIX)) and not (math.isfinite(value) and value >= 0):
+            raise DataError(f"{source}: {name} of model {model!r} is {value}, not a count (a NaN is never read as 0)")
         if base == "vllm:request_success":
             counts[model]["requests"] += value
             continue
@@ -101,7 +103,26 @@ def _row(drafts: float, draft_tokens: float, accepted: float, per_pos: dict[int,
     }
 
 
+def _inconsistent(g: dict) -> str | None:
+    """Why a group's counters cannot be one engine's counts, or None: every count finite and >= 0, no more
+    accepted than drafted tokens, no position accepted more often than there were drafts."""
+    for k in ("drafts", "draft_tokens", "accepted", "requests"):
+        if not (math.isfinite(g[k]) and g[k] >= 0):
+            return f"{k} is {g[k]}, not a count"
+    if g["draft_tokens"] > 0 and g["accepted"] > g["draft_tokens"]:
+        return (f"{g['accepted']:.0f} accepted tokens > {g['draft_tokens']:.0f} drafted: counters of different "
+                "servers or windows mixed, alpha would be above 1")
+    bad = next((i for i, v in g["per_pos"].items() if not (math.isfinite(v) and 0 <= v <= g["drafts"])), None)
+    if bad is not None:
+        return f"position {bad} accepted {g['per_pos'][bad]} times in {g['drafts']:.0f} drafts"
+    return None
+
+
 def _table(groups: dict[str, dict], source: str) -> dict:
+    for name, g in sorted(groups.items()):
+        problem = _inconsistent(g)
+        if problem:
+            raise DataError(f"{source}: {name!r}: {problem}; refused")
     domains = {d: _row(g["drafts"], g["draft_tokens"], g["accepted"], g["per_pos"], g["requests"])
                for d, g in sorted(groups.items()) if g["draft_tokens"] > 0 or g["drafts"] > 0}
     if not domains:
@@ -119,8 +140,8 @@ def _table(groups: dict[str, dict], source: str) -> dict:
 def vllm_alpha(text: str, since: str | None = None, model_domains: dict[str, str] | None = None,
                label: str = "model_name", source: str = "vllm metrics") -> dict:
     """Per-domain α table from a vLLM /metrics dump (minus an earlier dump `since`, if given)."""
-    now = _vllm_counts(text, label)
-    before = _vllm_counts(since, label) if since else {}
+    now = _vllm_counts(text, label, source)
+    before = _vllm_counts(since, label, f"{source} (--since)") if since else {}
     groups: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
                                                    "per_pos": defaultdict(float), "requests": 0.0})
     for model, c in now.items():
@@ -164,6 +185,8 @@ def log_alpha(folder: str | Path) -> dict:
                     drafted = float(meta["draft_tokens"]) if "draft_tokens" in meta else 0.0
                 else:
                     continue  # a request served without speculation
+                if not all(math.isfinite(v) and v >= 0 for v in (drafted, accepted, drafts)):
+                    raise ValueError("a counter that is not a finite count")
             except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
                 malformed += 1
                 continue

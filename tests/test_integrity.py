@@ -18,7 +18,14 @@ from safetensors.torch import load_file, save_file
 from test_export import make_draft_artifact, make_medusa_artifact
 
 from draftsmith import artifact
-from draftsmith.errors import ArtifactError, DataError, IntegrityError, OutputError, TrainingError
+from draftsmith.errors import (
+    ArtifactError,
+    ConfigError,
+    DataError,
+    IntegrityError,
+    OutputError,
+    TrainingError,
+)
 from draftsmith.export.api import export_artifact, import_export, verify_export
 from draftsmith.export.verify import VerificationError
 from draftsmith.storage import atomic_dir, sha256_file, weight_checksums
@@ -132,7 +139,8 @@ def test_a_failed_export_leaves_the_previous_export_byte_identical(tiny_target, 
     before = snapshot(out)
     bad = make_medusa_artifact(tiny_target, tmp_path / "bad", heads=3)
     (bad / "tree.json").write_text(json.dumps({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}))
-    with pytest.raises(VerificationError, match=r"served: .*depth 4, but the export has 3 heads"):
+    # the tree is refused as the artifact is read (medusa/model.py tree_problem), before anything is written
+    with pytest.raises(ConfigError, match=r"bad/tree\.json: a path of depth 4, but the artifact has 3 heads"):
         export_artifact(bad, "vllm", out, tiny_target)
     assert snapshot(out) == before and siblings(out) == []
 

@@ -20,6 +20,23 @@ import torch
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
+MAX_BATCH = 1 << 16  # rows in one batch; more is a typo (1e8), never a batch that fits a device
+
+
+def check_output_folders(output: str, output_dir: str) -> None:
+    """A job's artifact folder (`output`) and its training folder (`train.output_dir`: checkpoints, logs)
+    must differ and neither may hold the other's artifact swap: the artifact replaces `output` whole, so an
+    `output` equal to or above `train.output_dir` would take the checkpoints with it (refused at load, not
+    after training)."""
+    import os
+    from pathlib import Path
+
+    out, run = (Path(os.path.abspath(Path(p).expanduser())) for p in (output, output_dir))
+    if out == run or out in run.parents:
+        raise ValueError(f"output {output} would replace train.output_dir {output_dir} (its checkpoints and log) "
+                         "when the artifact is written: give them different folders (e.g. output inside it)")
+
+
 @dataclass
 class TrainConfig:
     # optimiser: AdamW (Loshchilov & Hutter 2019, decoupled weight decay)
@@ -88,6 +105,8 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "keep_last", "log_every", "max_nonfinite_in_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size > MAX_BATCH:
+            raise ValueError(f"train.batch_size must be at most {MAX_BATCH} rows, got {self.batch_size}")
         for name in ("eval_every", "save_every", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")

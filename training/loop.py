@@ -729,5 +729,10 @@ def _summary_text(kind: str, summary: dict, artifact: Path | None) -> str:
 
 def train(job: Job, cfg: TrainConfig, accelerator=None) -> TrainResult:
     """Train `job` with `cfg` (see module docstring); resumes from a checkpoint when cfg.resume says so."""
-    return Trainer(job, cfg, accelerator).run()
+    from draftsmith.locks import output_lock
+
+    trainer = Trainer(job, cfg, accelerator)
+    # one training per train.output_dir at a time (its checkpoints and log); held by the main rank
+    with output_lock(trainer.out, "training output", enabled=trainer.main):
+        return trainer.run()
 
