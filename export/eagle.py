@@ -453,8 +453,11 @@ def speculators_check(out: Path, target) -> str | None:
     n_aux = len(config.eagle_aux_hidden_state_layer_ids)
     T = 6
     ids = torch.randint(0, config.transformer_layer_config.vocab_size, (1, T))
+    # the features come in the head's own dtype, as a serving stack feeds a bf16 / fp16 head: a float32
+    # input would fail in the head's first matmul ("expected m1 and m2 to have the same dtype")
+    dtype = model.fc.weight.dtype
     with torch.no_grad():
-        drafts = model(hidden_states=torch.randn(1, T, n_aux * H), input_ids=ids,
+        drafts = model(hidden_states=torch.randn(1, T, n_aux * H, dtype=dtype), input_ids=ids,
                        document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=2)
     if len(drafts) != 2 or drafts[0].shape != (1, T):
         raise VerificationError(f"{out}: speculators forward returned unexpected draft shapes")

@@ -336,6 +336,18 @@ def test_eagle3_speculators_loads_and_runs(deep_target, tmp_path):
     assert any(c.startswith("speculators") for c in res.checks), res.checks
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_eagle3_half_precision_head_exports_and_speculators_runs_it(deep_target, tmp_path, dtype):
+    """A bf16 / fp16 head (the shipped zoo head is bf16) exports verified: speculators runs it in its own dtype."""
+    pytest.importorskip("speculators")
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in eagle_state(3, deep_target.vocab_size, 100).items()}
+    art = make_eagle_artifact(deep_target, tmp_path / "e", **state)
+    res = export_artifact(art, "vllm", tmp_path / "v", deep_target)
+    assert any(c.startswith("speculators") for c in res.checks), res.checks
+    assert read_header(res.out / "model.safetensors")["fc.weight"][1] == {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    assert json.loads((res.out / "config.json").read_text())["torch_dtype"] == str(dtype).removeprefix("torch.")
+
+
 # --- compatibility guard and CLI -----------------------------------------------------------------------
 def test_guard_readable_by_check_and_refuses_other_target(tiny_target, other_target, tmp_path):
     from draftsmith.checks import read_fingerprint
