@@ -16,7 +16,8 @@ def register(subparsers) -> None:
                    "an existing folder is replaced only if it is a draftsmith export)")
     p.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith export")
     p.add_argument("--target", default=None, help="target spec (default: smollm2-135m); its fingerprint must match")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft length written into serve.md")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft length written into serve.md (default: 4; Medusa: its number of heads)")
     p.add_argument("--verifier", default=None, metavar="HUB_ID",
                    help="the target's name where it will be served (e.g. meta-llama/Llama-3.1-8B-Instruct): "
                         "written into config.json, serve.md and README.md instead of the local folder")
@@ -63,8 +64,10 @@ def run(args) -> int:
 
             raise ConfigError(f"--serve-check runs vLLM: export with --to vllm (got --to {args.to})")
         from draftsmith.export.serve_check import serve_check
+        from draftsmith.storage import read_json
 
-        return _print_check(serve_check(result.out, target, args.prompts, k=args.num_speculative_tokens))
+        k = read_json(result.out / "draftsmith.json")["num_speculative_tokens"]
+        return _print_check(serve_check(result.out, target, args.prompts, k=k))
     return 0
 
 

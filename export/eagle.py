@@ -172,7 +172,25 @@ def reimport(export_dir: Path, guard: dict):
         if "fc.weight" not in {canonical_name(k) for k in read_header(export_dir / "model.safetensors")}:
             return None
     cfg, state = read_layout(export_dir, (guard.get("eagle") or {}).get("source_names"))
-    return cfg, state, None
+    return head_config(cfg, guard, export_dir), state, None
+
+
+def head_config(cfg: dict, guard: dict, where: Path) -> dict:
+    """A layout's config as the artifact's config.json (eagle/model.py EagleConfig: target_layers, layer_config),
+    so that an imported head loads, decodes and trains like one draftsmith wrote. The layout's own fields stay
+    beside them (aux_layers)."""
+    arch = (guard.get("target") or {}).get("architecture") or {}
+    if cfg["version"] == 3:
+        layers = list(cfg["aux_layers"])
+    else:  # EAGLE-1 reads the last layer's output
+        n = arch.get("num_hidden_layers")
+        if n is None:
+            raise ConfigError(f"{where}: an EAGLE-1 layout names no feature layer and draftsmith.json no target depth")
+        layers = [n - 1]
+    layer = {k: cfg[k] for k in LAYER_FIELDS if k in cfg}
+    layer.update(model_type="llama", num_hidden_layers=1, vocab_size=cfg["vocab_size"], tie_word_embeddings=False)
+    return {**cfg, "target_layers": layers, "layer_config": layer,
+            "hidden_size": cfg.get("hidden_size"), "draft_vocab_size": cfg.get("draft_vocab_size")}
 
 
 def aux_ids(cfg: dict, stack: str) -> list[int]:

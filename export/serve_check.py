@@ -159,8 +159,12 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
     out.mkdir(parents=True, exist_ok=True)
     batch = batch or len(ids)
     longest = max(len(i) for i in ids) + max_new_tokens + k + 8
+    limit = getattr(target.text_config, "max_position_embeddings", None) or longest
+    if longest > limit:
+        raise ConfigError(f"prompts of up to {longest - max_new_tokens - k - 8} tokens + {max_new_tokens} new "
+                          f"exceed the target's max_position_embeddings {limit}")
     job = {"target": str(target.folder), "dtype": "float32", "prompts": ids, "max_new_tokens": max_new_tokens,
-           "batch": batch, "seed": seed, "max_model_len": max(512, longest)}
+           "batch": batch, "seed": seed, "max_model_len": min(max(512, longest), limit)}
     t0 = time.perf_counter()
     if plain is None:
         plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)

@@ -155,6 +155,41 @@ def test_medusa_vllm_layout_pinned(tiny_target, tmp_path):
         f"lm_heads.{h}.weight" for h in range(3)}
     assert hdr["lm_heads.2.weight"] == ((tiny_target.vocab_size, H), "F32")
     assert '"method": "medusa"' in (res.out / "serve.md").read_text()
+    # the draft length is the number of heads: vLLM sizes its Medusa by num_speculative_tokens
+    assert '"num_speculative_tokens": 3' in (res.out / "serve.md").read_text()
+    assert json.loads((res.out / "draftsmith.json").read_text())["num_speculative_tokens"] == 3
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_medusa_vllm_draft_length_other_than_its_heads_is_refused(tiny_target, tmp_path, k):
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    with pytest.raises(ConfigError, match=f"num_heads is 3 but num_speculative_tokens {k}"):
+        export_artifact(art, "vllm", tmp_path / "v", tiny_target, num_speculative_tokens=k)
+    assert not (tmp_path / "v").exists()
+
+
+def test_medusa_vllm_shared_lm_head_is_one_copy_with_original_lm_head(tiny_target, tmp_path):
+    """Heads on the target's own lm_head: vLLM's `original_lm_head` reads lm_heads.0 into one lm_head for all
+    heads, so it is written once (not K copies of a vocabulary-sized matrix), and reads back into every head."""
+    from draftsmith.medusa.model import load_medusa
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m", share=True)
+    res = export_artifact(art, "vllm", tmp_path / "v", tiny_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert cfg["original_lm_head"] is True
+    t = load_file(res.out / "model.safetensors")
+    assert [k for k in t if k.startswith("lm_heads.")] == ["lm_heads.0.weight"]
+    assert torch.equal(t["lm_heads.0.weight"], tiny_target.model.lm_head.weight)
+    back = import_export(res.out, tmp_path / "back")
+    h0, _, _ = load_medusa(art, tiny_target)
+    h1, _, _ = load_medusa(back, tiny_target)
+    x = torch.randn(2, 5, H)
+    torch.testing.assert_close(h0(x), h1(x))  # one shared product vs one per head: rounding apart
+    bad = json.loads((res.out / "config.json").read_text())
+    bad["original_lm_head"] = False  # then vLLM would leave lm_heads.1.. at random init: verification says so
+    (res.out / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(VerificationError, match="missing tensor 'lm_heads.1.weight'"):
+        verify_export(res.out)
 
 
 def test_medusa_trtllm_layout_shared_lm_head_and_tree(tiny_target, tmp_path):
