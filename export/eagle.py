@@ -171,7 +171,12 @@ def reimport(export_dir: Path, guard: dict):
             return None
         if "fc.weight" not in {canonical_name(k) for k in read_header(export_dir / "model.safetensors")}:
             return None
-    cfg, state = read_layout(export_dir, (guard.get("eagle") or {}).get("source_names"))
+    names = (guard.get("eagle") or {}).get("source_names")
+    cfg, state = read_layout(export_dir, names)
+    bias = (names or {}).get("fc.bias", "fc.bias")
+    if cfg["version"] == 1 and bias not in state:  # vLLM's EAGLE-1 layout: fc has no bias, i.e. a zero one
+        fc = state[(names or {}).get("fc.weight", "fc.weight")]
+        state[bias] = torch.zeros(fc.shape[0], dtype=fc.dtype)
     return head_config(cfg, guard, export_dir), state, None
 
 

@@ -112,7 +112,7 @@ class TinyFamily:
         if kind != "ngram":
             export = export_artifact(self.artifacts[kind], "vllm", self.tmp / f"{kind}-vllm", self.target,
                                      num_speculative_tokens=K).out
-        report = serve_check(export, self.target, [self.prompts], self.tmp / f"{kind}-check", k=K, max_new_tokens=24,
+        report = serve_check(export, self.target, [self.prompts], self.tmp / f"{kind}-check", k=K, max_new_tokens=64,
                              limit_per_domain=None, batch=4, timeout=600, method="ngram" if kind == "ngram" else None,
                              plain=self.plain)
         if self.plain is None:
