@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     s.add_argument("--limit-per-domain", type=int, default=2, help="prompts per domain (bounded run)")
     s.add_argument("--batch", type=int, default=None, help="batch for the batched tokens/s (default: every prompt)")
     s.add_argument("--timeout", type=float, default=900.0, help="seconds each vLLM engine may run before it is killed")
-    s.add_argument("--out", default=None, help="report folder (default: EXPORT/serve-check)")
+    s.add_argument("--out", default=None, help="report folder (default: runs/serve-check/EXPORT_NAME)")
     s.add_argument("--no-evaluate", dest="evaluate", action="store_false", help="skip draftsmith's own evaluator")
     s.set_defaults(func=run_serve_check)
 
