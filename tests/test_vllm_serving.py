@@ -170,15 +170,21 @@ def test_vllm_ngram_control(tiny):
     assert report["draftsmith"]["lossless"]
 
 
+_SMOLLM2_PLAIN: dict = {}  # vLLM without speculation on the smollm2 prompts, shared by the two heads
+
+
 @pytest.mark.real
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])
 def test_vllm_serves_the_zoo_heads_on_smollm2(kind, real_target, tmp_path):
-    """The shipped heads on smollm2-135m: loaded, lossless against vLLM's own greedy output, and vLLM's
-    per-position acceptance equal to draftsmith's on the same prompts at chain 4."""
+    """The shipped heads on smollm2-135m (the Medusa heads share the target's lm_head: exported once, with
+    original_lm_head): loaded, lossless against vLLM's own greedy output, and vLLM's per-position acceptance
+    equal to draftsmith's on the same prompts at chain 4."""
     from draftsmith.export import export_artifact
     from draftsmith.export.serve_check import serve_check
 
     export = export_artifact(Path("zoo/smollm2-135m") / kind, "vllm", tmp_path / kind, real_target).out
-    report = serve_check(export, real_target, None, tmp_path / "check", k=4, max_new_tokens=48, limit_per_domain=1,
-                         batch=4, timeout=900)
+    report = serve_check(export, real_target, None, tmp_path / "check", k=4, max_new_tokens=64, limit_per_domain=1,
+                         batch=4, timeout=900, plain=_SMOLLM2_PLAIN.get("plain"))
+    _SMOLLM2_PLAIN.setdefault("plain", json.loads((tmp_path / "check" / "vllm-plain.result.json").read_text())
+                              if (tmp_path / "check" / "vllm-plain.result.json").is_file() else None)
     _assert_served(report, kind)
