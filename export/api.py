@@ -24,14 +24,17 @@ from draftsmith.storage import check_replaceable
 
 
 def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
-                    num_speculative_tokens: int = 4, verify: bool = True, *, overwrite: bool = False,
+                    num_speculative_tokens: int | None = None, verify: bool = True, *, overwrite: bool = False,
                     verifier: str | None = None) -> ExportResult:
     """Export a draftsmith artifact for `stack` into `out`: written to a temporary folder, verified there,
     then swapped in. The artifact's method (methods.py) says which layout each stack takes.
 
     `verifier`: the target's name where the export will be served (a hub id such as
     meta-llama/Llama-3.1-8B-Instruct); written into config.json, serve.md and the model card instead of
-    the local folder the target was loaded from."""
+    the local folder the target was loaded from.
+
+    `num_speculative_tokens`: the draft length written into serve.md; None = the method's own (Medusa: one
+    token per exported head, the only length vLLM's Medusa drafts without a head of random weights; else 4)."""
     artifact_dir, out = Path(artifact_dir), Path(out)
     stack_module(stack)
     check_replaceable(out, "export", overwrite)  # before any work: a folder that is not ours stays untouched
@@ -39,6 +42,8 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
     method = methods.get(kind)
     if method.export is None:
         raise ConfigError(f"{artifact_dir}: no serving stack takes a {kind} artifact")
+    if num_speculative_tokens is None and kind != "medusa":
+        num_speculative_tokens = 4
     return method.get("export")(artifact_dir=artifact_dir, stack=stack, out=out, target=target,
                                 num_speculative_tokens=num_speculative_tokens, verify=verify,
                                 overwrite=overwrite, verifier=verifier)

@@ -1,5 +1,6 @@
-"""`draftsmith export --artifact PATH --to vllm|sglang|trtllm|hf --out DIR [--target SPEC] [--no-verify]`
-and `draftsmith import-export --export DIR --out ARTIFACT` (a vLLM Medusa / speculators EAGLE-3 folder back
+"""`draftsmith export --artifact PATH --to vllm|sglang|trtllm|hf --out DIR [--target SPEC] [--no-verify]
+[--serve-check]`, `draftsmith serve-check --export DIR [--target SPEC] [--prompts FILE ...] [--k 4]` (real vLLM
+from .venv-vllm: export/serve_check.py) and `draftsmith import-export --export DIR --out ARTIFACT` (a vLLM Medusa / speculators EAGLE-3 folder back
 into a draftsmith artifact)."""
 
 from __future__ import annotations
@@ -15,12 +16,31 @@ def register(subparsers) -> None:
                    "an existing folder is replaced only if it is a draftsmith export)")
     p.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith export")
     p.add_argument("--target", default=None, help="target spec (default: smollm2-135m); its fingerprint must match")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft length written into serve.md")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft length written into serve.md (default: 4; Medusa: its number of heads)")
     p.add_argument("--verifier", default=None, metavar="HUB_ID",
                    help="the target's name where it will be served (e.g. meta-llama/Llama-3.1-8B-Instruct): "
                         "written into config.json, serve.md and README.md instead of the local folder")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip verification after writing")
+    p.add_argument("--serve-check", action="store_true",
+                   help="then load and decode the export in real vLLM (`draftsmith serve-check`; --to vllm only)")
+    p.add_argument("--prompts", nargs="*", default=None, help="prompt files for --serve-check (default: the shared sets)")
     p.set_defaults(func=run)
+
+    s = subparsers.add_parser("serve-check", help="load and decode a vLLM export in real vLLM (`make setup-vllm`): "
+                              "loaded, lossless, acceptance vs draftsmith's own evaluator, tokens/s")
+    s.add_argument("--export", default=None, help="a vLLM export folder (draftsmith export --to vllm)")
+    s.add_argument("--ngram", action="store_true", help="check vLLM's n-gram lookup instead of an export (a control)")
+    s.add_argument("--target", default=None, help="target spec (default: smollm2-135m)")
+    s.add_argument("--prompts", nargs="*", default=None, help="prompt files (default: the shared evaluation sets)")
+    s.add_argument("--k", type=int, default=4, help="draft tokens per step (chain length), both decoders")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--limit-per-domain", type=int, default=2, help="prompts per domain (bounded run)")
+    s.add_argument("--batch", type=int, default=None, help="batch for the batched tokens/s (default: every prompt)")
+    s.add_argument("--timeout", type=float, default=900.0, help="seconds each vLLM engine may run before it is killed")
+    s.add_argument("--out", default=None, help="report folder (default: runs/serve-check/EXPORT_NAME)")
+    s.add_argument("--no-evaluate", dest="evaluate", action="store_false", help="skip draftsmith's own evaluator")
+    s.set_defaults(func=run_serve_check)
 
     i = subparsers.add_parser("import-export", help="read an exported Medusa / EAGLE folder back into an artifact")
     i.add_argument("--export", required=True, help="export directory (with draftsmith.json)")
@@ -38,7 +58,36 @@ def run(args) -> int:
                              overwrite=args.overwrite, verifier=args.verifier)
     print(result.summary())
     print(f"launch: see {result.out / 'serve.md'}")
+    if args.serve_check:
+        if args.to != "vllm":
+            from draftsmith.errors import ConfigError
+
+            raise ConfigError(f"--serve-check runs vLLM: export with --to vllm (got --to {args.to})")
+        from draftsmith.export.serve_check import serve_check
+        from draftsmith.storage import read_json
+
+        k = read_json(result.out / "draftsmith.json")["num_speculative_tokens"]
+        return _print_check(serve_check(result.out, target, args.prompts, k=k))
     return 0
+
+
+def run_serve_check(args) -> int:
+    from draftsmith.export.serve_check import serve_check
+    from draftsmith.targets import load_target
+
+    report = serve_check(args.export, load_target(args.target), args.prompts, args.out, k=args.k,
+                         max_new_tokens=args.max_new_tokens, limit_per_domain=args.limit_per_domain, batch=args.batch,
+                         timeout=args.timeout, method="ngram" if args.ngram else None, evaluate=args.evaluate)
+    return _print_check(report)
+
+
+def _print_check(report: dict) -> int:
+    """One summary; exit 0 when loaded and lossless (and, with the evaluator, acceptance within tolerance)."""
+    from draftsmith.export.serve_check import render
+
+    print(render(report))
+    ok = report["loaded"] and report.get("lossless") and report.get("acceptance_matches", True)
+    return 0 if ok else 1
 
 
 def run_import(args) -> int:

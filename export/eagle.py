@@ -171,8 +171,31 @@ def reimport(export_dir: Path, guard: dict):
             return None
         if "fc.weight" not in {canonical_name(k) for k in read_header(export_dir / "model.safetensors")}:
             return None
-    cfg, state = read_layout(export_dir, (guard.get("eagle") or {}).get("source_names"))
-    return cfg, state, None
+    names = (guard.get("eagle") or {}).get("source_names")
+    cfg, state = read_layout(export_dir, names)
+    bias = (names or {}).get("fc.bias", "fc.bias")
+    if cfg["version"] == 1 and bias not in state:  # vLLM's EAGLE-1 layout: fc has no bias, i.e. a zero one
+        fc = state[(names or {}).get("fc.weight", "fc.weight")]
+        state[bias] = torch.zeros(fc.shape[0], dtype=fc.dtype)
+    return head_config(cfg, guard, export_dir), state, None
+
+
+def head_config(cfg: dict, guard: dict, where: Path) -> dict:
+    """A layout's config as the artifact's config.json (eagle/model.py EagleConfig: target_layers, layer_config),
+    so that an imported head loads, decodes and trains like one draftsmith wrote. The layout's own fields stay
+    beside them (aux_layers)."""
+    arch = (guard.get("target") or {}).get("architecture") or {}
+    if cfg["version"] == 3:
+        layers = list(cfg["aux_layers"])
+    else:  # EAGLE-1 reads the last layer's output
+        n = arch.get("num_hidden_layers")
+        if n is None:
+            raise ConfigError(f"{where}: an EAGLE-1 layout names no feature layer and draftsmith.json no target depth")
+        layers = [n - 1]
+    layer = {k: cfg[k] for k in LAYER_FIELDS if k in cfg}
+    layer.update(model_type="llama", num_hidden_layers=1, vocab_size=cfg["vocab_size"], tie_word_embeddings=False)
+    return {**cfg, "target_layers": layers, "layer_config": layer,
+            "hidden_size": cfg.get("hidden_size"), "draft_vocab_size": cfg.get("draft_vocab_size")}
 
 
 def aux_ids(cfg: dict, stack: str) -> list[int]:
@@ -453,8 +476,11 @@ def speculators_check(out: Path, target) -> str | None:
     n_aux = len(config.eagle_aux_hidden_state_layer_ids)
     T = 6
     ids = torch.randint(0, config.transformer_layer_config.vocab_size, (1, T))
+    # the features come in the head's own dtype, as a serving stack feeds a bf16 / fp16 head: a float32
+    # input would fail in the head's first matmul ("expected m1 and m2 to have the same dtype")
+    dtype = model.fc.weight.dtype
     with torch.no_grad():
-        drafts = model(hidden_states=torch.randn(1, T, n_aux * H), input_ids=ids,
+        drafts = model(hidden_states=torch.randn(1, T, n_aux * H, dtype=dtype), input_ids=ids,
                        document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=2)
     if len(drafts) != 2 or drafts[0].shape != (1, T):
         raise VerificationError(f"{out}: speculators forward returned unexpected draft shapes")

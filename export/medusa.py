@@ -16,8 +16,9 @@ then the Linear projection):    {h}.{l}.linear.weight/.bias, {h}.{L}.weight
                                 (no token map: heads over a draft vocabulary cannot be written here)
 
 Both compute the same function as draftsmith (Cai et al. 2024, eq. 1): head_h(x) = W_h · ResBlocks(x),
-ResBlock(x) = x + SiLU(A x + b). With share_lm_head the target's lm_head is written into every head,
-since neither layout can point at the target's weights.
+ResBlock(x) = x + SiLU(A x + b). With share_lm_head the target's lm_head is written once for vLLM
+(`original_lm_head: true`, lm_heads.0 only: vLLM loads it into one lm_head all heads use) and into every head
+for FasterDecoding / TensorRT-LLM, whose layout has no shared head. Neither can point at the target's weights.
 """
 
 from __future__ import annotations
@@ -73,14 +74,27 @@ def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dic
     return manifest, cfg, state, tree
 
 
-def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int = 4,
-           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
+def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
+           num_speculative_tokens: int | None = None, verify: bool = True, *, overwrite: bool = False,
+           verifier: str | None = None):
     """`Method.export` of Medusa heads (export/heads.py does the rest). A Medusa-2 artifact's heads belong to
-    the adapted target, so its merged copy is exported beside them and serve.md names it."""
+    the adapted target, so its merged copy is exported beside them and serve.md names it.
+
+    The draft length is the number of heads (None: taken from them). vLLM sizes its Medusa model by
+    num_speculative_tokens (MedusaConfig.num_lookahead_tokens sets num_heads): more tokens than heads would
+    build a head the checkpoint does not fill (random weights, drafting garbage), fewer would drop trained
+    heads, so any other value is refused."""
     from draftsmith.export.heads import HeadExport, export_heads
 
     artifact_dir = Path(artifact_dir)
     manifest, cfg, state, tree = read_medusa_artifact(artifact_dir, target)
+    heads = cfg["num_heads"]
+    if num_speculative_tokens is None:
+        num_speculative_tokens = heads
+    elif num_speculative_tokens != heads:
+        raise ConfigError(f"{artifact_dir / 'config.json'}: num_heads is {heads} but num_speculative_tokens "
+                          f"{num_speculative_tokens} was asked: Medusa drafts one token per head (vLLM would build "
+                          f"{num_speculative_tokens} heads from {heads} trained ones); omit it or pass {heads}")
 
     def write(tmp: Path, fmt: str, target, target_ref: str, out: Path, k: int) -> str:
         from draftsmith.medusa.medusa2 import adapted_target, has_adapter
@@ -118,12 +132,16 @@ def reimport(export_dir: Path, guard: dict):
 
 def to_vllm(cfg: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
     K, L = cfg["num_heads"], cfg["num_layers"]
+    shared = bool(cfg.get("share_lm_head"))
     out = {}
     for h in range(K):
         for ell in range(L):
             out[f"blocks.{h}.layers.{ell}.weight"] = state[f"heads.{h}.blocks.{ell}.linear.weight"]
             out[f"blocks.{h}.layers.{ell}.bias"] = state[f"heads.{h}.blocks.{ell}.linear.bias"]
-        out[f"lm_heads.{h}.weight"] = state[f"heads.{h}.lm_head.weight"]
+        if not shared or h == 0:
+            # shared heads: ONE copy of the target's lm_head, which vLLM (`original_lm_head`) loads from
+            # lm_heads.0 into the single lm_head every head projects with (and slices by token_map itself)
+            out[f"lm_heads.{h}.weight"] = state[f"heads.{h}.lm_head.weight"]
     n = cfg.get("draft_vocab_size") or cfg["vocab_size"]
     if cfg.get("draft_vocab_size"):
         out["token_map"] = torch.nonzero(state["t2d"]).flatten().to(torch.long)  # = arange(N) + d2t
@@ -136,7 +154,7 @@ def to_vllm(cfg: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, 
         "num_heads": K,
         "num_hidden_layers": L,
         "medusa_fc_bias": True,  # draftsmith's ResBlocks have a bias; without this vLLM builds bias-free layers
-        "original_lm_head": False,
+        "original_lm_head": shared,
         "torch_dtype": dtype_name(state_dtype(state)),
     }
     return config, out
@@ -189,7 +207,11 @@ def expected_tensors(fmt: str, config: dict) -> Spec:
                 spec[f"blocks.{h}.layers.{ell}.weight"] = ((H, H), dt)
                 if config.get("medusa_fc_bias"):
                     spec[f"blocks.{h}.layers.{ell}.bias"] = ((H,), dt)
-            spec[f"lm_heads.{h}.weight"] = ((config.get("truncated_vocab_size") or V, H), dt)
+            if config.get("original_lm_head"):  # one full-vocabulary copy of the target's lm_head
+                if h == 0:
+                    spec["lm_heads.0.weight"] = ((V, H), dt)
+            else:
+                spec[f"lm_heads.{h}.weight"] = ((config.get("truncated_vocab_size") or V, H), dt)
         if (config.get("truncated_vocab_size") or V) < V:
             spec["token_map"] = ((config["truncated_vocab_size"],), "I64")
     else:
@@ -239,7 +261,9 @@ def read_layout(out: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
                 bias = t.get(f"blocks.{h}.layers.{ell}.bias")
                 state[f"heads.{h}.blocks.{ell}.linear.bias"] = (
                     bias if bias is not None else torch.zeros(config["hidden_size"], dtype=t[f"blocks.{h}.layers.{ell}.weight"].dtype))
-            state[f"heads.{h}.lm_head.weight"] = t[f"lm_heads.{h}.weight"]
+            # original_lm_head: every head projects with the one copy in lm_heads.0
+            state[f"heads.{h}.lm_head.weight"] = t["lm_heads.0.weight" if config.get("original_lm_head") else
+                                                   f"lm_heads.{h}.weight"]
         n = config.get("truncated_vocab_size") or config["vocab_size"]
         if n < config["vocab_size"]:
             token_map = t["token_map"].long()

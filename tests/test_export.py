@@ -4,6 +4,7 @@ transformers assisted generation and speculators loading as real consumers."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,6 +156,41 @@ def test_medusa_vllm_layout_pinned(tiny_target, tmp_path):
         f"lm_heads.{h}.weight" for h in range(3)}
     assert hdr["lm_heads.2.weight"] == ((tiny_target.vocab_size, H), "F32")
     assert '"method": "medusa"' in (res.out / "serve.md").read_text()
+    # the draft length is the number of heads: vLLM sizes its Medusa by num_speculative_tokens
+    assert '"num_speculative_tokens": 3' in (res.out / "serve.md").read_text()
+    assert json.loads((res.out / "draftsmith.json").read_text())["num_speculative_tokens"] == 3
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_medusa_vllm_draft_length_other_than_its_heads_is_refused(tiny_target, tmp_path, k):
+    art = make_medusa_artifact(tiny_target, tmp_path / "m")
+    with pytest.raises(ConfigError, match=f"num_heads is 3 but num_speculative_tokens {k}"):
+        export_artifact(art, "vllm", tmp_path / "v", tiny_target, num_speculative_tokens=k)
+    assert not (tmp_path / "v").exists()
+
+
+def test_medusa_vllm_shared_lm_head_is_one_copy_with_original_lm_head(tiny_target, tmp_path):
+    """Heads on the target's own lm_head: vLLM's `original_lm_head` reads lm_heads.0 into one lm_head for all
+    heads, so it is written once (not K copies of a vocabulary-sized matrix), and reads back into every head."""
+    from draftsmith.medusa.model import load_medusa
+
+    art = make_medusa_artifact(tiny_target, tmp_path / "m", share=True)
+    res = export_artifact(art, "vllm", tmp_path / "v", tiny_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert cfg["original_lm_head"] is True
+    t = load_file(res.out / "model.safetensors")
+    assert [k for k in t if k.startswith("lm_heads.")] == ["lm_heads.0.weight"]
+    assert torch.equal(t["lm_heads.0.weight"], tiny_target.model.lm_head.weight)
+    back = import_export(res.out, tmp_path / "back")
+    h0, _, _ = load_medusa(art, tiny_target)
+    h1, _, _ = load_medusa(back, tiny_target)
+    x = torch.randn(2, 5, H)
+    torch.testing.assert_close(h0(x), h1(x))  # one shared product vs one per head: rounding apart
+    bad = json.loads((res.out / "config.json").read_text())
+    bad["original_lm_head"] = False  # then vLLM would leave lm_heads.1.. at random init: verification says so
+    (res.out / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(VerificationError, match="missing tensor 'lm_heads.1.weight'"):
+        verify_export(res.out)
 
 
 def test_medusa_trtllm_layout_shared_lm_head_and_tree(tiny_target, tmp_path):
@@ -336,6 +372,18 @@ def test_eagle3_speculators_loads_and_runs(deep_target, tmp_path):
     assert any(c.startswith("speculators") for c in res.checks), res.checks
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_eagle3_half_precision_head_exports_and_speculators_runs_it(deep_target, tmp_path, dtype):
+    """A bf16 / fp16 head (the shipped zoo head is bf16) exports verified: speculators runs it in its own dtype."""
+    pytest.importorskip("speculators")
+    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in eagle_state(3, deep_target.vocab_size, 100).items()}
+    art = make_eagle_artifact(deep_target, tmp_path / "e", **state)
+    res = export_artifact(art, "vllm", tmp_path / "v", deep_target)
+    assert any(c.startswith("speculators") for c in res.checks), res.checks
+    assert read_header(res.out / "model.safetensors")["fc.weight"][1] == {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    assert json.loads((res.out / "config.json").read_text())["torch_dtype"] == str(dtype).removeprefix("torch.")
+
+
 # --- compatibility guard and CLI -----------------------------------------------------------------------
 def test_guard_readable_by_check_and_refuses_other_target(tiny_target, other_target, tmp_path):
     from draftsmith.checks import read_fingerprint
@@ -395,3 +443,60 @@ def test_heads_eagle_artifact_exports_everywhere(deep_target, tmp_path, version)
         s0 = {k: v for k, v in s0.items() if "embed_tokens" not in k}
         assert s0.keys() == s1.keys(), (stack, s0.keys() ^ s1.keys())
         assert all(torch.equal(s0[k], s1[k]) for k in s0)
+
+
+def test_a_head_built_by_speculators_imports_and_warm_starts_training(deep_target, tmp_path):
+    """An EAGLE-3 head the speculators package built and saved itself (no draftsmith.json): import-export reads
+    it into an artifact that loads (its vLLM layer ids 1, 2, 3 become draftsmith's 0, 1, 2) with speculators'
+    exact tensors, and training warm-started from it begins at those tensors."""
+    pytest.importorskip("speculators")
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from tiny_models import prompt_rows
+    from transformers import LlamaConfig
+
+    from draftsmith.eagle.job import EagleJob, EagleJobConfig
+    from draftsmith.eagle.model import load_eagle
+    from draftsmith.evaluation.after_training import EvalAfterTraining
+    from draftsmith.export.eagle import canonical_name
+    from draftsmith.training import train
+    from draftsmith.training.config import TrainConfig
+
+    V, N = deep_target.vocab_size, 100
+    g = torch.Generator().manual_seed(4)
+    keep = torch.randperm(V, generator=g)[:N].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[keep] = True
+    layer = LlamaConfig(**{**deep_target.config.to_dict(), "num_hidden_layers": 1, "tie_word_embeddings": False})
+    torch.manual_seed(4)
+    model = Eagle3DraftModel.from_training_args(
+        verifier_config=layer, t2d=t2d, d2t=keep - torch.arange(N), verifier_name_or_path=str(deep_target.folder),
+        target_layer_ids=[1, 2, 3], draft_attn_impl="sdpa", draft_vocab_size=N, norm_before_residual=False, ttt_steps=2)
+    with torch.no_grad():  # speculators starts its norms at one: move them, so a norm left at init would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path / "speculators")
+    theirs = {canonical: t for n, t in model.state_dict().items()
+              if (canonical := canonical_name(n)) is not None and not canonical.startswith("?")}
+
+    art = import_export(tmp_path / "speculators", tmp_path / "imported", fingerprint=deep_target.fingerprint())
+    head, _ = load_eagle(art, deep_target)
+    assert head.config.target_layers == [0, 1, 2] and head.config.draft_vocab_size == N
+    ours = head.state_dict()
+    assert theirs.keys() <= ours.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    rows = prompt_rows(deep_target, tmp_path, ["What is the capital of France?", "def add(a, b):"])
+
+    def run(name: str, warm: str | None) -> dict[str, torch.Tensor]:
+        tc = TrainConfig(lr=1e-12, max_steps=1, batch_size=1, warmup_steps=0, output_dir=str(tmp_path / f"{name}-run"),
+                         resume="never", progress=False, eval_every=0, eval_batches=1, warm_start=warm)
+        cfg = EagleJobConfig(target=str(deep_target.folder), data="in-memory", output=str(tmp_path / name),
+                             version="eagle3", target_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=N, max_length=64,
+                             train=tc, evaluate=EvalAfterTraining(enabled=False))
+        out = Path(train(EagleJob(cfg, deep_target, rows), tc).artifact)
+        return load_eagle(out, deep_target)[0].state_dict()
+
+    warm, cold = run("warm", str(art)), run("cold", None)
+    for k in theirs:  # one step at lr 1e-12 leaves the warm start's weights where speculators put them
+        torch.testing.assert_close(warm[k], theirs[k], rtol=0, atol=1e-6)
+    assert not torch.allclose(cold["fc.weight"], theirs["fc.weight"])  # a cold start does not, so the check can fail

@@ -119,12 +119,12 @@ def family_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
     raise ValueError(f"no tiny builder for family {family!r}")
 
 
-def build_tiny_family(family: str, tokenizer, folder: Path, seed: int = 0):
+def build_tiny_family(family: str, tokenizer, folder: Path, seed: int = 0, hidden: int = 64, layers: int = 3):
     """A tiny random `family` model and its tokenizer saved as an HF folder; returns the folder."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family, len(tokenizer))).eval()
+    model = AutoModelForCausalLM.from_config(family_config(family, len(tokenizer), hidden, layers)).eval()
     with torch.no_grad():  # decisive, varied greedy paths (near-uniform logits otherwise)
         model.get_input_embeddings().weight.mul_(8.0)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

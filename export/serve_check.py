@@ -1,0 +1,266 @@
+"""`draftsmith serve-check`: the export judged by the engine that serves it — vLLM, run here.
+
+vLLM lives in its own environment (`make setup-vllm` -> .venv-vllm; it pins another transformers), so it is
+never imported here: each engine is a child process running export/vllm_run.py under .venv-vllm's python,
+given a job JSON and writing a result JSON. The child runs in its own process group and is killed with it
+after `timeout` seconds (vLLM spawns an engine-core process that would otherwise outlive it).
+
+One check, on the same prompts (chat-templated to token ids here, so both engines read the same ids):
+
+    1. vLLM without speculation: the reference greedy output and the plain tokens/s;
+    2. vLLM with the export as its speculator: loaded (or vLLM's own error line), output identical to (1),
+       per-position acceptance, α and τ from vLLM's spec-decode counters, tokens/s at batch 1 and batch N;
+    3. draftsmith's evaluator on the same prompts with the same chain length k, on the weights read back
+       from the export (`import_export`, into the report folder), so both decoders draft from the same tensors.
+
+The report folder (default runs/serve-check/EXPORT_NAME) holds report.json, report.md, each engine's job,
+result and log; only the model card's "Served by vLLM" section is written into the export.
+
+vLLM's counters: num_drafts (steps that proposed), num_draft_tokens, num_accepted_tokens and
+num_accepted_tokens_per_pos[d] (steps whose first d+1 draft tokens were all accepted). So
+per-position acceptance[d] = per_pos[d] / num_drafts, α = accepted / draft tokens and
+τ = 1 + accepted / num_drafts (the bonus token included) — the quantities draftsmith's report defines, as long
+as every step drafts (a model drafter). A step that proposes nothing (n-gram lookup without a match) is no
+draft to vLLM, so its τ is per drafting step while draftsmith's is per target forward.
+
+Where the two decoders differ (measured): draftsmith never proposes past the token budget (at most
+remaining - 1 tokens), vLLM drafts k at the last step too and counts what the target accepts there. On short
+outputs the last step weighs: a tiny Medusa at 24 new tokens differed by 0.035 at position 3, at 64 by 0.006.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.storage import atomic_write_json, atomic_write_text, read_json
+
+RUNNER = Path(__file__).with_name("vllm_run.py")
+VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+# export format (draftsmith.json) -> vLLM's speculative method
+VLLM_METHODS = {"speculators-eagle3": "eagle3", "vllm-eagle1": "eagle", "vllm-medusa": "medusa", "hf-draft": "draft_model"}
+TOLERANCE = 0.03  # per-position acceptance, vLLM vs draftsmith, absolute (float32 vs float32 kernels differ)
+
+
+class ServeCheckError(DraftsmithError):
+    """vLLM could not be run at all (no environment, timed out): one line saying which."""
+
+
+def vllm_python() -> Path:
+    """The python of the vLLM environment: $DRAFTSMITH_VLLM_PYTHON, else .venv-vllm beside the package."""
+    env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
+    path = Path(env) if env else VLLM_VENV / "bin" / "python"
+    if not path.is_file():
+        raise ServeCheckError(f"{path}: no vLLM environment (run `make setup-vllm`, or set DRAFTSMITH_VLLM_PYTHON)")
+    return path
+
+
+def speculative_config(export_dir: Path | None, k: int, method: str | None = None) -> dict:
+    """vLLM's speculative_config for an export (its format in draftsmith.json names the method), or the
+    n-gram control (method="ngram": prompt lookup with draftsmith's n-gram sizes, 1..3)."""
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    guard = read_json(export_dir / "draftsmith.json")
+    fmt = guard.get("format")
+    if fmt not in VLLM_METHODS:
+        raise ConfigError(f"{export_dir / 'draftsmith.json'}: format '{fmt}' is not a vLLM export "
+                          f"(vLLM reads {', '.join(VLLM_METHODS)})")
+    if fmt == "vllm-medusa":
+        heads = read_json(export_dir / "config.json")["num_heads"]
+        if k > heads:
+            raise ConfigError(f"{export_dir / 'config.json'}: num_heads {heads} < k {k}: vLLM's Medusa drafts one "
+                              f"token per head")
+    return {"method": VLLM_METHODS[fmt], "model": str(export_dir.resolve()), "num_speculative_tokens": k}
+
+
+def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
+    """One engine in the vLLM environment; its log is kept beside the result (workdir/NAME.log)."""
+    python = vllm_python()
+    job_path, result_path, log_path = (workdir / f"{name}.{ext}" for ext in ("job.json", "result.json", "log"))
+    atomic_write_json(job_path, job)
+    result_path.unlink(missing_ok=True)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)  # the main environment's packages must not leak into vLLM's
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen([str(python), str(RUNNER), str(job_path), str(result_path)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # the runner exits without waiting on vLLM's engine core: take the whole group down
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    if not result_path.is_file():
+        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        raise ServeCheckError(f"vLLM run '{name}' gave no result within {timeout:.0f} s (log {log_path}: {tail[0][:300]})")
+    return read_json(result_path)
+
+
+def vllm_acceptance(counters: dict, k: int) -> dict:
+    drafts = counters.get("spec_decode_num_drafts") or 0
+    accepted = counters.get("spec_decode_num_accepted_tokens") or 0
+    proposed = counters.get("spec_decode_num_draft_tokens") or 0
+    per_pos = (counters.get("spec_decode_num_accepted_tokens_per_pos") or [0] * k)[:k]
+    return {"num_drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "per_position_acceptance": [p / drafts if drafts else None for p in per_pos],
+            "alpha": accepted / proposed if proposed else None, "tau": 1 + accepted / drafts if drafts else None}
+
+
+def draftsmith_side(export_dir: Path | None, target, files: list[str], k: int, max_new_tokens: int,
+                    limit: int | None, seed: int, method: str | None, workdir: Path) -> tuple[dict, str]:
+    """draftsmith's evaluator, chain of k, float32 drafts (vLLM upcasts a bf16 drafter to a float32 target),
+    on the weights read back from the export. Returns (overall summary, proposer spec)."""
+    from draftsmith.evaluation.evaluate import evaluate
+
+    if method == "ngram":
+        proposer = "ngram:3"
+    else:
+        fmt = read_json(export_dir / "draftsmith.json")["format"]
+        if fmt == "hf-draft":
+            proposer = f"draft:{export_dir}"
+        else:
+            from draftsmith.export.api import import_export
+
+            art = import_export(export_dir, workdir / "reimported", overwrite=True)
+            proposer = f"{read_json(art / 'manifest.json')['kind']}:{art}"
+    report = evaluate(target, proposer, prompts=files, k=k, max_new_tokens=max_new_tokens, limit_per_domain=limit,
+                      seed=seed, hf_reference=False, cost_model=False, gpu_tree=False, draft_dtype="float32",
+                      out=str(workdir / "draftsmith-eval"))
+    return report["overall"], proposer
+
+
+def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None = None, out: str | Path | None = None,
+                k: int = 4, max_new_tokens: int = 64, limit_per_domain: int | None = 2, batch: int | None = None,
+                seed: int = 0, timeout: float = 900.0, method: str | None = None, evaluate: bool = True,
+                plain: dict | None = None, card: bool = True) -> dict:
+    """Run the check and write report.json + report.md into `out` (default: runs/serve-check/EXPORT_NAME). `method`
+    "ngram" checks vLLM's n-gram lookup instead of an export (the control). `plain`: a vLLM result without
+    speculation already measured on these prompts (tests share one per target). Returns the report."""
+    from draftsmith.evaluation.domains import default_prompt_files, format_prompt, load_prompts
+    from draftsmith.targets import load_target
+
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    export_dir = Path(export_dir) if export_dir is not None else None
+    if export_dir is None and method != "ngram":
+        raise ConfigError("serve-check needs --export DIR (or --ngram for vLLM's n-gram control)")
+    if isinstance(target, str):
+        target = load_target(target)
+    if target.folder is None:
+        raise ConfigError(f"target {target.name}: vLLM needs an HF folder of the target (load it from a folder, a "
+                          f"GGUF or an embedded name)")
+    spec = speculative_config(export_dir, k, method)
+    files = list(prompts or [str(p) for p in default_prompt_files()])
+    rows = load_prompts(files, limit_per_domain, seed)
+    ids = [format_prompt(target.tokenizer, r.text) for r in rows]
+    # beside the export, never in it: the export folder uploads as is, and the check's files are no part of it
+    out = Path(out) if out is not None else Path("runs/serve-check") / (export_dir.name if export_dir else "ngram")
+    if export_dir is not None and out.resolve().is_relative_to(export_dir.resolve()):
+        raise ConfigError(f"{out}: the report folder lies inside the export {export_dir}, which uploads as is")
+    out.mkdir(parents=True, exist_ok=True)
+    batch = batch or len(ids)
+    longest = max(len(i) for i in ids) + max_new_tokens + k + 8
+    limit = getattr(target.text_config, "max_position_embeddings", None) or longest
+    if longest > limit:
+        raise ConfigError(f"prompts of up to {longest - max_new_tokens - k - 8} tokens + {max_new_tokens} new "
+                          f"exceed the target's max_position_embeddings {limit}")
+    job = {"target": str(target.folder), "dtype": "float32", "prompts": ids, "max_new_tokens": max_new_tokens,
+           "batch": batch, "seed": seed, "max_model_len": min(max(512, longest), limit)}
+    t0 = time.perf_counter()
+    if plain is None:
+        plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)
+    if not plain.get("loaded"):
+        raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {plain.get('error')}")
+    spec_run = run_vllm({**job, "speculative_config": spec}, out, "vllm-spec", timeout)
+    report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
+              "k": k, "n_prompts": len(ids), "max_new_tokens": max_new_tokens, "prompt_files": files,
+              "vllm_version": spec_run.get("vllm_version"), "speculative_config": spec, "loaded": bool(spec_run.get("loaded")),
+              "error": spec_run.get("error"), "plain": _speed(plain)}
+    if report["loaded"]:
+        same = spec_run["outputs"] == plain["outputs"]
+        first_diff = next((i for i, (a, b) in enumerate(zip(spec_run["outputs"], plain["outputs"])) if a != b), None)
+        report.update(
+            lossless=same and spec_run["batched"]["outputs"] == plain["outputs"],
+            lossless_batch1=same, lossless_batched=spec_run["batched"]["outputs"] == plain["outputs"],
+            first_differing_prompt=first_diff, vllm=vllm_acceptance(spec_run["counters"], k),
+            speculative=_speed(spec_run))
+        for n in ("batch1", "batched"):
+            base, sp = report["plain"][n]["tokens_per_s"], report["speculative"][n]["tokens_per_s"]
+            report["speculative"][n]["speedup"] = sp / base if sp and base else None
+        if evaluate:
+            overall, proposer = draftsmith_side(export_dir, target, files, k, max_new_tokens, limit_per_domain, seed,
+                                                method, out)
+            ds = {"proposer": proposer, "per_position_acceptance": overall.get("per_position_acceptance"),
+                  "alpha": overall.get("alpha"), "tau": overall.get("tau"), "lossless": overall.get("lossless")}
+            report["draftsmith"] = ds
+            report["per_position_difference"] = [
+                abs(a - b) if a is not None and b is not None else None
+                for a, b in zip(report["vllm"]["per_position_acceptance"], ds["per_position_acceptance"] or [])]
+            diffs = [d for d in report["per_position_difference"] if d is not None]
+            report["acceptance_matches"] = bool(diffs) and max(diffs) <= TOLERANCE
+            report["tolerance"] = TOLERANCE
+    report["wall_seconds"] = time.perf_counter() - t0
+    report["note"] = ("tokens/s were measured on a machine that may be shared with other jobs: indicative only; "
+                      "acceptance and losslessness do not depend on load")
+    atomic_write_json(out / "report.json", report)
+    atomic_write_text(out / "report.md", render(report))
+    if card and export_dir is not None and report["loaded"] and (export_dir / "README.md").is_file():
+        add_to_card(export_dir / "README.md", report)
+    return report
+
+
+def _speed(r: dict) -> dict:
+    return {"batch1": {k: r["batch1"][k] for k in ("tokens", "seconds", "tokens_per_s")},
+            "batched": {k: r["batched"][k] for k in ("batch", "tokens", "seconds", "tokens_per_s")}}
+
+
+def _f(v, fmt=".3f") -> str:
+    return format(v, fmt) if isinstance(v, int | float) else "—"
+
+
+def render(r: dict, heading: str = "#") -> str:
+    lines = [f"{heading} Served by vLLM {r.get('vllm_version') or ''}".rstrip(), "",
+             f"`{json.dumps(r['speculative_config'])}` on `{r['target']}`, {r['n_prompts']} prompts, greedy, "
+             f"up to {r['max_new_tokens']} new tokens, chain of {r['k']}.", ""]
+    if not r["loaded"]:
+        return "\n".join(lines + [f"**Not loaded.** vLLM: `{r['error']}`", ""])
+    v, d = r["vllm"], r.get("draftsmith") or {}
+    lines += [f"- loaded: yes; output identical to vLLM without speculation: "
+              f"{'yes' if r['lossless'] else 'NO'} (one at a time and batched)", ""]
+    ppa_v = " / ".join(_f(x) for x in v["per_position_acceptance"])
+    lines += ["| decoder | per-position acceptance | α | τ |", "|---|---|---|---|",
+              f"| vLLM (its spec-decode counters) | {ppa_v} | {_f(v['alpha'])} | {_f(v['tau'])} |"]
+    if d:
+        ppa_d = " / ".join(_f(x) for x in d["per_position_acceptance"] or [])
+        lines.append(f"| draftsmith evaluate, same prompts, k={r['k']} | {ppa_d} | {_f(d['alpha'])} | {_f(d['tau'])} |")
+    lines.append("")
+    p, s = r["plain"], r["speculative"]
+    lines += ["| tokens/s | without speculation | with | speedup |", "|---|---|---|---|",
+              f"| batch 1 | {_f(p['batch1']['tokens_per_s'], '.1f')} | {_f(s['batch1']['tokens_per_s'], '.1f')} | "
+              f"{_f(s['batch1'].get('speedup'), '.2f')} |",
+              f"| batch {s['batched']['batch']} | {_f(p['batched']['tokens_per_s'], '.1f')} | "
+              f"{_f(s['batched']['tokens_per_s'], '.1f')} | {_f(s['batched'].get('speedup'), '.2f')} |", "",
+              r["note"] + ".", ""]
+    return "\n".join(lines)
+
+
+def add_to_card(card: Path, report: dict) -> None:
+    """Put the vLLM figures into the export's model card, replacing an earlier serve-check section."""
+    text = card.read_text(encoding="utf-8")
+    marker = "## Served by vLLM"
+    if marker in text:
+        head, _, rest = text.partition(marker)
+        nxt = rest.find("\n## ")
+        text = head + (rest[nxt + 1:] if nxt >= 0 else "")
+    atomic_write_text(card, text.rstrip() + "\n\n" + render(report, "##"))
