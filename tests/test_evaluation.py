@@ -185,6 +185,8 @@ def test_evaluate_api_draft_with_hf_references(tiny_target, prompt_files, tmp_pa
         return real_generate(self, *a, **kw)
 
     monkeypatch.setattr(type(tiny_target.model), "generate", spy)
+    # references and kernels, not load: every measurement counts as valid here, so the speeds are there to check
+    _scripted(monkeypatch, lambda n: 0.0)
     report = evaluate(tiny_target, DraftProposer(tiny_target), prompts=prompt_files, max_new_tokens=8, k=3,
                       cost_context=16, cost_k_max=4, cost_repeats=1, limit_per_domain=2)
     assert kernels_in_hf and not any(kernels_in_hf) and gemm.ENABLED
