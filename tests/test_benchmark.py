@@ -82,8 +82,9 @@ def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
         assert (out / name).is_file(), name
     md = (tmp_path / "BENCH.md").read_text()
     # the tables in BENCHMARKS.md are the results folder's: every overall speedup appears there
-    for r in summary["reports"].values():
-        assert f"{r['overall']['speedup']:.2f}" in md
+    for r in summary["reports"].values():  # ("–" where no prompt could be timed validly on a busy machine)
+        speedup = r["overall"]["speedup"]
+        assert ("–" if speedup is None else f"{speedup:.2f}") in md
 
     # resume: every stage is done, nothing runs again, the block is replaced (not appended)
     again = run_bench("bench.yaml", [], quick=True, out=str(out), progress=False)

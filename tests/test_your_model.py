@@ -100,7 +100,7 @@ def test_readme_commands_run_from_a_hub_id_to_a_served_eagle3_head(tiny_tokenize
                 assert e.value.code == 0
             elif args[:2] == ["draftsmith", "evaluate"]:
                 extra = ["--prompts", str(gsm8k), "--limit-per-domain", "1", "--max-new-tokens", "8",
-                         "--no-hf-reference", "--no-cost-model", "--out", str(tmp_path / "eval")]
+                         "--no-cost-model", "--out", str(tmp_path / "eval")]
                 assert main(_swap_target(args, folder)[1:] + extra) == 0
                 report = json.loads((tmp_path / "eval" / "report.json").read_text())
                 assert report["overall"]["lossless"] is True
