@@ -393,18 +393,13 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
         records.append({"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
                         "response": "\n\n".join(row.responses), "input_ids": ids, "loss_mask": mask,
                         "origin": row.origin, "stopped": True, "n_turns": len(row.turns)})
-    if bad:
-        m = stats["malformed"]
-        m["count"] += len(bad)
-        m["kinds"]["chat template cannot mask"] = len(bad)
-        m["rows"] += bad[: max(0, 200 - len(m["rows"]))]
-        log.warning("%d rows skipped: the chat template cannot mask them (first: %s)", len(bad), bad[0])
-    if too_long:
-        m = stats["malformed"]
-        m["count"] += len(too_long)
-        m["kinds"]["longer than the target's context"] = len(too_long)
-        m["rows"] += too_long[: max(0, 200 - len(m["rows"]))]
-        log.warning("%d rows skipped: longer than the target's context (first: %s)", len(too_long), too_long[0])
+    for kind, skipped in (("chat template cannot mask", bad), ("longer than the target's context", too_long)):
+        if skipped:
+            m = stats["malformed"]
+            m["count"] += len(skipped)
+            m["kinds"][kind] = len(skipped)
+            m["rows"] += skipped[: max(0, 200 - len(m["rows"]))]
+            log.warning("%d rows skipped: %s (first: %s)", len(skipped), kind, skipped[0])
     if not records:
         raise DataError("no rows left to keep")
     out.mkdir(parents=True, exist_ok=True)
