@@ -300,16 +300,12 @@ def tree_problems(out: Path) -> list[str]:
     that exist: a path of depth d reads head d-1, and a stack given a deeper tree indexes past its heads."""
     config = read_json(out / "config.json")
     heads = config.get("num_heads", config.get("medusa_num_heads"))
-    from draftsmith.medusa.model import read_tree_file, tree_problem
+    from draftsmith.medusa.model import read_tree_or_problem, tree_problem
 
     guard = read_json(out / "draftsmith.json")
     trees = [(f"{out / 'draftsmith.json'} medusa_choices", guard.get("medusa_choices"))]
-    problems = []
-    try:
-        data = read_tree_file(out)
-    except ConfigError as e:
-        problems.append(str(e))
-        data = None
+    data, unreadable = read_tree_or_problem(out)
+    problems = [unreadable] if unreadable else []
     if data is not None:
         trees.append((str(out / "tree.json"), data["paths"]))
     vocab = config.get("draft_vocab_size") or config.get("vocab_size") or _guard_vocab(out) or MAX_VOCAB

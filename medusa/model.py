@@ -309,6 +309,14 @@ MAX_TREE_RANK = 256  # candidates per head a tree may use (calibration considers
 MAX_TREE_BYTES = 4 << 20
 
 
+def read_tree_or_problem(folder) -> tuple[dict | None, str | None]:
+    """`read_tree_file`, with an unreadable or malformed tree.json given back as its one-line problem."""
+    try:
+        return read_tree_file(folder), None
+    except ConfigError as e:
+        return None, str(e)
+
+
 def read_tree_file(folder: str | Path) -> dict | None:
     """tree.json of an artifact or export, or None where there is none. A tree.json that cannot be read (a
     symlink loop, a dangling link, a folder, a file of many MB) is an error, never "no tree"."""
@@ -446,12 +454,8 @@ def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
     fields["draft_vocab_size"] = cfg.get("draft_vocab_size")
     with torch.device("meta"):
         module = MedusaHeads(MedusaHeadsConfig(**fields))
-    extra: list[str] = []
-    try:
-        data = read_tree_file(path)
-    except ConfigError as e:
-        extra.append(str(e))
-        data = None
+    data, unreadable = read_tree_or_problem(path)
+    extra: list[str] = [unreadable] if unreadable else []
     if data is not None:
         vocab = fields["draft_vocab_size"] or fields["vocab_size"]
         problem = tree_problem(data["paths"], fields["num_heads"], vocab, str(path / "tree.json"))
