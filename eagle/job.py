@@ -121,7 +121,7 @@ class EagleJob(Job):
         return self.cfg.data
 
     def __init__(self, cfg: EagleJobConfig, target, dataset):
-        from draftsmith.targets.capture import default_eagle3_layers, resolve_layers
+        from draftsmith.targets.capture import default_eagle3_layers, resolve_layers, uncapturable_layers
         from draftsmith.training import CaptureSource
 
         check_architecture(target.config, cfg.draft_layer)
@@ -141,6 +141,13 @@ class EagleJob(Job):
         self.eagle3 = cfg.version == "eagle3"
         if self.eagle3:
             self.layers = resolve_layers(list(cfg.target_layers or default_eagle3_layers(L)), L)
+            lost = uncapturable_layers(self.layers, L)
+            if cfg.exportable and lost:
+                # refused here, before any step: once trained, export would have to refuse the head
+                raise ConfigError(f"target_layers: layer(s) {lost} of this {L}-layer target (the last layer's "
+                                  f"output) are captured by no serving stack (vLLM and SGLang take outputs of "
+                                  f"layers 0..{L - 2}): pick layers up to {L - 2}, or set exportable: false to "
+                                  "train it for draftsmith's own decoder only")
         else:
             self.layers = resolve_layers(list(cfg.target_layers or [-1]), L)
         self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)

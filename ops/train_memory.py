@@ -164,12 +164,13 @@ class JobMemory:
 def eagle_memory(job, target_config, act: int) -> JobMemory:
     """`Method.train_memory` of an EAGLE job."""
     from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
+    from draftsmith.targets.capture import default_eagle3_layers
 
     tc = text_config(target_config)
     H, V, L, B, T = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, job.train.batch_size, job.max_length
     tokens = B * T
     eagle3 = job.version == "eagle3"
-    layers = list(job.target_layers or ([2, L // 2, L - 3] if eagle3 else [L - 1]))
+    layers = list(job.target_layers or (default_eagle3_layers(L) if eagle3 else [L - 1]))
     n = job.draft_vocab_size if eagle3 else V
     cfg = EagleConfig(3 if eagle3 else 1, H, V, layers, n if eagle3 else None, job.ttt_steps,
                       layer_config=layer_config_dict(target_config, job.draft_layer))

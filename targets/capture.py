@@ -28,15 +28,33 @@ def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
 
 
 def default_eagle3_layers(num_layers: int) -> list[int]:
-    """Low, middle and high layers for EAGLE-3 fusion (the EAGLE-3 paper's choice: 2, L/2, L-3).
+    """The EAGLE-3 fusion layers the serving ecosystem defaults to, as draftsmith ids (decoder-layer outputs).
 
-    Always distinct and ascending (serving stacks reject repeated ids); shallow targets fall back to
-    first / middle / last.
+    vLLM, SGLang and speculators take the residual stream entering layers (2, L/2, L-3); entering layer i is
+    the output of layer i-1, so draftsmith's ids are (1, L/2-1, L-4), and a head trained on them fuses the same
+    features as the published speculators heads users start from. Targets too shallow for those three to be
+    distinct (under 7 layers) get first / middle / last of the layers the stacks capture (outputs of 0..L-2:
+    the last layer's output never enters a layer, so no stack captures it); under 4 layers there are not
+    three of them.
     """
-    picked = sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
-    if len(picked) < min(3, num_layers):
-        picked = sorted({0, num_layers // 2, num_layers - 1})
+    L = num_layers
+    picked = [1, L // 2 - 1, L - 4]
+    if not 0 <= picked[0] < picked[1] < picked[2]:
+        picked = sorted({0, (L - 1) // 2, L - 2})
+    if len(picked) < 3 or picked[0] < 0:
+        raise ConfigError(f"EAGLE-3 fuses 3 distinct layers a serving stack captures (outputs of layers 0..L-2), "
+                          f"and this target has {L} layer(s): use EAGLE-1 or a deeper target")
     return picked
+
+
+def uncapturable_layers(layers: list[int], num_layers: int) -> list[int]:
+    """The EAGLE-3 feature layers (draftsmith ids, resolved) no serving stack captures.
+
+    vLLM and SGLang record the residual stream entering decoder layers 0..L-1, i.e. the outputs of layers
+    -1 (the embeddings) .. L-2: the output of the last layer (id L-1) is never captured, and a head fed it would
+    get 2 features for its 3 x H fc once served.
+    """
+    return [i for i in layers if i >= num_layers - 1]
 
 
 @dataclass

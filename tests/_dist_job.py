@@ -30,7 +30,7 @@ def prepare(root: Path, n: int = 40, prompt_len: int = 6, new: int = 10) -> None
     from draftsmith.storage import atomic_write_json
 
     tok = build_tiny_tokenizer()
-    target = make_target(tok, seed=0, layers=3, folder=root / "target")  # EAGLE-3 fuses 3 distinct layers
+    target = make_target(tok, seed=0, layers=4, folder=root / "target")  # EAGLE-3 fuses 3 distinct capturable layers
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, target.vocab_size, (n, prompt_len), generator=g)
     out = target.model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)

@@ -1,7 +1,9 @@
 """Hidden-state capture follows the documented layer convention."""
 
+import pytest
 import torch
 
+from draftsmith.errors import ConfigError
 from draftsmith.targets.capture import capture_forward, decoder_layers, default_eagle3_layers
 
 
@@ -20,10 +22,21 @@ def test_layers_are_pre_norm_outputs(tiny_target):
 
 
 def test_default_eagle3_layers():
-    assert default_eagle3_layers(30) == [2, 15, 27]
-    assert default_eagle3_layers(18) == [2, 9, 15]
-    assert default_eagle3_layers(4) == [0, 2, 3]
-    assert default_eagle3_layers(2) == [0, 1]
-    for n in range(1, 40):
+    """The ecosystem's defaults: vLLM / SGLang / speculators capture the inputs of layers (2, L/2, L-3), the
+    outputs of draftsmith's (1, L/2-1, L-4); shallow targets spread over what the stacks capture (0..L-2)."""
+    from draftsmith.targets.capture import uncapturable_layers
+
+    assert default_eagle3_layers(30) == [1, 14, 26]  # vLLM: "auxiliary layers (2, 15, 27)"
+    assert default_eagle3_layers(32) == [1, 15, 28]
+    assert default_eagle3_layers(36) == [1, 17, 32]
+    assert default_eagle3_layers(4) == [0, 1, 2]
+    for n in range(4, 80):
         layers = default_eagle3_layers(n)
-        assert layers == sorted(set(layers)) and all(0 <= i < n for i in layers)
+        assert layers == sorted(set(layers)) and len(layers) == 3 and all(0 <= i <= n - 2 for i in layers)
+        assert uncapturable_layers(layers, n) == []
+        if n >= 7:
+            assert [i + 1 for i in layers] == [2, n // 2, n - 3]
+    for n in (1, 2, 3):
+        with pytest.raises(ConfigError, match=f"has {n} layer"):
+            default_eagle3_layers(n)
+    assert uncapturable_layers([0, 2, 3], 4) == [3]

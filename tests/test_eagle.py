@@ -50,12 +50,25 @@ def vocab_for(target, n: int = 96):
 
 
 def job_config(tmp: Path, version: str, steps: int = 30, **kw) -> EagleJobConfig:
+    kw.setdefault("target_layers", [0, 1, 2] if version == "eagle3" else None)
     return EagleJobConfig(
         target="tiny", data="in-memory", output=str(tmp / f"{version}-artifact"), version=version,
-        target_layers=[0, 2, 3] if version == "eagle3" else None, ttt_steps=3, draft_vocab_size=128,
+        ttt_steps=3, draft_vocab_size=128,
         train=TrainConfig(lr=3e-3, max_steps=steps, batch_size=8, warmup_steps=2, output_dir=str(tmp / f"{version}-run"),
                           resume="never", progress=False, log_every=5, eval_every=0),
         evaluate=EvalAfterTraining(enabled=False), **kw)
+
+
+def test_uncapturable_layer_refused_when_training_is_configured(target4, tmp_path):
+    """The last layer's output enters no decoder layer, so vLLM and SGLang never capture it: an exportable
+    EAGLE-3 job that would read it is refused before its first step (not at export), naming the field; a head
+    meant only for draftsmith's decoder may still read it. The default layers are the ecosystem's."""
+    rows = distilled_rows(target4, n=8)
+    for layers in ([0, 1, 3], [0, 1, -1]):
+        with pytest.raises(ConfigError, match=r"target_layers: layer\(s\) \[3\] .*captured by no serving stack"):
+            EagleJob(job_config(tmp_path, "eagle3", target_layers=layers), target4, rows)
+    assert EagleJob(job_config(tmp_path, "eagle3", target_layers=[0, 1, 3], exportable=False), target4, rows).layers == [0, 1, 3]
+    assert EagleJob(job_config(tmp_path, "eagle3", target_layers=None), target4, rows).layers == [0, 1, 2]
 
 
 # --- draft vocabulary ------------------------------------------------------------------------------------------
@@ -135,7 +148,7 @@ def gemma3_target(tokenizer):
 def test_ttt_forward_equals_step_by_step_reference(target4, tiny_tokenizer, arch, version, ttt_tokens):
     target = target4 if arch == "llama" else gemma3_target(tiny_tokenizer)
     torch.manual_seed(1)
-    head = EagleHead.from_target(target.model, version, [0, 2, 3] if version == "eagle3" else None,
+    head = EagleHead.from_target(target.model, version, [0, 1, 2] if version == "eagle3" else None,
                                  draft_vocab=vocab_for(target), ttt_steps=4, ttt_tokens=ttt_tokens,
                                  draft_layer="llama" if arch.endswith("llama-layer") else "target").eval()
     want = "LlamaDecoderLayer" if arch.startswith("llama") or arch.endswith("llama-layer") else "Gemma3DecoderLayer"
@@ -166,7 +179,7 @@ def test_ttt_skipping_unselected_bases_changes_no_logit_or_gradient(target4, ver
     """With `select`, steps >= 1 skip the bases left of every selected one: the selected logits, the kept
     outputs and the gradients must equal those of the forward over every base."""
     torch.manual_seed(3)
-    head = EagleHead.from_target(target4.model, version, [0, 2, 3] if version == "eagle3" else None,
+    head = EagleHead.from_target(target4.model, version, [0, 1, 2] if version == "eagle3" else None,
                                  draft_vocab=vocab_for(target4), ttt_steps=3, ttt_tokens=ttt_tokens)
     B, T, S = 2, 12, 3
     ids = torch.randint(3, target4.vocab_size, (B, T))
@@ -201,7 +214,7 @@ def test_ttt_step_sees_only_its_context_and_chain(target4):
     """Changing the input at base t' changes no output at bases t < t' (any step) but every step at t'; a
     token changes step j at base t only if t's own context or chain reads it."""
     torch.manual_seed(2)
-    head = EagleHead.from_target(target4.model, "eagle3", [0, 2, 3], draft_vocab=vocab_for(target4), ttt_steps=3)
+    head = EagleHead.from_target(target4.model, "eagle3", [0, 1, 2], draft_vocab=vocab_for(target4), ttt_steps=3)
     ids = torch.randint(3, target4.vocab_size, (1, 8))
     feats = torch.randn(1, 8, 192)
     with torch.no_grad():
@@ -286,7 +299,7 @@ def test_artifact_round_trip(trained, target4):
     assert torch.equal(torch.nonzero(weights["t2d"]).flatten(), torch.arange(128) + weights["d2t"])
     assert not any("embed" in k for k in weights)  # the target's embedding is shared, not saved
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["version"] == 3 and cfg["target_layers"] == [0, 2, 3] and cfg["ttt_steps"] == 3
+    assert cfg["version"] == 3 and cfg["target_layers"] == [0, 1, 2] and cfg["ttt_steps"] == 3
     assert cfg["draft_vocab_size"] == 128 and cfg["embeddings"] == "target" and "norm_before_residual" in cfg
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["kind"] == "eagle" and manifest["target"] == target4.fingerprint()
@@ -300,7 +313,7 @@ def test_offline_features_give_the_online_loss(trained, target4, tmp_path):
     from draftsmith.targets.cache_shards import capture_dataset
 
     job, result, rows = trained
-    capture_dataset(target4, rows, tmp_path / "cache", layers=[0, 2, 3], topk=1, last_hidden=True,
+    capture_dataset(target4, rows, tmp_path / "cache", layers=[0, 1, 2], topk=1, last_hidden=True,
                     hidden_dtype=torch.float32, progress=False)
     offline = EagleJob(job_config(tmp_path, "eagle3", capture_cache=str(tmp_path / "cache")), target4, rows)
     batch = job.collate(rows[:8])
@@ -365,11 +378,11 @@ def test_proposer_chain_equals_the_ttt_draft_chain(target4):
     from draftsmith.targets.capture import capture_forward
 
     torch.manual_seed(4)
-    head = EagleHead.from_target(target4.model, "eagle3", [0, 2, 3], draft_vocab=vocab_for(target4), ttt_steps=4,
+    head = EagleHead.from_target(target4.model, "eagle3", [0, 1, 2], draft_vocab=vocab_for(target4), ttt_steps=4,
                                  ttt_tokens="draft").eval()
     ctx = torch.randint(3, target4.vocab_size, (10,))
-    cap = capture_forward(target4.model, ctx[None], layers=[0, 2, 3], want_logits=False)
-    feats = {i: cap.layers[i][0] for i in (0, 2, 3)}
+    cap = capture_forward(target4.model, ctx[None], layers=[0, 1, 2], want_logits=False)
+    feats = {i: cap.layers[i][0] for i in (0, 1, 2)}
     prop = EagleProposer(head, tree=False)
     # features arrive in two pieces, as from begin() and accept()
     prop.begin(ctx[:7], TargetFeatures(None, {i: f[:6] for i, f in feats.items()}))
@@ -377,7 +390,7 @@ def test_proposer_chain_equals_the_ttt_draft_chain(target4):
     tokens = prop.propose(ctx, TreeSpec.chain(4), None, None).tokens.tolist()
     assert len(prop.kv) == 9  # only committed positions stay cached
     with torch.no_grad():
-        out = head(ctx[None], torch.cat([feats[i] for i in (0, 2, 3)], -1)[None])
+        out = head(ctx[None], torch.cat([feats[i] for i in (0, 1, 2)], -1)[None])
     t = 8  # the last committed position; ctx[9] is pending
     expected = [int(out.tokens[j][0, t]) for j in range(1, 4)] + [int(head.argmax_target_ids(out.hidden[3])[0, t])]
     assert tokens == expected

@@ -440,7 +440,7 @@ def test_rows_without_a_learned_token_do_not_make_an_artifact(tiny_target, tmp_p
 
         cfg = EagleJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "art"), version="eagle3",
                              target_layers=[0, 1, 1], ttt_steps=2, draft_vocab_size=64, eval_fraction=0.25,
-                             train=train_cfg)
+                             exportable=False, train=train_cfg)  # 2 layers: no stack captures layer 1
         job = EagleJob(cfg, tiny_target, rows)
     with pytest.raises(TrainingError, match=r"no optimizer step .* had no learned token"):
         train(job, cfg.train)

@@ -72,7 +72,8 @@ def _job(kind: str, target, rows: list[dict], tmp_path: Path, max_steps: int):
         return MedusaJob(cfg, target, rows), tmp_path / "art"
     if kind in ("eagle1", "eagle3"):
         EagleJob, EagleJobConfig = _find("EagleJob", *EAGLE_JOB), _find("EagleJobConfig", *EAGLE_JOB)
-        extra = dict(target_layers=[0, 1, 1], draft_vocab_size=64) if kind == "eagle3" else {}
+        # a 2-layer target: layer 1's output is captured by no serving stack, so the head is for our decoder only
+        extra = dict(target_layers=[0, 1, 1], draft_vocab_size=64, exportable=False) if kind == "eagle3" else {}
         cfg = EagleJobConfig(target="tiny", data="in-memory", output=str(tmp_path / "art"), version=kind,
                              ttt_steps=2, eval_fraction=0.2, train=train_cfg, **extra)
         cfg.evaluate.enabled = False

@@ -104,7 +104,7 @@ def _data_config(tmp: Path, out: str, **gen):
     return DataConfig(sources=[SourceConfig(name="mixed", path=str(src), prompt="q", domain="chat")],
                       output_dir=str(tmp / out),
                       generation=GenerationConfig(max_new_tokens=24, batch_size=8, threads=1, dtype="float32", **gen),
-                      capture=CaptureConfig(enabled=True, layers=[0, 2, 3], topk=4, last_hidden=True,
+                      capture=CaptureConfig(enabled=True, layers=[0, 1, 2], topk=4, last_hidden=True,
                                             dtype="float32"))
 
 
@@ -114,7 +114,7 @@ def _eagle_cfg(tmp: Path, name: str, data: Path, steps: int, **kw):
     from draftsmith.training import TrainConfig
 
     return EagleJobConfig(
-        target="tiny", data=str(data), output=str(tmp / name), version="eagle3", target_layers=[0, 2, 3], ttt_steps=3,
+        target="tiny", data=str(data), output=str(tmp / name), version="eagle3", target_layers=[0, 1, 2], ttt_steps=3,
         draft_vocab_size=128, capture_cache=str(data / "capture"), eval_fraction=0.1,
         train=TrainConfig(lr=3e-3, max_steps=steps, batch_size=4, warmup_steps=0, output_dir=str(tmp / f"{name}.run"),
                           resume="never", progress=False, log_every=1, eval_every=0),

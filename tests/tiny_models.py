@@ -86,7 +86,7 @@ FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "ge
 NO_PAD = ("llama", "mistral")  # Llama 3 and Mistral tokenizers have no pad token
 
 
-def family_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 3):
+def family_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 4):
     """The HF config of a tiny `family` model: the family's own config class, its distinguishing features
     kept (RoPE bases that are not 10000, Qwen2's q/k/v bias, Qwen3's q/k norms, Phi-3's fused projections,
     Gemma 3's sliding layers and scaled embedding, the image-text checkpoint's nested text config)."""
@@ -119,7 +119,7 @@ def family_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
     raise ValueError(f"no tiny builder for family {family!r}")
 
 
-def build_tiny_family(family: str, tokenizer, folder: Path, seed: int = 0, hidden: int = 64, layers: int = 3):
+def build_tiny_family(family: str, tokenizer, folder: Path, seed: int = 0, hidden: int = 64, layers: int = 4):
     """A tiny random `family` model and its tokenizer saved as an HF folder; returns the folder."""
     from transformers import AutoModelForCausalLM
 
