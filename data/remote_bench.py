@@ -1,18 +1,23 @@
 """The embedded engine against an OpenAI-compatible server on the same prompts, in one run.
 
-    nice python -m draftsmith.data.remote_bench 200 32 [--concurrency 1] [--json OUT]
+    nice python -m draftsmith.data.remote_bench 200 32 [--server transformers|vllm] [--batch 16] [--repeats 2]
+                                                       [--json OUT] [TARGET]
 
-Starts `transformers serve` (pip install 'transformers[serving]') on 127.0.0.1 with the target's cached HF
-folder, then answers N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks) greedily
-twice with `draftsmith data generate`: once with the embedded engine (float32, as the server runs), once with
-`generation.backend: openai` against the server. Reports each one's generated tokens/s, how many rows have
-the same text, the share of generated tokens before the first difference, and checks that every row with
-the same text has the same token ids and loss mask. The server is stopped on the way out.
+Answers N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks) greedily with `draftsmith data
+generate`: with the embedded engine (float32, `generation.batch_size` = --batch) and with `generation.backend:
+openai` against a server on 127.0.0.1 at the same batch (`concurrency` = --batch requests in flight; vLLM's
+`max_num_seqs` too) and the same dtype: `transformers serve` (pip install 'transformers[serving]'), or vLLM's
+OpenAI server from .venv-vllm (`make setup-vllm`, export/vllm_server.py). The two alternate --repeats times, the
+server started for its turn only (an idle server on the same cores would tax the engine's run); each run's
+rows, generated tokens and seconds come from its provenance, without the server's start-up. Reports rows/s and
+tokens/s of each (median over repeats), how many rows have the same text, the share of generated tokens before
+the first difference, and checks that every row with the same text has the same token ids and loss mask.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -70,37 +75,21 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return n
 
 
-def main(argv: list[str]) -> dict:
-    argv = list(argv)
-    json_out = _take(argv, "--json")
-    concurrency = int(_take(argv, "--concurrency", 1))
-    n, max_new = int(argv[0]), int(argv[1])
-    spec = argv[2] if len(argv) > 2 else "smollm2-135m"
-    target = load_target(spec)
-    if target.folder is None:
-        raise SystemExit(f"{spec}: no HF folder to serve")
-    sources = [SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl.gz"), prompt="question", domain="math",
-                            limit=n // 2, sample="first"),
-               SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl.gz"), domain="general",
-                            prompt_template="{instruction}\n\n{instances[0][input]}", limit=n - n // 2, sample="first")]
-    gen = {"max_new_tokens": max_new, "batch_size": 96, "threads": 2, "dtype": "float32"}
-    proc, url = _serve(target.folder)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            runs = {}
-            for name, extra in (("engine", {}), ("server", {"backend": "openai", "base_urls": [url],
-                                                            "concurrency": concurrency, "request_timeout": 600.0})):
-                cfg = DataConfig(sources=sources, output_dir=f"{tmp}/{name}", target=spec, dedupe=False,
-                                 generation=GenerationConfig(**gen, **extra))
-                out = generate_dataset(cfg, target, progress=False)
-                runs[name] = (load_distilled(out), read_provenance(out)["timing"])
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    (eng, te), (srv, ts) = runs["engine"], runs["server"]
+class _VllmServe:
+    """The vLLM server for one turn, as `_serve` gives transformers serve's: (stop, url)."""
+
+    def __init__(self, folder: Path, batch: int, log: Path):
+        from draftsmith.export.vllm_server import VllmServer
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GB: a batch of --batch rows fits without preemption
+        self.srv = VllmServer(folder, log, served_name=str(folder), max_num_seqs=batch, max_model_len=2048).start()
+        self.url = self.srv.base_url
+
+    def stop(self) -> None:
+        self.srv.stop()
+
+
+def _compare(eng, srv) -> dict:
     by_id = {r["row_id"]: r for r in srv}
     same_text = same_rows = prefix = total = 0
     for row in eng:
@@ -113,16 +102,91 @@ def main(argv: list[str]) -> dict:
             same_text += 1
             same_rows += row["input_ids"] == other["input_ids"] and row["loss_mask"] == other["loss_mask"]
         assert len(masked_spans(other["input_ids"], other["loss_mask"])) == 1
-    res = {"target": spec, "rows": len(eng), "max_new_tokens": max_new,
-           "engine": {"generated_tokens": te["generated_tokens"], "seconds": te["seconds"],
-                      "tok_s": te["tokens_per_s"], "batch": gen["batch_size"], "dtype": "float32"},
-           "transformers_serve": {"generated_tokens": ts["generated_tokens"], "seconds": ts["seconds"],
-                                  "tok_s": ts["tokens_per_s"], "concurrency": concurrency, "dtype": "float32",
-                                  "retokenized_differently": ts["servers"]["servers"][0].get(
-                                      "retokenized_differently", 0)},
-           "same_text_rows": same_text, "same_text_rows_with_same_ids_and_masks": same_rows,
-           "tokens_before_first_difference": round(prefix / max(total, 1), 4)}
+    return {"same_text_rows": same_text, "same_text_rows_with_same_ids_and_masks": same_rows,
+            "tokens_before_first_difference": round(prefix / max(total, 1), 4)}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def main(argv: list[str]) -> dict:
+    argv = list(argv)
+    json_out = _take(argv, "--json")
+    server = _take(argv, "--server", "transformers")
+    batch = int(_take(argv, "--batch", _take(argv, "--concurrency", 16)))
+    repeats = int(_take(argv, "--repeats", 1))
+    if server not in ("transformers", "vllm"):
+        raise SystemExit(f"--server {server}: transformers or vllm")
+    n, max_new = int(argv[0]), int(argv[1])
+    spec = argv[2] if len(argv) > 2 else "smollm2-135m"
+    target = load_target(spec)
+    if target.folder is None:
+        raise SystemExit(f"{spec}: no HF folder to serve")
+    sources = [SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl.gz"), prompt="question", domain="math",
+                            limit=n // 2, sample="first"),
+               SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl.gz"), domain="general",
+                            prompt_template="{instruction}\n\n{instances[0][input]}",
+                            limit=n - n // 2, sample="first")]
+    gen = {"max_new_tokens": max_new, "batch_size": batch, "threads": 2, "dtype": "float32"}
+    runs: dict[str, list] = {"engine": [], "server": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            order = ("engine", "server") if r % 2 == 0 else ("server", "engine")
+            for name in order:
+                extra: dict = {}
+                stop = None
+                if name == "server":
+                    if server == "vllm":
+                        srv = _VllmServe(target.folder, batch, Path(tmp) / f"vllm-{r}.log")
+                        stop, url = srv.stop, srv.url
+                    else:
+                        proc, url = _serve(target.folder)
+                        stop = lambda p=proc: _stop(p)  # noqa: E731
+                    extra = {"backend": "openai", "base_urls": [url], "concurrency": batch, "request_timeout": 900.0}
+                try:
+                    cfg = DataConfig(sources=sources, output_dir=f"{tmp}/{name}-{r}", target=spec, dedupe=False,
+                                     generation=GenerationConfig(**gen, **extra))
+                    out = generate_dataset(cfg, target, progress=False)
+                    runs[name].append((load_distilled(out), read_provenance(out)["timing"]))
+                finally:
+                    if stop is not None:
+                        stop()
+    eng_rows, srv_rows = runs["engine"][0][0], runs["server"][0][0]
+
+    def side(name: str, **extra) -> dict:
+        timings = [t for _, t in runs[name]]
+        secs = [t["seconds"] for t in timings]
+        return {"generated_tokens": timings[0]["generated_tokens"], "seconds": [round(x, 2) for x in secs],
+                "tok_s": _median([t["tokens_per_s"] for t in timings]),
+                "rows_s": _median([len(eng_rows) / x for x in secs]), "batch": batch, "dtype": "float32", **extra}
+
+    label = "vllm" if server == "vllm" else "transformers_serve"
+    res = {"target": spec, "rows": len(eng_rows), "max_new_tokens": max_new, "batch": batch, "repeats": repeats,
+           "command": "python -m draftsmith.data.remote_bench " + " ".join(sys.argv[1:]),
+           "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+           "date": time.strftime("%Y-%m-%d", time.gmtime()),
+           "engine": side("engine"),
+           label: side("server", concurrency=batch, retokenized_differently=runs["server"][0][1]["servers"][
+               "servers"][0].get("retokenized_differently", 0)),
+           **_compare(eng_rows, srv_rows)}
+    if server == "vllm":
+        from draftsmith.export.serve_check import vllm_python
+
+        ver = subprocess.run([str(vllm_python()), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                             capture_output=True, text=True, check=False).stdout.strip()
+        res["vllm"]["version"] = ver or None
+    res["vllm_over_engine" if server == "vllm" else "server_over_engine"] = res[label]["tok_s"] / res["engine"]["tok_s"]
     return emit(res, json_out)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ is a draftsmith export (or empty), unless overwrite=True.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from draftsmith import artifact, methods
@@ -21,6 +22,8 @@ from draftsmith.export import eagle, hf, medusa  # noqa: F401  (imported so that
 from draftsmith.export.common import ExportResult, read_guard, stack_module
 from draftsmith.export.verify import VERIFIERS, VerificationError, run_verifier
 from draftsmith.storage import check_replaceable
+
+log = logging.getLogger(__name__)
 
 
 def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
@@ -44,9 +47,28 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
         raise ConfigError(f"{artifact_dir}: no serving stack takes a {kind} artifact")
     if num_speculative_tokens is None and kind != "medusa":
         num_speculative_tokens = 4
-    return method.get("export")(artifact_dir=artifact_dir, stack=stack, out=out, target=target,
-                                num_speculative_tokens=num_speculative_tokens, verify=verify,
-                                overwrite=overwrite, verifier=verifier)
+    result = method.get("export")(artifact_dir=artifact_dir, stack=stack, out=out, target=target,
+                                  num_speculative_tokens=num_speculative_tokens, verify=verify,
+                                  overwrite=overwrite, verifier=verifier)
+    if stack == "vllm":
+        from draftsmith.export.vllm import refusal
+
+        manifest = artifact.load_manifest(artifact_dir)
+        kind_key = _export_kind(manifest)
+        warning = refusal(((manifest.get("target") or {}).get("architecture") or {}).get("model_type"), kind_key)
+        if warning:
+            log.warning("%s: %s", out, warning)
+            result.checks.append(f"WARNING: {warning}")
+    return result
+
+
+def _export_kind(manifest: dict) -> str:
+    """The kind as vLLM's table names it: eagle3 / eagle1 (an EAGLE artifact's version), medusa, draft."""
+    kind = manifest["kind"]
+    if kind == "eagle":
+        version = (manifest.get("config") or {}).get("version")
+        return "eagle1" if version in (1, "eagle1") else "eagle3"
+    return kind
 
 
 def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | None = None,

@@ -60,6 +60,20 @@ def vllm_python() -> Path:
     return path
 
 
+def vllm_env() -> dict[str, str]:
+    """The environment a vLLM process runs in: its CPU KV cache (GB), threads, and Intel OpenMP preloaded where
+    the vLLM environment has it (vLLM's CPU backend asks for it in LD_PRELOAD and warns that speculative decoding
+    loses much of its speed without it); the main environment's PYTHONPATH never leaks into vLLM's."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)
+    iomp = vllm_python().parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
+    return env
+
+
 def speculative_config(export_dir: Path | None, k: int, method: str | None = None) -> dict:
     """vLLM's speculative_config for an export (its format in draftsmith.json names the method), or the
     n-gram control (method="ngram": prompt lookup with draftsmith's n-gram sizes, 1..3)."""
@@ -84,10 +98,7 @@ def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
     job_path, result_path, log_path = (workdir / f"{name}.{ext}" for ext in ("job.json", "result.json", "log"))
     atomic_write_json(job_path, job)
     result_path.unlink(missing_ok=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTHONPATH", None)  # the main environment's packages must not leak into vLLM's
+    env = vllm_env()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen([str(python), str(RUNNER), str(job_path), str(result_path)], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)

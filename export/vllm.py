@@ -17,6 +17,22 @@ from draftsmith.export.common import fenced
 STACK = "vllm"
 METHODS = {"medusa": "medusa", "eagle3": "eagle3", "eagle1": "eagle"}
 
+# What vLLM refuses to serve, per (target model_type, export kind), measured by loading a tiny random target of
+# each family with each kind of head in the real vLLM (scripts/vllm_families.py; its committed report is
+# bench/results/vllm-families/report.json, and tests/test_vllm_families.py keeps this table equal to it).
+# Exporting such a head still works (another stack, or a later vLLM, may serve it); the export warns.
+VLLM_VERSION = "0.32.0"
+VLLM_REFUSES: dict[tuple[str, str], str] = {}
+
+
+def refusal(model_type: str | None, kind: str) -> str | None:
+    """The warning an export for vLLM carries when the measured vLLM refuses this family and kind, or None."""
+    why = VLLM_REFUSES.get((model_type or "", kind))
+    if why is None:
+        return None
+    return (f"vLLM {VLLM_VERSION} refuses a {kind} head for a {model_type} target (measured: {why}); "
+            "serve it with another stack or check a newer vLLM with `draftsmith serve-check`")
+
 
 def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None) -> str:
     spec = json.dumps({"method": METHODS[kind], "model": str(out), "num_speculative_tokens": k})

@@ -46,9 +46,12 @@ def register(subparsers) -> None:
     c.add_argument("--out", default=None, help="write the table (markdown) here too")
     c.set_defaults(func=run_route_compare)
 
-    a = subparsers.add_parser("alpha", help="per-domain acceptance from vLLM /metrics dumps or request logs")
-    a.add_argument("source", help="a Prometheus text dump (vLLM /metrics) or a folder / .jsonl of request logs")
+    a = subparsers.add_parser("alpha", help="per-domain acceptance from a vLLM server's /metrics or request logs")
+    a.add_argument("source", help="a running server's /metrics URL (http://127.0.0.1:8000/metrics), a Prometheus "
+                                  "text dump of it, or a folder / .jsonl of request logs")
     a.add_argument("--since", default=None, help="an earlier dump: report the window between the two")
+    a.add_argument("--save", default=None, metavar="FILE",
+                   help="keep the metrics read (the --since of the next check)")
     a.add_argument("--model-domain", action="append", default=[], metavar="MODEL=DOMAIN",
                    help="map a served model_name to a domain (repeatable)")
     a.add_argument("--out", default=None, help="write the table as JSON (the shape retraining reads)")
@@ -146,7 +149,7 @@ def run_alpha(args) -> int:
         if not sep or not model or not domain:
             raise ConfigError(f"--model-domain {item!r}: expected MODEL=DOMAIN")
         mapping[model] = domain
-    table = production_alpha(args.source, args.since, mapping)
+    table = production_alpha(args.source, args.since, mapping, save=args.save)
     print(render(table))
     if args.out:
         atomic_write_json(args.out, table)

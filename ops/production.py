@@ -3,7 +3,8 @@
 Two sources, one output shape (the `domains` / `overall` rows of an evaluation report, which is what
 `retrain.decide.staleness` and `domain_policy` consume):
 
-1. vLLM's Prometheus text exposition (`curl http://host:8000/metrics > dump.prom`). vLLM (v1 engine,
+1. vLLM's Prometheus text exposition: the running server's endpoint (`http://host:8000/metrics`, read
+   directly) or a dump of it (`curl http://host:8000/metrics > dump.prom`). vLLM (v1 engine,
    `vllm/v1/spec_decode/metrics.py`) counts, per `model_name` (and `engine`) label,
        vllm:spec_decode_num_drafts_total                 verification steps that carried a draft
        vllm:spec_decode_num_draft_tokens_total           drafted tokens
@@ -203,16 +204,49 @@ def log_alpha(folder: str | Path) -> dict:
     return table
 
 
+def is_url(source) -> bool:
+    return str(source).startswith(("http://", "https://"))
+
+
+def read_metrics(source: str | Path, timeout: float = 30.0) -> str:
+    """The Prometheus text of `source`: a running server's /metrics endpoint (an http(s) URL, e.g.
+    http://127.0.0.1:8000/metrics of `vllm serve`) or a dump of one (a file)."""
+    import urllib.error
+    import urllib.request
+
+    if not is_url(source):
+        path = Path(source)
+        if not path.is_file():
+            raise DataError(f"production metrics not found: {path}")
+        return path.read_text(encoding="utf-8")
+    try:
+        with urllib.request.urlopen(str(source), timeout=timeout) as r:  # noqa: S310 (http(s) only, checked above)
+            return r.read().decode("utf-8")
+    except urllib.error.HTTPError as e:
+        raise DataError(f"{source}: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise DataError(f"{source}: no metrics read ({getattr(e, 'reason', e)})") from None
+
+
 def production_alpha(path: str | Path, since: str | Path | None = None,
-                     model_domains: dict[str, str] | None = None) -> dict:
-    """A Prometheus dump (a file) or request logs (a folder / a .jsonl file) -> the per-domain α table."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"production metrics not found: {path}")
-    if path.is_dir() or path.suffix == ".jsonl":
-        return log_alpha(path)
-    earlier = Path(since).read_text(encoding="utf-8") if since else None
-    return vllm_alpha(path.read_text(encoding="utf-8"), earlier, model_domains, source=str(path))
+                     model_domains: dict[str, str] | None = None, save: str | Path | None = None) -> dict:
+    """A running server's /metrics URL or a Prometheus dump (a file), or request logs (a folder / a .jsonl
+    file) -> the per-domain α table. `since`: an earlier dump (file or URL read now), the window between the
+    two. `save`: keep the metrics text read (the `since` of the next check)."""
+    if not is_url(path):
+        path = Path(path)
+        if not path.exists():
+            raise DataError(f"production metrics not found: {path}")
+        if path.is_dir() or path.suffix == ".jsonl":
+            return log_alpha(path)
+    text = read_metrics(path)
+    earlier = read_metrics(since) if since else None
+    table = vllm_alpha(text, earlier, model_domains, source=str(path))
+    if save:
+        from draftsmith.storage import atomic_write_text
+
+        atomic_write_text(save, text)
+    return table
 
 
 def render(table: dict) -> str:

@@ -32,10 +32,13 @@ class MeasureConfig:
     baseline_limit_per_domain: int = 4
     max_new_tokens: int = 48
     k: int = 4
-    # production acceptance (ops/production.py): a vLLM /metrics dump or request logs with per-request
-    # counters; when given, its per-domain α is checked against the same thresholds as the measured α
+    # production acceptance (ops/production.py): a running vLLM server's /metrics URL, a dump of it, or request
+    # logs with per-request counters; when given, its per-domain α is checked against the same thresholds as the
+    # measured α
     production: str | None = None
-    production_since: str | None = None  # an earlier /metrics dump: use the window between the two
+    # an earlier /metrics dump (the window between the two), or "last": the window since this job's previous
+    # check (the metrics it read are kept beside the registry)
+    production_since: str | None = None
     production_model_domains: dict[str, str] = field(default_factory=dict)  # vLLM model_name -> domain
 
 

@@ -53,6 +53,28 @@ def _measure(target, kind: str, path: Path, prompts: list[str] | None, limit: in
                     cost_model=False, repeats=1, remeasure=0)
 
 
+def _production(m, kept: Path) -> dict:
+    """Production α for the staleness check. `production_since: last` takes the window since this job's previous
+    check: the metrics read then are kept beside the registry (`kept`); the first check, or one after the server
+    restarted (its counters went down), reads the counters since the server started, and says so."""
+    from draftsmith.errors import DataError
+    from draftsmith.ops.production import production_alpha
+
+    since = m.production_since
+    if since == "last":
+        since = kept if kept.is_file() else None
+    try:
+        prod = production_alpha(m.production, since, m.production_model_domains, save=kept)
+        prod["since"] = str(since) if since else "server start"
+    except DataError as e:
+        if not (m.production_since == "last" and since and "went down" in str(e)):
+            raise
+        log.warning("production: %s; reading the counters since the server started", e)
+        prod = production_alpha(m.production, None, m.production_model_domains, save=kept)
+        prod["since"] = "server start (restarted since the last check)"
+    return prod
+
+
 def _summary(report: dict) -> dict:
     domains = {d: {k: row.get(k) for k in ("alpha", "tau", "n_prompts", "lossless")}
                for d, row in (report.get("domains") or {}).items()}
@@ -212,11 +234,9 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
                 if row.get("alpha") is not None}
     verdict = staleness(cur_traffic, recorded, hard, weights_changed, cfg.thresholds)
     if cfg.measure.production and not hard:
-        from draftsmith.ops.production import production_alpha
-
-        prod = production_alpha(cfg.measure.production, cfg.measure.production_since,
-                                cfg.measure.production_model_domains)
-        record["production"] = {"source": prod["source"], "domains": prod["domains"], "overall": prod["overall"]}
+        prod = _production(cfg.measure, reg.base / "production-last.prom")
+        record["production"] = {"source": prod["source"], "since": prod.get("since"), "domains": prod["domains"],
+                                "overall": prod["overall"]}
         seen = staleness(prod, recorded, [], False, cfg.thresholds)
         verdict.reasons += [f"production: {r}" for r in seen.reasons]
         verdict.yes = verdict.yes or seen.yes

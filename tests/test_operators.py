@@ -359,6 +359,64 @@ def test_vllm_metrics_to_per_domain_alpha(tmp_path):
     assert verdict.yes and any("general: alpha fell from 0.750 to 0.500" in r for r in verdict.reasons)
 
 
+@pytest.fixture
+def metrics_server():
+    """A stdlib HTTP server answering /metrics with whatever `state["text"]` holds (a server whose counters
+    move, or restart), on 127.0.0.1; stopped after the test. The real vLLM endpoint: tests/test_vllm_server.py."""
+    import http.server
+    import threading
+
+    state = {"text": VLLM_METRICS}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = state["text"].encode() if self.path == "/metrics" else b"no"
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    state["url"] = f"http://127.0.0.1:{srv.server_address[1]}"
+    yield state
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_production_alpha_reads_a_metrics_url_and_retraining_keeps_its_window(metrics_server, tmp_path):
+    from draftsmith.ops.production import production_alpha
+    from draftsmith.retrain.config import MeasureConfig
+    from draftsmith.retrain.run import _production
+
+    url = metrics_server["url"] + "/metrics"
+    t = production_alpha(url, model_domains={"chat-eagle": "general"}, save=tmp_path / "kept.prom")
+    assert t["source"] == url and t["domains"]["general"]["alpha"] == pytest.approx(0.5)
+    assert (tmp_path / "kept.prom").read_text() == VLLM_METRICS
+    with pytest.raises(DataError, match=r"/nothing: HTTP 404"):
+        production_alpha(metrics_server["url"] + "/nothing")
+    with pytest.raises(DataError, match=r"http://127.0.0.1:9/metrics: no metrics read") as e:
+        production_alpha("http://127.0.0.1:9/metrics")
+    assert "\n" not in str(e.value)
+
+    # retraining with production_since: last judges the window since its previous check
+    m = MeasureConfig(production=url, production_since="last", production_model_domains={"chat-eagle": "general"})
+    kept = tmp_path / "registry" / "production-last.prom"
+    kept.parent.mkdir()
+    first = _production(m, kept)
+    assert first["since"] == "server start" and first["domains"]["general"]["alpha"] == pytest.approx(0.5)
+    metrics_server["text"] = VLLM_METRICS.replace("} 1500.0", "} 1600.0").replace("} 3000.0", "} 3400.0")
+    second = _production(m, kept)
+    assert second["since"] == str(kept) and second["domains"]["general"]["alpha"] == pytest.approx(100 / 400)
+    # the server restarted: its counters went down; the check reads them since the (new) start, and says so
+    metrics_server["text"] = VLLM_METRICS.replace("} 1500.0", "} 15.0").replace("} 3000.0", "} 30.0")
+    third = _production(m, kept)
+    assert third["since"].startswith("server start (restarted") and third["domains"]["general"]["alpha"] == 0.5
+
+
 def test_request_logs_to_per_domain_alpha(tmp_path):
     from draftsmith.ops.production import production_alpha
 

