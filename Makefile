@@ -93,8 +93,9 @@ bench: setup
 bench-quick: setup
 	$(BIN)/draftsmith bench --config $(BENCH_CONFIG) --quick
 
-# ruff, then the import rules (scripts/check_imports.py: no cycle between files, targets/ imports nothing
-# above it); tests/test_imports.py runs the same check inside `make test`
+# ruff, then the import rules (scripts/check_imports.py: no cycle between files, the folders imported in
+# the layer order of docs/architecture.md, method folders never import one another, targets/ imports
+# nothing above it); tests/test_imports.py runs the same check inside `make test`
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/check_imports.py

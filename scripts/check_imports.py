@@ -3,7 +3,12 @@
 1. no import cycle between files: every `import` / `from ... import` of a draftsmith module counts, at module
    level and inside functions alike (a function-level import is a dependency all the same, only a later one);
 2. `targets/` is the bottom layer: it imports no other draftsmith subpackage (the package root's
-   `errors`, `storage` and `__init__` only), so a target loads without training, decoding or export.
+   `errors`, `storage` and `__init__` only), so a target loads without training, decoding or export;
+3. the folders are layers in the order the data flows (LAYERS, drawn in docs/architecture.md): a module
+   imports only its own layer and the layers before it, and the method folders (METHODS) never import
+   one another, so a method is one folder that can be added or removed alone. Every top-level module or
+   folder must be placed in a layer. ALLOWED_UPWARD lists the imports against the order still accepted,
+   each with its reason; like ALLOWED_CYCLES it is reported when an entry no longer occurs.
 
     python scripts/check_imports.py          # exit 1 with one line per violation, else one line of totals
 
@@ -23,6 +28,51 @@ PACKAGE = "draftsmith"
 SKIP = {"tests", "scripts", "bench", "configs", "docs", "build", "dist"}
 BOTTOM = "targets"  # rule 2
 BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage"}
+
+# The layers, first to last: each name is a top-level module or folder of the package ("__init__" is the
+# package's own). Names in one layer may import each other, except the method folders (rule 3).
+LAYERS: list[tuple[str, ...]] = [
+    ("__init__", "errors", "locks", "storage", "methods", "config"),  # the shared base
+    ("targets",),  # load a target, its family table, fingerprint, capture points
+    ("artifact",),  # the artifact directory every method writes and every later stage reads
+    ("decoding",),  # the decoder: proposer interface, one verifier, sampling, KV cache, trees, cost model
+    ("data",),  # sources -> rows, and the engines that produce text (local, OpenAI servers, rollouts)
+    ("training",),  # the one accelerate loop, checkpoints, trackers, online capture
+    ("heads",),  # what the methods share: draft vocabularies, LoRA, KD losses
+    ("distill", "medusa", "eagle"),  # one folder per method (METHODS)
+    ("evaluation",),  # per-domain alpha/tau/speedup, lossless against a reference, reports
+    ("export",),  # what each serving stack needs, verified
+    ("checks",),  # `draftsmith check`: artifacts, exports and datasets, read back
+    ("ops", "benchmark"),  # memory plans, routing, production alpha; every benchmark and its results
+    ("retrain",),  # drift -> retrain -> gate -> promote
+    ("cli",),  # the one command line
+]
+METHODS = {"distill", "medusa", "eagle"}
+
+# (importer, imported) -> why the import against the layer order stays, for now
+_BENCH_HERE = "a benchmark kept beside the code it times instead of in benchmark/"
+_EVAL_IN_JOB = "the method's job runs the end-of-training evaluation itself instead of the one runner"
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    ("draftsmith.data.bench", "draftsmith.evaluation.cost"): _BENCH_HERE,
+    ("draftsmith.data.capture_bench", "draftsmith.evaluation.cost"): _BENCH_HERE,
+    ("draftsmith.data.remote_bench", "draftsmith.export.serve_check"): _BENCH_HERE,
+    ("draftsmith.data.remote_bench", "draftsmith.export.vllm_server"): _BENCH_HERE,
+    ("draftsmith.eagle.bench", "draftsmith.evaluation.cost"): _BENCH_HERE,
+    ("draftsmith.data.commands", "draftsmith.training.batching"): "`draftsmith data stats` reports how the rows "
+        "batch for training",
+    ("draftsmith.data.rollout", "draftsmith.evaluation.cost"): "the rollout engine sizes its speculation with "
+        "the cost model, which lives in evaluation/",
+    ("draftsmith.distill.config", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
+    ("draftsmith.distill.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
+    ("draftsmith.eagle.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
+    ("draftsmith.medusa.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
+    ("draftsmith.medusa.job", "draftsmith.distill.losses"): "Medusa-2 reuses distill's KD losses",
+    ("draftsmith.medusa.medusa2", "draftsmith.distill.builders"): "Medusa-2 reuses distill's LoRA",
+    ("draftsmith.medusa.medusa2", "draftsmith.distill.config"): "Medusa-2 reuses distill's LoRA spec",
+    ("draftsmith.medusa.medusa2", "draftsmith.cli"): "medusa2.py has a `__main__` of its own",
+    ("draftsmith.training.checkpoint", "draftsmith.export.verify"): "a checkpoint's safetensors headers are "
+        "read by export's reader",
+}
 
 # frozenset of the modules of one cycle -> why it stays
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
@@ -123,8 +173,43 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
-def problems(g: dict[str, set[str]], allowed: dict[frozenset[str], str] = ALLOWED_CYCLES) -> list[str]:
-    found = []
+def top(module: str) -> str:
+    """The top-level module or folder a module belongs to: draftsmith.data.engine -> data."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_problems(g: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYERS,
+                   allowed: dict[tuple[str, str], str] = ALLOWED_UPWARD) -> list[str]:
+    """Rule 3: one line per import against the layer order, per module in no layer, per stale allowance."""
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    found, seen = [], set()
+    for name in sorted({top(m) for m in g} - set(rank)):
+        found.append(f"{PACKAGE}.{name} is in no layer: place it in LAYERS (scripts/check_imports.py)")
+    for mod, deps in sorted(g.items()):
+        a = top(mod)
+        for dep in sorted(deps):
+            b = top(dep)
+            if a == b or a not in rank or b not in rank:
+                continue
+            if rank[b] > rank[a]:
+                why = f"{a} comes before {b} in LAYERS"
+            elif a in METHODS and b in METHODS:
+                why = f"the method folders {a}/ and {b}/ import nothing of each other"
+            else:
+                continue
+            if (mod, dep) in allowed:
+                seen.add((mod, dep))
+                continue
+            found.append(f"{mod} imports {dep}: {why}")
+    for mod, dep in sorted(set(allowed) - seen):
+        found.append(f"ALLOWED_UPWARD lists an import that no longer occurs: {mod} -> {dep}")
+    return found
+
+
+def problems(g: dict[str, set[str]], allowed: dict[frozenset[str], str] = ALLOWED_CYCLES,
+             layers: list[tuple[str, ...]] | None = LAYERS) -> list[str]:
+    found = [] if layers is None else layer_problems(g, layers, ALLOWED_UPWARD if layers is LAYERS else {})
     for comp in cycles(g):
         if frozenset(comp) not in allowed:
             edges = [f"{a} -> {b}" for a in comp for b in sorted(g[a]) if b in comp]
@@ -154,8 +239,9 @@ def main() -> int:
     if found:
         print(f"check_imports: {len(found)} problem(s) in {len(g)} modules, {edges} imports", file=sys.stderr)
         return 1
-    print(f"check_imports: {len(g)} modules, {edges} imports, no cycle, {BOTTOM}/ imports nothing above it"
-          + (f" ({len(ALLOWED_CYCLES)} cycle(s) allowed)" if ALLOWED_CYCLES else ""))
+    print(f"check_imports: {len(g)} modules, {edges} imports, no cycle, {BOTTOM}/ imports nothing above it, "
+          f"{len(LAYERS)} layers in order ({len(ALLOWED_CYCLES)} cycle(s), {len(ALLOWED_UPWARD)} upward "
+          "import(s) allowed)")
     return 0
 
 

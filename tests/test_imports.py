@@ -1,5 +1,6 @@
 """The package's import rules (scripts/check_imports.py, also run by `make lint`): no cycle between files,
-counting imports inside functions, and nothing above targets/ imported from it."""
+counting imports inside functions, nothing above targets/ imported from it, and the folders imported in
+the layer order of docs/architecture.md (method folders never import one another)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,33 @@ def test_the_checker_finds_a_function_level_cycle_and_an_upward_import(tmp_path)
     (tmp_path / "targets" / "cache.py").write_text("def f():\n    from draftsmith.decoding.verify import v\n")
     (tmp_path / "decoding" / "verify.py").write_text("from ..targets import load\n")
     (tmp_path / "errors.py").write_text("")
-    found = checker.problems(checker.graph(tmp_path), allowed={})
+    found = checker.problems(checker.graph(tmp_path), allowed={}, layers=None)
     assert found[0] == "import cycle between 2 files: draftsmith.a -> draftsmith.b, draftsmith.b -> draftsmith.a"
     assert found[1].startswith("draftsmith.targets.cache imports draftsmith.decoding.verify: targets/ is the bottom")
     assert len(found) == 2  # targets/load.py may import errors; decoding may import targets (relative import)
-    stale = checker.problems(checker.graph(tmp_path), allowed={frozenset({"draftsmith.x", "draftsmith.y"}): "why"})
+    stale = checker.problems(checker.graph(tmp_path), allowed={frozenset({"draftsmith.x", "draftsmith.y"}): "why"},
+                             layers=None)
     assert "ALLOWED_CYCLES lists a cycle that no longer occurs: draftsmith.x, draftsmith.y" in stale
+
+
+def test_the_checker_finds_an_import_against_the_layer_order(tmp_path):
+    checker = _checker()
+    (tmp_path / "__init__.py").write_text("")
+    for pkg in ("data", "evaluation", "medusa", "distill", "stray"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "data" / "rows.py").write_text("def f():\n    from draftsmith.evaluation import cost\n")
+    (tmp_path / "evaluation" / "cost.py").write_text("from draftsmith.data import rows\n")
+    (tmp_path / "medusa" / "job.py").write_text("from draftsmith.distill import losses\n")
+    (tmp_path / "distill" / "losses.py").write_text("")
+    g = checker.graph(tmp_path)
+    assert checker.layer_problems(g, allowed={}) == [
+        "draftsmith.stray is in no layer: place it in LAYERS (scripts/check_imports.py)",
+        "draftsmith.data.rows imports draftsmith.evaluation.cost: data comes before evaluation in LAYERS",
+        "draftsmith.medusa.job imports draftsmith.distill.losses: the method folders medusa/ and distill/ import "
+        "nothing of each other",
+    ]
+    allowed = {("draftsmith.data.rows", "draftsmith.evaluation.cost"): "why", ("draftsmith.x", "draftsmith.y"): "why"}
+    found = checker.layer_problems(g, allowed=allowed)
+    assert "ALLOWED_UPWARD lists an import that no longer occurs: draftsmith.x -> draftsmith.y" in found
+    assert not any(line.startswith("draftsmith.data.rows") for line in found)
