@@ -25,7 +25,7 @@ COMMAND_MODULES = [
     "draftsmith.evaluation.commands",
     "draftsmith.export.commands",
     "draftsmith.retrain.commands",
-    "draftsmith.ops.commands",
+    "draftsmith.planning.commands",
     "draftsmith.benchmark.commands",
 ]
 

@@ -21,10 +21,10 @@ job.
               (export/heads.py writes any head layout; export/hf.py a whole draft model)
     reimport  (export_dir, guard) -> (config, state, writer or None) of an export of this method (guard:
               its draftsmith.json, {} for another tool's), or None when it is not one; `import_export`
-    memory    (path, target_config) -> `ops.memory.ArtifactShape`: parameters and KV cache of the artifact
+    memory    (path, target_config) -> `planning.memory.ArtifactShape`: parameters and KV cache of the artifact
     tensors   (path) -> (required, optional, problems): the tensor names and shapes `config.json` implies,
               for `draftsmith check` (checks.inspect_artifact)
-    train_memory  (job config, target config, activation bytes) -> `ops.train_memory.JobMemory`, for
+    train_memory  (job config, target config, activation bytes) -> `planning.train_memory.JobMemory`, for
               `draftsmith plan --config`
 """
 

@@ -11,9 +11,9 @@ METHOD = Method(
     proposer="draftsmith.eagle.proposer:build_proposer",
     export="draftsmith.export.eagle:export",
     reimport="draftsmith.export.eagle:reimport",
-    memory="draftsmith.ops.memory:eagle_shape",
+    memory="draftsmith.planning.memory:eagle_shape",
     tensors="draftsmith.eagle.model:artifact_tensors",
-    train_memory="draftsmith.ops.train_memory:eagle_memory",
+    train_memory="draftsmith.planning.train_memory:eagle_memory",
     default_config="configs/smollm2-135m/eagle3.yaml",
     own_tree=True,
 )

@@ -12,9 +12,9 @@ METHOD = Method(
     proposer="draftsmith.medusa.proposer:build_proposer",
     export="draftsmith.export.medusa:export",
     reimport="draftsmith.export.medusa:reimport",
-    memory="draftsmith.ops.memory:head_shape",
+    memory="draftsmith.planning.memory:head_shape",
     tensors="draftsmith.medusa.model:artifact_tensors",
-    train_memory="draftsmith.ops.train_memory:medusa_memory",
+    train_memory="draftsmith.planning.train_memory:medusa_memory",
     default_config="configs/smollm2-135m/medusa.yaml",
     own_tree=True,
 )

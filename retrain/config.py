@@ -32,7 +32,7 @@ class MeasureConfig:
     baseline_limit_per_domain: int = 4
     max_new_tokens: int = 48
     k: int = 4
-    # production acceptance (ops/production.py): a running vLLM server's /metrics URL, a dump of it, or request
+    # production acceptance (planning/production.py): a running vLLM server's /metrics URL, a dump of it, or request
     # logs with per-request counters; when given, its per-domain α is checked against the same thresholds as the
     # measured α
     production: str | None = None

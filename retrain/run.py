@@ -58,7 +58,7 @@ def _production(m, kept: Path) -> dict:
     check: the metrics read then are kept beside the registry (`kept`); the first check, or one after the server
     restarted (its counters went down), reads the counters since the server started, and says so."""
     from draftsmith.errors import DataError
-    from draftsmith.ops.production import production_alpha
+    from draftsmith.planning.production import production_alpha
 
     since = m.production_since
     if since == "last":

@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("evaluation",),  # per-domain alpha/tau/speedup, lossless against a reference, reports
     ("export",),  # what each serving stack needs, verified
     ("checks",),  # `draftsmith check`: artifacts, exports and datasets, read back
-    ("ops", "benchmark"),  # memory plans, routing, production alpha; every benchmark and its results
+    ("planning", "benchmark"),  # memory plans, routing, production alpha; every benchmark and its results
     ("retrain",),  # drift -> retrain -> gate -> promote
     ("cli",),  # the one command line
 ]

@@ -64,10 +64,10 @@ def test_rope_base_is_written_in_every_spelling_and_verified(tiny_tokenizer, tmp
 def test_llama31_rope_scaling_reaches_the_draft_layer():
     from draftsmith.eagle.model import _hf_layer_config, layer_config_dict
     from draftsmith.export.eagle import rope_problems
-    from draftsmith.ops.memory import load_config
+    from draftsmith.planning.memory import load_target_config
 
     root = Path(__file__).resolve().parent.parent
-    layer = layer_config_dict(load_config(root / "configs" / "llama3.1-8b-instruct" / "target-config.json"))
+    layer = layer_config_dict(load_target_config(root / "configs" / "llama3.1-8b-instruct" / "target-config.json"))
     assert layer["rope_theta"] == 500000.0 and layer["rope_scaling"]["rope_type"] == "llama3"
     assert layer["rope_parameters"]["factor"] == 8.0
     assert rope_problems(layer, 500000.0) == []

@@ -509,7 +509,7 @@ def test_alpha_refuses_impossible_counters(tmp_path, capsys, dump, expect):
 
 
 def test_alpha_from_logs_skips_non_finite_rows(tmp_path):
-    from draftsmith.ops.production import log_alpha
+    from draftsmith.planning.production import log_alpha
 
     f = tmp_path / "log.jsonl"
     f.write_text('{"domain": "chat", "draft_tokens": 40, "accepted_tokens": 20}\n'

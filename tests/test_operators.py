@@ -334,7 +334,7 @@ vllm:generation_tokens_total{engine="0",model_name="chat-eagle"} 2500.0
 
 
 def test_vllm_metrics_to_per_domain_alpha(tmp_path):
-    from draftsmith.ops.production import production_alpha, vllm_alpha
+    from draftsmith.planning.production import production_alpha, vllm_alpha
 
     t = vllm_alpha(VLLM_METRICS, model_domains={"chat-eagle": "general", "code-eagle": "code"})
     g, c, o = t["domains"]["general"], t["domains"]["code"], t["overall"]
@@ -388,7 +388,7 @@ def metrics_server():
 
 
 def test_production_alpha_reads_a_metrics_url_and_retraining_keeps_its_window(metrics_server, tmp_path):
-    from draftsmith.ops.production import production_alpha
+    from draftsmith.planning.production import production_alpha
     from draftsmith.retrain.config import MeasureConfig
     from draftsmith.retrain.run import _production
 
@@ -418,7 +418,7 @@ def test_production_alpha_reads_a_metrics_url_and_retraining_keeps_its_window(me
 
 
 def test_request_logs_to_per_domain_alpha(tmp_path):
-    from draftsmith.ops.production import production_alpha
+    from draftsmith.planning.production import production_alpha
 
     rows = [{"prompt": "p", "domain": "code", "draft_tokens": 40, "accepted_tokens": 30, "drafts": 10},
             {"prompt": "p", "domain": "code", "draft_tokens": 20, "accepted_tokens": 6, "drafts": 5},
@@ -440,7 +440,7 @@ def _tiny_cfg(**kw):
 
 
 def test_memory_arithmetic_by_hand():
-    from draftsmith.ops.memory import ArtifactShape, count_params, kv_bytes_per_token, plan
+    from draftsmith.planning.memory import ArtifactShape, count_params, kv_bytes_per_token, plan
 
     cfg = _tiny_cfg()
     h, i, L, V, hd = 64, 128, 3, 1000, 16
@@ -470,7 +470,7 @@ def test_memory_arithmetic_by_hand():
 
 def test_planned_kv_and_weights_match_the_bytes_counted_on_cpu(tiny_target, monkeypatch):
     """measure_cpu builds the real model, fills its KV cache and counts the bytes: they equal the plan's."""
-    from draftsmith.ops import memory
+    from draftsmith.planning import memory
 
     monkeypatch.setattr("draftsmith.targets.load_target", lambda *a, **k: tiny_target)
     cfg = tiny_target.model.config

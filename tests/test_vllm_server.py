@@ -53,7 +53,7 @@ def _ids(fam) -> list[list[int]]:
 def test_alpha_reads_a_live_vllm_server_and_agrees_with_the_offline_counts(served, tmp_path):
     from draftsmith.cli import main as cli
     from draftsmith.export.serve_check import run_vllm, vllm_acceptance
-    from draftsmith.ops.production import read_metrics
+    from draftsmith.planning.production import read_metrics
 
     fam, srv = served["family"], served["server"]
     before = tmp_path / "before.prom"
@@ -82,7 +82,7 @@ def test_alpha_reads_a_live_vllm_server_and_agrees_with_the_offline_counts(serve
 
 
 def test_retraining_drift_check_reads_the_window_since_its_last_check(served, tmp_path):
-    from draftsmith.ops.production import production_alpha, read_metrics
+    from draftsmith.planning.production import production_alpha, read_metrics
     from draftsmith.retrain.config import MeasureConfig
     from draftsmith.retrain.decide import Thresholds, staleness
     from draftsmith.retrain.run import _production

@@ -44,7 +44,7 @@ GPUS = {  # usable device memory in bytes (marketing GB -> bytes as the driver r
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "fp8": 1, "int8": 1}
 
 
-def load_config(spec: str | Path):
+def load_target_config(spec: str | Path):
     """An HF config from a config.json, a model folder, or an embedded target name (no weights loaded)."""
     from transformers import AutoConfig
 

@@ -60,10 +60,10 @@ def register(subparsers) -> None:
 
 def run_plan(args) -> int:
     from draftsmith.errors import ConfigError
-    from draftsmith.ops import memory
+    from draftsmith.planning import memory
 
     if args.config:
-        from draftsmith.ops.train_memory import format_plan, plan_config
+        from draftsmith.planning.train_memory import format_plan, plan_config
 
         p = plan_config(args.config, args.target, args.accelerate, args.gpu, args.gpus)
         print(json.dumps(p, indent=2) if args.json else format_plan(p))
@@ -71,14 +71,14 @@ def run_plan(args) -> int:
     if args.target is None:
         raise ConfigError("plan: give --target (inference memory) or --config (a training job's memory)")
 
-    cfg = memory.load_config(args.target)
+    cfg = memory.load_target_config(args.target)
     shape = memory.artifact_shape(args.artifact, cfg)
     gpu = int(float(args.gpu)) if args.gpu.replace(".", "").replace("e", "").isdigit() else args.gpu
     p = memory.plan(cfg, shape, gpu, args.batch, args.context, args.dtype, args.k, args.prefill_chunk,
                     args.utilization)
     if args.measure:
         # a fresh process, so its peak RSS is this measurement's alone
-        code = ("import json,sys; from draftsmith.ops.memory import measure_cpu; "
+        code = ("import json,sys; from draftsmith.planning.memory import measure_cpu; "
                 "print(json.dumps(measure_cpu(*json.loads(sys.argv[1]))))")
         argv = json.dumps([args.target, args.artifact, args.batch, args.context, args.k])
         # a fixed mmap threshold makes glibc return freed large blocks at once, so RSS tracks live tensors
@@ -140,7 +140,7 @@ def run_route_compare(args) -> int:
 
 def run_alpha(args) -> int:
     from draftsmith.errors import ConfigError
-    from draftsmith.ops.production import production_alpha, render
+    from draftsmith.planning.production import production_alpha, render
     from draftsmith.storage import atomic_write_json
 
     mapping = {}

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from draftsmith import methods
 from draftsmith.errors import ConfigError
-from draftsmith.ops.memory import GIB, GPUS, activation_bytes, count_params, load_config
+from draftsmith.planning.memory import GIB, GPUS, activation_bytes, count_params, load_target_config
 from draftsmith.storage import read_json
 from draftsmith.targets.families import family, text_config
 
@@ -235,4 +235,4 @@ def plan_config(config_path: str | Path, target: str | Path | None = None, accel
     from draftsmith.config import load_config as load_job
 
     job = load_job(config_path, overrides)
-    return training_plan(job, load_config(str(target or job.target)), read_accelerate(accelerate, ranks), gpu)
+    return training_plan(job, load_target_config(str(target or job.target)), read_accelerate(accelerate, ranks), gpu)
