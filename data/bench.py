@@ -23,7 +23,7 @@ import torch
 
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
 from draftsmith.data.masks import tokenize_conversation
-from draftsmith.evaluation.cost import CpuShare
+from draftsmith.decoding.cost import CpuShare
 from draftsmith.storage import atomic_write_json, open_data, shared_data_dir
 from draftsmith.targets import load_target
 from draftsmith.targets.capture import default_eagle3_layers

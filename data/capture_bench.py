@@ -23,7 +23,7 @@ from draftsmith.data.capture import capture_rows
 from draftsmith.data.config import CaptureConfig
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request
 from draftsmith.data.masks import tokenize_conversation
-from draftsmith.evaluation.cost import CpuShare
+from draftsmith.decoding.cost import CpuShare
 from draftsmith.targets import load_target
 from draftsmith.targets.capture import default_eagle3_layers
 from draftsmith.targets.device import dtype_name

@@ -102,8 +102,8 @@ def speculative_engine(target, gen) -> SpeculativeEngine:
     cost = None
     if gen.tree_auto:  # as `draftsmith evaluate --tree auto` decodes (evaluation/evaluate.py `_cut_trees`)
         from draftsmith.decoding.budget import VerifyCost
+        from draftsmith.decoding.cost import measure_verify_cost
         from draftsmith.errors import ConfigError
-        from draftsmith.evaluation.cost import measure_verify_cost
 
         spec = proposer.default_tree_spec()
         if spec is None:

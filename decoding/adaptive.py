@@ -1,6 +1,6 @@
 """Adaptive k: choose the chain length of every step from the request's running acceptance and the cost model.
 
-Per step the controller maximises the cost model's speedup (evaluation/cost.py)
+Per step the controller maximises the cost model's speedup (decoding/cost.py)
 
     S(k) = E[tokens | k] / (v(k) + k·c),   E[tokens | k] = 1 + Σ_{d=1..k} Π_{j<=d} a_j
 

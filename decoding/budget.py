@@ -45,7 +45,7 @@ class VerifyCost:
 
     @classmethod
     def from_measurement(cls, measured: dict, monotone: bool = True) -> VerifyCost:
-        """From `evaluation.cost.measure_verify_cost`'s dict ({"v": {"0": 1.0, "1": ...}, "t_step_s": ...}).
+        """From `decoding.cost.measure_verify_cost`'s dict ({"v": {"0": 1.0, "1": ...}, "t_step_s": ...}).
 
         monotone: replace the medians by their closest non-decreasing fit (timing noise makes a measured
         v(n) dip now and then, and a dip would make one node count look cheaper than fewer)."""

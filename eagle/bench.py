@@ -27,9 +27,9 @@ def main(argv: list[str]) -> dict:
 
     from draftsmith.config import load_config
     from draftsmith.data import load_distilled
+    from draftsmith.decoding.cost import CpuShare
     from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.eagle.model import EagleHead
-    from draftsmith.evaluation.cost import CpuShare
     from draftsmith.targets import load_target
 
     argv = list(argv)

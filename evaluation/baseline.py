@@ -21,7 +21,7 @@ import argparse
 import statistics
 import sys
 
-from draftsmith.evaluation.cost import CpuShare, forward_timer
+from draftsmith.decoding.cost import CpuShare, forward_timer
 from draftsmith.targets import gemm
 
 TOLERANCE = 1.10  # plain step / two-token forward; medians of interleaved forwards move by a few percent

@@ -34,15 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.decoding import cost
 from draftsmith.decoding.budget import VerifyCost
+from draftsmith.decoding.cost import CpuShare
 from draftsmith.decoding.draft import DraftProposer
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
 from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype
 from draftsmith.errors import ConfigError
-from draftsmith.evaluation import cost
 from draftsmith.evaluation.config import EvalConfig
-from draftsmith.evaluation.cost import CpuShare
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
 from draftsmith.evaluation.limits import check_prompt_files, fit_context
 from draftsmith.targets import gemm
@@ -323,7 +323,7 @@ def contention(share: float | None, per_prompt: list[dict] | None = None, cfg: E
     """How busy the machine was while the prompts were decoded, and which timings are valid. Validity follows
     from the per-prompt checks (`judge_timing`): each run measured quietly (re-measured when not), and no
     speedup above what τ and v allow. `other_cpu_share` is the whole run's average, for the record only."""
-    from draftsmith.evaluation.cost import BUSY_SHARE, contended
+    from draftsmith.decoding.cost import BUSY_SHARE, contended
 
     invalid = [{"prompt": r["source"], "domain": r["domain"], "entry": e, "reason": why}
                for r in per_prompt or [] for e, why in r["timing"].get("invalid", {}).items()]
@@ -516,7 +516,7 @@ def _timed(result):
 
 
 def _quiet_count(runs: list) -> int:
-    from draftsmith.evaluation.cost import contended
+    from draftsmith.decoding.cost import contended
 
     return sum(1 for _, _, share in runs if not contended(share))
 
@@ -524,7 +524,7 @@ def _quiet_count(runs: list) -> int:
 def _median_run(runs: list, need: int):
     """The run with the median time among the quiet ones (all of them when fewer than `need` were quiet):
     its result, with its time as the run's time."""
-    from draftsmith.evaluation.cost import contended
+    from draftsmith.decoding.cost import contended
 
     quiet = [r for r in runs if not contended(r[2])]
     pool = sorted(quiet if len(quiet) >= need else runs, key=lambda r: r[1])

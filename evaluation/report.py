@@ -23,7 +23,7 @@ PLOTS = ("acceptance_per_position.png", "domains.png", "verify_cost.png")
 
 def _contention_line(share: float | None, what: str) -> list[str]:
     """The report line saying how quiet the machine was while `what` was timed (cost.CpuShare)."""
-    from draftsmith.evaluation.cost import contended
+    from draftsmith.decoding.cost import contended
 
     if share is None:
         return ["", f"How busy the machine was while {what} was timed could not be read (no /proc/stat, or a timing "

@@ -53,15 +53,10 @@ METHODS = {"distill", "medusa", "eagle"}
 _BENCH_HERE = "a benchmark kept beside the code it times instead of in benchmark/"
 _EVAL_IN_JOB = "the method's job runs the end-of-training evaluation itself instead of the one runner"
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("draftsmith.data.bench", "draftsmith.evaluation.cost"): _BENCH_HERE,
-    ("draftsmith.data.capture_bench", "draftsmith.evaluation.cost"): _BENCH_HERE,
     ("draftsmith.data.remote_bench", "draftsmith.export.serve_check"): _BENCH_HERE,
     ("draftsmith.data.remote_bench", "draftsmith.export.vllm_server"): _BENCH_HERE,
-    ("draftsmith.eagle.bench", "draftsmith.evaluation.cost"): _BENCH_HERE,
     ("draftsmith.data.commands", "draftsmith.training.batching"): "`draftsmith data stats` reports how the rows "
         "batch for training",
-    ("draftsmith.data.rollout", "draftsmith.evaluation.cost"): "the rollout engine sizes its speculation with "
-        "the cost model, which lives in evaluation/",
     ("draftsmith.distill.config", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
     ("draftsmith.distill.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
     ("draftsmith.eagle.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,

@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
 
+    from draftsmith.decoding.cost import CpuShare
     from draftsmith.decoding.generate import speculative_generate
-    from draftsmith.evaluation.cost import CpuShare
     from draftsmith.evaluation.domains import default_prompt_files, format_prompt, load_prompts
     from draftsmith.evaluation.evaluate import machine_info
     from draftsmith.targets import gemm, load_target

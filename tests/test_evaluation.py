@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.evaluation import cost
+from draftsmith.decoding import cost
 from draftsmith.evaluation.domains import canonical_domain, load_prompts
 
 DOMAIN_FIELDS = ["n_prompts", "alpha", "tau", "per_position_acceptance", "tokens_per_s", "baseline_tokens_per_s",
@@ -392,7 +392,7 @@ class _ScriptedShare:
 
     @property
     def busy(self):
-        from draftsmith.evaluation.cost import contended
+        from draftsmith.decoding.cost import contended
 
         return contended(self.others)
 

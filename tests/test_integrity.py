@@ -548,7 +548,7 @@ def test_check_on_a_corrupt_guard_is_one_line_naming_it(tiny_target, medusa, tmp
 
 # --- evaluation under contention --------------------------------------------------------------------
 def test_an_evaluation_on_a_busy_machine_says_its_speedups_are_not_valid(tiny_target, tmp_path, monkeypatch):
-    from draftsmith.evaluation import cost
+    from draftsmith.decoding import cost
     from draftsmith.evaluation.commands import summary_line
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import render_markdown

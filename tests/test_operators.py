@@ -178,7 +178,7 @@ def test_routed_decoding_follows_the_policy_and_stays_lossless(target, draft, pr
 def test_evaluate_with_a_route_policy_and_compare(tiny_target, tiny_tokenizer, tmp_path, monkeypatch):
     import importlib
 
-    from draftsmith.evaluation import cost
+    from draftsmith.decoding import cost
     from draftsmith.evaluation.evaluate import evaluate
 
     ev = importlib.import_module("draftsmith.evaluation.evaluate")
