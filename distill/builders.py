@@ -208,38 +208,6 @@ def build_draft(spec: dict[str, Any] | Any, target) -> nn.Module:
     raise ConfigError(f"unknown draft.init {init!r} (fresh, truncated or existing)")
 
 
-# ---- LoRA (peft) ---------------------------------------------------------------------------------
-
-def apply_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.0,
-               target_modules: list[str] | None = None) -> nn.Module:
-    """Wrap a draft in a peft LoRA model (only the adapters train): cheap retraining of an existing draft.
-
-    LoRA (Hu et al. 2022): W x + (α/r)·B A x with A [r, d_in], B [d_out, r], B = 0 at start (the wrapped
-    model starts equal to the draft).
-    """
-    from peft import LoraConfig, get_peft_model
-
-    modules = target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, bias="none",
-                     task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
-
-
-def is_peft(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def plain_model(model: nn.Module) -> nn.Module:
-    """A plain HF model to save or serve: a peft model is copied and merged (the original stays a peft model)."""
-    if is_peft(model):
-        return copy.deepcopy(model).merge_and_unload()
-    return model
-
-
 # ---- size and compute ----------------------------------------------------------------------------
 
 def size_report(model_or_config, context: int = 256) -> dict[str, Any]:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from draftsmith.config import register_config
-from draftsmith.distill.losses import DIVERGENCES
 from draftsmith.evaluation.after_training import EvalAfterTraining
+from draftsmith.heads.lora import LoraSpec
+from draftsmith.heads.losses import DIVERGENCES
 from draftsmith.training.config import TrainConfig
 
 
@@ -45,23 +46,6 @@ class DraftSpec:
 
 
 @dataclass
-class LoraSpec:
-    """LoRA adapters on the draft (peft); merged into a plain HF model when the artifact is saved."""
-
-    enabled: bool = False
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] | None = None  # None = attention and MLP projections
-
-    def __post_init__(self):
-        if self.r < 1 or self.alpha < 1:
-            raise ValueError("r and alpha must be >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
-
-@dataclass
 class KDSpec:
     """loss = (1 − ce_weight)·τ²·D(p_target, q_draft) + ce_weight·CE(next token). ce_weight 1 = no KD."""
 
@@ -70,7 +54,7 @@ class KDSpec:
     temperature: float = 1.0
     ce_weight: float = 0.0
     topk: int | None = None  # train from the target's top-k logits only (offline caches hold top-k)
-    tail: Literal["bucket", "renormalize"] = "bucket"  # top-k tail handling (distill/losses.py)
+    tail: Literal["bucket", "renormalize"] = "bucket"  # top-k tail handling (heads/losses.py)
 
     def __post_init__(self):
         if self.divergence not in DIVERGENCES:

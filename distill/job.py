@@ -2,7 +2,7 @@
 
 The job differs from its siblings only by its module (a small causal LM sharing the target's tokenizer,
 `distill/builders.py`), its batches (self-distilled rows, optionally regenerated on-policy) and its loss
-(`distill/losses.py`). Alignment: the draft's logits at position t predict token t+1, and so do the
+(`heads/losses.py`). Alignment: the draft's logits at position t predict token t+1, and so do the
 target's; a position counts when token t+1 is an assistant token (`loss_mask[t+1] = 1`).
 
 Where the target's distribution comes from:
@@ -34,11 +34,12 @@ import torch
 
 from draftsmith import artifact
 from draftsmith.config import to_dict
-from draftsmith.distill.builders import apply_lora, build_draft, plain_model, size_report
+from draftsmith.distill.builders import build_draft, size_report
 from draftsmith.distill.config import DistillConfig
-from draftsmith.distill.losses import distill_loss
 from draftsmith.errors import DataError
 from draftsmith.evaluation.after_training import evaluate_into_artifact
+from draftsmith.heads.lora import apply_lora, plain_model
+from draftsmith.heads.losses import distill_loss
 from draftsmith.targets.capture import topk_with_logsumexp
 from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
@@ -226,7 +227,7 @@ class DistillJob(Job):
                 teacher_logits = t["logits"]
             else:
                 teacher_topk = (t["topk_values"], t["topk_indices"])
-                if kd.tail == "bucket" and kd.temperature == 1.0:  # the exact tail (distill/losses.py)
+                if kd.tail == "bucket" and kd.temperature == 1.0:  # the exact tail (heads/losses.py)
                     teacher_lse = t.get("topk_logsumexp")
         if self.uses_teacher:
             loss, metrics = distill_loss(student, labels, mask, teacher_logits, teacher_topk, kd.divergence,

@@ -1,1 +1,2 @@
-"""What the head methods (medusa/, eagle/) share: the draft vocabulary."""
+"""What the methods share, so that no method folder imports another: reduced draft vocabularies
+(vocab.py), LoRA adapters (lora.py) and the knowledge-distillation losses (losses.py)."""

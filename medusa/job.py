@@ -16,9 +16,9 @@ import torch
 
 from draftsmith import artifact
 from draftsmith.config import load_config, register_config, to_dict
-from draftsmith.distill.losses import topk_divergence
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
+from draftsmith.heads.losses import topk_divergence
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.medusa.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
 from draftsmith.medusa.model import (

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.distill.config import LoraSpec
 from draftsmith.errors import ArtifactError
+from draftsmith.heads.lora import LoraSpec
 from draftsmith.targets.families import pad_token_id
 
 # below this held-out greedy-token agreement with the original, a Medusa-2 job warns that the target drifted: on
@@ -71,7 +71,7 @@ class Medusa2Module(nn.Module):
 
     def __init__(self, heads: nn.Module, target_model: nn.Module, cfg: Medusa2Config):
         super().__init__()
-        from draftsmith.distill.builders import apply_lora
+        from draftsmith.heads.lora import apply_lora
 
         self.heads = heads
         backbone = copy.deepcopy(target_model)

@@ -61,9 +61,6 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("draftsmith.distill.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
     ("draftsmith.eagle.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
     ("draftsmith.medusa.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
-    ("draftsmith.medusa.job", "draftsmith.distill.losses"): "Medusa-2 reuses distill's KD losses",
-    ("draftsmith.medusa.medusa2", "draftsmith.distill.builders"): "Medusa-2 reuses distill's LoRA",
-    ("draftsmith.medusa.medusa2", "draftsmith.distill.config"): "Medusa-2 reuses distill's LoRA spec",
     ("draftsmith.medusa.medusa2", "draftsmith.cli"): "medusa2.py has a `__main__` of its own",
     ("draftsmith.training.checkpoint", "draftsmith.export.verify"): "a checkpoint's safetensors headers are "
         "read by export's reader",

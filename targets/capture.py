@@ -100,7 +100,7 @@ def topk_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 def topk_with_logsumexp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k values and indices plus the logsumexp of the full logits (float32, upcast once): what a capture
-    stores so that top-k KD knows the teacher's exact tail mass (distill/losses.py)."""
+    stores so that top-k KD knows the teacher's exact tail mass (heads/losses.py)."""
     full = logits.float()
     values, indices = topk_logits(full, k)  # its .float() is a no-op on `full`
     return values, indices, torch.logsumexp(full, dim=-1)

@@ -13,6 +13,7 @@ from draftsmith.distill import builders as B
 from draftsmith.distill.config import DistillConfig
 from draftsmith.distill.job import DistillJob, prompt_lengths, run_distill
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.heads import lora
 from draftsmith.training.batching import pad_rows
 
 PROMPTS = ["What is the capital of France?", "Add 2 and 3.", "Write a loop in Python.", "Summarize the passage.",
@@ -118,7 +119,7 @@ def test_fresh_draft_sizes_and_embeddings(tiny_target):
 
 def test_lora_merge_equivalence(tiny_target):
     torch.manual_seed(0)
-    peft_model = B.apply_lora(B.truncated_draft(tiny_target, 2), r=4, alpha=8)
+    peft_model = lora.apply_lora(B.truncated_draft(tiny_target, 2), r=4, alpha=8)
     with torch.no_grad():  # B = 0 at start: make the adapters do something
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
@@ -129,10 +130,10 @@ def test_lora_merge_equivalence(tiny_target):
     peft_model.eval()
     with torch.no_grad():
         a = peft_model(input_ids=ids).logits
-        merged = B.plain_model(peft_model)
+        merged = lora.plain_model(peft_model)
         b = merged(input_ids=ids).logits
         base = B.truncated_draft(tiny_target, 2).eval()(input_ids=ids).logits
-    assert not B.is_peft(merged) and B.is_peft(peft_model)
+    assert not lora.is_peft(merged) and lora.is_peft(peft_model)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert (a - base).abs().max() > 1e-3  # the adapters changed the logits, and the merge kept that
 
@@ -242,7 +243,7 @@ def test_offline_topk_cache(tiny_target, rows, tmp_path, capsys):
         full = tiny_target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[sel]
     p_full = torch.softmax(full.float(), -1)
     exact_tail = 1 - p_full.gather(-1, on["topk_indices"]).sum(-1)
-    from draftsmith.distill.losses import topk_logprobs
+    from draftsmith.heads.losses import topk_logprobs
 
     log_p, _ = topk_logprobs(full, off["topk_values"], off["topk_indices"], teacher_logsumexp=off["topk_logsumexp"])
     torch.testing.assert_close(log_p[:, -1].exp(), exact_tail.clamp_min(1e-6), atol=1e-4, rtol=1e-3)

@@ -1,4 +1,4 @@
-"""KD losses (distill/losses.py) against hand-computed values on small logits."""
+"""KD losses (heads/losses.py) against hand-computed values on small logits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from draftsmith.distill import losses as L
+from draftsmith.heads import losses as L
 
 P = [0.7, 0.2, 0.1]  # teacher
 Q = [0.4, 0.4, 0.2]  # student
