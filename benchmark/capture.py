@@ -1,8 +1,8 @@
 """Teacher-forced capture against generation with capture, on the same rows, in one process.
 
-    nice python -m draftsmith.data.capture_bench 96 128 [TARGET] [--batch 96] [--json OUT]
+    nice python -m draftsmith.benchmark.capture 96 128 [TARGET] [--batch 96] [--json OUT]
 
-N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks, chat-formatted, as data/bench.py
+N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks, chat-formatted, as benchmark/engine.py
 takes them) are answered by the continuous-batching engine keeping what `data generate` keeps with
 `capture.enabled` (the EAGLE-3 layers, the last hidden state, top-64 logits from the position before the
 first learned token). The finished rows are then read once more by `data capture`'s prefill
@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from draftsmith.data.bench import TRAIN, emit, read_rows
+from draftsmith.benchmark.engine import TRAIN, emit, read_rows
 from draftsmith.data.capture import capture_rows
 from draftsmith.data.config import CaptureConfig
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request

@@ -1,6 +1,6 @@
 """Time one EAGLE training step two ways, side by side.
 
-    python -m draftsmith.eagle.bench [CONFIG] [key=value ...] [--batches N] [--repeats R] [--compare WHAT]
+    python -m draftsmith.benchmark.eagle_step [CONFIG] [key=value ...] [--batches N] [--repeats R] [--compare WHAT]
 
 Loads the job as `draftsmith train eagle` does (default config: configs/smollm2-135m/eagle3.yaml), takes N
 batches of length-sorted rows (what `group_by_length` makes) from the training split, and times loss +

@@ -1,6 +1,6 @@
 """Benchmark the decode engines on the same prompts in one process.
 
-    nice python -m draftsmith.data.bench 32 128 cb:32,cap:32,hf:16,cb:1 [TARGET] [--json OUT]
+    nice python -m draftsmith.benchmark.engine 32 128 cb:32,cap:32,hf:16,cb:1 [TARGET] [--json OUT]
 
 cb:B = continuous batching at batch B (cb:1 = one prompt at a time), np:B = the same without prefilling the
 prompts' shared prefix once, sd:B = the same with one SDPA call per decode step over every used column (no

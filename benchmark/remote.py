@@ -1,6 +1,6 @@
 """The embedded engine against an OpenAI-compatible server on the same prompts, in one run.
 
-    nice python -m draftsmith.data.remote_bench 200 32 [--server transformers|vllm] [--batch 16] [--repeats 2]
+    nice python -m draftsmith.benchmark.remote 200 32 [--server transformers|vllm] [--batch 16] [--repeats 2]
                                                        [--json OUT] [TARGET]
 
 Answers N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks) greedily with `draftsmith data
@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from draftsmith.data.bench import TRAIN, emit
+from draftsmith.benchmark.engine import TRAIN, emit
 from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
 from draftsmith.data.generate import generate_dataset, load_distilled, read_provenance
 from draftsmith.data.masks import masked_spans
@@ -164,7 +164,7 @@ def main(argv: list[str]) -> dict:
 
     label = "vllm" if server == "vllm" else "transformers_serve"
     res = {"target": spec, "rows": len(eng_rows), "max_new_tokens": max_new, "batch": batch, "repeats": repeats,
-           "command": "python -m draftsmith.data.remote_bench " + " ".join(sys.argv[1:]),
+           "command": "python -m draftsmith.benchmark.remote " + " ".join(sys.argv[1:]),
            "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
            "date": time.strftime("%Y-%m-%d", time.gmtime()),
            "engine": side("engine"),
