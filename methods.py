@@ -18,7 +18,7 @@ job.
     proposer  (target, path, **opts) -> a `decoding.proposer.Proposer`
     export    (artifact_dir, stack, out, target, num_speculative_tokens, verify, *, overwrite, verifier)
               -> `export.common.ExportResult`; which layout each stack takes is the method's business
-              (export/heads.py writes any head layout; export/hf.py a whole draft model)
+              (export/heads.py writes any head layout; distill/export.py a whole draft model)
     reimport  (export_dir, guard) -> (config, state, writer or None) of an export of this method (guard:
               its draftsmith.json, {} for another tool's), or None when it is not one; `import_export`
     memory    (path, target_config) -> `planning.memory.ArtifactShape`: parameters and KV cache of the artifact

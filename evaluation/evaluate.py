@@ -37,10 +37,10 @@ import torch
 from draftsmith.decoding import cost
 from draftsmith.decoding.budget import VerifyCost
 from draftsmith.decoding.cost import CpuShare
-from draftsmith.decoding.draft import DraftProposer
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
 from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype
+from draftsmith.distill.proposer import DraftProposer
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts

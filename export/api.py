@@ -1,7 +1,7 @@
 """Export entry points: `export_artifact` (any kind, any stack) and `import_export` (back into draftsmith).
 
-Each method (methods.py) names its exporter: export/hf.py writes a draft model (the same HF folder for every
-stack); export/medusa.py and export/eagle.py read heads into the layout every head shares (export/heads.py).
+Each method (methods.py) names its exporter: distill/export.py writes a draft model (the same HF folder for every
+stack); medusa/export.py and eagle/export.py read heads into the layout every head shares (export/heads.py).
 One module per stack (export/vllm.py, sglang.py, trtllm.py, hf.py) says which layout a head family takes
 there and how to launch it. Every export is verified
 by re-reading it (export/verify.py) unless verify=False.
@@ -18,7 +18,6 @@ from pathlib import Path
 
 from draftsmith import artifact, methods
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.export import eagle, hf, medusa  # noqa: F401  (imported so that their verifiers register)
 from draftsmith.export.common import ExportResult, read_guard, stack_module
 from draftsmith.export.verify import VERIFIERS, VerificationError, run_verifier
 from draftsmith.storage import check_replaceable
@@ -95,7 +94,11 @@ def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | N
 
 
 def _verifiers() -> dict:
-    """Every export format's verifier: the layout modules (eagle, hf, medusa, imported above) register theirs."""
+    """Every export format's verifier: each method's layout module registers its own when imported, so the
+    registry's export references are resolved here (export/ names no method)."""
+    for method in methods.all_methods():
+        if method.export is not None:
+            method.get("export")
     return VERIFIERS
 
 

@@ -1,5 +1,5 @@
 """SGLang: the `sglang.launch_server` command for each layout a method exports to it (the layouts per stack are declared
-by the methods' exporters: export/medusa.py, export/eagle.py, export/hf.py).
+by the methods' exporters: medusa/export.py, eagle/export.py, distill/export.py).
 
 draft -> HF folder (`STANDALONE`); eagle3 -> `LlamaForCausalLMEagle3` (`midlayer.*`, `EAGLE3`);
 eagle1 -> `LlamaForCausalLMEagle` (fc with bias, `EAGLE`). SGLang has no Medusa.
@@ -7,7 +7,7 @@ eagle1 -> `LlamaForCausalLMEagle` (fc with bias, `EAGLE`). SGLang has no Medusa.
 
 from __future__ import annotations
 
-from draftsmith.export import eagle
+from draftsmith.eagle import export as eagle
 from draftsmith.export.common import fenced
 
 STACK = "sglang"

@@ -1,5 +1,5 @@
 """TensorRT-LLM: the LLM-API YAML for each layout a method exports to it (the layouts per stack are declared
-by the methods' exporters: export/medusa.py, export/eagle.py, export/hf.py).
+by the methods' exporters: medusa/export.py, eagle/export.py, distill/export.py).
 
 draft -> HF folder (`DraftTarget`); medusa -> FasterDecoding `medusa_lm_head.safetensors` (`Medusa`, with
 the calibrated tree as `medusa_choices`, served by the TensorRT engine flow: the PyTorch backend refuses
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from draftsmith.export import eagle
+from draftsmith.eagle import export as eagle
 from draftsmith.export.common import fenced
 
 STACK = "trtllm"

@@ -1,5 +1,5 @@
 """vLLM: the `vllm serve` command for each layout a method exports to it (the layouts per stack are declared
-by the methods' exporters: export/medusa.py, export/eagle.py, export/hf.py).
+by the methods' exporters: medusa/export.py, eagle/export.py, distill/export.py).
 
 draft -> HF folder (`method: draft_model`); medusa -> `model_type: medusa` (`method: medusa`, top-1 chain:
 vLLM's Medusa proposes from each head's top-1 token only, so the calibrated tree is recorded in
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from draftsmith.export import eagle
+from draftsmith.eagle import export as eagle
 from draftsmith.export.common import fenced
 
 STACK = "vllm"

@@ -137,35 +137,12 @@ def artifact_shape(path: str | Path | None, target_config) -> ArtifactShape:
     return dataclasses.replace(shape, kind=method.name)
 
 
-def draft_shape(path: Path, target_config) -> ArtifactShape:
-    """A whole draft model (an HF folder): its parameters, and a KV cache of its own layers."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(path)
-    return ArtifactShape("draft", count_params(cfg), cfg, text_config(cfg).num_hidden_layers, separate_model=True)
-
-
 def head_shape(path: Path, target_config) -> ArtifactShape:
     """Heads on the target's features (Medusa; the default): the parameters in model.safetensors, no cache."""
-    return ArtifactShape("heads", _weights_params(path))
+    return ArtifactShape("heads", weights_params(path))
 
 
-def eagle_shape(path: Path, target_config) -> ArtifactShape:
-    """An EAGLE head: its parameters, and the KV cache of its one decoder layer."""
-    c = json.loads((path / "config.json").read_text())
-    t = text_config(target_config)
-
-    class _Layer:  # one decoder layer of the head, attention shaped like the target's (or its own config)
-        num_hidden_layers = 1
-        num_attention_heads = c.get("num_attention_heads", t.num_attention_heads)
-        num_key_value_heads = c.get("num_key_value_heads", getattr(t, "num_key_value_heads", None))
-        hidden_size = c.get("hidden_size", t.hidden_size)
-        head_dim = c.get("head_dim", getattr(t, "head_dim", None))
-
-    return ArtifactShape("eagle", _weights_params(path), _Layer(), 1)
-
-
-def _weights_params(path: Path) -> int:
+def weights_params(path: Path) -> int:
     from safetensors import safe_open
 
     if not (path / "model.safetensors").is_file():

@@ -85,7 +85,7 @@ def read_accelerate(path: str | Path | None, ranks: int | None = None) -> Shardi
     return Sharding("replicate", n, mp)
 
 
-def _meta_params(build) -> int:
+def meta_params(build) -> int:
     import torch
 
     with torch.device("meta"):
@@ -93,7 +93,7 @@ def _meta_params(build) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def _layer_bytes_per_token(c, inter: int | None = None, attn_in: int | None = None) -> int:
+def layer_bytes_per_token(c, inter: int | None = None, attn_in: int | None = None) -> int:
     """Elements autograd keeps per token for one Llama-shaped decoder layer (in the compute dtype)."""
     h = c["hidden_size"]
     heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
@@ -159,63 +159,6 @@ class JobMemory:
     keep: int  # bytes per token kept for the step (captured features)
     teacher: int  # bytes per token of teacher logits
     module_act: int  # the trained module's activation bytes for the whole micro-batch
-
-
-def eagle_memory(job, target_config, act: int) -> JobMemory:
-    """`Method.train_memory` of an EAGLE job."""
-    from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
-    from draftsmith.targets.capture import default_eagle3_layers
-
-    tc = text_config(target_config)
-    H, V, L, B, T = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, job.train.batch_size, job.max_length
-    tokens = B * T
-    eagle3 = job.version == "eagle3"
-    layers = list(job.target_layers or (default_eagle3_layers(L) if eagle3 else [L - 1]))
-    n = job.draft_vocab_size if eagle3 else V
-    cfg = EagleConfig(3 if eagle3 else 1, H, V, layers, n if eagle3 else None, job.ttt_steps,
-                      layer_config=layer_config_dict(target_config, job.draft_layer))
-    trained = _meta_params(lambda: EagleHead(cfg))
-    steps = job.ttt_steps
-    keep = (len(layers) + (1 if eagle3 else 0)) * H * act  # captured features (+ last hidden)
-    teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
-    lc = cfg.layer_config
-    per_step = _layer_bytes_per_token(lc, attn_in=2 * H if eagle3 else H) * act + H * act + 2 * n * 4
-    mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
-    return JobMemory(T, trained, keep, teacher, tokens * per_step * steps + mask)
-
-
-def medusa_memory(job, target_config, act: int) -> JobMemory:
-    """`Method.train_memory` of a Medusa job."""
-    from draftsmith.medusa.model import MedusaHeads, MedusaHeadsConfig
-
-    tc = text_config(target_config)
-    H, V = tc.hidden_size, tc.vocab_size
-    tokens = job.train.batch_size * job.max_length
-    n = job.draft_vocab_size or V
-    cfg = MedusaHeadsConfig(H, V, job.num_heads, job.num_layers, job.share_lm_head, job.draft_vocab_size)
-    trained = _meta_params(lambda: MedusaHeads(cfg))
-    keep = H * act + job.kd_topk * 8 * (1 if job.kd_weight > 0 else 0)
-    return JobMemory(job.max_length, trained, keep, 0,
-                     tokens * job.num_heads * (job.num_layers * 2 * H * act + 2 * n * 4))
-
-
-def distill_memory(job, target_config, act: int) -> JobMemory:
-    """`Method.train_memory` of a draft distillation job."""
-    from draftsmith.distill.builders import _config_for_layers
-
-    tc = text_config(target_config)
-    V = tc.vocab_size
-    tokens = job.train.batch_size * job.data.max_length
-    d = job.draft
-    dcfg = _config_for_layers(tc, d.num_layers)
-    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim"):
-        if getattr(d, k) is not None:
-            setattr(dcfg, k, getattr(d, k))
-    trained = count_params(dcfg)
-    dd = dcfg.to_dict()
-    teacher = (job.kd.topk * 8) if job.kd.topk else V * 4
-    return JobMemory(job.data.max_length, trained, 0, teacher,
-                     tokens * (d.num_layers * _layer_bytes_per_token(dd) * act + 3 * V * 4))
 
 
 def format_plan(p: dict) -> str:

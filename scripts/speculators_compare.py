@@ -15,7 +15,7 @@ rows of `load_distilled`, the training split of `split_rows`, each row's `window
 prompt_context), the draft vocabulary of `draft_vocabulary` over the training split's target-written
 tokens, and the capture cache's layer outputs and last hidden states. It stops when the wall-clock
 budget is spent (or its epochs / max_steps end), then imports the head into a draftsmith EAGLE-3 artifact
-(export/eagle.py's speculators mapping read backwards; the manifest's `trained_by` holds the version, steps,
+(eagle/export.py's speculators mapping read backwards; the manifest's `trained_by` holds the version, steps,
 seconds, throughput, every patch and what still differs from our trainer). `--like ARTIFACT` copies one of
 our runs' settings (target, data, capture, layers, TTT depth and decay, vocabulary size, max_length,
 prompt_context, lr, weight decay, warmup, schedule, epochs, batch rows, seed, precision); flags override.
@@ -33,7 +33,7 @@ same tokens and teacher and is weighted by loss_mask[t+2+j] (the PREDICTED token
 `mask: draftsmith` (default) each row's mask is shifted left by one before speculators sees it, so both
 trainers learn the same (base, step) pairs; `mask: speculators` hands it over unshifted.
 Features: our capture ids are decoder-layer OUTPUTS; speculators/vLLM ids count the residual stream
-entering a layer, so the config records ours + 1 (export/eagle.py). The capture's `last_hidden` is
+entering a layer, so the config records ours + 1 (eagle/export.py). The capture's `last_hidden` is
 post-norm, so the model's verifier norm is replaced by the identity: the teacher is the target's own
 lm_head rows times the state the lm_head read, as in eagle/job.py.
 
@@ -303,9 +303,9 @@ SKIP = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")  # the verifier'
 
 
 def import_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A speculators Eagle3 state dict under our EagleHead's names: export/eagle.py's mapping read backwards
+    """A speculators Eagle3 state dict under our EagleHead's names: eagle/export.py's mapping read backwards
     (layers.0.* -> layer.*; fc, norm, lm_head, d2t, t2d as they are), the verifier's tensors dropped."""
-    from draftsmith.export.eagle import canonical_name
+    from draftsmith.eagle.export import canonical_name
 
     out = {}
     for name, tensor in state.items():
@@ -313,7 +313,7 @@ def import_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         ours = canonical_name(name)
         if ours is None or ours.startswith("?"):
-            raise SystemExit(f"speculators tensor '{name}' has no place in an EagleHead (mapping in export/eagle.py)")
+            raise SystemExit(f"speculators tensor '{name}' has no place in an EagleHead (mapping in eagle/export.py)")
         tensor = tensor.detach().to("cpu")
         out[ours] = (tensor.float() if tensor.is_floating_point() else tensor).clone()
     return out

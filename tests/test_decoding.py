@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from draftsmith.decoding.draft import DraftProposer
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import speculative_generate
 from draftsmith.decoding.ngram import NgramProposer, find_continuation
 from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits
 from draftsmith.decoding.verify import SequenceVerifier, accept_sampled, tree_attention
+from draftsmith.distill.proposer import DraftProposer
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.targets import kvcache
 

@@ -193,7 +193,7 @@ def test_short_distillation_lowers_kd_and_artifact_works(tiny_target, rows, tmp_
         assisted = tiny_target.model.generate(ids, assistant_model=draft, **kw)
     assert torch.equal(plain, assisted)
     # and the draftsmith decoder's proposer accepts it for this target
-    from draftsmith.decoding.draft import DraftProposer
+    from draftsmith.distill.proposer import DraftProposer
 
     DraftProposer.from_path(path, tiny_target)
 

@@ -171,7 +171,7 @@ def check_report(report, out_dir, lossless=True):
 
 
 def test_evaluate_api_draft_with_hf_references(tiny_target, prompt_files, tmp_path, monkeypatch):
-    from draftsmith.decoding.draft import DraftProposer
+    from draftsmith.distill.proposer import DraftProposer
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
     from draftsmith.targets import gemm
@@ -320,7 +320,7 @@ def test_compare_entries_pick_their_own_shape(tiny_target, prompt_files, tmp_pat
 
 
 def test_draft_networks_run_in_the_draft_dtype(tiny_target, prompt_files, tmp_path):
-    from draftsmith.decoding.draft import DraftProposer
+    from draftsmith.distill.proposer import DraftProposer
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
 

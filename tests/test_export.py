@@ -454,10 +454,10 @@ def test_a_head_built_by_speculators_imports_and_warm_starts_training(deep_targe
     from tiny_models import prompt_rows
     from transformers import LlamaConfig
 
+    from draftsmith.eagle.export import canonical_name
     from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.eagle.model import load_eagle
     from draftsmith.evaluation.after_training import EvalAfterTraining
-    from draftsmith.export.eagle import canonical_name
     from draftsmith.training import train
     from draftsmith.training.config import TrainConfig
 

@@ -62,8 +62,8 @@ def test_rope_base_is_written_in_every_spelling_and_verified(tiny_tokenizer, tmp
 
 
 def test_llama31_rope_scaling_reaches_the_draft_layer():
+    from draftsmith.eagle.export import rope_problems
     from draftsmith.eagle.model import _hf_layer_config, layer_config_dict
-    from draftsmith.export.eagle import rope_problems
     from draftsmith.planning.memory import load_target_config
 
     root = Path(__file__).resolve().parent.parent

@@ -89,8 +89,8 @@ def _speculators_parity(export_dir: Path, art: Path, target, rows: list[dict]) -
     (step 0 and the first training-time-test step) for the same tokens and target features."""
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
+    from draftsmith.eagle.export import load_speculators
     from draftsmith.eagle.model import load_eagle, shift_left
-    from draftsmith.export.eagle import load_speculators
     from draftsmith.targets.capture import capture_forward
 
     head, _ = load_eagle(art, target)

@@ -161,7 +161,7 @@ def test_an_interrupted_write_is_tidied_on_the_next_one(tmp_path):
 # --- checksums --------------------------------------------------------------------------------------
 def test_a_flipped_bit_is_caught_by_every_reader(tiny_target, tmp_path, capsys):
     from draftsmith.cli import main
-    from draftsmith.decoding.draft import DraftProposer
+    from draftsmith.distill.proposer import DraftProposer
     from draftsmith.medusa.model import load_medusa
 
     art = make_medusa_artifact(tiny_target, tmp_path / "m")

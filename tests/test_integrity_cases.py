@@ -214,7 +214,7 @@ def test_a_flipped_bit_is_caught_by_every_reader_of_every_kind(tiny_target, deep
     readers = {
         "load": {"medusa": lambda: _find("load_medusa", *MEDUSA_MODEL)(art, target),
                  "eagle": lambda: _find("load_eagle", *EAGLE_MODEL)(art, target),
-                 "draft": lambda: _find("DraftProposer", "decoding.draft").from_path(art, target)}[kind],
+                 "draft": lambda: _find("DraftProposer", "distill.proposer").from_path(art, target)}[kind],
         "export": lambda: export_artifact(art, "hf" if kind == "draft" else "vllm", export, target),
         "warm start": lambda: train(_KindJob(target, kind), _cfg(tmp_path / "w", max_steps=1, warm_start=str(art))),
     }

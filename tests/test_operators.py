@@ -23,7 +23,6 @@ from test_decoding import (  # noqa: F401  (the fixtures are shared with test_de
 from transformers import LlamaConfig
 
 from draftsmith.decoding.adaptive import AdaptiveK
-from draftsmith.decoding.draft import DraftProposer
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import speculative_generate
 from draftsmith.decoding.multi import MultiProposer, merge_trees, union_spec
@@ -36,6 +35,7 @@ from draftsmith.decoding.routing import (
     compare_table,
     write_policy,
 )
+from draftsmith.distill.proposer import DraftProposer
 from draftsmith.errors import ConfigError, DataError
 
 

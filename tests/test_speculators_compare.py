@@ -68,7 +68,7 @@ def _speculators_model(export_dir: Path, target):
     """speculators' Eagle3DraftModel on an export of ours (the verifier's embedding read from the target)."""
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
-    from draftsmith.export.eagle import load_speculators
+    from draftsmith.eagle.export import load_speculators
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(export_dir))
     config.transformer_layer_config._attn_implementation = "sdpa"
