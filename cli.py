@@ -20,7 +20,6 @@ COMMAND_MODULES = [
     "draftsmith.targets.commands",
     "draftsmith.checks",
     "draftsmith.data.commands",
-    "draftsmith.distill.commands",
     "draftsmith.training.commands",
     "draftsmith.evaluation.commands",
     "draftsmith.export.commands",

@@ -13,7 +13,10 @@ the methods imports none of their code, and decoding with a head imports its pro
 job.
 
     config    the job's config dataclass (registered with `@register_config`, so `kind: NAME` presets load)
-    train     (config_path, overrides) -> Path of the artifact it wrote
+    job       its `training.job.Job` class (cfg, target, rows=None): the one runner (`training.runner.run`)
+              loads the target, trains it through the one loop and evaluates what it wrote
+    train     (config_path, overrides) -> Path of the artifact it wrote; None with a `job`: the runner's
+              `train_method` (the preset, its overrides, `run`)
     load      (path, target) -> the artifact's module(s), fingerprint checked against `target`
     proposer  (target, path, **opts) -> a `decoding.proposer.Proposer`
     export    (artifact_dir, stack, out, target, num_speculative_tokens, verify, *, overwrite, verifier)
@@ -30,6 +33,7 @@ job.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -75,9 +79,13 @@ class Method:
     command: tuple[str, ...] = ()  # the CLI words that run the job, when not `train NAME`
     aliases: tuple[str, ...] = ()  # other names bench presets may give its job (`distill` for `draft`)
     own_tree: bool = False  # its proposer has a tree of its own: end-of-training evaluation verifies it
+    job: Any = None  # its `training.job.Job` class: then `train` may be None and the one runner trains it
 
     def get(self, what: str) -> Any:
         """The object a reference field names, imported on first use."""
+        if what == "train" and self.train is None and self.job is not None:
+            # string reference, like every other: the registry imports no stage above it
+            return functools.partial(resolve("draftsmith.training.runner:train_method"), self)
         ref = getattr(self, what)
         if ref is None:
             raise ConfigError(f"method '{self.name}' declares no {what}")

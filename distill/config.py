@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from draftsmith.config import register_config
-from draftsmith.evaluation.after_training import EvalAfterTraining
 from draftsmith.heads.lora import LoraSpec
 from draftsmith.heads.losses import DIVERGENCES
-from draftsmith.training.config import TrainConfig
+from draftsmith.training.config import EvalAfterTraining, TrainConfig
 
 
 @dataclass

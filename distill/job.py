@@ -1,4 +1,4 @@
-"""Draft-model distillation through the one training loop (`training/`): `DistillJob` and `run_distill`.
+"""Draft-model distillation through the one training loop (`training/`): `DistillJob`.
 
 The job differs from its siblings only by its module (a small causal LM sharing the target's tokenizer,
 `distill/builders.py`), its batches (self-distilled rows, optionally regenerated on-policy) and its loss
@@ -18,7 +18,7 @@ Where the target's distribution comes from:
 The artifact (`save_artifact`) is a plain HF causal-LM folder — save_pretrained (LoRA merged first), the
 target's tokenizer files, and `manifest.json` (kind "draft", target fingerprint, config, data, metrics) —
 loadable with `AutoModelForCausalLM.from_pretrained` and usable as `assistant_model` in `generate`.
-`run_distill` trains, then (when `draftsmith.evaluation` exists) evaluates the draft as a proposer and
+The one runner (`training.runner.run("draft", cfg)`) trains it, then evaluates the draft as a proposer and
 writes the report into the artifact.
 """
 
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -37,7 +35,6 @@ from draftsmith.config import to_dict
 from draftsmith.distill.builders import build_draft, size_report
 from draftsmith.distill.config import DistillConfig
 from draftsmith.errors import DataError
-from draftsmith.evaluation.after_training import evaluate_into_artifact
 from draftsmith.heads.lora import apply_lora, plain_model
 from draftsmith.heads.losses import distill_loss
 from draftsmith.targets.capture import topk_with_logsumexp
@@ -114,6 +111,14 @@ class DistillJob(Job):
         if cfg.data.mode == "offline" and self.uses_teacher:
             self.topk = cfg.kd.topk or cfg.data.capture_topk
             self.features = self._offline_source(rows)
+
+    def announce(self) -> None:
+        d = size_report(self.build_module())  # cheap at this size; logged so the run says what it trains
+        t = size_report(self.target.model)
+        log.info("draft: %d layers, %.2fM params (%.2fM non-embedding, %.1f MFLOPs/token) vs target %.2fM "
+                 "(%.2fM non-embedding, %.1f MFLOPs/token)", d["num_layers"], d["params"] / 1e6,
+                 d["non_embedding_params"] / 1e6, d["flops_per_token"] / 1e6, t["params"] / 1e6,
+                 t["non_embedding_params"] / 1e6, t["flops_per_token"] / 1e6)
 
     def _offline_source(self, rows):
         from draftsmith.targets.cache_shards import capture_dataset
@@ -283,56 +288,3 @@ def copy_tokenizer(target, dest: Path) -> None:
                 copied = True
     if not copied:
         target.tokenizer.save_pretrained(dest)
-
-
-# ---- run -----------------------------------------------------------------------------------------
-
-def run_distill(cfg: DistillConfig, target=None, rows=None, accelerator=None,
-                init_only: bool = False) -> dict[str, Any]:
-    """Train a draft (the one loop), save the artifact, evaluate it when the evaluator exists.
-
-    `init_only` saves and evaluates the draft as built, before any training: the "same architecture,
-    no distillation" baseline a distilled draft is compared with (written to `train.output_dir`/artifact).
-    Returns {"artifact", "train_seconds", "metrics", "eval"}.
-    """
-    from draftsmith.targets import load_target
-    from draftsmith.training import train
-    from draftsmith.training.launch import (
-        evaluation_target,
-        leave_process_group,
-        load_target_for,
-        make_accelerator,
-    )
-
-    if accelerator is None and not init_only:
-        accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
-    if target is None:
-        target = load_target_for(cfg.target, accelerator) if accelerator is not None else load_target(cfg.target)
-    job = DistillJob(cfg, target, rows)
-    d = size_report(job.build_module())  # cheap at this size; logged so the run says what it trains
-    t = size_report(target.model)
-    log.info("draft: %d layers, %.2fM params (%.2fM non-embedding, %.1f MFLOPs/token) vs target %.2fM "
-             "(%.2fM non-embedding, %.1f MFLOPs/token)", d["num_layers"], d["params"] / 1e6,
-             d["non_embedding_params"] / 1e6, d["flops_per_token"] / 1e6, t["params"] / 1e6,
-             t["non_embedding_params"] / 1e6, t["flops_per_token"] / 1e6)
-    t0 = time.perf_counter()
-    if init_only:
-        path = job.save_artifact(job.build_module(), Path(cfg.train.output_dir) / "artifact", {"steps": 0})
-        out = {"artifact": path, "train_seconds": 0.0, "metrics": {"steps": 0}, "eval": None}
-    else:
-        result = train(job, cfg.train, accelerator)
-        leave_process_group(accelerator)  # training was the last collective work
-        out = {"artifact": result.artifact, "train_seconds": time.perf_counter() - t0, "metrics": result.metrics,
-               "eval": None}
-    seconds = out["train_seconds"]
-    if out["artifact"] is not None:
-        result_artifact = out["artifact"]
-        artifact.update_manifest(result_artifact, train_seconds=seconds)
-        if cfg.evaluate.enabled:
-            eval_target = evaluation_target(target, cfg.target, accelerator) if accelerator is not None else target
-            evaluate_into_artifact(result_artifact, eval_target, "draft", cfg.evaluate,
-                                   command=f"draftsmith distill (output {result_artifact})")
-            out["eval"] = artifact.load_manifest(result_artifact)["eval"]
-    return out
-
-

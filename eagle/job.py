@@ -20,7 +20,6 @@ well over 95% of what the target writes (the coverage is measured and stored in 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -28,7 +27,7 @@ from typing import Literal
 import torch
 
 from draftsmith import artifact
-from draftsmith.config import load_config, register_config, to_dict
+from draftsmith.config import register_config, to_dict
 from draftsmith.eagle.model import (
     EagleHead,
     check_architecture,
@@ -39,12 +38,11 @@ from draftsmith.eagle.model import (
     step_weights,
 )
 from draftsmith.errors import ConfigError
-from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.targets.families import family, lm_head, pad_token_id, whole
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
-from draftsmith.training.config import TrainConfig, check_output_folders
-from draftsmith.training.job import Job
+from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
+from draftsmith.training.job import Job, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +108,13 @@ class EagleJobConfig:
                              f"got {self.target_layers}")
 
 
-def _unwrap(module):
-    return getattr(module, "module", module)  # DDP / accelerate wrappers keep the head in .module
-
-
 class EagleJob(Job):
     kind = "eagle"
 
     def data_path(self) -> str | None:
         return self.cfg.data
 
-    def __init__(self, cfg: EagleJobConfig, target, dataset):
+    def __init__(self, cfg: EagleJobConfig, target, dataset=None):
         from draftsmith.targets.capture import default_eagle3_layers, resolve_layers, uncapturable_layers
         from draftsmith.training import CaptureSource
 
@@ -130,6 +124,10 @@ class EagleJob(Job):
                               "no serving stack loads (their EAGLE drafters are Llama layers): use draft_layer: "
                               "llama, or set exportable: false to train it for draftsmith's own decoder only")
         self.cfg, self.target = cfg, target
+        if dataset is None:  # the self-distilled rows cfg.data names
+            from draftsmith.data import load_distilled
+
+            dataset = load_distilled(cfg.data, target)
         columns = getattr(dataset, "column_names", None)
         has_replay = "replay" in columns if columns is not None else all("replay" in r for r in dataset)
         if cfg.replay_weight and not has_replay:
@@ -200,7 +198,7 @@ class EagleJob(Job):
         return int(shift_left(batch["loss_mask"], 2).sum())
 
     def loss(self, module, batch):
-        head = _unwrap(module)
+        head = unwrap(module)
         head.attach_target(self.target.model)  # the placed target (device / dtype of this rank)
         feats = self.features(batch)
         ids, lmask = batch["input_ids"], batch["loss_mask"]
@@ -242,7 +240,7 @@ class EagleJob(Job):
         return self._teacher_w
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
-        head = _unwrap(module)
+        head = unwrap(module)
         dest = self.artifact_dest(out_dir)
         # of the vocabulary the head holds (a warm start brings its own), on this job's training tokens
         t2d = getattr(head, "t2d", None)  # EAGLE-1 predicts over the whole vocabulary
@@ -267,32 +265,3 @@ class EagleJob(Job):
     def artifact_dest(self, out_dir) -> Path:
         """The artifact goes where the config says (the loop's default is <train.output_dir>/artifact)."""
         return Path(self.cfg.output) if self.cfg.output else Path(out_dir)
-
-
-def train_eagle(cfg: EagleJobConfig) -> Path:
-    """Load the target and the self-distilled data, train, save, evaluate. Returns the artifact directory."""
-    from draftsmith.data import load_distilled
-    from draftsmith.training import train
-    from draftsmith.training.launch import (
-        evaluation_target,
-        leave_process_group,
-        load_target_for,
-        make_accelerator,
-    )
-
-    accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
-    target = load_target_for(cfg.target, accelerator)
-    dataset = load_distilled(cfg.data, target)
-    job = EagleJob(cfg, target, dataset)
-    result = train(job, cfg.train, accelerator)
-    leave_process_group(accelerator)  # training was the last collective work
-    out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
-    if cfg.evaluate.enabled and int(os.environ.get("RANK", "0")) == 0:
-        evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "eagle", cfg.evaluate)
-    return out
-
-
-def run_train_eagle(config_path: str | None, overrides: list[str]) -> Path:
-    """`draftsmith train eagle --config PATH [k=v ...]` and scripts/train_eagle.py."""
-    cfg = load_config(config_path, overrides, cls=EagleJobConfig)
-    return train_eagle(cfg)

@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 
 from draftsmith import artifact
-from draftsmith.config import load_config, register_config, to_dict
+from draftsmith.config import register_config, to_dict
 from draftsmith.errors import ConfigError
-from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
 from draftsmith.heads.losses import topk_divergence
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.medusa.medusa2 import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Medusa2Config
@@ -33,8 +32,8 @@ from draftsmith.medusa.model import (
 from draftsmith.storage import atomic_write_json
 from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
-from draftsmith.training.config import TrainConfig, check_output_folders
-from draftsmith.training.job import Job
+from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
+from draftsmith.training.job import Job, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +93,21 @@ class MedusaJob(Job):
     def data_path(self) -> str | None:
         return self.cfg.data
 
-    def __init__(self, cfg: MedusaJobConfig, target, dataset):
+    @classmethod
+    def check_launch(cls, cfg: MedusaJobConfig, accelerator) -> None:
+        from draftsmith.training.launch import SHARDED, preset_kind
+
+        if cfg.medusa2.enabled and accelerator.num_processes > 1 and preset_kind(accelerator) in SHARDED:
+            raise ConfigError(f"medusa2.enabled: Medusa-2 adapts the target itself and checks its drift against a "
+                              f"whole target on rank 0; under {preset_kind(accelerator)} the target is sharded "
+                              "across ranks: use a DDP preset (configs/accelerate/multi_gpu_ddp.yaml) for Medusa-2")
+
+    def __init__(self, cfg: MedusaJobConfig, target, dataset=None):
         family(target.config)  # a family outside targets/families.py: one line, before any work
+        if dataset is None:  # the self-distilled rows cfg.data names
+            from draftsmith.data import load_distilled
+
+            dataset = load_distilled(cfg.data, target)
         self.cfg, self.target = cfg, target
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
         self._calib_hidden: dict[tuple[str, int], torch.Tensor] = {}  # before_artifact's target hidden states
@@ -167,7 +179,7 @@ class MedusaJob(Job):
         for Medusa-2 the ADAPTED target's (no grad: calibration)."""
         if self.medusa2 and module is not None:
             with torch.no_grad():
-                hidden, _ = _unwrap(module).hidden_and_logits(batch, None)
+                hidden, _ = unwrap(module).hidden_and_logits(batch, None)
             feats = self.features(batch) if self.cfg.kd_weight > 0 else {}
             teacher = (feats["topk_values"], feats["topk_indices"]) if self.cfg.kd_weight > 0 else None
             return hidden, teacher
@@ -220,7 +232,7 @@ class MedusaJob(Job):
     def _lookup(self, module) -> torch.Tensor | None:
         """Target id -> draft id of the vocabulary the MODULE holds: a warm start or a resume loads its
         own (d2t, t2d) buffers, which may differ from the one counted on this job's data."""
-        heads = _unwrap(module)
+        heads = unwrap(module)
         heads = heads.heads if self.medusa2 else heads
         return None if heads.t2d is None else draft_index(heads.t2d)
 
@@ -242,7 +254,7 @@ class MedusaJob(Job):
             config["medusa2"] = {"adapter": ADAPTER_WEIGHTS, "base_weight": self.cfg.medusa2.base_weight,
                                  "note": "verify with the adapted target (the adapter merged into the target)"}
             with torch.no_grad():  # what the adapted target still writes as the original did, on held-out rows
-                drift = target_drift(self.target.model, _unwrap(module).backbone.eval(),
+                drift = target_drift(self.target.model, unwrap(module).backbone.eval(),
                                      list(self.eval_set)[: self.cfg.calibration_rows], self.pad_id, self.cfg.max_length)
             metrics = {**metrics, "target_drift": drift}
             if drift["agreement"] < DRIFT_WARN:
@@ -333,48 +345,3 @@ class MedusaJob(Job):
         if n == 0:
             return None
         return rank_accuracies(torch.stack([h[:n] for h in stacked]))
-
-
-def _unwrap(module):
-    """The job's module under a DDP / accelerate wrapper."""
-    return getattr(module, "module", module)
-
-
-def train_medusa(cfg: MedusaJobConfig) -> Path:
-    """Load the target and the self-distilled data, train, calibrate, save, evaluate. Returns the artifact."""
-    from draftsmith.data import load_distilled
-    from draftsmith.training import train
-    from draftsmith.training.launch import (
-        SHARDED,
-        evaluation_target,
-        leave_process_group,
-        load_target_for,
-        make_accelerator,
-        preset_kind,
-    )
-
-    accelerator = make_accelerator(cfg.train)  # first: the launcher decides this rank's device
-    if cfg.medusa2.enabled and accelerator.num_processes > 1 and preset_kind(accelerator) in SHARDED:
-        raise ConfigError(f"medusa2.enabled: Medusa-2 adapts the target itself and checks its drift against a "
-                          f"whole target on rank 0; under {preset_kind(accelerator)} the target is sharded across "
-                          "ranks: use a DDP preset (configs/accelerate/multi_gpu_ddp.yaml) for Medusa-2")
-    target = load_target_for(cfg.target, accelerator)
-    dataset = load_distilled(cfg.data, target)
-    job = MedusaJob(cfg, target, dataset)
-    result = train(job, cfg.train, accelerator)
-    leave_process_group(accelerator)  # training was the last collective work
-    out = Path(result.artifact) if result.artifact is not None else Path(cfg.output)
-    if cfg.evaluate.enabled and _is_main_process():
-        evaluate_into_artifact(out, evaluation_target(target, cfg.target, accelerator), "medusa", cfg.evaluate)
-    return out
-
-
-def _is_main_process() -> bool:
-    import os
-
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def run_train_medusa(config_path: str | None, overrides: list[str]) -> Path:
-    cfg = load_config(config_path, overrides, cls=MedusaJobConfig)
-    return train_medusa(cfg)

@@ -46,6 +46,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("export.common", "export.card", "export.verify", "export.heads", "planning.memory", "planning.train_memory"),
     ("distill", "medusa", "eagle"),  # one folder per method (METHODS)
     ("evaluation",),  # per-domain alpha/tau/speedup, lossless against a reference, reports
+    # the one runner: train any method's job, then evaluate what it wrote; `draftsmith train` calls it
+    ("training.runner", "training.commands"),
     ("export",),  # what each serving stack needs, verified
     ("checks",),  # `draftsmith check`: artifacts, exports and datasets, read back
     ("planning", "benchmark"),  # memory plans, routing, production alpha; every benchmark and its results
@@ -55,14 +57,9 @@ LAYERS: list[tuple[str, ...]] = [
 METHODS = {"distill", "medusa", "eagle"}
 
 # (importer, imported) -> why the import against the layer order stays, for now
-_EVAL_IN_JOB = "the method's job runs the end-of-training evaluation itself instead of the one runner"
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("draftsmith.data.commands", "draftsmith.training.batching"): "`draftsmith data stats` reports how the rows "
         "batch for training",
-    ("draftsmith.distill.config", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
-    ("draftsmith.distill.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
-    ("draftsmith.eagle.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
-    ("draftsmith.medusa.job", "draftsmith.evaluation.after_training"): _EVAL_IN_JOB,
     ("draftsmith.medusa.medusa2", "draftsmith.cli"): "medusa2.py has a `__main__` of its own",
     ("draftsmith.training.checkpoint", "draftsmith.export.verify"): "a checkpoint's safetensors headers are "
         "read by export's reader",

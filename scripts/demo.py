@@ -82,7 +82,8 @@ def data(target) -> Path:
 def train(target, data_path: Path) -> Path:
     from draftsmith.config import load_config
     from draftsmith.data.generate import CAPTURE_DIR
-    from draftsmith.medusa.job import MedusaJobConfig, train_medusa
+    from draftsmith.medusa.job import MedusaJobConfig
+    from draftsmith.training.runner import run
 
     out = OUT / "medusa"
     if (out / "manifest.json").is_file():
@@ -98,7 +99,7 @@ def train(target, data_path: Path) -> Path:
         # a dataset from an older demo has no capture cache: then the target runs in the step
         *([f"capture_cache={data_path / CAPTURE_DIR}"] if (data_path / CAPTURE_DIR).is_dir() else [])],
         cls=MedusaJobConfig)
-    return train_medusa(cfg)
+    return run("medusa", cfg).artifact
 
 
 @stage("evaluate: plain vs n-gram vs Medusa vs the shipped EAGLE-3 head, per domain, side by side")

@@ -1,4 +1,5 @@
-"""Distil a draft model from a target's logits: a thin entry point over `draftsmith.distill.commands.run`.
+"""Distil a draft model from a target's logits: a thin entry point over `draftsmith distill`
+(`draftsmith train draft`, training/commands.py).
 
     accelerate launch scripts/distill_draft.py --config configs/smollm2-135m/distill.yaml [key=value ...]
     python scripts/distill_draft.py --config configs/smollm2-135m/distill.yaml train.max_steps=50
@@ -9,16 +10,18 @@ Works the same under `python`, `torchrun` and `accelerate launch` (the loop read
 import argparse
 import sys
 
+from draftsmith import methods
 from draftsmith.cli import run_entry_point
-from draftsmith.distill.commands import DEFAULT_CONFIG, run
+from draftsmith.training.commands import run
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--config", default=methods.get("draft").default_config)
     parser.add_argument("--init-only", action="store_true", help="save and evaluate the untrained draft")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    args.job, args.report = "draft", True
     return run_entry_point(lambda: run(args))
 
 

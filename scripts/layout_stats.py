@@ -69,3 +69,13 @@ sccs = ci.cycles(pg)
 print("package-level cycles:", len(sccs))
 for c in sccs:
     print("  ", ", ".join(c))
+if hasattr(ci, "LAYERS"):  # the layer rule (scripts/check_imports.py): the graph between its layers
+    rank = {name: i for i, layer in enumerate(ci.LAYERS) for name in layer}
+    lg: dict[str, set[str]] = {}
+    for m, deps in g.items():
+        a = ci.layer_key(m, rank)
+        lg.setdefault(a, set()).update(ci.layer_key(d, rank) for d in deps if ci.layer_key(d, rank) != a)
+    print(f"layers: {len(ci.LAYERS)}; cycles between layer names: {len(ci.cycles(lg))}; imports against the "
+          f"layer order allowed: {len(ci.ALLOWED_UPWARD)}; problems: {len(ci.problems(g))}")
+    for i, layer in enumerate(ci.LAYERS):
+        print(f"  {i:2d} {', '.join(layer)}")

@@ -1,13 +1,14 @@
 """Train Medusa heads: `accelerate launch scripts/train_medusa.py --config configs/smollm2-135m/medusa.yaml [key=value ...]`.
 
-A thin entry point over `draftsmith.medusa.job.run_train_medusa`; it works the same under `python`, `torchrun` and
+A thin entry point over the one runner (`draftsmith.training.runner.train_method("medusa", ...)`); it works the same under `python`, `torchrun` and
 `accelerate launch` (the training loop reads the launcher's environment).
 """
 
 import sys
 
 from draftsmith.cli import script_main
-from draftsmith.medusa.job import run_train_medusa
+from draftsmith.training.runner import train_method
 
 if __name__ == "__main__":
-    sys.exit(script_main(run_train_medusa, "configs/smollm2-135m/medusa.yaml", __doc__))
+    sys.exit(script_main(lambda config, overrides: train_method("medusa", config, overrides),
+                         "configs/smollm2-135m/medusa.yaml", __doc__))

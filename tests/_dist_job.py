@@ -1,4 +1,4 @@
-"""The user's path, run by the multi-process tests: `train_medusa` / `train_eagle` on a tiny target folder and a
+"""The user's path, run by the multi-process tests: the one runner (`run("medusa" | "eagle", cfg)`) on a tiny target folder and a
 tiny self-distilled dataset, as `accelerate launch scripts/train_medusa.py` runs them (under torchrun here).
 
     python tests/_dist_job.py prepare --root DIR                      # target folder + dataset (once)
@@ -72,6 +72,7 @@ def train(a: argparse.Namespace) -> None:
     import draftsmith.targets as targets
     from draftsmith.training import TrainConfig
     from draftsmith.training.launch import preset_kind
+    from draftsmith.training.runner import run as run_job
 
     loaded = []
     real_load = targets.load_target
@@ -108,21 +109,21 @@ def train(a: argparse.Namespace) -> None:
                        mixed_precision="no", max_grad_norm=None)
     root = a.root
     if a.job == "medusa":
-        from draftsmith.medusa.job import MedusaJobConfig, train_medusa
+        from draftsmith.medusa.job import MedusaJobConfig
 
         cfg = MedusaJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
                               num_heads=2, num_layers=1, eval_fraction=0.2, calibration_rows=4, tree_budget=6,
                               tree_max_rank=3, max_length=32, train=tcfg)
         cfg.evaluate.enabled = False
-        train_medusa(cfg)
+        run_job("medusa", cfg)
     else:
-        from draftsmith.eagle.job import EagleJobConfig, train_eagle
+        from draftsmith.eagle.job import EagleJobConfig
 
         cfg = EagleJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
                              version="eagle3", ttt_steps=2, draft_vocab_size=64, eval_fraction=0.2, max_length=32,
                              train=tcfg)
         cfg.evaluate.enabled = False
-        train_eagle(cfg)
+        run_job("eagle", cfg)
 
     tr = seen["trainer"]
     target = loaded[0]

@@ -49,12 +49,12 @@ class TinyFamily:
 
     def __init__(self, family: str, tokenizer, tmp: Path, kinds=KINDS, steps: int = 40):
         from draftsmith.distill.config import DistillConfig
-        from draftsmith.distill.job import run_distill
         from draftsmith.eagle.job import EagleJob, EagleJobConfig
         from draftsmith.evaluation.after_training import EvalAfterTraining
         from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
         from draftsmith.targets import load_target
         from draftsmith.training import train
+        from draftsmith.training.runner import run
 
         self.tmp = tmp
         self.folder = build_tiny_family(family, tokenizer, tmp / family, hidden=128, layers=4)
@@ -83,7 +83,7 @@ class TinyFamily:
             dcfg.target, dcfg.train = str(self.folder), _train_cfg(tmp, "distill", steps)
             dcfg.train.batch_size, dcfg.evaluate.enabled, dcfg.draft.num_layers = 2, False, 1
             dcfg.data.eval_fraction = 0.25
-            self.artifacts["draft"] = Path(run_distill(dcfg, self.target, rows)["artifact"])
+            self.artifacts["draft"] = Path(run("draft", dcfg, target=self.target, rows=rows).artifact)
         self.prompts = _prompt_file(tmp)
         self.plain: dict | None = None  # vLLM without speculation on these prompts, shared by the kinds
 

@@ -11,10 +11,11 @@ import torch
 from draftsmith.config import load_config
 from draftsmith.distill import builders as B
 from draftsmith.distill.config import DistillConfig
-from draftsmith.distill.job import DistillJob, prompt_lengths, run_distill
+from draftsmith.distill.job import DistillJob, prompt_lengths
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.heads import lora
 from draftsmith.training.batching import pad_rows
+from draftsmith.training.runner import run
 
 PROMPTS = ["What is the capital of France?", "Add 2 and 3.", "Write a loop in Python.", "Summarize the passage.",
            "How many clips did Natalia sell?", "Translate the sentence into French.", "def add(a, b):",
@@ -169,10 +170,10 @@ def test_short_distillation_lowers_kd_and_artifact_works(tiny_target, rows, tmp_
     job = DistillJob(cfg, tiny_target, rows)
     torch.manual_seed(cfg.train.seed)
     before = _eval_kd(job, job.build_module())
-    out = run_distill(cfg, tiny_target, rows)
-    after = out["metrics"]["eval/kd"]
+    out = run("draft", cfg, target=tiny_target, rows=rows)
+    after = out.metrics["eval/kd"]
     assert after < 0.5 * before, (before, after)
-    path = Path(out["artifact"])
+    path = Path(out.artifact)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["kind"] == "draft" and manifest["target"]["tokenizer_hash"] == tiny_target.fingerprint()["tokenizer_hash"]
     assert manifest["config"]["kd"]["divergence"] == "jsd" and manifest["train_seconds"] > 0
@@ -200,8 +201,8 @@ def test_short_distillation_lowers_kd_and_artifact_works(tiny_target, rows, tmp_
 
 def test_truncated_no_kd_baseline_reports_gap_metrics(tiny_target, rows, tmp_path):
     cfg = tiny_cfg(tmp_path, "kd.ce_weight=1.0")
-    out = run_distill(cfg, tiny_target, rows)
-    m = out["metrics"]
+    out = run("draft", cfg, target=tiny_target, rows=rows)
+    m = out.metrics
     assert {"eval/kd", "eval/tvd", "eval/ce"} <= set(m) and "train/tvd" not in m
     assert 0.0 <= m["eval/tvd"] <= 1.0
 
@@ -219,16 +220,16 @@ def test_on_policy_batches_are_sampled_by_the_draft(tiny_target, rows, tmp_path)
         assert new["input_ids"][b, :n].tolist() == batch["input_ids"][b, :n].tolist()  # prompt kept
         learned = int(new["loss_mask"][b].sum())
         assert 1 <= learned <= 6 and learned == int(new["attention_mask"][b].sum()) - n
-    out = run_distill(cfg, tiny_target, rows)
-    assert out["metrics"]["train/on_policy"] == 1.0
+    out = run("draft", cfg, target=tiny_target, rows=rows)
+    assert out.metrics["train/on_policy"] == 1.0
 
 
 def test_offline_topk_cache(tiny_target, rows, tmp_path, capsys):
     cfg = tiny_cfg(tmp_path, "data.mode=offline", "data.capture_topk=8", "kd.divergence=reverse_kl")
-    out = run_distill(cfg, tiny_target, rows)
+    out = run("draft", cfg, target=tiny_target, rows=rows)
     assert "estimated disk" in capsys.readouterr().err
     assert (tmp_path / "run" / "capture" / "index.json").is_file()
-    assert out["metrics"]["eval/kd"] >= 0
+    assert out.metrics["eval/kd"] >= 0
     # top-k from the cache equals top-k computed online for the same rows
     job = DistillJob(cfg, tiny_target, rows)
     batch = job.collate(list(job.eval_rows()))
@@ -261,10 +262,10 @@ def test_lora_job_exports_plain_model(tiny_target, rows, tmp_path):
     B.truncated_draft(tiny_target, 1).save_pretrained(folder)
     tiny_target.tokenizer.save_pretrained(folder)
     cfg = tiny_cfg(tmp_path, "draft.init=existing", f"draft.path={folder}", "lora.enabled=true", "lora.r=4")
-    out = run_distill(cfg, tiny_target, rows)
-    model = AutoModelForCausalLM.from_pretrained(out["artifact"])
+    out = run("draft", cfg, target=tiny_target, rows=rows)
+    model = AutoModelForCausalLM.from_pretrained(out.artifact)
     assert not any("lora" in k for k in model.state_dict())
-    assert not (Path(out["artifact"]) / "adapter_config.json").exists()
+    assert not (Path(out.artifact) / "adapter_config.json").exists()
 
 
 def test_cli_and_preset(tiny_target, rows, tmp_path):
@@ -299,9 +300,9 @@ def test_init_only_saves_and_evaluates_the_untrained_draft(tiny_target, rows, tm
     prompts.write_text(json.dumps({"turns": [PROMPTS[0]], "category": "math"}) + "\n")
     cfg = tiny_cfg(tmp_path, "evaluate.enabled=true", f"evaluate.prompts=[{prompts}]", "evaluate.max_new_tokens=8",
                    "evaluate.cost_model=false")
-    out = run_distill(cfg, tiny_target, rows, init_only=True)
-    path = Path(out["artifact"])
-    assert out["train_seconds"] == 0.0 and path == Path(cfg.train.output_dir) / "artifact"
+    out = run("draft", cfg, target=tiny_target, rows=rows, init_only=True)
+    path = Path(out.artifact)
+    assert out.train_seconds == 0.0 and path == Path(cfg.train.output_dir) / "artifact"
     assert not (Path(cfg.train.output_dir) / "checkpoints").exists()  # the loop never ran
     built = DistillJob(cfg, tiny_target, rows).build_module()
     saved = AutoModelForCausalLM.from_pretrained(path)
@@ -316,11 +317,11 @@ def test_warm_start_from_a_tied_draft(tiny_target, rows, tmp_path):
     does) loads the head through the embedding it shares."""
     from transformers import AutoModelForCausalLM
 
-    first = run_distill(tiny_cfg(tmp_path / "a"), tiny_target, rows)["artifact"]
+    first = run("draft", tiny_cfg(tmp_path / "a"), target=tiny_target, rows=rows).artifact
     saved = AutoModelForCausalLM.from_pretrained(first)
     assert saved.config.tie_word_embeddings
     cfg = tiny_cfg(tmp_path / "b", f"train.warm_start={first}", "train.max_steps=1", "train.lr=1e-12",
                    "train.schedule=constant")
-    second = AutoModelForCausalLM.from_pretrained(run_distill(cfg, tiny_target, rows)["artifact"])
+    second = AutoModelForCausalLM.from_pretrained(run("draft", cfg, target=tiny_target, rows=rows).artifact)
     for name, p in saved.state_dict().items():
         torch.testing.assert_close(second.state_dict()[name], p, atol=1e-6, rtol=0, msg=name)

@@ -121,12 +121,12 @@ def _speculators_parity(export_dir: Path, art: Path, target, rows: list[dict]) -
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_path):
     from draftsmith.distill.config import DistillConfig
-    from draftsmith.distill.job import run_distill
     from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
     from draftsmith.targets import load_target
     from draftsmith.targets.families import family as family_of
     from draftsmith.targets.families import full_attention_rope
+    from draftsmith.training.runner import run
 
     folder = build_tiny_family(family, tiny_tokenizer, tmp_path / family)
     target = load_target(str(folder))
@@ -168,7 +168,7 @@ def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_pat
     dcfg.target, dcfg.train = str(folder), _train_cfg(tmp_path, "distill")
     dcfg.train.batch_size, dcfg.evaluate.enabled, dcfg.draft.num_layers = 2, False, 1
     dcfg.data.eval_fraction = 0.25
-    draft = Path(run_distill(dcfg, target, rows)["artifact"])
+    draft = Path(run("draft", dcfg, target=target, rows=rows).artifact)
     _lossless(target, f"draft:{draft}", rows, plain)
     _export_all(draft, target, tmp_path, ["vllm", "sglang", "trtllm", "hf"], consumer="hf")
 

@@ -13,8 +13,9 @@ from draftsmith.data import generate_dataset, load_distilled
 from draftsmith.data.generate import load_data_config
 from draftsmith.evaluation import evaluate
 from draftsmith.export import export_artifact
-from draftsmith.medusa.job import MedusaJobConfig, train_medusa
+from draftsmith.medusa.job import MedusaJobConfig
 from draftsmith.storage import shared_data_dir
+from draftsmith.training.runner import run
 
 pytestmark = pytest.mark.real
 
@@ -32,7 +33,7 @@ def test_data_train_evaluate_export(real_target, tmp_path):
         "train.max_steps=4", "train.batch_size=4", "train.eval_every=0", "train.save_every=2",
         "train.progress=false", "num_heads=2", "max_length=160", "calibration_rows=4", "tree_budget=6",
         "evaluate.enabled=false", "train.loggers=[jsonl]"], cls=MedusaJobConfig)
-    art = train_medusa(cfg)
+    art = run("medusa", cfg).artifact
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["kind"] == "medusa" and manifest["target"]["vocab_size"] == 49152
 

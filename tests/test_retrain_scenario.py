@@ -92,7 +92,7 @@ def scenario(tiny_tokenizer, tmp_path_factory):
     """Config files and the initial version v1, trained briefly on domain A."""
     from draftsmith.data import generate_dataset
     from draftsmith.data.generate import load_data_config
-    from draftsmith.medusa.job import run_train_medusa
+    from draftsmith.training.runner import train_method
 
     root = tmp_path_factory.mktemp("retrain")
     target = _learned_target(tiny_tokenizer, root / "target")
@@ -114,7 +114,7 @@ def scenario(tiny_tokenizer, tmp_path_factory):
                   "output_dir": str(root / "v1.train"), "log_every": 1, "save_every": 2},
         "evaluate": {"enabled": False},
     }))
-    v1 = run_train_medusa(str(job_yaml), [])
+    v1 = train_method("medusa", str(job_yaml), [])
     traffic = root / "traffic"
     traffic.mkdir()
     now = time.time()

@@ -1,4 +1,4 @@
-"""Several processes on the CPU (gloo), through the user's own entry points (`train_medusa`, `train_eagle`),
+"""Several processes on the CPU (gloo), through the user's own entry point (the one runner, `run(method, cfg)`),
 as `accelerate launch` runs them on GPUs (tests/_dist_job.py), with the CPU forms of the presets
 (configs/accelerate/cpu_*.yaml):
 

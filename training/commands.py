@@ -1,9 +1,22 @@
 """`draftsmith train METHOD --config PATH [key=value ...]`: run any registered method's training job
-(methods.py); `draftsmith distill` is the draft method's own command with more options."""
+(methods.py) through the one runner (training/runner.py). A method may name other CLI words for the same
+job (`Method.command`: `draftsmith distill` is `draftsmith train draft`, printing its timing and evaluation
+too)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from draftsmith import methods
+from draftsmith.errors import ConfigError
+
+
+def _add_job_arguments(p, default_help: str) -> None:
+    p.add_argument("--config", default=None, help=f"YAML preset (default: {default_help})")
+    p.add_argument("--init-only", action="store_true",
+                   help="save and evaluate the module as built, untrained: the baseline a trained one is compared with")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=100")
 
 
 def register(subparsers) -> None:
@@ -12,13 +25,36 @@ def register(subparsers) -> None:
                               + ", ".join(m.name for m in known))
     p.add_argument("job", choices=[m.name for m in known],
                    help="; ".join(f"{m.name}: {m.summary}" for m in known))
-    p.add_argument("--config", default=None, help="YAML preset (default: the method's smollm2-135m preset)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=100")
+    _add_job_arguments(p, "the method's smollm2-135m preset")
     p.set_defaults(func=run)
+    for m in known:  # a method's own words for the same job (one word: a top-level command)
+        if len(m.command) == 1:
+            own = subparsers.add_parser(m.command[0], help=f"`train {m.name}`: {m.summary}")
+            _add_job_arguments(own, m.default_config or "the method's preset")
+            own.set_defaults(func=run, job=m.name, report=True)
 
 
 def run(args) -> int:
     method = methods.get(args.job)
-    out = method.get("train")(args.config or method.default_config, args.overrides)
-    print(f"artifact: {out}")
+    init_only = getattr(args, "init_only", False)
+    if method.job is None:  # a method that trains by itself (`Method.train`)
+        if init_only:
+            raise ConfigError(f"--init-only: method '{method.name}' declares no job to build untrained")
+        print(f"artifact: {method.get('train')(args.config or method.default_config, args.overrides)}")
+        return 0
+    from draftsmith.config import load_config
+    from draftsmith.training.runner import run as run_job
+
+    cfg = load_config(args.config or method.default_config, args.overrides, cls=method.get("config"))
+    out = run_job(method, cfg, init_only=init_only)
+    artifact = out.artifact
+    if artifact is None and method.output_key is not None:  # off the main process: where rank 0 writes it
+        artifact = Path(getattr(cfg, method.output_key))
+    if not getattr(args, "report", False):
+        print(f"artifact: {artifact}")
+    elif out.artifact is not None:  # rank 0 only
+        print(f"artifact: {out.artifact}")
+        print(f"train_seconds: {out.train_seconds:.1f}")
+        if out.eval is not None:
+            print("eval: " + json.dumps(out.eval, default=str)[:2000])
     return 0

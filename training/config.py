@@ -1,4 +1,6 @@
-"""`TrainConfig`: the settings of the one training loop, embedded as the `train:` section of every job config.
+"""`TrainConfig`: the settings of the one training loop, embedded as the `train:` section of every job config;
+`EvalAfterTraining`: the `evaluate:` section, what the runner's end-of-training evaluation runs
+(evaluation/after_training.py).
 
 It is not a registered config kind by itself: `MedusaConfig`, `EagleConfig` and `DistillConfig` each carry a
 `train: TrainConfig` field, so `draftsmith train-medusa --config x.yaml train.lr=3e-4` reaches it through
@@ -137,3 +139,24 @@ class TrainConfig:
 
     def resolved_warmup(self, total_steps: int) -> int:
         return self.warmup_steps if self.warmup_steps > 0 else round(self.warmup_ratio * total_steps)
+
+
+@dataclass
+class EvalAfterTraining:
+    enabled: bool = True
+    prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets of `split`
+    split: str = "dev"  # the end-of-training evaluation chooses (checkpoints, recipes): never the test split
+    limit_per_domain: int | None = 8
+    max_new_tokens: int = 64
+    k: int = 4  # chain length (draft models, and heads when tree is false)
+    tree: bool = True  # heads: verify the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)
+    hf_reference: bool = True  # HF generate beside: the independent reference `lossless` is judged against
+    cost_model: bool = True  # measure v(k) and c on this machine -> recommended k
+
+    def __post_init__(self):
+        if self.limit_per_domain is not None and self.limit_per_domain < 1:
+            raise ValueError("evaluate.limit_per_domain must be >= 1 or null")
+        if self.split not in ("dev", "test"):
+            raise ValueError(f"evaluate.split must be dev or test, got {self.split!r}")
+        if self.max_new_tokens < 1 or self.k < 1:
+            raise ValueError("evaluate.max_new_tokens and evaluate.k must be >= 1")

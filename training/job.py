@@ -55,6 +55,11 @@ import torch
 from torch import nn
 
 
+def unwrap(module: nn.Module) -> nn.Module:
+    """The job's own module under a DDP / accelerate wrapper (they keep it in `.module`)."""
+    return getattr(module, "module", module)
+
+
 class Job:
     """What the one loop needs from a job (module docstring). A job subclasses this and implements the six
     required methods; every optional hook below has the loop's default, so the loop never probes a job."""
@@ -82,6 +87,13 @@ class Job:
         raise NotImplementedError(f"{type(self).__name__}.save_artifact")
 
     # --- optional hooks, with the loop's defaults ------------------------------------------------------
+    @classmethod
+    def check_launch(cls, cfg: Any, accelerator) -> None:
+        """Refuse a launch layout the job cannot run under (one line), before the runner loads the target."""
+
+    def announce(self) -> None:
+        """Once before training (training/runner.py): log what the job trains."""
+
     def setup(self, accelerator) -> None:
         """Once on every rank after the Accelerator exists: place the frozen target (training.frozen)."""
 
