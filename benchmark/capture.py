@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from draftsmith.benchmark.engine import TRAIN, emit, read_rows
+from draftsmith.benchmark.engine import TRAIN, emit, read_rows, take_flag
 from draftsmith.data.capture import capture_rows
 from draftsmith.data.config import CaptureConfig
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request
@@ -30,19 +30,10 @@ from draftsmith.targets.device import dtype_name
 from draftsmith.targets.precision import inference_copy, inference_dtype
 
 
-def _take(argv: list[str], flag: str, default=None):
-    if flag in argv:
-        i = argv.index(flag)
-        value = argv[i + 1]
-        del argv[i:i + 2]
-        return value
-    return default
-
-
 def main(argv: list[str]) -> dict:
     argv = list(argv)
-    json_out = _take(argv, "--json")
-    batch = int(_take(argv, "--batch", 96))
+    json_out = take_flag(argv, "--json")
+    batch = int(take_flag(argv, "--batch", 96))
     n, max_new = int(argv[0]), int(argv[1])
     spec = argv[2] if len(argv) > 2 else "smollm2-135m"
     torch.set_num_threads(2)

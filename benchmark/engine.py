@@ -45,13 +45,19 @@ def read_rows(path, n: int) -> list[dict]:
     return rows
 
 
+def take_flag(argv: list[str], flag: str, default=None):
+    """The value after `flag` in `argv`, both removed from it (the timing modules' few options)."""
+    if flag in argv:
+        i = argv.index(flag)
+        value = argv[i + 1]
+        del argv[i:i + 2]
+        return value
+    return default
+
+
 def main(argv: list[str]) -> dict:
     argv = list(argv)
-    json_out = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        json_out = argv[i + 1]
-        del argv[i:i + 2]
+    json_out = take_flag(argv, "--json")
     n, max_new, specs = int(argv[0]), int(argv[1]), argv[2]
     target_spec = argv[3] if len(argv) > 3 else "smollm2-135m"
     torch.set_num_threads(2)

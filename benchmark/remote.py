@@ -27,20 +27,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from draftsmith.benchmark.engine import TRAIN, emit
+from draftsmith.benchmark.engine import TRAIN, emit, take_flag
 from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
 from draftsmith.data.generate import generate_dataset, load_distilled, read_provenance
 from draftsmith.data.masks import masked_spans
 from draftsmith.targets import load_target
-
-
-def _take(argv: list[str], flag: str, default=None):
-    if flag in argv:
-        i = argv.index(flag)
-        value = argv[i + 1]
-        del argv[i:i + 2]
-        return value
-    return default
 
 
 def _serve(folder: Path, threads: int = 2) -> tuple[subprocess.Popen, str]:
@@ -113,10 +104,10 @@ def _median(xs: list[float]) -> float:
 
 def main(argv: list[str]) -> dict:
     argv = list(argv)
-    json_out = _take(argv, "--json")
-    server = _take(argv, "--server", "transformers")
-    batch = int(_take(argv, "--batch", _take(argv, "--concurrency", 16)))
-    repeats = int(_take(argv, "--repeats", 1))
+    json_out = take_flag(argv, "--json")
+    server = take_flag(argv, "--server", "transformers")
+    batch = int(take_flag(argv, "--batch", take_flag(argv, "--concurrency", 16)))
+    repeats = int(take_flag(argv, "--repeats", 1))
     if server not in ("transformers", "vllm"):
         raise SystemExit(f"--server {server}: transformers or vllm")
     n, max_new = int(argv[0]), int(argv[1])

@@ -158,7 +158,8 @@ class StepStats:
         self.steps += 1
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a wall-clock time covers them (CUDA only)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -226,7 +227,7 @@ class SequenceVerifier:
 
             first = sample(probs_from_logits(last, self.sampling), self.generator)
         self.context = torch.cat([prompt, torch.tensor([first], dtype=torch.long, device=self.device)])
-        _sync(self.device)
+        sync(self.device)
         self.stats.target_time += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.proposer.begin(self.context, feats)
@@ -241,7 +242,7 @@ class SequenceVerifier:
         t0 = time.perf_counter()
         proposal = self.proposer.propose(self.context, spec, self.sampling, self.generator) if spec.depth else \
             Proposal.empty(self.device)
-        _sync(self.device)
+        sync(self.device)
         t1 = time.perf_counter()
         self.stats.proposer_time += t1 - t0
         proposal.validate(spec, self.vocab_size)
@@ -269,7 +270,7 @@ class SequenceVerifier:
         kvcache.keep_positions(self.cache, cache_len, keep)
         new_tokens = proposal.tokens[path].tolist() + [token]
         self.context = torch.cat([self.context, torch.tensor(new_tokens, dtype=torch.long, device=self.device)])
-        _sync(self.device)
+        sync(self.device)
         t2 = time.perf_counter()
         self.stats.target_time += t2 - t1
         self.stats.record(proposal, len(path), path)

@@ -37,7 +37,7 @@ from torch import nn
 
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.targets.capture import decoder_layers
-from draftsmith.targets.families import text_config, text_state_dict
+from draftsmith.targets.families import attention_dims, text_config, text_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +214,7 @@ def size_report(model_or_config, context: int = 256) -> dict[str, Any]:
     """Parameters and forward FLOPs per token (module docstring). Works on a model or a bare config."""
     cfg = text_config(getattr(model_or_config, "config", model_or_config))
     d, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", heads) or heads
-    hd = getattr(cfg, "head_dim", None) or d // heads
+    heads, kv, hd = attention_dims(cfg)
     ff = cfg.intermediate_size
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     if isinstance(model_or_config, nn.Module):

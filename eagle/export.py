@@ -44,6 +44,7 @@ from draftsmith.export.verify import (
     VerificationError,
     check,
     compare,
+    guard_vocab_size,
     read_header,
     read_tensors,
     register_verifier,
@@ -52,7 +53,7 @@ from draftsmith.export.verify import (
 )
 from draftsmith.storage import atomic_write_json, read_json
 from draftsmith.targets.capture import default_eagle3_layers, resolve_layers
-from draftsmith.targets.families import full_attention_rope, rope_fields
+from draftsmith.targets.families import attention_dims, full_attention_rope, rope_fields
 
 SPECULATORS = "speculators-eagle3"
 MIDLAYER = "eagle3-midlayer"
@@ -279,8 +280,7 @@ def write_layout(tmp: Path, fmt: str, cfg: dict, state: dict[str, torch.Tensor],
 # --- specs -------------------------------------------------------------------------------------------
 def _layer_spec(prefix: str, c: dict, dt: str, first_in: int, eagle3: bool) -> Spec:
     H, inter = c["hidden_size"], c["intermediate_size"]
-    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
-    hd = c.get("head_dim") or H // nh
+    nh, nkv, hd = attention_dims(c)
     spec = {
         f"{prefix}self_attn.q_proj.weight": ((nh * hd, first_in), dt),
         f"{prefix}self_attn.k_proj.weight": ((nkv * hd, first_in), dt),
@@ -406,10 +406,6 @@ def read_layout(out: str | Path, names: dict[str, str] | None = None) -> tuple[d
 
 
 # --- verifiers ---------------------------------------------------------------------------------------
-def _guard_vocab(out: Path) -> int | None:
-    return read_json(out / "draftsmith.json")["target"].get("vocab_size")
-
-
 def _expected_theta(out: Path, target) -> float | None:
     """The target's full-attention RoPE base: from the target when given, else as recorded at export."""
     if target is not None:
@@ -420,7 +416,7 @@ def _expected_theta(out: Path, target) -> float | None:
 def _make_verifier(fmt: str):
     def verify(out, target=None) -> list[str]:
         out = Path(out)
-        checks = verify_layout(out, fmt, _guard_vocab(out), _expected_theta(out, target))
+        checks = verify_layout(out, fmt, guard_vocab_size(out), _expected_theta(out, target))
         if fmt == SPECULATORS and target is not None:
             msg = speculators_check(out, target)
             if msg:

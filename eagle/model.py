@@ -70,6 +70,7 @@ from draftsmith.storage import read_json
 from draftsmith.targets.families import (
     FAMILIES,
     Family,
+    attention_dims,
     embedding_rows,
     embeddings,
     family,
@@ -147,10 +148,9 @@ def layer_config_dict(target_config, draft_layer: str = "llama") -> dict:
         return d
     if draft_layer != "llama":
         raise ConfigError(f"draft_layer must be 'target' or 'llama', got {draft_layer!r}")
-    heads = tc.num_attention_heads
+    heads, kv_heads, head_dim = attention_dims(tc)
     return {"model_type": "llama", "hidden_size": tc.hidden_size, "intermediate_size": tc.intermediate_size,
-            "num_attention_heads": heads, "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
             "rms_norm_eps": getattr(tc, "rms_norm_eps", 1e-6),
             **rope_fields(full_attention_rope(tc)),
             "max_position_embeddings": getattr(tc, "max_position_embeddings", 8192),

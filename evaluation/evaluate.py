@@ -40,6 +40,7 @@ from draftsmith.decoding.cost import CpuShare
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
 from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype
+from draftsmith.decoding.verify import sync
 from draftsmith.distill.proposer import DraftProposer
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.config import EvalConfig
@@ -52,11 +53,6 @@ from draftsmith.targets.families import pad_token_id
 log = logging.getLogger(__name__)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _hf_generate(model, ids: list[int], cfg: EvalConfig, eos: list[int], pad: int | None, **extra) -> tuple[list[int], float]:
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
@@ -66,11 +62,11 @@ def _hf_generate(model, ids: list[int], cfg: EvalConfig, eos: list[int], pad: in
         kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
     else:
         kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     with torch.no_grad(), gemm.disabled():  # the kernels a user's own model runs with
         out = model.generate(x, **kw, **extra)
-    _sync(device)
+    sync(device)
     return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0
 
 

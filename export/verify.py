@@ -188,6 +188,14 @@ def check(where: str | Path, problems: list[str]) -> None:
         raise VerificationError(head + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else ""))
 
 
+def guard_vocab_size(out: Path) -> int | None:
+    """The target vocabulary size an export recorded in its draftsmith.json (None: not recorded)."""
+    from draftsmith.export.common import GUARD
+    from draftsmith.storage import read_json
+
+    return read_json(Path(out) / GUARD)["target"].get("vocab_size")
+
+
 def run_verifier(path: Path, fmt: str, target=None, shown: Path | None = None) -> list[str]:
     """The weight checksums recorded in draftsmith.json, then the format's verifier. An exporter verifies
     its temporary folder before swapping it in: `shown` is the final path, named in the messages instead."""

@@ -35,6 +35,7 @@ from draftsmith.export.verify import (
     Spec,
     check,
     compare,
+    guard_vocab_size,
     read_header,
     read_tensors,
     register_verifier,
@@ -288,10 +289,6 @@ def read_layout(out: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 # --- verifiers (re-read from disk; the format is named in draftsmith.json) ------------------------------
-def _guard_vocab(out: Path) -> int | None:
-    return read_json(out / "draftsmith.json")["target"].get("vocab_size")
-
-
 MAX_VOCAB = 1 << 30  # an export that records no vocabulary size: ranks bounded by MAX_TREE_RANK alone
 
 
@@ -308,7 +305,7 @@ def tree_problems(out: Path) -> list[str]:
     problems = [unreadable] if unreadable else []
     if data is not None:
         trees.append((str(out / "tree.json"), data["paths"]))
-    vocab = config.get("draft_vocab_size") or config.get("vocab_size") or _guard_vocab(out) or MAX_VOCAB
+    vocab = config.get("draft_vocab_size") or config.get("vocab_size") or guard_vocab_size(out) or MAX_VOCAB
     for where, paths in trees:
         if not paths or heads is None:
             continue
@@ -319,7 +316,7 @@ def tree_problems(out: Path) -> list[str]:
 
 def _verify(out, fmt: str) -> list[str]:
     out = Path(out)
-    checks = verify_layout(out, fmt, _guard_vocab(out))
+    checks = verify_layout(out, fmt, guard_vocab_size(out))
     check(out, tree_problems(out))
     return checks + ["the Medusa tree uses only the exported heads"]
 

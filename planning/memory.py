@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.errors import ConfigError
-from draftsmith.targets.families import text_config
+from draftsmith.targets.families import attention_dims, text_config
 
 GIB = 2**30
 GPUS = {  # usable device memory in bytes (marketing GB -> bytes as the driver reports them)
@@ -88,8 +88,7 @@ def kv_bytes_per_token(config, dtype_bytes: int, context: int) -> float:
     """KV bytes one sequence of `context` tokens holds, divided by context (sliding layers hold less)."""
     c = text_config(config)
     layers = c.num_hidden_layers
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    _, kv_heads, head_dim = attention_dims(c)
     per_layer_token = 2 * kv_heads * head_dim * dtype_bytes
     types = getattr(c, "layer_types", None)
     window = getattr(c, "sliding_window", None)
@@ -103,9 +102,7 @@ def activation_bytes(config, tokens: int, sampled: int, dtype_bytes: int) -> int
     """One forward's transient workspace for `tokens` tokens in flight, `sampled` of them through lm_head."""
     c = text_config(config)
     h = c.hidden_size
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or h // heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    heads, kv_heads, head_dim = attention_dims(c)
     inter = getattr(c, "intermediate_size", 4 * h)
     per_token = (2 * h  # residual + normed input
                  + (heads + 2 * kv_heads) * head_dim  # q, k, v

@@ -33,7 +33,7 @@ from draftsmith import methods
 from draftsmith.errors import ConfigError
 from draftsmith.planning.memory import GIB, GPUS, activation_bytes, count_params, load_target_config
 from draftsmith.storage import read_json
-from draftsmith.targets.families import family, text_config
+from draftsmith.targets.families import attention_dims, family, text_config
 
 OVERHEAD = 3 * GIB
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
@@ -96,8 +96,7 @@ def meta_params(build) -> int:
 def layer_bytes_per_token(c, inter: int | None = None, attn_in: int | None = None) -> int:
     """Elements autograd keeps per token for one Llama-shaped decoder layer (in the compute dtype)."""
     h = c["hidden_size"]
-    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
-    hd = c.get("head_dim") or h // heads
+    heads, kv, hd = attention_dims(c)
     inter = inter or c["intermediate_size"]
     return ((attn_in or h)  # the q/k/v input
             + (heads + 2 * kv) * hd  # q, k, v

@@ -78,6 +78,15 @@ def text_config(config):
     return get() if callable(get) else config
 
 
+def attention_dims(c) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head_dim) of a decoder config, an object or a dict (config.json): a
+    config without num_key_value_heads has one KV head per query head (no GQA), one without head_dim
+    splits hidden_size evenly across the heads."""
+    get = c.get if isinstance(c, dict) else lambda k: getattr(c, k, None)
+    heads = get("num_attention_heads")
+    return heads, get("num_key_value_heads") or heads, get("head_dim") or get("hidden_size") // heads
+
+
 def model_type(config) -> str | None:
     """The checkpoint's own model_type (the outer one for multimodal checkpoints: that is the family)."""
     config = getattr(config, "config", config)
