@@ -62,3 +62,23 @@ def test_export_warns_exactly_where_the_measured_vllm_refuses(report):
         assert refusal(*key) and "refuses" in refusal(*key)
     served = [(f, r["kind"]) for f, rows in report["families"].items() for r in rows if r.get("loaded")]
     assert served and all(refusal(*key) is None for key in served)
+
+
+def test_a_refusal_names_the_engine_cores_own_error(tmp_path):
+    """vLLM's engine core fails in a process of its own, and the runner sees only vLLM's wrapper ("Engine core
+    initialization failed"); the report takes the cause from the engine's log (lines as vLLM 0.32.0 writes them)."""
+    from draftsmith.export.serve_check import root_cause
+
+    log = tmp_path / "vllm-spec.log"
+    log.write_text(
+        "(EngineCore pid=1) INFO 11-26 02:57:40 [core.py:133] Initializing a V1 LLM engine (v0.32.0)\n"
+        "(Worker pid=2) ERROR 11-26 02:57:50 [multiproc_executor.py:953]     raise RuntimeError(\n"
+        "(Worker pid=2) ERROR 11-26 02:57:50 [multiproc_executor.py:953] RuntimeError: Model does not support "
+        "EAGLE3 interface but aux_hidden_state_outputs was requested\n"
+        "(EngineCore pid=1) ERROR 11-26 02:57:51 [core.py:1512] RuntimeError: Worker failed with error 'Model does "
+        "not support EAGLE3 interface', please check the stack trace above for the root cause\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert root_cause(log) == ("RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs "
+                               "was requested")
+    log.write_text("INFO nothing failed here\n")
+    assert root_cause(log) is None
