@@ -53,7 +53,7 @@ def test_config_validation(monkeypatch):
     with pytest.raises(ConfigError, match="schedule"):
         from_dict(TrainConfig, {"schedule": "exp"}, "train")
     with pytest.raises(ConfigError, match="logger"):
-        from_dict(TrainConfig, {"loggers": ["mlflow"]}, "train")
+        from_dict(TrainConfig, {"loggers": ["neptune"]}, "train")
     c = from_dict(TrainConfig, {"lr": "2e-4", "betas": [0.9, 0.95], "loggers": ["tensorboard"]}, "train")
     assert c.lr == 2e-4 and c.betas == (0.9, 0.95) and c.loggers[0] == "jsonl"
     assert c.resolved_mixed_precision() in ("no", "bf16")
