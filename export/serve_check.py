@@ -117,7 +117,7 @@ def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         raise ServeCheckError(f"vLLM run '{name}' gave no result within {timeout:.0f} s (log {log_path}: {tail[0][:300]})")
     result = read_json(result_path)
-    if result.get("error") and ENGINE_WRAPPER in result["error"]:
+    if result.get("error") and (ENGINE_WRAPPER in result["error"] or "failed to be inspected" in result["error"]):
         # the engine core failed in its own process: its log holds the cause, the runner only vLLM's wrapper
         cause = root_cause(log_path)
         if cause:
@@ -130,13 +130,16 @@ _CAUSE = re.compile(r"\b((?:[A-Z]\w*(?:Error|Exception))|NotImplementedError|Ass
 
 
 def root_cause(log_path: Path) -> str | None:
-    """The first exception line a vLLM child process logged (`ERROR ... RuntimeError: ...`) that is not vLLM's
-    own wrapper around it: the reason an engine did not start."""
+    """The reason a vLLM engine did not start, from its log: a module it could not import (vLLM inspects a model
+    class in a subprocess and reports only that inspection failed), else the first exception line a child process
+    logged (`ERROR ... RuntimeError: ...`) that is not vLLM's own wrapper around another."""
+    causes = []
     for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
         m = _CAUSE.search(line)
         if m and ENGINE_WRAPPER not in line and "Worker failed with error" not in line:
-            return f"{m[1]}: {m[2].strip()}"[:500]
-    return None
+            causes.append(f"{m[1]}: {m[2].strip()}"[:500])
+    missing = [c for c in causes if c.startswith(("ModuleNotFoundError", "ImportError"))]
+    return (missing or causes or [None])[0]
 
 
 def vllm_acceptance(counters: dict, k: int) -> dict:
@@ -215,7 +218,8 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
     if plain is None:
         plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)
     if not plain.get("loaded"):
-        raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {plain.get('error')}")
+        cause = root_cause(out / "vllm-plain.log") if (out / "vllm-plain.log").is_file() else None
+        raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {cause or plain.get('error')}")
     spec_run = run_vllm({**job, "speculative_config": spec}, out, "vllm-spec", timeout)
     report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
               "k": k, "n_prompts": len(ids), "max_new_tokens": max_new_tokens, "prompt_files": files,

@@ -80,5 +80,13 @@ def test_a_refusal_names_the_engine_cores_own_error(tmp_path):
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
     assert root_cause(log) == ("RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs "
                                "was requested")
+    # vLLM inspects a model class in a subprocess and reports only that the inspection failed: a module it could
+    # not import is the cause (an image-text Gemma 3 without torchvision)
+    log.write_text(
+        "(MainProcess pid=3) ERROR [registry.py:1120] subprocess.CalledProcessError: Command '[...]' returned "
+        "non-zero exit status 1.\n"
+        "(MainProcess pid=3) ERROR [registry.py:1120] RuntimeError: Error raised in subprocess:\n"
+        "(MainProcess pid=3) ERROR [registry.py:1120] ModuleNotFoundError: No module named 'torchvision'\n")
+    assert root_cause(log) == "ModuleNotFoundError: No module named 'torchvision'"
     log.write_text("INFO nothing failed here\n")
     assert root_cause(log) is None
