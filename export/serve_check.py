@@ -218,8 +218,7 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
     if plain is None:
         plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)
     if not plain.get("loaded"):
-        cause = root_cause(out / "vllm-plain.log") if (out / "vllm-plain.log").is_file() else None
-        raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {cause or plain.get('error')}")
+        raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {plain.get('error')}")
     spec_run = run_vllm({**job, "speculative_config": spec}, out, "vllm-spec", timeout)
     report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
               "k": k, "n_prompts": len(ids), "max_new_tokens": max_new_tokens, "prompt_files": files,

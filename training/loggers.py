@@ -97,9 +97,7 @@ class RunLogger:
         names = [n for n in loggers if n in TRACKERS]
         if not names:
             return
-        import uuid
-
-        self.state.setdefault("run_name", f"{Path(output_dir).name}-{uuid.uuid4().hex[:8]}")
+        self.state.setdefault("run_name", f"{Path(output_dir).name}-{uuid_hex(8)}")
         flat = flat_config(config)
         for name in names:
             if not _installed(name):
