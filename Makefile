@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q openai loguru pydantic-settings
 	# `transformers serve`, the OpenAI-compatible server the regeneration tests run against (tests/test_remote.py)
 	$(BIN)/pip install -q 'transformers[serving]'
+	# MLflow's client (one of the experiment trackers train.loggers takes; the tracker resume test logs to a local store)
+	$(BIN)/pip install -q mlflow-skinny
 	touch $(STAMP)
 
 setup-gemma: setup

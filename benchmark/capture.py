@@ -25,7 +25,7 @@ from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.targets import load_target
-from draftsmith.targets.capture import default_eagle3_layers
+from draftsmith.targets.capture import bench_layers
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.precision import inference_copy, inference_dtype
 
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> dict:
     target = load_target(spec)
     dtype = inference_dtype(target.device, "auto")
     writing = dataclasses.replace(target, model=inference_copy(target.model, dtype, True))
-    layers = default_eagle3_layers(target.num_layers)
+    layers = bench_layers(target.num_layers)
     rows = read_rows(TRAIN / "gsm8k_train.jsonl.gz", n // 2)
     rows += read_rows(TRAIN / "self_instruct_seed_tasks.jsonl.gz", n - n // 2)
     texts = [r.get("question") or (r["instruction"] + "\n\n" + r["instances"][0]["input"]).strip() for r in rows]

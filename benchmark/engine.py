@@ -5,7 +5,7 @@
 cb:B = continuous batching at batch B (cb:1 = one prompt at a time), np:B = the same without prefilling the
 prompts' shared prefix once, sd:B = the same with one SDPA call per decode step over every used column (no
 row ranges, `ContinuousBatcher(decode_spans=0)`), cap:B = the same with capture of
-the EAGLE-3 layers (low/middle/high, targets.capture.default_eagle3_layers) + last hidden + top-64 logits from
+the EAGLE-3 layers (low/middle/high, targets.capture.bench_layers) + last hidden + top-64 logits from
 the last prompt position on (what `draftsmith data generate` keeps for a single-turn row: `Request.logits_from`;
 capall:B = top-64 logits of every prompt position too), hf:B = transformers `generate` on static
 length-sorted batches. A third field picks the target's dtype: `cap:128:bf16` (bf16 body, float32 logits, as
@@ -26,7 +26,7 @@ from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.storage import atomic_write_json, open_data, shared_data_dir
 from draftsmith.targets import load_target
-from draftsmith.targets.capture import default_eagle3_layers
+from draftsmith.targets.capture import bench_layers
 from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.precision import inference_copy
 
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> dict:
     target_spec = argv[3] if len(argv) > 3 else "smollm2-135m"
     torch.set_num_threads(2)
     t = load_target(target_spec)
-    layers = default_eagle3_layers(t.num_layers)
+    layers = bench_layers(t.num_layers)
     rows = read_rows(TRAIN / "gsm8k_train.jsonl.gz", n // 2)
     rows += read_rows(TRAIN / "self_instruct_seed_tasks.jsonl.gz", n - n // 2)
     texts = [r.get("question") or (r["instruction"] + "\n\n" + r["instances"][0]["input"]).strip() for r in rows]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -115,7 +116,30 @@ def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
     if not result_path.is_file():
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         raise ServeCheckError(f"vLLM run '{name}' gave no result within {timeout:.0f} s (log {log_path}: {tail[0][:300]})")
-    return read_json(result_path)
+    result = read_json(result_path)
+    if result.get("error") and (ENGINE_WRAPPER in result["error"] or "failed to be inspected" in result["error"]):
+        # the engine core failed in its own process: its log holds the cause, the runner only vLLM's wrapper
+        cause = root_cause(log_path)
+        if cause:
+            result["error"], result["error_wrapper"] = cause, result["error"]
+    return result
+
+
+ENGINE_WRAPPER = "Engine core initialization failed"
+_CAUSE = re.compile(r"\b((?:[A-Z]\w*(?:Error|Exception))|NotImplementedError|AssertionError): (.+)$")
+
+
+def root_cause(log_path: Path) -> str | None:
+    """The reason a vLLM engine did not start, from its log: a module it could not import (vLLM inspects a model
+    class in a subprocess and reports only that inspection failed), else the first exception line a child process
+    logged (`ERROR ... RuntimeError: ...`) that is not vLLM's own wrapper around another."""
+    causes = []
+    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+        m = _CAUSE.search(line)
+        if m and ENGINE_WRAPPER not in line and "Worker failed with error" not in line:
+            causes.append(f"{m[1]}: {m[2].strip()}"[:500])
+    missing = [c for c in causes if c.startswith(("ModuleNotFoundError", "ImportError"))]
+    return (missing or causes or [None])[0]
 
 
 def vllm_acceptance(counters: dict, k: int) -> dict:

@@ -22,7 +22,11 @@ METHODS = {"medusa": "medusa", "eagle3": "eagle3", "eagle1": "eagle"}
 # bench/results/vllm-families/report.json, and tests/test_vllm_families.py keeps this table equal to it).
 # Exporting such a head still works (another stack, or a later vLLM, may serve it); the export warns.
 VLLM_VERSION = "0.32.0"
-VLLM_REFUSES: dict[tuple[str, str], str] = {}
+VLLM_REFUSES: dict[tuple[str, str], str] = {
+    # Gemma3ForCausalLM does not implement vLLM's SupportsEagle3 (it cannot hand its aux hidden states out)
+    ("gemma3_text", "eagle3"): "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs "
+                               "was requested",
+}
 
 
 def refusal(model_type: str | None, kind: str) -> str | None:

@@ -62,7 +62,9 @@ def _last_error_line(exc: BaseException) -> str:
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__
     text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    # pydantic's "1 validation error for ModelConfig" says which field only on the lines after it
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    return " | ".join(lines[:3])[:600] if lines else type(exc).__name__
 
 
 def run(job: dict) -> dict:

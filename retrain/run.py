@@ -60,17 +60,17 @@ def _production(m, kept: Path) -> dict:
     from draftsmith.errors import DataError
     from draftsmith.planning.production import production_alpha
 
-    since = m.production_since
+    since, save = m.production_since, None
     if since == "last":
-        since = kept if kept.is_file() else None
+        since, save = (kept if kept.is_file() else None), kept
     try:
-        prod = production_alpha(m.production, since, m.production_model_domains, save=kept)
+        prod = production_alpha(m.production, since, m.production_model_domains, save=save)
         prod["since"] = str(since) if since else "server start"
     except DataError as e:
         if not (m.production_since == "last" and since and "went down" in str(e)):
             raise
         log.warning("production: %s; reading the counters since the server started", e)
-        prod = production_alpha(m.production, None, m.production_model_domains, save=kept)
+        prod = production_alpha(m.production, None, m.production_model_domains, save=save)
         prod["since"] = "server start (restarted since the last check)"
     return prod
 

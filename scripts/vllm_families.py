@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shlex
 import sys
 import tempfile
@@ -64,8 +65,8 @@ def verdict(row: dict) -> str:
     """The table's word for one row: serves (lossless), refused (vLLM's error), or not run (why)."""
     if row.get("exported") is False:
         return f"export refused: {row['error']}"
-    if row.get("target_ran") is False:
-        return f"target not run: {row['error']}"
+    if row.get("target_ran") is False:  # the temporary folder of the tiny target says nothing in a table
+        return "target not run: " + re.sub(r"the target /\S+ itself", "the target itself", row["error"])
     if not row.get("loaded"):
         return f"refused: {row['error']}"
     if not row.get("lossless"):
@@ -95,6 +96,50 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+KIND_NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa", "draft": "draft model",
+              "ngram": "n-gram (vLLM's own)"}
+DOCS = ROOT / "docs" / "your-model.md"
+BEGIN, END = "<!-- vllm-families: bench/results/vllm-families/report.json -->", "<!-- /vllm-families -->"
+
+
+def docs_table(report: dict) -> str:
+    """The family x kind table of docs/your-model.md, rendered from the report: a cell says "serves" (loaded,
+    lossless against vLLM's own greedy output), "refused" / "target not run" with vLLM's words in a note below,
+    or "loads, NOT lossless"."""
+    kinds = report["kinds"]
+    notes: list[str] = []
+
+    def cell(row: dict | None) -> str:
+        if row is None:
+            return "—"
+        word = verdict(row)
+        if word.startswith("serves"):
+            return "serves"
+        if ":" not in word:
+            return word
+        head, _, why = word.partition(": ")
+        if why not in notes:
+            notes.append(why)
+        return f"{head} ({notes.index(why) + 1})"
+
+    lines = ["| family | " + " | ".join(KIND_NAMES[k] for k in kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for fam, rows in report["families"].items():
+        by = {r["kind"]: r for r in rows}
+        lines.append(f"| `{fam}` | " + " | ".join(cell(by.get(k)) for k in kinds) + " |")
+    lines.append("")
+    lines += [f"({i}) `{why.replace('`', chr(39))}`  " for i, why in enumerate(notes, 1)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_docs(report: dict, path: Path = DOCS) -> None:
+    text = path.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(head + BEGIN + "\n" + docs_table(report) + END + tail, encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     from served_family import PROMPTS, K, TinyFamily
     from tiny_models import FAMILY_NAMES, build_tiny_tokenizer
@@ -106,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", nargs="+", default=list(FAMILY_NAMES))
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--steps", type=int, default=20, help="training steps per artifact")
+    ap.add_argument("--write-docs", action="store_true", help="only render the committed report into " + str(DOCS))
     a = ap.parse_args(argv)
     out = Path(a.out)
+    if a.write_docs:
+        write_docs(json.loads((out / "report.json").read_text()))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.json"
     report = json.loads(path.read_text()) if path.is_file() else {}

@@ -47,6 +47,15 @@ def default_eagle3_layers(num_layers: int) -> list[int]:
     return picked
 
 
+def bench_layers(num_layers: int) -> list[int]:
+    """The layers a benchmark captures to cost what an EAGLE-3 job would: its default layers, or every layer of
+    a target too shallow to have three a serving stack captures."""
+    try:
+        return default_eagle3_layers(num_layers)
+    except ConfigError:
+        return list(range(num_layers))
+
+
 def uncapturable_layers(layers: list[int], num_layers: int) -> list[int]:
     """The EAGLE-3 feature layers (draftsmith ids, resolved) no serving stack captures.
 

@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--audit", default=None, metavar="AUDIT_DIR", help="write each rank's record here")
+    p.add_argument("--loggers", default="jsonl,tensorboard", help="train.loggers, comma-separated")
+    p.add_argument("--log-every", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -146,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         _audit(out, events)
     job = NextTokenJob(tiny_target(), sleep=a.sleep)
     cfg = TrainConfig(lr=3e-3, max_steps=a.max_steps, save_every=a.save_every, batch_size=a.batch_size,
-                      grad_accum=a.grad_accum, log_every=2, eval_every=4, keep_last=2, output_dir=str(out),
-                      warmup_steps=2, progress=False, loggers=["jsonl", "tensorboard"])
+                      grad_accum=a.grad_accum, log_every=a.log_every, eval_every=4, keep_last=2, output_dir=str(out),
+                      warmup_steps=2, progress=False, loggers=a.loggers.split(","))
     accelerator = make_accelerator(cfg)  # as the job runners do: one accelerator for training and leaving
     result = train(job, cfg, accelerator)
     if a.audit:

@@ -77,6 +77,15 @@ def _export_all(art: Path, target, tmp: Path, stacks: list[str], consumer: str |
     for stack in stacks:
         full = stack == consumer
         res = export_artifact(art, stack, tmp / f"{art.name}-{stack}", target=target, verify=full)
+        if stack == "vllm":  # a warning exactly where the measured vLLM refuses this family and kind
+            from draftsmith import artifact
+            from draftsmith.export.api import _export_kind
+            from draftsmith.export.vllm import refusal
+
+            manifest = artifact.load_manifest(art)
+            expected = refusal(manifest["target"]["architecture"]["model_type"], _export_kind(manifest))
+            assert [c for c in res.checks if c.startswith("WARNING: vLLM")] == ([f"WARNING: {expected}"] if expected
+                                                                              else []), res.checks
         if not full:
             res.checks = VERIFIERS[res.format](res.out, None)
         assert res.checks and (res.out / "serve.md").is_file() and (res.out / "README.md").is_file()

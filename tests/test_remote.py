@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tiny_models import assert_same_rows
 
 from draftsmith.data import generate_dataset, load_distilled
 from draftsmith.data.config import ChatConfig, DataConfig, GenerationConfig, SourceConfig
@@ -147,30 +148,15 @@ def engine_rows(tiny_target, tmp_path_factory):
     return load_distilled(generate_dataset(_cfg(tmp, [], "engine"), tiny_target, progress=False))
 
 
-def _same_rows(ds, ref, at_least: float = 0.9) -> None:
-    """Rows are complete, once each, masked on their answer; where the two engines wrote the same text, the
-    rows are the same token for token (ids and masks)."""
-    assert sorted(ds["row_id"]) == sorted(ref["row_id"]) and len(set(ds["row_id"])) == len(ref)
-    by_id = {r["row_id"]: r for r in ref}
-    same = 0
-    for row in ds:
-        assert len(masked_spans(row["input_ids"], row["loss_mask"])) == 1
-        other = by_id[row["row_id"]]
-        if row["response"] == other["response"]:
-            same += 1
-            assert row["input_ids"] == other["input_ids"] and row["loss_mask"] == other["loss_mask"]
-    assert same >= at_least * len(ref), f"only {same} of {len(ref)} rows agree"
-
-
 def test_a_server_writes_the_rows_the_engine_writes(tmp_path, servers, tiny_target, engine_rows):
     assert len(set(engine_rows["response"])) >= 10  # the rows differ: a mix-up would show
     out = generate_dataset(_cfg(tmp_path, [servers["a"].url], "one"), tiny_target, progress=False)
-    _same_rows(load_distilled(out, tiny_target), engine_rows)
+    assert_same_rows(load_distilled(out, tiny_target), engine_rows)
     # with the chat template: the same prompt ids and masks as the engine's (ChatML, the answer masked)
     chat = [load_distilled(generate_dataset(_cfg(tmp_path, urls, f"chat{len(urls)}", chat=ChatConfig(),
                                                  prompts=PROMPTS[:4]), tiny_target, progress=False))
             for urls in ([], [servers["a"].url])]
-    _same_rows(chat[1], chat[0])
+    assert_same_rows(chat[1], chat[0])
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["precision"] == {"backend": "openai", "served_model": servers["a"].model}
     assert prov["timing"]["servers"]["servers"][0]["rows"] == len(PROMPTS)
@@ -202,7 +188,7 @@ def test_killed_run_resumes_without_writing_a_row_twice(tmp_path, servers, tiny_
     out = generate_dataset(cfg, tiny_target, progress=False, on_row=lambda r: again.append(r["row_id"]))
     assert not set(again) & set(written) and len(again) + len(set(written)) == len(PROMPTS)
     ds = load_distilled(out)
-    _same_rows(ds, engine_rows)
+    assert_same_rows(ds, engine_rows)
     assert json.loads((out / "provenance.json").read_text())["timing"]["resumed_rows"] == len(set(written))
 
 
@@ -217,7 +203,7 @@ def test_one_server_killed_the_other_finishes(tmp_path, servers, tiny_target, en
 
     cfg = _cfg(tmp_path, [a.url, b.url], "two", concurrency=1)
     out = generate_dataset(cfg, tiny_target, progress=False, on_row=kill_b)
-    _same_rows(load_distilled(out), engine_rows)
+    assert_same_rows(load_distilled(out), engine_rows)
     per = {s["url"]: s for s in json.loads((out / "provenance.json").read_text())["timing"]["servers"]["servers"]}
     assert per[b.url]["left"] and "tries failed" in per[b.url]["left"]
     assert per[a.url]["left"] is None and per[a.url]["rows"] + per[b.url]["rows"] == len(PROMPTS)
@@ -229,7 +215,7 @@ def test_a_server_that_returns_errors(tmp_path, servers, tiny_target, engine_row
         with pytest.raises(DataError, match="every server failed.*HTTP 500 from .*out of memory"):
             generate_dataset(_cfg(tmp_path, [bad], "bad"), tiny_target, progress=False)
         out = generate_dataset(_cfg(tmp_path, [bad, a.url], "bad_and_good"), tiny_target, progress=False)
-    _same_rows(load_distilled(out), engine_rows)
+    assert_same_rows(load_distilled(out), engine_rows)
     with broken_server(a.model, hang=True) as hung:  # answers nothing: the request timeout ends each try
         t0 = time.monotonic()
         out = generate_dataset(_cfg(tmp_path, [hung, a.url], "hung", request_timeout=0.5, max_retries=1,

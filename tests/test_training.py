@@ -53,7 +53,7 @@ def test_config_validation(monkeypatch):
     with pytest.raises(ConfigError, match="schedule"):
         from_dict(TrainConfig, {"schedule": "exp"}, "train")
     with pytest.raises(ConfigError, match="logger"):
-        from_dict(TrainConfig, {"loggers": ["mlflow"]}, "train")
+        from_dict(TrainConfig, {"loggers": ["neptune"]}, "train")
     c = from_dict(TrainConfig, {"lr": "2e-4", "betas": [0.9, 0.95], "loggers": ["tensorboard"]}, "train")
     assert c.lr == 2e-4 and c.betas == (0.9, 0.95) and c.loggers[0] == "jsonl"
     assert c.resolved_mixed_precision() in ("no", "bf16")
@@ -170,6 +170,49 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, tmp_path):
                 assert g[k] == w[k]
             else:
                 assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), (g, w)
+
+
+def test_trackers_resume_into_one_run(tmp_path, monkeypatch):
+    """kill -9 a run after a checkpoint and resume it: its MLflow run (the run id kept in the checkpoint) and its
+    TensorBoard run each hold both halves as one run, every step once in TensorBoard (the writer purges what the
+    killed job logged after the checkpoint it resumes from)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    uri = f"file://{tmp_path / 'mlruns'}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--loggers", "jsonl,tensorboard,mlflow", "--log-every", "1"]
+    proc = subprocess.Popen([*cmd, "--sleep", "0.3"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # a checkpoint, and a step logged after it
+        if proc.poll() is not None:
+            pytest.fail(f"training subprocess ended early: {proc.stderr.read().decode()[-2000:]}")
+        if (out / "checkpoints" / "step-00000004" / "state.json").exists() and '"step": 5' in \
+                (out / "log.jsonl").read_text():
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = ckpt.load_checkpoint(ckpt.latest_checkpoint(out)).state
+    assert first["step"] < 12 and first["trackers"]["mlflow_run_id"]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = ckpt.load_checkpoint(ckpt.latest_checkpoint(out)).state
+    assert last["step"] == 12 and last["trackers"] == first["trackers"]
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local store for the test; users point at a server
+    client = MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_id for r in runs] == [first["trackers"]["mlflow_run_id"]]
+    steps = {m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")}
+    assert steps == set(range(1, 13))  # both halves in the one run
+    assert runs[0].data.params["lr"] == "0.003"  # the configuration, stored once
+
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tb = [e.step for e in acc.Scalars("train/loss")]
+    assert tb == list(range(1, 13)), tb  # each step once, in order
 
 
 def test_checkpoint_atomicity_and_keep_last(reference, tmp_path):

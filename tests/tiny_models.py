@@ -154,3 +154,20 @@ def prompt_rows(target, tmp: Path, prompts: list[str], out: str = "data"):
                      output_dir=str(tmp / out), generation=GenerationConfig(max_new_tokens=16, batch_size=8, threads=1))
     generate_dataset(cfg, target, progress=False)
     return load_distilled(tmp / out, target)
+
+
+def assert_same_rows(ds, ref, at_least: float = 0.9) -> None:
+    """Rows of two data runs on the same prompts (another engine, a server): complete, once each, masked on their
+    answer; where the two wrote the same text, the rows are the same token for token (ids and masks)."""
+    from draftsmith.data.masks import masked_spans
+
+    assert sorted(ds["row_id"]) == sorted(ref["row_id"]) and len(set(ds["row_id"])) == len(ref)
+    by_id = {r["row_id"]: r for r in ref}
+    same = 0
+    for row in ds:
+        assert len(masked_spans(row["input_ids"], row["loss_mask"])) == 1
+        other = by_id[row["row_id"]]
+        if row["response"] == other["response"]:
+            same += 1
+            assert row["input_ids"] == other["input_ids"] and row["loss_mask"] == other["loss_mask"]
+    assert same >= at_least * len(ref), f"only {same} of {len(ref)} rows agree"

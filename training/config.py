@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-LOGGERS = ("jsonl", "tensorboard", "wandb")
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")  # training/loggers.py
 
 
 MAX_BATCH = 1 << 16  # rows in one batch; more is a typo (1e8), never a batch that fits a device
@@ -79,8 +79,9 @@ class TrainConfig:
     resume: str = "auto"  # "auto" (newest complete checkpoint if any) | "never" | a checkpoint dir
     warm_start: str | None = None  # an artifact dir whose weights initialise the module (weights only)
     max_nonfinite_in_row: int = 10
-    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
-    wandb_project: str | None = None
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # + tensorboard, wandb, mlflow, trackio
+    project: str | None = None  # the trackers' project / experiment name (default "draftsmith")
+    wandb_project: str | None = None  # the older name of `project`
     num_workers: int = 0
     progress: bool = True  # tqdm bar on rank 0
 

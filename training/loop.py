@@ -253,8 +253,10 @@ class Trainer:
             log_text = "".join(self.loaded.log_lines)
         else:
             set_seed(cfg.seed + 1 + self.rank)  # per-rank stream for dropout & co.
+        resumed = self.loaded.state if self.loaded is not None else {}
         self.logger = RunLogger(self.out, cfg.loggers, to_dict(cfg), active=self.main,
-                                wandb_project=cfg.wandb_project, initial_text=log_text)
+                                project=cfg.project or cfg.wandb_project, initial_text=log_text,
+                                state=resumed.get("trackers"), resume_step=resumed.get("step"))
         self.window = _Window()
 
     def _fill_deepspeed_autos(self) -> None:
@@ -572,7 +574,7 @@ class Trainer:
                 "empty_total": self.empty_total, "updates_total": self.updates_total,
                 "data": self._data_identity(), "length_group": self.length_group,
                 "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg),
-                "job_config": self._job_config()}
+                "job_config": self._job_config(), "trackers": self.logger.state if self.main else {}}
 
     def _job_config(self) -> dict:
         """The job's own settings (loss weights, lengths, head shape ...) as dotted keys, JSON values; its
