@@ -37,6 +37,8 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith import artifact
+from draftsmith.eagle import variants
+from draftsmith.eagle.variants import variant
 from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.export.common import dtype_name, state_dtype
 from draftsmith.export.verify import (
@@ -52,7 +54,7 @@ from draftsmith.export.verify import (
     vocab_map_problems,
 )
 from draftsmith.storage import atomic_write_json, read_json
-from draftsmith.targets.capture import default_eagle3_layers, resolve_layers
+from draftsmith.targets.capture import resolve_layers
 from draftsmith.targets.families import attention_dims, full_attention_rope, rope_fields
 
 SPECULATORS = "speculators-eagle3"
@@ -109,23 +111,25 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
     cfg["hidden_size"] = H
     cfg.setdefault("head_dim", H // cfg["num_attention_heads"])
     fin = state["fc.weight"].shape[1]
-    version = int(acfg.get("version") or acfg.get("eagle_version") or (1 if fin == 2 * H else 3))
-    cfg["version"] = version
+    v = variant(int(acfg.get("version") or acfg.get("eagle_version") or (1 if fin == 2 * H else 3)))
+    cfg["version"] = v.number
     cfg["vocab_size"] = manifest["target"]["vocab_size"]
-    if version == 3:
-        if "lm_head.weight" not in state:
-            raise ArtifactError(f"{path}: an EAGLE-3 artifact needs its own lm_head.weight")
+    if v.draft_vocab and "lm_head.weight" not in state:
+        raise ArtifactError(f"{path}: an {v.name} artifact needs its own lm_head.weight")
+    if v.draft_vocab:
         cfg["draft_vocab_size"] = int(state["lm_head.weight"].shape[0])
+    if v.fuse_layers:
         n_layers = (manifest["target"].get("architecture") or {}).get("num_hidden_layers") or (
             target.num_layers if target is not None else None)
         aux = next((acfg[k] for k in AUX_KEYS if acfg.get(k)), None)
         if aux is None:
             if n_layers is None:
                 raise ConfigError(f"{path}: config.json names no aux layers and the target depth is unknown")
-            aux = default_eagle3_layers(n_layers)
+            aux = v.default_layers(n_layers)
         cfg["aux_layers"] = resolve_layers(list(aux), n_layers) if n_layers else list(aux)
         if fin != len(cfg["aux_layers"]) * H:
             raise ArtifactError(f"{path}: fc takes {fin} features but {len(cfg['aux_layers'])} aux layers of {H}")
+    if v.attention_input == "concat":
         cfg["norm_before_residual"] = bool(acfg.get("norm_before_residual", False))
     return manifest, cfg, state, names
 
@@ -152,7 +156,7 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
 
     guard = {"eagle": {"version": cfg["version"], "source_names": names, "aux_layers_draftsmith": cfg.get("aux_layers"),
                        "target_rope_theta": cfg["rope_theta"]}}
-    layout = f"eagle{cfg['version']}"
+    layout = variant(cfg["version"]).layout
     plan = HeadExport(layout, STACK_FORMATS[layout], manifest, cfg, write, guard=guard,
                       unsupported=UNSUPPORTED.get(layout, {}))
     return export_heads(plan, artifact_dir, stack, out, target, num_speculative_tokens, verify, overwrite=overwrite,
@@ -175,7 +179,7 @@ def reimport(export_dir: Path, guard: dict):
     names = (guard.get("eagle") or {}).get("source_names")
     cfg, state = read_layout(export_dir, names)
     bias = (names or {}).get("fc.bias", "fc.bias")
-    if cfg["version"] == 1 and bias not in state:  # vLLM's EAGLE-1 layout: fc has no bias, i.e. a zero one
+    if variant(cfg["version"]).fc_shape(1)[2] and bias not in state:  # vLLM's EAGLE-1 layout: no fc bias (a zero one)
         fc = state[(names or {}).get("fc.weight", "fc.weight")]
         state[bias] = torch.zeros(fc.shape[0], dtype=fc.dtype)
     return head_config(cfg, guard, export_dir), state, None
@@ -186,7 +190,7 @@ def head_config(cfg: dict, guard: dict, where: Path) -> dict:
     so that an imported head loads, decodes and trains like one draftsmith wrote. The layout's own fields stay
     beside them (aux_layers)."""
     arch = (guard.get("target") or {}).get("architecture") or {}
-    if cfg["version"] == 3:
+    if variant(cfg["version"]).fuse_layers:
         layers = list(cfg["aux_layers"])
     else:  # EAGLE-1 reads the last layer's output
         n = arch.get("num_hidden_layers")
@@ -278,7 +282,9 @@ def write_layout(tmp: Path, fmt: str, cfg: dict, state: dict[str, torch.Tensor],
 
 
 # --- specs -------------------------------------------------------------------------------------------
-def _layer_spec(prefix: str, c: dict, dt: str, first_in: int, eagle3: bool) -> Spec:
+def _layer_spec(prefix: str, c: dict, dt: str, first_in: int, concat: bool) -> Spec:
+    """The draft layer's tensors; `concat`: the attention reads [norm(embedding); norm(feature)] (the
+    variant's attention_input), so the layer holds both norms."""
     H, inter = c["hidden_size"], c["intermediate_size"]
     nh, nkv, hd = attention_dims(c)
     spec = {
@@ -291,7 +297,7 @@ def _layer_spec(prefix: str, c: dict, dt: str, first_in: int, eagle3: bool) -> S
         f"{prefix}mlp.down_proj.weight": ((H, inter), dt),
         f"{prefix}post_attention_layernorm.weight": ((H,), dt),
     }
-    if eagle3:
+    if concat:
         spec[f"{prefix}input_layernorm.weight"] = ((H,), dt)
         spec[f"{prefix}hidden_norm.weight"] = ((H,), dt)
     return spec
@@ -308,12 +314,12 @@ def expected_tensors(fmt: str, config: dict) -> Spec:
         N = config["draft_vocab_size"]
         th = config.get("target_hidden_size") or H
         prefix = "layers.0." if fmt == SPECULATORS else "midlayer."
-        spec = _layer_spec(prefix, c, dt, 2 * H, eagle3=True)
+        spec = _layer_spec(prefix, c, dt, variants.EAGLE3.attention_width(H), concat=True)
         spec.update({"fc.weight": ((H, n_aux * th), dt), "norm.weight": ((H,), dt), "lm_head.weight": ((N, H), dt)})
         if N != V:
             spec.update({"d2t": ((N,), "I64"), "t2d": ((V,), "BOOL")})
         return spec
-    spec = _layer_spec("layers.0.", c, dt, H, eagle3=False)
+    spec = _layer_spec("layers.0.", c, dt, variants.EAGLE1.attention_width(H), concat=False)
     spec["fc.weight"] = ((H, 2 * H), dt)
     if fmt == EAGLE1:
         spec["fc.bias"] = ((H,), dt)

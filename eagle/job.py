@@ -37,6 +37,7 @@ from draftsmith.eagle.model import (
     shift_left,
     step_weights,
 )
+from draftsmith.eagle.variants import VARIANTS, variant
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.targets.families import family, lm_head, pad_token_id, whole
@@ -53,7 +54,7 @@ class EagleJobConfig:
     target: str = "smollm2-135m"
     data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
     output: str = "runs/eagle/smollm2-135m"  # the artifact directory
-    version: Literal["eagle1", "eagle3"] = "eagle3"
+    version: str = "eagle3"  # a variant of eagle/variants.py VARIANTS: eagle3 | eagle1
     target_layers: list[int] | None = None  # None: EAGLE-3 default_eagle3_layers(L), EAGLE-1 [-1]
     ttt_steps: int = 7  # EAGLE-3 training-time test unroll (EAGLE-1 preset: 1)
     ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (eagle/model.py)
@@ -83,6 +84,8 @@ class EagleJobConfig:
 
     def __post_init__(self):
         check_output_folders(self.output, self.train.output_dir)
+        if self.version not in VARIANTS:
+            raise ValueError(f"version must be one of {', '.join(VARIANTS)}, got {self.version!r}")
         if not 1 <= self.ttt_steps <= 16:
             raise ValueError(f"ttt_steps must be in 1..16, got {self.ttt_steps}")
         if not 0 < self.step_decay <= 1:
@@ -93,8 +96,10 @@ class EagleJobConfig:
             raise ValueError(f"w_cls must be >= 0, got {self.w_cls}")
         if self.replay_weight < 0:
             raise ValueError(f"replay_weight must be >= 0, got {self.replay_weight}")
-        if self.replay_weight and self.version != "eagle3":
-            raise ValueError("replay_weight: on-policy replay is implemented for EAGLE-3 heads (version: eagle3)")
+        v = variant(self.version)
+        if self.replay_weight and not v.replay:
+            raise ValueError(f"replay_weight: on-policy replay is not implemented for {v.name} heads "
+                             f"(variants with it: {', '.join(n for n, x in VARIANTS.items() if x.replay)})")
         if not 0 < self.eval_fraction < 0.5:
             raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
         if self.max_length < 8:
@@ -103,9 +108,8 @@ class EagleJobConfig:
             raise ValueError(f"prompt_context must be >= 2 or null, got {self.prompt_context}")
         if self.prompt_context is not None and not self.capture_cache:
             log.warning("prompt_context without capture_cache: the target too reads only the cut prompt")
-        if self.target_layers is not None and len(self.target_layers) != (3 if self.version == "eagle3" else 1):
-            raise ValueError(f"target_layers: {self.version} reads {3 if self.version == 'eagle3' else 1} layer(s), "
-                             f"got {self.target_layers}")
+        if self.target_layers is not None and len(self.target_layers) != v.feature_layers:
+            raise ValueError(f"target_layers: {v.name} reads {v.feature_layers} layer(s), got {self.target_layers}")
 
 
 class EagleJob(Job):
@@ -115,7 +119,7 @@ class EagleJob(Job):
         return self.cfg.data
 
     def __init__(self, cfg: EagleJobConfig, target, dataset=None):
-        from draftsmith.targets.capture import default_eagle3_layers, resolve_layers, uncapturable_layers
+        from draftsmith.targets.capture import resolve_layers, uncapturable_layers
         from draftsmith.training import CaptureSource
 
         check_architecture(target.config, cfg.draft_layer)
@@ -136,9 +140,9 @@ class EagleJob(Job):
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
         self.pad_id = pad_token_id(target)
         L = target.num_layers
-        self.eagle3 = cfg.version == "eagle3"
-        if self.eagle3:
-            self.layers = resolve_layers(list(cfg.target_layers or default_eagle3_layers(L)), L)
+        self.variant = v = variant(cfg.version)
+        self.layers = resolve_layers(list(cfg.target_layers or v.default_layers(L)), L)
+        if v.fuse_layers:  # the stacks capture fused layers as auxiliary outputs; EAGLE-1's last layer is their own
             lost = uncapturable_layers(self.layers, L)
             if cfg.exportable and lost:
                 # refused here, before any step: once trained, export would have to refuse the head
@@ -146,26 +150,24 @@ class EagleJob(Job):
                                   f"output) are captured by no serving stack (vLLM and SGLang take outputs of "
                                   f"layers 0..{L - 2}): pick layers up to {L - 2}, or set exportable: false to "
                                   "train it for draftsmith's own decoder only")
-        else:
-            self.layers = resolve_layers(list(cfg.target_layers or [-1]), L)
         self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
         # draft vocabulary from the training split's target-written tokens
         self.counts = token_counts(self.train_set, target.vocab_size)
-        if self.eagle3:
+        if v.draft_vocab:
             self.d2t, self.t2d, _ = draft_vocabulary(self.counts, cfg.draft_vocab_size)
         else:
             self.d2t = self.t2d = None
-        # EAGLE-3: fusion layers + post-norm last hidden (teacher) + top-1 (target argmax);
-        # EAGLE-1: the last layer's pre-norm output is both input and teacher.
-        self.features = CaptureSource(target, layers=sorted(set(self.layers)), topk=1 if self.eagle3 else 0,
-                                      last_hidden=self.eagle3, cache_dir=cfg.capture_cache)
+        # the feature layers, plus for a logits teacher the post-norm last hidden and the top-1 (EAGLE-3);
+        # a features teacher (EAGLE-1) reads the last layer's pre-norm output as both input and teacher
+        self.features = CaptureSource(target, layers=sorted(set(self.layers)), cache_dir=cfg.capture_cache,
+                                      **v.capture())
         self._teacher_w: torch.Tensor | None = None
 
     # --- the job protocol -------------------------------------------------------------------------
     def build_module(self) -> EagleHead:
         return EagleHead.from_target(
             self.target.model, self.cfg.version, self.layers,
-            draft_vocab=(self.d2t, self.t2d) if self.eagle3 else None, ttt_steps=self.cfg.ttt_steps,
+            draft_vocab=(self.d2t, self.t2d) if self.variant.draft_vocab else None, ttt_steps=self.cfg.ttt_steps,
             ttt_tokens=self.cfg.ttt_tokens, norm_before_residual=self.cfg.norm_before_residual,
             draft_layer=self.cfg.draft_layer)
 
@@ -207,24 +209,33 @@ class EagleJob(Job):
         select = [shift_left(lmask, 2 + j).bool() for j in range(S)]
         x = torch.cat([feats[f"layer.{i}"] for i in self.layers], dim=-1)
         out = module(ids, x, steps=S, select=select)
-        if self.eagle3:
-            # step j's teacher at base t is the target at position t+1+j, so every step's teachers are rows of
-            # one product over the positions whose next token is learned (not S products over shifted copies)
-            w = self.teacher_rows(head)
-            at = shift_left(lmask, 1).bool()
-            row_of = torch.full(lmask.shape, -1, dtype=torch.long, device=lmask.device)
-            row_of[at] = torch.arange(int(at.sum()), device=lmask.device)
-            logits_at = feats["last_hidden"][at].to(w.dtype) @ w.T  # the target's logits on the draft vocabulary
-            top1_at = feats["topk_indices"][..., 0][at]
-            rows = [shift_left(row_of, 1 + j, fill=-1)[select[j]] for j in range(S)]
-            replay = None
-            if "replay" in batch:  # rollout marks: replay[t] = j + 1 where step j at base t was rejected
-                replay = [(batch["replay"] == j + 1)[select[j]] for j in range(S)]
-            return eagle3_loss(out.logits, [logits_at[r] for r in rows], [top1_at[r] for r in rows], head.d2t,
-                               self.weights, replay, self.cfg.replay_weight)
+        if self.variant.teacher == "logits":
+            return self._logits_loss(head, feats, batch, out, select)
+        return self._features_loss(head, feats, out, select)
+
+    def _logits_loss(self, head, feats, batch, out, select):
+        """EAGLE-3: soft cross-entropy against the target's next-token distribution on the draft vocabulary."""
+        lmask, S = batch["loss_mask"], self.cfg.ttt_steps
+        # step j's teacher at base t is the target at position t+1+j, so every step's teachers are rows of
+        # one product over the positions whose next token is learned (not S products over shifted copies)
+        w = self.teacher_rows(head)
+        at = shift_left(lmask, 1).bool()
+        row_of = torch.full(lmask.shape, -1, dtype=torch.long, device=lmask.device)
+        row_of[at] = torch.arange(int(at.sum()), device=lmask.device)
+        logits_at = feats["last_hidden"][at].to(w.dtype) @ w.T  # the target's logits on the draft vocabulary
+        top1_at = feats["topk_indices"][..., 0][at]
+        rows = [shift_left(row_of, 1 + j, fill=-1)[select[j]] for j in range(S)]
+        replay = None
+        if "replay" in batch:  # rollout marks: replay[t] = j + 1 where step j at base t was rejected
+            replay = [(batch["replay"] == j + 1)[select[j]] for j in range(S)]
+        return eagle3_loss(out.logits, [logits_at[r] for r in rows], [top1_at[r] for r in rows], head.d2t,
+                           self.weights, replay, self.cfg.replay_weight)
+
+    def _features_loss(self, head, feats, out, select):
+        """EAGLE-1: regress the next feature, plus the weighted token cross-entropy through the target's head."""
         f = feats[f"layer.{self.layers[0]}"]
         preds, targets, teacher = [], [], []
-        for j in range(S):
+        for j in range(self.cfg.ttt_steps):
             tf = shift_left(f, 1 + j)[select[j]]  # f_{t+1+j}
             preds.append(out.hidden[j][select[j]])
             targets.append(tf)

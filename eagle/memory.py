@@ -31,21 +31,21 @@ def shape(path: Path, target_config) -> ArtifactShape:
 def job_memory(job, target_config, act: int) -> JobMemory:
     """`Method.train_memory` of an EAGLE job."""
     from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
-    from draftsmith.targets.capture import default_eagle3_layers
+    from draftsmith.eagle.variants import variant
 
     tc = text_config(target_config)
     H, V, L, B, T = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, job.train.batch_size, job.max_length
     tokens = B * T
-    eagle3 = job.version == "eagle3"
-    layers = list(job.target_layers or (default_eagle3_layers(L) if eagle3 else [L - 1]))
-    n = job.draft_vocab_size if eagle3 else V
-    cfg = EagleConfig(3 if eagle3 else 1, H, V, layers, n if eagle3 else None, job.ttt_steps,
+    v = variant(job.version)
+    layers = list(job.target_layers or v.default_layers(L))
+    n = job.draft_vocab_size if v.draft_vocab else V
+    cfg = EagleConfig(v.number, H, V, layers, n if v.draft_vocab else None, job.ttt_steps,
                       layer_config=layer_config_dict(target_config, job.draft_layer))
     trained = meta_params(lambda: EagleHead(cfg))
     steps = job.ttt_steps
-    keep = (len(layers) + (1 if eagle3 else 0)) * H * act  # captured features (+ last hidden)
+    keep = (len(layers) + v.capture()["last_hidden"]) * H * act  # captured features (+ last hidden)
     teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
     lc = cfg.layer_config
-    per_step = layer_bytes_per_token(lc, attn_in=2 * H if eagle3 else H) * act + H * act + 2 * n * 4
+    per_step = layer_bytes_per_token(lc, attn_in=v.attention_width(H)) * act + H * act + 2 * n * 4
     mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
     return JobMemory(T, trained, keep, teacher, tokens * per_step * steps + mask)

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import artifact
+from draftsmith.eagle.variants import Variant, variant
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import check_draft_vocab
 from draftsmith.storage import read_json
@@ -88,44 +89,32 @@ from draftsmith.targets.gemm import rows_linear
 class EagleConfig:
     """Shape of an EAGLE head (stored as the artifact's config.json, with the decoder layer's HF config)."""
 
-    version: int  # 1 = EAGLE-1, 3 = EAGLE-3 (an int, as the export layouts read it)
+    version: int  # the variant's number (eagle/variants.py): 1 = EAGLE-1, 3 = EAGLE-3, as the layouts read it
     hidden_size: int
     vocab_size: int  # the target's
     target_layers: list[int]  # resolved (non-negative) feature layers: [last] for EAGLE-1, [low, mid, high]
-    draft_vocab_size: int | None = None  # EAGLE-3 only; None = the target's vocab (EAGLE-1)
+    draft_vocab_size: int | None = None  # variants with a draft vocabulary (EAGLE-3); None = the target's
     ttt_steps: int = 1
     ttt_tokens: Literal["target", "draft"] = "target"
     norm_before_residual: bool = False
     layer_config: dict = field(default_factory=dict)  # the target's text config (to_dict), model_type included
 
     def __post_init__(self):
-        if self.version not in (1, 3):
-            raise ValueError(f"EAGLE version must be 1 or 3, got {self.version!r}")
-        if self.version == 3:
-            if len(self.target_layers) != 3:
-                raise ValueError(f"EAGLE-3 fuses 3 target layers, got {self.target_layers}")
-            if self.draft_vocab_size is None or not 1 <= self.draft_vocab_size <= self.vocab_size:
-                raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
-        elif len(self.target_layers) != 1:
-            raise ValueError(f"EAGLE-1 reads one target layer (the last), got {self.target_layers}")
+        v = self.variant  # a ConfigError for a version no variant declares
+        if len(self.target_layers) != v.feature_layers:
+            raise ValueError(f"{v.name} reads {v.feature_layers} target layer(s), got {self.target_layers}")
+        if v.draft_vocab and (self.draft_vocab_size is None or not 1 <= self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
         if not 1 <= self.ttt_steps <= 16:
             raise ValueError(f"ttt_steps must be in 1..16, got {self.ttt_steps}")
 
     @property
-    def eagle3(self) -> bool:
-        return self.version == 3
+    def variant(self) -> Variant:
+        return variant(self.version)
 
     @property
     def model_type(self) -> str:
         return self.layer_config.get("model_type", "?")
-
-
-def parse_version(version: str | int) -> int:
-    """"eagle3" / "eagle1" / 3 / 1 -> 3 / 1."""
-    v = {"eagle1": 1, "eagle3": 3, 1: 1, 3: 3}.get(version)
-    if v is None:
-        raise ConfigError(f"EAGLE version must be eagle1 or eagle3, got {version!r}")
-    return v
 
 
 def layer_config_dict(target_config, draft_layer: str = "llama") -> dict:
@@ -274,22 +263,24 @@ class EagleHead(nn.Module):
         self.layer = getattr(module, layer_cls)(lc, layer_idx=0)
         norm_cls = type(self.layer.input_layernorm)
         eps = lc.rms_norm_eps
-        if config.eagle3:
-            self.fc = nn.Linear(len(config.target_layers) * H, H, bias=False)
+        v = config.variant
+        fc_in, fc_out, fc_bias = v.fc_shape(H)
+        self.fc = nn.Linear(fc_in, fc_out, bias=fc_bias)
+        if v.attention_input == "concat":
             attn = self.layer.self_attn
             for name in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding; feature]
                 old = getattr(attn, name)
-                setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
-            # EAGLE-3 names (the serving stacks' layout): layer.input_layernorm normalises the EMBEDDING,
-            # layer.hidden_norm the feature
+                setattr(attn, name, nn.Linear(v.attention_width(H), old.out_features, bias=old.bias is not None))
+            # the serving stacks' names: layer.input_layernorm normalises the EMBEDDING, layer.hidden_norm the
+            # feature
             self.layer.hidden_norm = norm_cls(H, eps=eps)
+        else:
+            self.layer.input_layernorm = nn.Identity()  # EAGLE-1 feeds fc's output to attention un-normed
+        if v.draft_vocab:
             self.norm = norm_cls(H, eps=eps)
             self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        else:
-            self.fc = nn.Linear(2 * H, H, bias=True)
-            self.layer.input_layernorm = nn.Identity()  # EAGLE-1 feeds fc's output to attention un-normed
         self.rotary = getattr(module, rotary_cls)(lc)  # buffers are non-persistent: not in the artifact
         # frozen target modules, by reference (outside the module tree: not trained, saved or DDP-synced)
         object.__setattr__(self, "_embed", None)
@@ -304,30 +295,28 @@ class EagleHead(nn.Module):
                     draft_layer: str = "llama") -> EagleHead:
         """A fresh head shaped for `target_model` (an HF causal LM), target modules attached.
 
-        EAGLE-3 needs `draft_vocab = (d2t, t2d)` (see `build_draft_vocab`); its lm_head and final norm start
+        A variant with a draft vocabulary (EAGLE-3) needs `draft_vocab = (d2t, t2d)` (`heads.vocab.draft_vocabulary`);
+        its lm_head and final norm start
         as copies of the target's rows / norm, so the draft starts out reading features like the target does.
         `draft_layer`: "llama" (default) or "target" (the target family's decoder layer; `layer_config_dict`).
         """
-        from draftsmith.targets.capture import decoder_layers, default_eagle3_layers, resolve_layers
+        from draftsmith.targets.capture import decoder_layers, resolve_layers
 
         check_architecture(target_model.config, draft_layer)
-        version = parse_version(version)
+        v = variant(version)
         tc = text_config(target_model.config)
         L = len(decoder_layers(target_model))
-        if version == 3:
-            layers = resolve_layers(list(target_layers or default_eagle3_layers(L)), L)
-        else:
-            layers = resolve_layers(list(target_layers or [-1]), L)
+        layers = resolve_layers(list(target_layers or v.default_layers(L)), L)
         d2t, t2d = draft_vocab if draft_vocab is not None else (None, None)
         config = EagleConfig(
-            version=version, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target_layers=layers,
-            draft_vocab_size=int(d2t.numel()) if (version == 3 and d2t is not None) else None,
-            ttt_steps=ttt_steps or (7 if version == 3 else 1), ttt_tokens=ttt_tokens,
+            version=v.number, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target_layers=layers,
+            draft_vocab_size=int(d2t.numel()) if (v.draft_vocab and d2t is not None) else None,
+            ttt_steps=ttt_steps or v.default_ttt_steps, ttt_tokens=ttt_tokens,
             norm_before_residual=norm_before_residual,
             layer_config=layer_config_dict(target_model.config, draft_layer),
         )
         head = cls(config)
-        if version == 3:
+        if v.draft_vocab:
             head.set_draft_vocab(d2t, t2d)
             with torch.no_grad():
                 w = lm_head(target_model).weight
@@ -344,10 +333,11 @@ class EagleHead(nn.Module):
         self.t2d.copy_(t2d)
 
     def attach_target(self, target_model) -> None:
-        """Keep references to the target's frozen embedding (and EAGLE-1: final norm, lm_head)."""
+        """Keep references to the target's frozen embedding (and, reading logits through the target's head,
+        its final norm and lm_head)."""
         # whole(): the module itself, or a whole copy where ZeRO-3 partitions the target (targets/families.py)
         object.__setattr__(self, "_embed", whole(embeddings(target_model)))
-        if not self.config.eagle3:
+        if not self.config.variant.draft_vocab:
             object.__setattr__(self, "_target_norm", whole(final_norm(target_model)))
             object.__setattr__(self, "_target_head", whole(lm_head(target_model)))
 
@@ -363,8 +353,9 @@ class EagleHead(nn.Module):
             return embedding_rows(self._embed, ids).to(self._dtype)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Step-0 feature from the target's: EAGLE-3 fc over [low; mid; high] (3H -> H); EAGLE-1 f itself."""
-        return self.fc(features.to(self._dtype)) if self.config.eagle3 else features.to(self._dtype)
+        """Step-0 feature from the target's: fused by fc (EAGLE-3: [low; mid; high], 3H -> H) or f itself."""
+        x = features.to(self._dtype)
+        return self.fc(x) if self.config.variant.fuse_layers else x
 
     def layer_step(self, feature: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, kv: DraftKV,
                    allowed: torch.Tensor) -> torch.Tensor:
@@ -376,12 +367,12 @@ class EagleHead(nn.Module):
         mask = additive_mask(allowed, feature.dtype)
         pe = self.rotary(feature, positions) if self._rope_type is None else \
             self.rotary(feature, positions, self._rope_type)
-        if not self.config.eagle3:  # EAGLE-1: u = fc([e(x_{t+1}); f_t]) through the layer as the target runs it
+        if self.config.variant.attention_input == "fc":  # EAGLE-1: u = fc([e(x_{t+1}); f_t]) through the layer
             x = self.fc(torch.cat([emb, feature], dim=-1))
             out = self.layer(hidden_states=x, attention_mask=mask, position_ids=positions, past_key_values=kv,
                              position_embeddings=pe)
             return out[0] if isinstance(out, tuple) else out
-        # EAGLE-3: attention over [norm_e(e); norm_h(g)] (2H), residual over g (or norm_h(g))
+        # "concat" (EAGLE-3): attention over [norm_e(e); norm_h(g)] (2H), residual over g (or norm_h(g))
         layer = self.layer
         normed = layer.hidden_norm(feature)
         residual = normed if self.config.norm_before_residual else feature
@@ -392,7 +383,7 @@ class EagleHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., H] -> [.., N] draft-vocab logits (EAGLE-3) or [.., V] via the target's frozen head (EAGLE-1)."""
-        if self.config.eagle3:
+        if self.config.variant.draft_vocab:
             return self.lm_head(self.norm(hidden))
         if self._target_head is None:
             raise ConfigError("EAGLE-1 head has no target lm_head: call attach_target(target_model) first")
@@ -401,7 +392,7 @@ class EagleHead(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target ids (target_id = d + d2t[d]); identity for EAGLE-1."""
-        return draft_ids + self.d2t[draft_ids] if self.config.eagle3 else draft_ids
+        return draft_ids + self.d2t[draft_ids] if self.config.variant.draft_vocab else draft_ids
 
     @torch.no_grad()
     def argmax_target_ids(self, hidden: torch.Tensor, chunk: int = 512) -> torch.Tensor:
@@ -567,7 +558,7 @@ def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
     fields = {k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}
     try:
         config = EagleConfig(**fields)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ConfigError) as e:
         raise ConfigError(f"{path}/config.json: not an EAGLE head config ({e})") from None
     head = EagleHead(config)
     artifact.load_strict(head, state, path)

@@ -199,76 +199,96 @@ class EagleProposer(Proposer):
         return Proposal.chain(tokens, device=device)
 
     def _tree(self, spec: TreeSpec, depth: int, device) -> Proposal:
+        """EAGLE-2's dynamic tree: expand the most valuable nodes level by level, then keep the best `budget`."""
         budget = min(spec.max_nodes or self.max_nodes, spec.capacity())
-        # node arrays (creation order: parents before children)
-        tok: list[int] = []
-        parent: list[int] = []
-        score: list[float] = []
-        node_depth: list[int] = []
-        kv_index: dict[int, int] = {}  # expanded node -> its scratch kv entry
-
-        def add_children(par: int, logits: torch.Tensor, par_score: float, d: int) -> None:
-            k = min(self.topk, spec.branching[d - 1], logits.shape[-1])
-            logp, ids = torch.log_softmax(logits.float(), -1).topk(k)
-            target_ids = self.head.to_target_ids(ids).tolist()
-            for lp, t in zip(logp.tolist(), target_ids):
-                tok.append(t)
-                parent.append(par)
-                score.append(par_score + lp)
-                node_depth.append(d)
-
-        def ancestors(i: int) -> list[int]:
-            out = []
-            while i >= 0:
-                out.append(kv_index[i])
-                i = parent[i]
-            return out[::-1]
-
+        tree = _DraftTree(self.head, self.topk, spec.branching)
         t_start = time.perf_counter()
         lam = self.calibration if self.cost is not None else 1.0  # the scores' calibration (see `calibration`)
-        hidden: dict[int, torch.Tensor] = {}  # expanded node -> its output feature
-        add_children(-1, self.head.logits(self.root), 0.0, 1)
-        frontier = list(range(len(tok)))
+        tree.add_children(-1, self.head.logits(self.root), 0.0, 1)
+        frontier = list(range(len(tree.tok)))
         for d in range(1, depth):
             # EAGLE-2 step 2: expand the `topk` most valuable nodes of this depth
-            chosen = sorted(frontier, key=lambda i: -score[i])[: self.topk]
-            if not chosen:
+            chosen = sorted(frontier, key=lambda i: -tree.score[i])[: self.topk]
+            if not chosen or not self._deeper_pays(tree, chosen, d, depth, budget, lam, t_start):
                 break
-            if self.cost is not None and self.level_s is not None:
-                # the verifier will cut the tree to the nodes that pay (decoding/budget.py): stop drafting
-                # levels that no cut could use, judged by an upper bound on what they could add
-                t_step = self.cost.t_step_s
-                per_level = [len(chosen) * self.topk] + [self.topk * self.topk] * (depth - d - 1)
-                if not worth_deeper([lam * math.exp(x) for x in score], lam * math.exp(max(score[i] for i in chosen)),
-                                    per_level, budget, self.cost, (time.perf_counter() - t_start) / t_step,
-                                    self.level_s / t_step):
-                    break
             t_level = time.perf_counter()
-            parents_h = torch.stack([self.root if parent[i] < 0 else hidden[parent[i]] for i in chosen])
-            anc = [ancestors(parent[i]) if parent[i] >= 0 else [] for i in chosen]
-            tokens = torch.tensor([tok[i] for i in chosen], dtype=torch.long, device=self._device)
-            base = len(self.kv)
-            out = self._expand(parents_h, tokens, d, anc)
-            logits = self.head.logits(out)
-            first_new = len(tok)
-            for r, i in enumerate(chosen):
-                kv_index[i] = base + r
-                hidden[i] = out[r]
-                add_children(i, logits[r], score[i], d + 1)
-            frontier = list(range(first_new, len(tok)))
+            frontier = self._expand_level(tree, chosen, d)
             dt = time.perf_counter() - t_level
             self.level_s = dt if self.level_s is None else 0.8 * self.level_s + 0.2 * dt
-        # EAGLE-2 step 3: rerank every node, keep the best `budget` (closed under ancestors, see docstring)
-        keep = sorted(range(len(tok)), key=lambda i: (-score[i], node_depth[i], i))[:budget]
-        keep.sort()
-        new_index = {old: new for new, old in enumerate(keep)}
-        parents = [new_index[parent[i]] if parent[i] >= 0 else -1 for i in keep]
         # the draft's path probability is EAGLE-2's estimate of the node's acceptance: the verifier may cut
         # the tree to the nodes that pay for their verification (decoding/budget.py)
         # (times λ, the calibration against what was accepted, when the verifier cuts by them)
         self.scale_used = lam
-        scores = torch.tensor([score[i] for i in keep], dtype=torch.float32).exp() * self.scale_used
-        return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
+        return tree.rerank(budget, lam, device)
+
+    def _deeper_pays(self, tree: _DraftTree, chosen: list[int], d: int, depth: int, budget: int, lam: float,
+                     t_start: float) -> bool:
+        """Whether drafting level d+1 can pay: the verifier will cut the tree to the nodes that pay
+        (decoding/budget.py), so levels no cut could use are not drafted, judged by an upper bound on what
+        they could add. Without a measured cost every level is drafted."""
+        if self.cost is None or self.level_s is None:
+            return True
+        t_step = self.cost.t_step_s
+        per_level = [len(chosen) * self.topk] + [self.topk * self.topk] * (depth - d - 1)
+        return worth_deeper([lam * math.exp(x) for x in tree.score], lam * math.exp(max(tree.score[i] for i in chosen)),
+                            per_level, budget, self.cost, (time.perf_counter() - t_start) / t_step,
+                            self.level_s / t_step)
+
+    def _expand_level(self, tree: _DraftTree, chosen: list[int], d: int) -> list[int]:
+        """Run the layer once for the chosen nodes of depth d; their children join the tree. Returns the new
+        frontier (the children's indices)."""
+        parents_h = torch.stack([self.root if tree.parent[i] < 0 else tree.hidden[tree.parent[i]] for i in chosen])
+        anc = [tree.ancestors(tree.parent[i]) if tree.parent[i] >= 0 else [] for i in chosen]
+        tokens = torch.tensor([tree.tok[i] for i in chosen], dtype=torch.long, device=self._device)
+        base = len(self.kv)
+        out = self._expand(parents_h, tokens, d, anc)
+        logits = self.head.logits(out)
+        first_new = len(tree.tok)
+        for r, i in enumerate(chosen):
+            tree.kv_index[i] = base + r
+            tree.hidden[i] = out[r]
+            tree.add_children(i, logits[r], tree.score[i], d + 1)
+        return list(range(first_new, len(tree.tok)))
+
+
+class _DraftTree:
+    """The nodes of one EAGLE-2 draft tree, in creation order (parents before children)."""
+
+    def __init__(self, head: EagleHead, topk: int, branching):
+        self.head, self.topk, self.branching = head, topk, branching
+        self.tok: list[int] = []
+        self.parent: list[int] = []
+        self.score: list[float] = []  # log path probability
+        self.node_depth: list[int] = []
+        self.kv_index: dict[int, int] = {}  # expanded node -> its scratch kv entry
+        self.hidden: dict[int, torch.Tensor] = {}  # expanded node -> its output feature
+
+    def add_children(self, par: int, logits: torch.Tensor, par_score: float, d: int) -> None:
+        k = min(self.topk, self.branching[d - 1], logits.shape[-1])
+        logp, ids = torch.log_softmax(logits.float(), -1).topk(k)
+        for lp, t in zip(logp.tolist(), self.head.to_target_ids(ids).tolist()):
+            self.tok.append(t)
+            self.parent.append(par)
+            self.score.append(par_score + lp)
+            self.node_depth.append(d)
+
+    def ancestors(self, i: int) -> list[int]:
+        """Scratch kv entries of node i and its ancestors, root first."""
+        out = []
+        while i >= 0:
+            out.append(self.kv_index[i])
+            i = self.parent[i]
+        return out[::-1]
+
+    def rerank(self, budget: int, scale: float, device) -> Proposal:
+        """EAGLE-2 step 3: rerank every node, keep the best `budget` (closed under ancestors: a child's path
+        probability never exceeds its parent's, and ties go to the shallower, earlier node)."""
+        keep = sorted(range(len(self.tok)), key=lambda i: (-self.score[i], self.node_depth[i], i))[:budget]
+        keep.sort()
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [new_index[self.parent[i]] if self.parent[i] >= 0 else -1 for i in keep]
+        scores = torch.tensor([self.score[i] for i in keep], dtype=torch.float32).exp() * scale
+        return Proposal(torch.tensor([self.tok[i] for i in keep], dtype=torch.long, device=device),
                         torch.tensor(parents, dtype=torch.long, device=device), scores=scores)
 
 
