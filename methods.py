@@ -45,6 +45,7 @@ BUILTIN = (
     "draftsmith.distill",
     "draftsmith.medusa",
     "draftsmith.eagle",
+    "draftsmith.dflash",
 )
 
 

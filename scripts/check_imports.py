@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     # of export/ and planning/): the export manifest and guard, the model card, reading a layout back, the
     # writer every head layout shares; the memory counting rules every method's estimate uses
     ("export.common", "export.card", "export.verify", "export.heads", "planning.memory", "planning.train_memory"),
-    ("distill", "medusa", "eagle"),  # one folder per method (METHODS)
+    ("distill", "medusa", "eagle", "dflash"),  # one folder per method (METHODS)
     ("evaluation",),  # per-domain alpha/tau/speedup, lossless against a reference, reports
     # the one runner: train any method's job, then evaluate what it wrote; `draftsmith train` calls it
     ("training.runner", "training.commands"),
@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("retrain",),  # drift -> retrain -> gate -> promote
     ("cli",),  # the one command line
 ]
-METHODS = {"distill", "medusa", "eagle"}
+METHODS = {"distill", "medusa", "eagle", "dflash"}
 
 # (importer, imported) -> why the import against the layer order stays, for now
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {

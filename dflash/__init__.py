@@ -1,0 +1,16 @@
+"""DFlash: a few decoder layers that draft a whole block of tokens in one non-causal forward pass from the
+target's fused hidden states (Chen, Liang, Liu 2026)."""
+
+from draftsmith.methods import Method
+
+METHOD = Method(
+    name="dflash",
+    summary="a DFlash block drafter (decoder layers predicting a block at once from the target's hidden states)",
+    config="draftsmith.dflash.job:DFlashJobConfig",
+    train=None,  # the one runner trains its job
+    job="draftsmith.dflash.job:DFlashJob",
+    load="draftsmith.dflash.model:load_dflash",
+    proposer="draftsmith.dflash.proposer:build_proposer",
+    tensors="draftsmith.dflash.model:artifact_tensors",
+    default_config="configs/smollm2-135m/dflash.yaml",
+)

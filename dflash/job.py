@@ -1,0 +1,220 @@
+"""Training a DFlash drafter on a frozen target through the one training loop.
+
+Each step draws `anchors_per_row` random anchors per row (positions whose next token is target-written) and
+trains every block in one forward (`DFlashDraft.forward`): slot j of the block at a predicts x_{a+j},
+weighted by exp(-(j-1)/γ). The target supplies the tapped layers' outputs (online, or offline from the
+capture cache EAGLE-3 uses, through `CaptureSource`); with `loss: kd` also its post-norm last hidden state, so
+each slot learns the target's whole next-token distribution at a+j-1 rather than the one token it wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from draftsmith import artifact
+from draftsmith.config import register_config, to_dict
+from draftsmith.dflash.model import (
+    DFlashDraft,
+    block_targets,
+    dflash_loss,
+    position_weights,
+    reference_layers,
+    sample_anchors,
+)
+from draftsmith.errors import ConfigError
+from draftsmith.targets.families import pad_token_id
+from draftsmith.training.batching import pad_rows, row_lengths, split_rows
+from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
+from draftsmith.training.job import Job, unwrap
+
+log = logging.getLogger(__name__)
+
+# the reference's decay per block size (paper and SpecForge recipes): γ = 7 at 16, 5 at 10, 4 at 8
+DEFAULT_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+@register_config("dflash")
+@dataclass
+class DFlashJobConfig:
+    target: str = "smollm2-135m"
+    data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
+    output: str = "runs/dflash/smollm2-135m"
+    num_layers: int = 1  # draft decoder layers
+    block_size: int = 8  # anchor + block_size-1 drafted tokens; vLLM serves it with num_speculative_tokens = bs-1
+    # output-of-layer ids the context reads (ascending); None: the reference's rule with one tap per draft
+    # layer, and three for a one-layer draft (one tap would lose the low/high-level mix EAGLE-3 found useful)
+    target_layers: list[int] | None = None
+    # a token id whose (frozen) embedding row marks the slots to predict; None: a row no token of the
+    # tokenizer uses where the embedding is padded, else the highest special token the training data
+    # never contains
+    mask_token_id: int | None = None
+    gamma: float | None = None  # slot weight exp(-(j-1)/γ); None: 4 at block 8, 7 at block 16 (DEFAULT_GAMMA)
+    anchors_per_row: int = 16  # blocks trained per row and step
+    loss: Literal["ce", "kd"] = "ce"  # ce: the token the target wrote; kd: the target's distribution there
+    init_std: float = 0.02
+    max_length: int = 512
+    prompt_context: int | None = None
+    eval_fraction: float = 0.05
+    capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
+
+    def __post_init__(self):
+        check_output_folders(self.output, self.train.output_dir)
+        if not 1 <= self.num_layers <= 16:
+            raise ValueError(f"num_layers must be in 1..16, got {self.num_layers}")
+        if not 2 <= self.block_size <= 64:
+            raise ValueError(f"block_size must be in 2..64, got {self.block_size}")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"gamma must be > 0 or null, got {self.gamma}")
+        if self.anchors_per_row < 1:
+            raise ValueError(f"anchors_per_row must be >= 1, got {self.anchors_per_row}")
+        if self.target_layers is not None and list(self.target_layers) != sorted(set(self.target_layers)):
+            raise ValueError(f"target_layers must be distinct and ascending, got {self.target_layers}")
+        if not 0 < self.eval_fraction < 0.5:
+            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        if self.max_length < 2 * self.block_size:
+            raise ValueError(f"max_length must be >= 2·block_size ({2 * self.block_size}), got {self.max_length}")
+
+    @property
+    def slot_gamma(self) -> float | None:
+        return self.gamma if self.gamma is not None else DEFAULT_GAMMA.get(self.block_size, self.block_size / 2)
+
+
+def default_layers(num_layers: int, draft_layers: int) -> list[int]:
+    return reference_layers(num_layers, 3 if draft_layers == 1 else draft_layers)
+
+
+def pick_mask_token(target, counts: torch.Tensor) -> int:
+    """A row of the target's embedding that marks the slots to predict (DFlashJobConfig.mask_token_id): a row
+    no token of the tokenizer maps to where the embedding is padded (Qwen3's), else the highest special token
+    the training data never holds (SmolLM2's <empty_output>), else the rarest token of the training data."""
+    tok = target.tokenizer
+    V = target.vocab_size
+    if V > len(tok):
+        return len(tok)
+    keep = {tok.eos_token_id, tok.pad_token_id, tok.bos_token_id}
+    special = {int(i) for i in getattr(tok, "all_special_ids", [])} | set(getattr(tok, "added_tokens_decoder", None) or {})
+    for i in sorted(special, reverse=True):
+        if i < V and i not in keep and int(counts[i]) == 0:
+            return i
+    rare = int(torch.argmin(counts[:V].flip(0))) if len(counts) >= V else V - 1
+    i = V - 1 - rare
+    log.warning("mask_token_id: no spare embedding row or unused special token; using token %d, written %d times "
+                "in the training data (name mask_token_id to choose)", i, int(counts[i]))
+    return i
+
+
+class DFlashJob(Job):
+    kind = "dflash"
+
+    def data_path(self) -> str | None:
+        return self.cfg.data
+
+    def __init__(self, cfg: DFlashJobConfig, target, dataset=None):
+        from draftsmith.heads.vocab import token_counts
+        from draftsmith.targets.capture import resolve_layers, uncapturable_layers
+        from draftsmith.training import CaptureSource
+
+        self.cfg, self.target = cfg, target
+        if dataset is None:
+            from draftsmith.data import load_distilled
+
+            dataset = load_distilled(cfg.data, target)
+        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
+        self.pad_id = pad_token_id(target)
+        L = target.num_layers
+        self.layers = resolve_layers(list(cfg.target_layers or default_layers(L, cfg.num_layers)), L)
+        if self.layers != sorted(set(self.layers)):
+            raise ConfigError(f"target_layers: {cfg.target_layers} name a layer twice or out of order on this "
+                              f"{L}-layer target (resolved {self.layers})")
+        lost = uncapturable_layers(self.layers, L)
+        if lost:
+            raise ConfigError(f"target_layers: layer(s) {lost} of this {L}-layer target (the last layer's output) "
+                              f"are captured by no serving stack: pick layers up to {L - 2}")
+        self.counts = token_counts(self.train_set, target.vocab_size)
+        self.mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(target, self.counts)
+        if int(self.counts[self.mask_id]) if self.mask_id < len(self.counts) else 0:
+            log.warning("mask_token_id %d occurs %d times in the training data's target-written tokens",
+                        self.mask_id, int(self.counts[self.mask_id]))
+        self.weights = position_weights(cfg.block_size, cfg.slot_gamma)
+        self.features = CaptureSource(target, layers=self.layers, last_hidden=cfg.loss == "kd",
+                                      cache_dir=cfg.capture_cache)
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)
+
+    def announce(self) -> None:
+        log.info("DFlash: %d layer(s), block %d, taps %s, mask token %d, γ %s", self.cfg.num_layers,
+                 self.cfg.block_size, self.layers, self.mask_id, self.cfg.slot_gamma)
+
+    def build_module(self) -> DFlashDraft:
+        return DFlashDraft.from_target(self.target.model, self.layers, self.cfg.num_layers, self.cfg.block_size,
+                                       self.mask_id, self.cfg.init_std)
+
+    def setup(self, accelerator) -> None:
+        from draftsmith.training.frozen import place_frozen
+
+        self.features.place(accelerator)
+        if self.features.offline:  # the target still supplies the embedding and the lm_head
+            self.target.model = place_frozen(self.target.model, accelerator, shard=False)
+        else:
+            placed = self.features.model
+            self.target.model = getattr(placed, "module", placed)
+
+    def train_rows(self):
+        return self.train_set
+
+    def eval_rows(self):
+        return self.eval_set
+
+    def collate(self, rows):
+        return pad_rows(rows, self.pad_id, self.cfg.max_length, prompt_context=self.cfg.prompt_context)
+
+    def row_lengths(self) -> list[int]:
+        return row_lengths(self.train_set, self.cfg.max_length, self.cfg.prompt_context)
+
+    def learned_tokens(self, batch) -> int:
+        """Anchors a block can start from (a >= 1 with x_{a+1} learned); a batch without any is skipped."""
+        return int(batch["loss_mask"][:, 2:].sum())
+
+    def loss(self, module, batch):
+        draft = unwrap(module)
+        draft.attach_target(self.target.model)
+        feats = self.features(batch)
+        ids, lmask = batch["input_ids"], batch["loss_mask"]
+        lengths = batch["attention_mask"].sum(1)
+        bs = self.cfg.block_size
+        anchors = sample_anchors(lmask, lengths, self.cfg.anchors_per_row, bs, self.generator)
+        x = torch.cat([feats[f"layer.{i}"] for i in self.layers], dim=-1)
+        z = module(ids, x, anchors)  # [B, n, bs, H]
+        labels, valid = block_targets(ids, lmask, anchors, bs)
+        slots = torch.arange(bs, device=ids.device).expand_as(valid)[valid]
+        logits = draft.logits(z[valid])
+        teacher = None
+        if self.cfg.loss == "kd":  # slot j is verified by the target's distribution at a+j-1
+            pos = (anchors.clamp(min=0)[..., None] + torch.arange(bs, device=ids.device) - 1).clamp(min=0)
+            rows = torch.arange(ids.shape[0], device=ids.device)[:, None, None].expand_as(pos)
+            with torch.no_grad():
+                teacher = draft.target_logits(feats["last_hidden"][rows[valid], pos[valid]])
+        return dflash_loss(logits, labels[valid], slots, self.weights, teacher)
+
+    def save_artifact(self, module, out_dir, metrics) -> Path:
+        draft = unwrap(module)
+        dest = self.artifact_dest(out_dir)
+        config = {**asdict(draft.config), "architecture": "dflash", "embeddings": "target", "lm_head": "target",
+                  "feature_convention": "pre-norm decoder layer outputs (targets/capture.py)",
+                  "gamma": self.cfg.slot_gamma}
+        manifest = artifact.make_manifest(
+            "dflash", self.target.fingerprint(), to_dict(self.cfg),
+            data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set),
+                  "target_written_tokens": int(self.counts.sum())},
+            metrics=metrics,
+        )
+        return artifact.save_artifact(dest, manifest, dict(draft.state_dict()), config)
+
+    def artifact_dest(self, out_dir) -> Path:
+        return Path(self.cfg.output) if self.cfg.output else Path(out_dir)

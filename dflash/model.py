@@ -1,0 +1,396 @@
+"""DFlash: a block drafter that predicts a whole block of tokens in one non-causal forward pass.
+
+Chen, Liang, Liu 2026, "DFlash: Block Diffusion for Flash Speculative Decoding" (arXiv 2602.06036); the
+layout follows what vLLM (`qwen3_dflash.py`), SGLang and speculators serve.
+
+Notation: x_0..x_{T-1} the tokens, h^k_t the target's residual stream after decoder layer k (the layer
+convention of `targets/capture.py`, = HF hidden_states[k + 1]) for the K tapped layers k_1 < ... < k_K,
+e(x) the target's frozen token embedding (plain rows), B the block size, M the mask token.
+
+  context    c_t = hidden_norm(fc([h^{k_1}_t; ...; h^{k_K}_t]))          fc: K·H -> H, no bias
+  block      at anchor a (a token whose own target feature is not known yet: at inference, the pending
+             token the target just produced): inputs [x_a, M, ..., M] (B tokens) at positions a..a+B-1
+  layers     N Qwen3-style decoder layers (pre-norm, q/k RMS norms per head, RoPE, SwiGLU). In every layer
+             the block's queries attend the context's keys/values (k_norm(k_proj(c_t)), v_proj(c_t) at
+             position t, for every t < a) and the whole block's own (bidirectional); the context itself is
+             never updated by the layers (it enters K/V only, without the layer's input norm)
+  logits     lm_head_target(norm(z_j)) at slot j predicts x_{a+j}, j = 1..B-1 (slot 0 is the anchor)
+  loss       Σ_j w_j · CE_j / Σ_j w_j, w_j = exp(-(j-1)/γ) (paper Eq. 4: early slots matter more, since a
+             draft is accepted only up to its first miss)
+
+Training draws random anchors per row and runs all their blocks in one forward: the keys are
+[context | block_1 | ... | block_n], block i's queries see context t < a_i and block i only.
+At inference the draft keeps the context keys/values of every committed position in its own cache (one
+entry per verified token and layer) and runs one forward of B queries per step.
+
+The target's embedding and lm_head are attached by reference (`attach_target`): not parameters, not trained,
+not saved; exports name neither (the serving stacks share the target's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith import artifact
+from draftsmith.errors import ConfigError
+from draftsmith.storage import read_json
+from draftsmith.targets.families import (
+    attention_dims,
+    embedding_rows,
+    embeddings,
+    full_attention_rope,
+    lm_head,
+    rope_fields,
+    text_config,
+    whole,
+)
+from draftsmith.targets.gemm import rows_linear
+
+
+def reference_layers(num_layers: int, taps: int) -> list[int]:
+    """The reference's tap rule (output-of-layer ids): one tap in the middle, or `taps` evenly spaced from
+    layer 1 to layer L-3 (never the last layer, whose output no serving stack captures)."""
+    if num_layers < 4:
+        raise ConfigError(f"DFlash needs a target of at least 4 layers for its default taps, got {num_layers}: "
+                          "name target_layers")
+    if taps == 1:
+        return [num_layers // 2]
+    return sorted({round(1 + i * (num_layers - 4) / (taps - 1)) for i in range(taps)})
+
+
+def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
+    """[B] loss weight per slot: 0 for the anchor, exp(-(j-1)/γ) for j >= 1 (1 everywhere without γ)."""
+    j = torch.arange(block_size, dtype=torch.float32)
+    w = torch.ones(block_size) if gamma is None else torch.exp(-(j - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+@dataclass
+class DFlashConfig:
+    """Shape of a DFlash drafter (stored as the artifact's config.json)."""
+
+    hidden_size: int
+    vocab_size: int  # the target's
+    target_layers: list[int]  # output-of-layer ids, ascending and distinct (the order the stacks concatenate)
+    num_layers: int
+    block_size: int
+    mask_token_id: int
+    layer_config: dict = field(default_factory=dict)  # one draft layer: Qwen3 field names (`layer_config_dict`)
+
+    def __post_init__(self):
+        if list(self.target_layers) != sorted(set(self.target_layers)) or not self.target_layers:
+            raise ValueError(f"target_layers must be distinct and ascending, got {self.target_layers}")
+        if not 1 <= self.num_layers <= 16:
+            raise ValueError(f"num_layers must be in 1..16, got {self.num_layers}")
+        if not 2 <= self.block_size <= 64:
+            raise ValueError(f"block_size must be in 2..64, got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id must be a row of the target's embedding (0..{self.vocab_size - 1}), "
+                             f"got {self.mask_token_id}")
+
+
+def layer_config_dict(target_config) -> dict:
+    """The draft layer's config, Qwen3 field names (what vLLM's DFlash drafter and SGLang's build), sized from
+    the target: hidden, heads, kv heads, head_dim, MLP width, norm eps, the target's full-attention RoPE."""
+    tc = text_config(target_config)
+    heads, kv_heads, head_dim = attention_dims(tc)
+    return {"model_type": "qwen3", "hidden_size": tc.hidden_size, "intermediate_size": tc.intermediate_size,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "rms_norm_eps": getattr(tc, "rms_norm_eps", 1e-6), **rope_fields(full_attention_rope(tc)),
+            "max_position_embeddings": getattr(tc, "max_position_embeddings", 8192),
+            "vocab_size": tc.vocab_size, "hidden_act": "silu", "attention_bias": False}
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32 (as the targets' and the serving stacks' norms are)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, hd]; cos/sin [B, T, hd] (rotate-half layout, the neox style vLLM assumes by default)."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        H, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, c["rms_norm_eps"])
+        self.k_norm = RMSNorm(hd, c["rms_norm_eps"])
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.hd)
+
+    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated, normed keys and values [B, kv_heads, T, hd] of x [B, T, H] at the positions of cos/sin."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.nkv)).transpose(1, 2)
+        v = self._heads(self.v_proj(x), self.nkv).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """x [B, Q, H] (normed block); ctx_k/ctx_v [B, kv_heads, S, hd]; mask bool [B, 1, Q, S+Q] or None."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.nh)).transpose(1, 2), cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.nh * self.hd))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        H, inter = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(H, inter, bias=False)
+        self.up_proj = nn.Linear(H, inter, bias=False)
+        self.down_proj = nn.Linear(inter, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.self_attn = DFlashAttention(c)
+        self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.mlp = DFlashMLP(c)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Rotary(nn.Module):
+    """cos/sin of the target's full-attention RoPE at given positions (transformers' Llama rotary embedding,
+    which implements every scaling type the targets use). Its buffers are not persistent: not saved."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        lc = LlamaConfig(hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+                         head_dim=c["head_dim"], max_position_embeddings=c["max_position_embeddings"],
+                         rope_parameters=full_attention_rope(c))
+        self.rotary = LlamaRotaryEmbedding(lc)
+
+    def forward(self, like: torch.Tensor, positions: torch.Tensor):
+        return self.rotary(like, positions)
+
+
+class DFlashDraft(nn.Module):
+    """The DFlash drafter (see the module docstring)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        c = config.layer_config
+        H = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layers) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, c["rms_norm_eps"])
+        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(config.num_layers))
+        self.norm = RMSNorm(H, c["rms_norm_eps"])
+        self.rotary = Rotary(c)
+        object.__setattr__(self, "_embed", None)  # the target's frozen modules, by reference
+        object.__setattr__(self, "_head", None)
+
+    @classmethod
+    def from_target(cls, target_model, target_layers: list[int], num_layers: int, block_size: int,
+                    mask_token_id: int, init_std: float = 0.02) -> DFlashDraft:
+        tc = text_config(target_model.config)
+        config = DFlashConfig(tc.hidden_size, tc.vocab_size, list(target_layers), num_layers, block_size,
+                              mask_token_id, layer_config_dict(target_model.config))
+        draft = cls(config)
+        with torch.no_grad():  # the reference's init: normal(0, std) projections, unit norms
+            for m in draft.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight.normal_(0.0, init_std)
+        draft.attach_target(target_model)
+        return draft
+
+    def attach_target(self, target_model) -> None:
+        object.__setattr__(self, "_embed", whole(embeddings(target_model)))
+        object.__setattr__(self, "_head", whole(lm_head(target_model)))
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._embed is None:
+            raise ConfigError("this DFlash draft has no target embedding: call attach_target(target_model) first")
+        with torch.no_grad():
+            return embedding_rows(self._embed, ids).to(self._dtype)
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """[.., H] block outputs -> [.., V] through the final norm and the target's frozen lm_head."""
+        if self._head is None:
+            raise ConfigError("this DFlash draft has no target lm_head: call attach_target(target_model) first")
+        w = self._head.weight
+        return rows_linear(self.norm(z).to(w.dtype), w)
+
+    def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits from its post-norm last hidden state (the KD teacher)."""
+        w = self._head.weight
+        return rows_linear(last_hidden.to(w.dtype), w)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """[.., K·H] target features -> [.., H] context states c."""
+        return self.hidden_norm(self.fc(features.to(self._dtype)))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys/values the context states ctx [B, S, H] at positions [B, S] give."""
+        cos, sin = self.rotary(ctx, positions)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def run_blocks(self, block_ids: torch.Tensor, positions: torch.Tensor,
+                   ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
+        """The layers over block tokens block_ids [B, Q] at positions [B, Q], attending ctx_kv and each other as
+        `mask` (bool [B, 1, Q, S+Q], True = may attend; None = everything). Returns the outputs z [B, Q, H]."""
+        x = self.embed(block_ids)
+        cos, sin = self.rotary(x, positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training forward: every row's blocks at once.
+
+        input_ids [B, T]; features [B, T, K·H] (positions past a row's end may hold anything: they are never
+        attended); anchors [B, n] long (-1 = no block). Returns z [B, n, block_size, H]."""
+        B, T = input_ids.shape
+        n, bs = anchors.shape[1], self.config.block_size
+        device = input_ids.device
+        live = anchors >= 0
+        a = anchors.clamp(min=0)
+        block_ids = torch.full((B, n, bs), self.config.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, :, 0] = torch.where(live, input_ids.gather(1, a), self.config.mask_token_id)
+        positions = a[..., None] + torch.arange(bs, device=device)  # [B, n, bs]
+        ctx_pos = torch.arange(T, device=device).expand(B, T)
+        ctx_kv = self.context_kv(self.context(features), ctx_pos)
+        out = self.run_blocks(block_ids.view(B, n * bs), positions.view(B, n * bs), ctx_kv,
+                              block_mask(anchors, T, bs)[:, None])
+        return out.view(B, n, bs, -1)
+
+
+def block_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
+    """bool [B, n·bs, T + n·bs]: block i's queries see context t < a_i and block i's keys (a block without an
+    anchor, -1, sees only itself: its outputs are never used, and a row of -inf would make NaNs)."""
+    B, n = anchors.shape
+    device = anchors.device
+    ctx = torch.arange(T, device=device)[None, None] < anchors[..., None]  # [B, n, T]
+    ctx = ctx.repeat_interleave(block_size, dim=1)  # [B, n·bs, T]
+    which = torch.arange(n, device=device).repeat_interleave(block_size)  # block of each query / key
+    own = (which[:, None] == which[None, :]).expand(B, -1, -1)
+    return torch.cat([ctx, own], dim=-1)
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, per_row: int, block_size: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, per_row] random anchors per row (-1 where a row has fewer): positions a >= 1 whose next token is
+    learned (loss_mask[a+1] = 1), so every block has a context and at least one labelled slot. Sorted."""
+    B, T = loss_mask.shape
+    out = torch.full((B, per_row), -1, dtype=torch.long)
+    nxt = torch.zeros_like(loss_mask, dtype=torch.bool)
+    nxt[:, :-1] = loss_mask[:, 1:].bool()
+    for r in range(B):
+        cand = nxt[r, 1: int(lengths[r]) - 1].nonzero().flatten().cpu() + 1
+        if cand.numel() == 0:
+            continue
+        pick = cand[torch.randperm(cand.numel(), generator=generator)[:per_row]].sort().values
+        out[r, : pick.numel()] = pick
+    return out.to(loss_mask.device)
+
+
+def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels [B, n, bs], valid [B, n, bs]): slot j of block a is x_{a+j}, valid where the block exists,
+    j >= 1, a+j lies in the row and x_{a+j} is learned (loss_mask)."""
+    B, T = input_ids.shape
+    pos = anchors.clamp(min=0)[..., None] + torch.arange(block_size, device=anchors.device)
+    inside = pos < T
+    pos = pos.clamp(max=T - 1)
+    flat = pos.view(B, -1)
+    labels = input_ids.gather(1, flat).view(pos.shape)
+    learned = loss_mask.gather(1, flat).view(pos.shape).bool()
+    valid = (anchors >= 0)[..., None] & inside & learned
+    valid[..., 0] = False
+    return labels, valid
+
+
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Position-weighted cross-entropy over the selected slots: logits [n, V], labels [n], slots [n] (the slot
+    index j of each), weights [bs]. With `teacher` [n, V] (the target's logits where slot j is verified), the
+    soft cross-entropy against its distribution replaces the hard label. Metrics: the loss, top-1 accuracy
+    against the label overall and per slot (`slot{j}/acc`: what acceptance at depth j follows)."""
+    w = weights.to(logits.device)[slots]
+    if teacher is None:
+        ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    else:
+        ce = -(F.softmax(teacher.float(), -1) * F.log_softmax(logits.float(), -1)).sum(-1)
+    total = w.sum()
+    loss = (ce * w).sum() / total if logits.shape[0] else logits.sum() * 0.0
+    metrics = {"ce": float(ce.detach().mean()) if ce.numel() else 0.0}
+    with torch.no_grad():
+        right = logits.argmax(-1) == labels
+        metrics["acc"] = float(right.float().mean()) if right.numel() else 0.0
+        for j in range(1, weights.numel()):
+            at = slots == j
+            if at.any():
+                metrics[f"slot{j}/acc"] = float(right[at].float().mean())
+    return loss, metrics
+
+
+def load_dflash(path: str | Path, target=None) -> tuple[DFlashDraft, dict]:
+    """Draft and manifest of a DFlash artifact; with `target` (fingerprint checked) attached to it and moved
+    to its device / dtype."""
+    path = Path(path)
+    manifest, state = artifact.load_artifact(path, kind="dflash", target=target)
+    draft = DFlashDraft(read_config(path))
+    artifact.load_strict(draft, state, path)
+    if target is not None:
+        draft.to(device=target.device, dtype=target.dtype)
+        draft.attach_target(target.model)
+    return draft.eval().requires_grad_(False), manifest
+
+
+def read_config(path: str | Path) -> DFlashConfig:
+    cfg = read_json(Path(path) / "config.json")
+    try:
+        return DFlashConfig(**{k: cfg[k] for k in DFlashConfig.__dataclass_fields__ if k in cfg})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}/config.json: not a DFlash config ({e})") from None
+
+
+def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
+    """`Method.tensors`: name -> (shape, "") of the draft `config.json` describes, built on the meta device."""
+    with torch.device("meta"):
+        module = DFlashDraft(read_config(path))
+    return {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}, {}, []

@@ -1,0 +1,160 @@
+"""DFlash as a proposer for the shared verifier: one forward drafts a block.
+
+State of one sequence. The verifier hands over the target's tapped features of every position it caches:
+the prompt (`begin`) and, after each step, the root and the accepted nodes (`accept`) — every committed
+position except the pending token, whose feature the target has not computed yet. The draft keeps, per
+layer, the context keys/values of those positions (`DFlashDraft.context_kv`), appended lazily at the next
+`propose`. A proposal runs the block [pending, M, ..., M] at positions n-1 .. n-1+B-1 (n = len(context))
+over that cache and its own keys, and drafts slot j's argmax (j = 1..depth).
+
+Chain: the argmax of each slot. Tree (`tree: true`): each slot's top-k (spec.branching) as alternatives,
+children of every node of the previous slot, kept by path probability like EAGLE-2's rerank — the block
+forward gives every slot's distribution at once, so the tree costs no extra draft forward, only verified
+nodes. Candidates are deterministic given the context, so proposals carry q = None: the verifier's
+"sample y ~ p, follow the child equal to y" rule keeps sampling lossless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
+from draftsmith.dflash.model import DFlashDraft, load_dflash
+from draftsmith.errors import ConfigError
+
+
+class DFlashProposer(Proposer):
+    name = "dflash"
+    needs_last_hidden = False
+
+    def __init__(self, draft: DFlashDraft, depth: int | None = None, tree: bool = False, topk: int = 2,
+                 max_nodes: int = 24, **_opts):
+        bs = draft.config.block_size
+        depth = bs - 1 if depth is None else depth
+        if not 1 <= depth <= bs - 1:
+            raise ConfigError(f"DFlash proposer: depth must be in 1..{bs - 1} (block size {bs}), got {depth}")
+        if topk < 1 or max_nodes < 1:
+            raise ConfigError(f"DFlash proposer needs topk, max_nodes >= 1 (got {topk}, {max_nodes})")
+        self.draft = draft.eval()
+        self.target_layers = list(draft.config.target_layers)  # the verifier captures these for us
+        self.depth, self.tree, self.topk, self.max_nodes = depth, tree, topk, max_nodes
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.n_done = 0
+        self.pending: list[torch.Tensor] = []
+
+    # the reference's serving shape on a GPU: a block of 16 (15 drafted tokens) as one chain
+    def gpu_tree(self) -> tuple[DFlashProposer, TreeSpec]:
+        other = DFlashProposer(self.draft, depth=self.draft.config.block_size - 1)
+        return other, other.default_tree_spec()
+
+    def default_tree_spec(self) -> TreeSpec:
+        if not self.tree:
+            return TreeSpec.chain(self.depth)
+        return TreeSpec((self.topk,) * self.depth, max_nodes=self.max_nodes)
+
+    def use_dtype(self, dtype: torch.dtype) -> bool:
+        from draftsmith.targets.precision import cast_parameters
+
+        cast_parameters(self.draft, dtype)
+        return True
+
+    # --- state --------------------------------------------------------------------------------------
+    def _features(self, feats: TargetFeatures | None) -> torch.Tensor | None:
+        if feats is None or not len(feats):
+            return None
+        missing = [i for i in self.target_layers if i not in feats.layers]
+        if missing:
+            raise ConfigError(f"DFlash proposer needs target layers {self.target_layers}, got {sorted(feats.layers)}")
+        return torch.cat([feats.layers[i] for i in self.target_layers], dim=-1)
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
+        self.cache = None
+        self.n_done = 0
+        f = self._features(features)
+        self.pending = [f] if f is not None else []
+
+    def accept(self, result: AcceptResult) -> None:
+        f = self._features(result.features)
+        if f is not None:
+            self.pending.append(f)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.draft.fc.weight.device
+
+    def _enter_committed(self) -> None:
+        """Context keys/values for the committed positions whose features arrived since the last call."""
+        if not self.pending:
+            return
+        feats = torch.cat(self.pending).to(self._device)[None]
+        self.pending = []
+        n = feats.shape[1]
+        positions = torch.arange(self.n_done, self.n_done + n, device=self._device)[None]
+        new = self.draft.context_kv(self.draft.context(feats), positions)
+        if self.cache is None:
+            self.cache = new
+        else:
+            self.cache = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
+                          for (k0, v0), (k1, v1) in zip(self.cache, new)]
+        self.n_done += n
+
+    # --- drafting -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def block_logits(self, context: torch.Tensor) -> torch.Tensor:
+        """[B-1, V] logits of slots 1..B-1 of the block anchored at the pending token."""
+        self._enter_committed()
+        n = context.numel()
+        if self.cache is None or self.n_done != n - 1:
+            raise ConfigError(f"DFlash proposer has the features of {self.n_done} positions, the context needs "
+                              f"{n - 1} (every committed token but the pending one)")
+        bs = self.draft.config.block_size
+        ids = torch.full((1, bs), self.draft.config.mask_token_id, dtype=torch.long, device=self._device)
+        ids[0, 0] = context[-1]
+        positions = torch.arange(n - 1, n - 1 + bs, device=self._device)[None]
+        z = self.draft.run_blocks(ids, positions, self.cache, None)  # every context key precedes the anchor
+        return self.draft.logits(z[0, 1:])
+
+    def propose(self, context: torch.Tensor, spec: TreeSpec, sampling, generator) -> Proposal:
+        device = context.device
+        depth = min(spec.depth, self.draft.config.block_size - 1)
+        if depth == 0:
+            return Proposal.empty(device)
+        logits = self.block_logits(context)[:depth]
+        if spec.is_chain or not self.tree:
+            return Proposal.chain(logits.argmax(-1), device=device)
+        return self._tree(logits, spec, device)
+
+    def _tree(self, logits: torch.Tensor, spec: TreeSpec, device) -> Proposal:
+        """Per slot d the top-k tokens under every kept node of slot d-1, valued by the product of their
+        slots' probabilities; the best `max_nodes` are kept (closed under ancestors: a child's value never
+        exceeds its parent's)."""
+        budget = min(spec.max_nodes or self.max_nodes, spec.capacity())
+        logp, ids = torch.log_softmax(logits.float(), -1).topk(min(self.topk, logits.shape[-1]), dim=-1)
+        tok, parent, score = [], [], []
+        frontier = [(-1, 0.0)]
+        for d in range(logits.shape[0]):
+            k = min(self.topk, spec.branching[d])
+            nxt = []
+            for par, s in frontier:
+                for lp, t in zip(logp[d, :k].tolist(), ids[d, :k].tolist()):
+                    tok.append(t)
+                    parent.append(par)
+                    score.append(s + lp)
+                    nxt.append((len(tok) - 1, s + lp))
+            frontier = sorted(nxt, key=lambda x: -x[1])[:budget]
+        keep: list[int] = []
+        index: dict[int, int] = {}
+        for i in sorted(sorted(range(len(tok)), key=lambda i: (-score[i], i))[:budget]):
+            if parent[i] < 0 or parent[i] in index:  # creation order: a parent is decided before its children
+                index[i] = len(keep)
+                keep.append(i)
+        return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
+                        torch.tensor([index[parent[i]] if parent[i] >= 0 else -1 for i in keep], dtype=torch.long,
+                                     device=device),
+                        scores=torch.tensor([score[i] for i in keep], dtype=torch.float32).exp())
+
+
+def build_proposer(target, path: str, **opts):
+    """Decoder registry hook: `dflash:PATH` -> a DFlashProposer for `target` (fingerprint checked)."""
+    draft, _ = load_dflash(path, target)
+    return DFlashProposer(draft, **opts)

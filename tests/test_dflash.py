@@ -1,0 +1,186 @@
+"""DFlash: the block mask, training's all-blocks forward against the proposer's one-block inference, training
+through the one loop, artifact round trip, lossless speculative decoding (greedy against the target's own
+HF generate, trees, sampling)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import make_target  # noqa: E402
+
+from draftsmith.dflash.job import DFlashJob, DFlashJobConfig, pick_mask_token
+from draftsmith.dflash.model import (
+    DFlashDraft,
+    block_mask,
+    block_targets,
+    load_dflash,
+    position_weights,
+    reference_layers,
+    sample_anchors,
+)
+from draftsmith.errors import ConfigError
+from draftsmith.evaluation.after_training import EvalAfterTraining
+from draftsmith.training import TrainConfig, train
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def target4(tiny_tokenizer, tmp_path_factory):
+    return make_target(tiny_tokenizer, seed=5, layers=4, folder=tmp_path_factory.mktemp("dflash-target"))
+
+
+def distilled_rows(target, n: int = 48, prompt_len: int = 4, new: int = 24, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, target.vocab_size, (n, prompt_len), generator=g)
+    with torch.no_grad():
+        out = target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                                    min_new_tokens=new, do_sample=False)
+    return [{"input_ids": row.tolist(), "loss_mask": [0] * prompt_len + [1] * new, "domain": "synthetic",
+             "row_id": i} for i, row in enumerate(out)]
+
+
+def job_config(tmp: Path, steps: int = 40, **kw) -> DFlashJobConfig:
+    kw.setdefault("target_layers", [0, 1, 2])
+    return DFlashJobConfig(
+        target="tiny", data="in-memory", output=str(tmp / "dflash-artifact"), num_layers=2, block_size=BS,
+        anchors_per_row=8, max_length=64,
+        train=TrainConfig(lr=3e-3, max_steps=steps, batch_size=8, warmup_steps=2, output_dir=str(tmp / "dflash-run"),
+                          resume="never", progress=False, log_every=5, eval_every=0),
+        evaluate=EvalAfterTraining(enabled=False), **kw)
+
+
+def test_reference_taps_and_slot_weights():
+    assert reference_layers(30, 3) == [1, 14, 27]
+    assert reference_layers(36, 5) == [1, 9, 17, 25, 33]  # the reference's Qwen3-8B taps
+    assert reference_layers(30, 1) == [15]
+    w = position_weights(4, 4.0)
+    assert w[0] == 0 and w[1] == 1 and torch.allclose(w[2:], torch.exp(-torch.tensor([1.0, 2.0]) / 4))
+
+
+def test_block_mask_sees_earlier_context_and_its_own_block_only():
+    m = block_mask(torch.tensor([[2, 5, -1]]), T=8, block_size=2)[0]
+    assert m.shape == (6, 8 + 6)
+    assert m[0, :8].tolist() == [True, True] + [False] * 6  # block at 2: context 0, 1 (strictly before)
+    assert m[2, :8].tolist() == [True] * 5 + [False] * 3
+    assert not m[4, :8].any()  # no anchor: no context
+    assert m[0, 8:].tolist() == [True, True, False, False, False, False]  # its own block, both ways
+    assert m[3, 8:].tolist() == [False, False, True, True, False, False]
+
+
+def test_anchors_and_targets_follow_the_loss_mask():
+    lm = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0]])
+    anchors = sample_anchors(lm, torch.tensor([7]), per_row=10, block_size=3, generator=torch.Generator().manual_seed(0))
+    live = anchors[anchors >= 0].tolist()
+    assert live == [2, 3, 4, 5]  # a >= 1 with x_{a+1} learned, inside the row
+    ids = torch.arange(8)[None]
+    labels, valid = block_targets(ids, lm, torch.tensor([[2, 5]]), 3)
+    assert labels[0, 0].tolist() == [2, 3, 4] and valid[0, 0].tolist() == [False, True, True]
+    assert labels[0, 1].tolist() == [5, 6, 7] and valid[0, 1].tolist() == [False, True, False]
+
+
+def test_training_forward_equals_the_proposers_one_block(target4):
+    """Every block of the all-blocks training forward equals the block inference runs over the cached
+    context of the positions before its anchor."""
+    torch.manual_seed(0)
+    draft = DFlashDraft.from_target(target4.model, [0, 1, 2], num_layers=2, block_size=BS, mask_token_id=7)
+    ids = torch.randint(3, target4.vocab_size, (2, 12))
+    feats = torch.randn(2, 12, 3 * target4.hidden_size)
+    anchors = torch.tensor([[3, 6, 9], [1, 8, -1]])
+    z = draft(ids, feats, anchors)
+    for r in range(2):
+        for i, a in enumerate(anchors[r].tolist()):
+            if a < 0:
+                continue
+            cache = draft.context_kv(draft.context(feats[r: r + 1, :a]), torch.arange(a)[None])
+            block = torch.tensor([[int(ids[r, a])] + [7] * (BS - 1)])
+            one = draft.run_blocks(block, torch.arange(a, a + BS)[None], cache, None)
+            torch.testing.assert_close(z[r, i], one[0], atol=1e-5, rtol=1e-4)
+
+
+def test_mask_token_is_a_row_the_data_does_not_use(target4):
+    tok = target4.tokenizer
+    counts = torch.ones(target4.vocab_size)
+    counts[11] = 0
+    mask = pick_mask_token(target4, counts)
+    assert mask == 11 or (mask not in (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) and counts[mask] == 0)
+
+
+def test_layers_the_stacks_cannot_capture_are_refused(target4, tmp_path):
+    rows = distilled_rows(target4, n=8)
+    with pytest.raises(ConfigError, match="target_layers"):
+        DFlashJob(job_config(tmp_path, target_layers=[1, 3]), target4, rows)
+
+
+@pytest.fixture(scope="module")
+def trained(target4, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dflash-train")
+    rows = distilled_rows(target4)
+    cfg = job_config(tmp, steps=60)
+    job = DFlashJob(cfg, target4, rows)
+    return job, train(job, cfg.train), rows
+
+
+def test_training_lowers_the_loss_and_logs_slot_accuracy(trained):
+    _, result, _ = trained
+    logs = [r for r in result.history if r["type"] == "train"]
+    assert logs[-1]["loss"] < 0.6 * logs[0]["loss"]
+    assert logs[-1]["slot1/acc"] > logs[0]["slot1/acc"]
+    assert all(f"slot{j}/acc" in logs[-1] for j in range(1, BS))
+
+
+def test_artifact_round_trip(trained, target4):
+    job, result, _ = trained
+    path = Path(result.artifact)
+    weights = load_file(str(path / "model.safetensors"))
+    assert not any("embed" in k or "lm_head" in k for k in weights)  # the target's, shared
+    assert weights["fc.weight"].shape == (target4.hidden_size, 3 * target4.hidden_size)
+    assert "layers.1.self_attn.k_norm.weight" in weights and "hidden_norm.weight" in weights
+    draft, manifest = load_dflash(path, target4)
+    assert manifest["kind"] == "dflash" and draft.config.mask_token_id == job.mask_id
+    for k, v in job.build_module().state_dict().items():
+        assert draft.state_dict()[k].shape == v.shape
+
+
+def hf_greedy(target, prompts, n):
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            g = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculative_greedy_equals_hf_generate(trained, target4, tree):
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.decoding.generate import speculative_generate
+
+    _, result, rows = trained
+    proposer = build_proposer(f"dflash:{result.artifact}", target4, tree=tree, topk=2, max_nodes=8)
+    prompts = [r["input_ids"][:4] for r in rows[:3]] + [[5]]
+    spec = proposer.default_tree_spec()
+    fast = speculative_generate(target4, proposer, prompts, 16, k=None if tree else BS - 1,
+                                tree=spec if tree else None, eos_ids=[])
+    assert fast.tokens == hf_greedy(target4, prompts, 16)
+    assert fast.stats.tau > 1.5  # trained on these very continuations: whole blocks are accepted
+    assert fast.stats.target_forwards < 16 * len(prompts)
+
+
+def test_sampling_with_the_draft_runs_and_a_bf16_draft_stays_lossless(trained, target4):
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.decoding.generate import speculative_generate
+
+    _, result, rows = trained
+    proposer = build_proposer(f"dflash:{result.artifact}", target4)
+    assert proposer.use_dtype(torch.bfloat16)
+    prompts = [r["input_ids"][:4] for r in rows[:2]]
+    fast = speculative_generate(target4, proposer, prompts, 12, k=BS - 1, eos_ids=[])
+    assert fast.tokens == hf_greedy(target4, prompts, 12)
+    sampled = speculative_generate(target4, proposer, prompts, 12, k=BS - 1, temperature=1.0, seed=3, eos_ids=[])
+    assert all(len(t) == 12 for t in sampled.tokens)
