@@ -30,8 +30,8 @@ def shape(path: Path, target_config) -> ArtifactShape:
 
 def job_memory(job, target_config, act: int) -> JobMemory:
     """`Method.train_memory` of an EAGLE job."""
+    from draftsmith.capture.layers import default_eagle3_layers
     from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
-    from draftsmith.targets.capture import default_eagle3_layers
 
     tc = text_config(target_config)
     H, V, L, B, T = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, job.train.batch_size, job.max_length

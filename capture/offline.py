@@ -13,7 +13,7 @@ padding, full matrices). The body runs in `capture.dtype` (auto = bf16 on a GPU 
 the lm_head stays float32). The lm_head runs only on positions a loss reads — from the one that predicts
 the first learned token on — the same rows `data generate` keeps; earlier top-k rows are zeros.
 
-Shards go to `output_dir/capture/` (targets/cache_shards.py): a shard is written whole or not at all, and a
+Shards go to `output_dir/capture/` (cache.py): a shard is written whole or not at all, and a
 rerun skips the rows already stored, so a killed capture resumes.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.config import CaptureConfig
+from draftsmith.capture.config import CaptureConfig
 from draftsmith.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ def capture_rows(target, records: Sequence[dict], out_dir: str | Path, cc: Captu
     """
     from tqdm.auto import tqdm
 
-    from draftsmith.targets.cache_shards import ShardWriter, estimate_disk_bytes
-    from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
+    from draftsmith.capture.cache import ShardWriter, estimate_disk_bytes
+    from draftsmith.capture.forward import capture_forward, topk_with_logsumexp
 
     if not (cc.layers or cc.topk or cc.last_hidden):
         raise DataError("capture: nothing to capture (set capture.layers, capture.topk or capture.last_hidden)")

@@ -1,5 +1,8 @@
 """The frozen target inside a training step: no grads, eval mode, right device and dtype, never DDP-wrapped.
 
+It lives with the target, not in training/, because it needs nothing but the target and accelerate, and the
+online capture (capture/online.py), a layer below training/, places the target it runs with it.
+
 How each accelerate preset treats it (`place_frozen`):
 - single device, DDP (MULTI_GPU / MULTI_CPU), DeepSpeed ZeRO-1/2: the target is REPLICATED — every rank
   holds a full copy on `accelerator.device`. It is not passed to `accelerator.prepare`: it has no
@@ -75,7 +78,7 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
         if getattr(accelerator, "is_fsdp2", False):
             from torch.distributed.fsdp import fully_shard
 
-            from draftsmith.targets.capture import decoder_layers
+            from draftsmith.targets.families import decoder_layers
 
 
             # the decoder layers (nearly all of a target's weights) are sharded, each all-gathered for its
@@ -114,7 +117,7 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
         # as under FSDP: the decoder layers stay partitioned, each gathered for its own forward; the embedding,
         # final norm and lm_head are gathered once and kept whole on every rank (persistent), since the heads
         # read them outside the target's forward (Medusa's lm_head copy, EAGLE's embedding and lm_head rows)
-        from draftsmith.targets.capture import decoder_layers
+        from draftsmith.targets.families import decoder_layers
 
         in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
         root = [p for p in model.parameters() if id(p) not in in_layers and hasattr(p, "ds_id")]
