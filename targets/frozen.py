@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith.targets.families import decoder_layers
+
 log = logging.getLogger(__name__)
 
 
@@ -73,57 +75,68 @@ def place_frozen(model: nn.Module, accelerator, dtype: torch.dtype | None = None
         model.to(device=accelerator.device, dtype=dtype) if dtype is not None else model.to(accelerator.device)
         return model
     if dist == DistributedType.FSDP:
-        if dtype is not None:
-            model.to(dtype=dtype)
-        if getattr(accelerator, "is_fsdp2", False):
-            from torch.distributed.fsdp import fully_shard
-
-            from draftsmith.targets.families import decoder_layers
-
-
-            # the decoder layers (nearly all of a target's weights) are sharded, each all-gathered for its
-            # own forward; the root's embedding, final norm and lm_head stay whole on every rank, since the
-            # heads call them outside the target's forward (EAGLE's embedding and lm_head rows)
-            # each layer is its own FSDP root, and FSDP2 keeps a root's parameters gathered after its forward
-            # (it expects the backward next): the hook frees them again, so a rank holds one whole layer at
-            # a time (the target has no backward)
-            for layer in decoder_layers(model):
-                fully_shard(layer)
-                layer.register_forward_hook(_reshard_after_forward)
-            model.to(accelerator.device)
-            return freeze_module(model)
-        return freeze_module(accelerator.prepare_model(model, evaluation_mode=False))
+        return _fsdp_sharded(model, accelerator, dtype)
     if dist == DistributedType.DEEPSPEED:
-        import copy
-
-        import deepspeed
-
-        ds_config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
-        ds_config.pop("optimizer", None)
-        ds_config.pop("scheduler", None)
-        ds_config["zero_optimization"] = {
-            "stage": 3, "stage3_param_persistence_threshold": 10 * model.config.hidden_size
-            if hasattr(model, "config") else 1e4,
-        }
-        # an inference-only engine: its batch settings only have to agree with each other (DeepSpeed checks
-        # train_batch = micro x accumulation x ranks); the training engine fills its own from the config
-        ds_config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
-                         train_batch_size=accelerator.num_processes, gradient_clipping=0.0)
-        for key in ("bf16", "fp16"):  # "auto" is resolved by accelerate for the engines it prepares, not here
-            if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled") == "auto":
-                ds_config[key]["enabled"] = str(accelerator.mixed_precision) == key
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
-        engine.eval()
-        # as under FSDP: the decoder layers stay partitioned, each gathered for its own forward; the embedding,
-        # final norm and lm_head are gathered once and kept whole on every rank (persistent), since the heads
-        # read them outside the target's forward (Medusa's lm_head copy, EAGLE's embedding and lm_head rows)
-        from draftsmith.targets.families import decoder_layers
-
-        in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
-        root = [p for p in model.parameters() if id(p) not in in_layers and hasattr(p, "ds_id")]
-        for p in root:
-            p.ds_persist = True
-        if root:
-            root[0].all_gather(param_list=root)  # collective: every rank places its target here
-        return engine
+        return _zero3_engine(model, accelerator)
     raise ValueError(f"cannot shard a frozen target under {dist}")
+
+
+def _fsdp_sharded(model: nn.Module, accelerator, dtype: torch.dtype | None) -> nn.Module:
+    """The target sharded under FSDP: per decoder layer under FSDP2, by accelerate's wrapper under FSDP1."""
+    if dtype is not None:
+        model.to(dtype=dtype)
+    if not getattr(accelerator, "is_fsdp2", False):
+        return freeze_module(accelerator.prepare_model(model, evaluation_mode=False))
+    from torch.distributed.fsdp import fully_shard
+
+    # the decoder layers (nearly all of a target's weights) are sharded, each all-gathered for its
+    # own forward; the root's embedding, final norm and lm_head stay whole on every rank, since the
+    # heads call them outside the target's forward (EAGLE's embedding and lm_head rows)
+    # each layer is its own FSDP root, and FSDP2 keeps a root's parameters gathered after its forward
+    # (it expects the backward next): the hook frees them again, so a rank holds one whole layer at
+    # a time (the target has no backward)
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+        layer.register_forward_hook(_reshard_after_forward)
+    model.to(accelerator.device)
+    return freeze_module(model)
+
+
+def _zero3_config(model: nn.Module, accelerator) -> dict:
+    """The training config's DeepSpeed section made an inference-only ZeRO-3 one: no optimizer or scheduler,
+    batch settings that agree with each other, "auto" precision resolved."""
+    import copy
+
+    ds_config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    ds_config.pop("optimizer", None)
+    ds_config.pop("scheduler", None)
+    ds_config["zero_optimization"] = {
+        "stage": 3, "stage3_param_persistence_threshold": 10 * model.config.hidden_size
+        if hasattr(model, "config") else 1e4,
+    }
+    # an inference-only engine: its batch settings only have to agree with each other (DeepSpeed checks
+    # train_batch = micro x accumulation x ranks); the training engine fills its own from the config
+    ds_config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1,
+                     train_batch_size=accelerator.num_processes, gradient_clipping=0.0)
+    for key in ("bf16", "fp16"):  # "auto" is resolved by accelerate for the engines it prepares, not here
+        if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled") == "auto":
+            ds_config[key]["enabled"] = str(accelerator.mixed_precision) == key
+    return ds_config
+
+
+def _zero3_engine(model: nn.Module, accelerator) -> Any:
+    """The target in an inference-only DeepSpeed ZeRO-3 engine, its root modules kept whole on every rank."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, config=_zero3_config(model, accelerator))
+    engine.eval()
+    # as under FSDP: the decoder layers stay partitioned, each gathered for its own forward; the embedding,
+    # final norm and lm_head are gathered once and kept whole on every rank (persistent), since the heads
+    # read them outside the target's forward (Medusa's lm_head copy, EAGLE's embedding and lm_head rows)
+    in_layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    root = [p for p in model.parameters() if id(p) not in in_layers and hasattr(p, "ds_id")]
+    for p in root:
+        p.ds_persist = True
+    if root:
+        root[0].all_gather(param_list=root)  # collective: every rank places its target here
+    return engine
