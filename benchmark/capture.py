@@ -6,7 +6,7 @@ N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks, chat-
 takes them) are answered by the continuous-batching engine keeping what `data generate` keeps with
 `capture.enabled` (the EAGLE-3 layers, the last hidden state, top-64 logits from the position before the
 first learned token). The finished rows are then read once more by `data capture`'s prefill
-(data/capture.py) keeping the same tensors. Both run in the dtype `auto` picks (bf16 where native, float32
+(capture/offline.py) keeping the same tensors. Both run in the dtype `auto` picks (bf16 where native, float32
 logits). The learned tokens are the same in both, so the ratio of the two times is the ratio of throughputs.
 """
 
@@ -19,13 +19,13 @@ import tempfile
 import torch
 
 from draftsmith.benchmark.engine import TRAIN, emit, read_rows, take_flag
-from draftsmith.data.capture import capture_rows
-from draftsmith.data.config import CaptureConfig
+from draftsmith.capture.config import CaptureConfig
+from draftsmith.capture.layers import bench_layers
+from draftsmith.capture.offline import capture_rows
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.targets import load_target
-from draftsmith.targets.capture import bench_layers
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.precision import inference_copy, inference_dtype
 

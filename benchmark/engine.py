@@ -5,7 +5,7 @@
 cb:B = continuous batching at batch B (cb:1 = one prompt at a time), np:B = the same without prefilling the
 prompts' shared prefix once, sd:B = the same with one SDPA call per decode step over every used column (no
 row ranges, `ContinuousBatcher(decode_spans=0)`), cap:B = the same with capture of
-the EAGLE-3 layers (low/middle/high, targets.capture.bench_layers) + last hidden + top-64 logits from
+the EAGLE-3 layers (low/middle/high, capture.layers.bench_layers) + last hidden + top-64 logits from
 the last prompt position on (what `draftsmith data generate` keeps for a single-turn row: `Request.logits_from`;
 capall:B = top-64 logits of every prompt position too), hf:B = transformers `generate` on static
 length-sorted batches. A third field picks the target's dtype: `cap:128:bf16` (bf16 body, float32 logits, as
@@ -21,12 +21,12 @@ import sys
 
 import torch
 
+from draftsmith.capture.layers import bench_layers
 from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.storage import atomic_write_json, open_data, shared_data_dir
 from draftsmith.targets import load_target
-from draftsmith.targets.capture import bench_layers
 from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.precision import inference_copy
 

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from draftsmith.capture.config import CaptureConfig
 from draftsmith.config import register_config
 from draftsmith.storage import data_path
 from draftsmith.targets.context import MAX_NEW_TOKENS
@@ -263,29 +264,6 @@ class GenerationConfig:
         if owned:
             raise ValueError(f"generation.extra_body: {', '.join(owned)} set by draftsmith from the generation "
                              "settings (max_new_tokens, do_sample, temperature, top_p, seed); set those instead")
-
-
-@dataclass
-class CaptureConfig:
-    """Keep what the target computes while it generates (offline cache for head training)."""
-
-    enabled: bool = False
-    layers: list[int] = field(default_factory=list)  # convention of targets/capture.py (-1 = last, pre-norm)
-    topk: int = 0  # 0 = no logits kept
-    last_hidden: bool = False  # the post-norm state the lm_head sees (Medusa's input)
-    # teacher-forced capture (`draftsmith data capture`, and `responses: keep` with enabled)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 where native (targets/precision.py)
-    batch_tokens: int = 8192  # padded tokens per prefill batch (rows sorted by length)
-
-    def __post_init__(self):
-        if self.topk < 0:
-            raise ValueError("capture.topk must be >= 0")
-        if self.batch_tokens < 1:
-            raise ValueError("capture.batch_tokens must be >= 1")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"capture.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.enabled and not (self.layers or self.topk or self.last_hidden):
-            raise ValueError("capture.enabled needs layers, topk or last_hidden")
 
 
 @register_config("data")

@@ -24,7 +24,7 @@ Sampling is per row with a generator seeded by the row's own seed, so a row's sa
 which other rows share its batch; greedy decoding equals one-prompt-at-a-time decoding up to float noise.
 
 Optional capture keeps, for every position of the final sequence, chosen layer outputs (layer convention
-of targets/capture.py), the post-norm last hidden state and top-k logits. Top-k logits of the prompt
+of capture/layers.py), the post-norm last hidden state and top-k logits. Top-k logits of the prompt
 positions before `Request.logits_from` are zeros: a prefill runs the lm_head over the columns some row
 wants (for a single-turn row, the last prompt position), not over the whole prompt. The final token is
 never fed back during generation, so with capture on a finished row stays for one extra step that feeds it.
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from draftsmith.capture.forward import capture_forward, topk_with_logsumexp
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
-from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
 from draftsmith.targets.families import text_config
 
 GQA_SDPA = "draftsmith_sdpa_gqa"

@@ -17,7 +17,7 @@ Multi-turn rows are decoded turn by turn; earlier turns are re-tokenized with th
 their loss masks come from `tokenize_conversation` (verified by decoding back).
 
 With `capture.enabled` the engine also keeps chosen layer outputs / top-k logits for every position and
-writes them with `targets.cache_shards.ShardWriter` to `output_dir/capture/`.
+writes them with `capture.cache.ShardWriter` to `output_dir/capture/`.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
         rollout = speculative_engine(target, gen)
     writer = None
     if config.capture.enabled and remote is None and rollout is None:
-        from draftsmith.targets.cache_shards import ShardWriter
+        from draftsmith.capture.cache import ShardWriter
 
         writer = ShardWriter(out / CAPTURE_DIR, config.capture.layers, config.capture.topk, fingerprint=fp)
         _backfill_capture(target, config, writer, [done[i] for i in sorted(wanted & set(done))])
@@ -359,8 +359,8 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     if remote is not None or rollout is not None:
         if remote is not None:
             timing["servers"] = remote.describe()
-        if config.capture.enabled:  # the servers / rollouts wrote the rows; the target reads them once (data/capture.py)
-            from draftsmith.data.capture import capture_rows
+        if config.capture.enabled:  # the servers / rollouts wrote the rows; the target reads them once (capture/offline.py)
+            from draftsmith.capture.offline import capture_rows
 
             timing["capture"] = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
     timing["wall_seconds"] = round(time.time() - t_start, 2)
@@ -370,7 +370,7 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
 
 def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start: float) -> Path:
     """`responses: keep`: rows are the dataset's own conversations, masked on every assistant turn; nothing is
-    generated. With `capture.enabled` the target then reads them once (data/capture.py)."""
+    generated. With `capture.enabled` the target then reads them once (capture/offline.py)."""
     rows, stats, fmt = prepare_prompts(config, target, progress)
     records, bad, too_long = [], [], []
     ctx = context_window(target)
@@ -407,7 +407,7 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
               "seconds": 0.0, "tokens_per_s": None}
     precision = None
     if config.capture.enabled:
-        from draftsmith.data.capture import capture_rows
+        from draftsmith.capture.offline import capture_rows
 
         cap = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
         timing["capture"] = cap
@@ -458,7 +458,7 @@ def _run_engine(target, config: DataConfig, reqs: list[Request], on_done, on_tok
 @torch.inference_mode()
 def _backfill_capture(target, config: DataConfig, writer, records: list[dict]) -> None:
     """Rows generated before a crash whose captured states never reached a shard: recompute them."""
-    from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
+    from draftsmith.capture.forward import capture_forward, topk_with_logsumexp
 
     cc = config.capture
     for rec in records:
@@ -555,7 +555,7 @@ def load_data_config(path: str | Path | None, overrides: list[str] | None = None
 def capture_dataset_dir(config, target=None, *, progress: bool = True, on_batch=None) -> dict:
     """`draftsmith data capture`: capture every row of the finished dataset in `config.output_dir` into its
     `capture/` folder, checked against the target's fingerprint; records the run in provenance.json."""
-    from draftsmith.data.capture import capture_rows
+    from draftsmith.capture.offline import capture_rows
     from draftsmith.storage import atomic_write_json, read_json
     from draftsmith.targets import load_target
 

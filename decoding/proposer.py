@@ -24,7 +24,7 @@ candidates deterministic (n-gram matches, Medusa top-k, greedy drafts): the veri
 Target features: a proposer that drafts from the target's hidden states declares them:
     needs_last_hidden = True      post-norm last hidden state (Medusa's input)
     target_layers = [1, 14, 26]   pre-norm outputs of these decoder layers (EAGLE / EAGLE-3; the layer
-                                  convention of `targets/capture.py`)
+                                  convention of `capture/layers.py`)
 The verifier then captures them in its own forward pass (no extra target forward) and hands the
 features of the CACHED positions to `begin` (every prompt position) / `accept`: for `accept`, the root (old pending token)
 and every accepted node, in order. The last of these positions is the one whose logits produced the new

@@ -192,7 +192,7 @@ class SequenceVerifier:
         """Logits of every fed position (want_logits) or of the last one only, plus declared features."""
         prop = self.proposer
         if prop.needs_features:
-            from draftsmith.targets.capture import capture_forward
+            from draftsmith.capture.forward import capture_forward
 
             cap = capture_forward(self.model, ids, attention_mask=mask, layers=list(prop.target_layers),
                                   want_logits=True, past_key_values=self.cache, position_ids=positions,

@@ -60,7 +60,7 @@ class DFlashJobConfig:
     max_length: int = 512
     prompt_context: int | None = None
     eval_fraction: float = 0.05
-    capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
+    capture_cache: str | None = None  # offline target features (capture/cache.py); None = online
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
 
@@ -117,9 +117,9 @@ class DFlashJob(Job):
         return self.cfg.data
 
     def __init__(self, cfg: DFlashJobConfig, target, dataset=None):
+        from draftsmith.capture.layers import resolve_layers, uncapturable_layers
+        from draftsmith.capture.online import CaptureSource
         from draftsmith.heads.vocab import token_counts
-        from draftsmith.targets.capture import resolve_layers, uncapturable_layers
-        from draftsmith.training import CaptureSource
 
         self.cfg, self.target = cfg, target
         if dataset is None:
@@ -156,7 +156,7 @@ class DFlashJob(Job):
                                        self.mask_id, self.cfg.init_std)
 
     def setup(self, accelerator) -> None:
-        from draftsmith.training.frozen import place_frozen
+        from draftsmith.targets.frozen import place_frozen
 
         self.features.place(accelerator)
         if self.features.offline:  # the target still supplies the embedding and the lm_head
@@ -206,7 +206,7 @@ class DFlashJob(Job):
         draft = unwrap(module)
         dest = self.artifact_dest(out_dir)
         config = {**asdict(draft.config), "architecture": "dflash", "embeddings": "target", "lm_head": "target",
-                  "feature_convention": "pre-norm decoder layer outputs (targets/capture.py)",
+                  "feature_convention": "pre-norm decoder layer outputs (capture/layers.py)",
                   "gamma": self.cfg.slot_gamma}
         manifest = artifact.make_manifest(
             "dflash", self.target.fingerprint(), to_dict(self.cfg),

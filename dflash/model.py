@@ -4,7 +4,7 @@ Chen, Liang, Liu 2026, "DFlash: Block Diffusion for Flash Speculative Decoding" 
 layout follows what vLLM (`qwen3_dflash.py`), SGLang and speculators serve.
 
 Notation: x_0..x_{T-1} the tokens, h^k_t the target's residual stream after decoder layer k (the layer
-convention of `targets/capture.py`, = HF hidden_states[k + 1]) for the K tapped layers k_1 < ... < k_K,
+convention of `capture/layers.py`, = HF hidden_states[k + 1]) for the K tapped layers k_1 < ... < k_K,
 e(x) the target's frozen token embedding (plain rows), B the block size, M the mask token.
 
   context    c_t = hidden_norm(fc([h^{k_1}_t; ...; h^{k_K}_t]))          fc: K·H -> H, no bias

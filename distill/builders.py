@@ -36,8 +36,7 @@ import torch
 from torch import nn
 
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.targets.capture import decoder_layers
-from draftsmith.targets.families import attention_dims, text_config, text_state_dict
+from draftsmith.targets.families import attention_dims, decoder_layers, text_config, text_state_dict
 
 log = logging.getLogger(__name__)
 

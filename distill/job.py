@@ -7,7 +7,7 @@ target's; a position counts when token t+1 is an assistant token (`loss_mask[t+1
 
 Where the target's distribution comes from:
     online   the frozen target runs on the batch inside the step: full logits (or its top-k, kd.topk)
-    offline  the target's top-k logits were captured once into a cache (`targets.cache_shards`,
+    offline  the target's top-k logits were captured once into a cache (`capture/cache.py`,
              k = data.capture_topk, disk estimate printed) and are read back by row_id, with the full
              logits' logsumexp (exact top-k tail mass) when the cache holds it
     on-policy (GKD, Agarwal et al. 2024; DistillSpec, Zhou et al. 2024): with probability λ =
@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 
 from draftsmith import artifact
+from draftsmith.capture.forward import topk_with_logsumexp
 from draftsmith.config import to_dict
 from draftsmith.distill.builders import build_draft, size_report
 from draftsmith.distill.config import DistillConfig
 from draftsmith.errors import DataError
 from draftsmith.heads.lora import apply_lora, plain_model
 from draftsmith.heads.losses import distill_loss
-from draftsmith.targets.capture import topk_with_logsumexp
 from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
 from draftsmith.training.job import Job
@@ -121,8 +121,8 @@ class DistillJob(Job):
                  t["non_embedding_params"] / 1e6, t["flops_per_token"] / 1e6)
 
     def _offline_source(self, rows):
-        from draftsmith.targets.cache_shards import capture_dataset
-        from draftsmith.training.features import CaptureSource
+        from draftsmith.capture.cache import capture_dataset
+        from draftsmith.capture.online import CaptureSource
 
         cache = Path(self.cfg.data.capture_cache or Path(self.cfg.train.output_dir) / "capture")
         # each row up to the end of the window it is trained on (training/batching.py)
@@ -146,7 +146,7 @@ class DistillJob(Job):
     def setup(self, accelerator) -> None:
         # offline KD never runs the target, except for on-policy batches (scored online)
         if self.features is None or self.cfg.on_policy.fraction > 0:
-            from draftsmith.training.frozen import place_frozen
+            from draftsmith.targets.frozen import place_frozen
 
             self.teacher_model = place_frozen(self.target.model, accelerator)
 

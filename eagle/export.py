@@ -21,7 +21,7 @@ Layouts:
     eagle1                      layers.0.*, fc.weight + fc.bias (SGLang LlamaForCausalLMEagle, TensorRT-LLM):
                                 nn.Linear with bias, a missing bias would stay at random init
 
-Aux hidden-state layer ids (EAGLE-3). draftsmith (targets/capture.py): id i = OUTPUT of decoder layer i
+Aux hidden-state layer ids (EAGLE-3). draftsmith (capture/layers.py): id i = OUTPUT of decoder layer i
 (pre-final-norm). vLLM (models/llama.py: `if idx in aux_hidden_state_layers: append(hidden_states +
 residual)` BEFORE running layer idx) and speculators capture the residual stream ENTERING layer id, so
 vLLM id = draftsmith id + 1. SGLang (`layers_to_capture = [val + 1 for val in layer_ids]`, then the same
@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith import artifact
+from draftsmith.capture.layers import resolve_layers
 from draftsmith.eagle import variants
 from draftsmith.eagle.variants import variant
 from draftsmith.errors import ArtifactError, ConfigError
@@ -54,7 +55,6 @@ from draftsmith.export.verify import (
     vocab_map_problems,
 )
 from draftsmith.storage import atomic_write_json, read_json
-from draftsmith.targets.capture import resolve_layers
 from draftsmith.targets.families import attention_dims, full_attention_rope, rope_fields
 
 SPECULATORS = "speculators-eagle3"

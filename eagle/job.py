@@ -78,7 +78,7 @@ class EagleJobConfig:
     # the capture cache every feature has seen the whole row, and the draft layer gets its context from them
     prompt_context: int | None = None
     eval_fraction: float = 0.05
-    capture_cache: str | None = None  # offline target features (targets.cache_shards); None = online
+    capture_cache: str | None = None  # offline target features (capture/cache.py); None = online
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
 
@@ -119,8 +119,8 @@ class EagleJob(Job):
         return self.cfg.data
 
     def __init__(self, cfg: EagleJobConfig, target, dataset=None):
-        from draftsmith.targets.capture import resolve_layers, uncapturable_layers
-        from draftsmith.training import CaptureSource
+        from draftsmith.capture.layers import resolve_layers, uncapturable_layers
+        from draftsmith.capture.online import CaptureSource
 
         check_architecture(target.config, cfg.draft_layer)
         if cfg.exportable and not exportable(target.config, cfg.draft_layer):
@@ -172,7 +172,7 @@ class EagleJob(Job):
             draft_layer=self.cfg.draft_layer)
 
     def setup(self, accelerator) -> None:
-        from draftsmith.training.frozen import place_frozen
+        from draftsmith.targets.frozen import place_frozen
 
         self.features.place(accelerator)
         if self.features.offline:  # the target still supplies the embedding and the lm_head rows
@@ -260,7 +260,7 @@ class EagleJob(Job):
             **asdict(head.config),
             "architecture": head.config.model_type,
             "embeddings": "target",  # not saved: take embed_tokens from the target named by the manifest
-            "feature_convention": "pre-norm decoder layer outputs (targets/capture.py)",
+            "feature_convention": "pre-norm decoder layer outputs (capture/layers.py)",
             "draft_vocab_coverage": coverage,
         }
         fp = self.target.fingerprint()

@@ -6,7 +6,7 @@ Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft
 Models via Training-Time Test" (multi-layer fusion, training-time test, reduced draft vocabulary).
 
 Notation: x_0..x_{T-1} the tokens, f_t the target's features after reading x_0..x_t (layer convention of
-`targets/capture.py`: pre-norm decoder-layer outputs), e(x) the target's (frozen, shared) token embedding.
+`capture/layers.py`: pre-norm decoder-layer outputs), e(x) the target's (frozen, shared) token embedding.
 The draft at base position t reads (feature of t, embedding of x_{t+1}) and predicts x_{t+2}:
 
   EAGLE-1   u_t = fc([e(x_{t+1}); f_t])                    fc: 2H -> H          (f = last layer, pre-norm)
@@ -300,7 +300,8 @@ class EagleHead(nn.Module):
         as copies of the target's rows / norm, so the draft starts out reading features like the target does.
         `draft_layer`: "llama" (default) or "target" (the target family's decoder layer; `layer_config_dict`).
         """
-        from draftsmith.targets.capture import decoder_layers, resolve_layers
+        from draftsmith.capture.layers import resolve_layers
+        from draftsmith.targets.families import decoder_layers
 
         check_architecture(target_model.config, draft_layer)
         v = variant(version)

@@ -44,7 +44,7 @@ class Variant:
 
     def default_layers(self, num_layers: int) -> list[int]:
         """The target layers read when the config names none (draftsmith's output-of-layer ids)."""
-        from draftsmith.targets.capture import default_eagle3_layers
+        from draftsmith.capture.layers import default_eagle3_layers
 
         if self.feature_layers == 1:
             return [num_layers - 1]

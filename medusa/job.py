@@ -59,7 +59,7 @@ class MedusaJobConfig:
     calibration_rows: int = 64
     tree_budget: int = 48  # nodes of the sparse candidate tree
     tree_max_rank: int = 8  # candidates per head considered by the tree builder
-    # offline target features (targets.cache_shards); None = online. Medusa-2 runs its adapted target online
+    # offline target features (capture/cache.py); None = online. Medusa-2 runs its adapted target online
     # anyway and reads only the original target's top-k logits (its KL teacher) from the cache
     capture_cache: str | None = None
     medusa2: Medusa2Config = field(default_factory=Medusa2Config)  # joint LoRA training of the target
@@ -113,7 +113,7 @@ class MedusaJob(Job):
         self._calib_hidden: dict[tuple[str, int], torch.Tensor] = {}  # before_artifact's target hidden states
         self.weights = head_weights(cfg.num_heads, cfg.decay)
         self.pad_id = pad_token_id(target)
-        from draftsmith.training import CaptureSource
+        from draftsmith.capture.online import CaptureSource
 
         # Medusa-2 from a capture cache: the adapted target runs in the step (its features change every step),
         # the frozen original is not run at all: its cached top-k logits are the KL teacher

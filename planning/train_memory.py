@@ -7,7 +7,7 @@ activations of one micro-batch at the preset's batch and context.
 Nothing is allocated: the target and the trained module are built on the `meta` device from their configs
 (exact parameter counts). What is counted, in bytes per GPU (GiB = 2**30 in the printout):
 
-  target       its weights in the mixed-precision dtype (training/frozen.py casts a frozen target to it);
+  target       its weights in the mixed-precision dtype (targets/frozen.py casts a frozen target to it);
                divided over the ranks under FSDP / ZeRO-3 (the frozen target is sharded there) plus one
                decoder layer gathered for its forward, whole on every rank otherwise
   module       the trained parameters in fp32 (accelerate keeps fp32 weights and autocasts the products)

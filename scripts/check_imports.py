@@ -34,7 +34,10 @@ BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage"}
 # one layer may import each other, except the method folders (rule 3).
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "errors", "locks", "storage", "methods", "config"),  # the shared base
-    ("targets",),  # load a target, its family table, fingerprint, capture points
+    ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
+    # what the frozen target computes, kept: layer convention, forward capture, the cache on disk, offline
+    # capture of a dataset, online capture in a training step (the verifier, the data engine and training read it)
+    ("capture",),
     ("artifact",),  # the artifact directory every method writes and every later stage reads
     ("decoding",),  # the decoder: proposer interface, one verifier, sampling, KV cache, trees, cost model
     ("data",),  # sources -> rows, and the engines that produce text (local, OpenAI servers, rollouts)

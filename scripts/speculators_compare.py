@@ -403,11 +403,11 @@ def train_peer(cfg: PeerConfig, target=None, rows=None) -> Path:
     `target` / `rows` (a Dataset or a list of dicts with row_id, input_ids, loss_mask) may be given, else
     they are loaded from cfg.target / cfg.data. Returns the artifact directory."""
     from draftsmith import artifact
+    from draftsmith.capture.cache import ShardReader
+    from draftsmith.capture.layers import default_eagle3_layers, resolve_layers
     from draftsmith.data import load_distilled
     from draftsmith.heads.vocab import draft_vocabulary, token_counts
     from draftsmith.targets import load_target
-    from draftsmith.targets.cache_shards import ShardReader
-    from draftsmith.targets.capture import default_eagle3_layers, resolve_layers
     from draftsmith.targets.fingerprint import check_compatible
     from draftsmith.training.batching import split_rows
 
@@ -472,7 +472,7 @@ def train_peer(cfg: PeerConfig, target=None, rows=None) -> Path:
         "patches": PATCHES, "differences": differences(cfg, total_seq_len, precision),
     }
     config = {**asdict(head.config), "architecture": head.config.model_type, "embeddings": "target",
-              "feature_convention": "pre-norm decoder layer outputs (targets/capture.py)",
+              "feature_convention": "pre-norm decoder layer outputs (capture/layers.py)",
               "draft_vocab_coverage": coverage}
     manifest = artifact.make_manifest(
         "eagle", target.fingerprint(), {**asdict(cfg), "version": "eagle3", "trainer": "speculators"},

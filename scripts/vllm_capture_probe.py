@@ -8,7 +8,7 @@ line, and where the files are.
 
     .venv-vllm/bin/python scripts/vllm_capture_probe.py TARGET_FOLDER OUT_DIR '[1, 2, 3]' '[[1, 2, 3], [4, 5]]'
 
-draftsmith compares what it wrote with its own capture (targets/capture.py: draftsmith id = vLLM id - 1):
+draftsmith compares what it wrote with its own capture (capture/layers.py: draftsmith id = vLLM id - 1):
 tests/test_vllm_serving.py::test_vllm_hidden_state_extraction.
 """
 

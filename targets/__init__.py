@@ -1,4 +1,6 @@
-"""Targets: load a frozen target model from anywhere, fingerprint it, capture its hidden states."""
+"""Targets: load a frozen target model from anywhere, fingerprint it, place it for training (frozen.py).
+
+What it computes is captured by capture/, the layer above."""
 
 from draftsmith.targets.device import select_device, select_dtype
 from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED

@@ -167,7 +167,7 @@ _WHOLE: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDiction
 
 def whole(module: nn.Module) -> nn.Module:
     """`module` itself, or, when DeepSpeed ZeRO-3 partitions its parameters across ranks (an inference engine
-    around a sharded target, training/frozen.py), a whole copy of it held by this rank: the same class and
+    around a sharded target, targets/frozen.py), a whole copy of it held by this rank: the same class and
     buffers, plain frozen parameters, no ZeRO hooks. EAGLE heads read the target's embedding (and EAGLE-1 its
     final norm and lm_head) outside the target's forward, where ZeRO-3 gathers nothing; the copy is made once
     per module, as FSDP keeps these modules whole. Collective the first time (an all-gather): every rank

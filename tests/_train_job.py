@@ -27,7 +27,8 @@ from tiny_models import build_tiny_tokenizer, make_target  # noqa: E402
 from torch import nn
 
 from draftsmith.artifact import make_manifest, save_artifact  # noqa: E402
-from draftsmith.training import CaptureSource, TrainConfig, train  # noqa: E402
+from draftsmith.capture.online import CaptureSource  # noqa: E402
+from draftsmith.training import TrainConfig, train  # noqa: E402
 from draftsmith.training.job import Job
 from draftsmith.training.launch import leave_process_group, make_accelerator
 

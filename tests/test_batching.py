@@ -8,7 +8,8 @@ import pytest
 import torch
 from _train_job import make_rows  # noqa: E402
 
-from draftsmith.targets.cache_shards import capture_dataset  # noqa: E402
+from draftsmith.capture.cache import capture_dataset  # noqa: E402
+from draftsmith.capture.online import CaptureSource  # noqa: E402
 from draftsmith.training.batching import (  # noqa: E402  # noqa: E402
     batching_report,
     epoch_permutation,
@@ -19,7 +20,6 @@ from draftsmith.training.batching import (  # noqa: E402  # noqa: E402
     split_rows,
     window,
 )
-from draftsmith.training.features import CaptureSource  # noqa: E402
 
 
 def test_window_keeps_the_answer():

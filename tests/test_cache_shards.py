@@ -9,14 +9,14 @@ import pytest
 import torch
 from _train_job import make_rows  # noqa: E402
 
-from draftsmith.errors import DataError, FingerprintMismatch  # noqa: E402
-from draftsmith.targets.cache_shards import (  # noqa: E402
+from draftsmith.capture.cache import (  # noqa: E402
     ShardReader,
     ShardWriter,
     capture_dataset,
     estimate_disk_bytes,
 )
-from draftsmith.training.features import CaptureSource  # noqa: E402
+from draftsmith.capture.online import CaptureSource  # noqa: E402
+from draftsmith.errors import DataError, FingerprintMismatch  # noqa: E402
 
 
 def _row(T: int, H: int = 8, k: int = 3, seed: int = 0):

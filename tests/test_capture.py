@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from draftsmith.capture.forward import capture_forward
+from draftsmith.capture.layers import default_eagle3_layers
 from draftsmith.errors import ConfigError
-from draftsmith.targets.capture import capture_forward, decoder_layers, default_eagle3_layers
+from draftsmith.targets.families import decoder_layers
 
 
 def test_layers_are_pre_norm_outputs(tiny_target):
@@ -24,7 +26,7 @@ def test_layers_are_pre_norm_outputs(tiny_target):
 def test_default_eagle3_layers():
     """The ecosystem's defaults: vLLM / SGLang / speculators capture the inputs of layers (2, L/2, L-3), the
     outputs of draftsmith's (1, L/2-1, L-4); shallow targets spread over what the stacks capture (0..L-2)."""
-    from draftsmith.targets.capture import uncapturable_layers
+    from draftsmith.capture.layers import uncapturable_layers
 
     assert default_eagle3_layers(30) == [1, 14, 26]  # vLLM: "auxiliary layers (2, 15, 27)"
     assert default_eagle3_layers(32) == [1, 15, 28]

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.capture.cache import ShardReader
+from draftsmith.capture.config import CaptureConfig
+from draftsmith.capture.offline import length_batches
 from draftsmith.data import generate_dataset, load_distilled, load_prompts
-from draftsmith.data.capture import length_batches
-from draftsmith.data.config import CaptureConfig, DataConfig, GenerationConfig, SourceConfig
+from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
 from draftsmith.data.generate import capture_dataset_dir
 from draftsmith.data.masks import masked_spans
 from draftsmith.errors import DataError
-from draftsmith.targets.cache_shards import ShardReader
 
 SHAREGPT = [
     {"id": "a", "conversations": [{"from": "system", "value": "You are terse."},
@@ -159,7 +160,7 @@ def test_length_batches_bound_padded_tokens():
 
 
 def _full(target, ids, layer):
-    from draftsmith.targets.capture import capture_forward
+    from draftsmith.capture.forward import capture_forward
 
     cap = capture_forward(target.model, torch.tensor([ids]), layers=[layer])
     return cap.layers[layer][0], cap.logits[0].float()
@@ -195,7 +196,7 @@ def test_capture_equals_a_full_forward_and_resumes(tmp_path, tiny_target):
         assert torch.equal(got["topk_indices"][first:], torch.topk(logits[first:], 5).indices)
         assert not got["topk_values"][:first].any()  # positions no loss reads
     assert json.loads((out / "provenance.json").read_text())["timing"]["capture"]["rows"] == 4 - stored
-    from draftsmith.data.capture import capture_rows
+    from draftsmith.capture.offline import capture_rows
 
     other = load_distilled(out)[0]  # the same key with other tokens: not silently taken from the cache
     other = {**other, "input_ids": other["input_ids"][:-1], "loss_mask": other["loss_mask"][:-1]}
@@ -230,13 +231,13 @@ def test_teacher_forced_capture_matches_capture_while_generating(tmp_path, tiny_
 def test_heads_train_from_kept_rows_and_their_capture(tmp_path, tiny_target, monkeypatch):
     """`responses: keep` + capture is data like any other: an EAGLE head trains from the offline cache alone,
     reloads against the target and decodes losslessly."""
+    from draftsmith.capture.online import CaptureSource
     from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
     from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.eagle.model import load_eagle
     from draftsmith.evaluation.after_training import EvalAfterTraining
     from draftsmith.training import TrainConfig, train
-    from draftsmith.training.features import CaptureSource
 
     convos = [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
                                  {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)}]}

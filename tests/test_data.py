@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.capture.config import CaptureConfig
 from draftsmith.config import load_config
 from draftsmith.data import generate_dataset, load_distilled, load_prompts, tokenize_conversation
 from draftsmith.data.config import (
-    CaptureConfig,
     ChatConfig,
     DataConfig,
     DomainRule,
@@ -364,7 +364,7 @@ def test_decode_spans_skip_only_masked_columns(tiny_target, monkeypatch):
 
     # in the engine: refills make rows of different first columns share a step; the ranges skip columns,
     # and every position's state is the full forward's, the tokens those of a single SDPA call per step
-    from draftsmith.targets.capture import capture_forward
+    from draftsmith.capture.forward import capture_forward
 
     seen = []
     real = engine._decode_spans
@@ -402,7 +402,7 @@ def test_shared_prefix_is_prefilled_once_and_changes_nothing(tiny_target):
 
 @pytest.mark.parametrize("prefix", [0, 12])
 def test_capture_matches_a_full_forward(tiny_target, prefix):
-    from draftsmith.targets.capture import capture_forward
+    from draftsmith.capture.forward import capture_forward
 
     reqs = _random_requests(tiny_target.vocab_size, n=6, prefix=prefix)
     got = _run(tiny_target, reqs, 3, capture=CaptureSpec(layers=[0, -1], topk=4, last_hidden=True,
@@ -421,7 +421,7 @@ def test_capture_matches_a_full_forward(tiny_target, prefix):
 def test_capture_skips_prompt_logits_no_row_wants(tiny_target, prefix):
     """With `logits_from`, top-k of earlier prompt positions are zeros and everything else is unchanged,
     also when the logits budget splits a prefill group row by row."""
-    from draftsmith.targets.capture import capture_forward
+    from draftsmith.capture.forward import capture_forward
 
     reqs = _random_requests(tiny_target.vocab_size, n=6, prefix=prefix)
     for i, r in enumerate(reqs):  # mostly the last prompt position; a multi-turn-like row wants more
@@ -549,7 +549,7 @@ def test_overlapping_prompts_are_dropped(tmp_path, tiny_target):
 
 
 def test_capture_during_generation_writes_shards(tmp_path, tiny_target):
-    from draftsmith.targets.cache_shards import ShardReader
+    from draftsmith.capture.cache import ShardReader
 
     cfg = _gen_cfg(tmp_path, PROMPTS[:5], capture=CaptureConfig(enabled=True, layers=[-1], topk=3))
     out = generate_dataset(cfg, tiny_target, progress=False)

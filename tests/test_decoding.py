@@ -500,7 +500,7 @@ class FeatureRecorder(TreeStub):
 
 def test_target_features_reach_the_proposer(target, prompts):
     """Features handed to begin/accept, concatenated, are the target's features of every cached position."""
-    from draftsmith.targets.capture import capture_forward
+    from draftsmith.capture.forward import capture_forward
 
     rec = FeatureRecorder(target)
     res = speculative_generate(target, rec, [prompts[1]], 12, k=None, tree=(2, 2), eos_ids=[])

@@ -93,7 +93,7 @@ def test_truncated_draft_keeps_first_layers_exactly(tiny_target):
     for k, v in d_state.items():
         assert torch.equal(v, t_state[k].float()), k
     # the copy is a real model: its first-layer output equals the target's first-layer output
-    from draftsmith.targets.capture import capture_forward
+    from draftsmith.capture.forward import capture_forward
 
     ids = torch.tensor([[5, 9, 30, 31, 7]])
     a = capture_forward(tiny_target.model, ids, layers=[0]).layers[0]

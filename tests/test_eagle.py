@@ -310,7 +310,7 @@ def test_artifact_round_trip(trained, target4):
 
 
 def test_offline_features_give_the_online_loss(trained, target4, tmp_path):
-    from draftsmith.targets.cache_shards import capture_dataset
+    from draftsmith.capture.cache import capture_dataset
 
     job, result, rows = trained
     capture_dataset(target4, rows, tmp_path / "cache", layers=[0, 1, 2], topk=1, last_hidden=True,
@@ -373,9 +373,9 @@ def test_eagle3_trains_under_bf16_autocast_on_the_cpu(target4, tmp_path):
 # --- proposing ------------------------------------------------------------------------------------------------
 def test_proposer_chain_equals_the_ttt_draft_chain(target4):
     """The proposer's chain from a context = the TTT forward's greedy chain at the last base (draft tokens)."""
+    from draftsmith.capture.forward import capture_forward
     from draftsmith.decoding.proposer import AcceptResult, TargetFeatures, TreeSpec
     from draftsmith.eagle.proposer import EagleProposer
-    from draftsmith.targets.capture import capture_forward
 
     torch.manual_seed(4)
     head = EagleHead.from_target(target4.model, "eagle3", [0, 1, 2], draft_vocab=vocab_for(target4), ttt_steps=4,

@@ -98,9 +98,9 @@ def _speculators_parity(export_dir: Path, art: Path, target, rows: list[dict]) -
     (step 0 and the first training-time-test step) for the same tokens and target features."""
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
+    from draftsmith.capture.forward import capture_forward
     from draftsmith.eagle.export import load_speculators
     from draftsmith.eagle.model import load_eagle, shift_left
-    from draftsmith.targets.capture import capture_forward
 
     head, _ = load_eagle(art, target)
     config = Eagle3SpeculatorConfig.from_pretrained(str(export_dir))

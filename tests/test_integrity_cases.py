@@ -259,14 +259,15 @@ def test_every_other_writer_leaves_a_users_folder_alone(tiny_target, deep_target
     from test_chat_data import SHAREGPT, _jsonl
     from test_data import _gen_cfg
 
+    from draftsmith.capture.config import CaptureConfig
     from draftsmith.data import generate_dataset
-    from draftsmith.data.config import CaptureConfig, DataConfig, SourceConfig
+    from draftsmith.data.config import DataConfig, SourceConfig
     from draftsmith.errors import DataError
 
     mine = users_folder(tmp_path / "mine")
     theirs = tmp_path / "theirs"  # a user's own datasets.save_to_disk folder, named `dataset`
     datasets.Dataset.from_dict({"text": ["mine"]}).save_to_disk(str(theirs / "dataset"))
-    capture_dataset_dir = _find("capture_dataset_dir", "data.generate", "data.capture")
+    capture_dataset_dir = _find("capture_dataset_dir", "data.generate", "capture.offline")
     folders = {"mine": mine, "theirs": theirs}
     before = {name: snapshot(f) for name, f in folders.items()}
     eagle = _eagle_artifact(deep_target, tmp_path / "eagle")

@@ -284,10 +284,10 @@ def test_medusa2_from_a_capture_cache_never_runs_the_original_and_its_kl_is_the_
                                                                                            monkeypatch):
     """Medusa-2 with a capture cache reads the original target's top-k logits instead of running it; with
     k = V the renormalised top-k KL is the full-vocabulary KL the online job computes."""
+    from draftsmith.capture.cache import capture_dataset
+    from draftsmith.capture.online import CaptureSource
     from draftsmith.medusa.medusa2 import Medusa2Config
-    from draftsmith.targets.cache_shards import capture_dataset
     from draftsmith.training import TrainConfig, train
-    from draftsmith.training.features import CaptureSource
 
     rows = self_distilled_rows(tiny_target, n=16)
     V = tiny_target.vocab_size

@@ -97,7 +97,8 @@ def test_soft_ce_weights_and_replay_weighting():
 
 
 def _data_config(tmp: Path, out: str, **gen):
-    from draftsmith.data.config import CaptureConfig, DataConfig, GenerationConfig, SourceConfig
+    from draftsmith.capture.config import CaptureConfig
+    from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
 
     src = tmp / "prompts.jsonl"
     src.write_text("".join(json.dumps({"q": p}) + "\n" for p in PROMPTS))

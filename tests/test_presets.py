@@ -41,8 +41,8 @@ def test_preset_files_load_for_their_target(name):
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_target_config_builds_on_meta_with_the_published_size(name):
+    from draftsmith.capture.layers import default_eagle3_layers
     from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
-    from draftsmith.targets.capture import default_eagle3_layers
     from draftsmith.targets.families import family, full_attention_rope
 
     _, params, model_type, theta = PRESETS[name]

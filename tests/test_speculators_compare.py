@@ -50,7 +50,7 @@ def setup(sc, tiny_tokenizer, tmp_path_factory):
     """A 3-layer target as an HF folder, self-distilled rows, their capture cache, a speculators-trained head."""
     from tiny_models import make_target, prompt_rows
 
-    from draftsmith.targets.cache_shards import capture_dataset
+    from draftsmith.capture.cache import capture_dataset
 
     tmp = tmp_path_factory.mktemp("peer")
     torch.set_num_threads(1)
@@ -112,9 +112,9 @@ def test_speculators_loss_sees_our_positions_and_teachers(sc, setup, tmp_path):
     teacher one position off gives another number (the tiny target itself writes one token over and over)."""
     from speculators.losses import resolve_loss_config
 
+    from draftsmith.capture.cache import ShardReader, ShardWriter
     from draftsmith.eagle.model import shift_left
     from draftsmith.heads.vocab import draft_vocabulary, token_counts
-    from draftsmith.targets.cache_shards import ShardReader, ShardWriter
     from draftsmith.targets.families import lm_head
 
     target, cfg, S, T, H = setup["target"], setup["cfg"], 3, 40, setup["target"].hidden_size

@@ -66,7 +66,7 @@ def test_vllm_serves_the_export_losslessly_and_counts_draftsmiths_acceptance(tin
 
 def test_vllm_eagle1_export_loads_and_is_lossless(tiny):
     """vLLM's EAGLE-1 feeds the head the target's last hidden state AFTER the final norm (the model's output);
-    draftsmith's EAGLE-1 reads the last layer's output before it (targets/capture.py). Loading and losslessness
+    draftsmith's EAGLE-1 reads the last layer's output before it (capture/layers.py). Loading and losslessness
     are asserted; the acceptance of the two decoders is recorded side by side (they feed the head different
     features, so they are not expected to agree)."""
     report = tiny.check("eagle1")

@@ -39,7 +39,7 @@ Rules the loop relies on:
   the frozen target belongs in `before_artifact()` (optional), which every rank runs first: under FSDP /
   ZeRO-3 the target is sharded and its forward is collective, so rank 0 cannot run it alone.
 - `setup(accelerator)` (optional) runs once on every rank after the Accelerator exists: place the
-  frozen target there (`training.frozen.place_frozen`).
+  frozen target there (`targets.frozen.place_frozen`).
 - A job subclasses `Job`: the optional hooks are methods of the base class with the loop's defaults
   (`setup`, `data_path`, `row_lengths`, `lr_scale`, `count_tokens`, `learned_tokens`, `warm_start_module`,
   `artifact_dest`, `before_artifact`), so the loop calls them without asking whether they exist.
@@ -95,7 +95,7 @@ class Job:
         """Once before training (training/runner.py): log what the job trains."""
 
     def setup(self, accelerator) -> None:
-        """Once on every rank after the Accelerator exists: place the frozen target (training.frozen)."""
+        """Once on every rank after the Accelerator exists: place the frozen target (targets.frozen)."""
 
     def config(self) -> Any:
         """The job's own settings (a dataclass), recorded in checkpoints: a resume names what changed."""

@@ -5,7 +5,7 @@ The one job runner (training/runner.py `run`) creates the Accelerator FIRST
 (`load_target_for`). Under `accelerate launch` / `torchrun` on a GPU node that is `cuda:LOCAL_RANK`, so eight
 ranks put eight targets on eight GPUs, not eight targets on `cuda:0`.
 
-    preset                               target loaded on       then (training/frozen.place_frozen)
+    preset                               target loaded on       then (targets/frozen.place_frozen)
     single device, DDP, ZeRO-1/2         accelerator.device     replicated, never wrapped
     FSDP (1 or 2), DeepSpeed ZeRO-3      cpu                    sharded across ranks (per decoder layer)
 

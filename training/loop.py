@@ -171,11 +171,18 @@ class Trainer:
     # ---- setup -----------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        from accelerate.utils import set_seed
+        """Everything before the first step, in order: the output folder, the checkpoint to resume, the module,
+        the step plan, the optimizer, the counters and the logger."""
+        self._prepare_output()
+        self._read_resume()
+        module = self._build_module()
+        self._plan_steps()
+        self._prepare_optimizer(module)
+        self._start_counters()
 
+    def _prepare_output(self) -> None:
         from draftsmith.storage import check_replaceable, clean_stale
 
-        cfg, acc = self.cfg, self.acc
         # before any work, on every rank (read-only: all of them stop with the same line, none waits at a
         # barrier): a folder that is not an artifact is not where this run's artifact will go
         check_replaceable(self.artifact_dest(), "artifact",
@@ -184,16 +191,24 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             ckpt.clean_temp(self.out)
             clean_stale(self.artifact_dest())  # what a run killed while saving its artifact left beside it
-        acc.wait_for_everyone()
-        self.resume_path = ckpt.resolve_resume(cfg.resume, self.out)
+        self.acc.wait_for_everyone()
+
+    def _read_resume(self) -> None:
+        """The checkpoint this run resumes (`train.resume`), if any: its meta only when it is sharded (every rank
+        reads its own slices once the module is prepared)."""
+        self.resume_path = ckpt.resolve_resume(self.cfg.resume, self.out)
         self.sharded_resume = self.resume_path is not None and sharded.is_sharded(self.resume_path)
         self.loaded = None
         if self.resume_path is not None:
             self.loaded = sharded.load_meta(self.resume_path) if self.sharded_resume \
                 else ckpt.load_checkpoint(self.resume_path)
 
-        set_seed(cfg.seed)  # same on every rank: identical initial module everywhere
-        self.job.setup(acc)
+    def _build_module(self) -> nn.Module:
+        """The job's module, seeded alike on every rank, with the checkpoint's or a warm start's weights."""
+        from accelerate.utils import set_seed
+
+        set_seed(self.cfg.seed)  # same on every rank: identical initial module everywhere
+        self.job.setup(self.acc)
         module = self.job.build_module()
         if self.loaded is not None and not self.sharded_resume:
             try:
@@ -202,8 +217,13 @@ class Trainer:
                 first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
                 raise TrainingError(f"checkpoint {self.resume_path} holds a module of another shape ({first}); "
                                     "resume with the same model settings, or set train.resume=never") from None
-        elif cfg.warm_start:
+        elif self.cfg.warm_start:
             self._warm_start(module)
+        return module
+
+    def _plan_steps(self) -> None:
+        """The rows, micro-batches per epoch, total and warmup steps, and the lengths rows are grouped by."""
+        cfg = self.cfg
         self.train_rows = self.job.train_rows()
         self.eval_rows = self.job.eval_rows()
         n = len(self.train_rows)
@@ -220,12 +240,15 @@ class Trainer:
             lengths = self.job.row_lengths()
             self.lengths = lengths if lengths is not None else row_lengths(self.train_rows)
 
+    def _prepare_optimizer(self, module: nn.Module) -> None:
+        """AdamW over the module, both prepared by accelerate; a sharded checkpoint's slices loaded into them."""
+        cfg = self.cfg
         self._fill_deepspeed_autos()
         optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay, self.job.lr_scale),
                                       lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         for g in optimizer.param_groups:
             g["base_lr"] = cfg.lr * g["lr_scale"]
-        self.model, self.optimizer = acc.prepare(module, optimizer)
+        self.model, self.optimizer = self.acc.prepare(module, optimizer)
         # this run's optimizer settings: a resumed optimizer's param groups carry the checkpoint's
         self.fresh_groups = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")}
                              for g in self.optimizer.param_groups]
@@ -235,7 +258,11 @@ class Trainer:
             sharded.load_sharded(self.resume_path, self.model, self.optimizer)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
-        # counters (overwritten by a checkpoint)
+    def _start_counters(self) -> None:
+        """The counters at zero, or as the checkpoint left them; the run logger, continuing a resumed log."""
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
         self.step = 0
         self.micro = 0
         self.nonfinite_total = 0
@@ -409,6 +436,7 @@ class Trainer:
         return bool(self.acc.reduce(t, reduction="sum").item() > 0)
 
     def _train_step(self, batches: Iterator[dict[str, Any]]) -> None:
+        """One optimizer step: `grad_accum` micro-batches, then the update (or a counted skip)."""
         acc, cfg = self.acc, self.cfg
         self.model.train()
         bad = False
@@ -417,59 +445,78 @@ class Trainer:
         for _ in range(cfg.grad_accum):
             batch = next(batches)
             with acc.accumulate(self.model):
-                n = self.job.learned_tokens(batch)
-                empty = self._any_rank(n == 0)
-                if not empty:
-                    with acc.autocast():
-                        loss, metrics = self.job.loss(self.model, batch)
-                nonfinite = not empty and self._any_rank(not bool(torch.isfinite(loss.detach()).all()))
-                if empty or nonfinite:
-                    bad = bad or nonfinite
-                    if empty:
-                        self.window.empty += 1
-                        self.empty_total += 1
-                    # zero gradients through every parameter: DDP's hooks still fire in lock-step
-                    acc.backward(sum(p.sum() for p in self.trainable) * 0.0)
-                else:
-                    used += 1
-                    acc.backward(loss)
-                    value = float(loss.detach())
-                    self._watch_explosion(value)
-                    self.window.add(value, metrics)
+                learned, nonfinite = self._micro_backward(batch)
+                bad = bad or nonfinite
+                used += learned
                 self.window.tokens += self.job.count_tokens(batch)
                 self.micro += 1
                 if acc.sync_gradients:
-                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-                    norm = acc.clip_grad_norm_(self.trainable, max_norm)
-                    norm = float(norm) if norm is not None else 0.0
-                    if not bad and not math.isfinite(norm):
-                        bad = True
-                        if acc.scaler is not None:  # fp16: let the GradScaler see the inf and lower its scale
-                            self.optimizer.step()
-                    if bad or used == 0:
-                        self.optimizer.zero_grad(set_to_none=True)
-                        self.window.skipped += 1
-                    else:
-                        f = lr_factor(self.step, self.total_steps, self.warmup, cfg.schedule, cfg.min_lr_ratio)
-                        for g in self.optimizer.param_groups:
-                            g["lr"] = g["base_lr"] * f
-                        self.optimizer.step()
-                        self.optimizer.zero_grad(set_to_none=True)
-                        self.window.grad_norm += norm
-                        self.window.updates += 1
-                        self.updates_total += 1
+                    bad = self._update(bad, used)
         self.step += 1
-        if bad:
-            self.nonfinite_total += 1
-            self.nonfinite_in_row += 1
-            if self.nonfinite_in_row >= cfg.max_nonfinite_in_row:
-                last = ckpt.latest_intact(self.out)
-                raise TrainingError(
-                    f"{self.nonfinite_in_row} non-finite losses/gradients in a row at step {self.step} "
-                    f"(train.max_nonfinite_in_row={cfg.max_nonfinite_in_row}); lower train.lr or check the data; "
-                    f"last good checkpoint: {last or 'none'}")
-        else:
+        self._count_nonfinite(bad)
+
+    def _micro_backward(self, batch: dict[str, Any]) -> tuple[bool, bool]:
+        """The backward of one micro-batch: (it had learned tokens on every rank and a finite loss, its loss
+        was non-finite on some rank). An empty or non-finite one still runs a backward, of zero."""
+        acc = self.acc
+        n = self.job.learned_tokens(batch)
+        empty = self._any_rank(n == 0)
+        if not empty:
+            with acc.autocast():
+                loss, metrics = self.job.loss(self.model, batch)
+        nonfinite = not empty and self._any_rank(not bool(torch.isfinite(loss.detach()).all()))
+        if empty or nonfinite:
+            if empty:
+                self.window.empty += 1
+                self.empty_total += 1
+            # zero gradients through every parameter: DDP's hooks still fire in lock-step
+            acc.backward(sum(p.sum() for p in self.trainable) * 0.0)
+            return False, nonfinite
+        acc.backward(loss)
+        value = float(loss.detach())
+        self._watch_explosion(value)
+        self.window.add(value, metrics)
+        return True, False
+
+    def _update(self, bad: bool, used: int) -> bool:
+        """At the accumulation boundary: clip, then step at the scheduled lr, or skip a step that had a
+        non-finite loss or gradient norm or no learned token. Returns whether the step was bad."""
+        acc, cfg = self.acc, self.cfg
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+        norm = acc.clip_grad_norm_(self.trainable, max_norm)
+        norm = float(norm) if norm is not None else 0.0
+        if not bad and not math.isfinite(norm):
+            bad = True
+            if acc.scaler is not None:  # fp16: let the GradScaler see the inf and lower its scale
+                self.optimizer.step()
+        if bad or used == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.window.skipped += 1
+            return bad
+        f = lr_factor(self.step, self.total_steps, self.warmup, cfg.schedule, cfg.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["base_lr"] * f
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.window.grad_norm += norm
+        self.window.updates += 1
+        self.updates_total += 1
+        return bad
+
+    def _count_nonfinite(self, bad: bool) -> None:
+        """Count a bad step; too many in a row stop the run, naming the last good checkpoint."""
+        cfg = self.cfg
+        if not bad:
             self.nonfinite_in_row = 0
+            return
+        self.nonfinite_total += 1
+        self.nonfinite_in_row += 1
+        if self.nonfinite_in_row >= cfg.max_nonfinite_in_row:
+            last = ckpt.latest_intact(self.out)
+            raise TrainingError(
+                f"{self.nonfinite_in_row} non-finite losses/gradients in a row at step {self.step} "
+                f"(train.max_nonfinite_in_row={cfg.max_nonfinite_in_row}); lower train.lr or check the data; "
+                f"last good checkpoint: {last or 'none'}")
 
     def _watch_explosion(self, value: float) -> None:
         """Warn when a loss is far above the running median of the recent ones (training is diverging,

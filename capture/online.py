@@ -1,5 +1,5 @@
 """The features a training job reads per batch, online (the frozen target runs in the step) or offline
-(the capture cache targets/cache_shards.py wrote), as the same tensors."""
+(the capture cache, cache.py), as the same tensors."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.capture.cache import ShardReader
+from draftsmith.capture.forward import capture_forward, topk_logits, topk_with_logsumexp
 from draftsmith.errors import DataError
-from draftsmith.targets.cache_shards import ShardReader
-from draftsmith.targets.capture import capture_forward, topk_logits, topk_with_logsumexp
 
 
 class CaptureSource:
@@ -61,7 +61,7 @@ class CaptureSource:
     def place(self, accelerator) -> None:
         """Put the frozen target on the training device (online only; offline never runs it)."""
         if not self.offline:
-            from draftsmith.training.frozen import place_frozen
+            from draftsmith.targets.frozen import place_frozen
 
             self.model = place_frozen(self.model, accelerator)
 

@@ -1,7 +1,7 @@
 """Offline capture cache: what the frozen target computes per dataset row, in sharded safetensors.
 
 Training a Medusa / EAGLE head or distilling a draft needs, per token, some of: the output of decoder
-layer i (pre-norm, see `targets/capture.py` for the layer convention), the post-norm last hidden state,
+layer i (pre-norm, see layers.py for the layer convention), the post-norm last hidden state,
 and the target's top-k logits. Computing them online costs one target forward per step; computing them
 once (`capture_dataset`, the `capture` step) lets every later epoch, sweep and retrain skip the target.
 
@@ -43,9 +43,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from draftsmith.capture.forward import capture_forward, topk_with_logsumexp
 from draftsmith.errors import DataError
 from draftsmith.storage import _fsync_dir, atomic_write_json, read_json
-from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
 from draftsmith.targets.families import pad_token_id
 
 INDEX = "index.json"
