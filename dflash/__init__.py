@@ -11,6 +11,8 @@ METHOD = Method(
     job="draftsmith.dflash.job:DFlashJob",
     load="draftsmith.dflash.model:load_dflash",
     proposer="draftsmith.dflash.proposer:build_proposer",
+    export="draftsmith.dflash.export:export",
+    reimport="draftsmith.dflash.export:reimport",
     tensors="draftsmith.dflash.model:artifact_tensors",
     default_config="configs/smollm2-135m/dflash.yaml",
 )

@@ -52,9 +52,10 @@ SKIP = {"manifest.json", "draftsmith.json", "serve.md", "README.md"}
 
 
 def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=None,
-                 num_speculative_tokens: int = 4, verify: bool = True, *, overwrite: bool = False,
+                 num_speculative_tokens: int | None = None, verify: bool = True, *, overwrite: bool = False,
                  verifier: str | None = None) -> ExportResult:
     artifact_dir, out = Path(artifact_dir), Path(out)
+    num_speculative_tokens = 4 if num_speculative_tokens is None else num_speculative_tokens
     manifest = load_manifest(artifact_dir, kind="draft")
     verify_weights(artifact_dir, manifest)
     if target is not None:

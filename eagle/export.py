@@ -135,7 +135,7 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
 
 
 # --- canonical -> layouts ----------------------------------------------------------------------------
-def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int = 4,
+def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int | None = None,
            verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
     """`Method.export` of EAGLE heads (export/heads.py does the rest): EAGLE-1 and EAGLE-3 are two layout
     families, and every stack's drafter layer is a Llama layer."""
@@ -143,6 +143,7 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
     from draftsmith.targets.families import FAMILIES
 
     artifact_dir = Path(artifact_dir)
+    num_speculative_tokens = 4 if num_speculative_tokens is None else num_speculative_tokens
     manifest, cfg, state, names = read_eagle_artifact(artifact_dir, target)
     if not getattr(FAMILIES.get(cfg["layer_model_type"]), "llama_layer", False):
         raise ConfigError(f"{artifact_dir}: this EAGLE head's decoder layer is a {cfg['layer_model_type']} layer; "
@@ -175,6 +176,8 @@ def reimport(export_dir: Path, guard: dict):
         if not (export_dir / "model.safetensors").is_file():
             return None
         if "fc.weight" not in {canonical_name(k) for k in read_header(export_dir / "model.safetensors")}:
+            return None
+        if "dflash_config" in read_json(export_dir / "config.json"):  # a block drafter's fc, not a head's
             return None
     names = (guard.get("eagle") or {}).get("source_names")
     cfg, state = read_layout(export_dir, names)

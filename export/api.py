@@ -36,7 +36,8 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
     the local folder the target was loaded from.
 
     `num_speculative_tokens`: the draft length written into serve.md; None = the method's own (Medusa: one
-    token per exported head, the only length vLLM's Medusa drafts without a head of random weights; else 4)."""
+    token per exported head, the only length vLLM's Medusa drafts without a head of random weights; DFlash:
+    its block size - 1; EAGLE and draft models: 4)."""
     artifact_dir, out = Path(artifact_dir), Path(out)
     stack_module(stack)
     check_replaceable(out, "export", overwrite)  # before any work: a folder that is not ours stays untouched
@@ -44,8 +45,6 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
     method = methods.get(kind)
     if method.export is None:
         raise ConfigError(f"{artifact_dir}: no serving stack takes a {kind} artifact")
-    if num_speculative_tokens is None and kind != "medusa":
-        num_speculative_tokens = 4
     result = method.get("export")(artifact_dir=artifact_dir, stack=stack, out=out, target=target,
                                   num_speculative_tokens=num_speculative_tokens, verify=verify,
                                   overwrite=overwrite, verifier=verifier)

@@ -17,7 +17,7 @@ from draftsmith.storage import atomic_write_text
 CARD = "README.md"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _METHOD = {"draft": "a distilled draft model", "medusa": "Medusa heads", "eagle1": "an EAGLE-1 head",
-           "eagle3": "an EAGLE-3 head"}
+           "eagle3": "an EAGLE-3 head", "dflash": "a DFlash block drafter"}
 
 
 def _num(v, fmt: str) -> str:

@@ -4,6 +4,7 @@ HF generate, trees, sampling)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,38 @@ def test_sampling_with_the_draft_runs_and_a_bf16_draft_stays_lossless(trained, t
     assert fast.tokens == hf_greedy(target4, prompts, 12)
     sampled = speculative_generate(target4, proposer, prompts, 12, k=BS - 1, temperature=1.0, seed=3, eos_ids=[])
     assert all(len(t) == 12 for t in sampled.tokens)
+
+
+def test_export_for_vllm_and_sglang_verifies_and_reads_back(trained, target4, tmp_path):
+    from draftsmith.export.api import export_artifact, import_export, verify_export
+
+    _, result, _ = trained
+    res = export_artifact(result.artifact, "vllm", tmp_path / "vllm", target4)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1, 2], "mask_token_id": cfg["dflash_config"]["mask_token_id"]}
+    assert cfg["num_hidden_layers"] == 2 and cfg["block_size"] == BS and cfg["num_target_layers"] == 4
+    assert f'"num_speculative_tokens": {BS - 1}' in (res.out / "serve.md").read_text()
+    assert any("reloads strictly" in c for c in res.checks)
+    names = load_file(str(res.out / "model.safetensors"))
+    assert not any(k.startswith("model.") or "embed" in k or "lm_head" in k for k in names)
+    assert verify_export(res.out, target4)
+    sg = export_artifact(result.artifact, "sglang", tmp_path / "sglang", target4)
+    assert "--speculative-algorithm DFLASH" in (sg.out / "serve.md").read_text()
+    with pytest.raises(ConfigError, match="trtllm|TensorRT"):
+        export_artifact(result.artifact, "trtllm", tmp_path / "trt", target4)
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        export_artifact(result.artifact, "vllm", tmp_path / "k2", target4, num_speculative_tokens=2)
+    back = import_export(res.out, tmp_path / "back")
+    a, _ = load_dflash(result.artifact, target4)
+    b, _ = load_dflash(back, target4)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    # corrupt one tensor's shape: verification names it
+    bad = dict(names)
+    bad["fc.weight"] = bad["fc.weight"][:, :8].contiguous()
+    from safetensors.torch import save_file
+
+    save_file(bad, str(res.out / "model.safetensors"))
+    with pytest.raises(Exception, match="fc.weight"):
+        verify_export(res.out, target4)

@@ -1,0 +1,203 @@
+"""DFlash exports: the layout vLLM (`DFlashDraftModel`, vllm/model_executor/models/qwen3_dflash.py) and SGLang
+(`models/dflash.py`) both load — one layout for both stacks.
+
+    config.json   a Qwen3 config of the draft layers (`model_type: qwen3`, `architectures: [DFlashDraftModel]`,
+                  num_hidden_layers = draft layers, the target's RoPE and max_position_embeddings), and
+                  `dflash_config: {target_layer_ids, mask_token_id}`, `block_size`, `num_target_layers`
+    model.safetensors   layers.{i}.* (q/k norms included), fc.weight [H, K·H], hidden_norm.weight,
+                  norm.weight — no embed_tokens and no lm_head: both stacks share the target's
+
+Layer ids: `target_layer_ids` are output-of-layer ids (HF hidden_states[i + 1]), draftsmith's own convention;
+vLLM adds 1 to capture the residual stream entering layer i + 1, SGLang does the same internally. Both
+concatenate the taps in ascending order, the order draftsmith trains with.
+
+vLLM serves the block with `num_speculative_tokens = block_size - 1` (the anchor plus that many mask slots:
+the block the draft was trained on); SGLang reads `block_size` from config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith import artifact
+from draftsmith.dflash.model import DFlashConfig, DFlashDraft, read_config
+from draftsmith.errors import ArtifactError, ConfigError
+from draftsmith.export.common import dtype_name, fenced, state_dtype
+from draftsmith.export.verify import (
+    VerificationError,
+    check,
+    compare,
+    guard_vocab_size,
+    read_header,
+    read_tensors,
+    register_verifier,
+)
+from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.families import full_attention_rope, rope_fields
+
+log = logging.getLogger(__name__)
+
+FORMAT = "dflash"
+STACK_FORMATS = {"vllm": FORMAT, "sglang": FORMAT}
+UNSUPPORTED = {
+    "trtllm": "TensorRT-LLM has no DFlash drafter loader here; export DFlash drafts for vllm or sglang",
+    "hf": "Hugging Face assisted generation has no block drafter; export DFlash drafts for vllm or sglang",
+}
+
+
+def layout_config(config: DFlashConfig, dtype: torch.dtype, num_target_layers: int, target_max_positions: int,
+                  target_folder: str, target_arch: list[str]) -> dict:
+    c = config.layer_config
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": c["intermediate_size"],
+        "num_attention_heads": c["num_attention_heads"],
+        "num_key_value_heads": c["num_key_value_heads"],
+        "head_dim": c["head_dim"],
+        "rms_norm_eps": c["rms_norm_eps"],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        **rope_fields(full_attention_rope(c)),
+        # vLLM does not raise a DFlash draft's positions to the target's context: the draft must cover it
+        "max_position_embeddings": max(int(c["max_position_embeddings"]), int(target_max_positions)),
+        "vocab_size": config.vocab_size,
+        "num_hidden_layers": config.num_layers,
+        "tie_word_embeddings": False,
+        "block_size": config.block_size,
+        "num_target_layers": num_target_layers,
+        "dflash_config": {"target_layer_ids": list(config.target_layers), "mask_token_id": config.mask_token_id},
+        "verifier": {"name_or_path": target_folder, "architectures": target_arch},
+        "torch_dtype": dtype_name(dtype),
+    }
+
+
+def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int | None = None,
+           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
+    """`Method.export` of DFlash drafts (export/heads.py does the rest)."""
+    from draftsmith.export.heads import HeadExport, export_heads
+
+    artifact_dir = Path(artifact_dir)
+    manifest, state = artifact.load_artifact(artifact_dir, kind="dflash", target=target)
+    config = read_config(artifact_dir)
+    arch = (manifest["target"].get("architecture") or {})
+    n_target = arch.get("num_hidden_layers") or (target.num_layers if target is not None else None)
+    if n_target is None:
+        raise ConfigError(f"{artifact_dir}: the manifest names no target depth and no target was given")
+    k = config.block_size - 1
+    if num_speculative_tokens is not None and num_speculative_tokens != k:
+        raise ConfigError(f"num_speculative_tokens: a DFlash draft of block {config.block_size} drafts {k} tokens "
+                          f"per forward (the block it was trained on), got {num_speculative_tokens}")
+    max_pos = arch.get("max_position_embeddings") or (
+        getattr(target.text_config, "max_position_embeddings", 0) if target is not None else 0)
+
+    def write(tmp: Path, fmt: str, target, target_ref: str, out: Path, k: int) -> str:
+        target_arch = list(getattr(target.config, "architectures", None) or []) if target is not None else []
+        save_file(artifact.contiguous_state(state), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        atomic_write_json(tmp / "config.json", layout_config(config, state_dtype(state), n_target, max_pos or 0,
+                                                             target_ref, target_arch))
+        return target_ref
+
+    plan = HeadExport("dflash", STACK_FORMATS, manifest, {"block_size": config.block_size}, write,
+                      guard={"dflash": {"block_size": config.block_size}}, unsupported=UNSUPPORTED, serve=serve)
+    return export_heads(plan, artifact_dir, stack, out, target, k, verify, overwrite=overwrite, verifier=verifier)
+
+
+def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
+    if stack == "vllm":
+        spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": k})
+        return (f"{fenced(f'vllm serve {target_ref} --speculative-config {chr(39)}{spec}{chr(39)}')}\n\n"
+                f"`num_speculative_tokens` = block size - 1: the anchor and {k} mask slots, the block the draft was "
+                "trained on. The target must implement vLLM's EAGLE-3 interface (it hands out the tapped layers).\n")
+    cmd = (f"python -m sglang.launch_server --model-path {target_ref} \\\n  --speculative-algorithm DFLASH "
+           f"--speculative-draft-model-path {out}")
+    return f"{fenced(cmd)}\n\nSGLang reads the block size ({k + 1}) from config.json.\n"
+
+
+# --- verification --------------------------------------------------------------------------------------
+def config_from_layout(config: dict, where: Path) -> DFlashConfig:
+    """A written config.json -> the DFlashConfig it describes (the draft draftsmith would build from it)."""
+    try:
+        d = config["dflash_config"]
+        layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                                         "vocab_size")}
+        layer.update(rope_fields(full_attention_rope(config)), model_type="qwen3", hidden_act="silu",
+                     attention_bias=False)
+        return DFlashConfig(config["hidden_size"], config["vocab_size"], list(d["target_layer_ids"]),
+                            config["num_hidden_layers"], config["block_size"], d["mask_token_id"], layer)
+    except KeyError as e:
+        raise VerificationError(f"{where}/config.json: missing field {e}") from None
+    except ValueError as e:
+        raise VerificationError(f"{where}/config.json: {e}") from None
+
+
+def verify_layout(out: Path, target=None) -> list[str]:
+    config = read_json(out / "config.json")
+    problems = []
+    if config.get("architectures") != ["DFlashDraftModel"]:
+        problems.append(f"architectures {config.get('architectures')} != ['DFlashDraftModel'] (vLLM's registry name)")
+    cfg = config_from_layout(config, out)
+    vocab = guard_vocab_size(out)
+    if vocab is not None and cfg.vocab_size != vocab:
+        problems.append(f"config vocab_size {cfg.vocab_size} != target vocab_size {vocab}")
+    n_target = config.get("num_target_layers")
+    if n_target is not None and max(cfg.target_layers) > n_target - 2:
+        problems.append(f"target_layer_ids {cfg.target_layers} name the last layer's output of a {n_target}-layer "
+                        "target, which vLLM captures before the final norm and HF after it")
+    if target is not None and config["max_position_embeddings"] < getattr(target.text_config,
+                                                                           "max_position_embeddings", 0):
+        problems.append("max_position_embeddings below the target's: vLLM would index RoPE past the draft's table")
+    check(out, problems)
+    with torch.device("meta"):
+        spec_module = DFlashDraft(cfg)
+    dt = read_header(out / "model.safetensors")
+    st = next(iter(dt.values()))[1]
+    spec = {k: (tuple(v.shape), st) for k, v in spec_module.state_dict().items()}
+    problems += compare(dt, spec)
+    check(out, problems)
+    return [f"{len(spec)} tensors match the DFlash layout (names, shapes, dtype); no embed_tokens or lm_head",
+            f"dflash_config: taps {cfg.target_layers} (output-of-layer ids, ascending), mask token "
+            f"{cfg.mask_token_id}, block {cfg.block_size}"]
+
+
+def reload_check(out: Path, artifact_state: dict[str, torch.Tensor] | None = None) -> str:
+    """The export loads back into draftsmith's own DFlash module, strictly, tensor for tensor."""
+    cfg = config_from_layout(read_json(out / "config.json"), out)
+    draft = DFlashDraft(cfg)
+    tensors = read_tensors(out / "model.safetensors")
+    missing, unexpected = draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    if missing or unexpected:
+        raise VerificationError(f"{out}/model.safetensors: does not load into a DFlash draft (missing {missing[:3]}, "
+                                f"unexpected {unexpected[:3]})")
+    return "reloads strictly into draftsmith's DFlash draft"
+
+
+@register_verifier(FORMAT)
+def _verify(out, target=None) -> list[str]:
+    out = Path(out)
+    return verify_layout(out, target) + [reload_check(out)]
+
+
+def reimport(export_dir: Path, guard: dict):
+    """`Method.reimport`: (config, state, None) of a DFlash export (draftsmith's or another tool's in the same
+    layout); None when `export_dir` is not one."""
+    export_dir = Path(export_dir)
+    if guard.get("format") not in (None, FORMAT) or not (export_dir / "config.json").is_file():
+        return None
+    config = read_json(export_dir / "config.json")
+    if "dflash_config" not in config:
+        return None
+    cfg = config_from_layout(config, export_dir)
+    state = read_tensors(export_dir / "model.safetensors")
+    if "fc.weight" not in state:
+        raise ArtifactError(f"{export_dir}/model.safetensors: missing tensor 'fc.weight' (the DFlash feature projection)")
+    from dataclasses import asdict
+
+    return {**asdict(cfg), "architecture": "dflash", "embeddings": "target", "lm_head": "target"}, state, None
