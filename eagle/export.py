@@ -58,6 +58,8 @@ from draftsmith.storage import atomic_write_json, read_json
 from draftsmith.targets.families import attention_dims, full_attention_rope, rope_fields
 
 SPECULATORS = "speculators-eagle3"
+# EAGLE-3.1's options (eagle/model.py EagleConfig), written explicitly into the speculators layout
+EAGLE31 = ("norm_before_fc", "fc_norm", "norm_output")
 MIDLAYER = "eagle3-midlayer"
 VLLM_EAGLE1 = "vllm-eagle1"
 EAGLE1 = "eagle1"
@@ -84,7 +86,7 @@ def canonical_name(name: str) -> str | None:
     for p in LAYER_PREFIXES:
         if name.startswith(p):
             return "layer." + name[len(p):]
-    if name.startswith(("fc.", "norm.", "lm_head.")) or name in ("d2t", "t2d"):
+    if name.startswith(("fc.", "norm.", "lm_head.", "input_norm.", "fc_norm.")) or name in ("d2t", "t2d"):
         return name
     return "?" + name  # unknown: reported by the spec check rather than dropped
 
@@ -131,6 +133,7 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
             raise ArtifactError(f"{path}: fc takes {fin} features but {len(cfg['aux_layers'])} aux layers of {H}")
     if v.attention_input == "concat":
         cfg["norm_before_residual"] = bool(acfg.get("norm_before_residual", False))
+        cfg.update({k: bool(acfg.get(k, False)) for k in EAGLE31})
     return manifest, cfg, state, names
 
 
@@ -261,6 +264,7 @@ def layout_config(fmt: str, cfg: dict, dtype: torch.dtype, target_folder: str, t
             "transformer_layer_config": {k2: v for k2, v in base.items() if k2 != "torch_dtype"},
             "draft_vocab_size": cfg["draft_vocab_size"],
             "norm_before_residual": bool(cfg["norm_before_residual"]),  # explicit: vLLM defaults it differently
+            **{k: bool(cfg.get(k, False)) for k in EAGLE31},  # explicit: speculators' trainer defaults some on
             "target_hidden_size": cfg["hidden_size"],
             "eagle_aux_hidden_state_layer_ids": aux_ids(cfg, "vllm"),
             "torch_dtype": dtype_name(dtype),
@@ -319,6 +323,10 @@ def expected_tensors(fmt: str, config: dict) -> Spec:
         prefix = "layers.0." if fmt == SPECULATORS else "midlayer."
         spec = _layer_spec(prefix, c, dt, variants.EAGLE3.attention_width(H), concat=True)
         spec.update({"fc.weight": ((H, n_aux * th), dt), "norm.weight": ((H,), dt), "lm_head.weight": ((N, H), dt)})
+        if config.get("norm_before_fc"):
+            spec["input_norm.weight"] = ((n_aux * th,), dt)
+        if config.get("fc_norm"):
+            spec.update({f"fc_norm.{i}.weight": ((th,), dt) for i in range(n_aux)})
         if N != V:
             spec.update({"d2t": ((N,), "I64"), "t2d": ((V,), "BOOL")})
         return spec
@@ -357,7 +365,8 @@ def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None, expect_t
         problems.append(f"config vocab_size {c.get('vocab_size')} != target vocab_size {expect_vocab}")
     problems += rope_problems(c, expect_theta)
     if fmt == SPECULATORS:
-        for key in ("speculators_config", "norm_before_residual", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"):
+        for key in ("speculators_config", "norm_before_residual", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size",
+                    *EAGLE31):
             if key not in config:
                 problems.append(f"config lacks {key}")
         ids = config.get("eagle_aux_hidden_state_layer_ids") or []
@@ -402,7 +411,8 @@ def read_layout(out: str | Path, names: dict[str, str] | None = None) -> tuple[d
         cfg = {k: tl[k] for k in LAYER_FIELDS if k in tl}
         cfg.update(version=3, draft_vocab_size=config["draft_vocab_size"], vocab_size=tl["vocab_size"],
                    aux_layers=[i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]],
-                   norm_before_residual=config["norm_before_residual"])
+                   norm_before_residual=config["norm_before_residual"],
+                   **{k: bool(config.get(k, False)) for k in EAGLE31})
     elif "eagle_config" in config:
         cfg = {k: config[k] for k in LAYER_FIELDS if k in config}
         cfg.update(version=3, draft_vocab_size=config["draft_vocab_size"], vocab_size=config["vocab_size"],

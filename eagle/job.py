@@ -60,6 +60,11 @@ class EagleJobConfig:
     ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (eagle/model.py)
     step_decay: float = 0.8  # step j weighs step_decay**j
     norm_before_residual: bool = False
+    # EAGLE-3.1 (eagle/model.py EagleConfig): a norm over the fused layers' concatenation before fc, or one per
+    # layer; the next test-time step reads the normalised output. vLLM and speculators serve them
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     # the draft's decoder layer: "llama" = a Llama layer with the target's shapes, what vLLM / SGLang /
     # TensorRT-LLM / speculators EAGLE drafters build whatever the target family; "target" = the target
     # family's own layer (targets/families.py), which only draftsmith's decoder runs unless it is a Llama layer
@@ -108,6 +113,12 @@ class EagleJobConfig:
             raise ValueError(f"prompt_context must be >= 2 or null, got {self.prompt_context}")
         if self.prompt_context is not None and not self.capture_cache:
             log.warning("prompt_context without capture_cache: the target too reads only the cut prompt")
+        if (self.norm_before_fc or self.fc_norm) and not v.fuse_layers:
+            raise ValueError(f"norm_before_fc / fc_norm: {v.name} fuses no target layers (EAGLE-3.1 options)")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm: choose one (one norm over the concatenation, or one per layer)")
+        if self.norm_output and not v.draft_vocab:
+            raise ValueError(f"norm_output: {v.name} has no final norm of its own to feed back (an EAGLE-3.1 option)")
         if self.target_layers is not None and len(self.target_layers) != v.feature_layers:
             raise ValueError(f"target_layers: {v.name} reads {v.feature_layers} layer(s), got {self.target_layers}")
 
@@ -169,7 +180,8 @@ class EagleJob(Job):
             self.target.model, self.cfg.version, self.layers,
             draft_vocab=(self.d2t, self.t2d) if self.variant.draft_vocab else None, ttt_steps=self.cfg.ttt_steps,
             ttt_tokens=self.cfg.ttt_tokens, norm_before_residual=self.cfg.norm_before_residual,
-            draft_layer=self.cfg.draft_layer)
+            draft_layer=self.cfg.draft_layer, norm_before_fc=self.cfg.norm_before_fc, fc_norm=self.cfg.fc_norm,
+            norm_output=self.cfg.norm_output)
 
     def setup(self, accelerator) -> None:
         from draftsmith.targets.frozen import place_frozen

@@ -40,6 +40,7 @@ def job_memory(job, target_config, act: int) -> JobMemory:
     layers = list(job.target_layers or v.default_layers(L))
     n = job.draft_vocab_size if v.draft_vocab else V
     cfg = EagleConfig(v.number, H, V, layers, n if v.draft_vocab else None, job.ttt_steps,
+                      norm_before_fc=job.norm_before_fc, fc_norm=job.fc_norm, norm_output=job.norm_output,
                       layer_config=layer_config_dict(target_config, job.draft_layer))
     trained = meta_params(lambda: EagleHead(cfg))
     steps = job.ttt_steps

@@ -97,6 +97,12 @@ class EagleConfig:
     ttt_steps: int = 1
     ttt_tokens: Literal["target", "draft"] = "target"
     norm_before_residual: bool = False
+    # EAGLE-3.1 options (as vLLM and speculators read them): an RMS norm over the concatenated features before
+    # fc (`input_norm`), or one per fused layer (`fc_norm.k`); the next test-time step reads the draft's
+    # normalised output rather than its residual stream (`norm_output`)
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     layer_config: dict = field(default_factory=dict)  # the target's text config (to_dict), model_type included
 
     def __post_init__(self):
@@ -107,6 +113,13 @@ class EagleConfig:
             raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
         if not 1 <= self.ttt_steps <= 16:
             raise ValueError(f"ttt_steps must be in 1..16, got {self.ttt_steps}")
+        if (self.norm_before_fc or self.fc_norm) and not v.fuse_layers:
+            raise ValueError(f"norm_before_fc / fc_norm normalise fused target layers, which {v.name} does not fuse")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are two alternatives (one norm over the concatenation, or "
+                             "one per layer): speculators refuses both at once")
+        if self.norm_output and not v.draft_vocab:
+            raise ValueError(f"norm_output feeds back the head's own final norm, which {v.name} does not have")
 
     @property
     def variant(self) -> Variant:
@@ -266,6 +279,10 @@ class EagleHead(nn.Module):
         v = config.variant
         fc_in, fc_out, fc_bias = v.fc_shape(H)
         self.fc = nn.Linear(fc_in, fc_out, bias=fc_bias)
+        if config.norm_before_fc:
+            self.input_norm = norm_cls(fc_in, eps=eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(norm_cls(H, eps=eps) for _ in config.target_layers)
         if v.attention_input == "concat":
             attn = self.layer.self_attn
             for name in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding; feature]
@@ -292,7 +309,8 @@ class EagleHead(nn.Module):
     def from_target(cls, target_model, version: str | int = "eagle3", target_layers: list[int] | None = None,
                     draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None, ttt_steps: int | None = None,
                     ttt_tokens: str = "target", norm_before_residual: bool = False,
-                    draft_layer: str = "llama") -> EagleHead:
+                    draft_layer: str = "llama", norm_before_fc: bool = False, fc_norm: bool = False,
+                    norm_output: bool = False) -> EagleHead:
         """A fresh head shaped for `target_model` (an HF causal LM), target modules attached.
 
         A variant with a draft vocabulary (EAGLE-3) needs `draft_vocab = (d2t, t2d)` (`heads.vocab.draft_vocabulary`);
@@ -313,8 +331,8 @@ class EagleHead(nn.Module):
             version=v.number, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, target_layers=layers,
             draft_vocab_size=int(d2t.numel()) if (v.draft_vocab and d2t is not None) else None,
             ttt_steps=ttt_steps or v.default_ttt_steps, ttt_tokens=ttt_tokens,
-            norm_before_residual=norm_before_residual,
-            layer_config=layer_config_dict(target_model.config, draft_layer),
+            norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc, fc_norm=fc_norm,
+            norm_output=norm_output, layer_config=layer_config_dict(target_model.config, draft_layer),
         )
         head = cls(config)
         if v.draft_vocab:
@@ -354,9 +372,21 @@ class EagleHead(nn.Module):
             return embedding_rows(self._embed, ids).to(self._dtype)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Step-0 feature from the target's: fused by fc (EAGLE-3: [low; mid; high], 3H -> H) or f itself."""
+        """Step-0 feature from the target's: fused by fc (EAGLE-3: [low; mid; high], 3H -> H; EAGLE-3.1 normalises
+        the concatenation or each layer first) or f itself."""
         x = features.to(self._dtype)
-        return self.fc(x) if self.config.variant.fuse_layers else x
+        if not self.config.variant.fuse_layers:
+            return x
+        if self.config.norm_before_fc:
+            x = self.input_norm(x)
+        if self.config.fc_norm:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(x)
+
+    def next_feature(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next test-time step reads from this step's output: the residual stream, or (EAGLE-3.1
+        `norm_output`) its normalised form, the one the logits are read from."""
+        return self.norm(out) if self.config.norm_output else out
 
     def layer_step(self, feature: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor, kv: DraftKV,
                    allowed: torch.Tensor) -> torch.Tensor:
@@ -430,12 +460,13 @@ class EagleHead(nn.Module):
             later = torch.stack([sel.any(0) for sel in select[1:steps]]).any(0).nonzero()
             start = min(int(later[0]) if later.numel() else T - 1, T - 1)
         hidden, logits, tokens = [], [], []
+        prev = feat  # the previous step's output (set by step 0 before any step reads it)
         for j in range(steps):
             c = start if j else 0  # this step's first base
             if j == 0 or self.config.ttt_tokens == "target":
                 tok = shift_left(input_ids, 1 + j)[:, c:]  # x_{t+1+j}
             else:  # the draft's own previous token (greedy), as at inference
-                tok = self.argmax_target_ids(feat)
+                tok = self.argmax_target_ids(prev)
             h = self.layer_step(feat, self.embed(tok), base[:, c:] + j, kv, ttt_mask(T, j, device, c))
             if select is not None:
                 if c and select[j][:, :c].any():
@@ -445,7 +476,8 @@ class EagleHead(nn.Module):
                 logits.append(None)
             hidden.append(_pad_left(h, c))
             tokens.append(_pad_left(tok, c))
-            feat = h[:, start - c:] if j == 0 else h  # step j+1 reads this step's output feature at its bases
+            prev = h[:, start - c:] if j == 0 else h  # this step's output at the next step's bases
+            feat = self.next_feature(prev)  # what step j+1 reads of it
         return EagleOutput(hidden, logits, tokens, start)
 
 

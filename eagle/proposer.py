@@ -194,7 +194,7 @@ class EagleProposer(Proposer):
             tok = self.head.to_target_ids(self.head.logits(h).argmax(-1, keepdim=True))
             tokens.append(int(tok))
             if d < depth:
-                h = self._expand(h[None], tok, d, [list(chain_kv)])[0]
+                h = self._expand(self.head.next_feature(h)[None], tok, d, [list(chain_kv)])[0]
                 chain_kv.append(len(self.kv) - 1)
         return Proposal.chain(tokens, device=device)
 
@@ -237,7 +237,8 @@ class EagleProposer(Proposer):
     def _expand_level(self, tree: _DraftTree, chosen: list[int], d: int) -> list[int]:
         """Run the layer once for the chosen nodes of depth d; their children join the tree. Returns the new
         frontier (the children's indices)."""
-        parents_h = torch.stack([self.root if tree.parent[i] < 0 else tree.hidden[tree.parent[i]] for i in chosen])
+        parents_h = self.head.next_feature(
+            torch.stack([self.root if tree.parent[i] < 0 else tree.hidden[tree.parent[i]] for i in chosen]))
         anc = [tree.ancestors(tree.parent[i]) if tree.parent[i] >= 0 else [] for i in chosen]
         tokens = torch.tensor([tree.tok[i] for i in chosen], dtype=torch.long, device=self._device)
         base = len(self.kv)

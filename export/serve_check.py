@@ -44,7 +44,11 @@ from draftsmith.storage import atomic_write_json, atomic_write_text, read_json
 RUNNER = Path(__file__).with_name("vllm_run.py")
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 # export format (draftsmith.json) -> vLLM's speculative method
-VLLM_METHODS = {"speculators-eagle3": "eagle3", "vllm-eagle1": "eagle", "vllm-medusa": "medusa", "hf-draft": "draft_model"}
+VLLM_METHODS = {"speculators-eagle3": "eagle3", "vllm-eagle1": "eagle", "vllm-medusa": "medusa", "hf-draft": "draft_model",
+                "dflash": "dflash"}
+# fixes of vLLM's own code the runner applies per method (export/vllm_run.py PATCHES: each a measured defect of
+# the CPU build's kernels, applied only on the CPU platform; the report lists what was applied)
+VLLM_PATCHES = {"dflash": ["dflash-context-knorm"]}
 TOLERANCE = 0.03  # per-position acceptance, vLLM vs draftsmith, absolute (float32 vs float32 kernels differ)
 
 
@@ -90,6 +94,11 @@ def speculative_config(export_dir: Path | None, k: int, method: str | None = Non
         if k > heads:
             raise ConfigError(f"{export_dir / 'config.json'}: num_heads {heads} < k {k}: vLLM's Medusa drafts one "
                               f"token per head")
+    if fmt == "dflash":
+        block = read_json(export_dir / "config.json")["block_size"]
+        if k != block - 1:
+            raise ConfigError(f"{export_dir / 'config.json'}: a DFlash draft of block {block} serves {block - 1} "
+                              f"speculative tokens (the block it was trained on), got k {k}")
     return {"method": VLLM_METHODS[fmt], "model": str(export_dir.resolve()), "num_speculative_tokens": k}
 
 
@@ -180,10 +189,12 @@ def draftsmith_side(export_dir: Path | None, target, files: list[str], k: int, m
 def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None = None, out: str | Path | None = None,
                 k: int = 4, max_new_tokens: int = 64, limit_per_domain: int | None = 2, batch: int | None = None,
                 seed: int = 0, timeout: float = 900.0, method: str | None = None, evaluate: bool = True,
-                plain: dict | None = None, card: bool = True) -> dict:
+                plain: dict | None = None, card: bool = True, patches: bool = True) -> dict:
     """Run the check and write report.json + report.md into `out` (default: runs/serve-check/EXPORT_NAME). `method`
     "ngram" checks vLLM's n-gram lookup instead of an export (the control). `plain`: a vLLM result without
-    speculation already measured on these prompts (tests share one per target). Returns the report."""
+    speculation already measured on these prompts (tests share one per target). `patches`: apply the runner's
+    fixes of vLLM's CPU kernels for this method (VLLM_PATCHES); False runs vLLM exactly as installed. Returns the
+    report."""
     from draftsmith.evaluation.domains import default_prompt_files, format_prompt, load_prompts
     from draftsmith.targets import load_target
 
@@ -219,11 +230,12 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
         plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)
     if not plain.get("loaded"):
         raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {plain.get('error')}")
-    spec_run = run_vllm({**job, "speculative_config": spec}, out, "vllm-spec", timeout)
+    fixes = VLLM_PATCHES.get(spec["method"], []) if patches else []
+    spec_run = run_vllm({**job, "speculative_config": spec, "patches": fixes}, out, "vllm-spec", timeout)
     report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
               "k": k, "n_prompts": len(ids), "max_new_tokens": max_new_tokens, "prompt_files": files,
               "vllm_version": spec_run.get("vllm_version"), "speculative_config": spec, "loaded": bool(spec_run.get("loaded")),
-              "error": spec_run.get("error"), "plain": _speed(plain)}
+              "error": spec_run.get("error"), "plain": _speed(plain), "vllm_patches": spec_run.get("patches") or []}
     if report["loaded"]:
         same = spec_run["outputs"] == plain["outputs"]
         first_diff = next((i for i, (a, b) in enumerate(zip(spec_run["outputs"], plain["outputs"])) if a != b), None)
@@ -274,7 +286,8 @@ def render(r: dict, heading: str = "#") -> str:
         return "\n".join(lines + [f"**Not loaded.** vLLM: `{r['error']}`", ""])
     v, d = r["vllm"], r.get("draftsmith") or {}
     lines += [f"- loaded: yes; output identical to vLLM without speculation: "
-              f"{'yes' if r['lossless'] else 'NO'} (one at a time and batched)", ""]
+              f"{'yes' if r['lossless'] else 'NO'} (one at a time and batched)"]
+    lines += [f"- vLLM run with a fix of its CPU kernels: {p}" for p in r.get("vllm_patches") or []] + [""]
     ppa_v = " / ".join(_f(x) for x in v["per_position_acceptance"])
     lines += ["| decoder | per-position acceptance | α | τ |", "|---|---|---|---|",
               f"| vLLM (its spec-decode counters) | {ppa_v} | {_f(v['alpha'])} | {_f(v['tau'])} |"]

@@ -19,6 +19,10 @@ def refuse(kind: str, cfg: dict) -> str | None:
         return ("this EAGLE-3 head was trained with norm_before_residual: true, which SGLang's EAGLE-3 layer "
                 "does not honour (it adds the un-normalised feature): export it for vllm or hf, or retrain "
                 "with norm_before_residual: false")
+    on = [k for k in eagle.EAGLE31 if cfg.get(k)]
+    if kind == "eagle3" and on:
+        return (f"this EAGLE-3.1 head ({', '.join(on)}) needs the norms in SGLang's EAGLE-3 layer, which its midlayer "
+                "layout does not carry: export it for vllm or hf (speculators layout)")
     return None
 
 

@@ -18,6 +18,15 @@ from draftsmith.export.common import fenced
 STACK = "trtllm"
 
 
+def refuse(kind: str, cfg: dict) -> str | None:
+    """Why TensorRT-LLM would load this head but compute something else (None: it computes the head as trained)."""
+    on = [k for k in eagle.EAGLE31 if cfg.get(k)]
+    if kind == "eagle3" and on:
+        return (f"this EAGLE-3.1 head ({', '.join(on)}) needs norms the midlayer layout TensorRT-LLM reads does not "
+                "carry: export it for vllm or hf (speculators layout)")
+    return None
+
+
 def serve(kind: str, out, target_ref: str, k: int, cfg: dict, tree: list | None) -> str:
     if kind == "medusa":
         return medusa_engine_flow(out, target_ref, cfg, tree)

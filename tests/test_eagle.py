@@ -123,7 +123,8 @@ def reference_unroll(head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, st
                     tok = ids[b, t + 1 + j] if t + 1 + j < T else torch.tensor(0)
                 else:
                     tok = head.to_target_ids(head.logits(a).argmax())
-                a = head.layer_step(a[None, None], head.embed(tok.view(1))[None], torch.tensor([[t + j]]), kv,
+                a = head.layer_step(head.next_feature(a)[None, None], head.embed(tok.view(1))[None],
+                                    torch.tensor([[t + j]]), kv,
                                     torch.ones(1, len(kv) + 1, dtype=torch.bool))[0, 0]
                 out[j][b, t] = a
     return out
@@ -371,7 +372,42 @@ def test_eagle3_trains_under_bf16_autocast_on_the_cpu(target4, tmp_path):
 
 
 # --- proposing ------------------------------------------------------------------------------------------------
-def test_proposer_chain_equals_the_ttt_draft_chain(target4):
+EAGLE31 = [{}, {"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}]
+
+
+@pytest.mark.parametrize("opts", EAGLE31[1:])
+def test_eagle31_ttt_forward_equals_step_by_step_reference(target4, opts):
+    """EAGLE-3.1: the fused layers normalised before fc (one norm, or one per layer), and (norm_output) every
+    later step reading the normalised output: the unrolled forward is still what inference computes."""
+    torch.manual_seed(2)
+    head = EagleHead.from_target(target4.model, "eagle3", [0, 1, 2], draft_vocab=vocab_for(target4), ttt_steps=3,
+                                 ttt_tokens="draft", **opts).eval()
+    with torch.no_grad():  # norms away from 1, so that a norm applied twice or skipped shows
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    assert hasattr(head, "fc_norm") == bool(opts.get("fc_norm"))
+    assert hasattr(head, "input_norm") == bool(opts.get("norm_before_fc"))
+    ids = torch.randint(3, target4.vocab_size, (2, 6))
+    feats = torch.randn(2, 6, 3 * 64)
+    with torch.no_grad():
+        fast = head(ids, feats).hidden
+        slow = reference_unroll(head, ids, feats, 3)
+    for j in range(3):
+        torch.testing.assert_close(fast[j], slow[j], atol=2e-5, rtol=1e-4, msg=f"step {j}")
+
+
+def test_eagle31_options_are_checked():
+    from draftsmith.eagle.job import EagleJobConfig
+
+    with pytest.raises(ValueError, match="choose one"):
+        EagleJobConfig(norm_before_fc=True, fc_norm=True)
+    with pytest.raises(ValueError, match="fuses no target layers"):
+        EagleJobConfig(version="eagle1", fc_norm=True, ttt_steps=1)
+
+
+@pytest.mark.parametrize("opts", EAGLE31)
+def test_proposer_chain_equals_the_ttt_draft_chain(target4, opts):
     """The proposer's chain from a context = the TTT forward's greedy chain at the last base (draft tokens)."""
     from draftsmith.capture.forward import capture_forward
     from draftsmith.decoding.proposer import AcceptResult, TargetFeatures, TreeSpec
@@ -379,7 +415,11 @@ def test_proposer_chain_equals_the_ttt_draft_chain(target4):
 
     torch.manual_seed(4)
     head = EagleHead.from_target(target4.model, "eagle3", [0, 1, 2], draft_vocab=vocab_for(target4), ttt_steps=4,
-                                 ttt_tokens="draft").eval()
+                                 ttt_tokens="draft", **opts).eval()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
     ctx = torch.randint(3, target4.vocab_size, (10,))
     cap = capture_forward(target4.model, ctx[None], layers=[0, 1, 2], want_logits=False)
     feats = {i: cap.layers[i][0] for i in (0, 1, 2)}
