@@ -21,7 +21,8 @@ import torch
 from draftsmith.benchmark.engine import TRAIN, emit, read_rows, take_flag
 from draftsmith.data.capture import capture_rows
 from draftsmith.data.config import CaptureConfig
-from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.targets import load_target

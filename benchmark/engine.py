@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, Sampling, hf_generate
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.storage import atomic_write_json, open_data, shared_data_dir

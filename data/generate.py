@@ -4,12 +4,12 @@
   1. loads the target and the prompts (malformed rows reported with file:line, policy skip/fail);
   2. drops prompts that overlap the held-out eval sets (see data/overlap.py);
   3. formats each prompt with the target's chat template (or plain continuation) and decodes with the
-     continuous-batching engine (data/engine.py);
+     continuous-batching engine (data/engines/continuous.py);
   4. appends finished rows to chunk files in `output_dir/chunks/` (each chunk written atomically), so a
      killed run resumes where it stopped: rerunning skips rows already generated (keyed by `row_id`);
   5. assembles a `datasets` dataset in `output_dir/dataset/` (columns input_ids, loss_mask, domain,
      row_id, source, prompt, response, origin, stopped, n_turns; rollouts by a head, `generation.engine:
-     speculative`, add `replay`: data/rollout.py) and `output_dir/provenance.json`.
+     speculative`, add `replay`: data/engines/rollout.py) and `output_dir/provenance.json`.
 
 A row's input_ids are exactly the prompt tokens followed by the tokens the target generated (the stop
 token included when it produced one), so they are what the target saw and what captured states index.
@@ -34,7 +34,8 @@ import torch
 
 from draftsmith.config import load_config, to_dict
 from draftsmith.data.config import DataConfig
-from draftsmith.data.engine import CaptureSpec, Completion, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.engines.base import Completion, Request
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, Sampling, hf_generate
 from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import PromptRow, load_prompts
@@ -225,7 +226,7 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
         return _keep_dataset(config, target, out, progress, t_start)
     remote = None
     if gen.backend == "openai":  # the servers write; the local target formats, masks and (maybe) captures
-        from draftsmith.data.remote import RemoteEngine
+        from draftsmith.data.engines.remote import RemoteEngine
 
         remote = RemoteEngine(target.tokenizer, target.eos_token_ids, gen, resolve_mode(target.tokenizer,
                                                                                        config.chat.mode),
@@ -258,8 +259,8 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     log.info("%d rows to generate (%d already done)", len(todo), resumed)
 
     rollout = None
-    if gen.engine == "speculative":  # on-policy rollouts by our decoder with the head (data/rollout.py)
-        from draftsmith.data.rollout import speculative_engine
+    if gen.engine == "speculative":  # on-policy rollouts by our decoder with the head (data/engines/rollout.py)
+        from draftsmith.data.engines.rollout import speculative_engine
 
         rollout = speculative_engine(target, gen)
     writer = None
@@ -485,7 +486,7 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
 
     columns = {c: [r[c] for r in records] for c in COLUMNS}
     extra = {}
-    if records and all("replay" in r for r in records):  # on-policy rollouts (data/rollout.py)
+    if records and all("replay" in r for r in records):  # on-policy rollouts (data/engines/rollout.py)
         columns["replay"] = [r["replay"] for r in records]
         extra["replay"] = datasets.Sequence(datasets.Value("int8"))
     features = datasets.Features({

@@ -25,7 +25,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from draftsmith.data.config import DataConfig, SourceConfig
-from draftsmith.data.engine import ContinuousBatcher, Request, Sampling
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.continuous import ContinuousBatcher, Sampling
 from draftsmith.data.masks import build_messages, resolve_mode
 from draftsmith.errors import DataError
 from draftsmith.storage import atomic_write_text, sha256_json

@@ -165,7 +165,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 
 def top(module: str) -> str:
-    """The top-level module or folder a module belongs to: draftsmith.data.engine -> data."""
+    """The top-level module or folder a module belongs to: draftsmith.data.engines.continuous -> data."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -21,7 +21,8 @@ from draftsmith.data.config import (
     GenerationConfig,
     SourceConfig,
 )
-from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, Sampling, hf_generate
 from draftsmith.data.masks import masked_spans
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import stdlib_code_rows
@@ -301,7 +302,7 @@ def test_batched_greedy_equals_one_at_a_time(tiny_target):
 
 
 def test_prefill_groups_bound_padding():
-    from draftsmith.data.engine import length_groups
+    from draftsmith.data.engines.continuous import length_groups
 
     lengths = [36, 38, 41, 45, 50, 90, 95, 101, 1350, 40]
     reqs = [Request(i, [7] * n, 4) for i, n in enumerate(lengths)]
@@ -319,7 +320,7 @@ def test_prefill_groups_bound_padding():
 
 @pytest.mark.parametrize("src,dst,length", [(5, 0, 40), (0, 5, 40), (30, 0, 20), (0, 1, 30), (12, 3, 9)])
 def test_cache_columns_move_like_a_copy(src, dst, length):
-    from draftsmith.data.engine import _move_columns
+    from draftsmith.data.engines.continuous import _move_columns
 
     buf = torch.randn(3, 2, 64, 4)
     want = buf.clone()
@@ -330,7 +331,7 @@ def test_cache_columns_move_like_a_copy(src, dst, length):
 
 @pytest.mark.parametrize("additive", [False, True])
 def test_decode_attention_groups_query_heads_like_repeated_kv(additive):
-    from draftsmith.data.engine import _decode_gqa
+    from draftsmith.data.engines.continuous import _decode_gqa
 
     torch.manual_seed(0)
     B, H, KV, T, D = 5, 6, 2, 17, 8
@@ -350,7 +351,7 @@ def test_decode_attention_groups_query_heads_like_repeated_kv(additive):
 
 
 def test_decode_spans_skip_only_masked_columns(tiny_target, monkeypatch):
-    from draftsmith.data import engine
+    from draftsmith.data.engines import continuous as engine
 
     torch.manual_seed(1)
     B, H, KV, T, D = 6, 4, 2, 20, 8
@@ -632,7 +633,7 @@ def test_the_kv_store_is_freed_when_the_run_returns(tiny_target):
     import gc
     import weakref
 
-    from draftsmith.data import engine
+    from draftsmith.data.engines import continuous as engine
 
     stores = []
     real = engine._SlotStore

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from draftsmith.data.engines.base import Completion, Request
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
 from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
 from draftsmith.targets.families import text_config
@@ -129,30 +130,6 @@ def gqa_attention(model) -> Iterator[None]:
     finally:
         for c, o in zip(configs, old):
             c._attn_implementation = o
-
-
-@dataclass
-class Request:
-    key: Any  # the caller's handle (e.g. a row id)
-    prompt_ids: list[int]
-    max_new_tokens: int
-    seed: int = 0
-    # with top-k capture: the first prompt position whose logits are wanted (the one before the first learned
-    # token); earlier positions are stored as zeros, which skips the lm_head over most of a prompt.
-    # None: every position.
-    logits_from: int | None = None
-
-
-@dataclass
-class Completion:
-    key: Any
-    prompt_ids: list[int]
-    tokens: list[int]  # generated ids, the stop token included when one was produced
-    stopped: bool  # True: ended with an EOS id; False: hit max_new_tokens
-    # {"layers": {i: [T,H]}, "last_hidden": [T,H], "topk_values"/"topk_indices": [T,k], "topk_logsumexp": [T]}
-    capture: dict[str, Any] | None = None
-    # on-policy rollouts (data/rollout.py): per position of prompt + tokens, where the draft was rejected
-    replay: list[int] | None = None
 
 
 @dataclass

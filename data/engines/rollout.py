@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from draftsmith.data.engine import Completion, Request
+from draftsmith.data.engines.base import Completion, Request
 from draftsmith.decoding.generate import GenerationStats
 from draftsmith.decoding.proposer import TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig
@@ -37,7 +37,7 @@ from draftsmith.decoding.verify import SequenceVerifier
 
 
 class SpeculativeEngine:
-    """`run(requests, on_done, on_tokens)` like `data.engine.ContinuousBatcher`, one row at a time through
+    """`run(requests, on_done, on_tokens)` like `data.engines.continuous.ContinuousBatcher`, one row at a time through
     the speculative decoder; each Completion carries `replay` (module docstring) over prompt + tokens."""
 
     def __init__(self, target, proposer, spec: TreeSpec, sampling: SamplingConfig, cost=None):

@@ -38,7 +38,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftsmith.data.engine import Completion, Request
+from draftsmith.data.engines.base import Completion, Request
 from draftsmith.data.masks import encode_text
 from draftsmith.errors import DataError, FingerprintMismatch
 

@@ -1,0 +1,1 @@
+"""Every engine that produces text, behind one interface (base.py)."""
