@@ -35,10 +35,11 @@ import torch
 from draftsmith.config import load_config, to_dict
 from draftsmith.data.config import DataConfig
 from draftsmith.data.engines.base import Completion, Request
-from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, Sampling, hf_generate
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, hf_generate
 from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import PromptRow, load_prompts
+from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import DataError
 from draftsmith.storage import (
     atomic_dir,
@@ -443,7 +444,7 @@ def _row_seed(seed: int, row_id: int, turn: int) -> int:
 
 def _run_engine(target, config: DataConfig, reqs: list[Request], on_done, on_tokens) -> dict[str, float]:
     gen = config.generation
-    sampling = Sampling(gen.do_sample, gen.temperature, gen.top_p)
+    sampling = SamplingConfig.from_flags(gen.do_sample, gen.temperature, gen.top_p)
     pad = pad_token_id(target)
     cap = None
     if config.capture.enabled:

@@ -22,10 +22,11 @@ from draftsmith.data.config import (
     SourceConfig,
 )
 from draftsmith.data.engines.base import Request
-from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, Sampling, hf_generate
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, hf_generate
 from draftsmith.data.masks import masked_spans
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import stdlib_code_rows
+from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import ConfigError, DataError, FingerprintMismatch
 from draftsmith.storage import data_path, shared_data_dir
 
@@ -296,7 +297,7 @@ def test_batched_greedy_equals_one_at_a_time(tiny_target):
     # and equals transformers' own greedy generate, one prompt at a time
     ref = {}
     hf_generate(tiny_target.model, reqs, [tiny_target.tokenizer.eos_token_id, 5], tiny_target.tokenizer.pad_token_id,
-                1, Sampling(), lambda c: ref.__setitem__(c.key, c))
+                1, SamplingConfig(), lambda c: ref.__setitem__(c.key, c))
     assert {k: c.tokens for k, c in ref.items()} == {k: c.tokens for k, c in single.items()}
     assert all(single[r.key].stopped or len(single[r.key].tokens) == r.max_new_tokens for r in reqs)
 
@@ -382,7 +383,7 @@ def test_decode_spans_skip_only_masked_columns(tiny_target, monkeypatch):
 
 def test_sampling_is_seeded_per_row(tiny_target):
     reqs = _random_requests(tiny_target.vocab_size, n=9)
-    s = Sampling(do_sample=True, temperature=4.0, top_p=0.95)
+    s = SamplingConfig(temperature=4.0, top_p=0.95)
     a, b = _run(tiny_target, reqs, 1, sampling=s), _run(tiny_target, reqs, 5, sampling=s)
     assert {k: c.tokens for k, c in a.items()} == {k: c.tokens for k, c in b.items()}
     greedy = _run(tiny_target, reqs, 5)

@@ -133,13 +133,6 @@ def gqa_attention(model) -> Iterator[None]:
 
 
 @dataclass
-class Sampling:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-
-
-@dataclass
 class CaptureSpec:
     layers: list[int] = field(default_factory=list)
     topk: int = 0
@@ -346,16 +339,16 @@ def length_groups(reqs: Sequence[Request], max_padding: float, max_tokens: int |
     return groups
 
 
-def sample_next(logits: torch.Tensor, sampling: Sampling, gens: Sequence[torch.Generator | None]) -> list[int]:
+def sample_next(logits: torch.Tensor, sampling: SamplingConfig, gens: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row from logits [B, V]: argmax, or temperature + nucleus (top-p) sampling.
 
     Nucleus sampling (Holtzman et al., 2020): keep the smallest prefix of tokens, by descending
     probability, whose mass reaches top_p; renormalise; draw.
     """
-    if not sampling.do_sample:
+    if sampling.greedy:
         return logits.argmax(-1).tolist()
     # the decoder's own warpers (decoding/sampling.py): one definition of temperature and top-p
-    probs = probs_from_logits(logits, SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p))
+    probs = probs_from_logits(logits, sampling)
     return [sample(probs[i], g) for i, g in enumerate(gens)]
 
 
@@ -363,7 +356,7 @@ class ContinuousBatcher:
     """Decode many prompts with one frozen causal LM. See the module docstring for the scheme."""
 
     def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 32,
-                 sampling: Sampling | None = None, capture: CaptureSpec | None = None,
+                 sampling: SamplingConfig | None = None, capture: CaptureSpec | None = None,
                  refill_fraction: float = 0.25, gqa_sdpa: bool = True, max_padding: float = 0.15,
                  shared_prefix: bool = True, min_prefix: int = 8, prefill_tokens: int = 8192,
                  decode_spans: int = 4):
@@ -371,7 +364,7 @@ class ContinuousBatcher:
         self.eos = set(int(e) for e in eos_token_ids)
         self.pad = int(pad_token_id)
         self.batch_size = batch_size
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling or SamplingConfig()
         self.capture = capture
         # admit new prompts once this many slots are free (prefills are batched, not one by one)
         self.refill = max(1, int(batch_size * refill_fraction))
@@ -504,7 +497,7 @@ class ContinuousBatcher:
         rows = []
         for r in reqs:
             row = _Row(r, pos=len(r.prompt_ids))
-            if self.sampling.do_sample:
+            if not self.sampling.greedy:
                 row.gen = _seed_generator(r.seed)
             if self.capture is not None:
                 row.cap = self._new_capture()
@@ -673,7 +666,7 @@ class ContinuousBatcher:
 
 @torch.inference_mode()
 def hf_generate(model, requests: Sequence[Request], eos_token_ids: Sequence[int], pad_token_id: int,
-                batch_size: int, sampling: Sampling, on_done: Callable[[Completion], None],
+                batch_size: int, sampling: SamplingConfig, on_done: Callable[[Completion], None],
                 on_tokens: Callable[[int], None] | None = None) -> dict[str, float]:
     """Reference engine: transformers `generate` on static, length-sorted, left-padded batches."""
     queue = sorted(requests, key=lambda r: len(r.prompt_ids))
@@ -688,11 +681,12 @@ def hf_generate(model, requests: Sequence[Request], eos_token_ids: Sequence[int]
         for i, r in enumerate(batch):
             ids[i, P - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             mask[i, P - len(r.prompt_ids):] = 1
-        if sampling.do_sample:
+        sampled = not sampling.greedy
+        if sampled:
             torch.manual_seed(batch[0].seed)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(r.max_new_tokens for r in batch),
-                             do_sample=sampling.do_sample, temperature=sampling.temperature if sampling.do_sample else None,
-                             top_p=sampling.top_p if sampling.do_sample else None, top_k=None,
+                             do_sample=sampled, temperature=sampling.temperature if sampled else None,
+                             top_p=sampling.top_p if sampled else None, top_k=None,
                              eos_token_id=sorted(eos), pad_token_id=pad_token_id)
         for i, r in enumerate(batch):
             toks = []

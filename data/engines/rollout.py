@@ -98,7 +98,7 @@ def speculative_engine(target, gen) -> SpeculativeEngine:
 
     proposer = build_proposer(gen.proposer, target)
     spec = TreeSpec(tuple(gen.tree)) if gen.tree else TreeSpec.chain(gen.k)
-    sampling = SamplingConfig(gen.temperature, 0, gen.top_p) if gen.do_sample else SamplingConfig(0.0, 0, 1.0)
+    sampling = SamplingConfig.from_flags(gen.do_sample, gen.temperature, gen.top_p)
     cost = None
     if gen.tree_auto:  # as `draftsmith evaluate --tree auto` decodes (evaluation/evaluate.py `_cut_trees`)
         from draftsmith.decoding.budget import VerifyCost
