@@ -35,7 +35,8 @@ import torch
 from draftsmith.config import load_config, to_dict
 from draftsmith.data.config import DataConfig
 from draftsmith.data.engines.base import Completion, Request
-from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, hf_generate
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher
+from draftsmith.data.engines.hf import HFEngine
 from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import PromptRow, load_prompts
@@ -452,7 +453,7 @@ def _run_engine(target, config: DataConfig, reqs: list[Request], on_done, on_tok
     if gen.engine == "hf":
         if cap is not None:
             raise DataError("capture during generation needs generation.engine: continuous")
-        return hf_generate(target.model, reqs, target.eos_token_ids, pad, gen.batch_size, sampling, on_done, on_tokens)
+        return HFEngine(target.model, target.eos_token_ids, pad, gen.batch_size, sampling).run(reqs, on_done, on_tokens)
     engine = ContinuousBatcher(target.model, target.eos_token_ids, pad, gen.batch_size, sampling, cap)
     return engine.run(reqs, on_done, on_tokens)
 

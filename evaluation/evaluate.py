@@ -39,7 +39,9 @@ from draftsmith.decoding.budget import VerifyCost
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
+from draftsmith.decoding.hf import cut_at_eos, hf_generate, left_padded
 from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype
+from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.decoding.verify import sync
 from draftsmith.distill.proposer import DraftProposer
 from draftsmith.errors import ConfigError
@@ -54,27 +56,16 @@ log = logging.getLogger(__name__)
 
 
 def _hf_generate(model, ids: list[int], cfg: EvalConfig, eos: list[int], pad: int | None, **extra) -> tuple[list[int], float]:
+    """One prompt through transformers' generate (decoding/hf.py), timed: its new tokens and seconds."""
     device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
-    kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
-              attention_mask=torch.ones_like(x))
-    if cfg.temperature > 0:
-        kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
-    else:
-        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    x, mask = left_padded([ids], pad, device)
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     sync(device)
     t0 = time.perf_counter()
-    with torch.no_grad(), gemm.disabled():  # the kernels a user's own model runs with
-        out = model.generate(x, **kw, **extra)
+    with gemm.disabled():  # the kernels a user's own model runs with
+        tokens = hf_generate(model, x, mask, cfg.max_new_tokens, sampling, eos, pad, **extra)[0]
     sync(device)
-    return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0
-
-
-def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+    return tokens, time.perf_counter() - t0
 
 
 def machine_info(device: torch.device) -> dict:
@@ -540,7 +531,7 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
     reference = None
     if "hf" in out:
         hf_tokens, hf_time = out["hf"]
-        reference = _strip_after_eos(hf_tokens, eos_set)
+        reference = cut_at_eos(hf_tokens, eos_set)[0]
 
     def same(result) -> bool | None:  # the independent check
         return (result.tokens[0] == reference) if greedy and reference is not None else None
@@ -571,7 +562,7 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
         rec["hf_matches_baseline"] = (reference == base.tokens[0]) if greedy else None
         if setup.assistant is not None:
             as_tokens, as_time = _hf_generate(setup.target.model, ids, cfg, eos, pad, assistant_model=setup.assistant)
-            as_tokens = _strip_after_eos(as_tokens, eos_set)
+            as_tokens = cut_at_eos(as_tokens, eos_set)[0]
             rec["assisted_tokens"], rec["assisted_time"] = len(as_tokens), as_time
             rec["assisted_matches_baseline"] = (as_tokens == reference) if greedy else None
     return rec

@@ -22,7 +22,8 @@ from draftsmith.data.config import (
     SourceConfig,
 )
 from draftsmith.data.engines.base import Request
-from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, hf_generate
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher
+from draftsmith.data.engines.hf import HFEngine
 from draftsmith.data.masks import masked_spans
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import stdlib_code_rows
@@ -296,8 +297,8 @@ def test_batched_greedy_equals_one_at_a_time(tiny_target):
         assert {k: c.tokens for k, c in batched.items()} == {k: c.tokens for k, c in single.items()}
     # and equals transformers' own greedy generate, one prompt at a time
     ref = {}
-    hf_generate(tiny_target.model, reqs, [tiny_target.tokenizer.eos_token_id, 5], tiny_target.tokenizer.pad_token_id,
-                1, SamplingConfig(), lambda c: ref.__setitem__(c.key, c))
+    HFEngine(tiny_target.model, [tiny_target.tokenizer.eos_token_id, 5], tiny_target.tokenizer.pad_token_id,
+             1).run(reqs, lambda c: ref.__setitem__(c.key, c))
     assert {k: c.tokens for k, c in ref.items()} == {k: c.tokens for k, c in single.items()}
     assert all(single[r.key].stopped or len(single[r.key].tokens) == r.max_new_tokens for r in reqs)
 
