@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from draftsmith.data.engines.base import Completion, Request
+from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
 from draftsmith.targets.capture import capture_forward, topk_with_logsumexp
 from draftsmith.targets.families import text_config
@@ -352,7 +352,7 @@ def sample_next(logits: torch.Tensor, sampling: SamplingConfig, gens: Sequence[t
     return [sample(probs[i], g) for i, g in enumerate(gens)]
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(TextEngine):
     """Decode many prompts with one frozen causal LM. See the module docstring for the scheme."""
 
     def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 32,
@@ -366,6 +366,7 @@ class ContinuousBatcher:
         self.batch_size = batch_size
         self.sampling = sampling or SamplingConfig()
         self.capture = capture
+        self.captures = capture is not None  # Completion.capture holds the row's states
         # admit new prompts once this many slots are free (prefills are batched, not one by one)
         self.refill = max(1, int(batch_size * refill_fraction))
         # torch's enable_gqa instead of transformers' repeat_kv under a padding mask: 3-6% per decode step
@@ -568,7 +569,7 @@ class ContinuousBatcher:
         queue = sorted(requests, key=lambda r: len(r.prompt_ids)) if sort_by_length else list(requests)
         queue.reverse()  # pop() from the end = shortest first
         if not queue:
-            return {"generated_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+            return run_stats(0, 0.0)
         t0 = time.perf_counter()
         self._prefix = None
         if self.shared_prefix:

@@ -38,7 +38,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftsmith.data.engines.base import Completion, Request
+from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
 from draftsmith.data.masks import encode_text
 from draftsmith.errors import DataError, FingerprintMismatch
 
@@ -147,8 +147,10 @@ def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
     return ends[0][0]
 
 
-class RemoteEngine:
+class RemoteEngine(TextEngine):
     """Drives `base_urls` like the embedded engine: `run(requests, on_done, on_tokens)`."""
+
+    report_as = "servers"  # provenance.json: each server's rows, retries and why it left
 
     def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str, vocab_size: int | None = None):
         self.tok = tokenizer
@@ -277,7 +279,7 @@ class RemoteEngine:
 
     def run(self, requests: list[Request], on_done, on_tokens=None) -> dict[str, float]:
         if not requests:
-            return {"generated_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+            return run_stats(0, 0.0)
         if not self.checked:
             self.check_servers()
         for r in requests:
@@ -354,8 +356,7 @@ class RemoteEngine:
             for t in threads:  # a worker inside a request returns within request_timeout; none waits longer
                 t.join(timeout=0.2)
         seconds = time.perf_counter() - t0
-        return {"generated_tokens": generated, "seconds": seconds,
-                "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+        return run_stats(generated, seconds)
 
     def describe(self) -> dict:
         return {"model": self.model, "servers": [

@@ -29,16 +29,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from draftsmith.data.engines.base import Completion, Request
+from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
 from draftsmith.decoding.generate import GenerationStats
 from draftsmith.decoding.proposer import TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.decoding.verify import SequenceVerifier
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(TextEngine):
     """`run(requests, on_done, on_tokens)` like `data.engines.continuous.ContinuousBatcher`, one row at a time through
     the speculative decoder; each Completion carries `replay` (module docstring) over prompt + tokens."""
+
+    report_as = "rollout"  # provenance.json: the head's acceptance on its own rows
 
     def __init__(self, target, proposer, spec: TreeSpec, sampling: SamplingConfig, cost=None):
         self.target, self.proposer, self.spec, self.sampling, self.cost = target, proposer, spec, sampling, cost
@@ -82,7 +84,7 @@ class SpeculativeEngine:
                                replay=replay[: P + len(new)]))
         seconds = time.perf_counter() - t0
         self.stats.wall_time += seconds
-        return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
+        return run_stats(tokens, seconds)
 
     def describe(self) -> dict:
         """What the rollouts measured: the head's acceptance on its own rows (provenance.json)."""
