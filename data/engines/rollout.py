@@ -1,7 +1,8 @@
 """On-policy rollouts: our speculative decoder, with the head being trained, writes the rows.
 
 `generation.engine: speculative` (data/config.py) hands the requests of `generate_dataset` to this engine
-instead of the batched decode loop. Each row is decoded alone by `decoding.verify.SequenceVerifier` with
+instead of the batched decode loop. Each row is decoded alone by the decoder's own row loop
+(`decoding.generate.decode_row`, the loop `speculative_generate` runs for evaluation) with
 `generation.proposer` (e.g. `eagle:runs/eagle/round0`), so the rows are the target's own (greedy output
 equals the target's greedy output; sampling keeps its distribution) and, on top of what the batched engine
 writes, every row records the positions where verification rejected the draft:
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
-from draftsmith.decoding.generate import GenerationStats
+from draftsmith.decoding.generate import GenerationStats, decode_row, seeded_generator
 from draftsmith.decoding.proposer import TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.decoding.verify import SequenceVerifier
@@ -56,35 +57,35 @@ class SpeculativeEngine(TextEngine):
         t0 = time.perf_counter()
         tokens = 0
         for req in requests:
-            generator = None
-            if not self.sampling.greedy:
-                generator = torch.Generator(device=device)
-                generator.manual_seed(int(req.seed))
-            seq = SequenceVerifier(self.model, self.proposer, self.sampling, generator, self.target.vocab_size,
-                                   cost=self.cost)
-            P = len(req.prompt_ids)
-            new = [seq.begin(torch.tensor(req.prompt_ids, dtype=torch.long))]
-            replay = [0] * (P + req.max_new_tokens)
-            while len(new) < req.max_new_tokens and new[-1] not in self.eos:
-                depth = min(self.spec.depth, req.max_new_tokens - len(new) - 1)
-                base = P + len(new) - 2  # the pending token x_{base+1} is the last one emitted
-                step = seq.step(self.spec.truncated(depth))
-                if seq.last_rejected and base >= 0:
-                    replay[base] = len(step)  # accepted j = len(step) - 1: step j failed -> j + 1
-                for t in step:
-                    new.append(t)
-                    if t in self.eos or len(new) >= req.max_new_tokens:
-                        break
-            seq.stats.emitted = len(new)
-            self.stats.add(seq.stats, len(new))
-            tokens += len(new)
+            done = self._rollout(req, device)
+            tokens += len(done.tokens)
             if on_tokens is not None:
-                on_tokens(len(new))
-            on_done(Completion(req.key, list(req.prompt_ids), new, stopped=new[-1] in self.eos,
-                               replay=replay[: P + len(new)]))
+                on_tokens(len(done.tokens))
+            on_done(done)
         seconds = time.perf_counter() - t0
         self.stats.wall_time += seconds
         return run_stats(tokens, seconds)
+
+    def _rollout(self, req: Request, device: torch.device) -> Completion:
+        """One row through the decoder's own row loop (`decoding.generate.decode_row`), marking where the
+        draft was rejected."""
+        seq = SequenceVerifier(self.model, self.proposer, self.sampling,
+                               seeded_generator(self.sampling, device, req.seed), self.target.vocab_size,
+                               cost=self.cost)
+        P = len(req.prompt_ids)
+        replay = [0] * (P + req.max_new_tokens)
+
+        def mark(emitted: int, step: list[int]) -> None:
+            base = P + emitted - 2  # the pending token x_{base+1} is the last one emitted
+            if seq.last_rejected and base >= 0:
+                replay[base] = len(step)  # accepted j = len(step) - 1: step j failed -> j + 1
+
+        new = decode_row(seq, torch.tensor(req.prompt_ids, dtype=torch.long), req.max_new_tokens, self.spec,
+                         self.eos, on_step=mark)
+        seq.stats.emitted = len(new)
+        self.stats.add(seq.stats, len(new))
+        return Completion(req.key, list(req.prompt_ids), new, stopped=bool(new) and new[-1] in self.eos,
+                          replay=replay[: P + len(new)])
 
     def describe(self) -> dict:
         """What the rollouts measured: the head's acceptance on its own rows (provenance.json)."""
