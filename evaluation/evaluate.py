@@ -428,11 +428,43 @@ def decode_prompts(setup: Setup) -> list[dict]:
     record per prompt with each run's statistics (from its median run), its measurements, and whether its
     output is the target's."""
     cfg, target, prop = setup.cfg, setup.target, setup.prop
-    tok, gen_kw = target.tokenizer, setup.gen_kw
-    eos = gen_kw["eos_ids"]
+    tok = target.tokenizer
+    eos = setup.gen_kw["eos_ids"]
     pad = pad_token_id(target)
+    runs = _runners(setup, eos, pad)
+    timed = [n for n in runs if n not in UNTIMED]
+    warm = format_prompt(tok, setup.rows[0].text)  # every code path once, not counted
+    for name, run in runs.items():
+        if name != "adaptive":
+            run(warm, cfg.seed, min(8, cfg.max_new_tokens))
 
-    def runner(name: str):  # -> (result, seconds)
+    per_prompt = []
+    for i, row in enumerate(setup.rows):
+        ids = format_prompt(tok, row.text)
+        routed_as = prop.route(domain=row.domain, text=row.text) if prop.routes else None
+        seed = cfg.seed + i
+        measured, branches, rounds = _measure(setup, runs, timed, i, ids, seed)
+        out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
+        for name in runs:
+            if name in UNTIMED:  # decoded for its acceptance only: its speed is not what it reports
+                out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
+        if branches is not None:
+            out["branches"] = branches
+        rec = _record(setup, row, ids, out, routed_as, eos, pad)
+        rec["timing"] = {"rounds": rounds, "measurements": {
+            name: [[round(sec, 6), None if sh is None else round(sh, 4)] for _, sec, sh in measured[name]]
+            for name in timed}, "quiet": {name: _quiet_count(measured[name]) >= cfg.repeats for name in timed}}
+        per_prompt.append(rec)
+        _log_prompt(setup, i, row, rec, rounds)
+    return per_prompt
+
+
+def _runners(setup: Setup, eos: list[int], pad) -> dict:
+    """Every run a prompt is decoded with, in order, by name: each a function (ids, seed, max_new_tokens) ->
+    (result, seconds)."""
+    cfg, target, gen_kw = setup.cfg, setup.target, setup.gen_kw
+
+    def runner(name: str):
         if name == "base":
             return lambda ids, seed, n: _timed(speculative_generate(target, None, [ids], n, k=0, seed=seed, **gen_kw))
         if name == "hf":
@@ -443,55 +475,43 @@ def decode_prompts(setup: Setup) -> list[dict]:
                                                                 **gen_kw))
 
     names = ["base", "spec"] + (["hf"] if cfg.hf_reference else []) + [e.name for e in setup.entries[1:]]
-    runs = {name: runner(name) for name in names}
-    timed = [n for n in names if n not in UNTIMED]
-    warm = format_prompt(tok, setup.rows[0].text)  # every code path once, not counted
-    for name in names:
-        if name != "adaptive":
-            runs[name](warm, cfg.seed, min(8, cfg.max_new_tokens))
+    return {name: runner(name) for name in names}
 
-    per_prompt = []
-    for i, row in enumerate(setup.rows):
-        ids = format_prompt(tok, row.text)
-        routed_as = prop.route(domain=row.domain, text=row.text) if prop.routes else None
-        seed = cfg.seed + i
-        measured: dict[str, list] = {name: [] for name in timed}  # (result, seconds, other CPU share)
-        branches = None
-        rounds = 0
-        while True:
-            shift = (i + rounds) % len(timed)
-            for name in timed[shift:] + timed[:shift]:
-                if name == "spec":
-                    prop.reset_stats()
-                with CpuShare() as share:
-                    result, seconds = runs[name](ids, seed, cfg.max_new_tokens)
-                measured[name].append((result, seconds, share.others))
-                if name == "spec" and prop.tracks_branches and branches is None:
-                    branches = prop.branch_stats()
-            rounds += 1
-            short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
-            if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
-                break
-        out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
-        for name in names:
-            if name in UNTIMED:  # decoded for its acceptance only: its speed is not what it reports
-                out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
-        if branches is not None:
-            out["branches"] = branches
-        rec = _record(setup, row, ids, out, routed_as, eos, pad)
-        rec["timing"] = {"rounds": rounds, "measurements": {
-            name: [[round(sec, 6), None if sh is None else round(sh, 4)] for _, sec, sh in measured[name]]
-            for name in timed}, "quiet": {name: _quiet_count(measured[name]) >= cfg.repeats for name in timed}}
-        per_prompt.append(rec)
-        sp, base = rec["spec"], rec["base"]
-        log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s (median of %d)%s%s",
-                 i + 1, len(setup.rows), row.domain, row.source, rec["new_tokens"],
-                 f"{sp.alpha:.2f}" if sp.alpha is not None else "-", sp.tau or 0, sp.new_tokens / sp.wall_time,
-                 base.new_tokens / base.wall_time,
-                 f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "", rounds,
-                 "" if all(rec["timing"]["quiet"].values()) else " BUSY MACHINE",
-                 "" if rec["lossless"] is not False else " NOT LOSSLESS")
-    return per_prompt
+
+def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int], seed: int):
+    """Prompt i's rounds: every timed run once per round, in an order rotated by prompt and round, until each
+    run has `repeats` quiet measurements or `remeasure` more rounds are spent. Returns each run's
+    measurements (result, seconds, other processes' CPU share), the proposer's branch statistics of its first
+    run (where it keeps them), and the number of rounds."""
+    cfg, prop = setup.cfg, setup.prop
+    measured: dict[str, list] = {name: [] for name in timed}
+    branches = None
+    rounds = 0
+    while True:
+        shift = (i + rounds) % len(timed)
+        for name in timed[shift:] + timed[:shift]:
+            if name == "spec":
+                prop.reset_stats()
+            with CpuShare() as share:
+                result, seconds = runs[name](ids, seed, cfg.max_new_tokens)
+            measured[name].append((result, seconds, share.others))
+            if name == "spec" and prop.tracks_branches and branches is None:
+                branches = prop.branch_stats()
+        rounds += 1
+        short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
+        if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
+            return measured, branches, rounds
+
+
+def _log_prompt(setup: Setup, i: int, row: EvalPrompt, rec: dict, rounds: int) -> None:
+    sp, base = rec["spec"], rec["base"]
+    log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s (median of %d)%s%s",
+             i + 1, len(setup.rows), row.domain, row.source, rec["new_tokens"],
+             f"{sp.alpha:.2f}" if sp.alpha is not None else "-", sp.tau or 0, sp.new_tokens / sp.wall_time,
+             base.new_tokens / base.wall_time,
+             f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "", rounds,
+             "" if all(rec["timing"]["quiet"].values()) else " BUSY MACHINE",
+             "" if rec["lossless"] is not False else " NOT LOSSLESS")
 
 
 # decoded once per prompt, for acceptance only: the uncut GPU-sized tree's speed on this CPU is not reported

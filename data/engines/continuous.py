@@ -571,13 +571,8 @@ class ContinuousBatcher(TextEngine):
         if not queue:
             return run_stats(0, 0.0)
         t0 = time.perf_counter()
-        self._prefix = None
-        if self.shared_prefix:
-            S = min(common_prefix_length([r.prompt_ids for r in queue]), min(len(r.prompt_ids) for r in queue) - 1)
-            if S >= self.min_prefix:
-                wants = [r.logits_from for r in queue]  # does any row want logits inside the prefix?
-                self._prefix = self._prefix_forward(queue[0].prompt_ids[:S],
-                                                    all_logits=any(f is None or f < S - 1 for f in wants))
+        self._prefix = None  # so that the prefix's own capture does not start from an earlier run's
+        self._prefix = self._shared_prefix(queue)
         prefill_s = time.perf_counter() - t0
         longest = max(len(r.prompt_ids) for r in queue)
         max_new = max(r.max_new_tokens for r in queue)
@@ -598,36 +593,9 @@ class ContinuousBatcher(TextEngine):
                 continue
             if not rows:
                 break
-            # one decode step for every active row: feed its last token
-            store.ensure_capacity(lambda: store.n + 1)
-            a, n = store.a, store.n
-            ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
-            pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long)
-            store.mask[:a, n] = 1
-            token = _DECODE_SPANS.set(self._spans(store, n + 1))
-            try:
-                logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache)
-            finally:
-                _DECODE_SPANS.reset(token)
-            store.n = n + 1
             steps += 1
-            rows_fed += a
-            if cap is not None:
-                self._record(rows, cap, logits, [(0, 1)] * len(rows))
-            fed_final = [r.done for r in rows]  # these rows were only fed their last token
-            for r in rows:
-                r.pos += 1
-            live = [i for i, r in enumerate(rows) if not r.done]
-            if live:
-                toks = sample_next(logits[live, -1], self.sampling, [rows[i].gen for i in live])
-                for i, tok in zip(live, toks):
-                    self._accept(rows[i], tok)
-                generated += len(live)
-                if on_tokens:
-                    on_tokens(len(live))
-            for r, fed in zip(rows, fed_final):
-                if fed and r.cap is not None:
-                    r.cap["fed_final"] = True
+            rows_fed += store.a
+            generated += self._decode_step(store, rows, on_tokens)
             self._retire(store, rows, on_done)
             store.compact()
         seconds = time.perf_counter() - t0
@@ -636,6 +604,48 @@ class ContinuousBatcher(TextEngine):
         return {"generated_tokens": generated, "prompt_tokens": prompt_tokens, "decode_steps": steps,
                 "seconds": seconds, "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
                 "prefill_seconds": prefill_s, "mean_batch": rows_fed / steps if steps else 0.0}
+
+    def _shared_prefix(self, queue: list[Request]) -> _Prefix | None:
+        """The prompts' common prefix, prefilled once, when it is at least `min_prefix` tokens (every row keeps
+        one token of its own to prefill)."""
+        if not self.shared_prefix:
+            return None
+        S = min(common_prefix_length([r.prompt_ids for r in queue]), min(len(r.prompt_ids) for r in queue) - 1)
+        if S < self.min_prefix:
+            return None
+        wants = [r.logits_from for r in queue]  # does any row want logits inside the prefix?
+        return self._prefix_forward(queue[0].prompt_ids[:S], all_logits=any(f is None or f < S - 1 for f in wants))
+
+    def _decode_step(self, store: _SlotStore, rows: list[_Row], on_tokens) -> int:
+        """One decode step for every active row: feed its last token, sample its next one (rows that are done
+        were fed their final token, for capture, and sample nothing). Returns the tokens sampled."""
+        store.ensure_capacity(lambda: store.n + 1)
+        a, n = store.a, store.n
+        ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
+        pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long)
+        store.mask[:a, n] = 1
+        token = _DECODE_SPANS.set(self._spans(store, n + 1))
+        try:
+            logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache)
+        finally:
+            _DECODE_SPANS.reset(token)
+        store.n = n + 1
+        if cap is not None:
+            self._record(rows, cap, logits, [(0, 1)] * len(rows))
+        fed_final = [r.done for r in rows]  # these rows were only fed their last token
+        for r in rows:
+            r.pos += 1
+        live = [i for i, r in enumerate(rows) if not r.done]
+        if live:
+            toks = sample_next(logits[live, -1], self.sampling, [rows[i].gen for i in live])
+            for i, tok in zip(live, toks):
+                self._accept(rows[i], tok)
+            if on_tokens:
+                on_tokens(len(live))
+        for r, fed in zip(rows, fed_final):
+            if fed and r.cap is not None:
+                r.cap["fed_final"] = True
+        return len(live)
 
     def _retire(self, store: _SlotStore, rows: list[_Row], on_done) -> None:
         """Hand finished rows to the caller and compact the slots (last active row moves into the hole)."""
