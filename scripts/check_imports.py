@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("targets",),  # load a target, its family table, fingerprint, capture points
     ("artifact",),  # the artifact directory every method writes and every later stage reads
     ("decoding",),  # the decoder: proposer interface, one verifier, sampling, KV cache, trees, cost model
-    ("data",),  # sources -> rows, and the engines that produce text (local, OpenAI servers, rollouts)
+    ("data",),  # sources -> rows, and data/engines/: everything that produces text, behind one interface
     ("training",),  # the one accelerate loop, checkpoints, trackers, online capture
     ("heads",),  # what the methods share: draft vocabularies, LoRA, KD losses
     # the toolkits a method folder's own export layout and memory estimate are written with (the lower half
