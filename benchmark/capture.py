@@ -22,7 +22,8 @@ from draftsmith.benchmark.engine import TRAIN, emit, read_rows, take_flag
 from draftsmith.capture.config import CaptureConfig
 from draftsmith.capture.layers import bench_layers
 from draftsmith.capture.offline import capture_rows
-from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.targets import load_target

@@ -22,7 +22,9 @@ import sys
 import torch
 
 from draftsmith.capture.layers import bench_layers
-from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher
+from draftsmith.data.engines.hf import HFEngine
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.storage import atomic_write_json, open_data, shared_data_dir
@@ -99,7 +101,7 @@ def main(argv: list[str]) -> dict:
                 st = ContinuousBatcher(t.model, t.eos_token_ids, pad, bs, capture=cap).run(
                     reqs if kind == "capall" else learned_only, done)
             else:
-                name, st = f"hf_generate_b{bs}", hf_generate(t.model, reqs, t.eos_token_ids, pad, bs, Sampling(), done)
+                name, st = f"hf_generate_b{bs}", HFEngine(t.model, t.eos_token_ids, pad, bs).run(reqs, done)
         name += "" if prec == "fp32" else f"_{prec}"
         res[name] = {"tokens": st["generated_tokens"], "seconds": round(st["seconds"], 1),
                      "tok_s": round(st["tokens_per_s"], 1)}

@@ -196,7 +196,7 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
     Row ids stay unique and stable: the first dataset keeps its own (so the rows it held out for evaluation
     stay held out, training/batching.py `split_rows`), each later one's are rehashed (`merged_row_id`), so a
     merged dataset merged again keeps its ids and a repeated id is refused. Rollout
-    marks (`replay`, data/rollout.py) are kept; rows without them get zeros (no draft rejected there).
+    marks (`replay`, data/engines/rollout.py) are kept; rows without them get zeros (no draft rejected there).
     Captured states are not carried over: `draftsmith data capture` reads the merged rows once."""
     import datasets
 

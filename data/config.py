@@ -184,7 +184,7 @@ class GenerationConfig:
     seed: int = 0
     batch_size: int = 32  # rows decoded together (continuous batching keeps the batch full)
     engine: Literal["continuous", "hf", "speculative"] = "continuous"  # hf = transformers `generate`, for comparison
-    # speculative = on-policy rollouts (data/rollout.py): our speculative decoder with `proposer` (e.g. the head
+    # speculative = on-policy rollouts (data/engines/rollout.py): our speculative decoder with `proposer` (e.g. the head
     # being trained) writes the rows, one row at a time; they are the target's rows (lossless) and each one
     # records where verification rejected the draft (column `replay`, read by EAGLE's replay_weight)
     proposer: str | None = None  # engine speculative: a proposer spec, e.g. eagle:zoo/smollm2-135m/eagle3
@@ -200,7 +200,7 @@ class GenerationConfig:
     fp32_logits: bool = True  # a bf16 body still computes its logits in float32 (fewer changed greedy tokens)
     flush_every: int = 16  # completed rows per chunk file (a crash loses at most this many)
     # who writes: engine = the embedded decode loop above (one device); openai = any OpenAI-compatible
-    # completions server (vLLM, SGLang, `transformers serve`); several base_urls share the rows (data/remote.py)
+    # completions server (vLLM, SGLang, `transformers serve`); several base_urls share the rows (data/engines/remote.py)
     backend: Literal["engine", "openai"] = "engine"
     base_urls: list[str] = field(default_factory=list)  # e.g. http://gpu-node-1:8000/v1
     served_model: str | None = None  # the name the servers serve the target under (default: their only one)

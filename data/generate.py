@@ -3,21 +3,23 @@
 `generate_dataset(config)`:
   1. loads the target and the prompts (malformed rows reported with file:line, policy skip/fail);
   2. drops prompts that overlap the held-out eval sets (see data/overlap.py);
-  3. formats each prompt with the target's chat template (or plain continuation) and decodes with the
-     continuous-batching engine (data/engine.py);
+  3. formats each prompt with the target's chat template (or plain continuation) and has the engine
+     `generation` names answer it (`data.engines.engine_for`: by default the continuous-batching loop,
+     data/engines/continuous.py; OpenAI-compatible servers, transformers' generate, or rollouts by a head);
   4. appends finished rows to chunk files in `output_dir/chunks/` (each chunk written atomically), so a
      killed run resumes where it stopped: rerunning skips rows already generated (keyed by `row_id`);
   5. assembles a `datasets` dataset in `output_dir/dataset/` (columns input_ids, loss_mask, domain,
      row_id, source, prompt, response, origin, stopped, n_turns; rollouts by a head, `generation.engine:
-     speculative`, add `replay`: data/rollout.py) and `output_dir/provenance.json`.
+     speculative`, add `replay`: data/engines/rollout.py) and `output_dir/provenance.json`.
 
 A row's input_ids are exactly the prompt tokens followed by the tokens the target generated (the stop
 token included when it produced one), so they are what the target saw and what captured states index.
 Multi-turn rows are decoded turn by turn; earlier turns are re-tokenized with the chat template and
 their loss masks come from `tokenize_conversation` (verified by decoding back).
 
-With `capture.enabled` the engine also keeps chosen layer outputs / top-k logits for every position and
-writes them with `capture.cache.ShardWriter` to `output_dir/capture/`.
+With `capture.enabled` the batched engine also keeps chosen layer outputs / top-k logits for every position
+and they are written with `capture.cache.ShardWriter` to `output_dir/capture/`; the rows any other
+engine writes are read by the target once afterwards (capture/offline.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from draftsmith.config import load_config, to_dict
 from draftsmith.data.config import DataConfig
-from draftsmith.data.engine import CaptureSpec, Completion, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.engines import CaptureSpec, Completion, Request, TextEngine, engine_for
 from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import PromptRow, load_prompts
@@ -50,7 +52,6 @@ from draftsmith.storage import (
 )
 from draftsmith.targets import check_compatible, gemm, load_target
 from draftsmith.targets.context import answer_room, context_window
-from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
 
@@ -223,24 +224,53 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     t_start = time.time()
     if config.responses == "keep":
         return _keep_dataset(config, target, out, progress, t_start)
-    remote = None
-    if gen.backend == "openai":  # the servers write; the local target formats, masks and (maybe) captures
-        from draftsmith.data.remote import RemoteEngine
-
-        remote = RemoteEngine(target.tokenizer, target.eos_token_ids, gen, resolve_mode(target.tokenizer,
-                                                                                       config.chat.mode),
-                              vocab_size=target.vocab_size)
-        remote.check_servers()
-        precision = {"backend": "openai", "served_model": remote.model}
-    else:
-        # the target writes in the generation dtype (a copy when it differs: the caller's model is left as it is)
-        target, precision = _writing_target(target, gen)
+    capture = None
+    if config.capture.enabled:
+        capture = CaptureSpec(list(config.capture.layers), config.capture.topk, config.capture.last_hidden)
+    engine = engine_for(gen, target, chat_mode=resolve_mode(target.tokenizer, config.chat.mode), capture=capture)
+    target = engine.target  # locally: the target in the generation dtype
     rows, stats, fmt = prepare_prompts(config, target, progress)
     fp = target.fingerprint()
+    done = _resume(out, _generation_key(config, fp, engine.precision))
+    wanted = {r.row_id for r in rows}
+    resumed = len(wanted & set(done))
+    todo = [r for r in rows if r.row_id not in done]
+    log.info("%d rows to generate (%d already done)", len(todo), resumed)
+    writer = None
+    if engine.captures:  # the engine keeps the states as it writes: shards beside the chunks
+        writer = _shard_writer(target, config, out, fp, [done[i] for i in sorted(wanted & set(done))])
+    sink = _Rows(target, rows, todo, done, _ChunkWriter(out / CHUNKS_DIR, gen.flush_every,
+                                                       after_flush=writer.flush if writer else None),
+                 writer, _progress(len(todo), progress), on_row)
+    t0 = time.perf_counter()
+    try:
+        _answer_turns(engine, target, gen, todo, fmt, sink)
+    finally:
+        sink.close()
+    seconds = time.perf_counter() - t0
+    if writer is not None:
+        writer.close()
 
-    # Resume: reuse the rows of an earlier run with the same target, precision and sampling.
-    chunk_dir = out / CHUNKS_DIR
-    key = _generation_key(config, fp, precision)
+    missing = [r for r in rows if r.row_id not in done]
+    if missing:
+        raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
+    records = [done[r.row_id] for r in rows]
+    timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": sink.tokens,
+              "seconds": round(seconds, 2), "tokens_per_s": round(sink.tokens / seconds, 2) if seconds > 0 else None}
+    if engine.report_as is not None:
+        timing[engine.report_as] = engine.describe()
+    if config.capture.enabled and not engine.captures:  # the target reads the written rows once (capture/offline.py)
+        from draftsmith.capture.offline import capture_rows
+
+        timing["capture"] = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
+    timing["wall_seconds"] = round(time.time() - t_start, 2)
+    _save(out, records, config, target, engine.precision, stats, timing)
+    return out
+
+
+def _resume(out: Path, key: dict[str, Any]) -> dict[int, dict]:
+    """The rows an earlier run with the same target, precision and sampling (`key`, kept in run.json) wrote
+    into `out`, by row id; a run under another key is refused. A new run records its key."""
     run_file = out / "run.json"
     if run_file.is_file():
         old = read_json(run_file)
@@ -251,121 +281,97 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     else:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_file, key)
-    done = _read_chunks(chunk_dir)
-    wanted = {r.row_id for r in rows}
-    resumed = len(wanted & set(done))
-    todo = [r for r in rows if r.row_id not in done]
-    log.info("%d rows to generate (%d already done)", len(todo), resumed)
+    return _read_chunks(out / CHUNKS_DIR)
 
-    rollout = None
-    if gen.engine == "speculative":  # on-policy rollouts by our decoder with the head (data/rollout.py)
-        from draftsmith.data.rollout import speculative_engine
 
-        rollout = speculative_engine(target, gen)
-    writer = None
-    if config.capture.enabled and remote is None and rollout is None:
-        from draftsmith.capture.cache import ShardWriter
+def _shard_writer(target, config: DataConfig, out: Path, fp: dict, resumed: list[dict]):
+    """The capture shards the engine's states go to, holding those of the `resumed` rows too."""
+    from draftsmith.capture.cache import ShardWriter
 
-        writer = ShardWriter(out / CAPTURE_DIR, config.capture.layers, config.capture.topk, fingerprint=fp)
-        _backfill_capture(target, config, writer, [done[i] for i in sorted(wanted & set(done))])
+    writer = ShardWriter(out / CAPTURE_DIR, config.capture.layers, config.capture.topk, fingerprint=fp)
+    _backfill_capture(target, config, writer, resumed)
+    return writer
 
-    chunks = _ChunkWriter(chunk_dir, gen.flush_every, after_flush=writer.flush if writer else None)
-    tok = target.tokenizer
-    eos_texts = dict(end_tokens(tok, target.eos_token_ids))
-    by_id = {r.row_id: r for r in rows}
-    responses: dict[int, list[str]] = {r.row_id: [] for r in todo}
-    bar = _progress(len(todo), progress)
-    counters = {"tokens": 0}
-    t0 = time.perf_counter()
 
-    def on_tokens(n: int) -> None:
-        counters["tokens"] += n
+def _answer_turns(engine: TextEngine, target, gen, todo: list[PromptRow], fmt: _Formatter, sink: _Rows) -> None:
+    """Turn by turn, every row with a turn left asks the engine for its answer to that turn (the prompt holds
+    the row's earlier turns and the answers the target gave them)."""
+    turn = 0
+    while True:
+        active = [r for r in todo if len(r.turns) > turn]
+        if not active:
+            break
+        reqs, masks = [], {}
+        for r in active:
+            if turn == 0 and r.row_id in fmt.first_ids:
+                ids = fmt.first_ids[r.row_id]
+                pmask = [0] * len(ids)
+            else:
+                ids, pmask = fmt(r, sink.responses[r.row_id])
+            masks[r.row_id] = pmask
+            # top-k logits are wanted from the position that predicts the first learned token on
+            learned = next((i for i, m in enumerate(pmask) if m), len(ids))
+            reqs.append(Request(r.row_id, ids, answer_room(target, len(ids), gen.max_new_tokens, r.origin),
+                                seed=_row_seed(gen.seed, r.row_id, turn), logits_from=max(learned - 1, 0)))
+        engine.run(reqs, lambda c, masks=masks: sink.finish(c, masks[c.key]), sink.count)
+        turn += 1
+    sink.chunks.flush()
 
-    def finish(c: Completion, prompt_mask: list[int]) -> None:
-        row = by_id[c.key]
+
+class _Rows:
+    """Where the engine's completions go: each answer is decoded and kept until its row's last turn is
+    answered; then the row's record (checked to decode back) goes to the chunks, its captured states to the
+    shards, and `on_row` is told."""
+
+    def __init__(self, target, rows: list[PromptRow], todo: list[PromptRow], done: dict[int, dict],
+                 chunks: _ChunkWriter, writer, bar, on_row):
+        self.tok = target.tokenizer
+        self.eos_texts = dict(end_tokens(self.tok, target.eos_token_ids))
+        self.by_id = {r.row_id: r for r in rows}
+        self.responses: dict[int, list[str]] = {r.row_id: [] for r in todo}
+        self.done, self.chunks, self.writer, self.bar, self.on_row = done, chunks, writer, bar, on_row
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def count(self, n: int) -> None:
+        self.tokens += n
+
+    def finish(self, c: Completion, prompt_mask: list[int]) -> None:
+        row = self.by_id[c.key]
         toks = c.tokens
         body = toks[:-1] if c.stopped else toks
-        text = tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        responses[row.row_id].append(text)
-        if len(responses[row.row_id]) < len(row.turns):
+        text = self.tok.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        self.responses[row.row_id].append(text)
+        if len(self.responses[row.row_id]) < len(row.turns):
             return  # more turns to answer
         ids = list(c.prompt_ids) + list(toks)
         mask = list(prompt_mask) + [1] * len(toks)
         # earlier turns' spans were verified by tokenize_conversation; check the generated span decodes back
-        verify_mask(tok, ids[len(c.prompt_ids):], mask[len(c.prompt_ids):],
-                    [text + (eos_texts.get(toks[-1], "") if c.stopped else "")])
+        verify_mask(self.tok, ids[len(c.prompt_ids):], mask[len(c.prompt_ids):],
+                    [text + (self.eos_texts.get(toks[-1], "") if c.stopped else "")])
         rec = {"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
-               "response": "\n\n".join(responses[row.row_id]), "input_ids": ids, "loss_mask": mask,
+               "response": "\n\n".join(self.responses[row.row_id]), "input_ids": ids, "loss_mask": mask,
                "origin": row.origin, "stopped": bool(c.stopped), "n_turns": len(row.turns)}
         if c.replay is not None:
             rec["replay"] = list(c.replay)
-        if writer is not None and c.capture is not None:
+        if self.writer is not None and c.capture is not None:
             cap = c.capture
-            writer.add(row.row_id, cap["layers"], cap["topk_values"], cap["topk_indices"], cap["last_hidden"],
-                       cap["topk_logsumexp"])
-        chunks.add(rec)
-        done[row.row_id] = rec
-        bar.update(1)
-        elapsed = time.perf_counter() - t0
-        bar.set_postfix_str(f"{counters['tokens'] / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
-        if on_row is not None:
-            on_row(rec)
+            self.writer.add(row.row_id, cap["layers"], cap["topk_values"], cap["topk_indices"], cap["last_hidden"],
+                            cap["topk_logsumexp"])
+        self.chunks.add(rec)
+        self.done[row.row_id] = rec
+        self.bar.update(1)
+        elapsed = time.perf_counter() - self.t0
+        self.bar.set_postfix_str(f"{self.tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+        if self.on_row is not None:
+            self.on_row(rec)
 
-    try:
-        turn = 0
-        while True:
-            active = [r for r in todo if len(r.turns) > turn]
-            if not active:
-                break
-            reqs, masks = [], {}
-            for r in active:
-                if turn == 0 and r.row_id in fmt.first_ids:
-                    ids = fmt.first_ids[r.row_id]
-                    pmask = [0] * len(ids)
-                else:
-                    ids, pmask = fmt(r, responses[r.row_id])
-                masks[r.row_id] = pmask
-                # top-k logits are wanted from the position that predicts the first learned token on
-                learned = next((i for i, m in enumerate(pmask) if m), len(ids))
-                reqs.append(Request(r.row_id, ids, answer_room(target, len(ids), gen.max_new_tokens, r.origin),
-                                    seed=_row_seed(gen.seed, r.row_id, turn),
-                                    logits_from=max(learned - 1, 0)))
-            on_done = lambda c, masks=masks: finish(c, masks[c.key])  # noqa: E731
-            if remote is not None:
-                remote.run(reqs, on_done, on_tokens)
-            elif rollout is not None:
-                rollout.run(reqs, on_done, on_tokens)
-            else:
-                _run_engine(target, config, reqs, on_done, on_tokens)
-            turn += 1
-        chunks.flush()
-    finally:
-        bar.close()
-        chunks.flush()
-        if writer is not None:
-            writer.flush()
-    seconds = time.perf_counter() - t0
-    if writer is not None:
-        writer.close()
-
-    missing = [r for r in rows if r.row_id not in done]
-    if missing:
-        raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
-    records = [done[r.row_id] for r in rows]
-    timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": counters["tokens"],
-              "seconds": round(seconds, 2), "tokens_per_s": round(counters["tokens"] / seconds, 2) if seconds > 0 else None}
-    if rollout is not None:
-        timing["rollout"] = rollout.describe()
-    if remote is not None or rollout is not None:
-        if remote is not None:
-            timing["servers"] = remote.describe()
-        if config.capture.enabled:  # the servers / rollouts wrote the rows; the target reads them once (capture/offline.py)
-            from draftsmith.capture.offline import capture_rows
-
-            timing["capture"] = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
-    timing["wall_seconds"] = round(time.time() - t_start, 2)
-    _save(out, records, config, target, precision, stats, timing)
-    return out
+    def close(self) -> None:
+        """Keep what was finished, also when the run stops on an error."""
+        self.bar.close()
+        self.chunks.flush()
+        if self.writer is not None:
+            self.writer.flush()
 
 
 def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start: float) -> Path:
@@ -417,42 +423,8 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
     return out
 
 
-def _writing_target(target, gen) -> tuple[Any, dict[str, str]]:
-    """The target as it writes the data (dtype per `generation.dtype`, targets/precision.py) and a record of
-    that precision for run.json / provenance.json."""
-    import dataclasses
-
-    from draftsmith.targets.device import dtype_name
-    from draftsmith.targets.precision import Float32Logits, inference_copy, inference_dtype
-
-    dtype = inference_dtype(target.device, gen.dtype)
-    model = inference_copy(target.model, dtype, gen.fp32_logits)
-    if model is not target.model:
-        target.fingerprint()  # of the weights as loaded (the copy's fp32 head would hash as one more tensor)
-        log.info("the target writes in %s (generation.dtype: %s)", dtype_name(dtype), gen.dtype)
-        target = dataclasses.replace(target, model=model)
-    head = model.get_output_embeddings()
-    logits = torch.float32 if isinstance(head, Float32Logits) else next(model.parameters()).dtype
-    return target, {"dtype": dtype_name(dtype), "logits": dtype_name(logits)}
-
-
 def _row_seed(seed: int, row_id: int, turn: int) -> int:
     return int(sha256_json([seed, row_id, turn])[:15], 16)
-
-
-def _run_engine(target, config: DataConfig, reqs: list[Request], on_done, on_tokens) -> dict[str, float]:
-    gen = config.generation
-    sampling = Sampling(gen.do_sample, gen.temperature, gen.top_p)
-    pad = pad_token_id(target)
-    cap = None
-    if config.capture.enabled:
-        cap = CaptureSpec(list(config.capture.layers), config.capture.topk, config.capture.last_hidden)
-    if gen.engine == "hf":
-        if cap is not None:
-            raise DataError("capture during generation needs generation.engine: continuous")
-        return hf_generate(target.model, reqs, target.eos_token_ids, pad, gen.batch_size, sampling, on_done, on_tokens)
-    engine = ContinuousBatcher(target.model, target.eos_token_ids, pad, gen.batch_size, sampling, cap)
-    return engine.run(reqs, on_done, on_tokens)
 
 
 @torch.inference_mode()
@@ -485,7 +457,7 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
 
     columns = {c: [r[c] for r in records] for c in COLUMNS}
     extra = {}
-    if records and all("replay" in r for r in records):  # on-policy rollouts (data/rollout.py)
+    if records and all("replay" in r for r in records):  # on-policy rollouts (data/engines/rollout.py)
         columns["replay"] = [r["replay"] for r in records]
         extra["replay"] = datasets.Sequence(datasets.Value("int8"))
     features = datasets.Features({

@@ -25,8 +25,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from draftsmith.data.config import DataConfig, SourceConfig
-from draftsmith.data.engine import ContinuousBatcher, Request, Sampling
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.continuous import ContinuousBatcher
 from draftsmith.data.masks import build_messages, resolve_mode
+from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import DataError
 from draftsmith.storage import atomic_write_text, sha256_json
 from draftsmith.targets.families import pad_token_id
@@ -102,7 +104,7 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int,
         pad = pad_token_id(target)
         gen = config.generation
         engine = ContinuousBatcher(target.model, stop + list(target.eos_token_ids), pad, gen.batch_size,
-                                   Sampling(True, source.temperature, source.top_p))
+                                   SamplingConfig(source.temperature, 0, source.top_p))
         specials = set(tok.all_special_ids)
         pending = []
         bar = tqdm(total=len(todo), unit="request", disable=not progress, dynamic_ncols=True,

@@ -498,9 +498,36 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=
     (after normalisation) are dropped when `config.dedupe`. An empty result is a DataError.
     """
     report = MalformedReport(policy=config.malformed)
+    got, rejected = _read_sources(config, report, target, progress)
     rows: list[PromptRow] = []
-    per_source, rejected = {}, {}
+    per_source = {}
+    for source in config.sources:  # config order
+        per_source[source.name] = len(got[source.name])
+        rows.extend(got[source.name])
+    if prompt_length is not None:
+        rows = _within_length(rows, prompt_length, config.generation.max_prompt_tokens, report)
+    duplicates = 0
+    if config.dedupe:
+        rows, duplicates = _dedupe(rows)
+    ids = Counter(r.row_id for r in rows)
+    clash = [i for i, n in ids.items() if n > 1]
+    if clash:
+        first = next(r for r in rows if r.row_id == clash[0])
+        raise DataError(f"{first.origin}: row key repeats within source '{first.source}' (check id_field)")
+    if config.max_rows is not None and len(rows) > config.max_rows:
+        rows = _sample_rows(rows, config, {s.name for s in config.sources if s.type == "magpie"})
+    if report.items:
+        log.warning("%s", report.summary())
+    if not rows:
+        raise DataError(f"no prompts left after filtering ({report.summary()})")
+    return PromptSet(rows, report, duplicates, per_source, rejected)
+
+
+def _read_sources(config: DataConfig, report: MalformedReport, target, progress: bool
+                  ) -> tuple[dict[str, list[PromptRow]], dict[str, dict[str, int]]]:
+    """Every source's rows by name, and what each magpie source's requests had rejected."""
     got: dict[str, list[PromptRow]] = {}
+    rejected: dict[str, dict[str, int]] = {}
     # files first: under max_rows a magpie source writes only its share of the sample, which needs their count
     for source in config.sources:
         if source.type != "magpie":
@@ -520,47 +547,39 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=
 
         got[source.name], rejected[source.name] = magpie_rows(
             source, config, target, make_row, magpie_share(source.limit, config.max_rows, pool), progress)
-    for source in config.sources:  # config order
-        per_source[source.name] = len(got[source.name])
-        rows.extend(got[source.name])
-    if prompt_length is not None:
-        limit = config.generation.max_prompt_tokens
-        kept = []
-        for row in rows:
-            n = prompt_length(row)
-            if n > limit:
-                report.add(row.origin, f"prompt too long ({n} tokens > max_prompt_tokens {limit})")
-            else:
-                kept.append(row)
-        rows = kept
-    duplicates = 0
-    if config.dedupe:
-        seen, kept = set(), []
-        for row in rows:
-            key = normalize_text(row.prompt)
-            if key in seen:
-                duplicates += 1
-                continue
+    return got, rejected
+
+
+def _within_length(rows: list[PromptRow], prompt_length, limit: int, report: MalformedReport) -> list[PromptRow]:
+    """The rows whose formatted prompt fits `limit` tokens; the others are malformed ("prompt too long")."""
+    kept = []
+    for row in rows:
+        n = prompt_length(row)
+        if n > limit:
+            report.add(row.origin, f"prompt too long ({n} tokens > max_prompt_tokens {limit})")
+        else:
+            kept.append(row)
+    return kept
+
+
+def _dedupe(rows: list[PromptRow]) -> tuple[list[PromptRow], int]:
+    """The rows without exact repeats of an earlier prompt (after normalisation), and how many were dropped."""
+    seen, kept = set(), []
+    for row in rows:
+        key = normalize_text(row.prompt)
+        if key not in seen:
             seen.add(key)
             kept.append(row)
-        rows = kept
-    ids = Counter(r.row_id for r in rows)
-    clash = [i for i, n in ids.items() if n > 1]
-    if clash:
-        first = next(r for r in rows if r.row_id == clash[0])
-        raise DataError(f"{first.origin}: row key repeats within source '{first.source}' (check id_field)")
-    if config.max_rows is not None and len(rows) > config.max_rows:
-        # magpie rows were written at their share of the sample: the sample is drawn from the other rows
-        written = {s.name for s in magpie}
-        fixed = [i for i, r in enumerate(rows) if r.source in written]
-        if len(fixed) >= config.max_rows:
-            fixed = []
-        rest = sorted(set(range(len(rows))) - set(fixed))
-        rng = random.Random(f"{config.seed}:max_rows")
-        keep = sorted(fixed + rng.sample(rest, config.max_rows - len(fixed)))
-        rows = [rows[i] for i in keep]
-    if report.items:
-        log.warning("%s", report.summary())
-    if not rows:
-        raise DataError(f"no prompts left after filtering ({report.summary()})")
-    return PromptSet(rows, report, duplicates, per_source, rejected)
+    return kept, len(rows) - len(kept)
+
+
+def _sample_rows(rows: list[PromptRow], config: DataConfig, written: set[str]) -> list[PromptRow]:
+    """`config.max_rows` of the rows, drawn with the config's seed, in their order. The rows of the sources in
+    `written` (magpie: written at their share of the sample already) are all kept unless they alone fill it."""
+    fixed = [i for i, r in enumerate(rows) if r.source in written]
+    if len(fixed) >= config.max_rows:
+        fixed = []
+    rest = sorted(set(range(len(rows))) - set(fixed))
+    rng = random.Random(f"{config.seed}:max_rows")
+    keep = sorted(fixed + rng.sample(rest, config.max_rows - len(fixed)))
+    return [rows[i] for i in keep]

@@ -15,6 +15,7 @@ verification step always adds one target token of its own).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -167,10 +168,7 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
     proposer = proposer or NullProposer()
     sampling = SamplingConfig(temperature, top_k, top_p)
     device = next(model.parameters()).device
-    generator = None
-    if not sampling.greedy:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(0 if seed is None else int(seed))
+    generator = seeded_generator(sampling, device, 0 if seed is None else seed)
     vocab = getattr(target, "vocab_size", None)
 
     stats = GenerationStats()
@@ -184,27 +182,7 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
         seq = SequenceVerifier(model, proposer, sampling, generator, vocab, cost=cost)
         if adaptive is not None:
             adaptive.reset()
-        new: list[int] = []
-        if max_new_tokens > 0:
-            new.append(seq.begin(row))
-            while len(new) < max_new_tokens and new[-1] not in eos:
-                remaining = max_new_tokens - len(new)
-                depth = min(spec.depth, remaining - 1)
-                if adaptive is not None:
-                    k_step = min(adaptive.next_k(), depth)
-                    step_tokens = seq.step(TreeSpec.chain(k_step))
-                    adaptive.update(k_step, *seq.last_step)
-                else:
-                    step_tokens = seq.step(spec.truncated(depth))
-                done = False
-                for t in step_tokens:
-                    new.append(t)
-                    if t in eos or len(new) >= max_new_tokens:
-                        done = True
-                        break
-                seq.stats.emitted = len(new)
-                if done:
-                    break
+        new = decode_row(seq, row, max_new_tokens, spec, eos, adaptive)
         out_tokens.append(new)
         row_stats.append(seq.stats)
         k_history.append(list(adaptive.history) if adaptive is not None else [])
@@ -213,3 +191,46 @@ def speculative_generate(target, proposer: Proposer | None, input_ids, max_new_t
         torch.cuda.synchronize(device)
     stats.wall_time = time.perf_counter() - wall0
     return GenerationResult(out_tokens, stats, row_stats, k_history)
+
+
+def seeded_generator(sampling: SamplingConfig, device: torch.device, seed: int) -> torch.Generator | None:
+    """The generator a sampled decode draws from (None when greedy: nothing is drawn)."""
+    if sampling.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed))
+    return generator
+
+
+def decode_row(seq: SequenceVerifier, prompt: torch.Tensor, max_new_tokens: int, spec: TreeSpec, eos: set[int],
+               adaptive=None, on_step: Callable[[int, list[int]], None] | None = None) -> list[int]:
+    """One row: the prefill's token, then verification steps until an EOS or `max_new_tokens` new tokens.
+
+    A step proposes at most the budget left minus one (verification adds a token of its own); its tokens
+    are cut after the first EOS and at the budget. `adaptive` chooses each step's chain length instead of
+    `spec`. `on_step(emitted, tokens)` sees every step's tokens before the cut, with the number of tokens
+    emitted before it (the rollouts mark where a draft was rejected: data/engines/rollout.py)."""
+    new: list[int] = []
+    if max_new_tokens <= 0:
+        return new
+    new.append(seq.begin(prompt))
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        depth = min(spec.depth, max_new_tokens - len(new) - 1)
+        if adaptive is not None:
+            k_step = min(adaptive.next_k(), depth)
+            step_tokens = seq.step(TreeSpec.chain(k_step))
+            adaptive.update(k_step, *seq.last_step)
+        else:
+            step_tokens = seq.step(spec.truncated(depth))
+        if on_step is not None:
+            on_step(len(new), step_tokens)
+        done = False
+        for t in step_tokens:
+            new.append(t)
+            if t in eos or len(new) >= max_new_tokens:
+                done = True
+                break
+        seq.stats.emitted = len(new)
+        if done:
+            break
+    return new

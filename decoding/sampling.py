@@ -34,6 +34,11 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @classmethod
+    def from_flags(cls, do_sample: bool, temperature: float, top_p: float = 1.0, top_k: int = 0) -> SamplingConfig:
+        """`generation.do_sample` (data/config.py): off is greedy whatever temperature says."""
+        return cls(temperature, top_k, top_p) if do_sample else cls()
+
 
 def probs_from_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, top-p.

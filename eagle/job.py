@@ -75,7 +75,7 @@ class EagleJobConfig:
     draft_vocab_size: int = 8192  # EAGLE-3 only (see module docstring)
     w_cls: float = 0.1  # EAGLE-1: weight of the token loss next to the feature regression
     # on-policy training (EAGLE-3): data written by rollouts of our decoder with a head (generation.engine:
-    # speculative, data/rollout.py) marks where verification rejected its draft; those (base, TTT step)
+    # speculative, data/engines/rollout.py) marks where verification rejected its draft; those (base, TTT step)
     # pairs count 1 + replay_weight times in the loss. 0 = plain supervised training on any rows
     replay_weight: float = 0.0
     max_length: int = 512
@@ -147,7 +147,7 @@ class EagleJob(Job):
         has_replay = "replay" in columns if columns is not None else all("replay" in r for r in dataset)
         if cfg.replay_weight and not has_replay:
             raise ConfigError(f"replay_weight: {cfg.data} has no 'replay' column (write it with generation.engine: "
-                              "speculative, data/rollout.py), or set replay_weight: 0")
+                              "speculative, data/engines/rollout.py), or set replay_weight: 0")
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
         self.pad_id = pad_token_id(target)
         L = target.num_layers

@@ -523,7 +523,7 @@ def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_
     """Σ_j w_j · soft-CE(p̃_target, draft) over the selected positions of step j.
 
     replay[j] (bool [n_j], optional): the positions where an on-policy rollout's draft was rejected at step j
-    (data/rollout.py); their cross-entropy counts 1 + replay_weight times. `replay/acc` is the draft's
+    (data/engines/rollout.py); their cross-entropy counts 1 + replay_weight times. `replay/acc` is the draft's
     top-1 accuracy on them (on a head's own rollouts it starts at 0: the draft was rejected there).
 
     logits[j]: [n_j, N] draft logits; teacher[j]: [n_j, N] the target's logits restricted to the draft

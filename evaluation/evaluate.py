@@ -39,7 +39,9 @@ from draftsmith.decoding.budget import VerifyCost
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.generate import GenerationStats, speculative_generate
+from draftsmith.decoding.hf import cut_at_eos, hf_generate, left_padded
 from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype
+from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.decoding.verify import sync
 from draftsmith.distill.proposer import DraftProposer
 from draftsmith.errors import ConfigError
@@ -54,27 +56,16 @@ log = logging.getLogger(__name__)
 
 
 def _hf_generate(model, ids: list[int], cfg: EvalConfig, eos: list[int], pad: int | None, **extra) -> tuple[list[int], float]:
+    """One prompt through transformers' generate (decoding/hf.py), timed: its new tokens and seconds."""
     device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
-    kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos or None, pad_token_id=pad,
-              attention_mask=torch.ones_like(x))
-    if cfg.temperature > 0:
-        kw.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
-    else:
-        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    x, mask = left_padded([ids], pad, device)
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
     sync(device)
     t0 = time.perf_counter()
-    with torch.no_grad(), gemm.disabled():  # the kernels a user's own model runs with
-        out = model.generate(x, **kw, **extra)
+    with gemm.disabled():  # the kernels a user's own model runs with
+        tokens = hf_generate(model, x, mask, cfg.max_new_tokens, sampling, eos, pad, **extra)[0]
     sync(device)
-    return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0
-
-
-def _strip_after_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+    return tokens, time.perf_counter() - t0
 
 
 def machine_info(device: torch.device) -> dict:
@@ -437,11 +428,43 @@ def decode_prompts(setup: Setup) -> list[dict]:
     record per prompt with each run's statistics (from its median run), its measurements, and whether its
     output is the target's."""
     cfg, target, prop = setup.cfg, setup.target, setup.prop
-    tok, gen_kw = target.tokenizer, setup.gen_kw
-    eos = gen_kw["eos_ids"]
+    tok = target.tokenizer
+    eos = setup.gen_kw["eos_ids"]
     pad = pad_token_id(target)
+    runs = _runners(setup, eos, pad)
+    timed = [n for n in runs if n not in UNTIMED]
+    warm = format_prompt(tok, setup.rows[0].text)  # every code path once, not counted
+    for name, run in runs.items():
+        if name != "adaptive":
+            run(warm, cfg.seed, min(8, cfg.max_new_tokens))
 
-    def runner(name: str):  # -> (result, seconds)
+    per_prompt = []
+    for i, row in enumerate(setup.rows):
+        ids = format_prompt(tok, row.text)
+        routed_as = prop.route(domain=row.domain, text=row.text) if prop.routes else None
+        seed = cfg.seed + i
+        measured, branches, rounds = _measure(setup, runs, timed, i, ids, seed)
+        out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
+        for name in runs:
+            if name in UNTIMED:  # decoded for its acceptance only: its speed is not what it reports
+                out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
+        if branches is not None:
+            out["branches"] = branches
+        rec = _record(setup, row, ids, out, routed_as, eos, pad)
+        rec["timing"] = {"rounds": rounds, "measurements": {
+            name: [[round(sec, 6), None if sh is None else round(sh, 4)] for _, sec, sh in measured[name]]
+            for name in timed}, "quiet": {name: _quiet_count(measured[name]) >= cfg.repeats for name in timed}}
+        per_prompt.append(rec)
+        _log_prompt(setup, i, row, rec, rounds)
+    return per_prompt
+
+
+def _runners(setup: Setup, eos: list[int], pad) -> dict:
+    """Every run a prompt is decoded with, in order, by name: each a function (ids, seed, max_new_tokens) ->
+    (result, seconds)."""
+    cfg, target, gen_kw = setup.cfg, setup.target, setup.gen_kw
+
+    def runner(name: str):
         if name == "base":
             return lambda ids, seed, n: _timed(speculative_generate(target, None, [ids], n, k=0, seed=seed, **gen_kw))
         if name == "hf":
@@ -452,55 +475,43 @@ def decode_prompts(setup: Setup) -> list[dict]:
                                                                 **gen_kw))
 
     names = ["base", "spec"] + (["hf"] if cfg.hf_reference else []) + [e.name for e in setup.entries[1:]]
-    runs = {name: runner(name) for name in names}
-    timed = [n for n in names if n not in UNTIMED]
-    warm = format_prompt(tok, setup.rows[0].text)  # every code path once, not counted
-    for name in names:
-        if name != "adaptive":
-            runs[name](warm, cfg.seed, min(8, cfg.max_new_tokens))
+    return {name: runner(name) for name in names}
 
-    per_prompt = []
-    for i, row in enumerate(setup.rows):
-        ids = format_prompt(tok, row.text)
-        routed_as = prop.route(domain=row.domain, text=row.text) if prop.routes else None
-        seed = cfg.seed + i
-        measured: dict[str, list] = {name: [] for name in timed}  # (result, seconds, other CPU share)
-        branches = None
-        rounds = 0
-        while True:
-            shift = (i + rounds) % len(timed)
-            for name in timed[shift:] + timed[:shift]:
-                if name == "spec":
-                    prop.reset_stats()
-                with CpuShare() as share:
-                    result, seconds = runs[name](ids, seed, cfg.max_new_tokens)
-                measured[name].append((result, seconds, share.others))
-                if name == "spec" and prop.tracks_branches and branches is None:
-                    branches = prop.branch_stats()
-            rounds += 1
-            short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
-            if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
-                break
-        out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
-        for name in names:
-            if name in UNTIMED:  # decoded for its acceptance only: its speed is not what it reports
-                out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
-        if branches is not None:
-            out["branches"] = branches
-        rec = _record(setup, row, ids, out, routed_as, eos, pad)
-        rec["timing"] = {"rounds": rounds, "measurements": {
-            name: [[round(sec, 6), None if sh is None else round(sh, 4)] for _, sec, sh in measured[name]]
-            for name in timed}, "quiet": {name: _quiet_count(measured[name]) >= cfg.repeats for name in timed}}
-        per_prompt.append(rec)
-        sp, base = rec["spec"], rec["base"]
-        log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s (median of %d)%s%s",
-                 i + 1, len(setup.rows), row.domain, row.source, rec["new_tokens"],
-                 f"{sp.alpha:.2f}" if sp.alpha is not None else "-", sp.tau or 0, sp.new_tokens / sp.wall_time,
-                 base.new_tokens / base.wall_time,
-                 f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "", rounds,
-                 "" if all(rec["timing"]["quiet"].values()) else " BUSY MACHINE",
-                 "" if rec["lossless"] is not False else " NOT LOSSLESS")
-    return per_prompt
+
+def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int], seed: int):
+    """Prompt i's rounds: every timed run once per round, in an order rotated by prompt and round, until each
+    run has `repeats` quiet measurements or `remeasure` more rounds are spent. Returns each run's
+    measurements (result, seconds, other processes' CPU share), the proposer's branch statistics of its first
+    run (where it keeps them), and the number of rounds."""
+    cfg, prop = setup.cfg, setup.prop
+    measured: dict[str, list] = {name: [] for name in timed}
+    branches = None
+    rounds = 0
+    while True:
+        shift = (i + rounds) % len(timed)
+        for name in timed[shift:] + timed[:shift]:
+            if name == "spec":
+                prop.reset_stats()
+            with CpuShare() as share:
+                result, seconds = runs[name](ids, seed, cfg.max_new_tokens)
+            measured[name].append((result, seconds, share.others))
+            if name == "spec" and prop.tracks_branches and branches is None:
+                branches = prop.branch_stats()
+        rounds += 1
+        short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
+        if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
+            return measured, branches, rounds
+
+
+def _log_prompt(setup: Setup, i: int, row: EvalPrompt, rec: dict, rounds: int) -> None:
+    sp, base = rec["spec"], rec["base"]
+    log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s (median of %d)%s%s",
+             i + 1, len(setup.rows), row.domain, row.source, rec["new_tokens"],
+             f"{sp.alpha:.2f}" if sp.alpha is not None else "-", sp.tau or 0, sp.new_tokens / sp.wall_time,
+             base.new_tokens / base.wall_time,
+             f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "", rounds,
+             "" if all(rec["timing"]["quiet"].values()) else " BUSY MACHINE",
+             "" if rec["lossless"] is not False else " NOT LOSSLESS")
 
 
 # decoded once per prompt, for acceptance only: the uncut GPU-sized tree's speed on this CPU is not reported
@@ -540,7 +551,7 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
     reference = None
     if "hf" in out:
         hf_tokens, hf_time = out["hf"]
-        reference = _strip_after_eos(hf_tokens, eos_set)
+        reference = cut_at_eos(hf_tokens, eos_set)[0]
 
     def same(result) -> bool | None:  # the independent check
         return (result.tokens[0] == reference) if greedy and reference is not None else None
@@ -571,7 +582,7 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
         rec["hf_matches_baseline"] = (reference == base.tokens[0]) if greedy else None
         if setup.assistant is not None:
             as_tokens, as_time = _hf_generate(setup.target.model, ids, cfg, eos, pad, assistant_model=setup.assistant)
-            as_tokens = _strip_after_eos(as_tokens, eos_set)
+            as_tokens = cut_at_eos(as_tokens, eos_set)[0]
             rec["assisted_tokens"], rec["assisted_time"] = len(as_tokens), as_time
             rec["assisted_matches_baseline"] = (as_tokens == reference) if greedy else None
     return rec

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("capture",),
     ("artifact",),  # the artifact directory every method writes and every later stage reads
     ("decoding",),  # the decoder: proposer interface, one verifier, sampling, KV cache, trees, cost model
-    ("data",),  # sources -> rows, and the engines that produce text (local, OpenAI servers, rollouts)
+    ("data",),  # sources -> rows, and data/engines/: everything that produces text, behind one interface
     ("training",),  # the one accelerate loop, checkpoints, trackers, online capture
     ("heads",),  # what the methods share: draft vocabularies, LoRA, KD losses
     # the toolkits a method folder's own export layout and memory estimate are written with (the lower half
@@ -168,7 +168,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 
 def top(module: str) -> str:
-    """The top-level module or folder a module belongs to: draftsmith.data.engine -> data."""
+    """The top-level module or folder a module belongs to: draftsmith.data.engines.continuous -> data."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -7,7 +7,7 @@ head, next to rounds of plain self-distillation on the same prompts, both warm-s
 
 Each round r of a lever takes the round's prompts (a data preset) and
   1. writes their rows: lever `onpolicy` with our speculative decoder and the lever's current head
-     (`generation.engine=speculative`, data/rollout.py: the target's rows plus where the head's draft was
+     (`generation.engine=speculative`, data/engines/rollout.py: the target's rows plus where the head's draft was
      rejected); lever `data` with the batched engine (the same rows, no marks);
   2. merges them with everything the lever had (`draftsmith data merge`) and captures the merged rows
      (teacher-forced, `draftsmith data capture`);

@@ -21,10 +21,13 @@ from draftsmith.data.config import (
     GenerationConfig,
     SourceConfig,
 )
-from draftsmith.data.engine import CaptureSpec, ContinuousBatcher, Request, Sampling, hf_generate
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher
+from draftsmith.data.engines.hf import HFEngine
 from draftsmith.data.masks import masked_spans
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import stdlib_code_rows
+from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import ConfigError, DataError, FingerprintMismatch
 from draftsmith.storage import data_path, shared_data_dir
 
@@ -294,14 +297,14 @@ def test_batched_greedy_equals_one_at_a_time(tiny_target):
         assert {k: c.tokens for k, c in batched.items()} == {k: c.tokens for k, c in single.items()}
     # and equals transformers' own greedy generate, one prompt at a time
     ref = {}
-    hf_generate(tiny_target.model, reqs, [tiny_target.tokenizer.eos_token_id, 5], tiny_target.tokenizer.pad_token_id,
-                1, Sampling(), lambda c: ref.__setitem__(c.key, c))
+    HFEngine(tiny_target.model, [tiny_target.tokenizer.eos_token_id, 5], tiny_target.tokenizer.pad_token_id,
+             1).run(reqs, lambda c: ref.__setitem__(c.key, c))
     assert {k: c.tokens for k, c in ref.items()} == {k: c.tokens for k, c in single.items()}
     assert all(single[r.key].stopped or len(single[r.key].tokens) == r.max_new_tokens for r in reqs)
 
 
 def test_prefill_groups_bound_padding():
-    from draftsmith.data.engine import length_groups
+    from draftsmith.data.engines.continuous import length_groups
 
     lengths = [36, 38, 41, 45, 50, 90, 95, 101, 1350, 40]
     reqs = [Request(i, [7] * n, 4) for i, n in enumerate(lengths)]
@@ -319,7 +322,7 @@ def test_prefill_groups_bound_padding():
 
 @pytest.mark.parametrize("src,dst,length", [(5, 0, 40), (0, 5, 40), (30, 0, 20), (0, 1, 30), (12, 3, 9)])
 def test_cache_columns_move_like_a_copy(src, dst, length):
-    from draftsmith.data.engine import _move_columns
+    from draftsmith.data.engines.continuous import _move_columns
 
     buf = torch.randn(3, 2, 64, 4)
     want = buf.clone()
@@ -330,7 +333,7 @@ def test_cache_columns_move_like_a_copy(src, dst, length):
 
 @pytest.mark.parametrize("additive", [False, True])
 def test_decode_attention_groups_query_heads_like_repeated_kv(additive):
-    from draftsmith.data.engine import _decode_gqa
+    from draftsmith.data.engines.continuous import _decode_gqa
 
     torch.manual_seed(0)
     B, H, KV, T, D = 5, 6, 2, 17, 8
@@ -350,7 +353,7 @@ def test_decode_attention_groups_query_heads_like_repeated_kv(additive):
 
 
 def test_decode_spans_skip_only_masked_columns(tiny_target, monkeypatch):
-    from draftsmith.data import engine
+    from draftsmith.data.engines import continuous as engine
 
     torch.manual_seed(1)
     B, H, KV, T, D = 6, 4, 2, 20, 8
@@ -381,7 +384,7 @@ def test_decode_spans_skip_only_masked_columns(tiny_target, monkeypatch):
 
 def test_sampling_is_seeded_per_row(tiny_target):
     reqs = _random_requests(tiny_target.vocab_size, n=9)
-    s = Sampling(do_sample=True, temperature=4.0, top_p=0.95)
+    s = SamplingConfig(temperature=4.0, top_p=0.95)
     a, b = _run(tiny_target, reqs, 1, sampling=s), _run(tiny_target, reqs, 5, sampling=s)
     assert {k: c.tokens for k, c in a.items()} == {k: c.tokens for k, c in b.items()}
     greedy = _run(tiny_target, reqs, 5)
@@ -632,7 +635,7 @@ def test_the_kv_store_is_freed_when_the_run_returns(tiny_target):
     import gc
     import weakref
 
-    from draftsmith.data import engine
+    from draftsmith.data.engines import continuous as engine
 
     stores = []
     real = engine._SlotStore

@@ -1,5 +1,5 @@
 """On-policy EAGLE-3 training: rollouts by our speculative decoder mark where the head's draft was rejected
-(data/rollout.py), and training weighs those (base, TTT step) pairs up (eagle/job.py `replay_weight`)."""
+(data/engines/rollout.py), and training weighs those (base, TTT step) pairs up (eagle/job.py `replay_weight`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_models import make_target
 
-from draftsmith.data.engine import Request
-from draftsmith.data.rollout import SpeculativeEngine
+from draftsmith.data.engines.base import Request
+from draftsmith.data.engines.rollout import SpeculativeEngine
 from draftsmith.decoding.generate import speculative_generate
 from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig

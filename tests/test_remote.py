@@ -1,4 +1,4 @@
-"""Regeneration through real OpenAI-compatible servers (`generation.backend: openai`, data/remote.py).
+"""Regeneration through real OpenAI-compatible servers (`generation.backend: openai`, data/engines/remote.py).
 
 The servers are `transformers serve` processes (`pip install 'transformers[serving]'`) on 127.0.0.1 serving
 the tiny targets, plus a stdlib HTTP server that answers with errors or not at all. Every server is stopped

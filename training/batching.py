@@ -93,7 +93,7 @@ def pad_rows(rows: list[dict], pad_id: int, max_length: int, context: int = CONT
              prompt_context: int | None = None) -> dict[str, torch.Tensor]:
     """Right-padded [B, T] `input_ids`, `loss_mask` (0 on padding), `attention_mask` and `offset` [B] (each
     row's window start), plus `row_id` [B] when the rows have one and `replay` [B, T] when they carry
-    rollout marks (data/rollout.py). T = the longest window."""
+    rollout marks (data/engines/rollout.py). T = the longest window."""
     spans = [window(list(r["loss_mask"]), max_length, context, prompt_context) for r in rows]
     ids = [list(r["input_ids"])[s:e] for r, (s, e) in zip(rows, spans)]
     masks = [list(r["loss_mask"])[s:e] for r, (s, e) in zip(rows, spans)]
@@ -109,7 +109,7 @@ def pad_rows(rows: list[dict], pad_id: int, max_length: int, context: int = CONT
     out["loss_mask"] *= out["attention_mask"]
     if "row_id" in rows[0]:
         out["row_id"] = torch.tensor([int(r["row_id"]) for r in rows], dtype=torch.long)
-    if rows[0].get("replay") is not None:  # on-policy rollouts' rejection marks (data/rollout.py), windowed alike
+    if rows[0].get("replay") is not None:  # on-policy rollouts' rejection marks (data/engines/rollout.py), windowed alike
         out["replay"] = torch.zeros((len(rows), T), dtype=torch.long)
         for b, (r, (s, e)) in enumerate(zip(rows, spans)):
             x = list(r["replay"])[s:e]

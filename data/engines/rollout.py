@@ -1,7 +1,8 @@
 """On-policy rollouts: our speculative decoder, with the head being trained, writes the rows.
 
 `generation.engine: speculative` (data/config.py) hands the requests of `generate_dataset` to this engine
-instead of the batched decode loop. Each row is decoded alone by `decoding.verify.SequenceVerifier` with
+instead of the batched decode loop. Each row is decoded alone by the decoder's own row loop
+(`decoding.generate.decode_row`, the loop `speculative_generate` runs for evaluation) with
 `generation.proposer` (e.g. `eagle:runs/eagle/round0`), so the rows are the target's own (greedy output
 equals the target's greedy output; sampling keeps its distribution) and, on top of what the batched engine
 writes, every row records the positions where verification rejected the draft:
@@ -29,16 +30,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from draftsmith.data.engine import Completion, Request
-from draftsmith.decoding.generate import GenerationStats
+from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
+from draftsmith.decoding.generate import GenerationStats, decode_row, seeded_generator
 from draftsmith.decoding.proposer import TreeSpec
 from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.decoding.verify import SequenceVerifier
 
 
-class SpeculativeEngine:
-    """`run(requests, on_done, on_tokens)` like `data.engine.ContinuousBatcher`, one row at a time through
+class SpeculativeEngine(TextEngine):
+    """`run(requests, on_done, on_tokens)` like `data.engines.continuous.ContinuousBatcher`, one row at a time through
     the speculative decoder; each Completion carries `replay` (module docstring) over prompt + tokens."""
+
+    report_as = "rollout"  # provenance.json: the head's acceptance on its own rows
 
     def __init__(self, target, proposer, spec: TreeSpec, sampling: SamplingConfig, cost=None):
         self.target, self.proposer, self.spec, self.sampling, self.cost = target, proposer, spec, sampling, cost
@@ -54,35 +57,35 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         tokens = 0
         for req in requests:
-            generator = None
-            if not self.sampling.greedy:
-                generator = torch.Generator(device=device)
-                generator.manual_seed(int(req.seed))
-            seq = SequenceVerifier(self.model, self.proposer, self.sampling, generator, self.target.vocab_size,
-                                   cost=self.cost)
-            P = len(req.prompt_ids)
-            new = [seq.begin(torch.tensor(req.prompt_ids, dtype=torch.long))]
-            replay = [0] * (P + req.max_new_tokens)
-            while len(new) < req.max_new_tokens and new[-1] not in self.eos:
-                depth = min(self.spec.depth, req.max_new_tokens - len(new) - 1)
-                base = P + len(new) - 2  # the pending token x_{base+1} is the last one emitted
-                step = seq.step(self.spec.truncated(depth))
-                if seq.last_rejected and base >= 0:
-                    replay[base] = len(step)  # accepted j = len(step) - 1: step j failed -> j + 1
-                for t in step:
-                    new.append(t)
-                    if t in self.eos or len(new) >= req.max_new_tokens:
-                        break
-            seq.stats.emitted = len(new)
-            self.stats.add(seq.stats, len(new))
-            tokens += len(new)
+            done = self._rollout(req, device)
+            tokens += len(done.tokens)
             if on_tokens is not None:
-                on_tokens(len(new))
-            on_done(Completion(req.key, list(req.prompt_ids), new, stopped=new[-1] in self.eos,
-                               replay=replay[: P + len(new)]))
+                on_tokens(len(done.tokens))
+            on_done(done)
         seconds = time.perf_counter() - t0
         self.stats.wall_time += seconds
-        return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
+        return run_stats(tokens, seconds)
+
+    def _rollout(self, req: Request, device: torch.device) -> Completion:
+        """One row through the decoder's own row loop (`decoding.generate.decode_row`), marking where the
+        draft was rejected."""
+        seq = SequenceVerifier(self.model, self.proposer, self.sampling,
+                               seeded_generator(self.sampling, device, req.seed), self.target.vocab_size,
+                               cost=self.cost)
+        P = len(req.prompt_ids)
+        replay = [0] * (P + req.max_new_tokens)
+
+        def mark(emitted: int, step: list[int]) -> None:
+            base = P + emitted - 2  # the pending token x_{base+1} is the last one emitted
+            if seq.last_rejected and base >= 0:
+                replay[base] = len(step)  # accepted j = len(step) - 1: step j failed -> j + 1
+
+        new = decode_row(seq, torch.tensor(req.prompt_ids, dtype=torch.long), req.max_new_tokens, self.spec,
+                         self.eos, on_step=mark)
+        seq.stats.emitted = len(new)
+        self.stats.add(seq.stats, len(new))
+        return Completion(req.key, list(req.prompt_ids), new, stopped=bool(new) and new[-1] in self.eos,
+                          replay=replay[: P + len(new)])
 
     def describe(self) -> dict:
         """What the rollouts measured: the head's acceptance on its own rows (provenance.json)."""
@@ -98,7 +101,7 @@ def speculative_engine(target, gen) -> SpeculativeEngine:
 
     proposer = build_proposer(gen.proposer, target)
     spec = TreeSpec(tuple(gen.tree)) if gen.tree else TreeSpec.chain(gen.k)
-    sampling = SamplingConfig(gen.temperature, 0, gen.top_p) if gen.do_sample else SamplingConfig(0.0, 0, 1.0)
+    sampling = SamplingConfig.from_flags(gen.do_sample, gen.temperature, gen.top_p)
     cost = None
     if gen.tree_auto:  # as `draftsmith evaluate --tree auto` decodes (evaluation/evaluate.py `_cut_trees`)
         from draftsmith.decoding.budget import VerifyCost

@@ -44,6 +44,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from draftsmith.capture.forward import capture_forward, topk_with_logsumexp
+from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
 from draftsmith.decoding.sampling import SamplingConfig, probs_from_logits, sample
 from draftsmith.targets.families import text_config
 
@@ -129,37 +130,6 @@ def gqa_attention(model) -> Iterator[None]:
     finally:
         for c, o in zip(configs, old):
             c._attn_implementation = o
-
-
-@dataclass
-class Request:
-    key: Any  # the caller's handle (e.g. a row id)
-    prompt_ids: list[int]
-    max_new_tokens: int
-    seed: int = 0
-    # with top-k capture: the first prompt position whose logits are wanted (the one before the first learned
-    # token); earlier positions are stored as zeros, which skips the lm_head over most of a prompt.
-    # None: every position.
-    logits_from: int | None = None
-
-
-@dataclass
-class Completion:
-    key: Any
-    prompt_ids: list[int]
-    tokens: list[int]  # generated ids, the stop token included when one was produced
-    stopped: bool  # True: ended with an EOS id; False: hit max_new_tokens
-    # {"layers": {i: [T,H]}, "last_hidden": [T,H], "topk_values"/"topk_indices": [T,k], "topk_logsumexp": [T]}
-    capture: dict[str, Any] | None = None
-    # on-policy rollouts (data/rollout.py): per position of prompt + tokens, where the draft was rejected
-    replay: list[int] | None = None
-
-
-@dataclass
-class Sampling:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
 
 
 @dataclass
@@ -369,24 +339,24 @@ def length_groups(reqs: Sequence[Request], max_padding: float, max_tokens: int |
     return groups
 
 
-def sample_next(logits: torch.Tensor, sampling: Sampling, gens: Sequence[torch.Generator | None]) -> list[int]:
+def sample_next(logits: torch.Tensor, sampling: SamplingConfig, gens: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row from logits [B, V]: argmax, or temperature + nucleus (top-p) sampling.
 
     Nucleus sampling (Holtzman et al., 2020): keep the smallest prefix of tokens, by descending
     probability, whose mass reaches top_p; renormalise; draw.
     """
-    if not sampling.do_sample:
+    if sampling.greedy:
         return logits.argmax(-1).tolist()
     # the decoder's own warpers (decoding/sampling.py): one definition of temperature and top-p
-    probs = probs_from_logits(logits, SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p))
+    probs = probs_from_logits(logits, sampling)
     return [sample(probs[i], g) for i, g in enumerate(gens)]
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(TextEngine):
     """Decode many prompts with one frozen causal LM. See the module docstring for the scheme."""
 
     def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 32,
-                 sampling: Sampling | None = None, capture: CaptureSpec | None = None,
+                 sampling: SamplingConfig | None = None, capture: CaptureSpec | None = None,
                  refill_fraction: float = 0.25, gqa_sdpa: bool = True, max_padding: float = 0.15,
                  shared_prefix: bool = True, min_prefix: int = 8, prefill_tokens: int = 8192,
                  decode_spans: int = 4):
@@ -394,8 +364,9 @@ class ContinuousBatcher:
         self.eos = set(int(e) for e in eos_token_ids)
         self.pad = int(pad_token_id)
         self.batch_size = batch_size
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling or SamplingConfig()
         self.capture = capture
+        self.captures = capture is not None  # Completion.capture holds the row's states
         # admit new prompts once this many slots are free (prefills are batched, not one by one)
         self.refill = max(1, int(batch_size * refill_fraction))
         # torch's enable_gqa instead of transformers' repeat_kv under a padding mask: 3-6% per decode step
@@ -527,7 +498,7 @@ class ContinuousBatcher:
         rows = []
         for r in reqs:
             row = _Row(r, pos=len(r.prompt_ids))
-            if self.sampling.do_sample:
+            if not self.sampling.greedy:
                 row.gen = _seed_generator(r.seed)
             if self.capture is not None:
                 row.cap = self._new_capture()
@@ -598,15 +569,10 @@ class ContinuousBatcher:
         queue = sorted(requests, key=lambda r: len(r.prompt_ids)) if sort_by_length else list(requests)
         queue.reverse()  # pop() from the end = shortest first
         if not queue:
-            return {"generated_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+            return run_stats(0, 0.0)
         t0 = time.perf_counter()
-        self._prefix = None
-        if self.shared_prefix:
-            S = min(common_prefix_length([r.prompt_ids for r in queue]), min(len(r.prompt_ids) for r in queue) - 1)
-            if S >= self.min_prefix:
-                wants = [r.logits_from for r in queue]  # does any row want logits inside the prefix?
-                self._prefix = self._prefix_forward(queue[0].prompt_ids[:S],
-                                                    all_logits=any(f is None or f < S - 1 for f in wants))
+        self._prefix = None  # so that the prefix's own capture does not start from an earlier run's
+        self._prefix = self._shared_prefix(queue)
         prefill_s = time.perf_counter() - t0
         longest = max(len(r.prompt_ids) for r in queue)
         max_new = max(r.max_new_tokens for r in queue)
@@ -627,36 +593,9 @@ class ContinuousBatcher:
                 continue
             if not rows:
                 break
-            # one decode step for every active row: feed its last token
-            store.ensure_capacity(lambda: store.n + 1)
-            a, n = store.a, store.n
-            ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
-            pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long)
-            store.mask[:a, n] = 1
-            token = _DECODE_SPANS.set(self._spans(store, n + 1))
-            try:
-                logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache)
-            finally:
-                _DECODE_SPANS.reset(token)
-            store.n = n + 1
             steps += 1
-            rows_fed += a
-            if cap is not None:
-                self._record(rows, cap, logits, [(0, 1)] * len(rows))
-            fed_final = [r.done for r in rows]  # these rows were only fed their last token
-            for r in rows:
-                r.pos += 1
-            live = [i for i, r in enumerate(rows) if not r.done]
-            if live:
-                toks = sample_next(logits[live, -1], self.sampling, [rows[i].gen for i in live])
-                for i, tok in zip(live, toks):
-                    self._accept(rows[i], tok)
-                generated += len(live)
-                if on_tokens:
-                    on_tokens(len(live))
-            for r, fed in zip(rows, fed_final):
-                if fed and r.cap is not None:
-                    r.cap["fed_final"] = True
+            rows_fed += store.a
+            generated += self._decode_step(store, rows, on_tokens)
             self._retire(store, rows, on_done)
             store.compact()
         seconds = time.perf_counter() - t0
@@ -665,6 +604,48 @@ class ContinuousBatcher:
         return {"generated_tokens": generated, "prompt_tokens": prompt_tokens, "decode_steps": steps,
                 "seconds": seconds, "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
                 "prefill_seconds": prefill_s, "mean_batch": rows_fed / steps if steps else 0.0}
+
+    def _shared_prefix(self, queue: list[Request]) -> _Prefix | None:
+        """The prompts' common prefix, prefilled once, when it is at least `min_prefix` tokens (every row keeps
+        one token of its own to prefill)."""
+        if not self.shared_prefix:
+            return None
+        S = min(common_prefix_length([r.prompt_ids for r in queue]), min(len(r.prompt_ids) for r in queue) - 1)
+        if S < self.min_prefix:
+            return None
+        wants = [r.logits_from for r in queue]  # does any row want logits inside the prefix?
+        return self._prefix_forward(queue[0].prompt_ids[:S], all_logits=any(f is None or f < S - 1 for f in wants))
+
+    def _decode_step(self, store: _SlotStore, rows: list[_Row], on_tokens) -> int:
+        """One decode step for every active row: feed its last token, sample its next one (rows that are done
+        were fed their final token, for capture, and sample nothing). Returns the tokens sampled."""
+        store.ensure_capacity(lambda: store.n + 1)
+        a, n = store.a, store.n
+        ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
+        pos = torch.tensor([[r.pos] for r in rows], dtype=torch.long)
+        store.mask[:a, n] = 1
+        token = _DECODE_SPANS.set(self._spans(store, n + 1))
+        try:
+            logits, cap = self._forward(ids, store.mask[:a, : n + 1], pos, store.cache)
+        finally:
+            _DECODE_SPANS.reset(token)
+        store.n = n + 1
+        if cap is not None:
+            self._record(rows, cap, logits, [(0, 1)] * len(rows))
+        fed_final = [r.done for r in rows]  # these rows were only fed their last token
+        for r in rows:
+            r.pos += 1
+        live = [i for i, r in enumerate(rows) if not r.done]
+        if live:
+            toks = sample_next(logits[live, -1], self.sampling, [rows[i].gen for i in live])
+            for i, tok in zip(live, toks):
+                self._accept(rows[i], tok)
+            if on_tokens:
+                on_tokens(len(live))
+        for r, fed in zip(rows, fed_final):
+            if fed and r.cap is not None:
+                r.cap["fed_final"] = True
+        return len(live)
 
     def _retire(self, store: _SlotStore, rows: list[_Row], on_done) -> None:
         """Hand finished rows to the caller and compact the slots (last active row moves into the hole)."""
@@ -692,43 +673,3 @@ class ContinuousBatcher:
             cap = {"layers": {i: torch.cat(v) for i, v in c["layers"].items()}}
             cap.update({k: torch.cat(c[k]) if c[k] else None for k in _CAPTURED})
         return Completion(row.req.key, row.req.prompt_ids, row.tokens, row.stopped, cap)
-
-
-@torch.inference_mode()
-def hf_generate(model, requests: Sequence[Request], eos_token_ids: Sequence[int], pad_token_id: int,
-                batch_size: int, sampling: Sampling, on_done: Callable[[Completion], None],
-                on_tokens: Callable[[int], None] | None = None) -> dict[str, float]:
-    """Reference engine: transformers `generate` on static, length-sorted, left-padded batches."""
-    queue = sorted(requests, key=lambda r: len(r.prompt_ids))
-    eos = set(int(e) for e in eos_token_ids)
-    generated = 0
-    t0 = time.perf_counter()
-    for s in range(0, len(queue), batch_size):
-        batch = queue[s : s + batch_size]
-        P = max(len(r.prompt_ids) for r in batch)
-        ids = torch.full((len(batch), P), pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(batch):
-            ids[i, P - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, P - len(r.prompt_ids):] = 1
-        if sampling.do_sample:
-            torch.manual_seed(batch[0].seed)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(r.max_new_tokens for r in batch),
-                             do_sample=sampling.do_sample, temperature=sampling.temperature if sampling.do_sample else None,
-                             top_p=sampling.top_p if sampling.do_sample else None, top_k=None,
-                             eos_token_id=sorted(eos), pad_token_id=pad_token_id)
-        for i, r in enumerate(batch):
-            toks = []
-            stopped = False
-            for t in out[i, P:].tolist()[: r.max_new_tokens]:
-                toks.append(t)
-                if t in eos:
-                    stopped = True
-                    break
-            generated += len(toks)
-            if on_tokens:
-                on_tokens(len(toks))
-            on_done(Completion(r.key, r.prompt_ids, toks, stopped))
-    seconds = time.perf_counter() - t0
-    return {"generated_tokens": generated, "seconds": seconds,
-            "tokens_per_s": generated / seconds if seconds > 0 else 0.0}

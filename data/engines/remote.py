@@ -38,7 +38,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftsmith.data.engine import Completion, Request
+from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
 from draftsmith.data.masks import encode_text
 from draftsmith.errors import DataError, FingerprintMismatch
 
@@ -147,8 +147,10 @@ def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
     return ends[0][0]
 
 
-class RemoteEngine:
+class RemoteEngine(TextEngine):
     """Drives `base_urls` like the embedded engine: `run(requests, on_done, on_tokens)`."""
+
+    report_as = "servers"  # provenance.json: each server's rows, retries and why it left
 
     def __init__(self, tokenizer, eos_ids: list[int], gen, chat_mode: str, vocab_size: int | None = None):
         self.tok = tokenizer
@@ -277,7 +279,7 @@ class RemoteEngine:
 
     def run(self, requests: list[Request], on_done, on_tokens=None) -> dict[str, float]:
         if not requests:
-            return {"generated_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+            return run_stats(0, 0.0)
         if not self.checked:
             self.check_servers()
         for r in requests:
@@ -287,75 +289,83 @@ class RemoteEngine:
             todo.put(r)
         results: queue.Queue = queue.Queue()
         stop = threading.Event()
-        gen = self.gen
-
-        def worker(s: _Server) -> None:
-            while not stop.is_set() and not s.dead:
-                try:
-                    req = todo.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                for attempt in range(gen.max_retries + 1):
-                    if stop.is_set() or s.dead:
-                        todo.put(req)
-                        return
-                    s.requests += 1
-                    try:
-                        results.put((s, req, self._complete(s, req)))
-                        s.last_error = None
-                        break
-                    except _Retry as e:
-                        s.failures += 1
-                        s.last_error = str(e)
-                        if attempt < gen.max_retries:
-                            stop.wait(gen.retry_backoff * 2 ** attempt)
-                    except _Refused as e:
-                        results.put((s, req, e))
-                        return
-                    except Exception as e:  # a bug here must reach the caller, not kill a thread silently
-                        results.put((s, req, e))
-                        return
-                else:
-                    s.dead = f"{gen.max_retries + 1} tries failed, last: {s.last_error}"
-                    log.warning("server %s left the run: %s; its rows go to the others", s.url, s.dead)
-                    todo.put(req)
-                    results.put((s, None, None))  # wakes the main loop to see who is left
-
-        threads = [threading.Thread(target=worker, args=(s,), daemon=True, name=f"openai-{s.url}")
-                   for s in self.servers if not s.dead for _ in range(gen.concurrency)]
+        threads = [threading.Thread(target=self._worker, args=(s, todo, results, stop), daemon=True,
+                                    name=f"openai-{s.url}")
+                   for s in self.servers if not s.dead for _ in range(self.gen.concurrency)]
         t0 = time.perf_counter()
-        generated, pending = 0, len(requests)
         for t in threads:
             t.start()
         try:
-            while pending:
-                try:
-                    s, req, got = results.get(timeout=0.5)
-                except queue.Empty:
-                    got = None
-                if isinstance(got, _Mismatch):
-                    raise FingerprintMismatch(f"server {s.url} (model {s.model!r}) refused: it {got}")
-                if isinstance(got, _Refused):
-                    raise DataError(f"server {s.url} rejected a request: {got}")
-                if isinstance(got, Exception):
-                    raise got
-                if isinstance(got, Completion):
-                    pending -= 1
-                    s.rows += 1
-                    generated += len(got.tokens)
-                    if on_tokens is not None:
-                        on_tokens(len(got.tokens))
-                    on_done(got)
-                elif all(x.dead for x in self.servers):
-                    raise DataError(f"every server failed ({pending} requests left): "
-                                    + "; ".join(f"{x.url}: {x.dead}" for x in self.servers))
+            generated = self._collect(results, len(requests), on_done, on_tokens)
         finally:
             stop.set()
             for t in threads:  # a worker inside a request returns within request_timeout; none waits longer
                 t.join(timeout=0.2)
         seconds = time.perf_counter() - t0
-        return {"generated_tokens": generated, "seconds": seconds,
-                "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+        return run_stats(generated, seconds)
+
+    def _worker(self, s: _Server, todo: queue.Queue, results: queue.Queue, stop: threading.Event) -> None:
+        """One of server `s`'s `concurrency` threads: takes requests until the run stops or `s` leaves it.
+        Puts (server, request, Completion or the error that ends the run) on `results`; a request whose
+        retries all failed goes back to `todo` for the other servers, and `s` leaves the run."""
+        gen = self.gen
+        while not stop.is_set() and not s.dead:
+            try:
+                req = todo.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            for attempt in range(gen.max_retries + 1):
+                if stop.is_set() or s.dead:
+                    todo.put(req)
+                    return
+                s.requests += 1
+                try:
+                    results.put((s, req, self._complete(s, req)))
+                    s.last_error = None
+                    break
+                except _Retry as e:
+                    s.failures += 1
+                    s.last_error = str(e)
+                    if attempt < gen.max_retries:
+                        stop.wait(gen.retry_backoff * 2 ** attempt)
+                except _Refused as e:
+                    results.put((s, req, e))
+                    return
+                except Exception as e:  # a bug here must reach the caller, not kill a thread silently
+                    results.put((s, req, e))
+                    return
+            else:
+                s.dead = f"{gen.max_retries + 1} tries failed, last: {s.last_error}"
+                log.warning("server %s left the run: %s; its rows go to the others", s.url, s.dead)
+                todo.put(req)
+                results.put((s, None, None))  # wakes the main loop to see who is left
+
+    def _collect(self, results: queue.Queue, pending: int, on_done, on_tokens) -> int:
+        """Hand each completion to `on_done` as the workers deliver it, until `pending` are done; a refusal,
+        a bug in a worker or the last server leaving ends the run. Returns the tokens generated."""
+        generated = 0
+        while pending:
+            try:
+                s, req, got = results.get(timeout=0.5)
+            except queue.Empty:
+                got = None
+            if isinstance(got, _Mismatch):
+                raise FingerprintMismatch(f"server {s.url} (model {s.model!r}) refused: it {got}")
+            if isinstance(got, _Refused):
+                raise DataError(f"server {s.url} rejected a request: {got}")
+            if isinstance(got, Exception):
+                raise got
+            if isinstance(got, Completion):
+                pending -= 1
+                s.rows += 1
+                generated += len(got.tokens)
+                if on_tokens is not None:
+                    on_tokens(len(got.tokens))
+                on_done(got)
+            elif all(x.dead for x in self.servers):
+                raise DataError(f"every server failed ({pending} requests left): "
+                                + "; ".join(f"{x.url}: {x.dead}" for x in self.servers))
+        return generated
 
     def describe(self) -> dict:
         return {"model": self.model, "servers": [
