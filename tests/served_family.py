@@ -14,7 +14,7 @@ PROMPTS = ["What is the capital of France?", "def add(a, b):", "How many clips d
            "Translate the sentence into French.", "for i in range(10):", "Summarize the passage in one sentence.",
            "The quick brown fox", "import os"]
 K = 3  # chain length on the tiny targets (the Medusa heads trained there are 3)
-KINDS = ("eagle3", "eagle1", "medusa", "draft")  # what draftsmith exports for vLLM; "ngram" is vLLM's own control
+KINDS = ("eagle3", "eagle31", "eagle1", "medusa", "draft", "dflash")  # what draftsmith exports for vLLM; "ngram": vLLM's control
 
 
 def _train_cfg(tmp: Path, name: str, steps: int):
@@ -40,6 +40,20 @@ def _zero_fc_bias(art: Path, target) -> Path:
     cfg = json.loads((art / "config.json").read_text())
     out = art.with_name(art.name + "-nobias")
     return artifact.save_artifact(out, artifact.make_manifest("eagle", manifest["target"], manifest.get("data") or {}),
+                                  state, cfg)
+
+
+def _distinct_k_norms(art: Path, target) -> Path:
+    """The same DFlash draft with each layer's k_norm weight scaled by its own factor: a few steps of training
+    leave them all near 1, where a kernel applying one layer's norm to every layer's keys (vLLM's CPU build,
+    export/vllm_run.py) would go unnoticed. Saved as an artifact of its own, decoded by vLLM and draftsmith."""
+    from draftsmith import artifact
+
+    manifest, state = artifact.load_artifact(art, kind="dflash", target=target)
+    state = {k: (v * (0.6 + 0.5 * int(k.split(".")[1])) if k.endswith("k_norm.weight") else v) for k, v in state.items()}
+    cfg = json.loads((art / "config.json").read_text())
+    out = art.with_name(art.name + "-knorm")
+    return artifact.save_artifact(out, artifact.make_manifest("dflash", manifest["target"], manifest.get("data") or {}),
                                   state, cfg)
 
 
@@ -78,6 +92,21 @@ class TinyFamily:
             self.artifacts[version] = Path(train(EagleJob(ecfg, self.target, rows), ecfg.train).artifact)
         if "eagle1" in kinds:
             self.artifacts["eagle1"] = _zero_fc_bias(self.artifacts["eagle1"], self.target)
+        if "eagle31" in kinds:  # EAGLE-3.1: a norm per fused layer, later steps read the normalised output
+            ecfg = EagleJobConfig(target=str(self.folder), data="in-memory", output=str(tmp / "eagle31"),
+                                  target_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=128, max_length=64,
+                                  fc_norm=True, norm_output=True, train=_train_cfg(tmp, "eagle31", steps),
+                                  evaluate=no_eval)
+            self.artifacts["eagle31"] = Path(train(EagleJob(ecfg, self.target, rows), ecfg.train).artifact)
+        if "dflash" in kinds:
+            from draftsmith.dflash.job import DFlashJob, DFlashJobConfig
+
+            # two draft layers: vLLM's multi-layer context path (its CPU kernel needed a fix, export/vllm_run.py)
+            fcfg = DFlashJobConfig(target=str(self.folder), data="in-memory", output=str(tmp / "dflash"), num_layers=2,
+                                   block_size=K + 1, target_layers=[0, 1, 2], anchors_per_row=8, max_length=64,
+                                   train=_train_cfg(tmp, "dflash", steps), evaluate=no_eval)
+            self.artifacts["dflash"] = _distinct_k_norms(Path(train(DFlashJob(fcfg, self.target, rows), fcfg.train).artifact),
+                                                         self.target)
         if "draft" in kinds:
             dcfg = DistillConfig()
             dcfg.target, dcfg.train = str(self.folder), _train_cfg(tmp, "distill", steps)
@@ -94,14 +123,15 @@ class TinyFamily:
         return export_artifact(self.artifacts[kind], "vllm", self.tmp / f"{kind}-vllm", self.target,
                                num_speculative_tokens=K)
 
-    def check(self, kind: str, export: Path | None = None) -> dict:
+    def check(self, kind: str, export: Path | None = None, patches: bool = True) -> dict:
         from draftsmith.export.serve_check import serve_check
 
         if kind != "ngram" and export is None:
             export = self.export(kind).out
-        report = serve_check(export, self.target, [self.prompts], self.tmp / f"{kind}-check", k=K, max_new_tokens=64,
+        where = self.tmp / f"{kind}-check{'' if patches else '-raw'}"
+        report = serve_check(export, self.target, [self.prompts], where, k=K, max_new_tokens=64,
                              limit_per_domain=None, batch=4, timeout=600, method="ngram" if kind == "ngram" else None,
-                             plain=self.plain)
+                             plain=self.plain, patches=patches)
         if self.plain is None:
             self.plain = json.loads((self.tmp / f"{kind}-check" / "vllm-plain.result.json").read_text())
         return report

