@@ -1,15 +1,15 @@
 """`draftsmith bench`: self-distil, train every artifact, evaluate everything, write the tables — one run.
 
-Stages (each a `draftsmith` / `python -m` subprocess with its own log under `<results>/logs/`, so that
-every number carries the exact command that produced it, and memory is returned between stages):
+Stages (each a `draftsmith` subprocess with its own log under `<results>/logs/`, so that every number
+carries the exact command that produced it, and memory is returned between stages):
 
     data       draftsmith data generate (or reuse an existing dataset)
-    engine     python -m draftsmith.benchmark.engine: continuous batching vs one prompt at a time vs HF generate
-    baseline   python -m draftsmith.evaluation.baseline: is plain decoding's one-token step not slower than a
+    engine     draftsmith bench engine: continuous batching vs one prompt at a time vs HF generate
+    baseline   draftsmith bench baseline: is plain decoding's one-token step not slower than a
                two-token verify forward? (the summary says FAILED where it is: every speedup would be inflated)
-    llamacpp   python -m draftsmith.benchmark.llamacpp: llama.cpp's tokens/s on the same GGUF and prompts,
+    llamacpp   draftsmith bench llamacpp: llama.cpp's tokens/s on the same GGUF and prompts,
                beside our plain decoding (where `make setup-llamacpp` installed it and the target is a GGUF)
-    train/<a>  draftsmith distill | train medusa | train eagle with the budget's max steps
+    train/<a>  draftsmith train draft | medusa | eagle with the budget's max steps
     eval/<a>   draftsmith evaluate: each artifact and baseline vs plain decoding (k = 0) and HF generate
                (+ HF assisted generation for draft models), per domain, in the same process
     summary    summary.json / summary.md / plots; BENCHMARKS.md's generated block for this target+budget
@@ -91,13 +91,22 @@ def shown_command(argv: list[str]) -> str:
     return _as_typed(" ".join(shlex.quote(a) for a in argv))
 
 
+# the timing modules older results folders ran as `python -m MODULE`: the `draftsmith bench` job that runs
+# the same measurement now, so that a table rendered from such a folder shows a command that still runs
+MOVED_STAGES = {"draftsmith.benchmark.engine": "bench engine", "draftsmith.evaluation.baseline": "bench baseline",
+                "draftsmith.benchmark.llamacpp": "bench llamacpp"}
+
+
 def _as_typed(cmd: str | None) -> str | None:
     """A command with an interpreter path (`/x/.venv/bin/python -m draftsmith.cli ...`; results folders from
     before `shown_command` recorded them so) shown as typed."""
     if not cmd:
         return cmd
     cmd = re.sub(r"^\S*/python[0-9.]* -m draftsmith\.cli ", "draftsmith ", cmd)
-    return re.sub(r"^\S*/python[0-9.]* -m ", "python -m ", cmd)
+    cmd = re.sub(r"^\S*/python[0-9.]* -m ", "python -m ", cmd)
+    for module, job in MOVED_STAGES.items():
+        cmd = re.sub(rf"^python -m {re.escape(module)}(?= |$)", f"draftsmith {job}", cmd)
+    return cmd
 
 
 def _draftsmith() -> list[str]:
@@ -177,12 +186,12 @@ class Bench:
         b = self.b
         n = b.engine_prompts
         specs = f"cb:{n},cap:{n},hf:{min(n, 16)},cb:1"
-        argv = [sys.executable, "-m", "draftsmith.benchmark.engine", str(n), str(b.engine_new_tokens), specs,
-                self.cfg.target, "--json", str(self.out / "engine.json")]
+        argv = [*_draftsmith(), "bench", "engine", str(n), str(b.engine_new_tokens), specs, self.cfg.target,
+                "--json", str(self.out / "engine.json")]
         self._stage("engine", self.out / "engine.json", argv)
 
     def stage_baseline(self) -> None:
-        argv = [sys.executable, "-m", "draftsmith.evaluation.baseline", self.cfg.target,
+        argv = [*_draftsmith(), "bench", "baseline", self.cfg.target,
                 "--repeats", str(max(self.b.cost_repeats, 5)), "--json", str(self.out / "baseline.json"),
                 "--record-only"]
         self._stage("baseline", self.out / "baseline.json", argv)
@@ -202,7 +211,7 @@ class Bench:
             self.stages["llamacpp"] = {"stage": "llamacpp", "skipped": skip}
             return
         b = self.b
-        argv = [sys.executable, "-m", "draftsmith.benchmark.llamacpp", self.cfg.target,
+        argv = [*_draftsmith(), "bench", "llamacpp", self.cfg.target,
                 "--max-new-tokens", str(b.max_new_tokens), "--json", str(self.out / "llamacpp.json")]
         if b.limit_per_domain is not None:
             argv += ["--limit-per-domain", str(b.limit_per_domain)]

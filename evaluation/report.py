@@ -167,7 +167,7 @@ def render_markdown(report: dict) -> str:
             lines += ["", f"**v(k) < {V_BELOW_ONE} at k = {', '.join(cheaper)}: a forward over more tokens measured "
                           "faster than the one-token step, so the one-token step (plain decoding, the baseline of "
                           "every speedup here) is not on this machine's fastest kernel and the speedups are "
-                          "inflated. Check `python -m draftsmith.evaluation.baseline` and the kernel plan above.**"]
+                          "inflated. Check `draftsmith bench baseline` and the kernel plan above.**"]
     if cm.get("v_tree"):
         vt = cm["v_tree"]
         lines += ["", "v(n) with the tree mask, used to size the trees (decoding/budget.py):", "",

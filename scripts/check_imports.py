@@ -66,11 +66,7 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {
 }
 
 # frozenset of the modules of one cycle -> why it stays
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"draftsmith.targets.gemm", "draftsmith.targets.loading"}):
-        "loading calibrates the kernel plan when it freezes a target; gemm's own command line "
-        "(`python -m draftsmith.targets.gemm`, in main() only) loads a target to time it",
-}
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
