@@ -29,6 +29,8 @@ job.
               for `draftsmith check` (checks.inspect_artifact)
     train_memory  (job config, target config, activation bytes) -> `planning.train_memory.JobMemory`, for
               `draftsmith plan --config`
+    commands  (subparsers) -> None: adds the method's own subcommands to `draftsmith` (a job only this method
+              has, e.g. Medusa-2's `medusa2-drift`); the CLI calls it after its own commands
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Method:
     aliases: tuple[str, ...] = ()  # other names bench presets may give its job (`distill` for `draft`)
     own_tree: bool = False  # its proposer has a tree of its own: end-of-training evaluation verifies it
     job: Any = None  # its `training.job.Job` class: then `train` may be None and the one runner trains it
+    commands: Any = None  # register(subparsers): subcommands of its own, which the CLI adds beside the others
 
     def get(self, what: str) -> Any:
         """The object a reference field names, imported on first use."""

@@ -60,7 +60,6 @@ METHODS = {"distill", "medusa", "eagle"}
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("draftsmith.data.commands", "draftsmith.training.batching"): "`draftsmith data stats` reports how the rows "
         "batch for training",
-    ("draftsmith.medusa.medusa2", "draftsmith.cli"): "medusa2.py has a `__main__` of its own",
     ("draftsmith.training.checkpoint", "draftsmith.export.verify"): "a checkpoint's safetensors headers are "
         "read by export's reader",
 }
