@@ -78,7 +78,7 @@ class Method:
     data_key: str = "data"  # the config key naming the self-distilled dataset (retrain and bench set it)
     output_key: str | None = "output"  # the config key naming the artifact folder; None: the job writes
     #                                    <train.output_dir>/artifact
-    command: tuple[str, ...] = ()  # the CLI words that run the job, when not `train NAME`
+    command: tuple[str, ...] = ()  # a one-word alias of `train NAME` (`distill` for `train draft`)
     aliases: tuple[str, ...] = ()  # other names bench presets may give its job (`distill` for `draft`)
     own_tree: bool = False  # its proposer has a tree of its own: end-of-training evaluation verifies it
     job: Any = None  # its `training.job.Job` class: then `train` may be None and the one runner trains it
@@ -96,7 +96,7 @@ class Method:
 
     @property
     def cli(self) -> tuple[str, ...]:
-        return self.command or ("train", self.name)
+        return ("train", self.name)  # the documented form, whatever alias the method declares
 
 
 _METHODS: dict[str, Method] = {}
