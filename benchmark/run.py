@@ -361,12 +361,24 @@ def _f(v, fmt=".3f") -> str:
 
 
 def render(s: dict) -> str:
+    """The summary as BENCHMARKS.md's block: where it ran, each stage's measurement, then the tables."""
+    lines = [*_render_header(s), *_render_stages(s), *_render_training(s), *_render_winners(s),
+             *_render_proposers(s)]
+    return "\n".join(lines)
+
+
+def _render_header(s: dict) -> list[str]:
     m = s["machine"]
-    lines = [f"### `{s['target']}`, budget `{s['budget']}` — {s['date']}", "",
-             f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}, transformers {m['transformers']}, "
-             f"Python {m['python']}. Results: `{s['results']}` (reports, logs, plots). Reproduce: "
-             f"`draftsmith bench --config configs/bench/{s['target']}.yaml"
-             f"{' --quick' if s['budget'] == 'quick' else ''}`.", ""]
+    return [f"### `{s['target']}`, budget `{s['budget']}` — {s['date']}", "",
+            f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}, transformers {m['transformers']}, "
+            f"Python {m['python']}. Results: `{s['results']}` (reports, logs, plots). Reproduce: "
+            f"`draftsmith bench --config configs/bench/{s['target']}.yaml"
+            f"{' --quick' if s['budget'] == 'quick' else ''}`.", ""]
+
+
+def _render_stages(s: dict) -> list[str]:
+    """One paragraph per measurement stage that ran: data, plain decoding's step, llama.cpp, the data engine."""
+    lines: list[str] = []
     d = s.get("data") or {}
     if d:
         lines += [f"**Data**: {d.get('rows')} rows, {d.get('tokens')} tokens, "
@@ -391,16 +403,25 @@ def render(s: dict) -> str:
     if e:
         lines += ["**Data engine** (same prompts, one process): " + ", ".join(
             f"{k} {v['tok_s']} tok/s" for k, v in e["engines"].items()) + f". Command: `{e.get('command')}`", ""]
-    if s["training"]:
-        lines += ["| artifact | job | steps | train rows | training time | peak RSS | command |", "|---|---|---|---|---|---|---|"]
-        for n, t in s["training"].items():
-            lines.append(f"| {n} | {t['job']} | {t['steps']} | {t['train_rows']} | {_f(t['seconds'], '.0f')} s | "
-                         f"{_f(t['peak_rss_mb'], '.0f')} MB | `{t['command']}` |")
-        lines.append("")
+    return lines
+
+
+def _render_training(s: dict) -> list[str]:
+    if not s["training"]:
+        return []
+    lines = ["| artifact | job | steps | train rows | training time | peak RSS | command |", "|---|---|---|---|---|---|---|"]
+    for n, t in s["training"].items():
+        lines.append(f"| {n} | {t['job']} | {t['steps']} | {t['train_rows']} | {_f(t['seconds'], '.0f')} s | "
+                     f"{_f(t['peak_rss_mb'], '.0f')} MB | `{t['command']}` |")
+    return lines + [""]
+
+
+def _render_winners(s: dict) -> list[str]:
+    """α / τ / speedup of every proposer per domain, and the winner of each domain."""
     names = list(s["reports"])
     domains = sorted({dd for r in s["reports"].values() for dd in r["domains"]})
-    lines += ["| domain | " + " | ".join(f"{n} α / τ / speedup" for n in names) + " | winner |",
-              "|---|" + "---|" * (len(names) + 1)]
+    lines = ["| domain | " + " | ".join(f"{n} α / τ / speedup" for n in names) + " | winner |",
+             "|---|" + "---|" * (len(names) + 1)]
     for dom in domains + ["overall"]:
         cells, best = [], (1.0, "plain decoding")
         for n in names:
@@ -426,12 +447,16 @@ def render(s: dict) -> str:
         lines += ["", f"**Some prompts of {', '.join(busy)} could not be timed validly (other processes used the CPU, "
                       "or an impossible speedup): their speedups count only the prompts that were (each report's "
                       "`contention.invalid` names the others).**"]
-    lines += ["", "| proposer | lossless | τ (GPU-sized tree) | tokens/s | plain tokens/s | speedup vs plain | "
-              "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | "
-              "peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lc_tps = _f((lc or {}).get("tokens_per_s", {}).get("llama.cpp"), ".1f")
-    for n in names:
-        r = s["reports"][n]
+    return lines
+
+
+def _render_proposers(s: dict) -> list[str]:
+    """Per proposer: losslessness, speeds against every reference, the cost model, memory and its command."""
+    lines = ["", "| proposer | lossless | τ (GPU-sized tree) | tokens/s | plain tokens/s | speedup vs plain | "
+             "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | "
+             "peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lc_tps = _f((s.get("llamacpp") or {}).get("tokens_per_s", {}).get("llama.cpp"), ".1f")
+    for n, r in s["reports"].items():
         o, v = r["overall"], r.get("v") or {}
         ha = r.get("hf_assisted")
         has = "–" if not ha else f"{_f(ha.get('tokens_per_s'), '.1f')} tok/s, same output: {_f(ha.get('matches_target_greedy'))}"
@@ -444,7 +469,7 @@ def render(s: dict) -> str:
                      f"{_f(v.get('4'), '.2f')} | {_f(r.get('peak_rss_mb'), '.0f')} MB | `{r['command']}` |")
     lines += ["", f"Per-position acceptance and the v(k) curves: `{s['results']}/acceptance.png`, "
               f"`{s['results']}/verify_cost.png`.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def plot_summary(s: dict, out: Path) -> None:
