@@ -40,7 +40,7 @@ $(VENV)/.deepspeed-installed: $(STAMP)
 	touch $@
 
 # llama.cpp, the CPU engine a user would pick instead: an outside reference in `draftsmith bench` and
-# `python -m draftsmith.benchmark.llamacpp`. Built from its source package for this CPU (-march=native; about
+# `draftsmith bench llamacpp`. Built from its source package for this CPU (-march=native; about
 # 8 minutes on 2 cores, less without the multimodal tools); not part of setup.
 setup-llamacpp: setup
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/pip install -q --no-binary llama-cpp-python llama-cpp-python==0.3.36

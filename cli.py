@@ -1,5 +1,6 @@
-"""The `draftsmith` command. Each subsystem registers its own subcommands from `<folder>/commands.py`
-(`register(subparsers)`); a subsystem that is not built has no subcommand, rather than a stub.
+"""The `draftsmith` command, the one entry point of every job. Each subsystem registers its own subcommands
+from `<folder>/commands.py` (`register(subparsers)`), and a method folder may add its own jobs
+(`Method.commands`); a subsystem that is not built has no subcommand, rather than a stub.
 
 User errors (DraftsmithError) print one line and exit 2; anything else prints one line naming the
 exception and exits 1 (DRAFTSMITH_DEBUG=1 shows the traceback).
@@ -13,7 +14,7 @@ import logging
 import os
 import sys
 
-from draftsmith import __version__
+from draftsmith import __version__, methods
 from draftsmith.errors import DraftsmithError
 
 COMMAND_MODULES = [
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that subsystem is not built yet: no subcommand
             raise
         module.register(subparsers)
+    for method in methods.all_methods():  # a method's own jobs come with its folder (Method.commands)
+        if method.commands is not None:
+            method.get("commands")(subparsers)
     return parser
 
 

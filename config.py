@@ -87,24 +87,12 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """`value` (from YAML or an override) as the annotated type `tp`; a one-line error naming `where`."""
     origin = get_origin(tp)
     if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(f"{where}: null is not allowed (expected {_type_name(tp)})")
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {show(value)} fits none of {_type_name(tp)}")
+        return _coerce_union(tp, value, where)
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
@@ -116,17 +104,49 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
         return from_dict(tp, value, where)
-    if origin in (list, tuple, typing.Sequence):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
-        (item_tp, *_) = get_args(tp) or (Any,)
-        items = [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+    if origin in (list, tuple, typing.Sequence, dict):
+        return _coerce_container(tp, origin, value, where)
+    if tp in (bool, int, float, str):
+        return _coerce_scalar(tp, value, where)
+    if tp is Path:
+        return Path(value)
+    return value
+
+
+def _coerce_union(tp: Any, value: Any, where: str) -> Any:
+    """The first member of the union `value` fits (null only where the union holds None)."""
+    args = get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{where}: null is not allowed (expected {_type_name(tp)})")
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(arg, value, where)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {show(value)} fits none of {_type_name(tp)}")
+
+
+def _coerce_container(tp: Any, origin: Any, value: Any, where: str) -> Any:
+    """A list, tuple or sequence, item by item; a dict, key and value by key and value."""
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
         key_tp, val_tp = get_args(tp) or (Any, Any)
         return {_coerce(key_tp, k, where): _coerce(val_tp, v, f"{where}.{k}") for k, v in value.items()}
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+    (item_tp, *_) = get_args(tp) or (Any,)
+    items = [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _coerce_scalar(tp: type, value: Any, where: str) -> Any:
+    """bool, int, float or str: only what YAML could mean by it (no true for 1, no 1 for true)."""
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -144,15 +164,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             except ValueError:
                 pass
         raise ConfigError(f"{where}: expected a number, got {show(value)}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{where}: expected a string, got {show(value)}")
-    if tp is Path:
-        return Path(value)
-    return value
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{where}: expected a string, got {show(value)}")
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:

@@ -29,6 +29,8 @@ job.
               for `draftsmith check` (checks.inspect_artifact)
     train_memory  (job config, target config, activation bytes) -> `planning.train_memory.JobMemory`, for
               `draftsmith plan --config`
+    commands  (subparsers) -> None: adds the method's own subcommands to `draftsmith` (a job only this method
+              has, e.g. Medusa-2's `medusa2-drift`); the CLI calls it after its own commands
 """
 
 from __future__ import annotations
@@ -77,10 +79,11 @@ class Method:
     data_key: str = "data"  # the config key naming the self-distilled dataset (retrain and bench set it)
     output_key: str | None = "output"  # the config key naming the artifact folder; None: the job writes
     #                                    <train.output_dir>/artifact
-    command: tuple[str, ...] = ()  # the CLI words that run the job, when not `train NAME`
+    command: tuple[str, ...] = ()  # a one-word alias of `train NAME` (`distill` for `train draft`)
     aliases: tuple[str, ...] = ()  # other names bench presets may give its job (`distill` for `draft`)
     own_tree: bool = False  # its proposer has a tree of its own: end-of-training evaluation verifies it
     job: Any = None  # its `training.job.Job` class: then `train` may be None and the one runner trains it
+    commands: Any = None  # register(subparsers): subcommands of its own, which the CLI adds beside the others
 
     def get(self, what: str) -> Any:
         """The object a reference field names, imported on first use."""
@@ -94,7 +97,7 @@ class Method:
 
     @property
     def cli(self) -> tuple[str, ...]:
-        return self.command or ("train", self.name)
+        return ("train", self.name)  # the documented form, whatever alias the method declares
 
 
 _METHODS: dict[str, Method] = {}

@@ -1,6 +1,6 @@
 """Teacher-forced capture against generation with capture, on the same rows, in one process.
 
-    nice python -m draftsmith.benchmark.capture 96 128 [TARGET] [--batch 96] [--json OUT]
+    nice draftsmith bench capture 96 128 [TARGET] [--batch 96] [--json OUT]
 
 N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks, chat-formatted, as benchmark/engine.py
 takes them) are answered by the continuous-batching engine keeping what `data generate` keeps with
@@ -13,40 +13,30 @@ logits). The learned tokens are the same in both, so the ratio of the two times 
 from __future__ import annotations
 
 import dataclasses
-import sys
 import tempfile
 
 import torch
 
-from draftsmith.benchmark.engine import TRAIN, emit, read_rows, take_flag
+from draftsmith.benchmark.engine import bench_prompts, emit
 from draftsmith.capture.config import CaptureConfig
 from draftsmith.capture.layers import bench_layers
 from draftsmith.capture.offline import capture_rows
 from draftsmith.data.engines.base import Request
 from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher
-from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.targets import load_target
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.precision import inference_copy, inference_dtype
 
 
-def main(argv: list[str]) -> dict:
-    argv = list(argv)
-    json_out = take_flag(argv, "--json")
-    batch = int(take_flag(argv, "--batch", 96))
-    n, max_new = int(argv[0]), int(argv[1])
-    spec = argv[2] if len(argv) > 2 else "smollm2-135m"
+def run(n: int, max_new: int, spec: str = "smollm2-135m", batch: int = 96, json_out: str | None = None) -> dict:
+    """Generation with capture at `batch`, then teacher-forced capture of the same rows; the two timings."""
     torch.set_num_threads(2)
     target = load_target(spec)
     dtype = inference_dtype(target.device, "auto")
     writing = dataclasses.replace(target, model=inference_copy(target.model, dtype, True))
     layers = bench_layers(target.num_layers)
-    rows = read_rows(TRAIN / "gsm8k_train.jsonl.gz", n // 2)
-    rows += read_rows(TRAIN / "self_instruct_seed_tasks.jsonl.gz", n - n // 2)
-    texts = [r.get("question") or (r["instruction"] + "\n\n" + r["instances"][0]["input"]).strip() for r in rows]
-    prompts = [tokenize_conversation(target.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)[0]
-               for q in texts]
+    prompts = bench_prompts(target.tokenizer, n)
     reqs = [Request(i, ids, max_new, logits_from=len(ids) - 1) for i, ids in enumerate(prompts)]
     pad = target.tokenizer.pad_token_id
     records: dict[int, dict] = {}
@@ -80,9 +70,3 @@ def main(argv: list[str]) -> dict:
     res["speedup"] = round(st["seconds"] / cap["seconds"], 2)
     return emit(res, json_out)
 
-
-if __name__ == "__main__":
-    from draftsmith.targets.device import tune_cpu_allocator
-
-    tune_cpu_allocator()
-    main(sys.argv[1:])

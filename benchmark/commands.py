@@ -1,10 +1,63 @@
-"""`draftsmith bench --config configs/bench/<target>.yaml [--quick] [--prompts FILE ...] [key=value ...]`."""
+"""`draftsmith bench`: the whole benchmark, or one timing job of a single stage.
+
+    draftsmith bench --config configs/bench/<target>.yaml [--quick] [--prompts FILE ...] [key=value ...]
+    draftsmith bench JOB ...
+
+The jobs (each module's docstring says what it measures and how):
+
+    engine      the decode engines on the same prompts (benchmark/engine.py)
+    capture     teacher-forced capture against generation with capture (benchmark/capture.py)
+    remote      the embedded engine against an OpenAI-compatible server (benchmark/remote.py)
+    eagle-step  one EAGLE training step two ways (benchmark/eagle_step.py)
+    baseline    is plain decoding's one-token step the fastest this machine can do? (evaluation/baseline.py)
+    gemm        F.linear against W @ xᵀ over a few rows, and whole forwards (targets/gemm.py)
+    llamacpp    llama.cpp beside our plain decoding on the same GGUF and prompts (benchmark/llamacpp.py)
+    headline    the headline blocks of README.md and BENCHMARKS.md from their reports (benchmark/headline.py)
+
+The whole bench runs engine, baseline and llamacpp as stages of its own, through these same commands.
+"""
 
 from __future__ import annotations
 
+import argparse
+
+JOBS_HELP = "a single timing job (engine, capture, remote, eagle-step, baseline, gemm, llamacpp, headline); " \
+            "without one, the whole bench, and the words are key=value overrides of its config"
+
+
+class _JobOrOverride:
+    """What argparse checks the first word after `bench` against: a job's name or a key=value override."""
+
+    def __init__(self, jobs: dict):
+        self.jobs = jobs
+
+    def __contains__(self, word) -> bool:
+        return word in self.jobs or "=" in word
+
+    def __iter__(self):
+        return iter(self.jobs)
+
+
+class _JobOrOverrides(argparse._SubParsersAction):
+    """The words after `bench`: a job's name runs that job; key=value words are overrides of the whole bench's
+    config, with its options before, between or after them (as every other command takes them)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.choices = _JobOrOverride(self._name_parser_map)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values[0] in self._name_parser_map:
+            return super().__call__(parser, namespace, values, option_string)
+        namespace.overrides = [*getattr(namespace, "overrides", []), values[0]]
+        _, rest = parser.parse_known_args(values[1:], namespace)  # the next override comes back here
+        if rest:
+            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(rest)
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="train every artifact, evaluate everything, regenerate BENCHMARKS.md")
+    p = subparsers.add_parser("bench", help="train every artifact, evaluate everything, regenerate BENCHMARKS.md; "
+                              "or one timing job (`bench JOB --help`)")
     p.add_argument("--config", default="configs/bench/smollm2-135m.yaml", help="a bench preset (kind: bench)")
     p.add_argument("--quick", action="store_true", help="the smoke budget (minutes, not hours)")
     p.add_argument("--out", default=None, help="results folder (default <out>/<date>[-quick]; reuse it to resume)")
@@ -12,14 +65,177 @@ def register(subparsers) -> None:
     p.add_argument("--no-update", action="store_true", help="do not touch BENCHMARKS.md")
     p.add_argument("--redo", nargs="+", default=None, metavar="STAGE",
                    help="run these finished stages again when resuming (e.g. eval/medusa after a decoder change)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the bench config")
     p.set_defaults(func=run)
+    jobs = p.add_subparsers(dest="bench_job", metavar="[JOB]", action=_JobOrOverrides, help=JOBS_HELP)
+    _register_engine_jobs(jobs)
+    _register_kernel_jobs(jobs)
+    _register_headline(jobs)
+
+
+def _register_engine_jobs(jobs) -> None:
+    e = jobs.add_parser("engine", help="the decode engines on the same prompts (benchmark/engine.py)")
+    e.add_argument("n", type=int, metavar="PROMPTS",
+                   help="N: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
+    e.add_argument("max_new_tokens", type=int)
+    e.add_argument("engines", help="comma-separated KIND:BATCH[:PRECISION], KIND one of cb, np, sd, cap, capall, "
+                                   "hf; PRECISION bf16 or bf16-all (default float32), e.g. cb:32,cap:32,hf:16,cb:1")
+    e.add_argument("target", nargs="?", default="smollm2-135m")
+    e.add_argument("--json", default=None, help="write the result here")
+    e.set_defaults(func=run_engine)
+
+    c = jobs.add_parser("capture", help="teacher-forced capture against generation with capture "
+                                        "(benchmark/capture.py)")
+    c.add_argument("n", type=int, metavar="PROMPTS")
+    c.add_argument("max_new_tokens", type=int)
+    c.add_argument("target", nargs="?", default="smollm2-135m")
+    c.add_argument("--batch", type=int, default=96, help="the generating engine's batch")
+    c.add_argument("--json", default=None, help="write the result here")
+    c.set_defaults(func=run_capture)
+
+    r = jobs.add_parser("remote", help="the embedded engine against an OpenAI-compatible server on the same "
+                                       "prompts (benchmark/remote.py)")
+    r.add_argument("n", type=int, metavar="PROMPTS")
+    r.add_argument("max_new_tokens", type=int)
+    r.add_argument("target", nargs="?", default="smollm2-135m")
+    r.add_argument("--server", choices=["transformers", "vllm"], default="transformers")
+    r.add_argument("--batch", "--concurrency", dest="batch", type=int, default=16,
+                   help="the engine's batch, the requests in flight (and vLLM's max_num_seqs)")
+    r.add_argument("--repeats", type=int, default=1, help="turns of each side, alternating")
+    r.add_argument("--json", default=None, help="write the result here")
+    r.set_defaults(func=run_remote)
+
+    s = jobs.add_parser("eagle-step", help="one EAGLE training step two ways (benchmark/eagle_step.py)")
+    s.add_argument("overrides", nargs="*", metavar="[CONFIG] key=value",
+                   help="the EAGLE job's preset (default configs/smollm2-135m/eagle3.yaml) and its overrides")
+    s.add_argument("--batches", type=int, default=6)
+    s.add_argument("--repeats", type=int, default=2)
+    s.add_argument("--compare", choices=["skip", "precision"], default="skip")
+    s.set_defaults(func=run_eagle_step)
+
+
+def _register_kernel_jobs(jobs) -> None:
+    b = jobs.add_parser("baseline", help="is plain decoding's one-token step not slower than a two-token forward? "
+                                         "(evaluation/baseline.py; exit 1 when it is)")
+    b.add_argument("target", nargs="?", default=None)
+    b.add_argument("--context", type=int, default=256)
+    b.add_argument("--repeats", type=int, default=9)
+    b.add_argument("--json", default=None, help="write the result here")
+    b.add_argument("--record-only", action="store_true", help="exit 0 whatever the verdict (the bench reports it)")
+    b.set_defaults(func=run_baseline)
+
+    g = jobs.add_parser("gemm", help="F.linear vs W @ x^T over a few rows: the plan measured at load, and whole "
+                                     "target forwards with the path off and on (targets/gemm.py)")
+    g.add_argument("target", nargs="?", default=None)
+    g.add_argument("--rows", default="1,2,3,4,5,8,12,16,32")
+    g.add_argument("--context", type=int, default=256)
+    g.add_argument("--repeats", type=int, default=7)
+    g.set_defaults(func=run_gemm)
+
+    ll = jobs.add_parser("llamacpp", help="llama.cpp beside our plain decoding on the same GGUF and prompts "
+                                          "(benchmark/llamacpp.py; `make setup-llamacpp`)")
+    ll.add_argument("target", nargs="?", default=None)
+    ll.add_argument("--limit-per-domain", type=int, default=2)
+    ll.add_argument("--max-new-tokens", type=int, default=96)
+    ll.add_argument("--split", default="dev", choices=["dev", "test"], help="which eval split's prompts")
+    ll.add_argument("--json", default=None, help="write the result here")
+    ll.set_defaults(func=run_llamacpp)
+
+
+def _register_headline(jobs) -> None:
+    h = jobs.add_parser("headline", help="the headline numbers of README.md and BENCHMARKS.md, rendered from "
+                                         "their committed reports (benchmark/headline.py)")
+    h.add_argument("report", nargs="?", help="print the block rendered from this report.json")
+    h.add_argument("--write", action="store_true", help="rewrite the headline blocks of README.md and BENCHMARKS.md")
+    h.add_argument("--root", default=None, help="the checkout holding them (default: this package's)")
+    h.set_defaults(func=run_headline)
 
 
 def run(args) -> int:
     from draftsmith.benchmark.run import run_bench
 
-    summary = run_bench(args.config, args.overrides, args.quick, args.out, args.prompts, not args.no_update,
-                        redo=args.redo)
+    summary = run_bench(args.config, getattr(args, "overrides", []), args.quick, args.out, args.prompts,
+                        not args.no_update, redo=args.redo)
     print(f"results: {summary['results']}/summary.md")
+    return 0
+
+
+def run_engine(args) -> int:
+    from draftsmith.benchmark.engine import run as engine
+
+    engine(args.n, args.max_new_tokens, args.engines, args.target, args.json)
+    return 0
+
+
+def run_capture(args) -> int:
+    from draftsmith.benchmark.capture import run as capture
+
+    capture(args.n, args.max_new_tokens, args.target, args.batch, args.json)
+    return 0
+
+
+def run_remote(args) -> int:
+    from draftsmith.benchmark.remote import run as remote
+
+    remote(args.n, args.max_new_tokens, args.target, args.server, args.batch, args.repeats, args.json)
+    return 0
+
+
+def run_eagle_step(args) -> int:
+    from draftsmith.benchmark.eagle_step import run as eagle_step
+
+    words = list(args.overrides)
+    config = words.pop(0) if words and "=" not in words[0] else None
+    eagle_step(config, words, args.batches, args.repeats, args.compare)
+    return 0
+
+
+def run_baseline(args) -> int:
+    from draftsmith.evaluation.baseline import check_plain_step, describe
+    from draftsmith.storage import atomic_write_json
+    from draftsmith.targets import load_target
+
+    target = load_target(args.target)
+    r = check_plain_step(target, args.context, args.repeats)
+    print(describe(target.name, r))
+    if args.json:
+        atomic_write_json(args.json, r)
+    return 0 if r["ok"] or args.record_only else 1
+
+
+def run_gemm(args) -> int:
+    from draftsmith.targets import gemm, load_target
+
+    target = load_target(args.target)  # measures the plan (freeze -> calibrate)
+    print(gemm.report(target, [int(r) for r in args.rows.split(",")], args.context, args.repeats))
+    return 0
+
+
+def run_llamacpp(args) -> int:
+    from draftsmith.benchmark.llamacpp import describe
+    from draftsmith.benchmark.llamacpp import run as llamacpp
+    from draftsmith.storage import atomic_write_json
+    from draftsmith.targets import load_target
+
+    r = llamacpp(load_target(args.target), args.limit_per_domain, args.max_new_tokens, split=args.split)
+    print(describe(r))
+    if args.json:
+        atomic_write_json(args.json, r)
+    return 0
+
+
+def run_headline(args) -> int:
+    import json
+    from pathlib import Path
+
+    from draftsmith.benchmark import headline
+    from draftsmith.errors import ConfigError
+
+    if args.write:
+        root = Path(args.root) if args.root else headline.ROOT
+        for name in headline.DOCS:
+            print(f"{name}: {headline.rewrite(root / name, root)} headline block(s) rendered")
+        return 0
+    if not args.report:
+        raise ConfigError("bench headline: give a report.json, or --write")
+    print(headline.render(json.loads(Path(args.report).read_text()), args.report))
     return 0

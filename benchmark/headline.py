@@ -1,6 +1,7 @@
 """The headline numbers of README.md and BENCHMARKS.md, rendered from one committed evaluation report.
 
-    python -m draftsmith.benchmark.headline bench/results/headline-smollm2-135m/report.json --write
+    draftsmith bench headline bench/results/headline-smollm2-135m/report.json
+    draftsmith bench headline --write
 
 Each file holds the headline between `<!-- headline: REPORT -->` and `<!-- /headline -->`. `--write` renders
 the block from REPORT (a report.json of `draftsmith evaluate`, committed beside the numbers) and replaces it;
@@ -11,14 +12,14 @@ report's command, machine and date above it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 BEGIN = re.compile(r"<!-- headline: (?P<path>\S+) -->\n")
 END = "<!-- /headline -->"
+ROOT = Path(__file__).resolve().parents[1]  # the checkout whose README.md and BENCHMARKS.md `--write` renders
+DOCS = ("README.md", "BENCHMARKS.md")
 
 # how a proposer spec of the headline run reads in the table; anything else is shown as its spec
 LABELS = {
@@ -126,23 +127,3 @@ def rewrite(doc: Path, root: Path) -> int:
         text = text[:start] + render(report, path) + text[end:]
     doc.write_text(text, encoding="utf-8")
     return len(found)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.benchmark.headline", description=__doc__.split("\n")[0])
-    ap.add_argument("report", nargs="?", help="print the block rendered from this report.json")
-    ap.add_argument("--write", action="store_true", help="rewrite the headline blocks of README.md and BENCHMARKS.md")
-    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
-    a = ap.parse_args(argv)
-    if a.write:
-        for name in ("README.md", "BENCHMARKS.md"):
-            print(f"{name}: {rewrite(a.root / name, a.root)} headline block(s) rendered")
-        return 0
-    if not a.report:
-        ap.error("give a report.json, or --write")
-    print(render(json.loads(Path(a.report).read_text()), a.report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """llama.cpp beside our plain decoding: the CPU engine a user would pick instead, on the same prompts.
 
     make setup-llamacpp                                    # builds llama-cpp-python from its source package
-    python -m draftsmith.benchmark.llamacpp [TARGET] [--limit-per-domain N] [--max-new-tokens N] [--json F]
+    draftsmith bench llamacpp [TARGET] [--limit-per-domain N] [--max-new-tokens N] [--json F]
 
 The target must come from a GGUF file (an embedded target, or a .gguf path): llama.cpp decodes that file as
 it is (quantised weights, its own kernels), while draftsmith decodes the float32 weights dequantised from it.
@@ -14,9 +14,7 @@ are reported as a sanity check that both decode the same model, not as a lossles
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -88,27 +86,9 @@ def run(target, limit_per_domain: int = 2, max_new_tokens: int = 96, seed: int =
             "draftsmith_kernels": gemm.describe()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from draftsmith.targets.loading import load_target
-
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.benchmark.llamacpp", description=__doc__.split("\n")[0])
-    ap.add_argument("target", nargs="?", default=None)
-    ap.add_argument("--limit-per-domain", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--split", default="dev", choices=["dev", "test"], help="which eval split's prompts")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    r = run(load_target(args.target), args.limit_per_domain, args.max_new_tokens, split=args.split)
+def describe(r: dict) -> str:
+    """The result of `run` in one line."""
     tps = r["tokens_per_s"]
-    print(f"{r['target']} ({r['gguf']}), {r['prompts']} prompts, {r['threads']} threads: draftsmith plain decoding "
-          f"{tps['draftsmith']:.1f} tok/s, llama.cpp {r['llama_cpp_version']} {tps['llama.cpp']:.1f} tok/s; same "
-          f"output on {100 * r['same_output_share']:.0f}% of prompts, mean common prefix {r['mean_common_prefix']:.1f}")
-    if args.json:
-        from draftsmith.storage import atomic_write_json
-
-        atomic_write_json(args.json, r)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return (f"{r['target']} ({r['gguf']}), {r['prompts']} prompts, {r['threads']} threads: draftsmith plain decoding "
+            f"{tps['draftsmith']:.1f} tok/s, llama.cpp {r['llama_cpp_version']} {tps['llama.cpp']:.1f} tok/s; same "
+            f"output on {100 * r['same_output_share']:.0f}% of prompts, mean common prefix {r['mean_common_prefix']:.1f}")

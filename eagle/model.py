@@ -447,7 +447,7 @@ class EagleHead(nn.Module):
         t alone), so those bases cannot reach the loss. With prompt context they are most of the prompt: 24%
         of the step >= 1 columns of the SmolLM2 set. Step 0 still runs every base (its keys are the
         context). Skipped columns of hidden[j >= 1] and tokens[j >= 1] are zeros; `start` says where they end.
-        skip=False runs every base at every step (`python -m draftsmith.benchmark.eagle_step` times both).
+        skip=False runs every base at every step (`draftsmith bench eagle-step` times both).
         """
         steps = steps or self.config.ttt_steps
         B, T = input_ids.shape

@@ -9,7 +9,7 @@ forward with the kernel plan the run uses, and the same two with the stock kerne
 for reference; it passes when the plain step is not slower than the two-token forward (within
 `tolerance`, the noise of a median of a few forwards).
 
-    python -m draftsmith.evaluation.baseline [TARGET] [--json out.json]     # exit 1 when the check fails
+    draftsmith bench baseline [TARGET] [--json out.json]     # exit 1 when the check fails
 
 `draftsmith bench` runs it as a stage of its own (quick budget included), and the real-target test in
 tests/test_gemm.py asserts it.
@@ -17,9 +17,7 @@ tests/test_gemm.py asserts it.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 
 from draftsmith.decoding.cost import CpuShare, forward_timer
 from draftsmith.targets import gemm
@@ -54,32 +52,14 @@ def check_plain_step(target, context_length: int = 256, repeats: int = 9, tolera
             "other_cpu_share": share.others, "contended": share.busy, "kernels": gemm.describe()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from draftsmith.targets.loading import load_target
-
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.evaluation.baseline", description=__doc__.split("\n")[0])
-    ap.add_argument("target", nargs="?", default=None)
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--json", default=None, help="write the result here")
-    ap.add_argument("--record-only", action="store_true", help="exit 0 whatever the verdict (the bench reports it)")
-    args = ap.parse_args(argv)
-    target = load_target(args.target)
-    r = check_plain_step(target, args.context, args.repeats)
-    print(f"{target.name}, context {r['context_length']}, median of {r['repeats']}, interleaved; kernel plan "
-          f"{r['kernels']['plan']}: W @ xᵀ at rows {r['kernels']['transposed_rows']}")
-    print(f"  1-token step {1e3 * r['plan_1_token_s']:.1f} ms, 2-token forward {1e3 * r['plan_2_token_s']:.1f} ms "
-          f"(ratio {r['plain_step_over_two_token']:.2f}, limit {r['tolerance']:.2f}): {'ok' if r['ok'] else 'FAILED'}")
-    print(f"  stock kernels: 1-token {1e3 * r['stock_1_token_s']:.1f} ms, 2-token {1e3 * r['stock_2_token_s']:.1f} ms; "
-          f"the plan makes plain decoding's step {r['plain_step_gain_over_stock']:.2f}x faster")
+def describe(name: str, r: dict) -> str:
+    """The result of `check_plain_step` on the target `name`, as printed."""
+    lines = [f"{name}, context {r['context_length']}, median of {r['repeats']}, interleaved; kernel plan "
+             f"{r['kernels']['plan']}: W @ xᵀ at rows {r['kernels']['transposed_rows']}",
+             f"  1-token step {1e3 * r['plan_1_token_s']:.1f} ms, 2-token forward {1e3 * r['plan_2_token_s']:.1f} ms "
+             f"(ratio {r['plain_step_over_two_token']:.2f}, limit {r['tolerance']:.2f}): {'ok' if r['ok'] else 'FAILED'}",
+             f"  stock kernels: 1-token {1e3 * r['stock_1_token_s']:.1f} ms, 2-token {1e3 * r['stock_2_token_s']:.1f} ms; "
+             f"the plan makes plain decoding's step {r['plain_step_gain_over_stock']:.2f}x faster"]
     if r["contended"]:
-        print(f"  other processes used {100 * r['other_cpu_share']:.0f}% of the CPU meanwhile: not a valid timing")
-    if args.json:
-        from draftsmith.storage import atomic_write_json
-
-        atomic_write_json(args.json, r)
-    return 0 if r["ok"] or args.record_only else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        lines.append(f"  other processes used {100 * r['other_cpu_share']:.0f}% of the CPU meanwhile: not a valid timing")
+    return "\n".join(lines)

@@ -69,9 +69,10 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def render_markdown(report: dict) -> str:
+def _header(report: dict) -> list[str]:
+    """Where the report comes from: proposer, target, command, settings, machine, contention."""
     s = report["settings"]
-    lines = [
+    return [
         f"# Evaluation: {report['proposer']} on {report['target']['name']}", "",
         f"- date: {report['date']}", f"- command: `{report['command']}`",
         f"- settings: max_new_tokens={s['max_new_tokens']}, k={s['k']}, tree={s['tree']}, "
@@ -83,6 +84,12 @@ def render_markdown(report: dict) -> str:
         f"- machine: {report['machine'].get('platform')}, {report['machine'].get('cpu_count')} CPUs, "
         f"device {report['machine'].get('device')}", *_kernel_lines(report["machine"].get("few_row_kernels")), "",
         *_decode_contention(report.get("contention")),
+    ]
+
+
+def _domain_table(report: dict) -> list[str]:
+    """Every field of FIELDS per domain and overall."""
+    lines = [
         "## Per domain", "",
         "Each prompt is decoded by every run several times, interleaved (repeats, median); tokens/s and speedups "
         "count only the prompts timed validly (n_timed: quiet measurements, no speedup above what τ and v allow). "
@@ -97,64 +104,99 @@ def render_markdown(report: dict) -> str:
         vals = [(report["domains"].get(n) or report["overall"]).get(f) if n != "overall" else report["overall"].get(f)
                 for n in names]
         lines.append(f"| {f} | " + " | ".join(_fmt(v) for v in vals) + " |")
-    doms = list(report["domains"].items()) + [("overall", report["overall"])]
-    if any("route" in d for _, d in doms):
-        lines += ["", "## Routes (routing policy)", "", "| domain | route | requests per route |", "|---|---|---|"]
-        for n, d in doms:
-            routes = ", ".join(f"{k}: {v}" for k, v in d.get("routes", {}).items())
-            lines.append(f"| {n} | {d.get('route', '–')} | {routes} |")
-    if any("branches" in d for _, d in doms):
-        lines += ["", "## Multi-proposer tree: accepted branches", "",
-                  "| domain | proposer | proposed | accepted on its branch | α of its nodes | wins (share of steps) |",
-                  "|---|---|---|---|---|---|"]
-        for n, d in doms:
-            for name, b in d.get("branches", {}).items():
-                lines.append(f"| {n} | {name} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
-                             f"{b['wins']} ({_fmt(b['win_rate'])}) |")
-    if any("gpu_tree" in d for _, d in doms):
-        g = s.get("gpu_tree") or {}
-        lines += ["", f"## τ with the GPU-sized tree (uncut: branching {g.get('tree')}, at most "
-                      f"{g.get('tree_max_nodes')} nodes)", "",
-                  "What a GPU, where verifying 60 nodes costs about one step, would accept per step; the field's τ "
-                  "are measured so. Its speed here is this CPU's and not a result.", "",
-                  "| domain | τ cut tree | τ GPU-sized tree | α | verified nodes a step | lossless |",
-                  "|---|---|---|---|---|---|"]
-        for n, d in doms:
-            if "gpu_tree" in d:
-                x = d["gpu_tree"]
-                lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(x['tau'])} | {_fmt(x['alpha'])} | "
-                             f"{_fmt(x['verified_nodes_per_step'])} | {_fmt(x['lossless'])} |")
-    if any("compare" in d for _, d in doms):
-        names = list(next(d["compare"] for _, d in doms if "compare" in d))
-        lines += ["", "## Side by side (same prompts, same run): speedup (α)", "",
-                  f"| domain | {report['proposer']} | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-        for n, d in doms:
-            cells = [f"{_fmt(c['speedup'])} ({_fmt(c['alpha'])}){'' if c['lossless'] is not False else ' NOT LOSSLESS'}"
-                     for c in (d.get("compare") or {}).values()]
-            lines.append(f"| {n} | {_fmt(d['speedup'])} ({_fmt(d['alpha'])}) | " + " | ".join(cells) + " |")
-        ov = report["overall"]
-        lines += ["", "Overall: τ, verified nodes per step, and the acceptance at each draft position given the "
-                  "positions before it were accepted and a token there was tried (n-α):", "",
-                  "| proposer | τ | nodes per step | n-α by position |", "|---|---|---|---|"]
-        for name, c in [(report["proposer"], ov)] + list((ov.get("compare") or {}).items()):
-            lines.append(f"| {name} | {_fmt(c['tau'])} | {_fmt(c.get('verified_nodes_per_step'))} | "
-                         f"{_fmt(c.get('conditional_acceptance'))} |")
-    if any("adaptive" in d for _, d in doms):
-        lines += ["", f"## Fixed k = {s['k']} vs adaptive k (same prompts, same run)", "",
-                  "| domain | fixed τ | fixed speedup | adaptive τ | adaptive speedup | mean k | plain steps | "
-                  "adaptive lossless |", "|---|---|---|---|---|---|---|---|"]
-        for n, d in doms:
-            a = d.get("adaptive")
-            if a:
-                lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(d['speedup'])} | {_fmt(a['tau'])} | "
-                             f"{_fmt(a['speedup'])} | {_fmt(a['mean_k'])} | {_fmt(a['plain_step_share'])} | "
-                             f"{_fmt(a['lossless'])} |")
-    lines += ["", "## Policy", "", "| domain | enable | measured | predicted | recommended k | reason |",
-              "|---|---|---|---|---|---|"]
+    return lines
+
+
+def _routes(doms: list[tuple[str, dict]]) -> list[str]:
+    if not any("route" in d for _, d in doms):
+        return []
+    lines = ["", "## Routes (routing policy)", "", "| domain | route | requests per route |", "|---|---|---|"]
+    for n, d in doms:
+        routes = ", ".join(f"{k}: {v}" for k, v in d.get("routes", {}).items())
+        lines.append(f"| {n} | {d.get('route', '–')} | {routes} |")
+    return lines
+
+
+def _branches(doms: list[tuple[str, dict]]) -> list[str]:
+    if not any("branches" in d for _, d in doms):
+        return []
+    lines = ["", "## Multi-proposer tree: accepted branches", "",
+             "| domain | proposer | proposed | accepted on its branch | α of its nodes | wins (share of steps) |",
+             "|---|---|---|---|---|---|"]
+    for n, d in doms:
+        for name, b in d.get("branches", {}).items():
+            lines.append(f"| {n} | {name} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
+                         f"{b['wins']} ({_fmt(b['win_rate'])}) |")
+    return lines
+
+
+def _gpu_tree(doms: list[tuple[str, dict]], s: dict) -> list[str]:
+    if not any("gpu_tree" in d for _, d in doms):
+        return []
+    g = s.get("gpu_tree") or {}
+    lines = ["", f"## τ with the GPU-sized tree (uncut: branching {g.get('tree')}, at most "
+                 f"{g.get('tree_max_nodes')} nodes)", "",
+             "What a GPU, where verifying 60 nodes costs about one step, would accept per step; the field's τ "
+             "are measured so. Its speed here is this CPU's and not a result.", "",
+             "| domain | τ cut tree | τ GPU-sized tree | α | verified nodes a step | lossless |",
+             "|---|---|---|---|---|---|"]
+    for n, d in doms:
+        if "gpu_tree" in d:
+            x = d["gpu_tree"]
+            lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(x['tau'])} | {_fmt(x['alpha'])} | "
+                         f"{_fmt(x['verified_nodes_per_step'])} | {_fmt(x['lossless'])} |")
+    return lines
+
+
+def _side_by_side(report: dict, doms: list[tuple[str, dict]]) -> list[str]:
+    """The proposers compared in the same run: speedup (α) per domain, then τ and n-α overall."""
+    if not any("compare" in d for _, d in doms):
+        return []
+    names = list(next(d["compare"] for _, d in doms if "compare" in d))
+    lines = ["", "## Side by side (same prompts, same run): speedup (α)", "",
+             f"| domain | {report['proposer']} | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for n, d in doms:
+        cells = [f"{_fmt(c['speedup'])} ({_fmt(c['alpha'])}){'' if c['lossless'] is not False else ' NOT LOSSLESS'}"
+                 for c in (d.get("compare") or {}).values()]
+        lines.append(f"| {n} | {_fmt(d['speedup'])} ({_fmt(d['alpha'])}) | " + " | ".join(cells) + " |")
+    ov = report["overall"]
+    lines += ["", "Overall: τ, verified nodes per step, and the acceptance at each draft position given the "
+              "positions before it were accepted and a token there was tried (n-α):", "",
+              "| proposer | τ | nodes per step | n-α by position |", "|---|---|---|---|"]
+    for name, c in [(report["proposer"], ov)] + list((ov.get("compare") or {}).items()):
+        lines.append(f"| {name} | {_fmt(c['tau'])} | {_fmt(c.get('verified_nodes_per_step'))} | "
+                     f"{_fmt(c.get('conditional_acceptance'))} |")
+    return lines
+
+
+def _adaptive(doms: list[tuple[str, dict]], s: dict) -> list[str]:
+    if not any("adaptive" in d for _, d in doms):
+        return []
+    lines = ["", f"## Fixed k = {s['k']} vs adaptive k (same prompts, same run)", "",
+             "| domain | fixed τ | fixed speedup | adaptive τ | adaptive speedup | mean k | plain steps | "
+             "adaptive lossless |", "|---|---|---|---|---|---|---|---|"]
+    for n, d in doms:
+        a = d.get("adaptive")
+        if a:
+            lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(d['speedup'])} | {_fmt(a['tau'])} | "
+                         f"{_fmt(a['speedup'])} | {_fmt(a['mean_k'])} | {_fmt(a['plain_step_share'])} | "
+                         f"{_fmt(a['lossless'])} |")
+    return lines
+
+
+def _policy(report: dict) -> list[str]:
+    lines = ["", "## Policy", "", "| domain | enable | measured | predicted | recommended k | reason |",
+             "|---|---|---|---|---|---|"]
     for n, p in report.get("policy", {}).items():
         lines.append(f"| {n} | {_fmt(p['enable'])} | {_fmt(p['measured_speedup'])} | {_fmt(p['predicted_speedup'])} "
                      f"| {_fmt(p.get('recommended_k'))} | {p['reason']} |")
+    return lines
+
+
+def _cost_model(report: dict) -> list[str]:
+    """c and v(k) as measured in the run, v(n) of the tree mask, and the recommended k per domain."""
     cm = report.get("cost_model", {})
+    lines: list[str] = []
     if "v" in cm:
         lines += ["", "## Cost model (measured here)", "",
                   f"c (one proposer step / one target step) = {cm['c']:.4f}; 1-token step = "
@@ -167,7 +209,7 @@ def render_markdown(report: dict) -> str:
             lines += ["", f"**v(k) < {V_BELOW_ONE} at k = {', '.join(cheaper)}: a forward over more tokens measured "
                           "faster than the one-token step, so the one-token step (plain decoding, the baseline of "
                           "every speedup here) is not on this machine's fastest kernel and the speedups are "
-                          "inflated. Check `python -m draftsmith.evaluation.baseline` and the kernel plan above.**"]
+                          "inflated. Check `draftsmith bench baseline` and the kernel plan above.**"]
     if cm.get("v_tree"):
         vt = cm["v_tree"]
         lines += ["", "v(n) with the tree mask, used to size the trees (decoding/budget.py):", "",
@@ -177,12 +219,24 @@ def render_markdown(report: dict) -> str:
     if report.get("recommended_k"):
         lines += ["", "recommended k: " + ", ".join(f"{n} {r['k']} (predicted speedup {r['predicted_speedup']:.2f})"
                                                    for n, r in report["recommended_k"].items())]
-    ref = report.get("references", {})
-    lines += ["", "## References (same run)", ""]
-    for name, r in ref.items():
+    return lines
+
+
+def _references_and_memory(report: dict) -> list[str]:
+    lines = ["", "## References (same run)", ""]
+    for name, r in report.get("references", {}).items():
         lines.append(f"- {name}: {_fmt(r) if not isinstance(r, dict) else ', '.join(f'{k}={_fmt(v)}' for k, v in r.items())}")
     mem = report.get("memory", {})
-    lines += ["", "## Memory", "", ", ".join(f"{k} = {v:.0f}" for k, v in mem.items()), ""]
+    return lines + ["", "## Memory", "", ", ".join(f"{k} = {v:.0f}" for k, v in mem.items()), ""]
+
+
+def render_markdown(report: dict) -> str:
+    """report.md: the header, the per-domain table, then each section the report has data for."""
+    s = report["settings"]
+    doms = list(report["domains"].items()) + [("overall", report["overall"])]
+    lines = [*_header(report), *_domain_table(report), *_routes(doms), *_branches(doms), *_gpu_tree(doms, s),
+             *_side_by_side(report, doms), *_adaptive(doms, s), *_policy(report), *_cost_model(report),
+             *_references_and_memory(report)]
     return "\n".join(lines)
 
 

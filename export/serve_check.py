@@ -195,6 +195,38 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
     speculation already measured on these prompts (tests share one per target). `patches`: apply the runner's
     fixes of vLLM's CPU kernels for this method (VLLM_PATCHES); False runs vLLM exactly as installed. Returns the
     report."""
+    export_dir, target, spec, files, out, job = _job(export_dir, target, prompts, out, k, max_new_tokens,
+                                                     limit_per_domain, batch, seed, method)
+    t0 = time.perf_counter()
+    if plain is None:
+        plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)
+    if not plain.get("loaded"):
+        raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {plain.get('error')}")
+    fixes = VLLM_PATCHES.get(spec["method"], []) if patches else []
+    spec_run = run_vllm({**job, "speculative_config": spec, "patches": fixes}, out, "vllm-spec", timeout)
+    report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
+              "k": k, "n_prompts": len(job["prompts"]), "max_new_tokens": max_new_tokens, "prompt_files": files,
+              "vllm_version": spec_run.get("vllm_version"), "speculative_config": spec, "loaded": bool(spec_run.get("loaded")),
+              "error": spec_run.get("error"), "plain": _speed(plain), "vllm_patches": spec_run.get("patches") or []}
+    if report["loaded"]:
+        _compare_runs(report, spec_run, plain, k)
+        if evaluate:
+            _beside_draftsmith(report, export_dir, target, files, k, max_new_tokens, limit_per_domain, seed, method,
+                               out)
+    report["wall_seconds"] = time.perf_counter() - t0
+    report["note"] = ("tokens/s were measured on a machine that may be shared with other jobs: indicative only; "
+                      "acceptance and losslessness do not depend on load")
+    atomic_write_json(out / "report.json", report)
+    atomic_write_text(out / "report.md", render(report))
+    if card and export_dir is not None and report["loaded"] and (export_dir / "README.md").is_file():
+        add_to_card(export_dir / "README.md", report)
+    return report
+
+
+def _job(export_dir, target, prompts: list[str] | None, out, k: int, max_new_tokens: int,
+         limit_per_domain: int | None, batch: int | None, seed: int, method: str | None) -> tuple:
+    """The arguments checked and the vLLM job both runs share: (export_dir, target, speculative config, prompt
+    files, report folder (created), job without its speculative config)."""
     from draftsmith.evaluation.domains import default_prompt_files, format_prompt, load_prompts
     from draftsmith.targets import load_target
 
@@ -217,56 +249,44 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
     if export_dir is not None and out.resolve().is_relative_to(export_dir.resolve()):
         raise ConfigError(f"{out}: the report folder lies inside the export {export_dir}, which uploads as is")
     out.mkdir(parents=True, exist_ok=True)
-    batch = batch or len(ids)
     longest = max(len(i) for i in ids) + max_new_tokens + k + 8
     limit = getattr(target.text_config, "max_position_embeddings", None) or longest
     if longest > limit:
         raise ConfigError(f"prompts of up to {longest - max_new_tokens - k - 8} tokens + {max_new_tokens} new "
                           f"exceed the target's max_position_embeddings {limit}")
     job = {"target": str(target.folder), "dtype": "float32", "prompts": ids, "max_new_tokens": max_new_tokens,
-           "batch": batch, "seed": seed, "max_model_len": min(max(512, longest), limit)}
-    t0 = time.perf_counter()
-    if plain is None:
-        plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)
-    if not plain.get("loaded"):
-        raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {plain.get('error')}")
-    fixes = VLLM_PATCHES.get(spec["method"], []) if patches else []
-    spec_run = run_vllm({**job, "speculative_config": spec, "patches": fixes}, out, "vllm-spec", timeout)
-    report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
-              "k": k, "n_prompts": len(ids), "max_new_tokens": max_new_tokens, "prompt_files": files,
-              "vllm_version": spec_run.get("vllm_version"), "speculative_config": spec, "loaded": bool(spec_run.get("loaded")),
-              "error": spec_run.get("error"), "plain": _speed(plain), "vllm_patches": spec_run.get("patches") or []}
-    if report["loaded"]:
-        same = spec_run["outputs"] == plain["outputs"]
-        first_diff = next((i for i, (a, b) in enumerate(zip(spec_run["outputs"], plain["outputs"])) if a != b), None)
-        report.update(
-            lossless=same and spec_run["batched"]["outputs"] == plain["outputs"],
-            lossless_batch1=same, lossless_batched=spec_run["batched"]["outputs"] == plain["outputs"],
-            first_differing_prompt=first_diff, vllm=vllm_acceptance(spec_run["counters"], k),
-            speculative=_speed(spec_run))
-        for n in ("batch1", "batched"):
-            base, sp = report["plain"][n]["tokens_per_s"], report["speculative"][n]["tokens_per_s"]
-            report["speculative"][n]["speedup"] = sp / base if sp and base else None
-        if evaluate:
-            overall, proposer = draftsmith_side(export_dir, target, files, k, max_new_tokens, limit_per_domain, seed,
-                                                method, out)
-            ds = {"proposer": proposer, "per_position_acceptance": overall.get("per_position_acceptance"),
-                  "alpha": overall.get("alpha"), "tau": overall.get("tau"), "lossless": overall.get("lossless")}
-            report["draftsmith"] = ds
-            report["per_position_difference"] = [
-                abs(a - b) if a is not None and b is not None else None
-                for a, b in zip(report["vllm"]["per_position_acceptance"], ds["per_position_acceptance"] or [])]
-            diffs = [d for d in report["per_position_difference"] if d is not None]
-            report["acceptance_matches"] = bool(diffs) and max(diffs) <= TOLERANCE
-            report["tolerance"] = TOLERANCE
-    report["wall_seconds"] = time.perf_counter() - t0
-    report["note"] = ("tokens/s were measured on a machine that may be shared with other jobs: indicative only; "
-                      "acceptance and losslessness do not depend on load")
-    atomic_write_json(out / "report.json", report)
-    atomic_write_text(out / "report.md", render(report))
-    if card and export_dir is not None and report["loaded"] and (export_dir / "README.md").is_file():
-        add_to_card(export_dir / "README.md", report)
-    return report
+           "batch": batch or len(ids), "seed": seed, "max_model_len": min(max(512, longest), limit)}
+    return export_dir, target, spec, files, out, job
+
+
+def _compare_runs(report: dict, spec_run: dict, plain: dict, k: int) -> None:
+    """vLLM with the export against vLLM alone: lossless one at a time and batched, vLLM's acceptance, speeds."""
+    same = spec_run["outputs"] == plain["outputs"]
+    first_diff = next((i for i, (a, b) in enumerate(zip(spec_run["outputs"], plain["outputs"])) if a != b), None)
+    report.update(
+        lossless=same and spec_run["batched"]["outputs"] == plain["outputs"],
+        lossless_batch1=same, lossless_batched=spec_run["batched"]["outputs"] == plain["outputs"],
+        first_differing_prompt=first_diff, vllm=vllm_acceptance(spec_run["counters"], k),
+        speculative=_speed(spec_run))
+    for n in ("batch1", "batched"):
+        base, sp = report["plain"][n]["tokens_per_s"], report["speculative"][n]["tokens_per_s"]
+        report["speculative"][n]["speedup"] = sp / base if sp and base else None
+
+
+def _beside_draftsmith(report: dict, export_dir: Path | None, target, files: list[str], k: int, max_new_tokens: int,
+                       limit_per_domain: int | None, seed: int, method: str | None, out: Path) -> None:
+    """draftsmith's own evaluator on the same prompts: its per-position acceptance beside vLLM's."""
+    overall, proposer = draftsmith_side(export_dir, target, files, k, max_new_tokens, limit_per_domain, seed,
+                                        method, out)
+    ds = {"proposer": proposer, "per_position_acceptance": overall.get("per_position_acceptance"),
+          "alpha": overall.get("alpha"), "tau": overall.get("tau"), "lossless": overall.get("lossless")}
+    report["draftsmith"] = ds
+    report["per_position_difference"] = [
+        abs(a - b) if a is not None and b is not None else None
+        for a, b in zip(report["vllm"]["per_position_acceptance"], ds["per_position_acceptance"] or [])]
+    diffs = [d for d in report["per_position_difference"] if d is not None]
+    report["acceptance_matches"] = bool(diffs) and max(diffs) <= TOLERANCE
+    report["tolerance"] = TOLERANCE
 
 
 def _speed(r: dict) -> dict:

@@ -17,4 +17,5 @@ METHOD = Method(
     train_memory="draftsmith.medusa.memory:job_memory",
     default_config="configs/smollm2-135m/medusa.yaml",
     own_tree=True,
+    commands="draftsmith.medusa.commands:register",
 )

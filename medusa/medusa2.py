@@ -167,35 +167,16 @@ def _logits_at(model, batch: dict[str, torch.Tensor], sel: torch.Tensor) -> torc
     return out[sel.to(dev)].float().cpu()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """python -m draftsmith.medusa.medusa2 ARTIFACT --data DATASET [--target T] [--max-length N]: the adapter's
-    drift on the dataset's held-out rows (the split a Medusa job with the same seed and fraction holds out)."""
-    import argparse
-
+def held_out_drift(artifact: str | Path, data: str | Path, target_spec: str = "smollm2-135m",
+                   eval_fraction: float = 0.05, seed: int = 0, max_length: int = 384) -> dict:
+    """`draftsmith medusa2-drift`: the adapter's drift on the dataset's held-out rows (the split a Medusa job
+    with the same seed and fraction holds out): `target_drift`'s numbers and the rows they come from."""
     from draftsmith.data import load_distilled
     from draftsmith.targets import load_target
     from draftsmith.training.batching import split_rows
 
-    p = argparse.ArgumentParser(prog="python -m draftsmith.medusa.medusa2", description=main.__doc__)
-    p.add_argument("artifact")
-    p.add_argument("--data", required=True)
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--eval-fraction", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-length", type=int, default=384)
-    a = p.parse_args(argv)
-    target = load_target(a.target)
-    _, held_out = split_rows(load_distilled(a.data, target), a.eval_fraction, a.seed)
-    pad = pad_token_id(target)
-    d = target_drift(target.model, adapted_target(target, a.artifact).model, held_out, pad, a.max_length)
-    print(f"{a.artifact}: {len(held_out)} held-out rows, {d['positions']} learned positions: the adapted target's "
-          f"greedy token is the original's at {100 * d['agreement']:.1f}% of them; KL(original || adapted) "
-          f"{d['kl']:.4f} nats")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from draftsmith.cli import run_entry_point
-
-    sys.exit(run_entry_point(main))
+    target = load_target(target_spec)
+    _, held_out = split_rows(load_distilled(data, target), eval_fraction, seed)
+    drift = target_drift(target.model, adapted_target(target, artifact).model, held_out, pad_token_id(target),
+                         max_length)
+    return {"rows": len(held_out), **drift}

@@ -195,27 +195,78 @@ def _safe_current(reg: Registry) -> str | None:
 
 def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | None) -> int:
     if init is not None:
-        manifest = load_manifest(init, kind=cfg.artifact_kind)
-        problems, _ = inspect_artifact(init)  # files, checksums, tensor names and shapes: what serving will read
-        if problems:
-            raise ArtifactError(f"retrain --init {init}: {problems[0]}"
-                                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-        staged = reg.staging / f"init-{sha256_json(manifest['created'])[:8]}"
-        shutil.copytree(init, staged, dirs_exist_ok=True)
-        version = reg.publish(staged, {"parent": None, "reason": "initial version", "source": str(init)})
-        reg.set_current(version, "initial version")
-        record.update(outcome="initialised", version=version)
-        return EXIT_OK
+        return _initialise(cfg, reg, record, init)
+    a = _open_attempt(cfg, reg, record, target)
+    cur_traffic, verdict = _judge(cfg, reg, record, target, a)
+    settled = _settled(cfg, reg, record, a, cur_traffic, verdict)
+    if settled is not None:
+        return settled
+    record["attempt"] = a.attempt
+    data_path = _build_data(cfg, target, a.work, a.train_rows, (a.manifest.get("data") or {}).get("path"))
+    warm = a.path if (cfg.budget.warm_start and not a.hard) else None
+    candidate = _train_candidate(cfg, target, a.work, data_path, warm)
+    cand_traffic, cand_base, decision = _gate_candidate(cfg, record, target, a, candidate, cur_traffic)
+    if not decision.yes:
+        rejected = reg.base / "rejected" / a.attempt
+        shutil.rmtree(rejected, ignore_errors=True)
+        rejected.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(candidate), rejected)
+        shutil.rmtree(a.work, ignore_errors=True)
+        record.update(outcome="rejected", rejected_candidate=str(rejected))
+        return EXIT_REJECTED
+    update_manifest(candidate, traffic_eval=_summary(cand_traffic), baseline_eval=_summary(cand_base))
+    version = promote(reg, candidate, {
+        "parent": a.current, "reason": verdict.reasons, "attempt": a.attempt, "data": str(data_path),
+        "traffic_digest": a.traffic_digest,
+        "budget": asdict(cfg.budget), "gate": decision.reasons,
+    }, data_path, "; ".join(decision.reasons))
+    reg.write_policy(domain_policy(cand_traffic, cfg.policy_alpha_floor, version))
+    shutil.rmtree(a.work, ignore_errors=True)
+    record.update(outcome="promoted", version=version)
+    return EXIT_OK
+
+
+def _initialise(cfg: RetrainConfig, reg: Registry, record: dict, init: str) -> int:
+    """`retrain --init ARTIFACT`: the registry's first version, checked as serving will read it."""
+    manifest = load_manifest(init, kind=cfg.artifact_kind)
+    problems, _ = inspect_artifact(init)  # files, checksums, tensor names and shapes: what serving will read
+    if problems:
+        raise ArtifactError(f"retrain --init {init}: {problems[0]}"
+                            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    staged = reg.staging / f"init-{sha256_json(manifest['created'])[:8]}"
+    shutil.copytree(init, staged, dirs_exist_ok=True)
+    version = reg.publish(staged, {"parent": None, "reason": "initial version", "source": str(init)})
+    reg.set_current(version, "initial version")
+    record.update(outcome="initialised", version=version)
+    return EXIT_OK
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """The current version and the traffic sample one run judges it on (its `attempt` id keys both)."""
+
+    current: str
+    path: Path
+    manifest: dict
+    hard: list  # fingerprint differences between the version's target and this one: it must be retrained
+    weights_changed: bool
+    held_file: Path  # the held-out traffic prompts, capped per domain
+    train_rows: list[TrafficRow]
+    traffic_digest: str
+    attempt: str
+    work: Path  # registry/staging/<attempt>/: every stage of this attempt writes (and resumes) there
+
+
+def _open_attempt(cfg: RetrainConfig, reg: Registry, record: dict, target) -> _Attempt:
     current = reg.current()
     if current is None:
         raise DraftsmithError(f"registry {reg.base} has no current version: run with --init ARTIFACT first")
-    cur_path = reg.path(current)
+    path = reg.path(current)
     manifest = reg.manifest(current)
     record["current_before"] = current
     fp = target.fingerprint()
     hard = differences(manifest["target"], fp)
     weights_changed = manifest["target"].get("weights_hash") not in (None, fp.get("weights_hash"))
-
     sample = read_traffic(cfg.traffic.dir, cfg.traffic.window_days, cfg.traffic.max_per_domain, cfg.traffic.seed)
     record["traffic"] = {"per_domain": sample.per_domain, "malformed": sample.malformed, "files": sample.files,
                          "bad_rows": sample.bad}
@@ -225,15 +276,20 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
     attempt = sha256_json([current, sorted(r.prompt for r in sample.rows)])[:12]
     work = reg.staging / attempt
     work.mkdir(parents=True, exist_ok=True)
-    held_file = write_prompt_file(held, work / "traffic_eval.jsonl")
-    baseline = cfg.measure.baseline_prompts or None
-    limit = None  # the held-out traffic file is already capped per domain
+    return _Attempt(current=current, path=path, manifest=manifest, hard=hard, weights_changed=weights_changed,
+                    held_file=write_prompt_file(held, work / "traffic_eval.jsonl"), train_rows=train_rows,
+                    traffic_digest=traffic_digest, attempt=attempt, work=work)
 
-    cur_traffic = {} if hard else _measure(target, cfg.artifact_kind, cur_path, [str(held_file)], limit, cfg)
-    recorded = {d: row["alpha"] for d, row in ((manifest.get("traffic_eval") or {}).get("domains") or {}).items()
+
+def _judge(cfg: RetrainConfig, reg: Registry, record: dict, target, a: _Attempt) -> tuple[dict, object]:
+    """Is the current version stale? Measured on the held-out traffic against the acceptance it recorded,
+    and on production's acceptance where configured: (its traffic report, the verdict)."""
+    # the held-out traffic file is already capped per domain: no limit
+    cur_traffic = {} if a.hard else _measure(target, cfg.artifact_kind, a.path, [str(a.held_file)], None, cfg)
+    recorded = {d: row["alpha"] for d, row in ((a.manifest.get("traffic_eval") or {}).get("domains") or {}).items()
                 if row.get("alpha") is not None}
-    verdict = staleness(cur_traffic, recorded, hard, weights_changed, cfg.thresholds)
-    if cfg.measure.production and not hard:
+    verdict = staleness(cur_traffic, recorded, a.hard, a.weights_changed, cfg.thresholds)
+    if cfg.measure.production and not a.hard:
         prod = _production(cfg.measure, reg.base / "production-last.prom")
         record["production"] = {"source": prod["source"], "since": prod.get("since"), "domains": prod["domains"],
                                 "overall": prod["overall"]}
@@ -242,58 +298,50 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
         verdict.yes = verdict.yes or seen.yes
     record["current_traffic"] = _summary(cur_traffic) if cur_traffic else None
     record["stale"] = verdict.to_json()
+    return cur_traffic, verdict
+
+
+def _settled(cfg: RetrainConfig, reg: Registry, record: dict, a: _Attempt, cur_traffic: dict, verdict) -> int | None:
+    """The exit code where this run trains nothing (fresh; stale with nothing new to train on; this very
+    candidate rejected before), else None."""
     if not verdict.yes:
-        reg.write_policy(domain_policy(cur_traffic, cfg.policy_alpha_floor, current))
-        shutil.rmtree(work, ignore_errors=True)
+        reg.write_policy(domain_policy(cur_traffic, cfg.policy_alpha_floor, a.current))
+        shutil.rmtree(a.work, ignore_errors=True)
         record["outcome"] = "fresh"
         return EXIT_OK
-    if not train_rows:
+    if not a.train_rows:
         record["outcome"] = "stale_no_traffic"
         return EXIT_NO_TRAFFIC
-    if not hard and not weights_changed and (manifest.get("lineage") or {}).get("traffic_digest") == traffic_digest:
+    if not a.hard and not a.weights_changed and (a.manifest.get("lineage") or {}).get("traffic_digest") == a.traffic_digest:
         # the current version was trained on exactly this traffic: retraining would repeat that run
-        reg.write_policy(domain_policy(cur_traffic, cfg.policy_alpha_floor, current))
-        shutil.rmtree(work, ignore_errors=True)
+        reg.write_policy(domain_policy(cur_traffic, cfg.policy_alpha_floor, a.current))
+        shutil.rmtree(a.work, ignore_errors=True)
         record["outcome"] = "stale_same_traffic"
         record["note"] = "still stale, but the current version was trained on this same traffic; waiting for new traffic"
         return EXIT_OK
-    if (reg.base / "rejected" / attempt).exists():
+    if (reg.base / "rejected" / a.attempt).exists():
         # this exact candidate (same current version, same traffic) was trained and rejected before
-        record.update(outcome="rejected_before", rejected_candidate=str(reg.base / "rejected" / attempt))
-        shutil.rmtree(work, ignore_errors=True)
+        record.update(outcome="rejected_before", rejected_candidate=str(reg.base / "rejected" / a.attempt))
+        shutil.rmtree(a.work, ignore_errors=True)
         return EXIT_REJECTED
+    return None
 
-    record["attempt"] = attempt
-    data_path = _build_data(cfg, target, work, train_rows, (manifest.get("data") or {}).get("path"))
-    warm = cur_path if (cfg.budget.warm_start and not hard) else None
-    candidate = _train_candidate(cfg, target, work, data_path, warm)
 
-    cand_traffic = _measure(target, cfg.artifact_kind, candidate, [str(held_file)], limit, cfg)
+def _gate_candidate(cfg: RetrainConfig, record: dict, target, a: _Attempt, candidate: Path,
+                    cur_traffic: dict) -> tuple[dict, dict, object]:
+    """The candidate against the current version, on the held-out traffic and the baseline prompts:
+    (candidate's traffic report, its baseline report, the gate's decision). A current version made for
+    another target is no reference: the candidate is gated against zero acceptance."""
+    baseline = cfg.measure.baseline_prompts or None
+    cand_traffic = _measure(target, cfg.artifact_kind, candidate, [str(a.held_file)], None, cfg)
     cand_base = _measure(target, cfg.artifact_kind, candidate, baseline, cfg.measure.baseline_limit_per_domain, cfg)
-    cur_base = {} if hard else _measure(target, cfg.artifact_kind, cur_path, baseline,
-                                        cfg.measure.baseline_limit_per_domain, cfg)
-    decision = gate(cur_traffic, cand_traffic, cur_base, cand_base, cfg.gate) if not hard else \
+    cur_base = {} if a.hard else _measure(target, cfg.artifact_kind, a.path, baseline,
+                                          cfg.measure.baseline_limit_per_domain, cfg)
+    decision = gate(cur_traffic, cand_traffic, cur_base, cand_base, cfg.gate) if not a.hard else \
         gate({"overall": {"alpha": 0.0}}, cand_traffic, {"overall": {"alpha": 0.0}}, cand_base, cfg.gate)
     record.update(candidate_traffic=_summary(cand_traffic), candidate_baseline=_summary(cand_base),
                   current_baseline=_summary(cur_base) if cur_base else None, gate=decision.to_json())
-    if not decision.yes:
-        rejected = reg.base / "rejected" / attempt
-        shutil.rmtree(rejected, ignore_errors=True)
-        rejected.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(candidate), rejected)
-        shutil.rmtree(work, ignore_errors=True)
-        record.update(outcome="rejected", rejected_candidate=str(rejected))
-        return EXIT_REJECTED
-    update_manifest(candidate, traffic_eval=_summary(cand_traffic), baseline_eval=_summary(cand_base))
-    version = promote(reg, candidate, {
-        "parent": current, "reason": verdict.reasons, "attempt": attempt, "data": str(data_path),
-        "traffic_digest": traffic_digest,
-        "budget": asdict(cfg.budget), "gate": decision.reasons,
-    }, data_path, "; ".join(decision.reasons))
-    reg.write_policy(domain_policy(cand_traffic, cfg.policy_alpha_floor, version))
-    shutil.rmtree(work, ignore_errors=True)
-    record.update(outcome="promoted", version=version)
-    return EXIT_OK
+    return cand_traffic, cand_base, decision
 
 
 def promote(reg: Registry, candidate: Path, lineage: dict, data_path: Path, reason: str) -> str:

@@ -63,17 +63,12 @@ METHODS = {"distill", "medusa", "eagle", "dflash"}
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("draftsmith.data.commands", "draftsmith.training.batching"): "`draftsmith data stats` reports how the rows "
         "batch for training",
-    ("draftsmith.medusa.medusa2", "draftsmith.cli"): "medusa2.py has a `__main__` of its own",
     ("draftsmith.training.checkpoint", "draftsmith.export.verify"): "a checkpoint's safetensors headers are "
         "read by export's reader",
 }
 
 # frozenset of the modules of one cycle -> why it stays
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"draftsmith.targets.gemm", "draftsmith.targets.loading"}):
-        "loading calibrates the kernel plan when it freezes a target; gemm's own command line "
-        "(`python -m draftsmith.targets.gemm`, in main() only) loads a target to time it",
-}
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

@@ -1,5 +1,5 @@
-"""Distil a draft model from a target's logits: a thin entry point over `draftsmith distill`
-(`draftsmith train draft`, training/commands.py).
+"""Distil a draft model from a target's logits: a thin entry point over `draftsmith train draft`
+(training/commands.py; `draftsmith distill` is its alias).
 
     accelerate launch scripts/distill_draft.py --config configs/smollm2-135m/distill.yaml [key=value ...]
     python scripts/distill_draft.py --config configs/smollm2-135m/distill.yaml train.max_steps=50
@@ -21,7 +21,7 @@ def main() -> int:
     parser.add_argument("--init-only", action="store_true", help="save and evaluate the untrained draft")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    args.job, args.report = "draft", True
+    args.job = "draft"
     return run_entry_point(lambda: run(args))
 
 

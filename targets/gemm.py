@@ -4,7 +4,7 @@ Decoding lives on forwards over a few rows: plain decoding feeds the target one 
 verifies k+1 tokens, an EAGLE head expands a handful of tree nodes, a draft re-reads the tokens just accepted.
 For the target's weights (hundreds of MB, so every product streams them from memory) the BLAS in the torch
 CPU wheel (MKL) is not equally good at every row count, and how it ranks them depends on the CPU. Measured on
-SmolLM2-135M's own linears, swept in forward order (2 threads; `python -m draftsmith.targets.gemm`):
+SmolLM2-135M's own linears, swept in forward order (2 threads; `draftsmith bench gemm`):
 
     one row,  F.linear (a matrix-vector product)       42 ms per forward's worth of linears
     one row,  W @ [x; 0]ᵀ (the two-column product)     25 ms
@@ -30,7 +30,6 @@ path off (plain `F.linear` everywhere); HF `generate`, the outside reference in 
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import contextlib
 import os
@@ -257,35 +256,21 @@ def compare(target, rows: list[int], context: int = 256, repeats: int = 7) -> di
     return {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    # the package's own module, not this __main__ copy: its plan and switch are the ones the target's layers read
-    from draftsmith.targets import gemm
-    from draftsmith.targets.loading import load_target
-
-    ap = argparse.ArgumentParser(prog="python -m draftsmith.targets.gemm",
-                                 description="F.linear vs W @ x^T over a few rows: the plan measured at load, and "
-                                             "whole target forwards with the path off and on")
-    ap.add_argument("target", nargs="?", default=None)
-    ap.add_argument("--rows", default="1,2,3,4,5,8,12,16,32")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args(argv)
-    target = load_target(args.target)  # measures the plan (freeze -> calibrate)
-    d = gemm.describe()
-    print(f"{target.name}: plan {d['plan']}, {d['threads']} threads; transposed product at rows {d['transposed_rows']}")
+def report(target, rows: list[int], context: int = 256, repeats: int = 7) -> str:
+    """`draftsmith bench gemm`: the plan measured when `target` loaded, then whole forwards over each row count
+    of `rows` with the path off and on (`compare`), as a table."""
+    d = describe()
+    lines = [f"{target.name}: plan {d['plan']}, {d['threads']} threads; transposed product at rows {d['transposed_rows']}"]
     for cls, table in d["sweep_ms"].items():
-        print(f"  {cls} projections, ms per sweep (linear / transposed): "
-              + ", ".join(f"{n}: {t['linear']:.1f}/{t['transposed']:.1f}" for n, t in table.items()))
-    rows = [int(r) for r in args.rows.split(",")]
-    res = gemm.compare(target, rows, args.context, args.repeats)
+        lines.append(f"  {cls} projections, ms per sweep (linear / transposed): "
+                     + ", ".join(f"{n}: {t['linear']:.1f}/{t['transposed']:.1f}" for n, t in table.items()))
+    res = compare(target, rows, context, repeats)
     base = res[rows[0]]
-    print(f"whole forwards, context {args.context}, median of {args.repeats}, interleaved")
-    print("| rows | F.linear ms | this module ms | ratio | v (F.linear) | v (this module) |")
-    print("|---|---|---|---|---|---|")
+    lines += [f"whole forwards, context {context}, median of {repeats}, interleaved",
+              "| rows | F.linear ms | this module ms | ratio | v (F.linear) | v (this module) |",
+              "|---|---|---|---|---|---|"]
     for n in rows:
         a, b = res[n]["linear"], res[n]["rows"]
-        print(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {a / base['linear']:.2f} | {b / base['rows']:.2f} |")
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | {a / base['linear']:.2f} "
+                     f"| {b / base['rows']:.2f} |")
+    return "\n".join(lines)

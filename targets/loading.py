@@ -28,6 +28,7 @@ from draftsmith.targets.device import select_device, select_dtype
 from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED
 from draftsmith.targets.families import pad_token_id, text_config
 from draftsmith.targets.fingerprint import fingerprint as compute_fingerprint
+from draftsmith.targets.gemm import calibrate, use_rows_linear
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,6 @@ class Target:
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
     """Eval mode, no gradients, and few-row linears computed the way this machine computes them fastest
     (targets/gemm.py: measured here, once per process and model shape, for a float32 model on the CPU)."""
-    # imported here, not at module level, so that `python -m draftsmith.targets.gemm` runs the module fresh
-    from draftsmith.targets.gemm import calibrate, use_rows_linear
-
     model.eval()
     model.requires_grad_(False)
     use_rows_linear(model)

@@ -33,9 +33,12 @@ def test_recorded_commands_are_shown_as_typed():
     from draftsmith.benchmark.run import _as_typed, shown_command
 
     assert shown_command([sys.executable, "-m", "draftsmith.cli", "evaluate", "--k", "4"]) == "draftsmith evaluate --k 4"
-    assert shown_command([sys.executable, "-m", "draftsmith.benchmark.engine", "4"]) == "python -m draftsmith.benchmark.engine 4"
+    assert shown_command([sys.executable, "-m", "draftsmith.cli", "bench", "engine", "4"]) == "draftsmith bench engine 4"
     assert _as_typed("/w/.venv/bin/python -m draftsmith.cli train medusa") == "draftsmith train medusa"
-    assert _as_typed("/usr/bin/python3.11 -m draftsmith.benchmark.engine 32") == "python -m draftsmith.benchmark.engine 32"
+    assert _as_typed("/usr/bin/python3.11 -m draftsmith.other 32") == "python -m draftsmith.other 32"
+    # an older results folder ran the timing stages as modules: shown as the `bench` job that runs them now
+    assert _as_typed("/usr/bin/python3.11 -m draftsmith.benchmark.engine 32") == "draftsmith bench engine 32"
+    assert _as_typed("python -m draftsmith.evaluation.baseline t --json b.json") == "draftsmith bench baseline t --json b.json"
     assert _as_typed("draftsmith evaluate --out 'a b'") == "draftsmith evaluate --out 'a b'"
 
 
@@ -67,7 +70,7 @@ def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
     assert set(summary["engine"]["engines"]) == {"continuous_b2", "continuous_b2_capture", "hf_generate_b2",
                                                  "continuous_b1"}
     assert summary["training"]["medusa"]["steps"] == 2
-    assert summary["engine"]["command"].startswith("python -m draftsmith.benchmark.engine ")
+    assert summary["engine"]["command"].startswith("draftsmith bench engine ")
     assert summary["training"]["medusa"]["command"].startswith("draftsmith train medusa --config ")
     assert set(summary["reports"]) == {"ngram", "medusa"}
     for name, r in summary["reports"].items():

@@ -56,3 +56,49 @@ def test_overrides_may_follow_options():
     assert args.overrides == ["a=1", "b=2"]
     with pytest.raises(SystemExit):
         parse_with_overrides(p, ["train", "medusa", "--config", "c.yaml", "--bogus"])
+
+
+def test_bench_takes_a_job_or_overrides_of_the_whole_bench():
+    """`draftsmith bench JOB ...` runs one timing job; without a job word, the words are the whole bench's
+    key=value overrides, before, between or after its options."""
+    import pytest
+
+    from draftsmith.cli import build_parser, parse_with_overrides
+
+    p = build_parser()
+    args = parse_with_overrides(p, ["bench", "a=1", "--quick", "b=2", "--out", "D"])
+    assert args.func.__name__ == "run" and args.overrides == ["a=1", "b=2"] and args.quick and args.out == "D"
+    assert parse_with_overrides(p, ["bench", "--config", "c.yaml"]).func.__name__ == "run"
+    args = parse_with_overrides(p, ["bench", "engine", "32", "128", "cb:32,cb:1", "t", "--json", "o.json"])
+    assert args.func.__name__ == "run_engine" and (args.n, args.engines, args.target) == (32, "cb:32,cb:1", "t")
+    args = parse_with_overrides(p, ["bench", "eagle-step", "c.yaml", "a=1", "--compare", "precision", "b=2"])
+    assert args.func.__name__ == "run_eagle_step" and args.overrides == ["c.yaml", "a=1", "b=2"]
+    assert parse_with_overrides(p, ["bench", "remote", "8", "4", "--concurrency", "2"]).batch == 2
+    for bad in (["bench", "engin"], ["bench", "a=1", "--bogus"], ["bench", "engine", "1", "2", "cb:1", "t", "x=1"]):
+        with pytest.raises(SystemExit):
+            parse_with_overrides(p, bad)
+
+
+def test_headline_job_prints_the_block_its_report_renders(capsys):
+    from pathlib import Path
+
+    from draftsmith.benchmark import headline
+
+    path = "bench/results/headline-smollm2-135m/report.json"
+    report = json.loads((Path(headline.ROOT) / path).read_text())
+    assert main(["bench", "headline", str(Path(headline.ROOT) / path)]) == 0
+    assert headline.render(report, str(Path(headline.ROOT) / path)) in capsys.readouterr().out
+    assert main(["bench", "headline"]) == 2  # neither a report nor --write: one line, not a traceback
+
+
+def test_every_job_is_a_subcommand():
+    """One kind of entry point: no module of the package has a command line of its own. cli.py is the command
+    line; export/vllm_run.py is not draftsmith's (vLLM's environment runs it, importing vLLM only)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    own = sorted(str(f.relative_to(root)) for f in root.rglob("*.py")
+                 if f.relative_to(root).parts[0] not in {"tests", "scripts", "build", "bench"}
+                 and not f.relative_to(root).parts[0].startswith(".")
+                 and '__name__ == "__main__"' in f.read_text(encoding="utf-8"))
+    assert own == ["cli.py", "export/vllm_run.py"]

@@ -222,7 +222,7 @@ def test_medusa2_trains_adapter_and_heads_and_decodes_losslessly_with_the_adapte
     assert 0.0 <= moved["agreement"] <= 1.0 and moved["kl"] > 0.0
 
 
-def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
+def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path, capsys):
     """A Medusa-2 export carries the merged target next to the heads, and serve.md points at it."""
     from transformers import AutoModelForCausalLM
 
@@ -244,6 +244,20 @@ def test_medusa2_export_ships_the_adapted_target(tiny_target, tmp_path):
     for k, v in merged.state_dict().items():
         torch.testing.assert_close(v, want[k], msg=k)
     assert str(res.out / "adapted_target") in (res.out / "serve.md").read_text()
+    # `draftsmith medusa2-drift` measures the adapter's drift again, on a dataset's held-out rows
+    from draftsmith.cli import main
+    from draftsmith.data import generate_dataset
+    from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"q": f"Question {i}?"}) + "\n" for i in range(4)))
+    data = generate_dataset(DataConfig(sources=[SourceConfig(name="q", path=str(questions), prompt="q", domain="chat")],
+                                       output_dir=str(tmp_path / "data"),
+                                       generation=GenerationConfig(max_new_tokens=6, batch_size=4)),
+                            tiny_target, progress=False)
+    assert main(["medusa2-drift", str(path), "--data", str(data), "--target", str(tiny_target.folder),
+                 "--eval-fraction", "0.5", "--max-length", "64"]) == 0
+    assert "held-out rows" in capsys.readouterr().out
     # side by side with another proposer, these heads would be verified by the un-adapted target
     from draftsmith.errors import ConfigError
     from draftsmith.evaluation.evaluate import evaluate

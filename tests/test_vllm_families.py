@@ -90,3 +90,28 @@ def test_a_refusal_names_the_engine_cores_own_error(tmp_path):
     assert root_cause(log) == "ModuleNotFoundError: No module named 'torchvision'"
     log.write_text("INFO nothing failed here\n")
     assert root_cause(log) is None
+
+
+def test_serve_check_refuses_in_one_line_before_vllm_starts(tiny_target, tmp_path):
+    """What serve-check checks before it starts an engine: k, an export or the n-gram control, a report folder
+    outside the export, prompts that fit the target; and a target vLLM could not run alone stops the check
+    (here the result of that plain run is given, as the tests share one per target)."""
+    from draftsmith.errors import ConfigError
+    from draftsmith.export.serve_check import ServeCheckError, serve_check
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Say hi."], "category": "chat"}) + "\n")
+    export = tmp_path / "export"
+    export.mkdir()
+    kw = {"prompts": [str(prompts)], "limit_per_domain": None}
+    with pytest.raises(ConfigError, match="k must be >= 1"):
+        serve_check(export, tiny_target, out=tmp_path / "c", k=0, **kw)
+    with pytest.raises(ConfigError, match="needs --export"):
+        serve_check(None, tiny_target, out=tmp_path / "c", **kw)
+    with pytest.raises(ConfigError, match="lies inside the export"):
+        serve_check(export, tiny_target, out=export / "check", method="ngram", **kw)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        serve_check(None, tiny_target, out=tmp_path / "c", method="ngram", max_new_tokens=10_000, **kw)
+    with pytest.raises(ServeCheckError, match="did not run the target .*: no engine here"):
+        serve_check(None, tiny_target, out=tmp_path / "c", method="ngram",
+                    plain={"loaded": False, "error": "no engine here"}, **kw)

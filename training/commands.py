@@ -1,7 +1,7 @@
 """`draftsmith train METHOD --config PATH [key=value ...]`: run any registered method's training job
-(methods.py) through the one runner (training/runner.py). A method may name other CLI words for the same
-job (`Method.command`: `draftsmith distill` is `draftsmith train draft`, printing its timing and evaluation
-too)."""
+(methods.py) through the one runner (training/runner.py). A method may declare a one-word alias of the same
+job (`Method.command`: `draftsmith distill` is `draftsmith train draft`), with the same arguments and the same
+output; `train METHOD` is the documented form."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ def register(subparsers) -> None:
                    help="; ".join(f"{m.name}: {m.summary}" for m in known))
     _add_job_arguments(p, "the method's smollm2-135m preset")
     p.set_defaults(func=run)
-    for m in known:  # a method's own words for the same job (one word: a top-level command)
+    for m in known:  # a method's declared alias (one word: a top-level command) runs `train NAME` as it is
         if len(m.command) == 1:
-            own = subparsers.add_parser(m.command[0], help=f"`train {m.name}`: {m.summary}")
+            own = subparsers.add_parser(m.command[0], help=f"alias of `train {m.name}`: {m.summary}")
             _add_job_arguments(own, m.default_config or "the method's preset")
-            own.set_defaults(func=run, job=m.name, report=True)
+            own.set_defaults(func=run, job=m.name)
 
 
 def run(args) -> int:
@@ -50,10 +50,9 @@ def run(args) -> int:
     artifact = out.artifact
     if artifact is None and method.output_key is not None:  # off the main process: where rank 0 writes it
         artifact = Path(getattr(cfg, method.output_key))
-    if not getattr(args, "report", False):
+    if artifact is not None:
         print(f"artifact: {artifact}")
-    elif out.artifact is not None:  # rank 0 only
-        print(f"artifact: {out.artifact}")
+    if out.artifact is not None:  # rank 0 only
         print(f"train_seconds: {out.train_seconds:.1f}")
         if out.eval is not None:
             print("eval: " + json.dumps(out.eval, default=str)[:2000])

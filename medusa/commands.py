@@ -1,0 +1,28 @@
+"""`draftsmith medusa2-drift ARTIFACT --data DATASET [--target T] [--max-length N]`: how far a Medusa-2
+artifact's adapter moved the target, measured again on the dataset's held-out rows (the job records the same
+numbers in the manifest's `target_drift` when it trains). Registered through the method (`Method.commands`),
+so the command comes and goes with the folder."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("medusa2-drift", help="how far a Medusa-2 adapter moved the target: greedy-token "
+                              "agreement and KL(original || adapted) on the dataset's held-out rows")
+    p.add_argument("artifact", help="a Medusa-2 artifact (heads + adapter)")
+    p.add_argument("--data", required=True, help="the self-distilled dataset it trained on")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="the job's held-out fraction")
+    p.add_argument("--seed", type=int, default=0, help="the job's split seed")
+    p.add_argument("--max-length", type=int, default=384)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from draftsmith.medusa.medusa2 import held_out_drift
+
+    d = held_out_drift(args.artifact, args.data, args.target, args.eval_fraction, args.seed, args.max_length)
+    print(f"{args.artifact}: {d['rows']} held-out rows, {d['positions']} learned positions: the adapted target's "
+          f"greedy token is the original's at {100 * d['agreement']:.1f}% of them; KL(original || adapted) "
+          f"{d['kl']:.4f} nats")
+    return 0
