@@ -205,6 +205,9 @@ class Proposer(ABC):
     # a Target this proposer must be verified by instead of the run's (Medusa-2: the target with the
     # artifact's adapter merged); plain decoding, HF generate and the cost model then use it too
     verifier_target = None
+    # an HF model transformers' assisted generation can draft with (a draft model): the evaluator's HF
+    # reference then times `generate(assistant_model=...)` beside it
+    assistant_model = None
     routes: bool = False  # picks a route per request: call `route` before each (decoding/routing.py)
     tracks_branches: bool = False  # counts whose branch was accepted: `branch_stats` (decoding/multi.py)
 

@@ -32,6 +32,10 @@ class DraftProposer(Proposer):
         self.cache = None
         self.cached: torch.Tensor = torch.zeros(0, dtype=torch.long)
 
+    @property
+    def assistant_model(self):
+        return self.model
+
     @classmethod
     def from_path(cls, path: str | Path, target, **_opts) -> DraftProposer:
         """Load an HF folder or a draftsmith draft artifact; refuse one made for another target."""

@@ -43,7 +43,6 @@ from draftsmith.decoding.hf import cut_at_eos, hf_generate, left_padded
 from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype
 from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.decoding.verify import sync
-from draftsmith.distill.proposer import DraftProposer
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
@@ -368,7 +367,7 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     entries += [_compare(s, target, cfg, drafts_in) for s in cfg.compare]
     setup = Setup(cfg, target, original_target, prop, spec, rows, files,
                   dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos), entries,
-                  assistant=prop.model if isinstance(prop, DraftProposer) and cfg.hf_reference else None)
+                  assistant=prop.assistant_model if cfg.hf_reference else None)
     if cfg.prune_tree and not spec.is_chain:
         _cut_trees(setup)
         gpu = prop.gpu_tree() if cfg.gpu_tree else None
