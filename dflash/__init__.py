@@ -13,6 +13,8 @@ METHOD = Method(
     proposer="draftsmith.dflash.proposer:build_proposer",
     export="draftsmith.dflash.export:export",
     reimport="draftsmith.dflash.export:reimport",
+    memory="draftsmith.dflash.memory:shape",
     tensors="draftsmith.dflash.model:artifact_tensors",
+    train_memory="draftsmith.dflash.memory:job_memory",
     default_config="configs/smollm2-135m/dflash.yaml",
 )

@@ -146,6 +146,7 @@ class DFlashJob(Job):
         self.features = CaptureSource(target, layers=self.layers, last_hidden=cfg.loss == "kd",
                                       cache_dir=cfg.capture_cache)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.draws: dict[int, int] = {}  # row id -> how often its anchors were drawn
 
     def announce(self) -> None:
         log.info("DFlash: %d layer(s), block %d, taps %s, mask token %d, γ %s", self.cfg.num_layers,
@@ -188,12 +189,11 @@ class DFlashJob(Job):
         ids, lmask = batch["input_ids"], batch["loss_mask"]
         lengths = batch["attention_mask"].sum(1)
         bs = self.cfg.block_size
-        anchors = sample_anchors(lmask, lengths, self.cfg.anchors_per_row, bs, self.generator)
+        anchors = sample_anchors(lmask, lengths, self.cfg.anchors_per_row, bs, self.row_generators(batch))
         x = torch.cat([feats[f"layer.{i}"] for i in self.layers], dim=-1)
-        z = module(ids, x, anchors)  # [B, n, bs, H]
         labels, valid = block_targets(ids, lmask, anchors, bs)
         slots = torch.arange(bs, device=ids.device).expand_as(valid)[valid]
-        logits = draft.logits(z[valid])
+        logits = module(ids, x, anchors, select=valid)  # [n_valid, V]
         teacher = None
         if self.cfg.loss == "kd":  # slot j is verified by the target's distribution at a+j-1
             pos = (anchors.clamp(min=0)[..., None] + torch.arange(bs, device=ids.device) - 1).clamp(min=0)
@@ -201,6 +201,18 @@ class DFlashJob(Job):
             with torch.no_grad():
                 teacher = draft.target_logits(feats["last_hidden"][rows[valid], pos[valid]])
         return dflash_loss(logits, labels[valid], slots, self.weights, teacher)
+
+    def row_generators(self, batch) -> list[torch.Generator] | torch.Generator:
+        """A row's anchors are drawn from (seed, row id, how often the row was drawn), so they do not depend on
+        which rows share its batch or its rank: 2 ranks train the blocks 1 process trains."""
+        if "row_id" not in batch:
+            return self.generator
+        out = []
+        for rid in batch["row_id"].tolist():
+            n = self.draws.get(rid, 0)
+            self.draws[rid] = n + 1
+            out.append(torch.Generator().manual_seed(hash((self.cfg.train.seed, rid, n)) % 2**63))
+        return out
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
         draft = unwrap(module)

@@ -279,11 +279,14 @@ class DFlashDraft(nn.Module):
             x = layer(x, cos, sin, k, v, mask)
         return x
 
-    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                select: torch.Tensor | None = None) -> torch.Tensor:
         """Training forward: every row's blocks at once.
 
         input_ids [B, T]; features [B, T, K·H] (positions past a row's end may hold anything: they are never
-        attended); anchors [B, n] long (-1 = no block). Returns z [B, n, block_size, H]."""
+        attended); anchors [B, n] long (-1 = no block). Returns z [B, n, block_size, H], or with `select`
+        (bool [B, n, block_size], the slots the loss reads) their logits [n_selected, V]: computed inside the
+        forward, where FSDP has the draft's parameters gathered (logits over every slot would not fit)."""
         B, T = input_ids.shape
         n, bs = anchors.shape[1], self.config.block_size
         device = input_ids.device
@@ -295,8 +298,8 @@ class DFlashDraft(nn.Module):
         ctx_pos = torch.arange(T, device=device).expand(B, T)
         ctx_kv = self.context_kv(self.context(features), ctx_pos)
         out = self.run_blocks(block_ids.view(B, n * bs), positions.view(B, n * bs), ctx_kv,
-                              block_mask(anchors, T, bs)[:, None])
-        return out.view(B, n, bs, -1)
+                              block_mask(anchors, T, bs)[:, None]).view(B, n, bs, -1)
+        return out if select is None else self.logits(out[select])
 
 
 def block_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
@@ -312,9 +315,10 @@ def block_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, per_row: int, block_size: int,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   generators: list[torch.Generator | None] | torch.Generator | None = None) -> torch.Tensor:
     """[B, per_row] random anchors per row (-1 where a row has fewer): positions a >= 1 whose next token is
-    learned (loss_mask[a+1] = 1), so every block has a context and at least one labelled slot. Sorted."""
+    learned (loss_mask[a+1] = 1), so every block has a context and at least one labelled slot. Sorted.
+    `generators`: one per row (draws that do not depend on which rows share a batch or a rank), or one."""
     B, T = loss_mask.shape
     out = torch.full((B, per_row), -1, dtype=torch.long)
     nxt = torch.zeros_like(loss_mask, dtype=torch.bool)
@@ -323,7 +327,8 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, per_row: int,
         cand = nxt[r, 1: int(lengths[r]) - 1].nonzero().flatten().cpu() + 1
         if cand.numel() == 0:
             continue
-        pick = cand[torch.randperm(cand.numel(), generator=generator)[:per_row]].sort().values
+        g = generators[r] if isinstance(generators, list) else generators
+        pick = cand[torch.randperm(cand.numel(), generator=g)[:per_row]].sort().values
         out[r, : pick.numel()] = pick
     return out.to(loss_mask.device)
 

@@ -324,12 +324,13 @@ def import_head(model, target, layers: list[int], cfg: PeerConfig):
     comes from theirs and nothing is left over)."""
     from draftsmith.eagle.model import EagleHead
 
-    if model.input_norm is not None or model.fc_norm is not None or model.config.norm_output:
-        raise SystemExit("this speculators draft normalises its fc input or its TTT outputs: no EagleHead holds it")
     state = import_state(model.state_dict())
+    c = model.config  # EAGLE-3.1's norms (speculators' trainer turns norm_before_fc and norm_output on for eagle3)
     head = EagleHead.from_target(target.model, "eagle3", layers, draft_vocab=(state["d2t"], state["t2d"]),
-                                 ttt_steps=cfg.ttt_steps, norm_before_residual=bool(model.config.norm_before_residual),
-                                 draft_layer="llama")
+                                 ttt_steps=cfg.ttt_steps, norm_before_residual=bool(c.norm_before_residual),
+                                 draft_layer="llama", norm_before_fc=bool(getattr(c, "norm_before_fc", False)),
+                                 fc_norm=bool(getattr(c, "fc_norm", False)),
+                                 norm_output=bool(getattr(c, "norm_output", False)))
     head.load_state_dict(state, strict=True)
     head.attach_target(target.model)
     return head.eval()

@@ -74,7 +74,7 @@ def test_block_mask_sees_earlier_context_and_its_own_block_only():
 
 def test_anchors_and_targets_follow_the_loss_mask():
     lm = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0]])
-    anchors = sample_anchors(lm, torch.tensor([7]), per_row=10, block_size=3, generator=torch.Generator().manual_seed(0))
+    anchors = sample_anchors(lm, torch.tensor([7]), per_row=10, block_size=3, generators=torch.Generator().manual_seed(0))
     live = anchors[anchors >= 0].tolist()
     assert live == [2, 3, 4, 5]  # a >= 1 with x_{a+1} learned, inside the row
     ids = torch.arange(8)[None]
@@ -220,3 +220,17 @@ def test_export_for_vllm_and_sglang_verifies_and_reads_back(trained, target4, tm
     save_file(bad, str(res.out / "model.safetensors"))
     with pytest.raises(Exception, match="fc.weight"):
         verify_export(res.out, target4)
+
+
+def test_memory_plan_counts_the_draft(trained, tmp_path):
+    """`draftsmith plan`: a trained draft's parameters and the KV cache of its layers; a job preset's training
+    memory on a GPU (the SmolLM2 preset against its embedded target's config)."""
+    from draftsmith.planning.memory import artifact_shape
+    from draftsmith.planning.train_memory import plan_config
+
+    job, result, _ = trained
+    shape = artifact_shape(result.artifact, job.target.config)
+    assert shape.kind == "dflash" and shape.kv_layers == 2
+    assert shape.params == sum(v.numel() for v in job.build_module().state_dict().values())
+    p = plan_config("configs/smollm2-135m/dflash.yaml", gpu="H100-80GB")
+    assert p["kind"] == "dflash" and p["fits"] and p["trained_params"] > 0

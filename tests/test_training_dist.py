@@ -4,7 +4,7 @@ as `accelerate launch` runs them on GPUs (tests/_dist_job.py), with the CPU form
 
 - placement: each rank loads its target once, on its own device, never trainable;
 - DDP, FSDP2 (`fully_shard`), DeepSpeed ZeRO-2 and ZeRO-3 (DeepSpeed's CPU accelerator), 2 ranks each: a
-  Medusa and an EAGLE-3 head reach the losses of 1 process over the same global batch (1 rank x 4 rows x
+  Medusa, an EAGLE-3 head and a DFlash draft (anchors drawn per row) reach the losses of 1 process over the same global batch (1 rank x 4 rows x
   grad_accum 2 == 2 ranks x 4 rows), within LOSS_RTOL; under FSDP / ZeRO no rank's optimizer holds the
   module's full state, and under FSDP / ZeRO-3 the frozen target is sharded too; rank 0 alone writes the
   artifact and the log;
@@ -128,7 +128,7 @@ def test_each_rank_loads_its_target_once_on_its_own_device(root, tmp_path):
 def one_process(root, tmp_path_factory):
     """The reference: 1 process, 4 rows x grad_accum 2 per step, 6 steps, both heads."""
     out = {}
-    for job in ("medusa", "eagle3"):
+    for job in ("medusa", "eagle3", "dflash"):
         o = tmp_path_factory.mktemp(f"one-{job}")
         launch(1, root, o, "--job", job, "--steps", "6", "--grad-accum", "2")
         out[job] = train_losses(o)
@@ -178,7 +178,7 @@ def check_rank0_writes(recs: dict) -> None:
     assert not others, others
 
 
-@pytest.mark.parametrize("job", ["medusa", "eagle3"])
+@pytest.mark.parametrize("job", ["medusa", "eagle3", "dflash"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_two_ranks_reach_the_one_process_losses(root, one_process, tmp_path, preset, job):
     recs, _ = launch(2, root, tmp_path / job, "--job", job, "--steps", "6", env=env_for(preset))
