@@ -32,6 +32,18 @@ BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage"}
 # The layers, first to last: each name is a top-level module or folder of the package ("__init__" is the
 # package's own), or a dotted module inside a folder that sits lower than the rest of its folder. Names in
 # one layer may import each other, except the method folders (rule 3).
+def _builtin_methods() -> set[str]:
+    """The method folders methods.BUILTIN names (read from the source: adding a method is its folder and that
+    one line, not an edit here too)."""
+    tree = ast.parse((ROOT / "methods.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BUILTIN" for t in node.targets):
+            return {ast.literal_eval(e).rsplit(".", 1)[-1] for e in node.value.elts}
+    raise SystemExit("check_imports: methods.py defines no BUILTIN")
+
+
+METHODS = _builtin_methods()
+
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "errors", "locks", "storage", "methods", "config"),  # the shared base
     ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
@@ -47,7 +59,7 @@ LAYERS: list[tuple[str, ...]] = [
     # of export/ and planning/): the export manifest and guard, the model card, reading a layout back, the
     # writer every head layout shares; the memory counting rules every method's estimate uses
     ("export.common", "export.card", "export.verify", "export.heads", "planning.memory", "planning.train_memory"),
-    ("distill", "medusa", "eagle", "dflash"),  # one folder per method (METHODS)
+    tuple(sorted(METHODS)),  # one folder per method: methods.BUILTIN, read from methods.py
     ("evaluation",),  # per-domain alpha/tau/speedup, lossless against a reference, reports
     # the one runner: train any method's job, then evaluate what it wrote; `draftsmith train` calls it
     ("training.runner", "training.commands"),
@@ -57,7 +69,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("retrain",),  # drift -> retrain -> gate -> promote
     ("cli",),  # the one command line
 ]
-METHODS = {"distill", "medusa", "eagle", "dflash"}
 
 # (importer, imported) -> why the import against the layer order stays, for now
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
