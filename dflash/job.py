@@ -146,7 +146,6 @@ class DFlashJob(Job):
         self.features = CaptureSource(target, layers=self.layers, last_hidden=cfg.loss == "kd",
                                       cache_dir=cfg.capture_cache)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
-        self.draws: dict[int, int] = {}  # row id -> how often its anchors were drawn
 
     def announce(self) -> None:
         log.info("DFlash: %d layer(s), block %d, taps %s, mask token %d, γ %s", self.cfg.num_layers,
@@ -203,16 +202,13 @@ class DFlashJob(Job):
         return dflash_loss(logits, labels[valid], slots, self.weights, teacher)
 
     def row_generators(self, batch) -> list[torch.Generator] | torch.Generator:
-        """A row's anchors are drawn from (seed, row id, how often the row was drawn), so they do not depend on
-        which rows share its batch or its rank: 2 ranks train the blocks 1 process trains."""
+        """A row's anchors are drawn from (seed, row id, epoch) (`Job.epoch`, set by the loop), so they do not
+        depend on which rows share its batch or its rank, nor on a resume: 2 ranks train the blocks 1 process
+        trains. Rows without an id draw from the job's own generator."""
         if "row_id" not in batch:
             return self.generator
-        out = []
-        for rid in batch["row_id"].tolist():
-            n = self.draws.get(rid, 0)
-            self.draws[rid] = n + 1
-            out.append(torch.Generator().manual_seed(hash((self.cfg.train.seed, rid, n)) % 2**63))
-        return out
+        return [torch.Generator().manual_seed(hash((self.cfg.train.seed, rid, self.epoch)) % 2**63)
+                for rid in batch["row_id"].tolist()]
 
     def save_artifact(self, module, out_dir, metrics) -> Path:
         draft = unwrap(module)

@@ -66,6 +66,9 @@ class Job:
 
     kind: str = ""  # artifact kind: a registered method's name ("draft", "medusa", "eagle", ...)
     target: Any = None  # the frozen Target, when the job has one (a warm start checks its fingerprint)
+    # the epoch of the micro-batch being trained, set by the loop before it hands the batch over: a job that
+    # draws at random per row seeds by (row, epoch), the same on any number of ranks and after a resume
+    epoch: int = 0
 
     # --- required -------------------------------------------------------------------------------------
     def build_module(self) -> nn.Module:

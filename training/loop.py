@@ -424,6 +424,7 @@ class Trainer:
             loader = DataLoader(self.train_rows, batch_sampler=batches, collate_fn=self.job.collate,
                                 num_workers=cfg.num_workers)
             for batch in loader:
+                self.job.epoch = epoch
                 yield _to_device(batch, self.acc.device)
             epoch, start = epoch + 1, 0
 
