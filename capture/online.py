@@ -65,6 +65,17 @@ class CaptureSource:
 
             self.model = place_frozen(self.model, accelerator)
 
+    def placed_target(self, accelerator):
+        """Place the target (`place`) and return the model a head reads the target's embedding and lm_head from:
+        the placed one online (under ZeRO-3 the model inside its inference engine, whose hooks gather its
+        layers), or, offline, the target placed whole on this rank's device, never run but for those rows."""
+        from draftsmith.targets.frozen import place_frozen
+
+        self.place(accelerator)
+        if self.offline:
+            return place_frozen(self.target.model, accelerator, shard=False)
+        return getattr(self.model, "module", self.model)
+
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.offline_features(batch) if self.offline else self.online_features(batch)
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.decoding.sampling import SamplingConfig
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import ConfigError, DraftsmithError
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,16 @@ class TargetFeatures:
 
     last_hidden: torch.Tensor | None = None
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def concat(self, layers: list[int], who: str) -> torch.Tensor | None:
+        """The given layers' features side by side [T, len(layers)·H] (None when there are none); `who` names the
+        proposer in the one-line error when a layer is missing."""
+        if not len(self):
+            return None
+        missing = [i for i in layers if i not in self.layers]
+        if missing:
+            raise ConfigError(f"{who} needs target layers {layers}, got {sorted(self.layers)}")
+        return torch.cat([self.layers[i] for i in layers], dim=-1)
 
     def __len__(self) -> int:
         if self.last_hidden is not None:

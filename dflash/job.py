@@ -156,14 +156,7 @@ class DFlashJob(Job):
                                        self.mask_id, self.cfg.init_std)
 
     def setup(self, accelerator) -> None:
-        from draftsmith.targets.frozen import place_frozen
-
-        self.features.place(accelerator)
-        if self.features.offline:  # the target still supplies the embedding and the lm_head
-            self.target.model = place_frozen(self.target.model, accelerator, shard=False)
-        else:
-            placed = self.features.model
-            self.target.model = getattr(placed, "module", placed)
+        self.target.model = self.features.placed_target(accelerator)  # the embedding and lm_head come from it
 
     def train_rows(self):
         return self.train_set

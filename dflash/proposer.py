@@ -60,12 +60,7 @@ class DFlashProposer(Proposer):
 
     # --- state --------------------------------------------------------------------------------------
     def _features(self, feats: TargetFeatures | None) -> torch.Tensor | None:
-        if feats is None or not len(feats):
-            return None
-        missing = [i for i in self.target_layers if i not in feats.layers]
-        if missing:
-            raise ConfigError(f"DFlash proposer needs target layers {self.target_layers}, got {sorted(feats.layers)}")
-        return torch.cat([feats.layers[i] for i in self.target_layers], dim=-1)
+        return feats.concat(self.target_layers, "DFlash proposer") if feats is not None else None
 
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
         self.cache = None

@@ -184,14 +184,7 @@ class EagleJob(Job):
             norm_output=self.cfg.norm_output)
 
     def setup(self, accelerator) -> None:
-        from draftsmith.targets.frozen import place_frozen
-
-        self.features.place(accelerator)
-        if self.features.offline:  # the target still supplies the embedding and the lm_head rows
-            self.target.model = place_frozen(self.target.model, accelerator, shard=False)
-        else:  # the placed target; under ZeRO-3 the model inside its inference engine (hooks gather its layers)
-            placed = self.features.model
-            self.target.model = getattr(placed, "module", placed)
+        self.target.model = self.features.placed_target(accelerator)  # the embedding and lm_head come from it
 
     def train_rows(self):
         return self.train_set

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import make_target  # noqa: E402
+from tiny_models import distilled_rows, make_target  # noqa: E402
 
 from draftsmith.dflash.job import DFlashJob, DFlashJobConfig, pick_mask_token
 from draftsmith.dflash.model import (
@@ -32,16 +32,6 @@ BS = 4
 @pytest.fixture(scope="module")
 def target4(tiny_tokenizer, tmp_path_factory):
     return make_target(tiny_tokenizer, seed=5, layers=4, folder=tmp_path_factory.mktemp("dflash-target"))
-
-
-def distilled_rows(target, n: int = 48, prompt_len: int = 4, new: int = 24, seed: int = 0) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, target.vocab_size, (n, prompt_len), generator=g)
-    with torch.no_grad():
-        out = target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
-                                    min_new_tokens=new, do_sample=False)
-    return [{"input_ids": row.tolist(), "loss_mask": [0] * prompt_len + [1] * new, "domain": "synthetic",
-             "row_id": i} for i, row in enumerate(out)]
 
 
 def job_config(tmp: Path, steps: int = 40, **kw) -> DFlashJobConfig:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import make_target  # noqa: E402
+from tiny_models import distilled_rows, make_target  # noqa: E402
 
 from draftsmith.eagle.job import EagleJob, EagleJobConfig
 from draftsmith.eagle.model import (
@@ -31,17 +31,6 @@ from draftsmith.training import TrainConfig, train
 def target4(tiny_tokenizer, tmp_path_factory):
     """A 4-layer tiny Llama target (so the three EAGLE-3 layers are distinct)."""
     return make_target(tiny_tokenizer, seed=3, layers=4, folder=tmp_path_factory.mktemp("target4"))
-
-
-def distilled_rows(target, n: int = 48, prompt_len: int = 4, new: int = 24, seed: int = 0) -> list[dict]:
-    """Self-distilled rows: random prompts answered greedily by the target (loss on the answer)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, target.vocab_size, (n, prompt_len), generator=g)
-    with torch.no_grad():
-        out = target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
-                                    min_new_tokens=new, do_sample=False)
-    return [{"input_ids": row.tolist(), "loss_mask": [0] * prompt_len + [1] * new, "domain": "synthetic",
-             "row_id": i} for i, row in enumerate(out)]
 
 
 def vocab_for(target, n: int = 96):

@@ -171,3 +171,14 @@ def assert_same_rows(ds, ref, at_least: float = 0.9) -> None:
             same += 1
             assert row["input_ids"] == other["input_ids"] and row["loss_mask"] == other["loss_mask"]
     assert same >= at_least * len(ref), f"only {same} of {len(ref)} rows agree"
+
+
+def distilled_rows(target, n: int = 48, prompt_len: int = 4, new: int = 24, seed: int = 0) -> list[dict]:
+    """Self-distilled rows: random prompts answered greedily by the target (loss on the answer)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, target.vocab_size, (n, prompt_len), generator=g)
+    with torch.no_grad():
+        out = target.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                                    min_new_tokens=new, do_sample=False)
+    return [{"input_ids": row.tolist(), "loss_mask": [0] * prompt_len + [1] * new, "domain": "synthetic",
+             "row_id": i} for i, row in enumerate(out)]
