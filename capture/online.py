@@ -68,7 +68,8 @@ class CaptureSource:
     def placed_target(self, accelerator):
         """Place the target (`place`) and return the model a head reads the target's embedding and lm_head from:
         the placed one online (under ZeRO-3 the model inside its inference engine, whose hooks gather its
-        layers), or, offline, the target placed whole on this rank's device, never run but for those rows."""
+        layers), or, offline, the target placed whole on this rank's device (not sharded: only its embedding and
+        lm_head rows are read)."""
         from draftsmith.targets.frozen import place_frozen
 
         self.place(accelerator)
