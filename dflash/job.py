@@ -139,9 +139,11 @@ class DFlashJob(Job):
                               f"are captured by no serving stack: pick layers up to {L - 2}")
         self.counts = token_counts(self.train_set, target.vocab_size)
         self.mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(target, self.counts)
-        if int(self.counts[self.mask_id]) if self.mask_id < len(self.counts) else 0:
-            log.warning("mask_token_id %d occurs %d times in the training data's target-written tokens",
-                        self.mask_id, int(self.counts[self.mask_id]))
+        # an id out of the vocabulary is refused by DFlashConfig when the draft is built, in one line
+        written = int(self.counts[self.mask_id]) if self.mask_id < len(self.counts) else 0
+        if written:
+            log.warning("mask_token_id %d occurs %d times in the training data's target-written tokens", self.mask_id,
+                        written)
         self.weights = position_weights(cfg.block_size, cfg.slot_gamma)
         self.features = CaptureSource(target, layers=self.layers, last_hidden=cfg.loss == "kd",
                                       cache_dir=cfg.capture_cache)
@@ -181,7 +183,7 @@ class DFlashJob(Job):
         ids, lmask = batch["input_ids"], batch["loss_mask"]
         lengths = batch["attention_mask"].sum(1)
         bs = self.cfg.block_size
-        anchors = sample_anchors(lmask, lengths, self.cfg.anchors_per_row, bs, self.row_generators(batch))
+        anchors = sample_anchors(lmask, lengths, self.cfg.anchors_per_row, self.row_generators(batch))
         x = torch.cat([feats[f"layer.{i}"] for i in self.layers], dim=-1)
         labels, valid = block_targets(ids, lmask, anchors, bs)
         slots = torch.arange(bs, device=ids.device).expand_as(valid)[valid]

@@ -314,7 +314,7 @@ def block_mask(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
     return torch.cat([ctx, own], dim=-1)
 
 
-def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, per_row: int, block_size: int,
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, per_row: int,
                    generators: list[torch.Generator | None] | torch.Generator | None = None) -> torch.Tensor:
     """[B, per_row] random anchors per row (-1 where a row has fewer): positions a >= 1 whose next token is
     learned (loss_mask[a+1] = 1), so every block has a context and at least one labelled slot. Sorted.

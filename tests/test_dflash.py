@@ -64,7 +64,7 @@ def test_block_mask_sees_earlier_context_and_its_own_block_only():
 
 def test_anchors_and_targets_follow_the_loss_mask():
     lm = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0]])
-    anchors = sample_anchors(lm, torch.tensor([7]), per_row=10, block_size=3, generators=torch.Generator().manual_seed(0))
+    anchors = sample_anchors(lm, torch.tensor([7]), per_row=10, generators=torch.Generator().manual_seed(0))
     live = anchors[anchors >= 0].tolist()
     assert live == [2, 3, 4, 5]  # a >= 1 with x_{a+1} learned, inside the row
     ids = torch.arange(8)[None]
