@@ -53,14 +53,16 @@ def final_summary(train_dir: Path) -> dict:
 
 
 def held_out_top1(summary: dict) -> list[float]:
-    """Top-1 per TTT step (EAGLE) or per head (Medusa) from a run's final summary."""
-    for key in ("eval/step{}/acc", "eval/head{}/top1"):
+    """Top-1 per TTT step (EAGLE), per head (Medusa) or per block slot (DFlash: slot 1 is the first drafted
+    token) from a run's final summary."""
+    for key, first in (("eval/step{}/acc", 0), ("eval/head{}/top1", 0), ("eval/slot{}/acc", 1)):
         vals = []
-        while key.format(len(vals)) in summary:
-            vals.append(summary[key.format(len(vals))])
+        while key.format(first + len(vals)) in summary:
+            vals.append(summary[key.format(first + len(vals))])
         if vals:
             return vals
-    raise SystemExit(f"{summary['_log']}: the summary has no held-out top-1 (eval/step0/acc, eval/head0/top1)")
+    raise SystemExit(f"{summary['_log']}: the summary has no held-out top-1 (eval/step0/acc, eval/head0/top1, "
+                     "eval/slot1/acc)")
 
 
 def learned_tokens(dataset, eval_fraction: float, seed: int, n: int) -> int:
@@ -108,6 +110,9 @@ def _annotate(ax, points: list[dict], x: list[float], y: list[float], ends_only:
             ax.annotate(f"{p['epochs']:.2g} ep", (xi, yi), textcoords="offset points", xytext=(3, 4), fontsize=6)
 
 
+POSITION = {"eagle": "step", "medusa": "head", "dflash": "draft token"}  # what held_out_top1's entries follow
+
+
 def plot(points: list[dict], out: Path, method: str) -> None:
     import matplotlib
 
@@ -117,7 +122,7 @@ def plot(points: list[dict], out: Path, method: str) -> None:
     x = [p["tokens_trained"] for p in points]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for i in range(len(points[0]["held_out_top1"])):
-        a.plot(x, [p["held_out_top1"][i] for p in points], "o-", label=f"{'step' if method == 'eagle' else 'head'} {i}")
+        a.plot(x, [p["held_out_top1"][i] for p in points], "o-", label=f"{POSITION[method]} {i}")
     _annotate(a, points, x, [p["held_out_top1"][0] for p in points])
     a.set(xscale="log", xlabel="tokens trained on (epochs beside each point)", ylabel="held-out top-1",
           title="held-out top-1")
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             replot(d)
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", required=True, choices=["eagle", "medusa"])
+    p.add_argument("--method", required=True, choices=sorted(POSITION))
     p.add_argument("--config", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--rows", required=True, help="training rows per point, comma-separated (e.g. 67,134,268,536)")

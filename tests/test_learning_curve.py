@@ -26,12 +26,14 @@ def _log(path: Path, *records) -> Path:
     return path
 
 
-def test_held_out_top1_reads_the_final_summary_of_either_method(lc, tmp_path):
+def test_held_out_top1_reads_the_final_summary_of_every_method(lc, tmp_path):
     eagle = _log(tmp_path / "e", {"type": "eval", "step": 5, "step0/acc": 0.1},
                  {"type": "summary", "eval/step0/acc": 0.3, "eval/step1/acc": 0.2, "train/step0/acc": 0.9})
     medusa = _log(tmp_path / "m", {"type": "summary", "eval/head0/top1": 0.4, "eval/head1/top1": 0.25})
     assert lc.held_out_top1(lc.final_summary(eagle)) == [0.3, 0.2]
     assert lc.held_out_top1(lc.final_summary(medusa)) == [0.4, 0.25]
+    dflash = _log(tmp_path / "d", {"type": "summary", "eval/acc": 0.5, "eval/slot1/acc": 0.6, "eval/slot2/acc": 0.3})
+    assert lc.held_out_top1(lc.final_summary(dflash)) == [0.6, 0.3]  # slot 0 is the anchor, never predicted
     with pytest.raises(SystemExit, match="no summary record"):
         lc.final_summary(_log(tmp_path / "x", {"type": "train", "step": 1}))
     with pytest.raises(SystemExit, match="no held-out top-1"):
