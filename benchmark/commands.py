@@ -9,6 +9,8 @@ The jobs (each module's docstring says what it measures and how):
     capture     teacher-forced capture against generation with capture (benchmark/capture.py)
     remote      the embedded engine against an OpenAI-compatible server (benchmark/remote.py)
     eagle-step  one EAGLE training step two ways (benchmark/eagle_step.py)
+    train-step  one optimizer step of several jobs, interleaved: the steps each takes at equal time
+                (benchmark/train_step.py)
     baseline    is plain decoding's one-token step the fastest this machine can do? (evaluation/baseline.py)
     gemm        F.linear against W @ xᵀ over a few rows, and whole forwards (targets/gemm.py)
     llamacpp    llama.cpp beside our plain decoding on the same GGUF and prompts (benchmark/llamacpp.py)
@@ -21,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 
-JOBS_HELP = "a single timing job (engine, capture, remote, eagle-step, baseline, gemm, llamacpp, headline); " \
-            "without one, the whole bench, and the words are key=value overrides of its config"
+JOBS_HELP = "a single timing job (engine, capture, remote, eagle-step, train-step, baseline, gemm, llamacpp, " \
+            "headline); without one, the whole bench, and the words are key=value overrides of its config"
 
 
 class _JobOrOverride:
@@ -112,6 +114,18 @@ def _register_engine_jobs(jobs) -> None:
     s.add_argument("--compare", choices=["skip", "precision"], default="skip")
     s.set_defaults(func=run_eagle_step)
 
+    t = jobs.add_parser("train-step", help="one optimizer step of several training jobs, interleaved: their "
+                                          "cost ratio and the steps each takes at equal time "
+                                          "(benchmark/train_step.py)")
+    t.add_argument("configs", nargs="+", metavar="[NAME=]CONFIG", help="job presets (NAME defaults to the kind)")
+    t.add_argument("--set", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                   help="overrides for the job NAME (repeatable)")
+    t.add_argument("--batches", type=int, default=6)
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--reference-steps", type=int, help="the first job's steps, converted to the others' at equal time")
+    t.add_argument("--out", help="folder for report.json")
+    t.set_defaults(func=run_train_step)
+
 
 def _register_kernel_jobs(jobs) -> None:
     b = jobs.add_parser("baseline", help="is plain decoding's one-token step not slower than a two-token forward? "
@@ -186,6 +200,16 @@ def run_eagle_step(args) -> int:
     words = list(args.overrides)
     config = words.pop(0) if words and "=" not in words[0] else None
     eagle_step(config, words, args.batches, args.repeats, args.compare)
+    return 0
+
+
+def run_train_step(args) -> int:
+    from draftsmith.benchmark.train_step import run as train_step
+
+    sets: dict[str, list[str]] = {}
+    for name, *pairs in args.set:
+        sets.setdefault(name, []).extend(pairs)
+    train_step(args.configs, sets, args.batches, args.repeats, args.reference_steps, args.out)
     return 0
 
 

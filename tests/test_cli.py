@@ -74,6 +74,10 @@ def test_bench_takes_a_job_or_overrides_of_the_whole_bench():
     args = parse_with_overrides(p, ["bench", "eagle-step", "c.yaml", "a=1", "--compare", "precision", "b=2"])
     assert args.func.__name__ == "run_eagle_step" and args.overrides == ["c.yaml", "a=1", "b=2"]
     assert parse_with_overrides(p, ["bench", "remote", "8", "4", "--concurrency", "2"]).batch == 2
+    args = parse_with_overrides(p, ["bench", "train-step", "a.yaml", "d=b.yaml", "--set", "d", "x=1", "y=2",
+                                    "--set", "eagle", "z=3", "--reference-steps", "1200"])
+    assert args.func.__name__ == "run_train_step" and args.configs == ["a.yaml", "d=b.yaml"]
+    assert args.set == [["d", "x=1", "y=2"], ["eagle", "z=3"]] and args.reference_steps == 1200
     for bad in (["bench", "engin"], ["bench", "a=1", "--bogus"], ["bench", "engine", "1", "2", "cb:1", "t", "x=1"]):
         with pytest.raises(SystemExit):
             parse_with_overrides(p, bad)
