@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.draftsmith-installed
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup setup-gemma setup-deepspeed setup-llamacpp setup-vllm test test-dist test-vllm test-fast demo bench bench-quick lint clean
+.PHONY: setup setup-gemma setup-deepspeed setup-llamacpp setup-vllm test test-dist test-vllm test-gpu test-fast demo bench bench-quick lint clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,11 @@ test-dist: setup-deepspeed
 # targets and on smollm2-135m with the zoo heads (tests/test_vllm_serving.py); one engine at a time
 test-vllm: setup setup-vllm
 	DRAFTSMITH_REQUIRE_VLLM=1 $(BIN)/pytest -m vllm -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+# the CUDA forms (tests/test_gpu.py: every method trains on one GPU and decodes as transformers' generate
+# does there); they skip where torch sees no CUDA device
+test-gpu: setup
+	$(BIN)/pytest -m gpu -q -rs
 
 test-fast: setup
 	DRAFTSMITH_SKIP_REAL=1 $(BIN)/pytest -x -q -m "not vllm"
