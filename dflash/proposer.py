@@ -42,9 +42,13 @@ class DFlashProposer(Proposer):
         self.n_done = 0
         self.pending: list[torch.Tensor] = []
 
-    # the reference's serving shape on a GPU: a block of 16 (15 drafted tokens) as one chain
+    # A GPU verifies EAGLE-2's 60 nodes in about the time of one token, so the GPU-sized shape of a block is the
+    # tree of each slot's top 10 cut to the 60 best paths: the same budget as an EAGLE head's (eagle/proposer.py
+    # GPU_TREE). The chain of the whole block, what vLLM and SGLang serve, is the proposer's default shape.
+    GPU_TREE = {"topk": 10, "max_nodes": 60}
+
     def gpu_tree(self) -> tuple[DFlashProposer, TreeSpec]:
-        other = DFlashProposer(self.draft, depth=self.draft.config.block_size - 1)
+        other = DFlashProposer(self.draft, depth=self.draft.config.block_size - 1, tree=True, **self.GPU_TREE)
         return other, other.default_tree_spec()
 
     def default_tree_spec(self) -> TreeSpec:

@@ -370,6 +370,8 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
                   assistant=prop.assistant_model if cfg.hf_reference else None)
     if cfg.prune_tree and not spec.is_chain:
         _cut_trees(setup)
+    # the GPU-sized shape beside the proposer's own, tree or chain (DFlash's own shape is its block's chain)
+    if cfg.prune_tree and (not spec.is_chain or cfg.tree_from_proposer):
         gpu = prop.gpu_tree() if cfg.gpu_tree else None
         if gpu is not None:  # uncut: what a GPU verifies, decoded here for its τ (its speed is this CPU's)
             gpu[0].use_dtype(drafts_in)

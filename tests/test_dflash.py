@@ -224,3 +224,21 @@ def test_memory_plan_counts_the_draft(trained, tmp_path):
     assert shape.params == sum(v.numel() for v in job.build_module().state_dict().values())
     p = plan_config("configs/smollm2-135m/dflash.yaml", gpu="H100-80GB")
     assert p["kind"] == "dflash" and p["fits"] and p["trained_params"] > 0
+
+
+def test_evaluation_puts_the_gpu_sized_tree_beside_the_blocks_chain(trained, target4, tmp_path):
+    """`--tree auto`: the proposer's own shape (the block's chain, what vLLM serves) and, beside it, the tree of
+    each slot's top 10 cut to EAGLE-2's GPU budget of 60 nodes; both lossless."""
+    from draftsmith.evaluation.evaluate import evaluate
+
+    _, result, _ = trained
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"category": "qa", "turns": [t]}) + "\n"
+                               for t in ["What is a fox?", "Name three colors."]))
+    report = evaluate(target4, f"dflash:{result.artifact}", prompts=[str(prompts)], max_new_tokens=12,
+                      tree_from_proposer=True, cost_context=16, cost_k_max=4, cost_repeats=1, limit_per_domain=2)
+    assert report["settings"]["tree"] == [1] * (BS - 1)
+    assert report["settings"]["gpu_tree"] == {"tree": [10] * (BS - 1), "tree_max_nodes": 60}
+    gpu = report["overall"]["gpu_tree"]
+    assert report["overall"]["lossless"] is True and gpu["lossless"] is True
+    assert gpu["verified_nodes_per_step"] > report["overall"]["verified_nodes_per_step"]
