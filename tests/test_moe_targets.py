@@ -130,3 +130,17 @@ def test_sharded_training_divides_every_expert_and_gathers_a_whole_layer():
     assert layer > 128 * 3 * 2048 * 768  # the gathered layer holds every expert
     assert fsdp["bytes"]["target_weights"] == 2 * total // 8 + 2 * layer
     assert "30.53B params (frozen; 3.35B active per token, a mixture of experts)" in format_plan(fsdp)
+
+
+def test_kv_cache_of_latent_attention_and_chunked_layers():
+    """DeepSeek-V3's latent attention caches one 512 + 64 latent per layer and token (vLLM's MLA), not 128 heads of
+    K and V; Llama 4's chunked layers hold at most one 8,192-token chunk, its full layers (one in four) the whole
+    context."""
+    import transformers as tf
+
+    from draftsmith.planning.memory import kv_bytes_per_token
+
+    assert kv_bytes_per_token(tf.DeepseekV3Config(), 2, 4096) == 61 * (512 + 64) * 2
+    l4 = tf.Llama4TextConfig()  # Scout's text decoder: 48 layers, 8 KV heads of 128
+    per_layer = 2 * 8 * 128 * 2
+    assert kv_bytes_per_token(l4, 2, 32768) * 32768 == per_layer * (12 * 32768 + 36 * 8192)
