@@ -47,6 +47,7 @@ from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, Targe
 from draftsmith.decoding.sampling import SamplingConfig, residual, sample, uniform
 from draftsmith.errors import DraftsmithError
 from draftsmith.targets import kvcache
+from draftsmith.targets.families import text_config
 
 
 def tree_attention(parents: list[int], cache_len: int, dtype: torch.dtype,
@@ -71,6 +72,33 @@ def tree_attention(parents: list[int], cache_len: int, dtype: torch.dtype,
     mask.masked_fill_(~full, torch.finfo(dtype).min)
     positions = torch.tensor(depth, dtype=torch.long) + cache_len
     return mask[None, None].to(device), positions[None].to(device)
+
+
+def layer_masks(config, mask: torch.Tensor, positions: torch.Tensor, cache_len: int):
+    """`tree_attention`'s mask per layer type, for a target with windowed layers (Gemma 3 and gpt-oss sliding
+    layers, Llama 4 chunked ones): the model applies a 4-D mask as given to every layer, so the window is
+    added here, on the nodes' positions (a node at depth d sits at cache_len + d). A target of full layers
+    gets the mask itself."""
+    tc = text_config(config)
+    types = set(getattr(tc, "layer_types", None) or ())
+    if types <= {"full_attention"}:
+        return mask
+    q = positions[0]
+    keys = torch.cat([torch.arange(cache_len, device=q.device), q])
+    out = {}
+    for kind in types:
+        window, chunk = getattr(tc, "sliding_window", None), getattr(tc, "attention_chunk_size", None)
+        if kind == "sliding_attention" and window:
+            far = q[:, None] - keys[None, :] >= window  # transformers: kv_idx > q_idx - sliding_window
+        elif kind == "chunked_attention" and chunk:
+            far = q[:, None] // chunk != keys[None, :] // chunk
+        elif kind in ("full_attention", "sliding_attention", "chunked_attention"):
+            far = None
+        else:
+            raise DraftsmithError(f"tree verification: the target's layer type '{kind}' (config layer_types) has "
+                                  "no mask here; use a chain (tree off) for this target")
+        out[kind] = mask if far is None else mask.masked_fill(far[None, None], torch.finfo(mask.dtype).min)
+    return out
 
 
 def accept_greedy(proposal: Proposal, argmax: list[int]) -> tuple[list[int], int]:
@@ -258,6 +286,7 @@ class SequenceVerifier:
             positions = torch.arange(cache_len, cache_len + ids.shape[1], device=self.device)[None]
         else:
             mask, positions = tree_attention(proposal.parent_list, cache_len, self.dtype, self.device)
+            mask = layer_masks(self.model.config, mask, positions, cache_len)
         logits, feats = self._forward(ids, positions, mask)
 
         if self.sampling.greedy:

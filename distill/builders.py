@@ -22,7 +22,8 @@ FLOPs. What a draft step costs is, per token (Kaplan et al. 2020, §2.1, forward
 
 so a "10× smaller" draft means 10× fewer NON-EMBEDDING parameters; its per-token FLOPs shrink by less
 because the d·V lm_head stays (a 3-layer SmolLM2 truncation: 10.6M vs 106.2M non-embedding params, but
-~78 vs ~269 MFLOPs per token at short context).
+~78 vs ~269 MFLOPs per token at short context). For a mixture-of-experts model N_nonembed is its ACTIVE count
+(the experts a token is routed to): Qwen3-30B-A3B computes like a 3B model, not a 30B one.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ import torch
 from torch import nn
 
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.targets.families import attention_dims, decoder_layers, text_config, text_state_dict
+from draftsmith.targets.families import (
+    attention_dims,
+    decoder_layers,
+    experts_per_token,
+    inactive_params,
+    text_config,
+    text_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +220,11 @@ def build_draft(spec: dict[str, Any] | Any, target) -> nn.Module:
 def size_report(model_or_config, context: int = 256) -> dict[str, Any]:
     """Parameters and forward FLOPs per token (module docstring). Works on a model or a bare config."""
     cfg = text_config(getattr(model_or_config, "config", model_or_config))
+    if not isinstance(model_or_config, nn.Module) and experts_per_token(cfg) is not None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # a mixture of experts: count its experts exactly, nothing allocated
+            model_or_config = AutoModelForCausalLM.from_config(cfg)
     d, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     heads, kv, hd = attention_dims(cfg)
     ff = cfg.intermediate_size
@@ -234,7 +247,10 @@ def size_report(model_or_config, context: int = 256) -> dict[str, Any]:
         emb = V * d * (1 if tied else 2)
         total = emb + L * per_layer + d
     non_emb = total - emb
+    # a mixture of experts computes each token with the experts it is routed to: its active parameters
+    active = non_emb - (inactive_params(model_or_config) if isinstance(model_or_config, nn.Module) else 0)
     attn_ctx = 2 * L * context * heads * hd  # QK^T and AV over the context (Kaplan et al. 2020)
-    flops = 2 * non_emb + 2 * d * V + attn_ctx
+    flops = 2 * active + 2 * d * V + attn_ctx
     return {"params": total, "embedding_params": emb, "non_embedding_params": non_emb,
-            "flops_per_token": flops, "context": context, "num_layers": L, "hidden_size": d}
+            "active_non_embedding_params": active, "flops_per_token": flops, "context": context, "num_layers": L,
+            "hidden_size": d}

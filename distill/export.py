@@ -134,10 +134,21 @@ def expected_draft_tensors(config: dict) -> tuple[Spec, Spec]:
     dtype = st_dtype(_config_dtype(config))
     required, optional = {}, {}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    for name, t in model.state_dict().items():
+    for name, t in checkpoint_state(model).items():
         entry = (tuple(t.shape), dtype)
         (optional if tied and name.startswith("lm_head.") else required)[name] = entry
     return required, optional
+
+
+def checkpoint_state(model) -> dict[str, torch.Tensor]:
+    """The state dict under the names save_pretrained writes: transformers 5 fuses a mixture-of-experts
+    layer's experts into one tensor in memory (Qwen3-MoE, DeepSeek-V3) and splits them back into one tensor per
+    expert on save, the layout vLLM and older transformers load."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without load-time conversions: memory and checkpoint names agree
+        return model.state_dict()
+    return revert_weight_conversion(model, model.state_dict())
 
 
 def draft_artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:

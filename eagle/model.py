@@ -143,8 +143,10 @@ def layer_config_dict(target_config, draft_layer: str = "llama") -> dict:
     tc = text_config(target_config)
     if draft_layer == "target":
         if fam.eagle_layer is None:
-            raise ConfigError(f"draft_layer: target is not available for {fam.model_type} targets (its decoder "
-                              "layer cannot take EAGLE-3's widened attention): use draft_layer: llama")
+            why = ("a mixture-of-experts layer, which no serving stack's EAGLE drafter builds" if fam.experts else
+                   "its decoder layer cannot take EAGLE-3's widened attention")
+            raise ConfigError(f"draft_layer: target is not available for {fam.model_type} targets ({why}): "
+                              "use draft_layer: llama")
         d = tc.to_dict()
         d.pop("quantization_config", None)
         return d

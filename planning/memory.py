@@ -6,13 +6,21 @@ What is counted (bytes; GiB = 2**30 in the printout):
   weights      exact parameter counts (the model built on the `meta` device from its config, so nothing is
                allocated) × dtype size, for the target and the artifact (a draft model's config; Medusa /
                EAGLE heads from their safetensors header, without reading the tensors; shared target
-               embeddings are not counted twice).
+               embeddings are not counted twice). A mixture-of-experts target holds every expert: its
+               TOTAL parameters are its weights (Qwen3-30B-A3B: 30.5B), while one token computes with its
+               ACTIVE ones (3.35B: the routed experts it goes through, targets/families.py `inactive_params`),
+               which the plan reports beside them and the activations are sized from. Both embeddings count
+               as active here, as Qwen counts them; OpenAI's gpt-oss figures (20b: 3.6B, 120b: 5.1B active)
+               leave the input embedding out, a lookup rather than a product.
   KV cache     2 (K and V) × layers × kv_heads × head_dim × dtype size per token and sequence; sliding-
-               window layers (Gemma 3 local layers) hold min(context, window) tokens. Target over
+               window layers (Gemma 3, gpt-oss local layers) hold min(context, window) tokens, Llama 4's
+               chunked layers min(context, chunk); DeepSeek-V3's latent attention caches one latent of
+               kv_lora_rank + qk_rope_head_dim per layer and token (what vLLM's MLA keeps). Target over
                `context` tokens; a draft model the same; an EAGLE head one layer of its own shape; Medusa none.
                Speculation also caches the k+1 in-flight positions of every sequence.
   activations  the transient workspace of one forward, which inference frees layer by layer: the largest
-               layer's residual, q/k/v, attention output and MLP intermediates for every token in flight,
+               layer's residual, q/k/v, attention output and MLP intermediates (a mixture of experts: those
+               of the experts a token is routed to, and of its shared experts) for every token in flight,
                plus fp32 logits for the positions that are sampled/verified. Tokens in flight = max(batch ×
                (k+1) verified tokens, the prefill chunk).
   overhead     CUDA context, allocator fragmentation, graphs: a fixed allowance (default 1.5 GiB on a GPU).
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.errors import ConfigError
-from draftsmith.targets.families import attention_dims, text_config
+from draftsmith.targets.families import attention_dims, experts_per_token, inactive_params, text_config
 
 GIB = 2**30
 GPUS = {  # usable device memory in bytes (marketing GB -> bytes as the driver reports them)
@@ -71,17 +79,32 @@ def load_target_config(spec: str | Path):
 
 def count_params(config) -> int:
     """Exact parameter count of the causal LM `config` describes (built on the meta device; tied weights once)."""
+    return param_counts(config)[0]
+
+
+def param_counts(config) -> tuple[int, int]:
+    """(total, active) parameters of the causal LM `config` describes, built on the meta device: a dense model's
+    are equal, a mixture of experts computes each token with its active ones only (module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    seen, total = set(), 0
-    for p in model.parameters():  # parameters() yields a tied tensor once
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    return total, total - inactive_params(model)
+
+
+def mlp_width(c) -> int:
+    """The MLP intermediates one token computes with: a dense model's intermediate_size; a mixture of experts'
+    routed experts it goes through (each moe_intermediate_size wide; gpt-oss's and Llama 4's experts are
+    intermediate_size wide) plus its shared experts, or its dense layers' width where that is larger."""
+    dense = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    moe = experts_per_token(c)
+    if moe is None:
+        return dense
+    width = getattr(c, "moe_intermediate_size", None) or dense
+    shared = (getattr(c, "n_shared_experts", None) or 0) * width
+    return max(moe[1] * width + shared, getattr(c, "intermediate_size_mlp", None) or 0, dense)
 
 
 def kv_bytes_per_token(config, dtype_bytes: int, context: int) -> float:
@@ -90,11 +113,13 @@ def kv_bytes_per_token(config, dtype_bytes: int, context: int) -> float:
     layers = c.num_hidden_layers
     _, kv_heads, head_dim = attention_dims(c)
     per_layer_token = 2 * kv_heads * head_dim * dtype_bytes
+    if getattr(c, "kv_lora_rank", None):  # multi-head latent attention: one latent per token, K and V expand from it
+        per_layer_token = (c.kv_lora_rank + c.qk_rope_head_dim) * dtype_bytes
+    held = {"sliding_attention": getattr(c, "sliding_window", None),
+            "chunked_attention": getattr(c, "attention_chunk_size", None)}
     types = getattr(c, "layer_types", None)
-    window = getattr(c, "sliding_window", None)
-    if types and window:
-        total = sum(per_layer_token * (min(context, window) if t == "sliding_attention" else context) for t in types)
-        return total / context
+    if types:
+        return sum(per_layer_token * min(context, held.get(t) or context) for t in types) / context
     return layers * per_layer_token
 
 
@@ -103,7 +128,7 @@ def activation_bytes(config, tokens: int, sampled: int, dtype_bytes: int) -> int
     c = text_config(config)
     h = c.hidden_size
     heads, kv_heads, head_dim = attention_dims(c)
-    inter = getattr(c, "intermediate_size", 4 * h)
+    inter = mlp_width(c)
     per_token = (2 * h  # residual + normed input
                  + (heads + 2 * kv_heads) * head_dim  # q, k, v
                  + heads * head_dim  # attention output
@@ -172,7 +197,7 @@ def plan(target_config, artifact: ArtifactShape, gpu: str | int, batch: int, con
     overhead = overhead_bytes if overhead_bytes is not None else (0 if gpu_name == "cpu" else int(1.5 * GIB))
     budget = device_bytes * utilization
 
-    t_params = count_params(target_config)
+    t_params, t_active = param_counts(target_config)
     weights = {"target": t_params * b, "artifact": artifact.params * b}
     in_flight = context + (k + 1 if artifact.kind != "none" else 0)
     kv_t = kv_bytes_per_token(target_config, b, in_flight) * in_flight
@@ -196,7 +221,7 @@ def plan(target_config, artifact: ArtifactShape, gpu: str | int, batch: int, con
     return {
         "gpu": gpu_name, "device_bytes": device_bytes, "utilization": utilization, "budget_bytes": budget,
         "dtype": dtype, "batch": batch, "context": context, "k": k, "artifact_kind": artifact.kind,
-        "params": {"target": t_params, "artifact": artifact.params},
+        "params": {"target": t_params, "target_active": t_active, "artifact": artifact.params},
         "weights_bytes": weights,
         "kv_bytes": {"target": batch * kv_t, "artifact": batch * kv_d,
                      "per_sequence_target": kv_t, "per_sequence_artifact": kv_d},
@@ -211,7 +236,7 @@ def render(p: dict) -> str:
     lines = [f"memory plan: {p['gpu']} ({p['utilization']:.0%} of {p['device_bytes'] / GIB:.1f} GiB = "
              f"{p['budget_bytes'] / GIB:.1f} GiB), {p['dtype']}, batch {p['batch']}, context {p['context']}, "
              f"k {p['k']}, artifact {p['artifact_kind']}",
-             f"  weights   target   {g(p['weights_bytes']['target'])}  ({p['params']['target'] / 1e6:.1f}M params)",
+             f"  weights   target   {g(p['weights_bytes']['target'])}  ({_params(p['params'])})",
              f"  weights   artifact {g(p['weights_bytes']['artifact'])}  ({p['params']['artifact'] / 1e6:.1f}M params)",
              f"  KV cache  target   {g(p['kv_bytes']['target'])}  ({p['kv_bytes']['per_sequence_target'] / 2**20:.1f} MiB/seq)",
              f"  KV cache  artifact {g(p['kv_bytes']['artifact'])}",
@@ -221,6 +246,12 @@ def render(p: dict) -> str:
              f"  headroom           {g(p['headroom_bytes'])}  -> {'fits' if p['fits'] else 'DOES NOT FIT'}",
              f"  largest batch that fits at this context: {p['max_batch']}"]
     return "\n".join(lines)
+
+
+def _params(params: dict) -> str:
+    total, active = params["target"], params.get("target_active", params["target"])
+    text = f"{total / 1e6:.1f}M params"
+    return text if active == total else f"{text}, {active / 1e6:.1f}M active per token: a mixture of experts"
 
 
 def measure_cpu(target_spec: str, artifact_path: str | None, batch: int, context: int, k: int = 4) -> dict:

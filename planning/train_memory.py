@@ -9,7 +9,10 @@ Nothing is allocated: the target and the trained module are built on the `meta` 
 
   target       its weights in the mixed-precision dtype (targets/frozen.py casts a frozen target to it);
                divided over the ranks under FSDP / ZeRO-3 (the frozen target is sharded there) plus one
-               decoder layer gathered for its forward, whole on every rank otherwise
+               decoder layer gathered for its forward, whole on every rank otherwise. A mixture of experts
+               counts its TOTAL parameters, every expert: FSDP and ZeRO-3 shard them like any weight and
+               gather a whole layer, all its experts, for the forward (no expert parallelism in the
+               training loop); its ACTIVE parameters (reported beside them) size the forward's workspace
   module       the trained parameters in fp32 (accelerate keeps fp32 weights and autocasts the products)
   gradients    fp32, one per trained parameter; divided over the ranks under ZeRO-2/3 and FSDP
   optimizer    AdamW's two fp32 moments; divided over the ranks under ZeRO-2/3 and FSDP
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from draftsmith import methods
 from draftsmith.errors import ConfigError
-from draftsmith.planning.memory import GIB, GPUS, activation_bytes, count_params, load_target_config
+from draftsmith.planning.memory import GIB, GPUS, activation_bytes, load_target_config, param_counts
 from draftsmith.storage import read_json
 from draftsmith.targets.families import attention_dims, family, text_config
 
@@ -111,7 +114,7 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
     tc = text_config(target_config)
     act = DTYPE_BYTES.get(sharding.mixed_precision, 2)
     H, V, L = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers
-    target_params = count_params(target_config)
+    target_params, target_active = param_counts(target_config)
     kind = getattr(job, "config_kind", "?")
     method = next((m for m in methods.all_methods() if m.train_memory is not None
                    and getattr(m.get("config"), "config_kind", None) == kind), None)
@@ -145,7 +148,7 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
         raise ConfigError(f"unknown GPU '{gpu}' (known: {', '.join(GPUS)}, or a size in bytes)")
     return {"kind": kind, "gpu": gpu, "device_bytes": device, "sharding": sharding.kind, "ranks": sharding.ranks,
             "mixed_precision": sharding.mixed_precision, "batch_size": B, "max_length": T,
-            "target_params": target_params, "trained_params": trained, "bytes": parts, "total_bytes": total,
+            "target_params": target_params, "target_active_params": target_active, "trained_params": trained, "bytes": parts, "total_bytes": total,
             "fits": total <= 0.9 * device}
 
 
@@ -164,11 +167,17 @@ def format_plan(p: dict) -> str:
     g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     lines = [f"training memory per GPU: {p['kind']} job, {p['ranks']} x {p['gpu']} ({p['sharding']}, "
              f"{p['mixed_precision']}), micro-batch {p['batch_size']} x {p['max_length']} tokens",
-             f"  target {p['target_params'] / 1e9:.2f}B params (frozen), trained {p['trained_params'] / 1e6:.1f}M"]
+             f"  target {p['target_params'] / 1e9:.2f}B params (frozen{_active(p)}), trained "
+             f"{p['trained_params'] / 1e6:.1f}M"]
     lines += [f"  {k:<15} {g(v)}" for k, v in p["bytes"].items()]
     verdict = "fits" if p["fits"] else "does NOT fit"
     lines.append(f"  {'total':<15} {g(p['total_bytes'])} of {g(p['device_bytes'])}: {verdict} (90% of the device)")
     return "\n".join(lines)
+
+
+def _active(p: dict) -> str:
+    active = p.get("target_active_params", p["target_params"])
+    return "" if active == p["target_params"] else f"; {active / 1e9:.2f}B active per token, a mixture of experts"
 
 
 def plan_config(config_path: str | Path, target: str | Path | None = None, accelerate: str | Path | None = None,

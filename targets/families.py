@@ -15,6 +15,9 @@ guessed at, so no head is trained against the wrong module.
     phi3          Phi3ForCausalLM (Phi-3, Phi-3.5, Phi-4-mini)  the same
     gemma3_text   Gemma3ForCausalLM (270M, 1B)             the same (the embedding scales by sqrt(H))
     gemma3        Gemma3ForConditionalGeneration (4B+)      model.language_model.{layers,norm,embed_tokens}
+    qwen3_moe     Qwen3MoeForCausalLM (30B-A3B, 235B-A22B)  model.layers / model.norm / model.embed_tokens
+    gpt_oss       GptOssForCausalLM (gpt-oss-20b, -120b)    the same
+    llama4_text   Llama4ForCausalLM (Llama 4 text decoder)  the same
 
 The lm_head is `lm_head` everywhere (tied to the embedding where the config says so).
 
@@ -23,6 +26,15 @@ target's shapes — the layer vLLM's, SGLang's, TensorRT-LLM's and speculators' 
 `eagle_layer` column names the family's own decoder layer for `draft_layer: target`; `llama_layer` says
 whether that layer IS a Llama layer for the serving stacks (same parameter names, same computation), so
 a head of that family exports either way.
+
+Mixture-of-experts families (`experts`: the config fields of the routed experts per layer and of the experts
+each token goes through): the drafters read the decoder layer's output, where the experts' sum is already
+added, so nothing of the routing reaches a head; the target is frozen, so no router auxiliary loss is ever
+computed. What differs is the memory plan (planning/memory.py: every expert is held, only the routed ones
+compute) and the draft layer: `draft_layer: target` would put a router and its experts in a one-layer
+draft, which no serving stack's EAGLE drafter builds, so the Llama layer is the one offered. DeepSeek-V3 is
+not a row yet: its latent attention caches one compressed latent per token instead of per-head keys and
+values, which the batched data engine's attention (data/engines/continuous.py) would have to learn to read.
 
 Embedding: the serving stacks' EAGLE drafters look a token up in the target's embedding table and use
 the row as is (vLLM and SGLang share the table, speculators loads it); Gemma's model multiplies by
@@ -50,6 +62,8 @@ class Family:
     eagle_layer: tuple[str, str, str, str | None] | None
     llama_layer: bool = False  # the family's decoder layer is a Llama layer to the serving stacks
     embed_scale: bool = False  # the model scales embeddings by sqrt(hidden) inside its forward
+    # mixture of experts: (config field of the routed experts per MoE layer, field of those each token uses)
+    experts: tuple[str, str] | None = None
 
 
 def _hf(model: str, prefix: str, layer_type: str | None = None) -> tuple[str, str, str, str | None]:
@@ -68,6 +82,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
            embed_scale=True),
     Family("gemma3", "Gemma 3 4B / 12B / 27B (image-text checkpoints)", "model.language_model",
            _hf("gemma3", "Gemma3", "full_attention"), embed_scale=True),
+    Family("qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B (and -Instruct / -Thinking / -Coder)", "model", None,
+           experts=("num_experts", "num_experts_per_tok")),
+    Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", "model", None, experts=("num_local_experts", "num_experts_per_tok")),
+    Family("llama4_text", "Llama 4 Scout / Maverick text decoder (Llama4ForCausalLM)", "model", None,
+           experts=("num_local_experts", "num_experts_per_tok")),
 ]}
 
 
@@ -102,6 +121,33 @@ def family(config) -> Family:
                           f"{', '.join(FAMILIES)}): it needs a row naming its decoder layers, final norm, "
                           "embedding and lm_head before heads can be trained on it")
     return fam
+
+
+def experts_per_token(config) -> tuple[int, int] | None:
+    """(routed experts per MoE layer, routed experts each token goes through) of a mixture-of-experts target
+    (model or config), None for a dense one or a family outside the table."""
+    fam = FAMILIES.get(model_type(config))
+    if fam is None or fam.experts is None:
+        return None
+    tc = text_config(getattr(config, "config", config))
+    routed, per_token = (getattr(tc, name, None) for name in fam.experts)
+    if not routed or not per_token:
+        raise ConfigError(f"{fam.model_type} config: no '{fam.experts[0]}' / '{fam.experts[1]}' (its routed experts)")
+    return int(routed), int(per_token)
+
+
+def inactive_params(model: nn.Module) -> int:
+    """Parameters of a mixture-of-experts model that one token does not compute with: each layer's routed
+    experts (the module named `experts`, every family of the table; shared experts and routers are named
+    otherwise and always run) times the share of them the router leaves out. 0 for a dense model. Works on
+    the meta device, so a plan counts a 120B model without allocating it."""
+    share = experts_per_token(model)
+    if share is None:
+        return 0
+    routed, per_token = share
+    expert_params = sum(p.numel() for name, mod in unwrap(model).named_modules() if name.rsplit(".", 1)[-1] == "experts"
+                        for p in mod.parameters())
+    return expert_params * (routed - per_token) // routed
 
 
 def unwrap(model) -> nn.Module:

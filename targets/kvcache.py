@@ -5,8 +5,11 @@ transformers 5 changed `DynamicCache.crop(n)`: a positive n is refused by the la
 ([B, heads, T, head_dim]) directly, so both chain rollback (crop) and tree rollback (gather the accepted
 path's entries to the front of the block, then crop) are one tensor operation per layer.
 
-Sliding-window layers (Gemma 3) are handled while the sequence is shorter than the window (the layer then
-holds every position, like a full layer); past the window a rollback cannot be done exactly and raises.
+Every layer keeps every position, sliding-window ones included (`new_cache`): a window's layer that dropped
+the oldest positions could not be rolled back past them, and gpt-oss's window is 128 tokens. The model
+still attends within the window, from its own masks (or the per-layer-type tree masks of decoding/verify.py);
+only the memory of the local layers grows with the context. A cache built with sliding layers elsewhere is
+rolled back while it still holds every position, and refused past that.
 """
 
 from __future__ import annotations
@@ -17,12 +20,10 @@ from draftsmith.errors import DraftsmithError
 
 
 def new_cache(model):
+    """A cache of full layers for `model` (module docstring: no layer evicts, so every rollback is exact)."""
     from transformers import DynamicCache
 
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older signature
-        return DynamicCache()
+    return DynamicCache()
 
 
 def cache_length(cache) -> int:

