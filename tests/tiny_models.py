@@ -59,8 +59,8 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, layers: int = 2, hidden: in
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, **{"tie_word_embeddings": True, **overrides},
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **{"tie_word_embeddings": True, "max_position_embeddings": 512, **overrides},
     )
     model = LlamaForCausalLM(config)
     # Random init gives near-uniform logits; scale the embeddings so greedy paths are decisive and varied.
