@@ -20,7 +20,9 @@ Nothing is allocated: the target and the trained module are built on the `meta` 
                softmax over the vocabulary the module predicts)
   overhead     CUDA context, allocator fragmentation, NCCL buffers: 3 GiB
 
-It is an estimate of the peak, not a measurement: a preset whose total is within 90% of the device is
+The planned row is the job's longest: max_length tokens, of which `--learned N` are loss positions (default:
+all); with `prompt_context` P the step runs on P + N of them (`planned_row`). `fit_advice` lists the changes
+that make a plan fit. It is an estimate of the peak, not a measurement: a preset whose total is within 90% of the device is
 flagged. Checked here on the meta device only (no GPU on this machine).
 """
 
