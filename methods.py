@@ -27,8 +27,9 @@ job.
     memory    (path, target_config) -> `planning.memory.ArtifactShape`: parameters and KV cache of the artifact
     tensors   (path) -> (required, optional, problems): the tensor names and shapes `config.json` implies,
               for `draftsmith check` (checks.inspect_artifact)
-    train_memory  (job config, target config, activation bytes) -> `planning.train_memory.JobMemory`, for
-              `draftsmith plan --config`
+    train_memory  (job config, target config, activation bytes, learned) -> `planning.train_memory.JobMemory`,
+              for `draftsmith plan --config`; `learned`: the loss positions of the planned row (None: every
+              one of its max_length tokens), for a method whose steps run on those positions alone
     commands  (subparsers) -> None: adds the method's own subcommands to `draftsmith` (a job only this method
               has, e.g. Medusa-2's `medusa2-drift`); the CLI calls it after its own commands
 """

@@ -12,6 +12,7 @@ from typing import Literal
 
 from draftsmith.capture.config import CaptureConfig
 from draftsmith.config import register_config
+from draftsmith.data.hub_sets import apply_hub_set
 from draftsmith.storage import data_path
 from draftsmith.targets.context import MAX_NEW_TOKENS
 
@@ -60,10 +61,16 @@ class SourceConfig:
     messages are the dataset's own responses (trained on with `responses: keep`, else the target rewrites
     them). `roles` maps further role names (`{bing: assistant}`); any other role is a malformed row.
     `id_field` names a field used as the stable row key (default: the line / row number).
+
+    `preset: sharegpt | ultrachat | perfectblend` names a standard chat set (data/hub_sets.py): its hub id,
+    split, mapping, roles and domains fill whatever the source does not give itself; with `path` the preset
+    reads a local copy of the set (`type: hf`) instead of the hub.
     """
 
     name: str
     type: Literal["jsonl", "hf", "hub", "stdlib", "magpie"] = "jsonl"
+    # a standard chat set by name (data/hub_sets.py): its hub id, split and mapping, where the source is silent
+    preset: str | None = None
     path: str | None = None
     split: str = "train"  # hf and hub
     id: str | None = None  # hub only: the dataset id, e.g. HuggingFaceH4/ultrachat_200k
@@ -93,6 +100,8 @@ class SourceConfig:
     min_request_chars: int = 12
 
     def __post_init__(self):
+        if self.preset is not None:
+            apply_hub_set(self, MAPPINGS)
         self.domain_rules = [DomainRule(**r) if isinstance(r, dict) else r for r in self.domain_rules]
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
             raise ValueError(f"source name {self.name!r} must be non-empty [A-Za-z0-9_.-]")

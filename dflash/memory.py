@@ -29,9 +29,10 @@ def shape(path: Path, target_config) -> ArtifactShape:
     return ArtifactShape("dflash", weights_params(path), _Layers(), c["num_layers"])
 
 
-def job_memory(job, target_config, act: int) -> JobMemory:
+def job_memory(job, target_config, act: int, learned: int | None = None) -> JobMemory:
     """`Method.train_memory` of a DFlash job: per row, `anchors_per_row` blocks of `block_size` queries over the
-    row's context keys, through `num_layers` layers, and their logits over the full vocabulary."""
+    row's context keys, through `num_layers` layers, and their logits over the full vocabulary. The anchors are
+    drawn from the learned positions, whatever their number: `learned` changes nothing."""
     from draftsmith.dflash.job import default_layers
     from draftsmith.dflash.model import DFlashConfig, DFlashDraft, layer_config_dict
 

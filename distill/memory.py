@@ -19,8 +19,8 @@ def shape(path: Path, target_config) -> ArtifactShape:
     return ArtifactShape("draft", count_params(cfg), cfg, text_config(cfg).num_hidden_layers, separate_model=True)
 
 
-def job_memory(job, target_config, act: int) -> JobMemory:
-    """`Method.train_memory` of a draft distillation job."""
+def job_memory(job, target_config, act: int, learned: int | None = None) -> JobMemory:
+    """`Method.train_memory` of a draft distillation job (the draft runs every position: `learned` changes nothing)."""
     from draftsmith.distill.builders import _config_for_layers
 
     tc = text_config(target_config)

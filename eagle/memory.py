@@ -28,14 +28,16 @@ def shape(path: Path, target_config) -> ArtifactShape:
     return ArtifactShape("eagle", weights_params(path), _Layer(), 1)
 
 
-def job_memory(job, target_config, act: int) -> JobMemory:
-    """`Method.train_memory` of an EAGLE job."""
+def job_memory(job, target_config, act: int, learned: int | None = None) -> JobMemory:
+    """`Method.train_memory` of an EAGLE job whose planned row has `learned` loss positions at its end (None: all
+    of its max_length). Step 0 runs every position (its keys are the context); steps >= 1 run only from the
+    first learned position on (EagleHead.forward skips the bases left of it), and every step's logits are
+    taken at the learned positions alone."""
     from draftsmith.eagle.model import EagleConfig, EagleHead, layer_config_dict
     from draftsmith.eagle.variants import variant
 
     tc = text_config(target_config)
     H, V, L, B, T = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, job.train.batch_size, job.max_length
-    tokens = B * T
     v = variant(job.version)
     layers = list(job.target_layers or v.default_layers(L))
     n = job.draft_vocab_size if v.draft_vocab else V
@@ -44,9 +46,14 @@ def job_memory(job, target_config, act: int) -> JobMemory:
                       layer_config=layer_config_dict(target_config, job.draft_layer))
     trained = meta_params(lambda: EagleHead(cfg))
     steps = job.ttt_steps
+    A = min(learned or T, T)  # the bases steps >= 1 run on, and the positions whose logits are taken
     keep = (len(layers) + v.capture()["last_hidden"]) * H * act  # captured features (+ last hidden)
     teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
     lc = cfg.layer_config
-    per_step = layer_bytes_per_token(lc, attn_in=v.attention_width(H)) * act + H * act + 2 * n * 4
-    mask = steps * (steps + 1) // 2 * T * T * act * B  # the TTT masks over [K^0 | ... | K^j]
-    return JobMemory(T, trained, keep, teacher, tokens * per_step * steps + mask)
+    per_base = layer_bytes_per_token(lc, attn_in=v.attention_width(H)) * act + H * act
+    logits = 2 * n * 4  # fp32 logits and their softmax, per learned position and step
+    # the TTT masks: step 0 [T, T], step j >= 1 [A, T + j·A] (its queries over [K^0 | ... | K^j]); quadratic in
+    # the row's length, which is what long rows pay for first
+    mask = (T * T + sum(A * (T + j * A) for j in range(1, steps))) * act * B
+    return JobMemory(T, trained, keep, teacher,
+                     B * ((T + (steps - 1) * A) * per_base + steps * A * logits) + mask)

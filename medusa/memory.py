@@ -8,8 +8,8 @@ from draftsmith.planning.train_memory import JobMemory, meta_params
 from draftsmith.targets.families import text_config
 
 
-def job_memory(job, target_config, act: int) -> JobMemory:
-    """`Method.train_memory` of a Medusa job."""
+def job_memory(job, target_config, act: int, learned: int | None = None) -> JobMemory:
+    """`Method.train_memory` of a Medusa job (every head predicts at every position: `learned` changes nothing)."""
     from draftsmith.medusa.model import MedusaHeads, MedusaHeadsConfig
 
     tc = text_config(target_config)

@@ -17,6 +17,10 @@ def register(subparsers) -> None:
                    "its training memory per GPU (target + trained module + optimizer + activations)")
     p.add_argument("--accelerate", default=None, help="with --config: the accelerate preset (DDP, FSDP, ZeRO-2/3)")
     p.add_argument("--gpus", type=int, default=None, help="with --config: ranks (default: the accelerate preset's)")
+    p.add_argument("--learned", type=int, default=None,
+                   help="with --config: loss positions of the longest row (its answer; default: the whole row); "
+                        "EAGLE's later TTT steps and logits, and prompt_context's cut, depend on it")
+    p.add_argument("overrides", nargs="*", help="with --config: dotted key=value overrides, e.g. max_length=32768")
     p.add_argument("--artifact", default=None, help="a draftsmith artifact (draft, medusa or eagle)")
     p.add_argument("--gpu", default="H100-80GB", help="H100-80GB, A100-40GB, ..., cpu, or a size in bytes")
     p.add_argument("--batch", type=int, default=32)
@@ -65,7 +69,8 @@ def run_plan(args) -> int:
     if args.config:
         from draftsmith.planning.train_memory import format_plan, plan_config
 
-        p = plan_config(args.config, args.target, args.accelerate, args.gpu, args.gpus)
+        p = plan_config(args.config, args.target, args.accelerate, args.gpu, args.gpus, args.overrides, args.learned,
+                        advise=True)
         print(json.dumps(p, indent=2) if args.json else format_plan(p))
         return 0
     if args.target is None:

@@ -23,12 +23,15 @@ Nothing is allocated: the target and the trained module are built on the `meta` 
                softmax over the vocabulary the module predicts)
   overhead     CUDA context, allocator fragmentation, NCCL buffers: 3 GiB
 
-It is an estimate of the peak, not a measurement: a preset whose total is within 90% of the device is
+The planned row is the job's longest: max_length tokens, of which `--learned N` are loss positions (default:
+all); with `prompt_context` P the step runs on P + N of them (`planned_row`). `fit_advice` lists the changes
+that make a plan fit. It is an estimate of the peak, not a measurement: a preset whose total is within 90% of the device is
 flagged. Checked here on the meta device only (no GPU on this machine).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,20 +111,40 @@ def layer_bytes_per_token(c, inter: int | None = None, attn_in: int | None = Non
             + 4 * inter)  # gate, up, act(gate), act(gate) * up
 
 
-def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100-80GB") -> dict:
-    """Bytes per GPU of a training job (an EagleJobConfig, MedusaJobConfig or DistillConfig). Module docstring."""
+def max_length_of(job) -> int:
+    return job.data.max_length if hasattr(job, "data") and hasattr(job.data, "max_length") else job.max_length
+
+
+def planned_row(job, learned: int | None = None) -> tuple[int, int]:
+    """(window, learned): the tokens of the planned row a step runs on, and its loss positions. The planned row
+    is the longest one: max_length tokens whose last `learned` are learned (None: all of them). With
+    `prompt_context` P (EAGLE, DFlash) only P tokens before the first learned one are kept
+    (training/batching.py's window): the row shrinks to P + learned."""
+    T = max_length_of(job)
+    a = min(learned or T, T)
+    p = getattr(job, "prompt_context", None)
+    return (min(T, p + a) if p is not None else T), a
+
+
+def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100-80GB", learned: int | None = None,
+                  target_params: tuple[int, int] | None = None) -> dict:
+    """Bytes per GPU of a training job (an EagleJobConfig, MedusaJobConfig or DistillConfig) on its longest row,
+    of which `learned` tokens are loss positions (None: all; `planned_row`). `target_params`: the target's (total,
+    active) parameters when the caller counted them already (`param_counts`). Module docstring."""
     family(target_config)  # a family outside the table: one line
     tc = text_config(target_config)
     act = DTYPE_BYTES.get(sharding.mixed_precision, 2)
     H, V, L = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers
-    target_params, target_active = param_counts(target_config)
+    target_params, target_active = target_params or param_counts(target_config)
     kind = getattr(job, "config_kind", "?")
     method = next((m for m in methods.all_methods() if m.train_memory is not None
                    and getattr(m.get("config"), "config_kind", None) == kind), None)
     if method is None:
         raise ConfigError(f"plan: a {kind} config is not a training job "
                           f"({', '.join(m.name for m in methods.all_methods() if m.train_memory is not None)})")
-    m = method.get("train_memory")(job, target_config, act)
+    window, learned = planned_row(job, learned)
+    cut = dataclasses.replace(job, max_length=window) if window < max_length_of(job) else job
+    m = method.get("train_memory")(cut, target_config, act, learned)
     B, T = job.train.batch_size, m.max_length
     tokens = B * T
     trained, keep, teacher, module_act = m.trained, m.keep, m.teacher, m.module_act
@@ -139,7 +162,8 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
         "module_weights": int(trained * 4 // n_w),
         "gradients": int(trained * 4 // n_opt),
         "optimizer": int(trained * 8 // n_opt),
-        "activations": int(target_act + tokens * (keep + teacher) + module_act),
+        # features for every token of the window, teacher logits at its loss positions
+        "activations": int(target_act + tokens * keep + B * learned * teacher + module_act),
         "overhead": OVERHEAD,
     }
     total = sum(parts.values())
@@ -147,8 +171,10 @@ def training_plan(job, target_config, sharding: Sharding, gpu: str | int = "H100
     if device is None:
         raise ConfigError(f"unknown GPU '{gpu}' (known: {', '.join(GPUS)}, or a size in bytes)")
     return {"kind": kind, "gpu": gpu, "device_bytes": device, "sharding": sharding.kind, "ranks": sharding.ranks,
-            "mixed_precision": sharding.mixed_precision, "batch_size": B, "max_length": T,
-            "target_params": target_params, "target_active_params": target_active, "trained_params": trained, "bytes": parts, "total_bytes": total,
+            "mixed_precision": sharding.mixed_precision, "batch_size": B, "max_length": max_length_of(job),
+            "window": T, "learned": learned, "prompt_context": getattr(job, "prompt_context", None),
+            "target_params": target_params, "target_active_params": target_active, "trained_params": trained,
+            "bytes": parts, "total_bytes": total,
             "fits": total <= 0.9 * device}
 
 
@@ -163,15 +189,91 @@ class JobMemory:
     module_act: int  # the trained module's activation bytes for the whole micro-batch
 
 
+def fit_advice(job, target_config, sharding: Sharding, gpu: str | int, learned: int | None = None) -> list[dict]:
+    """What makes a plan that does not fit fit, as changes applied one after another, cheapest to the user first,
+    until one fits: one row per micro-batch (gradient accumulation keeps the rows per step); ZeRO-3 / FSDP,
+    which shard the frozen target's weights over the ranks (not the activations: each rank still runs its
+    whole rows); `prompt_context`, where rows learn fewer tokens than they hold (the longest prompt context
+    that fits); fewer training-time-test steps (EAGLE); and last a shorter max_length (the longest that fits).
+    Each entry: {"change": the overrides or launch change, "total_bytes": the plan's total with it, "fits"}."""
+    params = param_counts(target_config)
+
+    def plan(j, s):
+        return training_plan(j, target_config, s, gpu, learned, params)
+
+    out: list[dict] = []
+
+    def step(change: str, j, s) -> bool:
+        p = plan(j, s)
+        out.append({"change": change, "total_bytes": p["total_bytes"], "fits": p["fits"]})
+        return p["fits"]
+
+    if plan(job, sharding)["fits"]:
+        return out
+    B = job.train.batch_size
+    if B > 1:
+        job = dataclasses.replace(job, train=dataclasses.replace(job.train, batch_size=1,
+                                                                 grad_accum=job.train.grad_accum * B))
+        if step(f"train.batch_size=1 train.grad_accum={job.train.grad_accum}", job, sharding):
+            return out
+    if not sharding.shards_target and sharding.ranks > 1:
+        sharding = Sharding("zero3", sharding.ranks, sharding.mixed_precision)
+        if step("ZeRO-3 (--config_file configs/accelerate/deepspeed_zero3.yaml) or FSDP (fsdp.yaml): "
+                "the target's weights sharded", job, sharding):
+            return out
+    T = max_length_of(job)
+    if hasattr(job, "prompt_context") and learned is not None and learned < T:
+        best = _largest(2, T - learned, lambda p: plan(dataclasses.replace(job, prompt_context=p), sharding)["fits"])
+        if best is not None:
+            job = dataclasses.replace(job, prompt_context=best)
+            step(f"prompt_context={best}", job, sharding)
+            return out
+    if getattr(job, "ttt_steps", 1) > 1:
+        best = _largest(1, job.ttt_steps - 1, lambda n: plan(dataclasses.replace(job, ttt_steps=n), sharding)["fits"])
+        if best is not None:
+            step(f"ttt_steps={best}", dataclasses.replace(job, ttt_steps=best), sharding)
+            return out
+    key = "data.max_length" if hasattr(job, "data") and hasattr(job.data, "max_length") else "max_length"
+    best = _largest(1, T // 1024, lambda k: plan(_with_length(job, k * 1024), sharding)["fits"])
+    if best is not None:
+        step(f"{key}={best * 1024}", _with_length(job, best * 1024), sharding)
+    return out
+
+
+def _with_length(job, n: int):
+    if hasattr(job, "data") and hasattr(job.data, "max_length"):
+        return dataclasses.replace(job, data=dataclasses.replace(job.data, max_length=n))
+    return dataclasses.replace(job, max_length=n)
+
+
+def _largest(lo: int, hi: int, fits) -> int | None:
+    """The largest n in lo..hi with fits(n), for a `fits` that holds below some n and fails above it (bisection)."""
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def format_plan(p: dict) -> str:
     g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     lines = [f"training memory per GPU: {p['kind']} job, {p['ranks']} x {p['gpu']} ({p['sharding']}, "
              f"{p['mixed_precision']}), micro-batch {p['batch_size']} x {p['max_length']} tokens",
              f"  target {p['target_params'] / 1e9:.2f}B params (frozen{_active(p)}), trained "
              f"{p['trained_params'] / 1e6:.1f}M"]
+    if p["window"] < p["max_length"] or p["learned"] < p["window"]:
+        lines.append(f"  the longest row: {p['window']} tokens stepped on"
+                     + (f" (prompt_context {p['prompt_context']})" if p["prompt_context"] is not None else "")
+                     + f", {p['learned']} of them learned")
     lines += [f"  {k:<15} {g(v)}" for k, v in p["bytes"].items()]
     verdict = "fits" if p["fits"] else "does NOT fit"
     lines.append(f"  {'total':<15} {g(p['total_bytes'])} of {g(p['device_bytes'])}: {verdict} (90% of the device)")
+    for i, a in enumerate(p.get("advice", [])):
+        lines.append(f"  {'to fit:' if i == 0 else '   then:'} {a['change']} -> {g(a['total_bytes'])}"
+                     + ("" if a["fits"] else " (still does not fit)"))
+    if not p["fits"] and p.get("advice") is not None and not any(a["fits"] for a in p["advice"]):
+        lines.append("  no change above makes it fit on this GPU")
     return "\n".join(lines)
 
 
@@ -181,9 +283,16 @@ def _active(p: dict) -> str:
 
 
 def plan_config(config_path: str | Path, target: str | Path | None = None, accelerate: str | Path | None = None,
-                gpu: str = "H100-80GB", ranks: int | None = None, overrides: list[str] | None = None) -> dict:
-    """`draftsmith plan --config JOB.yaml`: the job preset's training memory per GPU."""
+                gpu: str = "H100-80GB", ranks: int | None = None, overrides: list[str] | None = None,
+                learned: int | None = None, advise: bool = False) -> dict:
+    """`draftsmith plan --config JOB.yaml`: the job preset's training memory per GPU on its longest row (`learned`
+    loss positions of it; None: all), with `advise` the changes that make it fit (`fit_advice`)."""
     from draftsmith.config import load_config as load_job
 
     job = load_job(config_path, overrides)
-    return training_plan(job, load_target_config(str(target or job.target)), read_accelerate(accelerate, ranks), gpu)
+    target_config = load_target_config(str(target or job.target))
+    sharding = read_accelerate(accelerate, ranks)
+    p = training_plan(job, target_config, sharding, gpu, learned)
+    if advise:
+        p["advice"] = fit_advice(job, target_config, sharding, gpu, learned)
+    return p

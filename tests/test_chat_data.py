@@ -294,3 +294,103 @@ def test_a_response_field_keeps_single_turn_answers(tmp_path, tiny_target):
     assert spans == [["5<|im_end|>"], ["An apple.<|im_end|>"]]
     with pytest.raises(ValueError, match="response goes with prompt or prompt_template"):
         SourceConfig(name="p", path="x.jsonl", turns="t", response="a", domain="d")
+
+
+# --- standard chat sets by name (data/hub_sets.py), read offline from local copies ------------------------------
+
+SETS_ROWS = {  # each set's real columns (the extra ones too), a few rows of each
+    ("Aeala/ShareGPT_Vicuna_unfiltered", "train"): [
+        {"id": "QWJhYvA_0", "conversations": SHAREGPT[0]["conversations"]},
+        {"id": "QWJhYvA_1", "conversations": [{"from": "human", "value": "Search the news."},
+                                              {"from": "bing", "value": "Here are three stories."}]},
+        {"id": "i6IyJda_0", "conversations": [{"from": "gpt", "value": "Hello!"}]}],  # no user turn: malformed
+    ("HuggingFaceH4/ultrachat_200k", "train_sft"): [
+        {"prompt": "Plan a picnic.", "prompt_id": "p1", "messages": [
+            {"role": "user", "content": "Plan a picnic."}, {"role": "assistant", "content": "Bring bread."},
+            {"role": "user", "content": "And drinks?"}, {"role": "assistant", "content": "Lemonade."}]},
+        {"prompt": "Define entropy.", "prompt_id": "p2", "messages": [
+            {"role": "user", "content": "Define entropy."}, {"role": "assistant", "content": "Disorder."}]}],
+    ("mlabonne/open-perfectblend", "train"): [
+        {"source": "meta-math/MetaMathQA", "conversations": [{"from": "human", "value": "What is 3*4?"},
+                                                            {"from": "gpt", "value": "12"}]},
+        {"source": "ise-uiuc/Magicoder-Evol-Instruct-110K", "conversations": [
+            {"from": "human", "value": "Write a loop."}, {"from": "gpt", "value": "for i in range(3): pass"}]},
+        {"source": "HuggingFaceH4/ultrachat_200k", "conversations": [{"from": "human", "value": "Hello there."},
+                                                                    {"from": "gpt", "value": "Hi."}]}],
+}
+
+
+@pytest.fixture
+def offline_sets(tmp_path, monkeypatch):
+    """The three standard sets in a datasets cache, the machine offline: `load_dataset(id)` finds only these."""
+    import datasets
+    from tiny_models import cache_hub_dataset
+
+    cache = tmp_path / "hf-datasets"
+    for (repo, split), rows in SETS_ROWS.items():
+        cache_hub_dataset(cache, repo, rows, split)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_standard_sets_load_by_name_with_their_mapping(tmp_path, offline_sets, tiny_target):
+    """`preset: sharegpt | ultrachat | perfectblend` reads each set by its hub id and split (UltraChat's
+    train_sft: the cache holds no `train`), maps ShareGPT's from/value turns (human / gpt / bing) and UltraChat's
+    role/content messages, labels PerfectBlend's rows by the set they came from, and the rows format into
+    masked conversations with the target's chat template."""
+    sources = [SourceConfig(name=n, preset=n) for n in ("sharegpt", "ultrachat", "perfectblend")]
+    ps = load_prompts(_cfg(tmp_path, sources, responses="keep"))
+    by = {s: [r for r in ps.rows if r.source == s] for s in ps.per_source}
+    assert [r.responses for r in by["sharegpt"]] == [["4.", "It is 12."], ["Here are three stories."]]
+    assert by["sharegpt"][0].system == "You are terse."
+    assert [o for o, _ in ps.malformed.items] == ["Aeala/ShareGPT_Vicuna_unfiltered[2]"]  # starts with gpt
+    assert [(r.turns, r.responses) for r in by["ultrachat"]] == [
+        (["Plan a picnic.", "And drinks?"], ["Bring bread.", "Lemonade."]), (["Define entropy."], ["Disorder."])]
+    assert [r.domain for r in by["perfectblend"]] == ["math", "code", "chat"]
+    cfg = _cfg(tmp_path, sources, responses="keep", name="rows")
+    generate_dataset(cfg, tiny_target, progress=False)
+    ds = load_distilled(tmp_path / "rows", tiny_target)
+    assert len(ds) == 7 and sorted(set(ds["domain"])) == ["chat", "code", "math"]
+    tok = tiny_target.tokenizer  # every kept answer is a masked span, decoded back to exactly the set's text
+    spans = sorted(tok.decode(r["input_ids"][a:b], skip_special_tokens=False)
+                   for r in ds for a, b in masked_spans(r["input_ids"], r["loss_mask"]))
+    answers = [a for r in ps.rows for a in r.responses]
+    assert spans == sorted(a + "<|im_end|>" for a in answers) and len(answers) == 9
+
+
+def test_a_preset_fills_only_what_the_source_leaves_unsaid(tmp_path, offline_sets):
+    """The source's own fields win (limit, domain, split); `path` reads a local copy of the set with the preset's
+    mapping; an unknown preset is one line naming the known ones."""
+    src = SourceConfig(name="uc", preset="ultrachat", limit=1, sample="first", domain="general")
+    assert (src.type, src.id, src.split, src.messages) == ("hub", "HuggingFaceH4/ultrachat_200k", "train_sft", "messages")
+    rows = load_prompts(_cfg(tmp_path, [src])).rows
+    assert [(r.turns, r.domain) for r in rows] == [(["Plan a picnic.", "And drinks?"], "general")]
+    with pytest.raises(DataError, match=r"cannot load hub dataset HuggingFaceH4/ultrachat_200k, split test_sft"):
+        load_prompts(_cfg(tmp_path, [SourceConfig(name="uc", preset="ultrachat", split="test_sft")]))
+    import datasets  # a local copy as `huggingface-cli download --repo-type dataset` leaves it
+
+    local = tmp_path / "ultrachat_200k" / "data"
+    local.mkdir(parents=True)
+    datasets.Dataset.from_list(SETS_ROWS[("HuggingFaceH4/ultrachat_200k", "train_sft")]).to_parquet(
+        str(local / "train_sft-00000-of-00001.parquet"))
+    copy = SourceConfig(name="uc", preset="ultrachat", path=str(local.parent))
+    assert (copy.type, copy.id) == ("hf", None)
+    assert [r.responses for r in load_prompts(_cfg(tmp_path, [copy], responses="keep")).rows] == [
+        ["Bring bread.", "Lemonade."], ["Disorder."]]
+    with pytest.raises(ValueError, match=r"source 'x': unknown preset 'vicuna' \(one of sharegpt, ultrachat, perfectblend\)"):
+        SourceConfig(name="x", preset="vicuna")
+
+
+def test_the_chat_sets_preset_mixes_the_three_sets(tmp_path, offline_sets):
+    """configs/llama3.1-8b-instruct/data-chat-sets.yaml names the three sets with a limit each; offline it reads
+    them from the cache, every set in its share of the mix."""
+    from draftsmith.data.generate import load_data_config
+
+    preset = Path(__file__).resolve().parent.parent / "configs" / "llama3.1-8b-instruct" / "data-chat-sets.yaml"
+    cfg = load_data_config(preset, [f"output_dir={tmp_path / 'mix'}", "max_rows=5"])
+    assert [(s.preset, s.type, s.limit) for s in cfg.sources] == [
+        ("sharegpt", "hub", 20000), ("ultrachat", "hub", 20000), ("perfectblend", "hub", 20000)]
+    ps = load_prompts(cfg)
+    assert ps.per_source == {"sharegpt": 2, "ultrachat": 2, "perfectblend": 3} and len(ps.rows) == 5

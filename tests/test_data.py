@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import cache_hub_dataset
 
 from draftsmith.capture.config import CaptureConfig
 from draftsmith.config import load_config
@@ -761,26 +762,6 @@ def test_magpie_needs_a_target_a_limit_and_chat_formatting(tmp_path, tiny_target
         load_prompts(_magpie_cfg(tmp_path / "f", _magpie(), chat=ChatConfig(mode="plain")), target=tiny_target)
 
 
-def _cache_hub_dataset(cache: Path, repo_id: str, rows: list[dict], split: str = "train") -> None:
-    """Leave `rows` in the datasets cache the way `datasets.load_dataset(repo_id)` leaves a download: the
-    `<org>___<name>/default/0.0.0/<hash>/` folder with dataset_info.json and `<name>-<split>.arrow`."""
-    import shutil
-
-    from datasets import Dataset
-    from datasets.packaged_modules.parquet.parquet import Parquet
-
-    org, name = repo_id.split("/")
-    src = cache / "downloads-src"
-    src.mkdir(parents=True)
-    Dataset.from_list(rows).to_parquet(str(src / f"{split}.parquet"))
-    builder = Parquet(cache_dir=str(cache), dataset_name=f"{org}___{name}", config_name="default",
-                      data_files={split: str(src / f"{split}.parquet")}, hash="0123456789abcdef")
-    builder.download_and_prepare()
-    built = Path(builder.cache_dir)
-    (built / f"{org}___{name}-{split}.arrow").rename(built / f"{name}-{split}.arrow")
-    shutil.move(str(built.parents[1]), str(built.parents[2] / "default"))
-
-
 def test_a_hub_source_reads_its_dataset_offline_from_the_local_cache(tmp_path, monkeypatch):
     """`type: hub` with id, config, split and revision: on a machine without the network, the rows come from the
     datasets cache a download left; a dataset the cache lacks is one line naming it."""
@@ -789,7 +770,7 @@ def test_a_hub_source_reads_its_dataset_offline_from_the_local_cache(tmp_path, m
     cache = tmp_path / "hf-datasets"
     rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
             for i, (q, a) in enumerate([("What is 2+2?", "4."), ("Name a colour.", "Red."), ("Say hi.", "Hi!")])]
-    _cache_hub_dataset(cache, "someorg/chat", rows)
+    cache_hub_dataset(cache, "someorg/chat", rows)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)

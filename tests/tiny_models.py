@@ -59,8 +59,8 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, layers: int = 2, hidden: in
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, **{"tie_word_embeddings": True, **overrides},
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **{"tie_word_embeddings": True, "max_position_embeddings": 512, **overrides},
     )
     model = LlamaForCausalLM(config)
     # Random init gives near-uniform logits; scale the embeddings so greedy paths are decisive and varied.
@@ -219,3 +219,27 @@ def distilled_rows(target, n: int = 48, prompt_len: int = 4, new: int = 24, seed
                                     min_new_tokens=new, do_sample=False)
     return [{"input_ids": row.tolist(), "loss_mask": [0] * prompt_len + [1] * new, "domain": "synthetic",
              "row_id": i} for i, row in enumerate(out)]
+
+
+def cache_hub_dataset(cache: Path, repo_id: str, rows: list[dict], split: str = "train") -> None:
+    """Leave `rows` in the datasets cache the way `datasets.load_dataset(repo_id)` leaves a download, so that a
+    `type: hub` source reads them offline (HF_DATASETS_OFFLINE=1) as it reads a set downloaded before: the
+    `<org>___<name>/default/0.0.0/<hash>/` folder with dataset_info.json and `<name>-<split>.arrow`, where
+    <name> is the dataset's name in datasets' snake case (ShareGPT_Vicuna -> share_gpt_vicuna)."""
+    import shutil
+
+    from datasets import Dataset
+    from datasets.naming import camelcase_to_snakecase
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    org, name = repo_id.split("/")
+    snake = camelcase_to_snakecase(name)
+    work = cache / "downloads-src" / f"{org}___{snake}"
+    work.mkdir(parents=True)
+    Dataset.from_list(rows).to_parquet(str(work / f"{split}.parquet"))
+    builder = Parquet(cache_dir=str(work / "built"), dataset_name=snake, config_name="default",
+                      data_files={split: str(work / f"{split}.parquet")}, hash="0123456789abcdef")
+    builder.download_and_prepare()
+    config_dir = Path(builder.cache_dir).parents[1]  # <snake>/default-<id>/0.0.0/<hash> -> default-<id>
+    (cache / f"{org}___{snake}").mkdir(parents=True, exist_ok=True)
+    shutil.move(str(config_dir), str(cache / f"{org}___{snake}" / "default"))
