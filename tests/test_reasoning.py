@@ -238,3 +238,12 @@ def test_regenerated_answers_follow_each_sources_policy_and_train(qwen3_tok, thi
     torch.manual_seed(0)
     result = train(EagleJob(ecfg, thinking_target, masked), ecfg.train)
     assert (Path(result.artifact) / "model.safetensors").is_file()
+
+
+def test_a_multi_turn_conversation_on_qwen3s_template_is_refused_in_one_line(qwen3_tok):
+    """Qwen3's template drops earlier turns' thinking and writes an empty block before the last answer only, so
+    rendering more of a conversation rewrites what came before: no loss mask can be built (docs/data.md)."""
+    convo = [*CONVO, {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]
+    with pytest.raises(DataError, match="not prefix-stable at assistant turn 1") as e:
+        tokenize_conversation(qwen3_tok, convo, reasoning="mask")
+    assert "\n" not in str(e.value)
