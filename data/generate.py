@@ -91,12 +91,16 @@ def _claim_output(out: Path) -> None:
 def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | None = None) -> dict[str, Any]:
     """What must match for rows of an earlier (interrupted) run to be reused."""
     gen = config.generation
+    chats = {s.name: config.source_chat(s.name).describe() for s in config.sources}
     return {
         "precision": precision,
         "fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "vocab_size", "special_tokens",
                                                         "chat_template_hash", "config_hash", "weights_hash")},
-        "chat": to_dict(config.chat),
-        "sources_chat": {s.name: config.source_chat(s.name).describe() for s in config.sources},
+        "chat": {k: v for k, v in to_dict(config.chat).items() if k not in ("template_kwargs", "think_tags")},
+        # each source's template variables and reasoning policy (chat's defaults merged in), where a source sets any:
+        # a run.json written before these settings existed still resumes
+        **({"sources_chat": chats} if any(c["chat_template_kwargs"] or c["reasoning"] != "keep"
+                                          for c in chats.values()) else {}),
         "sampling": {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p,
                      "seed": gen.seed, "max_new_tokens": gen.max_new_tokens},
         "capture": {k: v for k, v in to_dict(config.capture).items() if k in ("enabled", "layers", "topk", "last_hidden")},

@@ -247,3 +247,13 @@ def test_a_multi_turn_conversation_on_qwen3s_template_is_refused_in_one_line(qwe
     with pytest.raises(DataError, match="not prefix-stable at assistant turn 1") as e:
         tokenize_conversation(qwen3_tok, convo, reasoning="mask")
     assert "\n" not in str(e.value)
+
+
+def test_rows_written_under_another_policy_are_not_resumed(thinking_target, tmp_path):
+    prompts = {"think-mask": [{"q": "Question one?"}, {"q": "Question two?"}]}
+    cfg = DataConfig(sources=_sources(tmp_path, prompts, prompt="q"), output_dir=str(tmp_path / "data"),
+                     generation=GenerationConfig(max_new_tokens=24, batch_size=2, threads=1))
+    generate_dataset(cfg, thinking_target, progress=False)
+    cfg.sources[0].reasoning = "keep"
+    with pytest.raises(DataError, match="different sources_chat"):
+        generate_dataset(cfg, thinking_target, progress=False, overwrite=True)
