@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from draftsmith.capture.config import CaptureConfig
 from draftsmith.config import register_config
 from draftsmith.data.hub_sets import apply_hub_set
+from draftsmith.data.reasoning import DEFAULT_TAGS, POLICIES
 from draftsmith.storage import data_path
 from draftsmith.targets.context import MAX_NEW_TOKENS
 
@@ -65,6 +66,11 @@ class SourceConfig:
     `preset: sharegpt | ultrachat | perfectblend` names a standard chat set (data/hub_sets.py): its hub id,
     split, mapping, roles and domains fill whatever the source does not give itself; with `path` the preset
     reads a local copy of the set (`type: hf`) instead of the hub.
+
+    Reasoning targets (data/reasoning.py): `chat_template_kwargs` are passed to every chat-template call that
+    builds this source's rows (prompts the target answers, loss masks, magpie requests), e.g.
+    `{enable_thinking: true}` for Qwen3, over the data config's `chat.template_kwargs`; `reasoning` (keep, drop,
+    mask; default: the data config's `reasoning`) says what the rows do with the thinking span of an answer.
     """
 
     name: str
@@ -85,6 +91,8 @@ class SourceConfig:
     roles: dict[str, str] = field(default_factory=dict)  # extra role names -> user / assistant / system
     system: str | None = None  # optional system message for every row of this source (a row's own wins)
     id_field: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning: Literal["keep", "drop", "mask"] | None = None
     domain: str | None = None  # fixed domain, or the fallback when no rule matches
     domain_rules: list[DomainRule] = field(default_factory=list)
     limit: int | None = None
@@ -138,6 +146,9 @@ class SourceConfig:
             raise ValueError(f"source '{self.name}': completion_fraction must be in [0, 1]")
         if self.chunk_lines < 2:
             raise ValueError(f"source '{self.name}': chunk_lines must be >= 2")
+        check_template_kwargs(self.chat_template_kwargs, f"sources.{self.name}.chat_template_kwargs")
+        if self.reasoning is not None and self.reasoning not in POLICIES:
+            raise ValueError(f"sources.{self.name}.reasoning must be keep, drop or mask, got {self.reasoning!r}")
 
     @property
     def has_responses(self) -> bool:
@@ -161,6 +172,19 @@ class EvalSetConfig:
             raise ValueError(f"eval set {self.path}: give exactly one of prompt, prompt_template, turns")
 
 
+# arguments of apply_chat_template that draftsmith sets itself: a source's chat_template_kwargs may not set them
+OWNED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                       "chat_template", "return_dict", "return_tensors", "tools", "documents"}
+
+
+def check_template_kwargs(kwargs: Any, where: str) -> None:
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise ValueError(f"{where} must be a mapping of template variable names to values")
+    owned = sorted(set(kwargs) & OWNED_TEMPLATE_ARGS)
+    if owned:
+        raise ValueError(f"{where}: {', '.join(owned)} is set by draftsmith for each call, not by the config")
+
+
 @dataclass
 class ChatConfig:
     """How a conversation becomes tokens.
@@ -173,6 +197,31 @@ class ChatConfig:
     system: str | None = None  # default system message (a source's own `system` wins)
     plain_separator: str = "\n"  # plain mode: text between a user turn and the response
     add_bos: bool = True  # plain mode: prepend the tokenizer's BOS token when it has one
+    # variables every chat-template call gets (a source's chat_template_kwargs win), e.g. {enable_thinking: false}
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the tags around a response's thinking span (data/reasoning.py): Qwen3's and DeepSeek-R1's by default
+    think_tags: list[str] = field(default_factory=lambda: list(DEFAULT_TAGS))
+
+    def __post_init__(self):
+        check_template_kwargs(self.template_kwargs, "chat.template_kwargs")
+        tags = self.think_tags
+        if not (isinstance(tags, list) and len(tags) == 2 and all(isinstance(t, str) and t.strip() for t in tags)
+                and tags[0] != tags[1]):
+            raise ValueError(f"chat.think_tags must be two different non-empty strings (opening, closing), got {tags!r}")
+
+
+@dataclass(frozen=True)
+class SourceChat:
+    """How one source's conversations are rendered and what its rows do with thinking spans."""
+
+    template_kwargs: dict[str, Any]
+    reasoning: str
+    think_tags: tuple[str, str]
+
+    def describe(self) -> dict[str, Any]:
+        """What provenance.json and the resume key record of it."""
+        return {"chat_template_kwargs": dict(self.template_kwargs), "reasoning": self.reasoning,
+                "think_tags": list(self.think_tags)}
 
 
 # request fields the OpenAI backend sets from GenerationConfig; extra_body may not override them (a server told
@@ -290,6 +339,8 @@ class DataConfig:
     # keep: train on the dataset's own assistant turns (the EAGLE-1 recipe; no generation); regenerate: the
     # target answers every user turn itself, turn by turn
     responses: Literal["regenerate", "keep"] = "regenerate"
+    # what rows do with an answer's thinking span (keep, drop, mask: data/reasoning.py); a source's own wins
+    reasoning: Literal["keep", "drop", "mask"] = "keep"
     dedupe: bool = True  # drop rows whose normalised prompt repeats an earlier row
     eval_sets: list[EvalSetConfig] = field(default_factory=list)
     eval_dirs: list[str] = field(default_factory=list)  # no source may read from inside these folders
@@ -314,6 +365,8 @@ class DataConfig:
             raise ValueError("overlap_jaccard must be in (0, 1]")
         if self.max_rows is not None and self.max_rows < 1:
             raise ValueError("max_rows must be >= 1")
+        if self.reasoning not in POLICIES:
+            raise ValueError(f"reasoning must be keep, drop or mask, got {self.reasoning!r}")
         if self.responses not in ("regenerate", "keep"):
             raise ValueError(f"responses must be regenerate or keep, got {self.responses!r}")
         if self.responses == "keep":
@@ -330,3 +383,9 @@ class DataConfig:
             for f in forbidden:
                 if p == f or f in p.parents:
                     raise ValueError(f"sources.{s.name}: {s.path} is held-out eval data ({f}); it may not be trained on")
+
+    def source_chat(self, name: str) -> SourceChat:
+        """The chat-template arguments and reasoning policy of source `name` (its own over the defaults)."""
+        src = next(s for s in self.sources if s.name == name)
+        return SourceChat({**self.chat.template_kwargs, **src.chat_template_kwargs},
+                          src.reasoning or self.reasoning, (self.chat.think_tags[0], self.chat.think_tags[1]))

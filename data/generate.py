@@ -39,6 +39,7 @@ from draftsmith.data.config import DataConfig
 from draftsmith.data.engines import CaptureSpec, Completion, Request, TextEngine, engine_for
 from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
 from draftsmith.data.overlap import find_overlap, load_eval_texts
+from draftsmith.data.reasoning import drop_thinking, thinking_tokens
 from draftsmith.data.sources import PromptRow, load_prompts
 from draftsmith.errors import DataError
 from draftsmith.storage import (
@@ -90,11 +91,16 @@ def _claim_output(out: Path) -> None:
 def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | None = None) -> dict[str, Any]:
     """What must match for rows of an earlier (interrupted) run to be reused."""
     gen = config.generation
+    chats = {s.name: config.source_chat(s.name).describe() for s in config.sources}
     return {
         "precision": precision,
         "fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "vocab_size", "special_tokens",
                                                         "chat_template_hash", "config_hash", "weights_hash")},
-        "chat": to_dict(config.chat),
+        "chat": {k: v for k, v in to_dict(config.chat).items() if k not in ("template_kwargs", "think_tags")},
+        # each source's template variables and reasoning policy (chat's defaults merged in), where a source sets any:
+        # a run.json written before these settings existed still resumes
+        **({"sources_chat": chats} if any(c["chat_template_kwargs"] or c["reasoning"] != "keep"
+                                          for c in chats.values()) else {}),
         "sampling": {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p,
                      "seed": gen.seed, "max_new_tokens": gen.max_new_tokens},
         "capture": {k: v for k, v in to_dict(config.capture).items() if k in ("enabled", "layers", "topk", "last_hidden")},
@@ -104,20 +110,36 @@ def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | Non
 
 
 class _Formatter:
-    """Prompt token ids (and loss masks of earlier turns) for a row's k-th turn."""
+    """Prompt token ids (and loss masks of earlier turns) for a row's k-th turn, and whole rows, each rendered
+    with its source's template variables and reasoning policy (`DataConfig.source_chat`)."""
 
     def __init__(self, target, config: DataConfig):
         self.tok = target.tokenizer
         self.chat = config.chat
         self.mode = resolve_mode(self.tok, config.chat.mode)
         self.eos_ids = target.eos_token_ids
+        self.sources = {s.name: config.source_chat(s.name) for s in config.sources}
 
     def __call__(self, row: PromptRow, responses: list[str]) -> tuple[list[int], list[int]]:
-        turns = row.turns[: len(responses) + 1]
+        return self.tokenize(row, responses, add_generation_prompt=True)
+
+    def tokenize(self, row: PromptRow, responses: list[str], add_generation_prompt: bool = False
+                 ) -> tuple[list[int], list[int]]:
+        """The row's turns answered by `responses` (one fewer with `add_generation_prompt`: a prompt)."""
+        turns = row.turns[: len(responses) + int(add_generation_prompt)]
         messages = build_messages(turns, responses, row.system or self.chat.system)
-        return tokenize_conversation(self.tok, messages, mode=self.mode, add_generation_prompt=True,
+        sc = self.sources[row.source]
+        return tokenize_conversation(self.tok, messages, mode=self.mode, add_generation_prompt=add_generation_prompt,
                                      eos_token_ids=self.eos_ids, plain_separator=self.chat.plain_separator,
-                                     add_bos=self.chat.add_bos)
+                                     add_bos=self.chat.add_bos, template_kwargs=sc.template_kwargs,
+                                     reasoning=sc.reasoning, think_tags=sc.think_tags)
+
+    def response(self, row: PromptRow, responses: list[str]) -> str:
+        """The row's `response` column: its answers, without their thinking where the source drops it."""
+        sc = self.sources[row.source]
+        if sc.reasoning == "drop":
+            responses = [drop_thinking(r, sc.think_tags) for r in responses]
+        return "\n\n".join(responses)
 
 
 def _read_chunks(chunk_dir: Path) -> dict[int, dict]:
@@ -225,7 +247,9 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     if config.responses == "keep":
         return _keep_dataset(config, target, out, progress, t_start)
     capture = None
-    if config.capture.enabled:
+    # a row whose thinking is dropped is not the text the target wrote: the target reads it afterwards instead
+    dropping = any(config.source_chat(s.name).reasoning == "drop" for s in config.sources)
+    if config.capture.enabled and not dropping:
         capture = CaptureSpec(list(config.capture.layers), config.capture.topk, config.capture.last_hidden)
     engine = engine_for(gen, target, chat_mode=resolve_mode(target.tokenizer, config.chat.mode), capture=capture)
     target = engine.target  # locally: the target in the generation dtype
@@ -238,9 +262,10 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     log.info("%d rows to generate (%d already done)", len(todo), resumed)
     writer = None
     if engine.captures:  # the engine keeps the states as it writes: shards beside the chunks
-        writer = _shard_writer(target, config, out, fp, [done[i] for i in sorted(wanted & set(done))])
-    sink = _Rows(target, rows, todo, done, _ChunkWriter(out / CHUNKS_DIR, gen.flush_every,
-                                                       after_flush=writer.flush if writer else None),
+        writer = _shard_writer(target, config, out, fp, [done[i] for i in sorted(wanted & set(done))
+                                                         if "skipped" not in done[i]])
+    sink = _Rows(target, fmt, rows, todo, done, _ChunkWriter(out / CHUNKS_DIR, gen.flush_every,
+                                                            after_flush=writer.flush if writer else None),
                  writer, _progress(len(todo), progress), on_row)
     t0 = time.perf_counter()
     try:
@@ -254,7 +279,11 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     missing = [r for r in rows if r.row_id not in done]
     if missing:
         raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
-    records = [done[r.row_id] for r in rows]
+    records = [done[r.row_id] for r in rows if "skipped" not in done[r.row_id]]
+    _count_skipped(stats, [f"{done[r.row_id]['origin']}: {done[r.row_id]['skipped']}" for r in rows
+                           if "skipped" in done[r.row_id]], "reasoning policy leaves nothing to learn")
+    if not records:
+        raise DataError("no rows left: every generated answer was skipped (see the reasoning policy)")
     timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": sink.tokens,
               "seconds": round(seconds, 2), "tokens_per_s": round(sink.tokens / seconds, 2) if seconds > 0 else None}
     if engine.report_as is not None:
@@ -323,9 +352,10 @@ class _Rows:
     answered; then the row's record (checked to decode back) goes to the chunks, its captured states to the
     shards, and `on_row` is told."""
 
-    def __init__(self, target, rows: list[PromptRow], todo: list[PromptRow], done: dict[int, dict],
+    def __init__(self, target, fmt: _Formatter, rows: list[PromptRow], todo: list[PromptRow], done: dict[int, dict],
                  chunks: _ChunkWriter, writer, bar, on_row):
         self.tok = target.tokenizer
+        self.fmt = fmt
         self.eos_texts = dict(end_tokens(self.tok, target.eos_token_ids))
         self.by_id = {r.row_id: r for r in rows}
         self.responses: dict[int, list[str]] = {r.row_id: [] for r in todo}
@@ -344,13 +374,13 @@ class _Rows:
         self.responses[row.row_id].append(text)
         if len(self.responses[row.row_id]) < len(row.turns):
             return  # more turns to answer
-        ids = list(c.prompt_ids) + list(toks)
-        mask = list(prompt_mask) + [1] * len(toks)
-        # earlier turns' spans were verified by tokenize_conversation; check the generated span decodes back
-        verify_mask(self.tok, ids[len(c.prompt_ids):], mask[len(c.prompt_ids):],
-                    [text + (self.eos_texts.get(toks[-1], "") if c.stopped else "")])
+        tokens = self._tokens(row, c, body, text, prompt_mask)
+        if isinstance(tokens, str):  # the reasoning policy leaves nothing to learn: kept as skipped, with why
+            self._keep({"row_id": row.row_id, "origin": row.origin, "skipped": tokens})
+            return
+        ids, mask = tokens
         rec = {"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
-               "response": "\n\n".join(self.responses[row.row_id]), "input_ids": ids, "loss_mask": mask,
+               "response": self.fmt.response(row, self.responses[row.row_id]), "input_ids": ids, "loss_mask": mask,
                "origin": row.origin, "stopped": bool(c.stopped), "n_turns": len(row.turns)}
         if c.replay is not None:
             rec["replay"] = list(c.replay)
@@ -358,8 +388,39 @@ class _Rows:
             cap = c.capture
             self.writer.add(row.row_id, cap["layers"], cap["topk_values"], cap["topk_indices"], cap["last_hidden"],
                             cap["topk_logsumexp"])
+        self._keep(rec)
+
+    def _tokens(self, row: PromptRow, c: Completion, body: list[int], text: str,
+                prompt_mask: list[int]) -> tuple[list[int], list[int]] | str:
+        """The row's ids and loss mask under its source's reasoning policy (or why it has nothing to learn).
+
+        keep and mask: the prompt and the tokens the target wrote, as it saw them; mask learns only what follows
+        the thinking span. drop: the conversation again with each answer's thinking removed (no longer the text
+        the target wrote, so a row cut before its answer ended cannot be rebuilt)."""
+        sc = self.fmt.sources[row.source]
+        toks = list(c.tokens)
+        eos_text = self.eos_texts.get(toks[-1], "") if c.stopped else ""
+        if sc.reasoning == "drop":
+            if not c.stopped:
+                return "cut by max_new_tokens; reasoning: drop keeps finished answers only"
+            try:  # tokenize_conversation checks every span decodes back
+                return self.fmt.tokenize(row, self.responses[row.row_id])
+            except DataError as e:
+                return str(e)
+        thought = thinking_tokens(self.tok, body, sc.think_tags) if sc.reasoning == "mask" else 0
+        learned = [0] * thought + [1] * (len(toks) - thought)
+        if not any(learned) or thought and sc.think_tags[1] not in text:
+            return f"all thinking (no {sc.think_tags[1]!r} closes it): reasoning: mask leaves nothing to learn"
+        # earlier turns' spans were verified by tokenize_conversation; check the generated span decodes back
+        answer = text if not thought else self.tok.decode(body[thought:], skip_special_tokens=False,
+                                                          clean_up_tokenization_spaces=False)
+        verify_mask(self.tok, toks, learned, [answer + eos_text],
+                    forbidden=sc.think_tags if sc.reasoning == "mask" else ())
+        return list(c.prompt_ids) + toks, list(prompt_mask) + learned
+
+    def _keep(self, rec: dict) -> None:
         self.chunks.add(rec)
-        self.done[row.row_id] = rec
+        self.done[rec["row_id"]] = rec
         self.bar.update(1)
         elapsed = time.perf_counter() - self.t0
         self.bar.set_postfix_str(f"{self.tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
@@ -381,10 +442,8 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
     records, bad, too_long = [], [], []
     ctx = context_window(target)
     for row in rows:
-        messages = build_messages(row.turns, row.responses, row.system or fmt.chat.system)
         try:
-            ids, mask = tokenize_conversation(fmt.tok, messages, mode=fmt.mode, eos_token_ids=fmt.eos_ids,
-                                              plain_separator=fmt.chat.plain_separator, add_bos=fmt.chat.add_bos)
+            ids, mask = fmt.tokenize(row, row.responses)
         except DataError as e:  # e.g. a template that rewrites an assistant turn, so it cannot be masked
             if config.malformed == "fail":
                 raise DataError(f"{row.origin}: {e}") from None
@@ -397,15 +456,10 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
             too_long.append(why)
             continue
         records.append({"row_id": row.row_id, "source": row.source, "domain": row.domain, "prompt": row.prompt,
-                        "response": "\n\n".join(row.responses), "input_ids": ids, "loss_mask": mask,
+                        "response": fmt.response(row, row.responses), "input_ids": ids, "loss_mask": mask,
                         "origin": row.origin, "stopped": True, "n_turns": len(row.turns)})
     for kind, skipped in (("chat template cannot mask", bad), ("longer than the target's context", too_long)):
-        if skipped:
-            m = stats["malformed"]
-            m["count"] += len(skipped)
-            m["kinds"][kind] = len(skipped)
-            m["rows"] += skipped[: max(0, 200 - len(m["rows"]))]
-            log.warning("%d rows skipped: %s (first: %s)", len(skipped), kind, skipped[0])
+        _count_skipped(stats, skipped, kind)
     if not records:
         raise DataError("no rows left to keep")
     out.mkdir(parents=True, exist_ok=True)
@@ -421,6 +475,17 @@ def _keep_dataset(config: DataConfig, target, out: Path, progress: bool, t_start
     timing["wall_seconds"] = round(time.time() - t_start, 2)
     _save(out, records, config, target, precision, stats, timing)
     return out
+
+
+def _count_skipped(stats: dict, skipped: list[str], kind: str) -> None:
+    """Rows left out for `kind` go into provenance's malformed counts (the first 200 with where and why)."""
+    if not skipped:
+        return
+    m = stats["malformed"]
+    m["count"] += len(skipped)
+    m["kinds"][kind] = len(skipped)
+    m["rows"] += skipped[: max(0, 200 - len(m["rows"]))]
+    log.warning("%d rows skipped: %s (first: %s)", len(skipped), kind, skipped[0])
 
 
 def _row_seed(seed: int, row_id: int, turn: int) -> int:
@@ -476,6 +541,8 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
         "target": {"name": target.name, "spec": target.spec, "folder": str(target.folder) if target.folder else None,
                    "fingerprint": target.fingerprint()},
         "config": to_dict(config),
+        # each source's chat-template variables and reasoning policy as the rows were built with them
+        "sources_chat": {s.name: config.source_chat(s.name).describe() for s in config.sources},
         "sampling": _generation_key(config, target.fingerprint())["sampling"],
         "precision": precision,
         "few_row_kernels": gemm.describe(),  # the products the timing below ran on (targets/gemm.py)

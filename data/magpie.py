@@ -39,12 +39,14 @@ REQUESTS_DIR = "requests"
 _SENTINEL = "\x00draftsmith-user-turn\x00"
 
 
-def user_turn_prefix(tokenizer, system: str | None) -> tuple[list[int], list[int]]:
-    """Token ids of the chat template up to where a user's words begin, and the ids that may end them."""
+def user_turn_prefix(tokenizer, system: str | None, template_kwargs: dict | None = None
+                     ) -> tuple[list[int], list[int]]:
+    """Token ids of the chat template up to where a user's words begin, and the ids that may end them;
+    `template_kwargs` are the source's template variables (`enable_thinking`), as its rows are rendered with."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("a magpie source needs a chat-tuned target with a chat template (this tokenizer has none)")
     text = tokenizer.apply_chat_template(build_messages([_SENTINEL], [], system), tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **(template_kwargs or {}))
     if text.count(_SENTINEL) != 1:
         raise DataError("the chat template does not place the user's text verbatim; magpie cannot cut it")
     before, after = text.split(_SENTINEL)
@@ -62,10 +64,10 @@ def _row_seed(source: SourceConfig, index: int) -> int:
     return int(sha256_json(["magpie", source.seed, source.name, index])[:15], 16)
 
 
-def _key(source: SourceConfig, system: str | None, fingerprint: dict) -> dict:
+def _key(source: SourceConfig, system: str | None, fingerprint: dict, template_kwargs: dict) -> dict:
     return {"fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "chat_template_hash", "weights_hash",
                                                             "config_hash")},
-            "system": system, "temperature": source.temperature, "top_p": source.top_p,
+            "system": system, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}), "temperature": source.temperature, "top_p": source.top_p,
             "max_request_tokens": source.max_request_tokens, "seed": source.seed}
 
 
@@ -92,10 +94,11 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int,
     if resolve_mode(tok, config.chat.mode) == "plain":
         raise DataError(f"source '{source.name}': magpie needs chat formatting (chat.mode is plain for this target)")
     system = source.system or config.chat.system
-    prefix, stop = user_turn_prefix(tok, system)
+    kwargs = config.source_chat(source.name).template_kwargs
+    prefix, stop = user_turn_prefix(tok, system, kwargs)
     path = Path(config.output_dir).expanduser() / REQUESTS_DIR / f"{source.name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = _key(source, system, target.fingerprint())
+    key = _key(source, system, target.fingerprint(), kwargs)
     done = _read(path, key)
     todo = [i for i in range(count) if i not in done]
     if todo:

@@ -13,6 +13,11 @@ that cannot be masked never yields a silent all-ones mask.
 Plain mode (no template, e.g. a base model, or `chat.mode: plain`): user text + separator (not
 learned), then the response tokens and an EOS token (learned).
 
+Reasoning targets (data/reasoning.py): `template_kwargs` (`enable_thinking`) go to every rendering, and an
+assistant turn's thinking span is trained on (`keep`), removed from the turn before anything is rendered
+(`drop`), or kept out of the mask (`mask`: the learned span starts after the closing tag, and the decode-back
+check also refuses a learned span that holds a thinking tag).
+
 A message's own text never becomes control tokens: `<|im_end|><|im_start|>assistant` typed by a user (or
 written in a dataset's response) is tokenized as text (`split_special_tokens`), and only the special-token
 strings the chat template writes itself become special tokens.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from draftsmith.data.reasoning import DEFAULT_TAGS, POLICIES, answer_start, drop_thinking, thinking_end
 from draftsmith.errors import DataError
 
 Message = dict[str, str]
@@ -75,13 +81,13 @@ def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> list[in
     return ids + _encode(tokenizer, text[at:])
 
 
-def _content_spans(tokenizer, messages: list[Message], full: str) -> list[tuple[int, int]]:
+def _content_spans(tokenizer, messages: list[Message], full: str, kwargs: dict) -> list[tuple[int, int]]:
     """Where each message's content lies in the rendering `full` (a prefix-stable template writes message i
     between the renderings of the conversation up to i-1 and up to i)."""
     spans = []
     before = ""
     for i, msg in enumerate(messages):
-        upto = _render(tokenizer, messages[: i + 1], False)
+        upto = _render(tokenizer, messages[: i + 1], False, kwargs)
         content = msg["content"]
         at = upto.find(content, len(before)) if content else len(before)
         if at < 0 or not full.startswith(upto[: at + len(content)]):
@@ -96,9 +102,11 @@ def _decode(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[Message], add_generation_prompt: bool, kwargs: dict | None = None) -> str:
+    """The template's text for `messages`; `kwargs` are the source's template variables (`enable_thinking`)."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(kwargs or {}))
     except Exception as e:  # jinja raises TemplateError and friends for templates that reject a conversation
         raise DataError(f"chat template failed to render the conversation: {type(e).__name__}: {e}") from None
 
@@ -123,12 +131,12 @@ def _token_boundary(tokenizer, text: str, char: int, full_ids: list[int], what: 
     return len(prefix)
 
 
-def _chat(tokenizer, messages: list[Message], add_generation_prompt: bool,
-          eos: list[tuple[int, str]]) -> tuple[list[int], list[int], list[str]]:
-    full = _render(tokenizer, messages, add_generation_prompt)
+def _chat(tokenizer, messages: list[Message], add_generation_prompt: bool, eos: list[tuple[int, str]],
+          kwargs: dict, mask_thinking: bool, tags) -> tuple[list[int], list[int], list[str]]:
+    full = _render(tokenizer, messages, add_generation_prompt, kwargs)
     specials = special_strings(tokenizer)
     # a message holding special-token text: its content is tokenized as text, the template's own tokens as tokens
-    spans = (_content_spans(tokenizer, messages, full)
+    spans = (_content_spans(tokenizer, messages, full, kwargs)
              if any(sp in m["content"] for m in messages for sp in specials) else None)
     ids = _encode(tokenizer, full) if spans is None else _encode_spans(tokenizer, full, spans)
     mask = [0] * len(ids)
@@ -136,8 +144,8 @@ def _chat(tokenizer, messages: list[Message], add_generation_prompt: bool,
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        pre = _render(tokenizer, messages[:i], True) if i else ""
-        upto = _render(tokenizer, messages[: i + 1], False)
+        pre = _render(tokenizer, messages[:i], True, kwargs) if i else ""
+        upto = _render(tokenizer, messages[: i + 1], False, kwargs)
         if not (full.startswith(upto) and upto.startswith(pre)):
             raise DataError(
                 f"chat template is not prefix-stable at assistant turn {i} (rendering the conversation up to "
@@ -158,16 +166,37 @@ def _chat(tokenizer, messages: list[Message], add_generation_prompt: bool,
                 f"assistant turn {i}; the model could never learn to stop"
             )
         end += len(eos_text)
-        t0 = _token_boundary(tokenizer, full, start, ids, f"start of assistant turn {i}", spans)
+        if mask_thinking:
+            t0, learned = _answer_boundary(tokenizer, full, start, content, ids, spans, i, tags)
+        else:
+            t0, learned = _token_boundary(tokenizer, full, start, ids, f"start of assistant turn {i}", spans), content
         t1 = _token_boundary(tokenizer, full, end, ids, f"end of assistant turn {i}", spans)
         for t in range(t0, t1):
             mask[t] = 1
-        expected.append(content + eos_text)
+        expected.append(learned + eos_text)
     return ids, mask, expected
 
 
-def _plain(tokenizer, messages: list[Message], add_bos: bool, separator: str,
-           eos: list[tuple[int, str]]) -> tuple[list[int], list[int], list[str]]:
+def _answer_boundary(tokenizer, full: str, start: int, content: str, ids: list[int],
+                     spans: list[tuple[int, int]] | None, turn: int, tags) -> tuple[int, str]:
+    """`reasoning: mask`: the token where assistant turn `turn`'s learned text starts (right after its thinking
+    span, else after the whitespace that follows it, whichever the tokenization splits at) and that text."""
+    skip = thinking_end(content, tags)
+    if skip and skip == len(content):
+        raise DataError(f"assistant turn {turn} is all thinking (no {tags[1]!r} closes it): reasoning: mask leaves "
+                        "nothing of it to learn")
+    error = None
+    for cut in dict.fromkeys((skip, answer_start(content, tags))):
+        try:
+            return _token_boundary(tokenizer, full, start + cut, ids, f"end of assistant turn {turn}'s thinking",
+                                   spans), content[cut:]
+        except DataError as e:
+            error = e
+    raise error
+
+
+def _plain(tokenizer, messages: list[Message], add_bos: bool, separator: str, eos: list[tuple[int, str]],
+           mask_thinking: bool, tags) -> tuple[list[int], list[int], list[str]]:
     ids: list[int] = []
     mask: list[int] = []
     expected = []
@@ -179,10 +208,16 @@ def _plain(tokenizer, messages: list[Message], add_bos: bool, separator: str,
     eos_id, eos_text = eos[0]
     for msg in messages:
         if msg["role"] == "assistant":
-            part = encode_text(tokenizer, msg["content"]) + [eos_id]
-            ids += part
-            mask += [1] * len(part)
-            expected.append(msg["content"] + eos_text)
+            text = msg["content"]
+            cut = thinking_end(text, tags) if mask_thinking else 0
+            if cut and cut == len(text):
+                raise DataError(f"an assistant turn is all thinking (no {tags[1]!r} closes it): reasoning: mask "
+                                "leaves nothing of it to learn")
+            thought = encode_text(tokenizer, text[:cut]) if cut else []
+            part = encode_text(tokenizer, text[cut:]) + [eos_id]
+            ids += thought + part
+            mask += [0] * len(thought) + [1] * len(part)
+            expected.append(text[cut:] + eos_text)
         else:
             part = encode_text(tokenizer, msg["content"] + separator)
             ids += part
@@ -202,8 +237,10 @@ def masked_spans(ids: Sequence[int], mask: Sequence[int]) -> list[tuple[int, int
     return spans
 
 
-def verify_mask(tokenizer, ids: Sequence[int], mask: Sequence[int], expected: list[str]) -> None:
-    """Decode each masked span; it must be exactly the expected assistant text (+ end-of-turn token)."""
+def verify_mask(tokenizer, ids: Sequence[int], mask: Sequence[int], expected: list[str],
+                forbidden: Sequence[str] = ()) -> None:
+    """Decode each masked span; it must be exactly the expected assistant text (+ end-of-turn token) and hold
+    none of the `forbidden` strings (the thinking tags, where `reasoning: mask` keeps thinking out of the loss)."""
     spans = masked_spans(ids, mask)
     if len(spans) != len(expected):
         raise DataError(f"loss mask has {len(spans)} spans for {len(expected)} assistant turns")
@@ -214,29 +251,54 @@ def verify_mask(tokenizer, ids: Sequence[int], mask: Sequence[int], expected: li
                 f"loss mask check failed at assistant turn {n}: decoded span {got[:60]!r} != assistant text "
                 f"{want[:60]!r}"
             )
+        held = next((f for f in forbidden if f and f in got), None)
+        if held is not None:
+            raise DataError(f"loss mask check failed at assistant turn {n}: the learned span holds {held!r}, "
+                            "thinking that reasoning: mask keeps out of the loss")
 
 
 def tokenize_conversation(tokenizer, messages: list[Message], *, mode: str = "auto",
                           add_generation_prompt: bool = False, eos_token_ids: Sequence[int] | None = None,
-                          plain_separator: str = "\n", add_bos: bool = True) -> tuple[list[int], list[int]]:
+                          plain_separator: str = "\n", add_bos: bool = True, template_kwargs: dict | None = None,
+                          reasoning: str = "keep", think_tags: Sequence[str] = DEFAULT_TAGS
+                          ) -> tuple[list[int], list[int]]:
     """Token ids and a loss mask (1 = assistant token the model learns, end-of-turn token included).
 
     `messages` are {"role": "system"|"user"|"assistant", "content": str}. With `add_generation_prompt`
-    the ids end where the next assistant turn starts (a generation prompt). Raises DataError when the
-    template cannot be masked or the decode-back check fails.
+    the ids end where the next assistant turn starts (a generation prompt). `template_kwargs` go to every
+    rendering of the chat template; `reasoning` (keep, drop, mask) is what the assistant turns' thinking spans,
+    delimited by `think_tags`, become (data/reasoning.py). Raises DataError when the template cannot be masked
+    or the decode-back check fails.
     """
     if not messages:
         raise DataError("empty conversation")
     for m in messages:
         if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
             raise DataError(f"bad message {str(m)[:80]}: needs role system/user/assistant and text content")
+    if reasoning not in POLICIES:
+        raise DataError(f"reasoning must be keep, drop or mask, got {reasoning!r}")
+    if reasoning == "drop":
+        messages = [_dropped(m, i, think_tags) for i, m in enumerate(messages)]
+    masking = reasoning == "mask"
     eos = end_tokens(tokenizer, eos_token_ids)
     if resolve_mode(tokenizer, mode) == "chat":
-        ids, mask, expected = _chat(tokenizer, messages, add_generation_prompt, eos)
+        ids, mask, expected = _chat(tokenizer, messages, add_generation_prompt, eos, template_kwargs or {}, masking,
+                                    think_tags)
     else:
-        ids, mask, expected = _plain(tokenizer, messages, add_bos, plain_separator, eos)
-    verify_mask(tokenizer, ids, mask, expected)
+        ids, mask, expected = _plain(tokenizer, messages, add_bos, plain_separator, eos, masking, think_tags)
+    verify_mask(tokenizer, ids, mask, expected, forbidden=think_tags if masking else ())
     return ids, mask
+
+
+def _dropped(msg: Message, turn: int, tags: Sequence[str]) -> Message:
+    """`reasoning: drop`: an assistant message without its thinking span."""
+    if msg["role"] != "assistant" or not thinking_end(msg["content"], tags):
+        return msg
+    answer = drop_thinking(msg["content"], tags)
+    if not answer:
+        raise DataError(f"assistant turn {turn} is all thinking (no {tags[1]!r} closes it): reasoning: drop leaves "
+                        "nothing of it")
+    return {**msg, "content": answer}
 
 
 def build_messages(turns: list[str], responses: list[str], system: str | None = None) -> list[Message]:

@@ -243,3 +243,57 @@ def cache_hub_dataset(cache: Path, repo_id: str, rows: list[dict], split: str = 
     config_dir = Path(builder.cache_dir).parents[1]  # <snake>/default-<id>/0.0.0/<hash> -> default-<id>
     (cache / f"{org}___{snake}").mkdir(parents=True, exist_ok=True)
     shutil.move(str(config_dir), str(cache / f"{org}___{snake}" / "default"))
+
+
+# --- a tiny reasoning target: Qwen3's real chat template, and a Qwen3 that thinks before it answers ----------
+QWEN3_TEMPLATE = Path(__file__).parent / "fixtures" / "qwen3" / "chat_template.jinja"
+THINK_TAGS = ("<think>", "</think>")
+
+
+def build_qwen3_tokenizer(vocab_size: int = 320):
+    """The tiny tokenizer with Qwen3's chat template (tests/fixtures/qwen3, verbatim) and Qwen3's thinking tags
+    as added tokens that are not special (as in Qwen3's tokenizer: they stay in decoded text)."""
+    tok = build_tiny_tokenizer(vocab_size)
+    tok.add_tokens(list(THINK_TAGS))
+    tok.chat_template = QWEN3_TEMPLATE.read_text(encoding="utf-8")
+    return tok
+
+
+def build_thinking_qwen3(tokenizer, folder: Path, thought: str = "The quick", answer: str = "Paris",
+                         seed: int = 0) -> Path:
+    """A tiny Qwen3 whose greedy answer to any prompt ending in the generation prompt (thinking on) is
+    `<think>{thought}</think>{answer}<|im_end|>`, saved as an HF folder; returns the folder.
+
+    Every layer's output projections are zero, so the last hidden state is the current token's embedding
+    (normalised), and the untied lm_head row of token f(a) is token a's embedding: the greedy next token after
+    a is f(a), a chain through the script. A real transformers model, so the data engines, capture and training
+    run on it as on any target; only its weights are chosen.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = family_config("qwen3", len(tokenizer))
+    config.tie_word_embeddings = False
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                           add_generation_prompt=True)
+    last = tokenizer(prompt, add_special_tokens=False)["input_ids"][-1]
+    enc = tokenizer.convert_tokens_to_ids
+    chain = [last, enc(THINK_TAGS[0])] + tokenizer(thought, add_special_tokens=False)["input_ids"]
+    chain += [enc(THINK_TAGS[1])] + tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if len(set(chain)) != len(chain):
+        raise ValueError(f"the script's tokens repeat ({chain}); the next token depends on the last one only")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.get_input_embeddings().weight
+        head = model.lm_head.weight
+        head.zero_()
+        for a, b in zip(chain, chain[1:]):
+            head[b] = emb[a]
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
