@@ -276,14 +276,7 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     if writer is not None:
         writer.close()
 
-    missing = [r for r in rows if r.row_id not in done]
-    if missing:
-        raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
-    records = [done[r.row_id] for r in rows if "skipped" not in done[r.row_id]]
-    _count_skipped(stats, [f"{done[r.row_id]['origin']}: {done[r.row_id]['skipped']}" for r in rows
-                           if "skipped" in done[r.row_id]], "reasoning policy leaves nothing to learn")
-    if not records:
-        raise DataError("no rows left: every generated answer was skipped (see the reasoning policy)")
+    records = _finished_records(rows, done, stats)
     timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": sink.tokens,
               "seconds": round(seconds, 2), "tokens_per_s": round(sink.tokens / seconds, 2) if seconds > 0 else None}
     if engine.report_as is not None:
@@ -295,6 +288,20 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     timing["wall_seconds"] = round(time.time() - t_start, 2)
     _save(out, records, config, target, engine.precision, stats, timing)
     return out
+
+
+def _finished_records(rows, done: dict[int, dict], stats) -> list[dict]:
+    """The records of every prompt row, in order, less those the reasoning policy skipped (counted in `stats`);
+    a row never generated, or nothing left at all, is an error."""
+    missing = [r for r in rows if r.row_id not in done]
+    if missing:
+        raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
+    records = [done[r.row_id] for r in rows if "skipped" not in done[r.row_id]]
+    _count_skipped(stats, [f"{done[r.row_id]['origin']}: {done[r.row_id]['skipped']}" for r in rows
+                           if "skipped" in done[r.row_id]], "reasoning policy leaves nothing to learn")
+    if not records:
+        raise DataError("no rows left: every generated answer was skipped (see the reasoning policy)")
+    return records
 
 
 def _resume(out: Path, key: dict[str, Any]) -> dict[int, dict]:
