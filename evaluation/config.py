@@ -42,6 +42,9 @@ class EvalConfig:
     adaptive: bool = False  # also decode every prompt with adaptive k (chains up to k) and compare with fixed k
     temperatures: list[float] | None = None  # a sweep: one evaluation per temperature (evaluation/sweep.py)
     compare: list[str] = field(default_factory=list)  # more proposers decoded on the same prompts in the same run
+    # passed to the target's chat template for every prompt, as the data config's `chat_template_kwargs` were for
+    # the rows the head learned from (a reasoning target: {enable_thinking: false} answers without thinking)
+    chat_template_kwargs: dict = field(default_factory=dict)
     device: str = "auto"
     dtype: str = "auto"
     # the proposers' own networks (draft model, Medusa/EAGLE heads): auto = bf16 next to a float32 target on a

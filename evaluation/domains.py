@@ -109,11 +109,12 @@ def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, s
     return out
 
 
-def format_prompt(tokenizer, text: str) -> list[int]:
-    """The first turn as chat-templated token ids (plain tokenisation when there is no template)."""
+def format_prompt(tokenizer, text: str, template_kwargs: dict | None = None) -> list[int]:
+    """The first turn as chat-templated token ids (plain tokenisation when there is no template);
+    `template_kwargs` go to the template (e.g. `{enable_thinking: false}` for a Qwen3 target, as its data had)."""
     if getattr(tokenizer, "chat_template", None):  # special-token text in the prompt stays text (data/masks.py)
         from draftsmith.data.masks import tokenize_conversation
 
         return tokenize_conversation(tokenizer, [{"role": "user", "content": text}], mode="chat",
-                                     add_generation_prompt=True)[0]
+                                     add_generation_prompt=True, template_kwargs=template_kwargs)[0]
     return list(tokenizer(text).input_ids)

@@ -353,7 +353,7 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     files = cfg.prompts or [str(p) for p in default_prompt_files(cfg.split)]
     check_prompt_files(files)
     rows = load_prompts(files, cfg.limit_per_domain, cfg.seed)
-    fit_context(target, rows, cfg.max_new_tokens)
+    fit_context(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs)
     eos = list(target.eos_token_ids)
     entries = [Entry("spec", prop, dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k),
                      dtype_name(drafts_in) if cast else None)]
@@ -434,14 +434,14 @@ def decode_prompts(setup: Setup) -> list[dict]:
     pad = pad_token_id(target)
     runs = _runners(setup, eos, pad)
     timed = [n for n in runs if n not in UNTIMED]
-    warm = format_prompt(tok, setup.rows[0].text)  # every code path once, not counted
+    warm = format_prompt(tok, setup.rows[0].text, cfg.chat_template_kwargs)  # every code path once, not counted
     for name, run in runs.items():
         if name != "adaptive":
             run(warm, cfg.seed, min(8, cfg.max_new_tokens))
 
     per_prompt = []
     for i, row in enumerate(setup.rows):
-        ids = format_prompt(tok, row.text)
+        ids = format_prompt(tok, row.text, cfg.chat_template_kwargs)
         routed_as = prop.route(domain=row.domain, text=row.text) if prop.routes else None
         seed = cfg.seed + i
         measured, branches, rounds = _measure(setup, runs, timed, i, ids, seed)
@@ -763,6 +763,7 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": setup.files,
             "split": None if cfg.prompts else cfg.split, "repeats": cfg.repeats, "remeasure": cfg.remeasure,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
+            "chat_template_kwargs": dict(cfg.chat_template_kwargs),
             "gpu_tree": next(({"tree": list(e.kw["tree"].branching), "tree_max_nodes": e.kw["tree"].max_nodes}
                               for e in setup.entries if e.name == "gpu_tree"), None),
             "draft_dtype": setup.main.draft_dtype,  # None: the proposer has no network to cast

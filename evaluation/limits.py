@@ -19,10 +19,11 @@ def check_prompt_files(files: list[str]) -> None:
             raise ConfigError(f"--prompts {f}: a folder, not a prompt file (give its .jsonl files)")
 
 
-def fit_context(target, rows: list[EvalPrompt], max_new_tokens: int) -> None:
+def fit_context(target, rows: list[EvalPrompt], max_new_tokens: int, template_kwargs: dict | None = None) -> None:
     """Refuse (one line naming the prompt's file:line) a prompt that, formatted with the target's chat
     template, leaves no room for `max_new_tokens` in the target's context."""
     for row in rows:
         if not (row.text or "").strip():
             raise ConfigError(f"prompt {row.source}: empty (no text to decode from)")
-        check_fits(target, len(format_prompt(target.tokenizer, row.text)), max_new_tokens, f"prompt {row.source}")
+        check_fits(target, len(format_prompt(target.tokenizer, row.text, template_kwargs)), max_new_tokens,
+                   f"prompt {row.source}")

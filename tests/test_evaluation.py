@@ -351,7 +351,7 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
         "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",
-        "compare_settings", "split", "repeats", "remeasure"}
+        "compare_settings", "split", "repeats", "remeasure", "chat_template_kwargs"}
     overall = {"n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance",
                "conditional_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
                "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_plain", "fastest_plain", "n_timed",

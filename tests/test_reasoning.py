@@ -257,3 +257,20 @@ def test_rows_written_under_another_policy_are_not_resumed(thinking_target, tmp_
     cfg.sources[0].reasoning = "keep"
     with pytest.raises(DataError, match="different sources_chat"):
         generate_dataset(cfg, thinking_target, progress=False, overwrite=True)
+
+
+def test_evaluation_prompts_render_with_the_datas_template_arguments(qwen3_tok, thinking_target, tmp_path):
+    """`evaluate` reads prompts through the same template arguments as the rows the head learned from: with
+    thinking off, Qwen3's generation prompt carries the empty thinking block; the report records them."""
+    from draftsmith.evaluation.domains import format_prompt
+    from draftsmith.evaluation.evaluate import evaluate
+
+    on, off = (qwen3_tok.decode(format_prompt(qwen3_tok, "Capital of France?", kw))
+               for kw in (None, {"enable_thinking": False}))
+    assert off == on + "<think>\n\n</think>\n\n"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "qa", "turns": ["Capital of France?"]}) + "\n")
+    report = evaluate(thinking_target, "ngram", prompts=[str(prompts)], max_new_tokens=6,
+                      k=2, cost_model=False, repeats=1, chat_template_kwargs={"enable_thinking": False})
+    assert report["settings"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert report["overall"]["lossless"] is True
