@@ -68,7 +68,7 @@ $(VLLM_STAMP): scripts/vllm-constraints.txt
 
 # pytest exits 5 when it collects nothing: that means the suite was not found, so it fails too.
 test: setup
-	$(BIN)/pytest -m "not dist and not vllm"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(BIN)/pytest -m "not dist and not vllm" --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 # several processes per test (torchrun over gloo: DDP, FSDP2, DeepSpeed ZeRO-2/3, sharded checkpoints, a
 # killed rank); `make test` leaves them out for time
