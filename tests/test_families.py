@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILY_NAMES, NO_PAD, build_tiny_family, prompt_rows
+from tiny_models import FAMILY_NAMES, NO_PAD, build_tiny_family, plain_linears_one_thread, prompt_rows
 
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.after_training import EvalAfterTraining
@@ -29,17 +29,8 @@ PROMPTS = ["What is the capital of France?", "Add 2 and 3.", "Write a loop in Py
 
 @pytest.fixture(autouse=True)
 def _plain_linears():
-    """F.linear everywhere: the CPU kernel plan (targets/gemm.py, tested in test_gemm.py) would measure each
-    family's shapes afresh, seconds per family, and has nothing to do with which family a target is."""
-    from draftsmith.targets import gemm
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # hidden-64 models: one thread does it, and waits on no other process's cores
-    try:
-        with gemm.disabled():
-            yield
-    finally:
-        torch.set_num_threads(threads)
+    with plain_linears_one_thread():
+        yield
 
 
 def _train_cfg(tmp: Path, name: str, steps: int = 3) -> TrainConfig:

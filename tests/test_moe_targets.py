@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decoding import TreeStub
-from tiny_models import MOE_FAMILY_NAMES, build_tiny_family, family_config
+from tiny_models import MOE_FAMILY_NAMES, build_tiny_family, family_config, plain_linears_one_thread
 
 from draftsmith.errors import ConfigError
 
@@ -20,17 +20,8 @@ NEW = 40  # tokens written past a 10-token prompt: the context runs past the win
 
 @pytest.fixture(autouse=True)
 def _plain_linears():
-    """F.linear on one thread, as in tests/test_families.py: the CPU kernel plan (targets/gemm.py) would measure
-    each tiny target's shapes afresh, and has nothing to do with experts."""
-    from draftsmith.targets import gemm
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with gemm.disabled():
-            yield
-    finally:
-        torch.set_num_threads(threads)
+    with plain_linears_one_thread():
+        yield
 
 
 def _hf_greedy(model, prompt: list[int]) -> list[int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import plain_linears_one_thread
 
 pytest.importorskip("speculators")
 
@@ -25,15 +26,8 @@ LAYERS = [0, 1, 2]  # default_eagle3_layers(4)
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    from draftsmith.targets import gemm
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with gemm.disabled():
-            yield
-    finally:
-        torch.set_num_threads(threads)
+    with plain_linears_one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ the same code paths as with SmolLM2. The models are 2-layer Llamas with hidden s
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -297,3 +298,19 @@ def build_thinking_qwen3(tokenizer, folder: Path, thought: str = "The quick", an
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@contextlib.contextmanager
+def plain_linears_one_thread():
+    """F.linear on one thread while the block runs: the CPU kernel plan (targets/gemm.py, tested in test_gemm.py)
+    would measure each tiny target's shapes afresh, seconds per target that test nothing a family, an expert or
+    a template changes; hidden-64 models need one thread and then wait on no other process's cores."""
+    from draftsmith.targets import gemm
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with gemm.disabled():
+            yield
+    finally:
+        torch.set_num_threads(threads)
