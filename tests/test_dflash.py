@@ -242,3 +242,23 @@ def test_evaluation_puts_the_gpu_sized_tree_beside_the_blocks_chain(trained, tar
     gpu = report["overall"]["gpu_tree"]
     assert report["overall"]["lossless"] is True and gpu["lossless"] is True
     assert gpu["verified_nodes_per_step"] > report["overall"]["verified_nodes_per_step"]
+
+
+@pytest.mark.parametrize("loss", ["ce", "kd"])
+def test_offline_features_from_the_capture_cache_give_the_online_loss(trained, target4, tmp_path, loss):
+    """Trained from the same capture cache as EAGLE-3 (`capture_cache`, capture/cache.py): the target never runs
+    in the step, and the loss (the KD teacher read from the cached last hidden state too) is the online one."""
+    from draftsmith.capture.cache import capture_dataset
+
+    _, result, rows = trained
+    capture_dataset(target4, rows, tmp_path / "cache", layers=[0, 1, 2], topk=1, last_hidden=True,
+                    hidden_dtype=torch.float32, progress=False)
+    online = DFlashJob(job_config(tmp_path, loss=loss), target4, rows)
+    offline = DFlashJob(job_config(tmp_path, loss=loss, capture_cache=str(tmp_path / "cache")), target4, rows)
+    batch = online.collate(rows[:8])
+    module = result.module.eval()
+    with torch.no_grad():
+        on, m_on = online.loss(module, batch)
+        off, m_off = offline.loss(module, batch)
+    assert float(off) == pytest.approx(float(on), rel=1e-5)
+    assert m_on == pytest.approx(m_off, rel=1e-5)
