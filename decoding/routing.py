@@ -1,10 +1,21 @@
 """Per-domain routing: which proposer (and k / tree), or none, serves each domain.
 
 A routing policy is built from evaluation reports of several artifacts on the same target
-(`build_policy`): for each domain the lossless run with the highest measured speedup wins, and a domain
-whose best speedup stays below `threshold` is routed "off" (plain decoding). The policy file (JSON):
+(`build_policy`): for each domain the lossless run that scores highest by the policy's `criterion` wins,
+and a domain whose best score stays below `threshold` is routed "off" (plain decoding). Criteria:
 
-    {"kind": "routing_policy", "threshold": 1.0, "target": {fingerprint},
+    speedup     the speedup measured in the reports, on the machine that ran them (a CPU's verify cost);
+    tau         τ at the GPU-sized budget (the report's `gpu_tree` τ; a run without one, such as n-gram
+                lookup's chain, its own τ): what a GPU, where verifying 60 nodes costs about one step, accepts;
+    predicted   the cost model's speedup τ / (v(n) + c) for a verify-cost profile (`VerifyProfile`: v(n) of the
+                serving hardware, c per proposer kind), n the verified nodes a step at that same budget.
+
+so a GPU user's choice is not made by this CPU's timing. The candidates are the runs of the reports and the
+runs they decoded side by side (`evaluate --compare`): the head's tree, the head merged with lookup
+(`multi:ngram+eagle:...`), lookup alone; the policy records the criterion and every candidate's value. The
+policy file (JSON):
+
+    {"kind": "routing_policy", "threshold": 1.0, "criterion": "speedup", "target": {fingerprint},
      "router": {"kind": "declared", "keywords": {...}},      # how a request without a domain is classified
      "default": "off" | {route},                              # requests of an unknown domain
      "domains": {"code": {"proposer": "ngram", "k": 4, "tree": null, "tree_max_nodes": null,
@@ -56,6 +67,57 @@ class KeywordRouter:
         return winners[0] if best > 0 and len(winners) == 1 else None
 
 
+CRITERIA = ("speedup", "tau", "predicted")
+
+
+class VerifyProfile:
+    """A verify-cost profile for the `predicted` criterion: v(n), the cost of verifying n nodes in target steps
+    (linear between the given points, flat before the first, growing past the last at its last slope), and c,
+    a proposer kind's drafting time a step in target steps (`c` by the spec's kind, e.g. {"eagle": 0.2,
+    "ngram": 0}; a kind not given takes what the report measured). `gpu`: v(n) = 1 up to 64 nodes, then
+    n / 64 (a GPU verifies EAGLE-2's 60 nodes for about the price of one step)."""
+
+    BUILTIN = {"gpu": {"name": "gpu", "v": {"0": 1.0, "64": 1.0, "128": 2.0}, "c": {"ngram": 0.0}}}
+
+    def __init__(self, spec: dict):
+        points = sorted((int(n), float(v)) for n, v in (spec.get("v") or {}).items())
+        if not points or any(v <= 0 for _, v in points):
+            raise ConfigError("verify profile: `v` needs at least one node count -> positive cost, e.g. {\"0\": 1.0}")
+        self.name, self.points, self.c = spec.get("name", "custom"), points, dict(spec.get("c") or {})
+
+    @classmethod
+    def load(cls, what: str | dict | None) -> VerifyProfile | None:
+        if what is None or isinstance(what, dict):
+            return None if what is None else cls(what)
+        if what in cls.BUILTIN:
+            return cls(cls.BUILTIN[what])
+        path = Path(what)
+        if not path.is_file():
+            raise ConfigError(f"verify profile {what!r}: not a built-in ({', '.join(cls.BUILTIN)}) nor a JSON file")
+        try:
+            return cls({"name": path.stem, **json.loads(path.read_text())})
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not a JSON verify profile ({e.msg})") from None
+
+    def v(self, n: float) -> float:
+        pts = self.points
+        if n <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        for (n0, v0), (n1, v1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
+        (n0, v0), (n1, v1) = pts[-2], pts[-1]
+        return v1 + max(v1 - v0, 0.0) / (n1 - n0) * (n - n1)
+
+    def draft_cost(self, proposer: str, measured: float | None) -> tuple[float, str]:
+        """c of a proposer spec (a `multi:` spec: the sum of its parts'), and where it came from."""
+        kinds = [p.partition(":")[0].strip().lower() for p in
+                 (proposer.partition(":")[2].split("+") if proposer.startswith("multi:") else [proposer])]
+        if all(k in self.c for k in kinds):
+            return sum(float(self.c[k]) for k in kinds), f"profile {self.name}"
+        return (measured or 0.0), "measured in the report" if measured is not None else "unknown (0)"
+
+
 def _route_entry(report: dict, domain: dict) -> dict:
     s = report.get("settings", {})
     return {"proposer": report["proposer"], "k": s.get("k"), "tree": s.get("tree"),
@@ -63,10 +125,77 @@ def _route_entry(report: dict, domain: dict) -> dict:
             "alpha": domain.get("alpha"), "tau": domain.get("tau"), "report": report.get("_path")}
 
 
+def _at_gpu_budget(domain: dict) -> tuple[float | None, float | None]:
+    """τ and verified nodes a step with the GPU-sized tree where the run decoded one, else the run's own."""
+    g = domain.get("gpu_tree") or {}
+    if g.get("tau") is not None:
+        return g["tau"], g.get("verified_nodes_per_step")
+    return domain.get("tau"), domain.get("verified_nodes_per_step")
+
+
+def _measured_c(report: dict, domain: dict) -> float | None:
+    """The proposer's time a verify step in target steps, as the run measured it (None where not kept)."""
+    t_step = (report.get("cost_model") or {}).get("t_step_decode_s")
+    forwards, spent = domain.get("target_forwards"), domain.get("proposer_time_s")
+    if not t_step or not forwards or spent is None:
+        return None
+    return spent / forwards / t_step
+
+
+def criterion_value(criterion: str, report: dict, domain: dict, profile: VerifyProfile | None) -> dict:
+    """A candidate's score under `criterion` ({"value": ...} and what it was computed from)."""
+    if criterion == "speedup":
+        return {"value": domain.get("speedup")}
+    tau, nodes = _at_gpu_budget(domain)
+    if criterion == "tau":
+        return {"value": tau, "gpu_tree": bool((domain.get("gpu_tree") or {}).get("tau"))}
+    if tau is None:
+        return {"value": None}
+    c, source = profile.draft_cost(str(report["proposer"]), _measured_c(report, domain))
+    v = profile.v(nodes or 0.0)
+    return {"value": tau / (v + c), "tau": tau, "nodes": nodes, "v": v, "c": c, "c_from": source}
+
+
 def build_policy(reports: list[dict | str | Path], threshold: float = 1.0, router: str = "declared",
-                 keywords: dict[str, list[str]] | None = None) -> dict:
+                 keywords: dict[str, list[str]] | None = None, criterion: str = "speedup",
+                 profile: str | dict | None = None) -> dict:
     """The routing policy of a set of evaluation reports (dicts or report.json paths) on one target; the
-    proposers a report decoded side by side (`evaluate --compare`) are candidates too."""
+    proposers a report decoded side by side (`evaluate --compare`) are candidates too. Each domain goes to
+    the lossless candidate with the highest `criterion` (module docstring), or off below `threshold`
+    (ties: the one with fewer verified nodes a step)."""
+    if criterion not in CRITERIA:
+        raise ConfigError(f"criterion must be one of {', '.join(CRITERIA)}, got {criterion!r}")
+    prof = VerifyProfile.load(profile if profile is not None else ("gpu" if criterion == "predicted" else None))
+    loaded = _load_reports(reports)
+    if router not in ("declared", "keyword"):
+        raise ConfigError(f"router must be 'declared' or 'keyword', got {router!r}")
+    domains: dict = {}
+    for name in sorted({d for r in loaded for d in r.get("domains", {})}):
+        cands = []
+        for r in loaded:
+            d = r.get("domains", {}).get(name)
+            if d is None or d.get("lossless") is False:
+                continue  # a run that was not lossless never serves traffic
+            score = criterion_value(criterion, r, d, prof)
+            if score["value"] is not None:
+                cands.append((score["value"], -(d.get("verified_nodes_per_step") or 0.0), r, d, score))
+        if not cands:
+            domains[name] = OFF
+            continue
+        value, _, r, d, score = max(cands, key=lambda c: (c[0], c[1]))
+        table = {c[2]["proposer"]: c[0] for c in cands}
+        domains[name] = {**_route_entry(r, d), "value": value, **({"basis": score} if criterion != "speedup" else {}),
+                         "candidates": table} if value >= threshold else OFF
+    return {"kind": "routing_policy", "threshold": threshold, "criterion": criterion,
+            **({"profile": {"name": prof.name, "v": {str(n): v for n, v in prof.points}, "c": prof.c}} if prof else {}),
+            "target": loaded[0].get("target", {}),
+            "router": {"kind": router, "keywords": keywords or DEFAULT_KEYWORDS}, "default": OFF,
+            "domains": domains}
+
+
+def _load_reports(reports: list[dict | str | Path]) -> list[dict]:
+    """The reports and their side-by-side runs as report-shaped dicts, all of one target (routed runs left out:
+    routes do not nest)."""
     loaded = []
     for r in reports:
         if not isinstance(r, dict):
@@ -78,30 +207,11 @@ def build_policy(reports: list[dict | str | Path], threshold: float = 1.0, route
         loaded.append(r)
     if not loaded:
         raise ConfigError("routing needs at least one evaluation report")
-    # side-by-side runs are candidates; a routed run itself is not (routes do not nest)
     loaded = [x for r in loaded for x in [r, *_compared(r)] if not str(x["proposer"]).startswith("route:")]
     hashes = {json.dumps(r.get("target", {}).get("fingerprint", {}), sort_keys=True) for r in loaded}
     if len(hashes) > 1:
         raise ConfigError("the reports were measured on different targets (fingerprints differ): route one target")
-    if router not in ("declared", "keyword"):
-        raise ConfigError(f"router must be 'declared' or 'keyword', got {router!r}")
-    domains: dict = {}
-    for name in sorted({d for r in loaded for d in r.get("domains", {})}):
-        cands = []
-        for r in loaded:
-            d = r.get("domains", {}).get(name)
-            if d is None or d.get("speedup") is None or d.get("lossless") is False:
-                continue  # a run that was not lossless never serves traffic
-            cands.append((d["speedup"], r, d))
-        table = {r["proposer"]: sp for sp, r, _ in cands}
-        if not cands:
-            domains[name] = OFF
-            continue
-        sp, r, d = max(cands, key=lambda c: c[0])
-        domains[name] = {**_route_entry(r, d), "candidates": table} if sp >= threshold else OFF
-    return {"kind": "routing_policy", "threshold": threshold, "target": loaded[0].get("target", {}),
-            "router": {"kind": router, "keywords": keywords or DEFAULT_KEYWORDS}, "default": OFF,
-            "domains": domains}
+    return loaded
 
 
 def _compared(report: dict) -> list[dict]:
@@ -213,6 +323,20 @@ class RoutedProposer(Proposer):
         self.counts: dict[str, int] = {}
         self.cost = None  # the verifier's VerifyCost when it cuts trees (decoding/budget.py)
         self.fitted: dict[tuple[str, TreeSpec], TreeSpec] = {}  # a route's static tree, cut once per cost model
+        self.shapes: dict[str, TreeSpec] = {}  # proposer spec -> the tree it decodes with, over the policy's
+
+    def gpu_tree(self) -> tuple[RoutedProposer, TreeSpec] | None:
+        """Every route at its GPU-sized budget (its proposer's `gpu_tree`; a route without one, such as n-gram
+        lookup, as it is), so a routed evaluation reports per domain the τ a GPU would see."""
+        own = {spec: p.gpu_tree() for spec, p in self.proposers.items()}
+        if all(g is None for g in own.values()):
+            return None
+        other = RoutedProposer(self.policy, {spec: g[0] if g else self.proposers[spec] for spec, g in own.items()})
+        other.shapes = {spec: g[1] for spec, g in own.items() if g}
+        return other, other.default_tree_spec()
+
+    def _own_spec(self, entry: dict, prop: Proposer) -> TreeSpec:
+        return self.shapes.get(entry["proposer"]) or route_spec(entry, prop)
 
     def use_dtype(self, dtype: torch.dtype) -> bool:
         self.fitted.clear()  # a static tree's cut counted the heads' time in the old dtype
@@ -230,7 +354,7 @@ class RoutedProposer(Proposer):
             self.active = (self.active[0], self._route_spec(self.active_entry, self.active[0]))
 
     def _route_spec(self, entry: dict, prop: Proposer) -> TreeSpec:
-        spec = route_spec(entry, prop)
+        spec = self._own_spec(entry, prop)
         if self.cost is None:
             return spec
         key = (entry["proposer"], spec)
@@ -283,7 +407,7 @@ class RoutedProposer(Proposer):
 
     def default_tree_spec(self) -> TreeSpec:
         """A verifier budget wide enough for every route (per-depth max branching, max node count)."""
-        specs = [route_spec(r, self.proposers[r["proposer"]]) for r in self.policy["domains"].values()
+        specs = [self._own_spec(r, self.proposers[r["proposer"]]) for r in self.policy["domains"].values()
                  if isinstance(r, dict)]
         if not specs:
             return TreeSpec.chain(1)

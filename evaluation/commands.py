@@ -7,6 +7,7 @@
     draftsmith evaluate --proposer draft:PATH --k 6 --adaptive              (fixed k vs adaptive k)
     draftsmith evaluate --proposer multi:ngram+medusa:PATH --tree auto      (one merged tree)
     draftsmith evaluate --proposer route:policy.json --tree auto            (per-domain routing)
+    draftsmith evaluate --proposer eagle:PATH --tree auto --turns first     (first user turns only)
 
 Flags override the `--config` file, which trailing key=value overrides update first.
 """
@@ -25,7 +26,7 @@ FLAGS = {  # flag -> (EvalConfig field, type)
     "--draft-dtype": ("draft_dtype", str),
     "--cost-repeats": ("cost_repeats", int), "--cost-k-max": ("cost_k_max", int),
     "--cost-context": ("cost_context", int), "--policy-threshold": ("policy_threshold", float),
-    "--split": ("split", str), "--repeats": ("repeats", int), "--remeasure": ("remeasure", int),
+    "--split": ("split", str), "--turns": ("turns", str), "--repeats": ("repeats", int), "--remeasure": ("remeasure", int),
 }
 
 

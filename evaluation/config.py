@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from draftsmith.config import register_config
 from draftsmith.targets.context import MAX_NEW_TOKENS
 
+TURNS = ("all", "first")  # which user turns of a multi-turn prompt are measured
+
 
 @register_config("eval")
 @dataclass
@@ -45,6 +47,9 @@ class EvalConfig:
     # passed to the target's chat template for every prompt, as the data config's `chat_template_kwargs` were for
     # the rows the head learned from (a reasoning target: {enable_thinking: false} answers without thinking)
     chat_template_kwargs: dict = field(default_factory=dict)
+    # all: every user turn of a multi-turn prompt is one measured generation, its context the earlier turns with
+    # the target's own answers (evaluation/turns.py); first: the first user turn only
+    turns: str = "all"
     device: str = "auto"
     dtype: str = "auto"
     # the proposers' own networks (draft model, Medusa/EAGLE heads): auto = bf16 next to a float32 target on a
@@ -66,6 +71,8 @@ class EvalConfig:
             raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {self.temperatures}")
         if self.adaptive and (self.tree is not None or self.tree_from_proposer or self.k < 1):
             raise ValueError("adaptive k chooses chain lengths: use it with k >= 1, not with a tree")
+        if self.turns not in TURNS:
+            raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
         if self.split not in ("dev", "test"):
             raise ValueError(f"split must be dev or test, got {self.split!r}")
         if self.repeats < 1 or self.remeasure < 0:

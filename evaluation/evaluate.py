@@ -47,6 +47,7 @@ from draftsmith.errors import ConfigError
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
 from draftsmith.evaluation.limits import check_prompt_files, fit_context
+from draftsmith.evaluation.turns import Conversation
 from draftsmith.targets import gemm
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import pad_token_id
@@ -241,6 +242,8 @@ class Setup:
     assistant: object | None = None  # a draft model for HF assisted generation
     verify_cost: VerifyCost | None = None
     tree_cost: dict | None = None
+    turns: list[int] | None = None  # turns measured per row (evaluation/turns.py); None: one each
+    turns_cut: list[dict] = dataclasses.field(default_factory=list)  # rows the context cut short, with why
 
     @property
     def main(self) -> Entry:
@@ -353,7 +356,10 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     files = cfg.prompts or [str(p) for p in default_prompt_files(cfg.split)]
     check_prompt_files(files)
     rows = load_prompts(files, cfg.limit_per_domain, cfg.seed)
-    fit_context(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs)
+    turns, turns_cut = fit_context(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs, cfg.turns)
+    for c in turns_cut:
+        log.warning("prompt %s: measured on %d of its %d turns: %s", c["prompt"], c["measured"], c["turns"],
+                    c["reason"])
     eos = list(target.eos_token_ids)
     entries = [Entry("spec", prop, dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k),
                      dtype_name(drafts_in) if cast else None)]
@@ -367,7 +373,7 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     entries += [_compare(s, target, cfg, drafts_in) for s in cfg.compare]
     setup = Setup(cfg, target, original_target, prop, spec, rows, files,
                   dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos), entries,
-                  assistant=prop.assistant_model if cfg.hf_reference else None)
+                  assistant=prop.assistant_model if cfg.hf_reference else None, turns=turns, turns_cut=turns_cut)
     if cfg.prune_tree and not spec.is_chain:
         _cut_trees(setup)
     # the GPU-sized shape beside the proposer's own, tree or chain (DFlash's own shape is its block's chain)
@@ -427,8 +433,9 @@ def decode_prompts(setup: Setup) -> list[dict]:
     share of the CPU used by other processes is read around it; a prompt whose runs were not quiet often
     enough gets up to `remeasure` more rounds. Each run's time is the median of its quiet measurements. One
     record per prompt with each run's statistics (from its median run), its measurements, and whether its
-    output is the target's."""
-    cfg, target, prop = setup.cfg, setup.target, setup.prop
+    output is the target's. A multi-turn prompt is decoded turn by turn, one record per turn, each turn's
+    context holding the answers plain decoding gave to the turns before it (evaluation/turns.py)."""
+    cfg, target = setup.cfg, setup.target
     tok = target.tokenizer
     eos = setup.gen_kw["eos_ids"]
     pad = pad_token_id(target)
@@ -441,23 +448,50 @@ def decode_prompts(setup: Setup) -> list[dict]:
 
     per_prompt = []
     for i, row in enumerate(setup.rows):
-        ids = format_prompt(tok, row.text, cfg.chat_template_kwargs)
-        routed_as = prop.route(domain=row.domain, text=row.text) if prop.routes else None
-        seed = cfg.seed + i
-        measured, branches, rounds = _measure(setup, runs, timed, i, ids, seed)
-        out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
-        for name in runs:
-            if name in UNTIMED:  # decoded for its acceptance only: its speed is not what it reports
-                out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
-        if branches is not None:
-            out["branches"] = branches
-        rec = _record(setup, row, ids, out, routed_as, eos, pad)
-        rec["timing"] = {"rounds": rounds, "measurements": {
-            name: [[round(sec, 6), None if sh is None else round(sh, 4)] for _, sec, sh in measured[name]]
-            for name in timed}, "quiet": {name: _quiet_count(measured[name]) >= cfg.repeats for name in timed}}
-        per_prompt.append(rec)
-        _log_prompt(setup, i, row, rec, rounds)
+        conv = Conversation(row, cfg.chat_template_kwargs)
+        for turn in range(setup.turns[i] if setup.turns else 1):
+            ids = conv.prompt(tok, turn)
+            rec = _decode_one(setup, runs, timed, i, turn, conv, ids, len(per_prompt), eos, pad)
+            per_prompt.append(rec)
+            # the context of the next turn is what plain decoding answered (evaluation/turns.py)
+            conv.answered(tok, rec.pop("_answer"), set(eos))
     return per_prompt
+
+
+def _decode_one(setup: Setup, runs: dict, timed: list[str], i: int, turn: int, conv: Conversation,
+                ids: list[int], n: int, eos: list[int], pad) -> dict:
+    """One measured generation, the n-th of the run (turn `turn` of row i): every run decodes `ids`; its record,
+    with plain decoding's answer under `_answer` for the conversation's next turn."""
+    cfg, row = setup.cfg, conv.row
+    # a conversation is routed by its declared domain and what its user has written so far
+    routed_as = _route(setup, row.domain, "\n".join(row.turns[: turn + 1]) if row.turns else row.text)
+    # turn 1 keeps the seed a single-turn run gives its row; a later turn one of its own
+    seed = cfg.seed + i + turn * len(setup.rows)
+    measured, branches, rounds = _measure(setup, runs, timed, n, ids, seed)
+    out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
+    for name in runs:
+        if name in UNTIMED:  # decoded for its acceptance only: its speed is not what it reports
+            out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
+    if branches is not None:
+        out["branches"] = branches
+    rec = _record(setup, row, ids, out, routed_as, eos, pad)
+    rec["source"] = conv.source(turn)
+    rec["turn"] = turn + 1
+    rec["timing"] = {"rounds": rounds, "measurements": {
+        name: [[round(sec, 6), None if sh is None else round(sh, 4)] for _, sec, sh in measured[name]]
+        for name in timed}, "quiet": {name: _quiet_count(measured[name]) >= cfg.repeats for name in timed}}
+    _log_prompt(setup, n, rec, rounds)
+    rec["_answer"] = list(out["base"].tokens[0])
+    return rec
+
+
+def _route(setup: Setup, domain: str, text: str) -> str | None:
+    """Route the next request in every routed entry (the run's proposer, its GPU-sized tree, a side-by-side
+    `route:` entry); returns the domain the run's own proposer routed it by (None when it does not route)."""
+    for e in setup.entries[1:]:
+        if e.proposer.routes and e.proposer is not setup.prop:
+            e.proposer.route(domain=domain, text=text)
+    return setup.prop.route(domain=domain, text=text) if setup.prop.routes else None
 
 
 def _runners(setup: Setup, eos: list[int], pad) -> dict:
@@ -504,10 +538,11 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
             return measured, branches, rounds
 
 
-def _log_prompt(setup: Setup, i: int, row: EvalPrompt, rec: dict, rounds: int) -> None:
+def _log_prompt(setup: Setup, i: int, rec: dict, rounds: int) -> None:
     sp, base = rec["spec"], rec["base"]
     log.info("[%d/%d] %s %s: %d tokens, alpha %s, tau %.2f, %.1f tok/s vs %.1f plain%s (median of %d)%s%s",
-             i + 1, len(setup.rows), row.domain, row.source, rec["new_tokens"],
+             i + 1, sum(setup.turns) if setup.turns else len(setup.rows), rec["domain"], rec["source"],
+             rec["new_tokens"],
              f"{sp.alpha:.2f}" if sp.alpha is not None else "-", sp.tau or 0, sp.new_tokens / sp.wall_time,
              base.new_tokens / base.wall_time,
              f" vs {rec['hf_tokens'] / rec['hf_time']:.1f} HF" if "hf_time" in rec else "", rounds,
@@ -594,11 +629,12 @@ def _all_or_none(flags: list) -> bool | None:
     return None if any(f is None for f in flags) else all(flags)
 
 
-def aggregate(recs: list[dict], depth: int) -> dict:
+def aggregate(recs: list[dict], depth: int, by_turn: bool = True) -> dict:
     """Per-prompt records -> the report's summary of them (`_summary`, plus routes, branches, side-by-side
     entries and adaptive k where the records have them). Acceptance counts every prompt; tokens/s and
     speedups only the prompts whose timing of that entry is valid (`judge_timing`). `_stats` keeps the merged
-    statistics of the main entry for the cost model; the caller drops it."""
+    statistics of the main entry for the cost model; the caller drops it. Records of later turns of
+    multi-turn prompts count like any other; `turns` splits them off (turn 1 against turns 2+)."""
     s, b = GenerationStats(), GenerationStats()
     for r in recs:
         s.merge(r["spec"])
@@ -640,6 +676,26 @@ def aggregate(recs: list[dict], depth: int) -> dict:
                                                       "proposed", "accepted", "target_forwards", "n_timed")}
         out["adaptive"]["mean_k"] = sum(ks) / len(ks) if ks else None
         out["adaptive"]["plain_step_share"] = sum(1 for k in ks if k == 0) / len(ks) if ks else None
+    if by_turn and any(r.get("turn", 1) > 1 for r in recs):
+        out["turns"] = {"1": _turn_summary([r for r in recs if r.get("turn", 1) == 1], depth),
+                        "2+": _turn_summary([r for r in recs if r.get("turn", 1) > 1], depth)}
+    return out
+
+
+TURN_FIELDS = ("n_prompts", "alpha", "tau", "per_position_acceptance", "tokens_per_s", "baseline_tokens_per_s",
+               "speedup", "n_timed", "lossless", "verified_nodes_per_step")
+
+
+def _turn_summary(recs: list[dict], depth: int) -> dict | None:
+    """The main entry's numbers over some turns, with the mean prompt length (a later turn reads a longer
+    context) and the GPU-sized tree's τ where the run decoded one."""
+    if not recs:
+        return None
+    full = aggregate(recs, depth, by_turn=False)
+    out = {k: full[k] for k in TURN_FIELDS}
+    out["mean_prompt_tokens"] = sum(r["prompt_tokens"] for r in recs) / len(recs)
+    if "gpu_tree" in full:
+        out["gpu_tree_tau"] = full["gpu_tree"]["tau"]
     return out
 
 
@@ -764,6 +820,7 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
             "split": None if cfg.prompts else cfg.split, "repeats": cfg.repeats, "remeasure": cfg.remeasure,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
             "chat_template_kwargs": dict(cfg.chat_template_kwargs),
+            "turns": cfg.turns, "turns_cut": list(setup.turns_cut),
             "gpu_tree": next(({"tree": list(e.kw["tree"].branching), "tree_max_nodes": e.kw["tree"].max_nodes}
                               for e in setup.entries if e.name == "gpu_tree"), None),
             "draft_dtype": setup.main.draft_dtype,  # None: the proposer has no network to cast

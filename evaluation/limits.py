@@ -1,5 +1,5 @@
 """Bounds an evaluation checks before it decodes: every prompt file is a file, every prompt has text, and
-every prompt and its answer fit the target's context."""
+every prompt and its answer fit the target's context (the whole conversation, for a multi-turn prompt)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.domains import EvalPrompt, format_prompt
-from draftsmith.targets.context import check_fits
+from draftsmith.evaluation.turns import conversation_bound
+from draftsmith.targets.context import check_fits, context_window
 
 
 def check_prompt_files(files: list[str]) -> None:
@@ -19,11 +20,32 @@ def check_prompt_files(files: list[str]) -> None:
             raise ConfigError(f"--prompts {f}: a folder, not a prompt file (give its .jsonl files)")
 
 
-def fit_context(target, rows: list[EvalPrompt], max_new_tokens: int, template_kwargs: dict | None = None) -> None:
-    """Refuse (one line naming the prompt's file:line) a prompt that, formatted with the target's chat
-    template, leaves no room for `max_new_tokens` in the target's context."""
+def fit_context(target, rows: list[EvalPrompt], max_new_tokens: int, template_kwargs: dict | None = None,
+                turns: str = "all") -> tuple[list[int], list[dict]]:
+    """How many turns of each row are measured, and the rows cut short, each with a one-line reason.
+
+    A first turn that, formatted with the target's chat template, leaves no room for `max_new_tokens` in the
+    target's context is refused (one line naming its file:line). The context holds the whole conversation: a
+    later turn that might not fit, were every earlier answer `max_new_tokens` long, ends its row there
+    (evaluation/turns.py). `turns: first` measures one turn of every row."""
+    ctx = context_window(target)
+    counts, cut = [], []
     for row in rows:
         if not (row.text or "").strip():
             raise ConfigError(f"prompt {row.source}: empty (no text to decode from)")
         check_fits(target, len(format_prompt(target.tokenizer, row.text, template_kwargs)), max_new_tokens,
                    f"prompt {row.source}")
+        n = 1 if turns == "first" else max(1, len(row.turns))
+        keep = n
+        for k in range(2, n + 1):
+            need = conversation_bound(target.tokenizer, row.turns[:k], max_new_tokens, template_kwargs,
+                                      f"prompt {row.source}")
+            if ctx is not None and need + max_new_tokens > ctx:
+                keep = k - 1
+                cut.append({"prompt": row.source, "domain": row.domain, "turns": n, "measured": keep,
+                            "reason": f"turn {k}'s prompt, with earlier answers of up to {max_new_tokens} tokens "
+                                      f"each, may take {need} tokens, and {need} + max_new_tokens {max_new_tokens} is "
+                                      f"more than the target's context of {ctx} positions"})
+                break
+        counts.append(keep)
+    return counts, cut

@@ -80,7 +80,8 @@ def _header(report: dict) -> list[str]:
         f"limit_per_domain={s['limit_per_domain']}"
         + (f", trees cut to the nodes that pay (v(n) below; verified tree {s.get('tree_verified')}, at most "
            f"{s.get('tree_max_nodes')} nodes)" if s.get("prune_tree") else "")
-        + (f", draft networks in {s['draft_dtype']}" if s.get("draft_dtype") else ""),
+        + (f", draft networks in {s['draft_dtype']}" if s.get("draft_dtype") else "")
+        + (f", turns={s['turns']}" if s.get("turns") else ""),
         f"- machine: {report['machine'].get('platform')}, {report['machine'].get('cpu_count')} CPUs, "
         f"device {report['machine'].get('device')}", *_kernel_lines(report["machine"].get("few_row_kernels")), "",
         *_decode_contention(report.get("contention")),
@@ -145,6 +146,31 @@ def _gpu_tree(doms: list[tuple[str, dict]], s: dict) -> list[str]:
             x = d["gpu_tree"]
             lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(x['tau'])} | {_fmt(x['alpha'])} | "
                          f"{_fmt(x['verified_nodes_per_step'])} | {_fmt(x['lossless'])} |")
+    return lines
+
+
+def _turns(doms: list[tuple[str, dict]], s: dict) -> list[str]:
+    """Turn 1 against the later turns of multi-turn prompts, per domain that has them; the rows the context
+    cut short."""
+    cut = s.get("turns_cut") or []
+    if not any(d.get("turns") for _, d in doms) and not cut:
+        return []
+    lines = ["", "## Per turn (multi-turn prompts)", "",
+             "Turn k's prompt holds the user's turns 1..k and the target's own answers (plain decoding of this run) "
+             "to turns 1..k-1; every turn is one measured generation, counted in the tables above.", "",
+             "| domain | turns | n | mean prompt tokens | α | τ | τ GPU-sized tree | speedup | lossless |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n, d in doms:
+        for which, t in (d.get("turns") or {}).items():
+            if t:
+                lines.append(f"| {n} | {which} | {t['n_prompts']} | {t['mean_prompt_tokens']:.0f} | {_fmt(t['alpha'])} | "
+                             f"{_fmt(t['tau'])} | {_fmt(t.get('gpu_tree_tau'))} | {_fmt(t['speedup'])} | "
+                             f"{_fmt(t['lossless'])} |")
+    for c in cut[:20]:
+        lines.append(f"- {c['prompt']} ({c['domain']}): measured on {c['measured']} of its {c['turns']} turns: "
+                     f"{c['reason']}")
+    if len(cut) > 20:
+        lines.append(f"- ... {len(cut) - 20} more in report.json (settings.turns_cut)")
     return lines
 
 
@@ -235,6 +261,7 @@ def render_markdown(report: dict) -> str:
     s = report["settings"]
     doms = list(report["domains"].items()) + [("overall", report["overall"])]
     lines = [*_header(report), *_domain_table(report), *_routes(doms), *_branches(doms), *_gpu_tree(doms, s),
+             *_turns(doms, s),
              *_side_by_side(report, doms), *_adaptive(doms, s), *_policy(report), *_cost_model(report),
              *_references_and_memory(report)]
     return "\n".join(lines)

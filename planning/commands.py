@@ -39,7 +39,14 @@ def register(subparsers) -> None:
     b = rs.add_parser("build", help="pick the fastest lossless artifact per domain (or off)")
     b.add_argument("--reports", nargs="+", required=True, help="evaluation report.json files or their folders")
     b.add_argument("--out", required=True, help="policy file to write (JSON)")
-    b.add_argument("--threshold", type=float, default=1.0, help="route a domain off below this speedup")
+    b.add_argument("--threshold", type=float, default=1.0,
+                   help="route a domain off below this value of the criterion (speedup, tau or predicted speedup)")
+    b.add_argument("--criterion", choices=["speedup", "tau", "predicted"], default="speedup",
+                   help="speedup: measured in the reports (this machine); tau: tau at the GPU-sized budget; "
+                        "predicted: tau / (v(n) + c) for --profile (decoding/routing.py)")
+    b.add_argument("--profile", default=None,
+                   help="with --criterion predicted: a verify-cost profile, `gpu` (built in) or a JSON file "
+                        "{\"v\": {nodes: cost}, \"c\": {kind: cost}}")
     b.add_argument("--router", choices=["declared", "keyword"], default="declared",
                    help="classify requests by their declared domain (keywords when missing) or by keywords only")
     b.set_defaults(func=run_route_build)
@@ -117,10 +124,10 @@ def run_plan(args) -> int:
 def run_route_build(args) -> int:
     from draftsmith.decoding.routing import build_policy, write_policy
 
-    policy = build_policy(args.reports, args.threshold, args.router)
+    policy = build_policy(args.reports, args.threshold, args.router, criterion=args.criterion, profile=args.profile)
     path = write_policy(policy, args.out)
     for d, r in policy["domains"].items():
-        print(f"{d}: " + ("off" if r == "off" else f"{r['proposer']} (speedup {r['speedup']:.2f}, "
+        print(f"{d}: " + ("off" if r == "off" else f"{r['proposer']} ({policy['criterion']} {r['value']:.2f}, "
                                                  f"k={r['k']}, tree={r['tree']})"))
     print(f"policy: {path}")
     return 0

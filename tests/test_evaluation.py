@@ -204,7 +204,7 @@ def test_evaluate_api_draft_with_hf_references(tiny_target, prompt_files, tmp_pa
     assert "v(k) <" not in render_markdown(report)
     check_report(report, out)
     assert report["overall"]["alpha"] == 1.0  # the target drafting for itself
-    assert report["overall"]["n_prompts"] == 2 + 2 + 1
+    assert report["overall"]["n_prompts"] == 2 + 2 * 2 + 1  # the math rows have two turns: each is measured
     refs = report["references"]
     assert refs["hf_generate"]["matches_plain_decoding"] is True
     assert refs["hf_assisted_generate"]["matches_target_greedy"] is True
@@ -218,11 +218,13 @@ def test_cli_end_to_end(tiny_target, prompt_files, tmp_path, capsys):
     code = main(["evaluate", "--target", str(tiny_target.folder), "--proposer", "ngram", "--prompts",
                  *map(str, prompt_files), "--max-new-tokens", "8", "--k", "2", "--temperature", "0",
                  "--limit-per-domain", "1", "--out", str(out), "--cost-k-max", "3", "--cost-repeats", "1",
-                 "--cost-context", "16"])
+                 "--cost-context", "16", "--turns", "first"])
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     check_report(report, out)
+    # --turns first: one generation per row, though the math row has two user turns
     assert report["settings"]["k"] == 2 and report["overall"]["n_prompts"] == 3
+    assert report["settings"]["turns"] == "first" and "turns" not in report["overall"]
     assert "| alpha |" in (out / "report.md").read_text()
     assert "speedup" in capsys.readouterr().out
 
@@ -351,7 +353,7 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
         "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",
-        "compare_settings", "split", "repeats", "remeasure", "chat_template_kwargs"}
+        "compare_settings", "split", "repeats", "remeasure", "chat_template_kwargs", "turns", "turns_cut"}
     overall = {"n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance",
                "conditional_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
                "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_plain", "fastest_plain", "n_timed",
@@ -359,8 +361,13 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
                "accepted", "proposed_per_position", "accepted_per_position", "target_forwards", "new_tokens",
                "baseline_new_tokens", "proposer_time_s", "target_time_s", "wall_time_s", "baseline_wall_time_s",
                "compare", "adaptive", "predicted_speedup"}
-    assert set(report["overall"]) == overall
-    assert all(set(d) == overall for d in report["domains"].values())
+    # turn 1 against turns 2+ where a domain has multi-turn prompts (the math row has two turns)
+    assert set(report["overall"]) == overall | {"turns"}
+    assert all(set(d) == overall | ({"turns"} if name == "math" else set()) for name, d in report["domains"].items())
+    assert set(report["overall"]["turns"]) == {"1", "2+"}
+    assert set(report["overall"]["turns"]["2+"]) == {
+        "n_prompts", "alpha", "tau", "per_position_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+        "n_timed", "lossless", "verified_nodes_per_step", "mean_prompt_tokens"}
     assert set(report["overall"]["compare"]["ngram@chain=1"]) == {
         "alpha", "tau", "tokens_per_s", "speedup", "lossless", "per_position_acceptance", "conditional_acceptance",
         "verified_nodes_per_step", "speedup_vs_plain", "speedup_vs_hf_generate", "n_timed"}
@@ -372,7 +379,8 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
     assert set(report["policy"]) == set(report["domains"])
     assert set(report["prompts"][0]) == {"domain", "source", "prompt_tokens", "new_tokens", "lossless", "hf_tokens",
                                         "hf_time", "hf_matches_baseline", "adaptive_lossless", "alpha", "tau",
-                                        "tokens_per_s", "baseline_tokens_per_s", "self_consistent", "timing", "timed"}
+                                        "tokens_per_s", "baseline_tokens_per_s", "self_consistent", "timing", "timed",
+                                        "turn"}
 
 
 class _ScriptedShare:

@@ -80,7 +80,8 @@ def test_multi_tree_attributes_accepted_branches(target, prompts):
     greedy = hf_greedy(target, prompts[0], 6)
     wrong = [(greedy[1] + 1) % VOCAB, (greedy[2] + 1) % VOCAB]
     fixed = Fixed(wrong, [-1, 0], "fixed")
-    multi = MultiProposer([DraftProposer(target), fixed], specs=[TreeSpec.chain(3), TreeSpec.chain(2)])
+    # room for both branches whole (the default budget, the larger sub-tree's 3 nodes, is tested on its own)
+    multi = MultiProposer([DraftProposer(target), fixed], specs=[TreeSpec.chain(3), TreeSpec.chain(2)], budget=5)
     res = speculative_generate(target, multi, [ctx], 5, k=None, tree=multi.default_tree_spec(), eos_ids=[])
     assert res.tokens[0] == greedy[:5]
     stats = multi.branch_stats()

@@ -1,0 +1,112 @@
+"""Multi-turn evaluation: every user turn of a conversation is one measured generation (MT-bench, EAGLE).
+
+Turn k's prompt is the target's chat template over user turns 1..k with the target's OWN answers to turns
+1..k-1, taken from the plain decoding of the same evaluation (k = 0 through the verifier, the run every
+speculative output is checked against): the context is what the target itself would have said, as MT-bench
+and EAGLE's evaluation build it. Under sampling the earlier answers are plain decoding's seeded samples, and
+every run of turn k (plain, speculative, HF generate, side by side) decodes from that same context, so the
+runs of one turn stay comparable.
+
+An answer is written back as text and the template renders it again. That is the conversation the target
+saw only when the template is prefix-stable over turns: turn k's rendering must begin with turn k-1's prompt
+followed by the answer as it was written (up to whitespace at its ends, which templates such as Llama 3's
+trim). Qwen3's template is not: it drops an earlier answer's thinking, and with thinking off its generation
+prompt holds an empty thinking block that the history does not. A later turn there would be decoded from a
+context the target never produced, so it is refused in one line (`--turns first` measures first turns).
+
+Without a chat template, turn k's prompt is turn k-1's prompt, the tokens the target wrote, a newline and the
+next user turn: exactly what it saw.
+
+The context window holds the whole conversation: a row is measured on as many turns as fit when each earlier
+answer takes its full `max_new_tokens` (`evaluation.limits.fit_context`); a row cut short is named, with why, in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.errors import ConfigError
+from draftsmith.evaluation.domains import EvalPrompt, format_prompt
+
+
+def _render(tokenizer, messages: list[dict], kwargs: dict | None, what: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(kwargs or {}))
+    except Exception as e:  # jinja raises TemplateError and friends for a conversation a template rejects
+        raise ConfigError(f"{what}: the chat template failed to render the conversation: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def _messages(turns: list[str], answers: list[str]) -> list[dict]:
+    out = []
+    for i, user in enumerate(turns):
+        out.append({"role": "user", "content": user})
+        if i < len(answers):
+            out.append({"role": "assistant", "content": answers[i]})
+    return out
+
+
+def _has_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def conversation_bound(tokenizer, turns: list[str], max_new_tokens: int, kwargs: dict | None, what: str) -> int:
+    """The most tokens the prompt of the last of `turns` can take: the template over the user turns with empty
+    answers, plus `max_new_tokens` for each earlier answer."""
+    earlier = len(turns) - 1
+    if _has_template(tokenizer):
+        text = _render(tokenizer, _messages(turns, [""] * earlier), kwargs, what)
+        base = len(tokenizer(text, add_special_tokens=False).input_ids)
+    else:
+        base = len(tokenizer(turns[0]).input_ids) + sum(
+            len(tokenizer("\n" + t, add_special_tokens=False).input_ids) for t in turns[1:])
+    return base + earlier * max_new_tokens
+
+
+@dataclass
+class Conversation:
+    """One row decoded turn by turn: the prompt ids of each turn, built from the answers given so far."""
+
+    row: EvalPrompt
+    template_kwargs: dict | None = None
+    answers: list[str] = field(default_factory=list)  # the target's answers as text (for the template)
+    last_ids: list[int] = field(default_factory=list)  # the newest turn's prompt and, once answered, its answer
+
+    def source(self, turn: int) -> str:
+        """The row's file:line, and which turn after turn 1 (each turn is a prompt of the report)."""
+        return self.row.source if turn == 0 else f"{self.row.source}#turn{turn + 1}"
+
+    def prompt(self, tokenizer, turn: int) -> list[int]:
+        """Turn `turn`'s (0-based) prompt ids; every earlier turn must have been answered (`answered`)."""
+        if turn != len(self.answers):
+            raise ConfigError(f"prompt {self.row.source}: turn {turn + 1} asked before turn {len(self.answers)} "
+                              "was answered")
+        if turn == 0:
+            self.last_ids = format_prompt(tokenizer, self.row.text, self.template_kwargs)
+        elif not _has_template(tokenizer):
+            self.last_ids = self.last_ids + list(tokenizer("\n" + self.row.turns[turn], add_special_tokens=False)
+                                                 .input_ids)
+        else:
+            self.last_ids = self._templated(tokenizer, turn)
+        return list(self.last_ids)
+
+    def _templated(self, tokenizer, turn: int) -> list[int]:
+        from draftsmith.data.masks import tokenize_conversation
+
+        what = f"prompt {self.source(turn)}"
+        before = _render(tokenizer, _messages(self.row.turns[:turn], self.answers[:-1]), self.template_kwargs, what)
+        now = _render(tokenizer, _messages(self.row.turns[: turn + 1], self.answers), self.template_kwargs, what)
+        said = self.answers[-1]
+        if not (now.startswith(before + said) or now.startswith(before + said.strip())):
+            raise ConfigError(f"{what}: the chat template does not render the target's answer to turn {turn} as "
+                              "the target wrote it (not prefix-stable over turns: Qwen3's drops earlier thinking), "
+                              "so a later turn would be decoded from a context the target never produced; "
+                              "evaluate first turns only (--turns first)")
+        return tokenize_conversation(tokenizer, _messages(self.row.turns[: turn + 1], self.answers), mode="chat",
+                                     add_generation_prompt=True, template_kwargs=self.template_kwargs)[0]
+
+    def answered(self, tokenizer, tokens: list[int], eos: set[int]) -> None:
+        """Plain decoding's answer to the newest turn (its tokens, an end-of-sequence token last if it stopped)."""
+        body = tokens[:-1] if tokens and tokens[-1] in eos else list(tokens)
+        self.answers.append(tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        self.last_ids = self.last_ids + list(tokens)
