@@ -15,7 +15,7 @@ token). Here the loop calls the model directly:
   when enough slots are free, the next prompts (sorted by length) are prefilled and merged in
   (continuous batching), in groups of similar length so that no prompt pays for a longer one's padding;
 - the prompts' common prefix (a chat template's system preamble) is prefilled once per run and is the past
-  of every prefill;
+  of every prefill, except for a target with windowed layers (`windowed`);
 - leading columns no row needs any more (rows that left) are dropped once they are a quarter of the used
   ones, or when the cache runs out of columns;
 - a decode step's attention runs over a few ranges of rows (sorted by first column at each admission), each
@@ -133,6 +133,19 @@ def gqa_attention(model) -> Iterator[None]:
     finally:
         for c, o in zip(configs, old):
             c._attn_implementation = o
+
+
+def windowed(config) -> bool:
+    """Whether a target has sliding-window or chunked attention layers (Gemma 3, gpt-oss, Mistral's window,
+    Llama 4's chunks). transformers builds their masks from cache columns, not position ids, so a row's columns
+    must be contiguous: the shared prefix lays a row out as [prefix | left padding | suffix], where the padding
+    would count as distance inside the window (greedy rows of the tiny gpt-oss and Llama 4 differed from
+    `generate` so), and such a target prefills each prompt whole."""
+    c = text_config(config)
+    types = getattr(c, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return bool(getattr(c, "sliding_window", None) or getattr(c, "attention_chunk_size", None))
 
 
 @dataclass
@@ -393,7 +406,7 @@ class ContinuousBatcher(TextEngine):
             vocab = model.get_output_embeddings().weight.shape[0]
             self.logit_tokens = max(1, (256 << 20) // (4 * vocab))
         # the prompts' common prefix (a chat template's system preamble) is prefilled once per run
-        self.shared_prefix, self.min_prefix = shared_prefix, min_prefix
+        self.shared_prefix, self.min_prefix = shared_prefix and not windowed(model.config), min_prefix
         self._prefix: _Prefix | None = None
         self.num_layers = text_config(model.config).num_hidden_layers
 
