@@ -18,6 +18,7 @@ guessed at, so no head is trained against the wrong module.
     qwen3_moe     Qwen3MoeForCausalLM (30B-A3B, 235B-A22B)  model.layers / model.norm / model.embed_tokens
     gpt_oss       GptOssForCausalLM (gpt-oss-20b, -120b)    the same
     llama4_text   Llama4ForCausalLM (Llama 4 text decoder)  the same
+    deepseek_v3   DeepseekV3ForCausalLM (DeepSeek-V3, R1)   the same
 
 The lm_head is `lm_head` everywhere (tied to the embedding where the config says so).
 
@@ -32,9 +33,13 @@ each token goes through): the drafters read the decoder layer's output, where th
 added, so nothing of the routing reaches a head; the target is frozen, so no router auxiliary loss is ever
 computed. What differs is the memory plan (planning/memory.py: every expert is held, only the routed ones
 compute) and the draft layer: `draft_layer: target` would put a router and its experts in a one-layer
-draft, which no serving stack's EAGLE drafter builds, so the Llama layer is the one offered. DeepSeek-V3 is
-not a row yet: its latent attention caches one compressed latent per token instead of per-head keys and
-values, which the batched data engine's attention (data/engines/continuous.py) would have to learn to read.
+draft, which no serving stack's EAGLE drafter builds, so the Llama layer is the one offered. DeepSeek-V3's
+multi-head latent attention runs inside transformers' own attention module: what it caches per layer and token
+is one normed latent (kv_lora_rank) and one rotated key shared by every head (qk_rope_head_dim), from which it
+expands per-head K and V (qk_nope + qk_rope, v_head_dim wide) after reading the cache. The drafters never see
+that; the batched data engine keeps whatever a layer caches, each tensor in a buffer of its own shape
+(data/engines/continuous.py), and the decoder's rollback crops the sequence axis whatever the width
+(targets/kvcache.py).
 
 Embedding: the serving stacks' EAGLE drafters look a token up in the target's embedding table and use
 the row as is (vLLM and SGLang share the table, speculators loads it); Gemma's model multiplies by
@@ -87,6 +92,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("gpt_oss", "gpt-oss-20b, gpt-oss-120b", "model", None, experts=("num_local_experts", "num_experts_per_tok")),
     Family("llama4_text", "Llama 4 Scout / Maverick text decoder (Llama4ForCausalLM)", "model", None,
            experts=("num_local_experts", "num_experts_per_tok")),
+    Family("deepseek_v3", "DeepSeek-V3, DeepSeek-V3.1, DeepSeek-R1 (DeepseekV3ForCausalLM)",
+           "model", None, experts=("n_routed_experts", "num_experts_per_tok")),
 ]}
 
 

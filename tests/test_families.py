@@ -1,7 +1,7 @@
 """Every target family of targets/families.py, every method, every export.
 
-For each family (the mixture-of-experts ones too: Qwen3-MoE, gpt-oss, Llama 4's text decoder, tests/tiny_models.py)
-a tiny random model (the family's own transformers config class, hidden 64) is saved as a
+For each family (the mixture-of-experts ones too: Qwen3-MoE, gpt-oss, Llama 4's text decoder, DeepSeek-V3;
+tests/tiny_models.py) a tiny random model (the family's own transformers config class, hidden 64) is saved as a
 local HF folder with a tokenizer and loaded as a user's target is. Then: self-distilled data (a few rows,
 through `draftsmith data`) -> Medusa heads, EAGLE-3 and EAGLE-1 heads and a distilled draft (a few steps
 each) -> greedy speculative decoding equal to the target's greedy output -> export to every stack that

@@ -1,8 +1,10 @@
 """Mixture-of-experts targets beyond what every family goes through (tests/test_families.py trains, decodes and
-exports every method on them): greedy speculative decoding equal to transformers' own `generate` on the tiny
-Qwen3-MoE, gpt-oss and Llama 4 text targets, past gpt-oss's sliding window and Llama 4's attention chunk, with a
-chain and with a tree; DeepSeek-V3 refused in one line; the memory plan counting every expert as weights and
-the routed ones as compute, on the published shapes (configs built offline, nothing downloaded).
+exports every method on them): on the tiny Qwen3-MoE, gpt-oss, Llama 4 text and DeepSeek-V3 targets, the batched
+data engine writes the rows transformers' own greedy `generate` writes and captures what a teacher-forced forward
+computes, and greedy speculative decoding equals `generate`, past gpt-oss's sliding window and Llama 4's attention
+chunk, with a chain and with a tree (DeepSeek-V3's latent attention caches a latent and a shared rotated key, not
+per-head K and V); the memory plan counting every expert as weights and the routed ones as compute, on the
+published shapes (configs built offline, nothing downloaded).
 """
 
 from __future__ import annotations
@@ -10,9 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decoding import TreeStub
-from tiny_models import MOE_FAMILY_NAMES, build_tiny_family, family_config, plain_linears_one_thread
-
-from draftsmith.errors import ConfigError
+from tiny_models import MOE_FAMILY_NAMES, build_tiny_family, plain_linears_one_thread
 
 WINDOW = 16  # gpt-oss's sliding window and Llama 4's attention chunk in the tiny configs
 NEW = 40  # tokens written past a 10-token prompt: the context runs past the window twice
@@ -57,21 +57,56 @@ def test_speculative_greedy_is_transformers_greedy_past_the_window(family, tiny_
         assert out.stats.accepted > NEW // 2, (family, how)  # the blocks were verified, not only the bonus tokens
 
 
-def test_deepseek_v3_is_refused_in_one_line(tiny_tokenizer):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("family", MOE_FAMILY_NAMES)
+def test_batched_engine_writes_transformers_greedy_rows_and_captures_them(family, tiny_tokenizer, tmp_path):
+    """The batched data engine (data/engines/continuous.py: its own preallocated cache, rows joining as others
+    leave, a shared prefix prefilled once, decode steps over row ranges) writes, for every prompt, the tokens
+    transformers' greedy `generate` writes for it alone, and so does the hf engine (batched `generate`); what
+    it captures while writing is what one teacher-forced forward over the finished row computes. DeepSeek-V3's
+    attention caches, per layer and token, its normed latent as "keys" and its rotated shared key as "values"
+    (512 and 64 wide, as published): the engine keeps each in a buffer of its own shape and reads them back unchanged."""
+    from draftsmith.capture.forward import capture_forward
+    from draftsmith.data.engines.base import Request
+    from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, windowed
+    from draftsmith.data.engines.hf import HFEngine
+    from draftsmith.targets import load_target
 
-    from draftsmith.eagle.model import EagleHead
-
-    model = AutoModelForCausalLM.from_config(family_config("deepseek_v3", len(tiny_tokenizer)))
-    with pytest.raises(ConfigError, match="target family 'deepseek_v3' is not in draftsmith's table") as e:
-        EagleHead.from_target(model, "eagle3")
-    assert "\n" not in str(e.value)
+    target = load_target(str(build_tiny_family(family, tiny_tokenizer, tmp_path / family)))
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, target.vocab_size, (9,), generator=g).tolist()
+    reqs = [Request(i, shared + torch.randint(3, target.vocab_size, (n,), generator=g).tolist(), 12 + 2 * i)
+            for i, n in enumerate((1, 6, 3, 9, 2, 5, 7))]
+    eos = target.tokenizer.eos_token_id
+    ref = {}
+    for r in reqs:  # one prompt at a time, stopping at the end-of-sequence token as the engines do
+        ids = torch.tensor([r.prompt_ids])
+        with torch.no_grad():
+            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens,
+                                        do_sample=False, eos_token_id=eos)
+        ref[r.key] = out[0, ids.shape[1]:].tolist()
+    spec = CaptureSpec(layers=[0, -1], topk=4, last_hidden=True, dtype=torch.float32)
+    engine = ContinuousBatcher(target.model, [eos], target.tokenizer.pad_token_id, batch_size=3, capture=spec)
+    got, hf = {}, {}
+    engine.run(reqs, lambda c: got.__setitem__(c.key, c))
+    # prefilled once, except where windowed layers need every row's columns contiguous (`windowed`)
+    assert (engine._prefix.length if engine._prefix else 0) == (0 if windowed(target.config) else len(shared))
+    HFEngine(target.model, [eos], target.tokenizer.pad_token_id, batch_size=3).run(
+        reqs, lambda c: hf.__setitem__(c.key, c.tokens))
+    assert {k: c.tokens for k, c in got.items()} == ref == hf
+    for c in got.values():
+        full = capture_forward(target.model, torch.tensor([c.prompt_ids + c.tokens]), layers=[0, -1])
+        for layer in (0, -1):
+            torch.testing.assert_close(c.capture["layers"][layer], full.layers[layer][0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(c.capture["last_hidden"], full.last_hidden[0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(c.capture["topk_values"], full.logits[0].topk(4).values, atol=2e-4, rtol=1e-4)
 
 
 def _published(name: str):
     """The published shapes (config.json of each checkpoint), built offline from transformers' config classes."""
     import transformers as tf
 
+    if name == "DeepSeek-V3":  # transformers' defaults are V3's shapes: 61 layers, the first 3 dense, 256 experts
+        return tf.DeepseekV3Config()
     if name == "Qwen3-30B-A3B":
         return tf.Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
@@ -83,10 +118,13 @@ def _published(name: str):
 
 
 @pytest.mark.parametrize("name, total, active", [("Qwen3-30B-A3B", 30.5, 3.3), ("gpt-oss-20b", 20.9, 3.6),
-                                                 ("gpt-oss-120b", 116.8, 5.1)])
+                                                 ("gpt-oss-120b", 116.8, 5.1), ("DeepSeek-V3", 671.0, 37.55)])
 def test_plan_counts_every_expert_as_weights_and_the_routed_ones_as_compute(name, total, active):
     """The model cards' numbers: Qwen counts both embeddings as active, OpenAI leaves the input embedding (a
-    lookup) out. Weights are the total (every expert held), the per-token FLOPs the active count."""
+    lookup) out. DeepSeek-V3's card gives 671B total and 37B activated per token (the checkpoint's 685B adds the
+    14B multi-token-prediction module, which the causal LM does not build); counted as Qwen counts, 37.55B: 8 of
+    256 routed experts and the shared one in 58 layers, 3 dense layers, latent attention, both embeddings.
+    Weights are the total (every expert held), the per-token FLOPs the active count."""
     from draftsmith.distill.builders import size_report
     from draftsmith.planning.memory import ArtifactShape, mlp_width, param_counts, plan
 
@@ -101,8 +139,9 @@ def test_plan_counts_every_expert_as_weights_and_the_routed_ones_as_compute(name
     assert rep["non_embedding_params"] == n_total - 2 * embedding
     assert rep["flops_per_token"] == 2 * (n_active - 2 * embedding) + 2 * embedding + 2 * cfg.num_hidden_layers * \
         cfg.num_attention_heads * cfg.head_dim
-    # a token's MLP workspace is that of its routed experts: Qwen3-MoE 8 x 768, gpt-oss 4 x 2880
-    assert mlp_width(cfg) == (8 * 768 if name.startswith("Qwen") else 4 * 2880)
+    # a token's MLP workspace is that of its routed experts (and shared ones): Qwen3-MoE 8 x 768, gpt-oss 4 x 2880,
+    # DeepSeek-V3 8 x 2048 + 1 x 2048 (as wide as its dense layers' 18,432)
+    assert mlp_width(cfg) == {"Q": 8 * 768, "g": 4 * 2880, "D": 9 * 2048}[name[0]]
 
 
 def test_sharded_training_divides_every_expert_and_gathers_a_whole_layer():

@@ -84,10 +84,7 @@ def make_target(tokenizer, seed=0, layers=2, hidden=64, folder: Path | None = No
 
 # --- one tiny random model of every target family (targets/families.py) --------------------------------
 DENSE_FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
-MOE_FAMILY_NAMES = ("qwen3_moe", "gpt_oss", "llama4_text")
-# transformers builds a tiny DeepSeek-V3 too (`family_config`), but it is outside the table: its latent attention
-# caches a compressed latent, which the batched data engine's attention (data/engines/continuous.py) does not read
-OUTSIDE_TABLE = ("deepseek_v3",)
+MOE_FAMILY_NAMES = ("qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v3")
 FAMILY_NAMES = DENSE_FAMILY_NAMES + MOE_FAMILY_NAMES
 NO_PAD = ("llama", "mistral")  # Llama 3 and Mistral tokenizers have no pad token
 
@@ -113,7 +110,7 @@ def family_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 
         return tf.Qwen3Config(**common, head_dim=head_dim, rope_theta=1000000.0, tie_word_embeddings=True)
     if family == "phi3":
         return tf.Phi3Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
-    if family in MOE_FAMILY_NAMES + OUTSIDE_TABLE:
+    if family in MOE_FAMILY_NAMES:
         return _moe_config(tf, family, common, head_dim, layers)
     text = dict(common, head_dim=head_dim, sliding_window=128, query_pre_attn_scalar=head_dim,
                 layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
@@ -145,11 +142,15 @@ def _moe_config(tf, family: str, common: dict, head_dim: int, layers: int):
                                rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                                                 "beta_slow": 1.0, "truncate": False,
                                                 "original_max_position_embeddings": 16, "rope_theta": 150000.0})
-    if family == "deepseek_v3":  # DeepSeek-V3 / R1: multi-head latent attention, one dense layer first
+    if family == "deepseek_v3":  # DeepSeek-V3 / R1: multi-head latent attention, one dense layer first; the
+        # latent is the published 512 + 64 wide (vLLM's CPU MLA kernel takes no other), the heads tiny. The router
+        # fields transformers' class does not declare are written as V3's config.json has them: vLLM reads them
+        # (without topk_method it builds no e_score_correction_bias and fails on the checkpoint's)
         return tf.DeepseekV3Config(**dict(common, num_key_value_heads=4), **moe, n_routed_experts=4,
+                                   topk_method="noaux_tc", scoring_func="sigmoid",
                                    n_shared_experts=1, moe_intermediate_size=hidden // 2, first_k_dense_replace=1,
-                                   n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
-                                   qk_nope_head_dim=16, v_head_dim=16, head_dim=8, tie_word_embeddings=False)
+                                   n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=48, qk_rope_head_dim=64,
+                                   qk_nope_head_dim=16, v_head_dim=16, head_dim=64, tie_word_embeddings=False)
     if family == "llama4_text":  # Llama 4 Scout / Maverick text decoder
         return tf.Llama4TextConfig(**common, head_dim=head_dim, num_local_experts=4, num_experts_per_tok=1,
                                    intermediate_size_mlp=2 * hidden, interleave_moe_layer_step=1,

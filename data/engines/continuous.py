@@ -5,7 +5,9 @@ DynamicCache re-concatenates the whole KV cache on every step (O(batch x length)
 token). Here the loop calls the model directly:
 
 - the KV cache is preallocated per layer as [slots, kv_heads, capacity, head_dim]; a decode step writes
-  one column for every active row (no re-concatenation);
+  one column for every active row (no re-concatenation). Keys and values are whatever the model's attention
+  caches, each buffer its own shape: DeepSeek-V3's latent attention caches its latent and its rotated shared
+  key (one head each, widths kv_lora_rank and qk_rope_head_dim) and expands per-head K and V from them itself;
 - every active row is right-aligned at the shared write column `n`: a row's prompt occupies columns
   [n - P, n) when it is admitted and the columns before it are masked out (left padding). Position ids
   are per row (its own token count), so RoPE sees each row as if it were alone;
@@ -13,7 +15,7 @@ token). Here the loop calls the model directly:
   when enough slots are free, the next prompts (sorted by length) are prefilled and merged in
   (continuous batching), in groups of similar length so that no prompt pays for a longer one's padding;
 - the prompts' common prefix (a chat template's system preamble) is prefilled once per run and is the past
-  of every prefill;
+  of every prefill, except for a target with windowed layers (`windowed`);
 - leading columns no row needs any more (rows that left) are dropped once they are a quarter of the used
   ones, or when the cache runs out of columns;
 - a decode step's attention runs over a few ranges of rows (sorted by first column at each admission), each
@@ -78,7 +80,7 @@ def _decode_spans(query, key, value, attention_mask, scaling, spans):
     Every active row is right-aligned at the shared write column, so a row admitted with a short context
     has its masked columns (left padding, columns of rows that left) in front of it. Columns every row of a
     range masks contribute exp(-inf) = 0 to its softmax: skipping them changes nothing but the work."""
-    out = query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+    out = query.new_empty(query.shape[0], 1, query.shape[1], value.shape[3])  # MLA: V narrower than Q and K
     for r0, r1, c0 in spans:
         mask = attention_mask[r0:r1, ..., c0:] if attention_mask is not None else None
         out[r0:r1] = _decode_gqa(query[r0:r1], key[r0:r1, :, c0:], value[r0:r1, :, c0:], mask, scaling)
@@ -88,8 +90,9 @@ def _decode_spans(query, key, value, attention_mask, scaling, spans):
 def _decode_gqa(query, key, value, attention_mask, scaling):
     """One decode step's attention as two matmuls per KV head, its query heads stacked as rows.
 
-    query [B, H, 1, D], key/value [B, KV, T, D]. The G = H / KV query heads that share a KV head become the
-    rows of one [G, D] x [D, T] product, so the G heads read each cached key together. Returns [B, 1, H, D]."""
+    query [B, H, 1, D], key [B, KV, T, D], value [B, KV, T, Dv] (Dv = D but for latent attention, whose value
+    heads are narrower). The G = H / KV query heads that share a KV head become the rows of one [G, D] x [D, T]
+    product, so the G heads read each cached key together. Returns [B, 1, H, Dv]."""
     b, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim ** -0.5
@@ -101,7 +104,7 @@ def _decode_gqa(query, key, value, attention_mask, scaling):
         else:  # additive
             scores += attention_mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, value).reshape(b, 1, heads, dim)
+    return torch.matmul(probs, value).reshape(b, 1, heads, value.shape[-1])
 
 
 def _register_gqa_attention() -> None:
@@ -130,6 +133,19 @@ def gqa_attention(model) -> Iterator[None]:
     finally:
         for c, o in zip(configs, old):
             c._attn_implementation = o
+
+
+def windowed(config) -> bool:
+    """Whether a target has sliding-window or chunked attention layers (Gemma 3, gpt-oss, Mistral's window,
+    Llama 4's chunks). transformers builds their masks from cache columns, not position ids, so a row's columns
+    must be contiguous: the shared prefix lays a row out as [prefix | left padding | suffix], where the padding
+    would count as distance inside the window (greedy rows of the tiny gpt-oss and Llama 4 differed from
+    `generate` so), and such a target prefills each prompt whole."""
+    c = text_config(config)
+    types = getattr(c, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return bool(getattr(c, "sliding_window", None) or getattr(c, "attention_chunk_size", None))
 
 
 @dataclass
@@ -193,11 +209,16 @@ class _SlotStore:
         self.a = 0
         self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(num_layers)])
 
-    def _alloc(self, like: torch.Tensor) -> None:
-        _, heads, _, dim = like.shape
-        shape = (self.slots, heads, self.capacity, dim)
-        self.k = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(self.num_layers)]
+    def _alloc(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Buffers shaped like one layer's cached keys and values, each its own: what a layer caches is the
+        model's choice, and DeepSeek-V3's latent attention caches one normed latent (kv_lora_rank) as its
+        "keys" and one rotated shared key (qk_rope_head_dim) as its "values", a single head each, expanded
+        to per-head K and V inside its attention after the cache is read."""
+        def buffers(like: torch.Tensor) -> list[torch.Tensor]:
+            shape = (self.slots, like.shape[1], self.capacity, like.shape[3])
+            return [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(self.num_layers)]
+
+        self.k, self.v = buffers(keys), buffers(values)
 
     def write(self, idx: int, k: torch.Tensor, v: torch.Tensor):
         t = k.shape[2]
@@ -385,7 +406,7 @@ class ContinuousBatcher(TextEngine):
             vocab = model.get_output_embeddings().weight.shape[0]
             self.logit_tokens = max(1, (256 << 20) // (4 * vocab))
         # the prompts' common prefix (a chat template's system preamble) is prefilled once per run
-        self.shared_prefix, self.min_prefix = shared_prefix, min_prefix
+        self.shared_prefix, self.min_prefix = shared_prefix and not windowed(model.config), min_prefix
         self._prefix: _Prefix | None = None
         self.num_layers = text_config(model.config).num_hidden_layers
 
@@ -514,7 +535,7 @@ class ContinuousBatcher(TextEngine):
         done = [self._prefill(g) for g in groups]
         P = max(d.mask.shape[1] for d in done)
         if not store.k:
-            store._alloc(done[0].cache.layers[0].keys)
+            store._alloc(done[0].cache.layers[0].keys, done[0].cache.layers[0].values)
         store.ensure_capacity(lambda: max(P, store.n) + 1)
         if P > store.n:
             store.shift(P - store.n)
