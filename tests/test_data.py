@@ -611,7 +611,8 @@ def test_a_set_grows_keeping_every_row_and_its_capture(tmp_path, tiny_target):
 # ----------------------------------------------------------------------------------- presets
 
 
-@pytest.mark.parametrize("preset", ["configs/smollm2-135m/data.yaml", "configs/gemma3-270m/data.yaml"])
+@pytest.mark.parametrize("preset", ["configs/smollm2-135m/data.yaml", "configs/smollm2-135m/data-broad.yaml",
+                                    "configs/gemma3-270m/data.yaml"])
 def test_presets_load(preset):
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / preset)
