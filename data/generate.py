@@ -220,27 +220,29 @@ def prepare_prompts(config: DataConfig, target, progress: bool = False) -> tuple
 
 
 def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
-                     overwrite: bool = False) -> Path:
+                     overwrite: bool = False, grow: bool = False) -> Path:
     """Generate (or finish generating) the self-distilled dataset of `config`; returns `output_dir`.
 
     `on_row(record)` is called after each finished row (tests use it to simulate a crash).
     With `overwrite` an existing finished dataset is replaced; chunks of an interrupted run are reused.
+    With `grow` the finished dataset in output_dir keeps every row (and its captured states) and gains the rows
+    of the config's prompts it does not hold yet: a preset that adds sources or raises limits extends a set
+    instead of regenerating it (`_grown_rows`).
     One run writes an output_dir at a time: a second is refused while the first runs (locks.py).
     """
     from draftsmith.locks import output_lock
 
     with output_lock(Path(config.output_dir).expanduser(), "dataset"):
-        return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite)
+        return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite, grow=grow)
 
 
 def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, grow: bool = False) -> Path:
     gen = config.generation
     if gen.threads:
         torch.set_num_threads(gen.threads)
     out = Path(config.output_dir).expanduser()
-    if (out / PROVENANCE).is_file() and (out / DATASET_DIR).is_dir() and not overwrite:
-        raise DataError(f"{out} already holds a finished dataset (pass overwrite, or choose another output_dir)")
+    finished = _finished_here(out, config, overwrite, grow)
     _claim_output(out)  # before any work: a user's folder is not written into
     target = target or load_target(config.target)
     t_start = time.time()
@@ -256,7 +258,10 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     rows, stats, fmt = prepare_prompts(config, target, progress)
     fp = target.fingerprint()
     done = _resume(out, _generation_key(config, fp, engine.precision))
-    wanted = {r.row_id for r in rows}
+    kept: list[dict] = []
+    if grow and finished:
+        kept, rows = _grown_rows(out, config, target, rows, done, stats)
+    wanted = {r.row_id for r in rows} | {r["row_id"] for r in kept}
     resumed = len(wanted & set(done))
     todo = [r for r in rows if r.row_id not in done]
     log.info("%d rows to generate (%d already done)", len(todo), resumed)
@@ -276,7 +281,7 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     if writer is not None:
         writer.close()
 
-    records = _finished_records(rows, done, stats)
+    records = kept + (_finished_records(rows, done, stats) if rows or not kept else [])
     timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": sink.tokens,
               "seconds": round(seconds, 2), "tokens_per_s": round(sink.tokens / seconds, 2) if seconds > 0 else None}
     if engine.report_as is not None:
@@ -288,6 +293,49 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     timing["wall_seconds"] = round(time.time() - t_start, 2)
     _save(out, records, config, target, engine.precision, stats, timing)
     return out
+
+
+def _finished_here(out: Path, config: DataConfig, overwrite: bool, grow: bool) -> bool:
+    """Whether output_dir holds a finished dataset; one is refused unless it is to be replaced or grown."""
+    finished = (out / PROVENANCE).is_file() and (out / DATASET_DIR).is_dir()
+    if finished and not (overwrite or grow):
+        raise DataError(f"{out} already holds a finished dataset (pass grow to add the config's new prompts to it, "
+                        "overwrite to replace it, or choose another output_dir)")
+    if grow and config.responses == "keep":
+        raise DataError("grow extends a generated dataset; responses: keep writes its rows in one pass (use overwrite)")
+    return finished
+
+
+def _grown_rows(out: Path, config: DataConfig, target, rows: list[PromptRow], done: dict[int, dict],
+                stats: dict) -> tuple[list[dict], list[PromptRow]]:
+    """Growing a finished dataset: its records, every one (those that now overlap an eval set only as the config's
+    `overlap` policy says), and the config's prompt rows it does not hold, less those repeating a kept prompt.
+    Each kept row must still be in the chunks it was assembled from, where its text and ids are read back."""
+    from draftsmith.data.sources import normalize_text
+
+    ids = load_distilled(out, target)["row_id"]  # refuses a dataset another target made
+    missing = [i for i in ids if i not in done]
+    if missing:
+        raise DataError(f"{out / CHUNKS_DIR}: row {missing[0]} of {out / DATASET_DIR} is in no chunk "
+                        f"({len(missing)} rows): the set cannot grow without them (regenerate with overwrite)")
+    kept = [done[i] for i in ids]
+    dropped = 0
+    if config.eval_sets and config.overlap != "warn":
+        prompts = [PromptRow(r["row_id"], r["source"], r["domain"], [r["prompt"]], r["origin"]) for r in kept]
+        report = find_overlap(prompts, load_eval_texts(config.eval_sets, config.overlap_ngram), config.overlap_ngram,
+                              config.overlap_jaccard)
+        if report.hits and config.overlap == "fail":
+            i, origin, kind, _ = report.hits[0]
+            raise DataError(f"{kept[i]['origin']}: a kept row overlaps eval prompt {origin} ({kind})")
+        kept = [r for i, r in enumerate(kept) if i not in report.rows]
+        dropped = len(report.rows)
+    held = {r["row_id"] for r in kept}
+    seen = {normalize_text(r["prompt"]) for r in kept}
+    new = [r for r in rows if r.row_id not in held and normalize_text(r.prompt) not in seen]
+    stats["grown"] = {"kept_rows": len(kept), "kept_dropped_for_eval_overlap": dropped, "new_rows": len(new),
+                      "repeating_a_kept_prompt": sum(r.row_id not in held for r in rows) - len(new)}
+    log.info("growing %s: %d rows kept, %d new prompts", out, len(kept), len(new))
+    return kept, new
 
 
 def _finished_records(rows, done: dict[int, dict], stats) -> list[dict]:
@@ -558,6 +606,7 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
             "per_source": dict(sorted(Counter(r["source"] for r in records).items())),
             "stopped": sum(r["stopped"] for r in records), "truncated": sum(not r["stopped"] for r in records),
             "tokens": sum(lengths), "loss_tokens": sum(learned),
+            "loss_tokens_per_domain": _sums(records, "domain"), "loss_tokens_per_source": _sums(records, "source"),
             "mean_length": round(sum(lengths) / len(lengths), 1),
             **stats,
         },
@@ -566,6 +615,14 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     atomic_write_json(out / PROVENANCE, provenance)
+
+
+def _sums(records: list[dict], key: str) -> dict[str, int]:
+    """Learned tokens per value of `key` (domain, source)."""
+    out: Counter = Counter()
+    for r in records:
+        out[r[key]] += sum(r["loss_mask"])
+    return dict(sorted(out.items()))
 
 
 def read_provenance(path: str | Path) -> dict:

@@ -48,8 +48,14 @@ DEFAULT_KEYWORDS = {
     "math": ["how many", "how much", "total", "each", "per ", "calculate", "dollars", "$", "percent", "sum",
              "times", "half", "twice", "left?"],
     "instructions": ["write a", "make a", "create a", "give me", "suggest", "list of", "email", "plan",
-                     "recipe", "tweet", "summarize"],
+                     "recipe", "tweet"],
     "general": ["what is", "explain", "describe", "why", "who", "tell me"],
+    # the broad eval sets' domains (prompts/README.md); multi-turn is a conversation's shape, not its words
+    "translation": ["translate", "translation", "into english", "into french", "into german", "into spanish",
+                    "into chinese", "into japanese", "how would you say", "mean in english"],
+    "summarization": ["summarize", "summarise", "summary", "tl;dr", "in brief", "key points", "sum up"],
+    "rag": ["passage", "context:", "article", "according to", "based on the", "the following text",
+            "answer the question", "extract the answer"],
 }
 
 

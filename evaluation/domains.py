@@ -20,7 +20,10 @@ from pathlib import Path
 from draftsmith.errors import DataError
 from draftsmith.storage import data_path, data_stem, open_data, shared_data_dir
 
-DEFAULT_PROMPT_FILES = ["alpaca.jsonl", "gsm8k.jsonl", "humaneval.jsonl", "user_oriented_instructions.jsonl"]
+# the four first sets, then what a chat target is asked beyond them: translation, summaries of long passages,
+# answers from long passages (RAG) and two-turn conversations (MT-bench; every row carries its `domain`)
+DEFAULT_PROMPT_FILES = ["alpaca.jsonl", "gsm8k.jsonl", "humaneval.jsonl", "user_oriented_instructions.jsonl",
+                        "translation.jsonl", "summarization.jsonl", "rag.jsonl", "mt_bench.jsonl"]
 # dev: everything that chooses (heads, recipes, trees, policies); test: the headline numbers only
 SPLITS = ("dev", "test")
 
@@ -30,6 +33,10 @@ DOMAIN_ALIASES = {
     "gsm8k": "math", "math": "math",
     "humaneval": "code", "code": "code", "coding": "code",
     "user_oriented_instructions": "instructions",
+    "translation": "translation", "translate": "translation",
+    "summarization": "summarization", "summarisation": "summarization", "summary": "summarization",
+    "rag": "rag", "long_qa": "rag", "qa_over_passages": "rag",
+    "mt_bench": "multiturn", "multiturn": "multiturn", "multi_turn": "multiturn",
 }
 
 
@@ -43,7 +50,7 @@ class EvalPrompt:
 
 
 def default_prompt_files(split: str = "dev", root: str | Path | None = None) -> list[Path]:
-    """The four shipped eval sets of one split (prompts/eval/<split>/, or $DRAFTSMITH_DATA/eval/<split>/)."""
+    """The shipped eval sets of one split (prompts/eval/<split>/, or $DRAFTSMITH_DATA/eval/<split>/)."""
     if split not in SPLITS:
         raise DataError(f"eval split must be one of {', '.join(SPLITS)}, got {split!r}")
     root = Path(root) if root else shared_data_dir() / "eval"

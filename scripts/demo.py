@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("DEMO_OUT", ROOT / "runs" / "demo"))
 ROWS = int(os.environ.get("DEMO_ROWS", "96"))
 STEPS = int(os.environ.get("DEMO_STEPS", "40"))
-EVAL_LIMIT = int(os.environ.get("DEMO_EVAL_LIMIT", "2"))
+EVAL_LIMIT = int(os.environ.get("DEMO_EVAL_LIMIT", "1"))  # 8 domains: one prompt each keeps the stage as long as it was
 
 
 def stage(name: str):

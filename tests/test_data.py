@@ -570,10 +570,49 @@ def test_capture_during_generation_writes_shards(tmp_path, tiny_target):
         torch.testing.assert_close(got["topk_logsumexp"][first:], torch.logsumexp(full, -1), rtol=1e-3, atol=1e-3)
 
 
+def test_a_set_grows_keeping_every_row_and_its_capture(tmp_path, tiny_target):
+    """A preset that adds a source and raises a limit, run with grow on the finished set: every earlier row is kept
+    as it was (ids, text, captured states byte for byte), only the new prompts are generated, and provenance counts
+    rows and learned tokens per domain and source; without grow a finished set is refused."""
+    from draftsmith.capture.cache import ShardReader
+
+    capture = CaptureConfig(enabled=True, layers=[-1], topk=2, last_hidden=True)
+    first = _gen_cfg(tmp_path, PROMPTS, "grow", capture=capture)
+    first.sources[0].limit = 4  # a seeded sample of 4; growing raises the limit, which samples other rows too
+    out = generate_dataset(first, tiny_target, progress=False)
+    before = load_distilled(out).to_list()
+    reader = ShardReader(out / "capture")
+    states = {r["row_id"]: reader.get(r["row_id"])["layer.-1"].clone() for r in before}
+    (tmp_path / "more.jsonl").write_text("".join(json.dumps({"turns": [f"Translate {w} into French.", "And back?"]})
+                                                 + "\n" for w in ("cat", "dog", "tree")))
+    grown = _gen_cfg(tmp_path, PROMPTS, "grow", capture=capture)
+    grown.sources += [SourceConfig(name="more", path=str(tmp_path / "more.jsonl"), turns="turns", domain="multiturn")]
+    with pytest.raises(DataError, match="already holds a finished dataset .*grow"):
+        generate_dataset(grown, tiny_target, progress=False)
+    written = []
+    generate_dataset(grown, tiny_target, progress=False, grow=True, on_row=lambda r: written.append(r["row_id"]))
+    after = load_distilled(out, tiny_target).to_list()
+    assert after[: len(before)] == before  # every earlier row, first and unchanged
+    new = after[len(before):]
+    assert sorted(written) == sorted(r["row_id"] for r in new)  # only the new prompts were generated
+    assert len(new) == len(PROMPTS) - 4 + 3 and {r["domain"] for r in new} == {"general", "multiturn"}
+    reader = ShardReader(out / "capture")
+    for r in before:
+        assert torch.equal(reader.get(r["row_id"])["layer.-1"], states[r["row_id"]])
+    for r in new:
+        assert reader.get(r["row_id"])["layer.-1"].shape[0] == len(r["input_ids"])
+    counts = json.loads((out / "provenance.json").read_text())["counts"]
+    assert counts["rows"] == len(after) and counts["per_source"] == {"more": 3, "p": len(PROMPTS)}
+    assert counts["grown"]["kept_rows"] == len(before) and counts["grown"]["new_rows"] == len(new)
+    assert sum(counts["loss_tokens_per_domain"].values()) == counts["loss_tokens"] == \
+        sum(counts["loss_tokens_per_source"].values()) == sum(sum(r["loss_mask"]) for r in after)
+
+
 # ----------------------------------------------------------------------------------- presets
 
 
-@pytest.mark.parametrize("preset", ["configs/smollm2-135m/data.yaml", "configs/gemma3-270m/data.yaml"])
+@pytest.mark.parametrize("preset", ["configs/smollm2-135m/data.yaml", "configs/smollm2-135m/data-broad.yaml",
+                                    "configs/gemma3-270m/data.yaml"])
 def test_presets_load(preset):
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / preset)

@@ -60,25 +60,65 @@ def test_dev_and_test_splits_are_disjoint_and_both_cover_every_domain():
         assert {split_of(stem, k) for k in _keys(d)} == {"dev"} and {split_of(stem, k) for k in _keys(t)} == {"test"}
     for split in SPLITS:
         rows = load_eval_prompts([str(p) for p in default_prompt_files(split)])
-        assert {r.domain for r in rows} == {"general", "math", "code", "instructions"}
+        assert {r.domain for r in rows} == {"general", "math", "code", "instructions", "translation", "summarization",
+                                            "rag", "multiturn"}
     with pytest.raises(Exception, match="dev, test"):
         default_prompt_files("train")
 
 
-def test_no_eval_prompt_of_either_split_is_in_a_shipped_training_set():
+@pytest.mark.parametrize("preset", ["data.yaml", "data-broad.yaml"])
+def test_no_eval_prompt_of_either_split_is_in_a_shipped_training_set(preset):
     """Exact, substring and near-duplicate matches (data/overlap.py, at the presets' thresholds) between every
     training set the presets read and both eval splits: none."""
-    cfg = load_config(ROOT / "configs/smollm2-135m/data.yaml", cls=DataConfig)
+    cfg = load_config(ROOT / "configs/smollm2-135m" / preset, cls=DataConfig)
+    if preset == "data-broad.yaml":  # the broad preset holds out every eval file of both splits
+        assert {Path(e.path).as_posix().removeprefix("prompts/") for e in cfg.eval_sets} == {
+            p.relative_to(SETS).as_posix() for p in (SETS / "eval").glob("*/*.jsonl")}
     assert {Path(e.path).parts[2] for e in cfg.eval_sets} == set(SPLITS)  # both splits held out
     cfg.sources = [s for s in cfg.sources if s.type == "jsonl"]
     for s in cfg.sources:
         s.limit = None  # every row of every file, not the preset's sample
-    assert {Path(s.path).name for s in cfg.sources} == {p.name for p in (SETS / "train").glob("*.jsonl.gz")}
+    shipped = {p.name for p in (SETS / "train").glob("*.jsonl.gz")}
+    assert {Path(s.path).name for s in cfg.sources} == (shipped if preset == "data-broad.yaml" else
+                                                        shipped - {f"{b}.jsonl.gz" for b in BROAD_TRAIN})
     rows = load_prompts(cfg).rows
     texts = load_eval_texts(cfg.eval_sets, cfg.overlap_ngram)
     assert len(rows) > 18000 and len(texts) > 480
     report = find_overlap(rows, texts, cfg.overlap_ngram, cfg.overlap_jaccard)
     assert report.hits == []
+
+
+BROAD_TRAIN = ("translation_pairs", "long_passages", "multiturn_followups")
+BROAD_EVAL = {"translation": "translation", "summarization": "summarization", "rag": "rag", "mt_bench": "multiturn"}
+
+
+def test_the_broad_sets_tag_every_row_with_its_domain_and_name_their_licence():
+    """Translation, long passages and multi-turn: each row says its domain; eval rows carry their turns (MT-bench's
+    two), long-passage prompts are long, and each file's licence is kept beside it."""
+    manifest = {f["path"]: f for f in json.loads((SETS / "manifest.json").read_text())["files"]}
+    for stem, domain in BROAD_EVAL.items():
+        for split in SPLITS:
+            entry = manifest[f"eval/{split}/{stem}.jsonl"]
+            # rag: P3's QA templates share their passages with t0_prompts' rows, so few held-out passages are left
+            assert entry["rows"] >= (3 if stem == "rag" else 20) and (SETS / entry["licence"]).stat().st_size > 500
+            with open_data(SETS / entry["path"]) as fh:
+                rows = [json.loads(line) for line in fh]
+            assert {r["domain"] for r in rows} == {domain}
+            assert all(r["turns"] and all(t.strip() for t in r["turns"]) for r in rows)
+            if stem == "mt_bench":
+                assert all(len(r["turns"]) == 2 for r in rows)
+            if stem in ("summarization", "rag"):
+                assert min(len(r["turns"][0].split()) for r in rows) >= 150
+    domains = {"translation_pairs": {"translation"}, "long_passages": {"summarization", "rag"},
+               "multiturn_followups": {"multiturn"}}
+    for stem in BROAD_TRAIN:
+        entry = manifest[f"train/{stem}.jsonl.gz"]
+        assert (SETS / entry["licence"]).is_file()
+        with open_data(SETS / entry["path"]) as fh:
+            rows = [json.loads(line) for line in fh]
+        assert {r["domain"] for r in rows} == domains[stem] and len({r["id"] for r in rows}) == len(rows)
+    pairs = {r["pair"] for r in map(json.loads, open_data(SETS / "train/translation_pairs.jsonl.gz"))}
+    assert {"en-French", "French-en", "en-German", "German-en", "en-Chinese", "Japanese-en"} <= pairs
 
 
 def test_nothing_in_the_repository_points_outside_it():
