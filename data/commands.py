@@ -18,6 +18,8 @@ def register(subparsers) -> None:
     gen.add_argument("--overwrite", action="store_true", help="replace a finished dataset in output_dir")
     gen.add_argument("--grow", action="store_true", help="add the config's new prompts to the finished dataset in "
                                                          "output_dir, keeping every row it holds and its capture")
+    gen.add_argument("--grow-from", metavar="DIR", help="copy the finished dataset DIR into output_dir (a new folder) "
+                                                        "and grow the copy; DIR stays as it is")
     gen.add_argument("--no-progress", action="store_true")
     gen.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. generation.batch_size=16")
     gen.set_defaults(func=run_generate)
@@ -59,7 +61,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = load_data_config(args.config, args.overrides)
-    out = generate_dataset(config, progress=not args.no_progress, overwrite=args.overwrite, grow=args.grow)
+    out = generate_dataset(config, progress=not args.no_progress, overwrite=args.overwrite, grow=args.grow,
+                           grow_from=args.grow_from)
     prov = read_provenance(out)
     c, t = prov["counts"], prov["timing"]
     print(f"wrote {c['rows']} rows to {out}/dataset ({c['tokens']} tokens, {c['loss_tokens']} learned)")

@@ -220,7 +220,7 @@ def prepare_prompts(config: DataConfig, target, progress: bool = False) -> tuple
 
 
 def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
-                     overwrite: bool = False, grow: bool = False) -> Path:
+                     overwrite: bool = False, grow: bool = False, grow_from: str | Path | None = None) -> Path:
     """Generate (or finish generating) the self-distilled dataset of `config`; returns `output_dir`.
 
     `on_row(record)` is called after each finished row (tests use it to simulate a crash).
@@ -228,12 +228,37 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     With `grow` the finished dataset in output_dir keeps every row (and its captured states) and gains the rows
     of the config's prompts it does not hold yet: a preset that adds sources or raises limits extends a set
     instead of regenerating it (`_grown_rows`).
+    With `grow_from` a finished dataset elsewhere is first copied into output_dir, which must not exist yet, and the
+    copy grows: the base set stays as it is for the heads and benchmarks that name it (`copy_base_set`).
     One run writes an output_dir at a time: a second is refused while the first runs (locks.py).
     """
     from draftsmith.locks import output_lock
 
     with output_lock(Path(config.output_dir).expanduser(), "dataset"):
+        if grow_from is not None:  # under the lock: no other run copies or writes here meanwhile
+            copy_base_set(Path(grow_from).expanduser(), Path(config.output_dir).expanduser())
+            grow = True
         return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite, grow=grow)
+
+
+def copy_base_set(base: Path, out: Path) -> None:
+    """Copy the finished dataset `base` (rows, chunks, captured states, provenance) into `out`, a folder that does
+    not exist yet, through a temporary sibling renamed at the end: an interrupted copy leaves no half set. A rerun
+    whose `out` already holds the copy goes on growing it (the copy is not repeated)."""
+    import shutil
+
+    if out.exists():
+        if (out / PROVENANCE).is_file() or (out / CHUNKS_DIR).is_dir():
+            return  # copied by an earlier run: growing resumes in it
+        raise DataError(f"{out}: grow_from copies into a new output_dir, and this folder exists without a dataset")
+    if not ((base / PROVENANCE).is_file() and (base / DATASET_DIR).is_dir()):
+        raise DataError(f"{base}: grow_from needs a finished dataset (no {PROVENANCE} or {DATASET_DIR}/ there)")
+    tmp = out.with_name(f".{out.name}.copying")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # our own half copy from an interrupted run (the name is ours alone)
+    shutil.copytree(base, tmp)
+    tmp.rename(out)
+    log.info("copied the base set %s into %s to grow it", base, out)
 
 
 def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,

@@ -608,6 +608,29 @@ def test_a_set_grows_keeping_every_row_and_its_capture(tmp_path, tiny_target):
         sum(counts["loss_tokens_per_source"].values()) == sum(sum(r["loss_mask"]) for r in after)
 
 
+def test_grow_from_copies_the_base_set_and_leaves_it_as_it_was(tmp_path, tiny_target):
+    """`grow_from`: the base set is copied into a new output_dir and the copy grows; the base set's files stay byte
+    for byte (heads and benchmarks name it), a rerun resumes in the copy, and an existing folder that holds no
+    dataset is refused."""
+    capture = CaptureConfig(enabled=True, layers=[-1], topk=2, last_hidden=True)
+    base_cfg = _gen_cfg(tmp_path, PROMPTS, "base", capture=capture)
+    base_cfg.sources[0].limit = 4
+    base = generate_dataset(base_cfg, tiny_target, progress=False)
+    files = {p.relative_to(base): p.read_bytes() for p in base.rglob("*") if p.is_file()}
+    grown = _gen_cfg(tmp_path, PROMPTS, "broad", capture=capture)
+    out = generate_dataset(grown, tiny_target, progress=False, grow_from=base)
+    assert {p.relative_to(base): p.read_bytes() for p in base.rglob("*") if p.is_file()} == files
+    before, after = load_distilled(base).to_list(), load_distilled(out, tiny_target).to_list()
+    assert after[: len(before)] == before and len(after) == len(PROMPTS)
+    written = []
+    generate_dataset(grown, tiny_target, progress=False, grow_from=base, on_row=lambda r: written.append(r))
+    assert written == [] and load_distilled(out, tiny_target).to_list() == after  # the rerun resumes in the copy
+    (tmp_path / "stray").mkdir()
+    stray = _gen_cfg(tmp_path, PROMPTS, "stray", capture=capture)
+    with pytest.raises(DataError, match="stray: grow_from copies into a new output_dir"):
+        generate_dataset(stray, tiny_target, progress=False, grow_from=base)
+
+
 # ----------------------------------------------------------------------------------- presets
 
 
