@@ -42,7 +42,9 @@ def register(subparsers) -> None:
                    help="also decode with adaptive k (chains up to --k) and compare it with fixed k")
     p.add_argument("--compare", nargs="+", default=None, metavar="PROPOSER",
                    help="more proposers decoded on the same prompts in the same run (side-by-side speedups)")
-    p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the four shipped eval sets of --split)")
+    p.add_argument("--domains", nargs="+", default=None, metavar="DOMAIN",
+                   help="only these domains of the prompt files (e.g. general math code instructions)")
+    p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the shipped eval sets of --split)")
     p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1; `auto` = the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)")
     p.add_argument("--no-hf-reference", action="store_true",
                    help="skip HF generate: faster, but `lossless` is then not judged (null)")
@@ -76,6 +78,8 @@ def build_config(args):
         overrides.append("adaptive=true")
     if args.prompts:
         overrides.append("prompts=[" + ", ".join(f"'{p}'" for p in args.prompts) + "]")
+    if getattr(args, "domains", None):
+        overrides.append("domains=[" + ", ".join(f"'{d}'" for d in args.domains) + "]")
     if args.tree == "auto":
         overrides.append("tree_from_proposer=true")
     elif args.tree:

@@ -15,7 +15,9 @@ TURNS = ("all", "first")  # which user turns of a multi-turn prompt are measured
 class EvalConfig:
     target: str = "smollm2-135m"
     proposer: str = "ngram"  # ngram | ngram:N | draft:PATH | medusa:PATH | eagle:PATH
-    prompts: list[str] = field(default_factory=list)  # empty = the four shipped eval sets of `split`
+    prompts: list[str] = field(default_factory=list)  # empty = the shipped eval sets of `split`
+    # only these domains of the prompt files (empty = all): the same prompts per domain as a run over all of them
+    domains: list[str] = field(default_factory=list)
     split: str = "dev"  # dev: choosing heads, trees, policies; test: the headline numbers only (prompts/README.md)
     max_new_tokens: int = 128
     k: int = 4  # chain length (ignored when tree is given)

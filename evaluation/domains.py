@@ -57,6 +57,20 @@ def default_prompt_files(split: str = "dev", root: str | Path | None = None) -> 
     return [root / split / f for f in DEFAULT_PROMPT_FILES]
 
 
+def only_domains(prompts: list[EvalPrompt], domains: list[str], files) -> list[EvalPrompt]:
+    """The prompts of `domains` (all when empty), chosen after the per-domain limit so that a domain's prompts are
+    the ones a run over every domain measures; a domain the files do not hold is refused in one line."""
+    if not domains:
+        return prompts
+    wanted = [canonical_domain(d) for d in domains]
+    held = sorted({p.domain for p in prompts})
+    missing = [d for d in wanted if d not in held]
+    if missing:
+        raise DataError(f"domains: {', '.join(missing)} not in the prompt files ({len(files)} files hold "
+                        f"{', '.join(held)})")
+    return [p for p in prompts if p.domain in wanted]
+
+
 def canonical_domain(name: str) -> str:
     key = (name or "").strip().lower()
     return DOMAIN_ALIASES.get(key, key or "general")

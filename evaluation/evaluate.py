@@ -45,7 +45,7 @@ from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.decoding.verify import sync
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.config import EvalConfig
-from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts
+from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts, only_domains
 from draftsmith.evaluation.limits import check_prompt_files, fit_context
 from draftsmith.evaluation.turns import Conversation
 from draftsmith.targets import gemm
@@ -355,7 +355,7 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
         spec = TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)
     files = cfg.prompts or [str(p) for p in default_prompt_files(cfg.split)]
     check_prompt_files(files)
-    rows = load_prompts(files, cfg.limit_per_domain, cfg.seed)
+    rows = only_domains(load_prompts(files, cfg.limit_per_domain, cfg.seed), cfg.domains, files)
     turns, turns_cut = fit_context(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs, cfg.turns)
     for c in turns_cut:
         log.warning("prompt %s: measured on %d of its %d turns: %s", c["prompt"], c["measured"], c["turns"],
@@ -817,7 +817,7 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
             "tree_verified": list(spec.branching) if cfg.tree else None,  # after a cut by the cost model
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": setup.files,
-            "split": None if cfg.prompts else cfg.split, "repeats": cfg.repeats, "remeasure": cfg.remeasure,
+            "split": None if cfg.prompts else cfg.split, "domains": list(cfg.domains), "repeats": cfg.repeats, "remeasure": cfg.remeasure,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
             "chat_template_kwargs": dict(cfg.chat_template_kwargs),
             "turns": cfg.turns, "turns_cut": list(setup.turns_cut),

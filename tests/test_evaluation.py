@@ -53,6 +53,24 @@ def test_domains(prompt_files):
     assert canonical_domain("humaneval") == "code" and canonical_domain("Poetry") == "poetry"
 
 
+def test_only_some_domains_are_the_same_prompts_as_in_a_run_over_all(prompt_files):
+    """--domains keeps the prompts a run over every domain measures for those domains (the per-domain choice comes
+    first), takes aliases, and refuses a domain the files do not hold in one line naming what they hold."""
+    from draftsmith.cli import build_parser
+    from draftsmith.errors import DataError
+    from draftsmith.evaluation.commands import build_config
+    from draftsmith.evaluation.domains import only_domains
+
+    every = load_prompts(prompt_files, limit_per_domain=2, seed=3)
+    some = only_domains(every, ["gsm8k", "general"], prompt_files)
+    assert [r.text for r in some] == [r.text for r in every if r.domain in ("math", "general")]
+    assert only_domains(every, [], prompt_files) == every
+    with pytest.raises(DataError, match="domains: translation not in the prompt files .*general, instructions, math"):
+        only_domains(every, ["translation"], prompt_files)
+    cfg = build_config(build_parser().parse_args(["evaluate", "--domains", "math", "code"]))
+    assert cfg.domains == ["math", "code"]
+
+
 def test_cost_arithmetic():
     # 10 steps; 8 accepted >=1 draft, 5 accepted >=2, 2 accepted 3
     acc = [8, 5, 2]
@@ -353,7 +371,7 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
         "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",
-        "compare_settings", "split", "repeats", "remeasure", "chat_template_kwargs", "turns", "turns_cut"}
+        "compare_settings", "split", "domains", "repeats", "remeasure", "chat_template_kwargs", "turns", "turns_cut"}
     overall = {"n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance",
                "conditional_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
                "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_plain", "fastest_plain", "n_timed",
