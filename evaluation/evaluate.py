@@ -45,7 +45,13 @@ from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.decoding.verify import sync
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.config import EvalConfig
-from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, format_prompt, load_prompts, only_domains
+from draftsmith.evaluation.domains import (
+    EvalPrompt,
+    default_prompt_files,
+    format_prompt,
+    load_prompts,
+    only_domains,
+)
 from draftsmith.evaluation.limits import check_prompt_files, fit_context
 from draftsmith.evaluation.turns import Conversation
 from draftsmith.targets import gemm
