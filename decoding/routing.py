@@ -26,7 +26,8 @@ policy file (JSON):
 `RoutedProposer` is the decoder mode that follows it: `route(domain=..., text=...)` picks the route of a
 request before it is decoded (the evaluator calls it with each prompt's declared domain); the classifier
 hook is `router.classify(text)` — the declared domain when there is one, else a keyword router (counts of
-per-domain keywords, ties and no hits -> the default route). Sub-proposers are built once per distinct spec.
+per-domain keywords in the request's instruction, not a long passage it quotes; ties and no hits -> the
+default route). Sub-proposers are built once per distinct spec.
 """
 
 from __future__ import annotations
@@ -45,32 +46,73 @@ OFF = "off"
 DEFAULT_KEYWORDS = {
     "code": ["def ", "return", "python", "function", "import ", "class ", "code", "```", "script", "(self", "list",
              "string", "array", ">>>"],
-    "math": ["how many", "how much", "total", "each", "per ", "calculate", "dollars", "$", "percent", "sum",
+    "math": ["how many", "how much", "total", "each", "per ", "calculate", "dollars", "$", "percent", "sum of",
              "times", "half", "twice", "left?"],
     "instructions": ["write a", "make a", "create a", "give me", "suggest", "list of", "email", "plan",
                      "recipe", "tweet"],
     "general": ["what is", "explain", "describe", "why", "who", "tell me"],
+    # (math's "sum of", not "sum": every "summary" held it)
     # the broad eval sets' domains (prompts/README.md); multi-turn is a conversation's shape, not its words
     "translation": ["translate", "translation", "into english", "into french", "into german", "into spanish",
                     "into chinese", "into japanese", "how would you say", "mean in english"],
-    "summarization": ["summarize", "summarise", "summary", "tl;dr", "in brief", "key points", "sum up"],
-    "rag": ["passage", "context:", "article", "according to", "based on the", "the following text",
-            "answer the question", "extract the answer"],
+    "summarization": ["summarize", "summarise", "summary", "tl;dr", "in brief", "key points", "sum up", "main points",
+                      "condense", "outline", "distill", "synthesize", "concise", "abstract", "in a few words",
+                      "boils down", "recap"],
+    # "article" is not a rag word: an article is what one summarizes as often as what one asks about
+    "rag": ["passage", "context", "according to", "based on the", "the following text", "answer the question",
+            "extract the answer", "the following question", "answer to the question", "answer for the question",
+            "question:", "paragraph", "movie plot", "background"],
 }
+# a request's instruction sits at its start or its end; a long passage pasted between them is not the request
+EDGE_CHARS = 200
+# domains whose keywords open requests of every kind ("write a summary", "what is the answer to the question")
+CATCH_ALL = ("general", "instructions")
 
 
 class KeywordRouter:
-    """domain = the one whose keywords occur most often in the (lower-cased) text; None when no hit or a tie."""
+    """domain = the one whose keywords occur most often in the request's instruction (lower-cased); None when
+    nothing decides.
+
+    Counting over a whole long passage let its body outvote the instruction: a news story's numbers ("each",
+    "per ", "$") sent summaries to math. A request that pastes a passage states what it wants in a short line
+    before or after it, so the instruction is the shorter of the first and the last line when it has at most
+    EDGE_CHARS characters (a passage's edge lines are mostly longer), else the first and last EDGE_CHARS
+    characters ("\\n" between them, so no keyword spans the cut); the whole text when it is no longer than both.
+    A tie between a catch-all domain (CATCH_ALL: "write a", "what is" open every kind of request) and exactly one
+    specific domain goes to the specific one; any other tie, and an instruction with no keyword at all, is
+    decided by the whole text, as before."""
 
     def __init__(self, keywords: dict[str, list[str]] | None = None):
         self.keywords = {d: [k.lower() for k in ks] for d, ks in (keywords or DEFAULT_KEYWORDS).items()}
 
-    def classify(self, text: str) -> str | None:
-        low = (text or "").lower()
-        scores = {d: sum(low.count(k) for k in ks) for d, ks in self.keywords.items()}
+    def _scores(self, low: str) -> dict[str, int]:
+        return {d: sum(low.count(k) for k in ks) for d, ks in self.keywords.items()}
+
+    @staticmethod
+    def _winner(scores: dict[str, int]) -> str | None:
         best = max(scores.values(), default=0)
         winners = [d for d, s in scores.items() if s == best]
         return winners[0] if best > 0 and len(winners) == 1 else None
+
+    @staticmethod
+    def instruction(low: str) -> str:
+        """The part of a (lower-cased) request that says what is asked (see the class docstring)."""
+        if len(low) <= 2 * EDGE_CHARS:
+            return low
+        lines = [line.strip() for line in low.splitlines() if line.strip()]
+        shorter = min(lines[0], lines[-1], key=len)
+        return shorter if len(shorter) <= EDGE_CHARS else low[:EDGE_CHARS] + "\n" + low[-EDGE_CHARS:]
+
+    def classify(self, text: str) -> str | None:
+        low = (text or "").lower()
+        asked = self._scores(self.instruction(low))
+        best = max(asked.values(), default=0)
+        tied = [d for d, s in asked.items() if s == best] if best > 0 else list(asked)
+        specific = [d for d in tied if d not in CATCH_ALL]
+        if len(tied) == 1 or (best > 0 and len(specific) == 1):
+            return (specific or tied)[0]
+        whole = self._scores(low)
+        return self._winner({d: whole[d] for d in tied})
 
 
 CRITERIA = ("speedup", "tau", "predicted")

@@ -144,6 +144,14 @@ SUMMARY_TEMPLATES = (r"^(cnn_dailymail_3_0_0_(2_or_3|news_card|news_stock|news_s
 RAG_TEMPLATES = (r"^(adversarial_qa_\w+_(answer_the_following_q|based_on|question_context_answer|tell_what_it_is)"
                  r"|duorc_\w+_(answer_question|extract_answer|question_answering)"
                  r"|quoref_(?!Guess_Title)|ropes_)")
+# P3 QA templates whose rows no shipped training file draws on, held out for the rag eval only (t0_prompts ships 40
+# rows of each, so their passages are checked against it): WikiHop's queries over several retrieved Wikipedia
+# paragraphs, a retrieval prompt as RAG serves one. P3's other QA templates share their passages with t0_prompts'
+# and long_passages' rows, so few of theirs are left (the rag rows beyond what long_passages and the follow-ups
+# take are used too). SciQ is left out: its licence is non-commercial.
+RAG_EVAL_TEMPLATES = r"^wiki_hop_original_(choose_best_object_\w+|generate_object)$"
+RAG_EVAL_WORDS = (150, 2000)  # several documents: up to ~2,700 tokens, well inside the targets' contexts
+RAG_PER_PASSAGE = 3  # questions over one passage at most: more would weigh one document's acceptance
 LONG_WORDS = (150, 700)  # a long passage: at least a few hundred tokens, and it fits a 1,024-token prompt
 EVAL_PER_SPLIT = 48  # rows per domain and split at most: enough for per-domain τ, cheap enough for make demo's evaluation
 TRAIN_PER_DOMAIN = 1200  # long-passage training rows per domain kept in the repository (a few MB compressed)
@@ -319,7 +327,19 @@ BROAD_SOURCES = {
                   "scripts/ship_prompt_sets.py or the next sentence of the same language pair",
                   "LICENSES/multiturn-NOTICE"),
     "mt_bench": ("lm-sys/FastChat fastchat/llm_judge/data/mt_bench/question.jsonl", "LICENSES/fastchat-Apache-2.0"),
+    "rag": ("yizhongw/self-instruct data/finetuning/t0_train_50k (P3 templates): ROPES, AdversarialQA and WikiHop rows "
+            "that no shipped training file or generated data set holds", "LICENSES/rag-eval-NOTICE"),
 }
+RAG_NOTICE = """eval/{dev,test}/rag.jsonl: prompts of P3 (bigscience/P3, Apache-2.0) as yizhongw/self-instruct ships them in
+data/finetuning/t0_train_50k (Apache-2.0, LICENSES/self-instruct-Apache-2.0). The passages and questions are those
+of the datasets the P3 templates render, each under its own licence, kept here:
+  - QAngaroo WikiHop (Welbl, Stenetorp and Riedel, 2018), Wikipedia paragraphs and queries: CC BY-SA 3.0
+    (templates wiki_hop_original_*);
+  - ROPES (Lin et al., 2019): CC BY 4.0 (templates ropes_*);
+  - AdversarialQA (Bartolo et al., 2020), on SQuAD's Wikipedia passages: CC BY-SA 3.0 (templates adversarial_qa_*);
+  - Quoref (Dasigi et al., 2019): CC BY 4.0; DuoRC (Saha et al., 2018): MIT (templates quoref_*, duorc_*).
+Each row's `source` names its template. The rows are used as evaluation prompts only, unchanged.
+"""
 
 
 def _licences(src: Path, out: Path) -> None:
@@ -331,6 +351,7 @@ def _licences(src: Path, out: Path) -> None:
         "Django's catalogs (django/**/locale/*/LC_MESSAGES/django.po):\n\n" + django +
         "\n\nSphinx's catalogs (sphinx/locale/*/LC_MESSAGES/sphinx.po):\n\n" + sphinx, encoding="utf-8")
     shutil.copyfile(src / "eval" / "mt_bench" / "LICENSE", out / "LICENSES" / "fastchat-Apache-2.0")
+    (out / "LICENSES" / "rag-eval-NOTICE").write_text(RAG_NOTICE, encoding="utf-8")
     (out / "LICENSES" / "multiturn-NOTICE").write_text(
         "train/multiturn_followups.jsonl.gz: rows whose built_from is t0/... take their first turn from "
         "yizhongw/self-instruct (self-instruct-Apache-2.0); rows built from a translation pair take both turns from "
@@ -355,17 +376,56 @@ def _translation_sets(src: Path) -> tuple[list[dict], dict[str, list[dict]], lis
     return train, evals, chains
 
 
-def _long_sets(src: Path, out: Path) -> tuple[list[dict], dict[str, dict[str, list[dict]]], list[dict]]:
-    """Single-turn training rows, eval rows per domain (summarization, rag), and first turns for follow-ups."""
+def _long_sets(src: Path, out: Path) -> tuple[list[dict], dict[str, dict[str, list[dict]]], list[dict], list[dict]]:
+    """Single-turn training rows, eval rows per domain (summarization, rag), first turns for follow-ups, and the
+    rag rows that neither the training rows nor the follow-ups take (candidates for the rag eval)."""
     shipped = {p.strip() for p in _shipped_prompts(out)}
     rows = long_passage_rows(src / "t0_train_50k" / "data_per_template", shipped)
-    train, firsts, evals = [], [], {}
+    train, firsts, evals, unused = [], [], {}, []
     for domain in ("summarization", "rag"):
         mine = sorted((r for r in rows if r["domain"] == domain), key=lambda r: _bucket("order", r["id"]))
         kept, evals[domain] = _split_rows(mine, domain, 64)  # a quarter: P3's QA templates share passages
         train += kept[:TRAIN_PER_DOMAIN]
         firsts += kept[TRAIN_PER_DOMAIN:TRAIN_PER_DOMAIN + 300]
-    return train, evals, firsts
+        if domain == "rag":
+            unused = kept[TRAIN_PER_DOMAIN + 300:]
+    return train, evals, firsts, unused
+
+
+def passage_key(prompt: str) -> str:
+    """What identifies a prompt's passage across P3's templates: its longest line, normalised (a template adds
+    its instruction around the passage and the question, not inside it)."""
+    from draftsmith.data.sources import normalize_text
+
+    return normalize_text(max(prompt.splitlines(), key=len))[:300]
+
+
+def rag_eval_rows(t0_dir: Path, unused: list[dict], shipped: set[str]) -> dict[str, list[dict]]:
+    """Candidate rag eval rows beyond long_passage_rows' held-out quarter: the rows of RAG_EVAL_TEMPLATES of
+    RAG_EVAL_WORDS words, and the unused rows of RAG_TEMPLATES. One passage stays on one side: it goes to the
+    split of its key (split_of), and only its rows whose own id splits the same way are taken, at most
+    RAG_PER_PASSAGE, so the manifest's rule still places every row."""
+    rows = list(unused)
+    for path in sorted(t0_dir.glob("*.jsonl")):
+        if not re.search(RAG_EVAL_TEMPLATES, path.stem):
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            prompt = row["prompt"].strip()
+            if prompt in shipped or not RAG_EVAL_WORDS[0] <= len(prompt.split()) <= RAG_EVAL_WORDS[1]:
+                continue
+            shipped.add(prompt)
+            rows.append({"id": hashlib.sha256(prompt.encode()).hexdigest()[:16], "domain": "rag",
+                         "source": f"t0/{path.stem}", "prompt": prompt, "reference": row["completion"].strip()})
+    held: dict[str, list[dict]] = {"dev": [], "test": []}
+    taken: dict[str, int] = {}
+    for r in sorted(rows, key=lambda r: _bucket("order", r["id"])):
+        key = passage_key(r["prompt"])
+        split = split_of("rag", key)
+        if split_of("rag", r["id"]) == split and taken.get(key, 0) < RAG_PER_PASSAGE:
+            taken[key] = taken.get(key, 0) + 1
+            held[split].append(r)
+    return held
 
 
 def _without_eval(rows: list[dict], out: Path) -> list[dict]:
@@ -391,6 +451,21 @@ def _dataset_prompts(folders: list[Path]) -> list[str]:
     return [p for f in folders for p in datasets.load_from_disk(str(f / "dataset"))["prompt"]]
 
 
+def _rag_eval(src: Path, out: Path, held: dict[str, list[dict]], unused: list[dict], train_texts: list[str],
+              new_train: list[dict]) -> dict[str, list[dict]]:
+    """The rag eval rows: long_passage_rows' held-out quarter (cleaned like the other domains), then the rows of
+    rag_eval_rows, which must also be clear of every training row written here (long_passages and the follow-ups
+    may not lose a line to them), and of every passage already taken, up to EVAL_PER_SPLIT a split."""
+    first = _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in held.items()}, train_texts)
+    shipped = {p.strip() for p in _shipped_prompts(out)} | {r["prompt"].strip() for s in held.values() for r in s}
+    extra = rag_eval_rows(src / "t0_train_50k" / "data_per_template", unused, shipped)
+    texts = train_texts + [t for r in new_train for t in (r.get("turns") or [r["prompt"]])]
+    extra = _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in extra.items()}, texts)
+    seen = {passage_key(r["turns"][0]) for rows in first.values() for r in rows}
+    return {s: first[s] + [r for r in extra[s] if passage_key(r["turns"][0]) not in seen][:EVAL_PER_SPLIT - len(first[s])]
+            for s in SPLITS}
+
+
 def ship_broad(src: Path, out: Path, existing: list[Path] = ()) -> list[dict]:
     """Translation, long passages and multi-turn: train files (gzip) and eval files (dev / test); manifest entries.
 
@@ -399,18 +474,18 @@ def ship_broad(src: Path, out: Path, existing: list[Path] = ()) -> list[dict]:
     dropped instead, so passages that P3's templates share stay on one side."""
     _licences(src, out)
     t_train, t_eval, chains = _translation_sets(src)
-    l_train, l_eval, firsts = _long_sets(src, out)
+    l_train, l_eval, firsts, unused = _long_sets(src, out)
     m_train = followup_rows(firsts, chains)
     mt = [json.loads(x) | {"domain": "multiturn"} for x in (src / "eval/mt_bench/question.jsonl").read_text().splitlines() if x.strip()]
     mt_eval = {s: [r for r in mt if split_of("mt_bench", str(r["question_id"])) == s] for s in SPLITS}
     train_texts = _shipped_prompts(out) + _dataset_prompts(list(existing))
     evals = {"translation": _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in t_eval.items()}, train_texts),
              "summarization": _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in l_eval["summarization"].items()}, train_texts),
-             "rag": _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in l_eval["rag"].items()}, train_texts),
+             "rag": _rag_eval(src, out, l_eval["rag"], unused, train_texts, [*t_train, *l_train, *m_train]),
              "mt_bench": _clean_eval(mt_eval, train_texts)}
     files = []
     for stem, parts in evals.items():
-        what, licence = BROAD_SOURCES[stem if stem in ("translation", "mt_bench") else "long"]
+        what, licence = BROAD_SOURCES[stem if stem in ("translation", "mt_bench", "rag") else "long"]
         for split in SPLITS:
             dst = out / "eval" / split / f"{stem}.jsonl"
             _write_jsonl(dst, parts[split], gz=False)

@@ -161,6 +161,22 @@ def test_keyword_router():
     assert KeywordRouter({"a": ["x"], "b": ["x"]}).classify("x") is None  # a tie is no decision
 
 
+def test_keyword_router_reads_the_instruction_not_the_passage():
+    """A long passage full of one domain's words does not outvote the line that says what is asked, before or
+    after it; "summary" is no math "sum"; a catch-all's "write a" loses a tie to the specific domain."""
+    story = ("The club paid 40 dollars each, twice the total of last year; how much per ticket and how many "
+             "seats were left? Half the budget went on food. ") * 12  # ~1,600 characters of math keywords
+    r = KeywordRouter()
+    assert r.classify(story) == "math"  # alone, the passage is math
+    assert r.classify("Summarise the article:\n\n" + story) == "summarization"
+    assert r.classify(story + "\n\nTL;DR:") == "summarization"
+    assert r.classify("Write a summary of the following article:\n\n" + story) == "summarization"
+    assert r.classify(story + "\n\nAccording to the passage above, who paid?") == "rag"
+    # a request with no keyword in its instruction is still decided by its text
+    assert r.classify("Go on:\n\n" + story) == "math"
+    assert r.classify("Write a summary, please.") == "summarization"
+
+
 def test_routed_decoding_follows_the_policy_and_stays_lossless(target, draft, prompts, tmp_path):
     prop = RoutedProposer({"kind": "routing_policy", "router": {"kind": "declared"}, "default": "off",
                            "domains": {"code": {"proposer": "d", "k": 3}, "general": "off"}},
