@@ -224,6 +224,9 @@ def test_memory_plan_counts_the_draft(trained, tmp_path):
     assert shape.params == sum(v.numel() for v in job.build_module().state_dict().values())
     p = plan_config("configs/smollm2-135m/dflash.yaml", gpu="H100-80GB")
     assert p["kind"] == "dflash" and p["fits"] and p["trained_params"] > 0
+    # an own lm_head over 8,192 of the 49,152 tokens: 8,192 x 576 more parameters to train
+    v8k = plan_config("configs/smollm2-135m/dflash-v8k.yaml", gpu="H100-80GB")
+    assert v8k["trained_params"] - p["trained_params"] == 8192 * 576
 
 
 def test_evaluation_puts_the_gpu_sized_tree_beside_the_blocks_chain(trained, target4, tmp_path):
