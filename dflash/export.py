@@ -7,6 +7,13 @@
     model.safetensors   layers.{i}.* (q/k norms included), fc.weight [H, K·H], hidden_norm.weight,
                   norm.weight — no embed_tokens and no lm_head: both stacks share the target's
 
+A draft with a reduced vocabulary (`draft_vocab_size` N) adds lm_head.weight [N, H], d2t [N] int64
+(target_id = draft_id + d2t[draft_id]) and t2d [V] bool, and `draft_vocab_size` to config.json: vLLM's
+`DFlashQwen3ForCausalLM` builds its lm_head N wide, loads d2t as `draft_id_to_target_id`, skips t2d (kept for
+the readers that want it: speculators ships it, draftsmith's reimport reads it) and scatters the N logits into
+the target's vocabulary. SGLang's DFlash loader ignores lm_head and d2t silently and would decode with the
+target's lm_head, a head the draft was not trained to feed: such a draft is refused for SGLang.
+
 Layer ids: `target_layer_ids` are output-of-layer ids (HF hidden_states[i + 1]), draftsmith's own convention;
 vLLM adds 1 to capture the residual stream entering layer i + 1, SGLang does the same internally. Both
 concatenate the taps in ascending order, the order draftsmith trains with.
@@ -36,6 +43,7 @@ from draftsmith.export.verify import (
     read_header,
     read_tensors,
     register_verifier,
+    vocab_map_problems,
 )
 from draftsmith.storage import atomic_write_json, read_json
 from draftsmith.targets.families import full_attention_rope, rope_fields
@@ -50,9 +58,16 @@ UNSUPPORTED = {
 }
 
 
+def sglang_refusal(artifact_dir: Path, config: DFlashConfig) -> str:
+    return (f"{artifact_dir}/config.json: draft_vocab_size {config.draft_vocab_size}: SGLang's DFlash drafter ignores "
+            "an own lm_head and d2t and would decode with the target's lm_head; export it for vllm, or train with "
+            "draft_vocab_size: null for SGLang")
+
+
 def layout_config(config: DFlashConfig, dtype: torch.dtype, num_target_layers: int, target_max_positions: int,
                   target_folder: str, target_arch: list[str]) -> dict:
     c = config.layer_config
+    reduced = {"draft_vocab_size": config.draft_vocab_size} if config.reduced_vocab else {}
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -75,6 +90,7 @@ def layout_config(config: DFlashConfig, dtype: torch.dtype, num_target_layers: i
         "dflash_config": {"target_layer_ids": list(config.target_layers), "mask_token_id": config.mask_token_id},
         "verifier": {"name_or_path": target_folder, "architectures": target_arch},
         "torch_dtype": dtype_name(dtype),
+        **reduced,
     }
 
 
@@ -104,8 +120,12 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
                                                              target_ref, target_arch))
         return target_ref
 
-    plan = HeadExport("dflash", STACK_FORMATS, manifest, {"block_size": config.block_size}, write,
-                      guard={"dflash": {"block_size": config.block_size}}, unsupported=UNSUPPORTED, serve=serve)
+    formats, unsupported = STACK_FORMATS, UNSUPPORTED
+    if config.reduced_vocab:
+        formats = {k: v for k, v in STACK_FORMATS.items() if k != "sglang"}
+        unsupported = {**UNSUPPORTED, "sglang": sglang_refusal(artifact_dir, config)}
+    plan = HeadExport("dflash", formats, manifest, {"block_size": config.block_size}, write,
+                      guard={"dflash": {"block_size": config.block_size}}, unsupported=unsupported, serve=serve)
     return export_heads(plan, artifact_dir, stack, out, target, k, verify, overwrite=overwrite, verifier=verifier)
 
 
@@ -131,7 +151,8 @@ def config_from_layout(config: dict, where: Path) -> DFlashConfig:
         layer.update(rope_fields(full_attention_rope(config)), model_type="qwen3", hidden_act="silu",
                      attention_bias=False)
         return DFlashConfig(config["hidden_size"], config["vocab_size"], list(d["target_layer_ids"]),
-                            config["num_hidden_layers"], config["block_size"], d["mask_token_id"], layer)
+                            config["num_hidden_layers"], config["block_size"], d["mask_token_id"], layer,
+                            config.get("draft_vocab_size"))
     except KeyError as e:
         raise VerificationError(f"{where}/config.json: missing field {e}") from None
     except ValueError as e:
@@ -158,13 +179,20 @@ def verify_layout(out: Path, target=None) -> list[str]:
     with torch.device("meta"):
         spec_module = DFlashDraft(cfg)
     dt = read_header(out / "model.safetensors")
-    st = next(iter(dt.values()))[1]
-    spec = {k: (tuple(v.shape), st) for k, v in spec_module.state_dict().items()}
+    st = (dt.get("fc.weight") or next(iter(dt.values())))[1]  # the weights' dtype (d2t / t2d keep their own)
+    spec = {k: (tuple(v.shape), {torch.long: "I64", torch.bool: "BOOL"}.get(v.dtype, st))
+            for k, v in spec_module.state_dict().items()}
     problems += compare(dt, spec)
     check(out, problems)
-    return [f"{len(spec)} tensors match the DFlash layout (names, shapes, dtype); no embed_tokens or lm_head",
-            f"dflash_config: taps {cfg.target_layers} (output-of-layer ids, ascending), mask token "
-            f"{cfg.mask_token_id}, block {cfg.block_size}"]
+    checks = [f"{len(spec)} tensors match the DFlash layout (names, shapes, dtype); no embed_tokens"
+              + (f", an own lm_head over {cfg.draft_vocab_size} tokens" if cfg.reduced_vocab else " or lm_head"),
+              f"dflash_config: taps {cfg.target_layers} (output-of-layer ids, ascending), mask token "
+              f"{cfg.mask_token_id}, block {cfg.block_size}"]
+    if cfg.reduced_vocab:
+        t = read_tensors(out / "model.safetensors", ["d2t", "t2d"])
+        check(out, vocab_map_problems(t["d2t"], t["t2d"], cfg.vocab_size, cfg.draft_vocab_size))
+        checks.append(f"d2t/t2d consistent: nonzero(t2d) == arange({cfg.draft_vocab_size}) + d2t")
+    return checks
 
 
 def reload_check(out: Path, artifact_state: dict[str, torch.Tensor] | None = None) -> str:
@@ -172,7 +200,8 @@ def reload_check(out: Path, artifact_state: dict[str, torch.Tensor] | None = Non
     cfg = config_from_layout(read_json(out / "config.json"), out)
     draft = DFlashDraft(cfg)
     tensors = read_tensors(out / "model.safetensors")
-    missing, unexpected = draft.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
         raise VerificationError(f"{out}/model.safetensors: does not load into a DFlash draft (missing {missing[:3]}, "
                                 f"unexpected {unexpected[:3]})")
@@ -200,4 +229,5 @@ def reimport(export_dir: Path, guard: dict):
         raise ArtifactError(f"{export_dir}/model.safetensors: missing tensor 'fc.weight' (the DFlash feature projection)")
     from dataclasses import asdict
 
-    return {**asdict(cfg), "architecture": "dflash", "embeddings": "target", "lm_head": "target"}, state, None
+    return {**asdict(cfg), "architecture": "dflash", "embeddings": "target",
+            "lm_head": "draft" if cfg.reduced_vocab else "target"}, state, None

@@ -5,6 +5,12 @@ trains every block in one forward (`DFlashDraft.forward`): slot j of the block a
 weighted by exp(-(j-1)/γ). The target supplies the tapped layers' outputs (online, or offline from the
 capture cache EAGLE-3 uses, through `CaptureSource`); with `loss: kd` also its post-norm last hidden state, so
 each slot learns the target's whole next-token distribution at a+j-1 rather than the one token it wrote.
+
+`draft_vocab_size` N (EAGLE-3's reduced vocabulary, heads/vocab.py): the draft gets its own lm_head over the N
+tokens the training split's target-written tokens hold most often, started from the target's rows. A block's
+logits are then N wide instead of V: at SmolLM2's 49,152 rows, 16 anchors x 8 slots x 8 rows of full logits
+are most of a step's multiply-adds, and an 8,192-token head cuts them 6x. Labels outside the draft vocabulary
+leave the CE loss (logged as `outside`); the KD teacher is the target restricted to the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from draftsmith.dflash.model import (
     sample_anchors,
 )
 from draftsmith.errors import ConfigError
+from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.targets.families import pad_token_id
 from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
@@ -56,6 +63,9 @@ class DFlashJobConfig:
     gamma: float | None = None  # slot weight exp(-(j-1)/γ); None: 4 at block 8, 7 at block 16 (DEFAULT_GAMMA)
     anchors_per_row: int = 16  # blocks trained per row and step
     loss: Literal["ce", "kd"] = "ce"  # ce: the token the target wrote; kd: the target's distribution there
+    # an own lm_head over the N most frequent target-written tokens (EAGLE-3's reduced vocabulary); None: the
+    # target's lm_head, shared (SGLang serves only that: it ignores an own lm_head and d2t)
+    draft_vocab_size: int | None = None
     init_std: float = 0.02
     max_length: int = 512
     prompt_context: int | None = None
@@ -78,6 +88,8 @@ class DFlashJobConfig:
             raise ValueError(f"target_layers must be distinct and ascending, got {self.target_layers}")
         if not 0 < self.eval_fraction < 0.5:
             raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}")
         if self.max_length < 2 * self.block_size:
             raise ValueError(f"max_length must be >= 2·block_size ({2 * self.block_size}), got {self.max_length}")
 
@@ -119,7 +131,6 @@ class DFlashJob(Job):
     def __init__(self, cfg: DFlashJobConfig, target, dataset=None):
         from draftsmith.capture.layers import resolve_layers, uncapturable_layers
         from draftsmith.capture.online import CaptureSource
-        from draftsmith.heads.vocab import token_counts
 
         self.cfg, self.target = cfg, target
         if dataset is None:
@@ -144,18 +155,27 @@ class DFlashJob(Job):
         if written:
             log.warning("mask_token_id %d occurs %d times in the training data's target-written tokens", self.mask_id,
                         written)
+        self.vocab = None  # (d2t, t2d, target id -> draft id) of a reduced draft vocabulary
+        if cfg.draft_vocab_size is not None:
+            if cfg.draft_vocab_size >= target.vocab_size:
+                raise ConfigError(f"draft_vocab_size: {cfg.draft_vocab_size} is not below the target's vocabulary "
+                                  f"({target.vocab_size}): set null to share the target's lm_head")
+            d2t, t2d, _ = draft_vocabulary(self.counts, cfg.draft_vocab_size)
+            self.vocab = (d2t, t2d, draft_index(t2d))
         self.weights = position_weights(cfg.block_size, cfg.slot_gamma)
         self.features = CaptureSource(target, layers=self.layers, last_hidden=cfg.loss == "kd",
                                       cache_dir=cfg.capture_cache)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
 
     def announce(self) -> None:
-        log.info("DFlash: %d layer(s), block %d, taps %s, mask token %d, γ %s", self.cfg.num_layers,
-                 self.cfg.block_size, self.layers, self.mask_id, self.cfg.slot_gamma)
+        log.info("DFlash: %d layer(s), block %d, taps %s, mask token %d, γ %s, lm_head %s", self.cfg.num_layers,
+                 self.cfg.block_size, self.layers, self.mask_id, self.cfg.slot_gamma,
+                 f"own, {self.cfg.draft_vocab_size} tokens" if self.vocab else "the target's")
 
     def build_module(self) -> DFlashDraft:
         return DFlashDraft.from_target(self.target.model, self.layers, self.cfg.num_layers, self.cfg.block_size,
-                                       self.mask_id, self.cfg.init_std)
+                                       self.mask_id, self.cfg.init_std,
+                                       draft_vocab=self.vocab[:2] if self.vocab else None)
 
     def setup(self, accelerator) -> None:
         self.target.model = self.features.placed_target(accelerator)  # the embedding and lm_head come from it
@@ -194,7 +214,8 @@ class DFlashJob(Job):
             rows = torch.arange(ids.shape[0], device=ids.device)[:, None, None].expand_as(pos)
             with torch.no_grad():
                 teacher = draft.target_logits(feats["last_hidden"][rows[valid], pos[valid]])
-        return dflash_loss(logits, labels[valid], slots, self.weights, teacher)
+        vocab = (draft.d2t, self.vocab[2]) if draft.config.reduced_vocab else None
+        return dflash_loss(logits, labels[valid], slots, self.weights, teacher, vocab)
 
     def row_generators(self, batch) -> list[torch.Generator] | torch.Generator:
         """A row's anchors are drawn from (seed, row id, epoch) (`Job.epoch`, set by the loop), so they do not
@@ -208,13 +229,17 @@ class DFlashJob(Job):
     def save_artifact(self, module, out_dir, metrics) -> Path:
         draft = unwrap(module)
         dest = self.artifact_dest(out_dir)
-        config = {**asdict(draft.config), "architecture": "dflash", "embeddings": "target", "lm_head": "target",
+        reduced = draft.config.reduced_vocab
+        # of the vocabulary the draft holds, on this job's training tokens
+        coverage = vocab_coverage(self.counts, draft.t2d.cpu()) if reduced else 1.0
+        config = {**asdict(draft.config), "architecture": "dflash", "embeddings": "target",
+                  "lm_head": "draft" if reduced else "target", "draft_vocab_coverage": coverage,
                   "feature_convention": "pre-norm decoder layer outputs (capture/layers.py)",
                   "gamma": self.cfg.slot_gamma}
         manifest = artifact.make_manifest(
             "dflash", self.target.fingerprint(), to_dict(self.cfg),
             data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set),
-                  "target_written_tokens": int(self.counts.sum())},
+                  "target_written_tokens": int(self.counts.sum()), "draft_vocab_coverage": coverage},
             metrics=metrics,
         )
         return artifact.save_artifact(dest, manifest, dict(draft.state_dict()), config)

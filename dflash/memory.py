@@ -31,20 +31,22 @@ def shape(path: Path, target_config) -> ArtifactShape:
 
 def job_memory(job, target_config, act: int, learned: int | None = None) -> JobMemory:
     """`Method.train_memory` of a DFlash job: per row, `anchors_per_row` blocks of `block_size` queries over the
-    row's context keys, through `num_layers` layers, and their logits over the full vocabulary. The anchors are
-    drawn from the learned positions, whatever their number: `learned` changes nothing."""
+    row's context keys, through `num_layers` layers, and their logits over the full vocabulary (or the draft's
+    reduced one, `draft_vocab_size`). The anchors are drawn from the learned positions, whatever their number:
+    `learned` changes nothing."""
     from draftsmith.dflash.job import default_layers
     from draftsmith.dflash.model import DFlashConfig, DFlashDraft, layer_config_dict
 
     tc = text_config(target_config)
     H, V, L, B, T = tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, job.train.batch_size, job.max_length
     layers = list(job.target_layers or default_layers(L, job.num_layers))
-    cfg = DFlashConfig(H, V, layers, job.num_layers, job.block_size, 0, layer_config_dict(target_config))
+    N = job.draft_vocab_size
+    cfg = DFlashConfig(H, V, layers, job.num_layers, job.block_size, 0, layer_config_dict(target_config), N)
     trained = meta_params(lambda: DFlashDraft(cfg))
     keep = len(layers) * H * act + (H * act if job.loss == "kd" else 0)  # tapped layers (+ last hidden for kd)
     queries = job.anchors_per_row * job.block_size  # per row
     lc = cfg.layer_config
-    per_query = layer_bytes_per_token(lc) * act * job.num_layers + 2 * V * 4  # + logits and their softmax, fp32
+    per_query = layer_bytes_per_token(lc) * act * job.num_layers + 2 * (N or V) * 4  # + logits, softmax, fp32
     context_kv = 2 * T * lc["num_key_value_heads"] * lc["head_dim"] * act * job.num_layers  # per row
     scores = lc["num_attention_heads"] * queries * (T + queries) * act * job.num_layers  # attention, per row
     return JobMemory(T, trained, keep, 0, B * (queries * per_query + context_kv + scores))

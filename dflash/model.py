@@ -14,7 +14,11 @@ e(x) the target's frozen token embedding (plain rows), B the block size, M the m
              the block's queries attend the context's keys/values (k_norm(k_proj(c_t)), v_proj(c_t) at
              position t, for every t < a) and the whole block's own (bidirectional); the context itself is
              never updated by the layers (it enters K/V only, without the layer's input norm)
-  logits     lm_head_target(norm(z_j)) at slot j predicts x_{a+j}, j = 1..B-1 (slot 0 is the anchor)
+  logits     lm_head_target(norm(z_j)) at slot j predicts x_{a+j}, j = 1..B-1 (slot 0 is the anchor); with a
+             reduced draft vocabulary (`draft_vocab_size` N, EAGLE-3's, heads/vocab.py) the draft's own
+             lm_head [N, H] over the N tokens the target writes most, started from the target's rows and
+             trained, and target_id = draft_id + d2t[draft_id]: the full vocabulary's logits over every
+             slot of every block are what a training step spends most on (49,152 rows on SmolLM2)
   loss       Σ_j w_j · CE_j / Σ_j w_j, w_j = exp(-(j-1)/γ) (paper Eq. 4: early slots matter more, since a
              draft is accepted only up to its first miss)
 
@@ -24,7 +28,8 @@ At inference the draft keeps the context keys/values of every committed position
 entry per verified token and layer) and runs one forward of B queries per step.
 
 The target's embedding and lm_head are attached by reference (`attach_target`): not parameters, not trained,
-not saved; exports name neither (the serving stacks share the target's).
+not saved; exports name neither (the serving stacks share the target's). A draft with its own reduced lm_head
+saves it with d2t/t2d (buffers, the serving stacks' names), and vLLM loads all three.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from torch import nn
 
 from draftsmith import artifact
 from draftsmith.errors import ConfigError
+from draftsmith.heads.vocab import check_draft_vocab
 from draftsmith.storage import read_json
 from draftsmith.targets.families import (
     attention_dims,
@@ -82,6 +88,7 @@ class DFlashConfig:
     block_size: int
     mask_token_id: int
     layer_config: dict = field(default_factory=dict)  # one draft layer: Qwen3 field names (`layer_config_dict`)
+    draft_vocab_size: int | None = None  # an own lm_head over this many tokens; None: the target's lm_head
 
     def __post_init__(self):
         if list(self.target_layers) != sorted(set(self.target_layers)) or not self.target_layers:
@@ -93,6 +100,13 @@ class DFlashConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id must be a row of the target's embedding (0..{self.vocab_size - 1}), "
                              f"got {self.mask_token_id}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size - 1} (below the target's vocabulary; "
+                             f"null shares the target's lm_head), got {self.draft_vocab_size}")
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size is not None
 
 
 def layer_config_dict(target_config) -> dict:
@@ -216,21 +230,37 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(H, c["rms_norm_eps"])
         self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(config.num_layers))
         self.norm = RMSNorm(H, c["rms_norm_eps"])
+        if config.reduced_vocab:  # the serving stacks' names: lm_head.weight, d2t, t2d
+            self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.rotary = Rotary(c)
         object.__setattr__(self, "_embed", None)  # the target's frozen modules, by reference
         object.__setattr__(self, "_head", None)
 
     @classmethod
     def from_target(cls, target_model, target_layers: list[int], num_layers: int, block_size: int,
-                    mask_token_id: int, init_std: float = 0.02) -> DFlashDraft:
+                    mask_token_id: int, init_std: float = 0.02,
+                    draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> DFlashDraft:
+        """A fresh draft for `target_model`; with `draft_vocab` = (d2t, t2d) (heads.vocab.draft_vocabulary) an own
+        lm_head over those tokens, started as the target's rows of them (the draft then starts out reading its
+        outputs the way the shared head would)."""
         tc = text_config(target_model.config)
         config = DFlashConfig(tc.hidden_size, tc.vocab_size, list(target_layers), num_layers, block_size,
-                              mask_token_id, layer_config_dict(target_model.config))
+                              mask_token_id, layer_config_dict(target_model.config),
+                              int(draft_vocab[0].numel()) if draft_vocab is not None else None)
         draft = cls(config)
         with torch.no_grad():  # the reference's init: normal(0, std) projections, unit norms
             for m in draft.modules():
                 if isinstance(m, nn.Linear):
                     m.weight.normal_(0.0, init_std)
+            if draft_vocab is not None:
+                d2t, t2d = draft_vocab
+                check_draft_vocab(d2t, t2d)
+                draft.d2t.copy_(d2t)
+                draft.t2d.copy_(t2d)
+                w = whole(lm_head(target_model)).weight
+                draft.lm_head.weight.copy_(w[t2d.to(w.device)].to(draft.lm_head.weight))
         draft.attach_target(target_model)
         return draft
 
@@ -249,15 +279,27 @@ class DFlashDraft(nn.Module):
             return embedding_rows(self._embed, ids).to(self._dtype)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
-        """[.., H] block outputs -> [.., V] through the final norm and the target's frozen lm_head."""
+        """[.., H] block outputs -> [.., V] through the final norm and the target's frozen lm_head, or [.., N]
+        through the draft's own lm_head over its reduced vocabulary (`to_target_ids` maps their argmax)."""
+        if self.config.reduced_vocab:
+            return self.lm_head(self.norm(z))
         if self._head is None:
             raise ConfigError("this DFlash draft has no target lm_head: call attach_target(target_model) first")
         w = self._head.weight
         return rows_linear(self.norm(z).to(w.dtype), w)
 
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Ids of `logits`' vocabulary -> target ids (target_id = draft_id + d2t[draft_id]; identity without a
+        reduced vocabulary)."""
+        return ids + self.d2t[ids] if self.config.reduced_vocab else ids
+
     def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's own logits from its post-norm last hidden state (the KD teacher)."""
+        """The target's own logits from its post-norm last hidden state (the KD teacher), over the vocabulary
+        `logits` predicts: with a reduced one, the target's rows of its tokens (the teacher renormalised over
+        them, as EAGLE-3's is)."""
         w = self._head.weight
+        if self.config.reduced_vocab:
+            w = w[self.t2d.to(w.device)]
         return rows_linear(last_hidden.to(w.dtype), w)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -350,22 +392,37 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
 
 
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Position-weighted cross-entropy over the selected slots: logits [n, V], labels [n], slots [n] (the slot
-    index j of each), weights [bs]. With `teacher` [n, V] (the target's logits where slot j is verified), the
-    soft cross-entropy against its distribution replaces the hard label. Metrics: the loss, top-1 accuracy
-    against the label overall and per slot (`slot{j}/acc`: what acceptance at depth j follows)."""
+                teacher: torch.Tensor | None = None, vocab: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Position-weighted cross-entropy over the selected slots: logits [n, V'], labels [n] (target ids), slots
+    [n] (the slot index j of each), weights [bs]. With `teacher` [n, V'] (the target's logits where slot j is
+    verified, on the same vocabulary), the soft cross-entropy against its distribution replaces the hard label.
+
+    `vocab` = (d2t, index) for logits over a reduced draft vocabulary (index: target id -> draft id or -1,
+    heads.vocab.draft_index): a label outside it cannot be predicted, so with hard labels it leaves the loss
+    (`outside`: the fraction of slots whose label is outside, as a draft it caps acceptance at); the teacher,
+    restricted to the draft vocabulary, still teaches there. Metrics: the loss, top-1 accuracy against the
+    label (a label outside the vocabulary is a miss) overall and per slot (`slot{j}/acc`: what acceptance at
+    depth j follows)."""
     w = weights.to(logits.device)[slots]
+    draft_labels, inside = labels, torch.ones_like(labels, dtype=torch.bool)
+    if vocab is not None:
+        draft_labels = vocab[1].to(labels.device)[labels]
+        inside = draft_labels >= 0
     if teacher is None:
-        ce = F.cross_entropy(logits.float(), labels, reduction="none")
+        w = w * inside
+        ce = F.cross_entropy(logits.float(), draft_labels.clamp(min=0), reduction="none")
     else:
         ce = -(F.softmax(teacher.float(), -1) * F.log_softmax(logits.float(), -1)).sum(-1)
-    total = w.sum()
-    loss = (ce * w).sum() / total if logits.shape[0] else logits.sum() * 0.0
-    metrics = {"ce": float(ce.detach().mean()) if ce.numel() else 0.0}
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-12)  # 0, with a graph, where no slot is learned
+    learned = ce[w > 0]
+    metrics = {"ce": float(learned.detach().mean()) if learned.numel() else 0.0}
     with torch.no_grad():
-        right = logits.argmax(-1) == labels
+        pred = logits.argmax(-1)
+        right = (pred + vocab[0].to(pred.device)[pred] if vocab is not None else pred) == labels
         metrics["acc"] = float(right.float().mean()) if right.numel() else 0.0
+        if vocab is not None:
+            metrics["outside"] = float((~inside).float().mean()) if inside.numel() else 0.0
         for j in range(1, weights.numel()):
             at = slots == j
             if at.any():

@@ -12,6 +12,10 @@ children of every node of the previous slot, kept by path probability like EAGLE
 forward gives every slot's distribution at once, so the tree costs no extra draft forward, only verified
 nodes. Candidates are deterministic given the context, so proposals carry q = None: the verifier's
 "sample y ~ p, follow the child equal to y" rule keeps sampling lossless.
+
+A draft with a reduced vocabulary (`draft_vocab_size`) ranks its own N tokens; the chosen ids are mapped to
+target ids through d2t before the verifier sees them (a token outside the vocabulary is never proposed, so
+it is only ever a rejection: greedy output stays the target's).
 """
 
 from __future__ import annotations
@@ -100,7 +104,8 @@ class DFlashProposer(Proposer):
     # --- drafting -----------------------------------------------------------------------------------
     @torch.no_grad()
     def block_logits(self, context: torch.Tensor) -> torch.Tensor:
-        """[B-1, V] logits of slots 1..B-1 of the block anchored at the pending token."""
+        """[B-1, V] logits of slots 1..B-1 of the block anchored at the pending token ([B-1, N] over a reduced
+        draft vocabulary: `draft.to_target_ids` maps their ids)."""
         self._enter_committed()
         n = context.numel()
         if self.cache is None or self.n_done != n - 1:
@@ -120,7 +125,7 @@ class DFlashProposer(Proposer):
             return Proposal.empty(device)
         logits = self.block_logits(context)[:depth]
         if spec.is_chain or not self.tree:
-            return Proposal.chain(logits.argmax(-1), device=device)
+            return Proposal.chain(self.draft.to_target_ids(logits.argmax(-1)), device=device)
         return self._tree(logits, spec, device)
 
     def _tree(self, logits: torch.Tensor, spec: TreeSpec, device) -> Proposal:
@@ -129,6 +134,7 @@ class DFlashProposer(Proposer):
         exceeds its parent's)."""
         budget = min(spec.max_nodes or self.max_nodes, spec.capacity())
         logp, ids = torch.log_softmax(logits.float(), -1).topk(min(self.topk, logits.shape[-1]), dim=-1)
+        ids = self.draft.to_target_ids(ids)
         tok, parent, score = [], [], []
         frontier = [(-1, 0.0)]
         for d in range(logits.shape[0]):

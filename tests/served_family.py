@@ -15,6 +15,7 @@ PROMPTS = ["What is the capital of France?", "def add(a, b):", "How many clips d
            "The quick brown fox", "import os"]
 K = 3  # chain length on the tiny targets (the Medusa heads trained there are 3)
 KINDS = ("eagle3", "eagle31", "eagle1", "medusa", "draft", "dflash")  # what draftsmith exports for vLLM; "ngram": vLLM's control
+DRAFT_VOCAB = 128  # of the tiny targets' 320 tokens: the reduced vocabularies (EAGLE-3's, DFlash's "dflash-vocab")
 
 
 def _train_cfg(tmp: Path, name: str, steps: int):
@@ -87,26 +88,21 @@ class TinyFamily:
             # EAGLE-3 features: draftsmith ids 0, 1, 2 (outputs of layers 0-2) = vLLM ids 1, 2, 3
             ecfg = EagleJobConfig(target=str(self.folder), data="in-memory", output=str(tmp / version), version=version,
                                   target_layers=[0, 1, 2] if version == "eagle3" else None,
-                                  ttt_steps=2 if version == "eagle3" else 1, draft_vocab_size=128, max_length=64,
+                                  ttt_steps=2 if version == "eagle3" else 1, draft_vocab_size=DRAFT_VOCAB, max_length=64,
                                   train=_train_cfg(tmp, version, steps), evaluate=no_eval)
             self.artifacts[version] = Path(train(EagleJob(ecfg, self.target, rows), ecfg.train).artifact)
         if "eagle1" in kinds:
             self.artifacts["eagle1"] = _zero_fc_bias(self.artifacts["eagle1"], self.target)
         if "eagle31" in kinds:  # EAGLE-3.1: a norm per fused layer, later steps read the normalised output
             ecfg = EagleJobConfig(target=str(self.folder), data="in-memory", output=str(tmp / "eagle31"),
-                                  target_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=128, max_length=64,
+                                  target_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=DRAFT_VOCAB, max_length=64,
                                   fc_norm=True, norm_output=True, train=_train_cfg(tmp, "eagle31", steps),
                                   evaluate=no_eval)
             self.artifacts["eagle31"] = Path(train(EagleJob(ecfg, self.target, rows), ecfg.train).artifact)
         if "dflash" in kinds:
-            from draftsmith.dflash.job import DFlashJob, DFlashJobConfig
-
-            # two draft layers: vLLM's multi-layer context path (its CPU kernel needed a fix, export/vllm_run.py)
-            fcfg = DFlashJobConfig(target=str(self.folder), data="in-memory", output=str(tmp / "dflash"), num_layers=2,
-                                   block_size=K + 1, target_layers=[0, 1, 2], anchors_per_row=8, max_length=64,
-                                   train=_train_cfg(tmp, "dflash", steps), evaluate=no_eval)
-            self.artifacts["dflash"] = _distinct_k_norms(Path(train(DFlashJob(fcfg, self.target, rows), fcfg.train).artifact),
-                                                         self.target)
+            self.artifacts["dflash"] = self._dflash("dflash", rows, steps)
+        if "dflash-vocab" in kinds:  # an own lm_head over a reduced vocabulary, d2t mapping it (not in KINDS)
+            self.artifacts["dflash-vocab"] = self._dflash("dflash-vocab", rows, steps, draft_vocab_size=DRAFT_VOCAB)
         if "draft" in kinds:
             dcfg = DistillConfig()
             dcfg.target, dcfg.train = str(self.folder), _train_cfg(tmp, "distill", steps)
@@ -115,6 +111,19 @@ class TinyFamily:
             self.artifacts["draft"] = Path(run("draft", dcfg, target=self.target, rows=rows).artifact)
         self.prompts = _prompt_file(tmp)
         self.plain: dict | None = None  # vLLM without speculation on these prompts, shared by the kinds
+
+    def _dflash(self, name: str, rows, steps: int, **options) -> Path:
+        """A DFlash draft of two layers: vLLM's multi-layer context path (its CPU kernel needed a fix,
+        export/vllm_run.py), with distinct k_norms."""
+        from draftsmith.dflash.job import DFlashJob, DFlashJobConfig
+        from draftsmith.evaluation.after_training import EvalAfterTraining
+        from draftsmith.training import train
+
+        cfg = DFlashJobConfig(target=str(self.folder), data="in-memory", output=str(self.tmp / name), num_layers=2,
+                              block_size=K + 1, target_layers=[0, 1, 2], anchors_per_row=8, max_length=64,
+                              train=_train_cfg(self.tmp, name, steps), evaluate=EvalAfterTraining(enabled=False),
+                              **options)
+        return _distinct_k_norms(Path(train(DFlashJob(cfg, self.target, rows), cfg.train).artifact), self.target)
 
     def export(self, kind: str):
         """The artifact exported for vLLM (an ExportResult: its checks and warnings)."""

