@@ -147,18 +147,25 @@ def hf_greedy(target, prompts, n):
     return out
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_speculative_greedy_equals_hf_generate(trained, target4, tree):
+def decode_rows(target, artifact, rows, tree: bool):
+    """Greedy speculative decoding of the first rows' 4-token prompts (and a 1-token one), 16 new tokens, with the
+    DFlash draft at `artifact` as a chain of the block or a tree; checked equal to transformers' generate."""
     from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
 
-    _, result, rows = trained
-    proposer = build_proposer(f"dflash:{result.artifact}", target4, tree=tree, topk=2, max_nodes=8)
+    proposer = build_proposer(f"dflash:{artifact}", target, tree=tree, topk=2, max_nodes=8)
     prompts = [r["input_ids"][:4] for r in rows[:3]] + [[5]]
     spec = proposer.default_tree_spec()
-    fast = speculative_generate(target4, proposer, prompts, 16, k=None if tree else BS - 1,
+    fast = speculative_generate(target, proposer, prompts, 16, k=None if tree else BS - 1,
                                 tree=spec if tree else None, eos_ids=[])
-    assert fast.tokens == hf_greedy(target4, prompts, 16)
+    assert fast.tokens == hf_greedy(target, prompts, 16)
+    return fast, prompts
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculative_greedy_equals_hf_generate(trained, target4, tree):
+    _, result, rows = trained
+    fast, prompts = decode_rows(target4, result.artifact, rows, tree)
     assert fast.stats.tau > 1.5  # trained on these very continuations: whole blocks are accepted
     assert fast.stats.target_forwards < 16 * len(prompts)
 
@@ -340,16 +347,8 @@ def test_a_reduced_vocabulary_draft_trains_and_saves_its_own_head(trained_vocab,
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_a_reduced_vocabulary_draft_decodes_losslessly(trained_vocab, target4, tree):
-    from draftsmith.decoding.factory import build_proposer
-    from draftsmith.decoding.generate import speculative_generate
-
     _, result, rows = trained_vocab
-    proposer = build_proposer(f"dflash:{result.artifact}", target4, tree=tree, topk=2, max_nodes=8)
-    prompts = [r["input_ids"][:4] for r in rows[:3]] + [[5]]
-    spec = proposer.default_tree_spec()
-    fast = speculative_generate(target4, proposer, prompts, 16, k=None if tree else BS - 1,
-                                tree=spec if tree else None, eos_ids=[])
-    assert fast.tokens == hf_greedy(target4, prompts, 16)
+    fast, _ = decode_rows(target4, result.artifact, rows, tree)
     assert fast.stats.tau > 1.3  # ids mapped back through d2t: whole blocks still accepted
 
 
