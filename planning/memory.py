@@ -123,6 +123,17 @@ def kv_bytes_per_token(config, dtype_bytes: int, context: int) -> float:
     return layers * per_layer_token
 
 
+def _attention_width(c, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Values per token of one layer's q, k, v and attention output. Multi-head latent attention (DeepSeek-V3)
+    expands every head's query and key to qk_nope + qk_rope dims and its value to v_head_dim from the latents it
+    also holds (q_lora_rank, kv_lora_rank + qk_rope_head_dim): wider than head_dim says (192 / 128 against 64)."""
+    if not getattr(c, "kv_lora_rank", None):
+        return (heads + 2 * kv_heads) * head_dim + heads * head_dim
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    latents = (getattr(c, "q_lora_rank", None) or 0) + c.kv_lora_rank + c.qk_rope_head_dim
+    return heads * (2 * qk + 2 * c.v_head_dim) + latents
+
+
 def activation_bytes(config, tokens: int, sampled: int, dtype_bytes: int) -> int:
     """One forward's transient workspace for `tokens` tokens in flight, `sampled` of them through lm_head."""
     c = text_config(config)
@@ -130,8 +141,7 @@ def activation_bytes(config, tokens: int, sampled: int, dtype_bytes: int) -> int
     heads, kv_heads, head_dim = attention_dims(c)
     inter = mlp_width(c)
     per_token = (2 * h  # residual + normed input
-                 + (heads + 2 * kv_heads) * head_dim  # q, k, v
-                 + heads * head_dim  # attention output
+                 + _attention_width(c, heads, kv_heads, head_dim)  # q, k, v and the attention output
                  + 3 * inter)  # gate, up, act(gate) * up
     return tokens * per_token * dtype_bytes + sampled * c.vocab_size * 4  # logits in fp32
 

@@ -126,7 +126,7 @@ def test_plan_counts_every_expert_as_weights_and_the_routed_ones_as_compute(name
     256 routed experts and the shared one in 58 layers, 3 dense layers, latent attention, both embeddings.
     Weights are the total (every expert held), the per-token FLOPs the active count."""
     from draftsmith.distill.builders import size_report
-    from draftsmith.planning.memory import ArtifactShape, mlp_width, param_counts, plan
+    from draftsmith.planning.memory import ArtifactShape, activation_bytes, mlp_width, param_counts, plan
 
     cfg = _published(name)
     n_total, n_active = param_counts(cfg)
@@ -142,6 +142,11 @@ def test_plan_counts_every_expert_as_weights_and_the_routed_ones_as_compute(name
     # a token's MLP workspace is that of its routed experts (and shared ones): Qwen3-MoE 8 x 768, gpt-oss 4 x 2880,
     # DeepSeek-V3 8 x 2048 + 1 x 2048 (as wide as its dense layers' 18,432)
     assert mlp_width(cfg) == {"Q": 8 * 768, "g": 4 * 2880, "D": 9 * 2048}[name[0]]
+    # one token's attention workspace: DeepSeek-V3's 128 heads of q and k at 192 dims and v and output at 128, and
+    # its latents (1,536 for q, 512 + 64 for k and v); the others' q, k, v and output at head_dim
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    attention = 128 * (2 * 192 + 2 * 128) + 1536 + 512 + 64 if name[0] == "D" else (2 * heads + 2 * kv) * cfg.head_dim
+    assert activation_bytes(cfg, 1, 0, 1) == 2 * cfg.hidden_size + attention + 3 * mlp_width(cfg)
 
 
 def test_sharded_training_divides_every_expert_and_gathers_a_whole_layer():
