@@ -52,7 +52,7 @@ from draftsmith.evaluation.domains import (
     load_prompts,
     only_domains,
 )
-from draftsmith.evaluation.limits import check_prompt_files, fit_context
+from draftsmith.evaluation.limits import check_prompt_files, fit_context, leave_out_long
 from draftsmith.evaluation.turns import Conversation
 from draftsmith.targets import gemm
 from draftsmith.targets.device import dtype_name
@@ -250,6 +250,7 @@ class Setup:
     tree_cost: dict | None = None
     turns: list[int] | None = None  # turns measured per row (evaluation/turns.py); None: one each
     turns_cut: list[dict] = dataclasses.field(default_factory=list)  # rows the context cut short, with why
+    left_out: list[dict] = dataclasses.field(default_factory=list)  # shipped prompts longer than the context
 
     @property
     def main(self) -> Entry:
@@ -362,6 +363,15 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     files = cfg.prompts or [str(p) for p in default_prompt_files(cfg.split)]
     check_prompt_files(files)
     rows = only_domains(load_prompts(files, cfg.limit_per_domain, cfg.seed), cfg.domains, files)
+    left_out: list[dict] = []
+    if not cfg.prompts:  # the shipped sets: a short-context target is measured on what it can read
+        rows, left_out = leave_out_long(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs)
+        if left_out:
+            log.warning("%d shipped prompts left out: longer than the target's context (%s, ...)", len(left_out),
+                        left_out[0]["reason"])
+        if not rows:
+            raise ConfigError(f"no shipped eval prompt fits the target's context with max_new_tokens "
+                              f"{cfg.max_new_tokens} ({left_out[0]['reason']}, ...)")
     turns, turns_cut = fit_context(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs, cfg.turns)
     for c in turns_cut:
         log.warning("prompt %s: measured on %d of its %d turns: %s", c["prompt"], c["measured"], c["turns"],
@@ -379,7 +389,8 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     entries += [_compare(s, target, cfg, drafts_in) for s in cfg.compare]
     setup = Setup(cfg, target, original_target, prop, spec, rows, files,
                   dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos), entries,
-                  assistant=prop.assistant_model if cfg.hf_reference else None, turns=turns, turns_cut=turns_cut)
+                  assistant=prop.assistant_model if cfg.hf_reference else None, turns=turns, turns_cut=turns_cut,
+                  left_out=left_out)
     if cfg.prune_tree and not spec.is_chain:
         _cut_trees(setup)
     # the GPU-sized shape beside the proposer's own, tree or chain (DFlash's own shape is its block's chain)
@@ -826,7 +837,7 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
             "split": None if cfg.prompts else cfg.split, "domains": list(cfg.domains), "repeats": cfg.repeats, "remeasure": cfg.remeasure,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
             "chat_template_kwargs": dict(cfg.chat_template_kwargs),
-            "turns": cfg.turns, "turns_cut": list(setup.turns_cut),
+            "turns": cfg.turns, "turns_cut": list(setup.turns_cut), "left_out": list(setup.left_out),
             "gpu_tree": next(({"tree": list(e.kw["tree"].branching), "tree_max_nodes": e.kw["tree"].max_nodes}
                               for e in setup.entries if e.name == "gpu_tree"), None),
             "draft_dtype": setup.main.draft_dtype,  # None: the proposer has no network to cast

@@ -20,6 +20,25 @@ def check_prompt_files(files: list[str]) -> None:
             raise ConfigError(f"--prompts {f}: a folder, not a prompt file (give its .jsonl files)")
 
 
+def leave_out_long(target, rows: list[EvalPrompt], max_new_tokens: int,
+                   template_kwargs: dict | None = None) -> tuple[list[EvalPrompt], list[dict]]:
+    """The shipped eval sets hold prompts of up to ~2,700 tokens (questions over long passages): a target of a
+    shorter context is measured on the prompts it can read, and each one left out is returned with its reason
+    (the report keeps them). Prompt files a user names are not filtered: `fit_context` refuses a long one."""
+    ctx = context_window(target)
+    if ctx is None:
+        return rows, []
+    kept, left = [], []
+    for row in rows:
+        n = len(format_prompt(target.tokenizer, row.text, template_kwargs))
+        if n + max_new_tokens > ctx:
+            left.append({"prompt": row.source, "domain": row.domain,
+                         "reason": f"{n} prompt tokens + max_new_tokens {max_new_tokens} > the target's context {ctx}"})
+        else:
+            kept.append(row)
+    return kept, left
+
+
 def fit_context(target, rows: list[EvalPrompt], max_new_tokens: int, template_kwargs: dict | None = None,
                 turns: str = "all") -> tuple[list[int], list[dict]]:
     """How many turns of each row are measured, and the rows cut short, each with a one-line reason.

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from draftsmith.decoding import cost
+from draftsmith.errors import ConfigError
 from draftsmith.evaluation.domains import canonical_domain, load_prompts
 
 DOMAIN_FIELDS = ["n_prompts", "alpha", "tau", "per_position_acceptance", "tokens_per_s", "baseline_tokens_per_s",
@@ -69,6 +70,22 @@ def test_only_some_domains_are_the_same_prompts_as_in_a_run_over_all(prompt_file
         only_domains(every, ["translation"], prompt_files)
     cfg = build_config(build_parser().parse_args(["evaluate", "--domains", "math", "code"]))
     assert cfg.domains == ["math", "code"]
+
+
+def test_shipped_prompts_longer_than_the_context_are_left_out_with_why(tiny_target):
+    """A short-context target is measured on the shipped prompts it can read; each one left out keeps its reason
+    (the report's settings.left_out). Prompt files a user names are refused instead (fit_context)."""
+    from draftsmith.evaluation.domains import EvalPrompt
+    from draftsmith.evaluation.limits import fit_context, leave_out_long
+
+    ctx = tiny_target.model.config.max_position_embeddings
+    rows = [EvalPrompt("rag", "word " * (2 * ctx), "rag.jsonl:1"), EvalPrompt("general", "Say hi.", "alpaca.jsonl:1")]
+    kept, left = leave_out_long(tiny_target, rows, 8)
+    assert [r.source for r in kept] == ["alpaca.jsonl:1"]
+    assert left[0]["prompt"] == "rag.jsonl:1" and left[0]["domain"] == "rag"
+    assert left[0]["reason"].endswith(f"+ max_new_tokens 8 > the target's context {ctx}")
+    with pytest.raises(ConfigError, match="prompt rag.jsonl:1: a prompt of .* more than the target's context"):
+        fit_context(tiny_target, rows, 8)
 
 
 def test_cost_arithmetic():
@@ -371,7 +388,7 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
         "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",
-        "compare_settings", "split", "domains", "repeats", "remeasure", "chat_template_kwargs", "turns", "turns_cut"}
+        "compare_settings", "split", "domains", "repeats", "remeasure", "chat_template_kwargs", "turns", "turns_cut", "left_out"}
     overall = {"n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance",
                "conditional_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
                "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_plain", "fastest_plain", "n_timed",
