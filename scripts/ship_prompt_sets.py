@@ -235,21 +235,29 @@ def translation_rows(english: str, langs: dict[str, str]) -> list[dict]:
 def long_passage_rows(t0_dir: Path, shipped: set[str]) -> list[dict]:
     """Summaries (`summarization`) and answers from passages (`rag`) of 150-700 words from the P3 templates'
     rows that train/t0_prompts.jsonl.gz does not ship."""
+    def domain_of(template: str) -> str | None:
+        return "summarization" if re.search(SUMMARY_TEMPLATES, template) else \
+            "rag" if re.search(RAG_TEMPLATES, template) else None
+
+    return _t0_rows(t0_dir, domain_of, LONG_WORDS, shipped)
+
+
+def _t0_rows(t0_dir: Path, domain_of, words: tuple[int, int], shipped: set[str]) -> list[dict]:
+    """The rows of the P3 template files whose domain_of(template) is not None, of words[0]-words[1] words, that
+    `shipped` does not hold; each taken prompt joins `shipped` (a prompt two templates render alike is kept once)."""
     rows = []
     for path in sorted(t0_dir.glob("*.jsonl")):
-        template = path.stem
-        domain = "summarization" if re.search(SUMMARY_TEMPLATES, template) else \
-            "rag" if re.search(RAG_TEMPLATES, template) else None
+        domain = domain_of(path.stem)
         if domain is None:
             continue
         for line in path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             prompt = row["prompt"].strip()
-            if prompt in shipped or not LONG_WORDS[0] <= len(prompt.split()) <= LONG_WORDS[1]:
+            if prompt in shipped or not words[0] <= len(prompt.split()) <= words[1]:
                 continue
-            shipped.add(prompt)  # a prompt two templates render alike is kept once
+            shipped.add(prompt)
             rows.append({"id": hashlib.sha256(prompt.encode()).hexdigest()[:16], "domain": domain,
-                         "source": f"t0/{template}", "prompt": prompt, "reference": row["completion"].strip()})
+                         "source": f"t0/{path.stem}", "prompt": prompt, "reference": row["completion"].strip()})
     return rows
 
 
@@ -405,18 +413,8 @@ def rag_eval_rows(t0_dir: Path, unused: list[dict], shipped: set[str]) -> dict[s
     RAG_EVAL_WORDS words, and the unused rows of RAG_TEMPLATES. One passage stays on one side: it goes to the
     split of its key (split_of), and only its rows whose own id splits the same way are taken, at most
     RAG_PER_PASSAGE, so the manifest's rule still places every row."""
-    rows = list(unused)
-    for path in sorted(t0_dir.glob("*.jsonl")):
-        if not re.search(RAG_EVAL_TEMPLATES, path.stem):
-            continue
-        for line in path.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            prompt = row["prompt"].strip()
-            if prompt in shipped or not RAG_EVAL_WORDS[0] <= len(prompt.split()) <= RAG_EVAL_WORDS[1]:
-                continue
-            shipped.add(prompt)
-            rows.append({"id": hashlib.sha256(prompt.encode()).hexdigest()[:16], "domain": "rag",
-                         "source": f"t0/{path.stem}", "prompt": prompt, "reference": row["completion"].strip()})
+    rows = list(unused) + _t0_rows(t0_dir, lambda t: "rag" if re.search(RAG_EVAL_TEMPLATES, t) else None,
+                                   RAG_EVAL_WORDS, shipped)
     held: dict[str, list[dict]] = {"dev": [], "test": []}
     taken: dict[str, int] = {}
     for r in sorted(rows, key=lambda r: _bucket("order", r["id"])):
