@@ -155,6 +155,8 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, tmp_path):
     summary = log[-1]
     assert summary["type"] == "summary" and summary["resumed_from"].endswith(f"step-{killed_at:08d}")
     assert summary["steps_this_run"] == 12 - killed_at
+    # its training time counts the killed run's steps (0.15 s of sleep each) too, not only this run's
+    assert summary["train_seconds"] >= killed_at * 0.15 and summary["train_seconds"] > summary["wall_s"]
     assert_same_weights(weights(out / "artifact"), weights(ref_out / "artifact"))
     for k in ("eval/loss", "eval/top1", "train/loss", "train/top1"):
         assert summary[k] == pytest.approx(ref.metrics[k], rel=1e-5, abs=1e-6), k

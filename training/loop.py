@@ -269,6 +269,10 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.empty_total = 0
         self.updates_total = 0
+        # seconds of training loop the steps so far took, over every resumed run (None: a resumed checkpoint
+        # predates the count, so the total is not known); this run's share is added as it goes
+        self.seconds_before: float | None = 0.0
+        self.run_t0 = time.perf_counter()
         self.recent_losses: deque[float] = deque(maxlen=EXPLODE_WINDOW)
         self.tokens_total = 0
         self.last_eval: dict[str, float] = {}
@@ -350,6 +354,7 @@ class Trainer:
         self.tokens_total = st["tokens_total"]
         self.empty_total = st.get("empty_total", 0)
         self.updates_total = st.get("updates_total", self.step)  # older checkpoints: assume every step updated
+        self.seconds_before = st.get("train_seconds")
         self.last_eval, self.last_train = st["last_eval"], st["last_train"]
         if self.rank < len(self.loaded.rng_json):  # a rank the writing run did not have starts its own stream
             ckpt.restore_rng(self.loaded.rng_json[self.rank], self.loaded.rng_tensors[self.rank])
@@ -620,9 +625,16 @@ class Trainer:
                 "batch_size": self.cfg.batch_size, "nonfinite_total": self.nonfinite_total,
                 "nonfinite_in_row": self.nonfinite_in_row, "tokens_total": self.tokens_total,
                 "empty_total": self.empty_total, "updates_total": self.updates_total,
+                "train_seconds": self._train_seconds(),
                 "data": self._data_identity(), "length_group": self.length_group,
                 "last_eval": self.last_eval, "last_train": self.last_train, "config": to_dict(self.cfg),
                 "job_config": self._job_config(), "trackers": self.logger.state if self.main else {}}
+
+    def _train_seconds(self) -> float | None:
+        """The loop's seconds over every run that took the steps so far (None when an earlier run's are unknown)."""
+        if self.seconds_before is None:
+            return None
+        return self.seconds_before + time.perf_counter() - self.run_t0
 
     def _job_config(self) -> dict:
         """The job's own settings (loss weights, lengths, head shape ...) as dotted keys, JSON values; its
@@ -697,7 +709,7 @@ class Trainer:
             self.bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.job.kind}",
                             unit="step", dynamic_ncols=True)
         batches = self._micro_batches()
-        t0 = time.perf_counter()
+        t0 = self.run_t0 = time.perf_counter()
         start_step = self.step
         try:
             while self.step < self.total_steps:
@@ -718,7 +730,8 @@ class Trainer:
         final_eval = self.evaluate()
         elapsed = time.perf_counter() - t0
         metrics = {**final_eval, **self.last_train, "steps": self.step, "nonfinite_steps": self.nonfinite_total,
-                   "empty_batches": self.empty_total, "tokens": self.tokens_total}
+                   "empty_batches": self.empty_total, "tokens": self.tokens_total,
+                   "train_seconds": self._train_seconds(), "steps_this_run": self.step - start_step}
         if self.resume_changes:  # the manifest says which values held before the resume and which after
             metrics["resume_changes"] = self.resume_changes
         summary = {"type": "summary", "step": self.step, **metrics, "wall_s": elapsed,
