@@ -744,7 +744,9 @@ def judge_timing(per_prompt: list[dict], v, hf: bool) -> None:
         for key in keys:
             st = _entry_stats(rec, key)
             if not (base_quiet and quiet.get(names.get(key, f"cmp:{key}"), True)):
-                invalid[key] = "other processes used the CPU during its measurements (re-measured, still busy)"
+                rounds = rec["timing"].get("rounds")
+                invalid[key] = ("other processes used the CPU during its measurements"
+                                + (f" (still busy after {rounds} rounds)" if rounds else ""))
             else:
                 b = rec["base"]
                 s = (st.new_tokens / st.wall_time) / (b.new_tokens / b.wall_time) \
