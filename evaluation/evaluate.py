@@ -745,8 +745,8 @@ def judge_timing(per_prompt: list[dict], v, hf: bool) -> None:
             st = _entry_stats(rec, key)
             if not (base_quiet and quiet.get(names.get(key, f"cmp:{key}"), True)):
                 rounds = rec["timing"].get("rounds")
-                invalid[key] = ("other processes used the CPU during its measurements"
-                                + (f" (still busy after {rounds} rounds)" if rounds else ""))
+                invalid[key] = ("other processes kept the CPU busy during its measurements"
+                                + (f" ({rounds} round{'s' if rounds != 1 else ''})" if rounds else ""))
             else:
                 b = rec["base"]
                 s = (st.new_tokens / st.wall_time) / (b.new_tokens / b.wall_time) \
