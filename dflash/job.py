@@ -215,7 +215,7 @@ class DFlashJob(Job):
             with torch.no_grad():
                 teacher = draft.target_logits(feats["last_hidden"][rows[valid], pos[valid]])
         vocab = (draft.d2t, self.vocab[2]) if draft.config.reduced_vocab else None
-        return dflash_loss(logits, labels[valid], slots, self.weights, teacher, vocab)
+        return dflash_loss(logits, labels[valid], slots, self.weights, teacher, vocab, blocks=valid)
 
     def row_generators(self, batch) -> list[torch.Generator] | torch.Generator:
         """A row's anchors are drawn from (seed, row id, epoch) (`Job.epoch`, set by the loop), so they do not

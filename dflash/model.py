@@ -392,8 +392,8 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
 
 
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                teacher: torch.Tensor | None = None, vocab: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                teacher: torch.Tensor | None = None, vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
+                blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Position-weighted cross-entropy over the selected slots: logits [n, V'], labels [n] (target ids), slots
     [n] (the slot index j of each), weights [bs]. With `teacher` [n, V'] (the target's logits where slot j is
     verified, on the same vocabulary), the soft cross-entropy against its distribution replaces the hard label.
@@ -403,7 +403,10 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor,
     (`outside`: the fraction of slots whose label is outside, as a draft it caps acceptance at); the teacher,
     restricted to the draft vocabulary, still teaches there. Metrics: the loss, top-1 accuracy against the
     label (a label outside the vocabulary is a miss) overall and per slot (`slot{j}/acc`: what acceptance at
-    depth j follows)."""
+    depth j follows). With `blocks` (bool [B, n, bs], the `valid` mask whose True slots are the rows of
+    `logits`, in order), `tau`: 1 + the mean run of correct slots from slot 1 on, over the blocks whose every
+    slot is learned — the accepted length of the block's chain under greedy verification, held out here, where
+    the per-slot accuracies say only how often each slot is right on its own."""
     w = weights.to(logits.device)[slots]
     draft_labels, inside = labels, torch.ones_like(labels, dtype=torch.bool)
     if vocab is not None:
@@ -427,7 +430,23 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor,
             at = slots == j
             if at.any():
                 metrics[f"slot{j}/acc"] = float(right[at].float().mean())
+        if blocks is not None:
+            tau = chain_tau(blocks, right)
+            if tau is not None:
+                metrics["tau"] = tau
     return loss, metrics
+
+
+def chain_tau(blocks: torch.Tensor, right: torch.Tensor) -> float | None:
+    """1 + the mean number of leading correct slots (from slot 1) over the blocks of `blocks` (bool [B, n, bs])
+    whose slots 1..bs-1 are all learned; `right` (bool, one per True of `blocks`, in order). None: no such block."""
+    hit = torch.zeros(blocks.shape, dtype=torch.bool, device=right.device)
+    hit[blocks] = right
+    whole = blocks[..., 1:].all(-1)
+    if not bool(whole.any()):
+        return None
+    run = hit[..., 1:][whole].int().cumprod(-1).sum(-1)
+    return 1.0 + float(run.float().mean())
 
 
 def load_dflash(path: str | Path, target=None) -> tuple[DFlashDraft, dict]:

@@ -121,6 +121,8 @@ def test_training_lowers_the_loss_and_logs_slot_accuracy(trained):
     assert logs[-1]["loss"] < 0.6 * logs[0]["loss"]
     assert logs[-1]["slot1/acc"] > logs[0]["slot1/acc"]
     assert all(f"slot{j}/acc" in logs[-1] for j in range(1, BS))
+    assert 1.0 <= logs[0]["tau"] < logs[-1]["tau"] <= BS  # the chain's accepted length, rising
+    assert "tau" in [r for r in result.history if r["type"] == "eval"][-1]  # and held out
 
 
 def test_artifact_round_trip(trained, target4):
@@ -327,6 +329,19 @@ def test_labels_outside_the_draft_vocabulary_leave_the_ce_loss_and_are_counted()
     assert not logits.grad[2].any()
     kd, _ = dflash_loss(logits, labels, torch.tensor([1, 2, 1]), w, teacher=torch.zeros(3, 3), vocab=vocab)
     assert float(kd) > 0  # the teacher, on the draft vocabulary, teaches every slot
+
+
+def test_held_out_tau_is_the_run_of_correct_slots_of_whole_blocks():
+    """`tau`: a chain is accepted up to its first miss, so a block right at slots 1, 2 and 4 accepts 2 drafted
+    tokens (τ 3), however right its later slots are; a block cut by the row's end is left out."""
+    from draftsmith.dflash.model import chain_tau
+
+    blocks = torch.tensor([[[False, True, True, True, True],     # whole: right, right, miss, right -> run 2
+                            [False, True, True, True, True],     # whole: miss first -> run 0
+                            [False, True, True, False, False]]])  # cut by the row's end: left out
+    right = torch.tensor([True, True, False, True, False, True, True, True, True, True])
+    assert chain_tau(blocks, right) == pytest.approx(1 + (2 + 0) / 2)
+    assert chain_tau(blocks[:, 2:], right[8:]) is None
 
 
 def test_a_reduced_vocabulary_draft_trains_and_saves_its_own_head(trained_vocab, target4):
