@@ -709,7 +709,7 @@ class Trainer:
             self.bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train {self.job.kind}",
                             unit="step", dynamic_ncols=True)
         batches = self._micro_batches()
-        t0 = self.run_t0 = time.perf_counter()
+        self.run_t0 = time.perf_counter()
         start_step = self.step
         try:
             while self.step < self.total_steps:
@@ -728,14 +728,14 @@ class Trainer:
             if self.bar is not None:
                 self.bar.close()
         final_eval = self.evaluate()
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - self.run_t0
         metrics = {**final_eval, **self.last_train, "steps": self.step, "nonfinite_steps": self.nonfinite_total,
                    "empty_batches": self.empty_total, "tokens": self.tokens_total,
                    "train_seconds": self._train_seconds(), "steps_this_run": self.step - start_step}
         if self.resume_changes:  # the manifest says which values held before the resume and which after
             metrics["resume_changes"] = self.resume_changes
         summary = {"type": "summary", "step": self.step, **metrics, "wall_s": elapsed,
-                   "steps_this_run": self.step - start_step, "resumed_from": str(self.resume_path or "")}
+                   "resumed_from": str(self.resume_path or "")}
         self.logger.log(summary)
         if self.updates_total == 0:
             self.logger.close()

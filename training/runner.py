@@ -67,8 +67,7 @@ def run(method: str | methods.Method, cfg, *, target=None, rows=None, accelerato
         out = RunResult(Path(result.artifact) if result.artifact is not None else None,
                         time.perf_counter() - t0, result.metrics)
     if out.artifact is not None:  # a resumed run: its own seconds, and the loop's over every run that trained it
-        steps_here = out.metrics.get("steps_this_run", out.metrics.get("steps", 0))
-        resumed = steps_here != out.metrics.get("steps", 0)
+        resumed = out.metrics.get("steps_this_run", 0) != out.metrics.get("steps", 0)
         artifact.update_manifest(out.artifact, train_seconds=out.metrics.get("train_seconds") if resumed
                                  else out.train_seconds, train_seconds_this_run=out.train_seconds)
     if out.artifact is not None and cfg.evaluate.enabled and _is_main_process():
