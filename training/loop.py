@@ -636,6 +636,17 @@ class Trainer:
             return None
         return self.seconds_before + time.perf_counter() - self.run_t0
 
+    def _job_train_seconds(self) -> float | None:
+        """The job's train seconds: the slowest rank's, so every rank reports the one value (a collective)."""
+        secs = self._train_seconds()
+        if self.world == 1 or secs is None:  # None on every rank alike: they resumed from one checkpoint
+            return secs
+        import torch.distributed as dist
+
+        t = torch.tensor([secs], dtype=torch.float64, device=self.acc.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
     def _job_config(self) -> dict:
         """The job's own settings (loss weights, lengths, head shape ...) as dotted keys, JSON values; its
         train settings are compared on their own (RESUMABLE_CHANGES)."""
@@ -731,7 +742,7 @@ class Trainer:
         elapsed = time.perf_counter() - self.run_t0
         metrics = {**final_eval, **self.last_train, "steps": self.step, "nonfinite_steps": self.nonfinite_total,
                    "empty_batches": self.empty_total, "tokens": self.tokens_total,
-                   "train_seconds": self._train_seconds(), "steps_this_run": self.step - start_step}
+                   "train_seconds": self._job_train_seconds(), "steps_this_run": self.step - start_step}
         if self.resume_changes:  # the manifest says which values held before the resume and which after
             metrics["resume_changes"] = self.resume_changes
         summary = {"type": "summary", "step": self.step, **metrics, "wall_s": elapsed,
