@@ -20,6 +20,8 @@ def register(subparsers) -> None:
                                                          "output_dir, keeping every row it holds and its capture")
     gen.add_argument("--grow-from", metavar="DIR", help="copy the finished dataset DIR into output_dir (a new folder) "
                                                         "and grow the copy; DIR stays as it is")
+    gen.add_argument("--resume-from", metavar="PACK", help="first put the rows of a pack (`data pack`) into "
+                                                           "output_dir, then generate only what it does not answer")
     gen.add_argument("--no-progress", action="store_true")
     gen.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. generation.batch_size=16")
     gen.set_defaults(func=run_generate)
@@ -55,6 +57,12 @@ def register(subparsers) -> None:
     mer.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith dataset")
     mer.set_defaults(func=run_merge)
 
+    pk = sub.add_parser("pack", help="the rows generation wrote (finished or not) in one compressed file, with a "
+                                     "manifest: what `data generate --resume-from` grows on another machine")
+    pk.add_argument("path", help="output_dir of `data generate` (also one whose run was interrupted)")
+    pk.add_argument("--out", required=True, help="the pack to write, e.g. rows.jsonl.xz (its manifest goes beside it)")
+    pk.set_defaults(func=run_pack)
+
 
 def run_generate(args: argparse.Namespace) -> int:
     from draftsmith.data.generate import generate_dataset, load_data_config, read_provenance
@@ -62,7 +70,7 @@ def run_generate(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = load_data_config(args.config, args.overrides)
     out = generate_dataset(config, progress=not args.no_progress, overwrite=args.overwrite, grow=args.grow,
-                           grow_from=args.grow_from)
+                           grow_from=args.grow_from, resume_from=args.resume_from)
     prov = read_provenance(out)
     c, t = prov["counts"], prov["timing"]
     print(f"wrote {c['rows']} rows to {out}/dataset ({c['tokens']} tokens, {c['loss_tokens']} learned)")
@@ -71,6 +79,18 @@ def run_generate(args: argparse.Namespace) -> int:
           f"duplicates: {c['duplicates_dropped']}; eval overlap dropped: {c['overlap'].get('overlapping', 0)}")
     print(f"  generated {t['generated_tokens']} tokens in {t['seconds']} s = {t['tokens_per_s']} tok/s "
           f"({t['resumed_rows']} rows resumed from an earlier run)")
+    return 0
+
+
+def run_pack(args: argparse.Namespace) -> int:
+    from draftsmith.data.generate import pack_rows
+    from draftsmith.data.pack import manifest_path
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    m = pack_rows(args.path, args.out)
+    print(f"packed {m['rows']} rows ({m['tokens']} tokens, {m['loss_tokens']} learned) into {args.out} "
+          f"({m['bytes'] / 1e6:.1f} MB, sha256 {m['sha256'][:12]}); manifest {manifest_path(args.out)}")
+    print(f"  rows per domain: {json.dumps(m['rows_per_domain'])}")
     return 0
 
 

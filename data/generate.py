@@ -220,7 +220,8 @@ def prepare_prompts(config: DataConfig, target, progress: bool = False) -> tuple
 
 
 def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
-                     overwrite: bool = False, grow: bool = False, grow_from: str | Path | None = None) -> Path:
+                     overwrite: bool = False, grow: bool = False, grow_from: str | Path | None = None,
+                     resume_from: str | Path | None = None) -> Path:
     """Generate (or finish generating) the self-distilled dataset of `config`; returns `output_dir`.
 
     `on_row(record)` is called after each finished row (tests use it to simulate a crash).
@@ -230,6 +231,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     instead of regenerating it (`_grown_rows`).
     With `grow_from` a finished dataset elsewhere is first copied into output_dir, which must not exist yet, and the
     copy grows: the base set stays as it is for the heads and benchmarks that name it (`copy_base_set`).
+    With `resume_from` the rows of a pack (data/pack.py) are first put into output_dir, as if an earlier run there
+    had written them: only the prompts the pack does not answer are generated.
     One run writes an output_dir at a time: a second is refused while the first runs (locks.py).
     """
     from draftsmith.locks import output_lock
@@ -238,6 +241,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         if grow_from is not None:  # under the lock: no other run copies or writes here meanwhile
             copy_base_set(Path(grow_from).expanduser(), Path(config.output_dir).expanduser())
             grow = True
+        if resume_from is not None:
+            unpack_rows(resume_from, Path(config.output_dir).expanduser())
         return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite, grow=grow)
 
 
@@ -648,6 +653,66 @@ def _sums(records: list[dict], key: str) -> dict[str, int]:
     for r in records:
         out[r[key]] += sum(r["loss_mask"])
     return dict(sorted(out.items()))
+
+
+def pack_rows(out_dir: str | Path, pack: str | Path) -> dict[str, Any]:
+    """`draftsmith data pack`: the rows generation has written into `out_dir` (finished or interrupted), its
+    resume key and magpie requests, into one pack (data/pack.py); returns the pack's manifest."""
+    from draftsmith.data.magpie import REQUESTS_DIR
+    from draftsmith.data.pack import write_pack
+
+    out = Path(out_dir).expanduser()
+    if not (out / "run.json").is_file():
+        raise DataError(f"{out}: no run.json there, so no generated rows to pack (is it a `data generate` output_dir?)")
+    folder = out / REQUESTS_DIR
+    requests = ({p.stem: p.read_text(encoding="utf-8").splitlines() for p in sorted(folder.glob("*.jsonl"))}
+                if folder.is_dir() else {})
+    manifest = write_pack(pack, read_json(out / "run.json"), requests, _read_chunks(out / CHUNKS_DIR))
+    log.info("packed %d rows (%d learned tokens) of %s into %s (%.1f MB)", manifest["rows"], manifest["loss_tokens"],
+             out, pack, manifest["bytes"] / 1e6)
+    return manifest
+
+
+def unpack_rows(pack: str | Path, out_dir: str | Path) -> dict[str, int]:
+    """Put the rows of `pack` into the generation folder `out_dir` (new, or one whose run.json holds the pack's
+    resume key): its run.json, magpie requests and a chunk with the rows the folder does not hold yet, so that
+    generation resumes there as after an interruption. Returns how many rows and requests were added."""
+    from draftsmith.data.magpie import REQUESTS_DIR
+    from draftsmith.data.pack import read_pack
+
+    header, rows = read_pack(pack)
+    out = Path(out_dir).expanduser()
+    _claim_output(out)
+    key = header["run"]
+    run_file = out / "run.json"
+    if run_file.is_file():
+        old = read_json(run_file)
+        diff = next((k for k in sorted(set(key) | set(old)) if old.get(k) != key.get(k)), None)
+        if diff is not None:
+            raise DataError(f"{pack}: its rows were generated with another {diff} than those in {out} (run.json)")
+    else:
+        atomic_write_json(run_file, key)
+    added_requests = 0
+    for name, lines in header["requests"].items():
+        path = out / REQUESTS_DIR / f"{name}.jsonl"
+        have = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+        if have and json.loads(have[0]) != json.loads(lines[0]):
+            raise DataError(f"{pack}: source '{name}' requests were written with other settings than {path}")
+        merged = {json.loads(x)["index"]: x for x in lines[1:]}
+        before = {json.loads(x)["index"]: x for x in have[1:]}
+        added_requests += len(set(merged) - set(before))
+        merged.update(before)
+        atomic_write_text(path, "\n".join([lines[0]] + [merged[i] for i in sorted(merged)]) + "\n")
+    done = _read_chunks(out / CHUNKS_DIR)
+    new = [r for r in rows if int(r["row_id"]) not in done]
+    if new:
+        writer = _ChunkWriter(out / CHUNKS_DIR, every=len(new) + 1)
+        for r in new:
+            writer.add(r)
+        writer.flush()
+    log.info("unpacked %s into %s: %d rows added (%d there already), %d magpie requests added", pack, out, len(new),
+             len(rows) - len(new), added_requests)
+    return {"rows_added": len(new), "rows_there": len(rows) - len(new), "requests_added": added_requests}
 
 
 def read_provenance(path: str | Path) -> dict:

@@ -848,3 +848,64 @@ def test_a_hub_source_reads_its_dataset_offline_from_the_local_cache(tmp_path, m
         SourceConfig(name="x", type="hub", messages="messages", domain="chat")
     with pytest.raises(ValueError, match="go with type hub"):
         SourceConfig(name="x", type="jsonl", path="a.jsonl", prompt="q", revision="main", domain="d")
+
+
+def test_a_pack_carries_an_interrupted_set_to_a_new_folder_that_finishes_it(tmp_path, tiny_target):
+    """`data pack` keeps what generation wrote (rows of an interrupted run, magpie requests, the generation key)
+    in one xz file with a sha256 manifest; `generate --resume-from` in a new folder generates only what the pack
+    does not answer and ends with the set an uninterrupted run writes. A damaged pack and a pack generated under
+    another key are refused in one line."""
+    from draftsmith.data.generate import pack_rows, unpack_rows
+    from draftsmith.data.pack import manifest_path
+
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"q": q}) + "\n" for q in PROMPTS))
+
+    def cfg(name, **kw):
+        return _magpie_cfg(tmp_path / name, _magpie(limit=12),
+                           SourceConfig(name="p", path=str(jsonl), prompt="q", domain="math"), **kw)
+
+    clean = load_distilled(generate_dataset(cfg("clean"), tiny_target, progress=False)).to_list()
+    seen = []
+
+    def crash(rec):
+        seen.append(rec["row_id"])
+        if len(seen) == 6:
+            raise KeyboardInterrupt("simulated kill")
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(cfg("first"), tiny_target, progress=False, on_row=crash)
+    from draftsmith.cli import main
+
+    pack = tmp_path / "keep" / "rows.jsonl.xz"
+    assert main(["data", "pack", str(tmp_path / "first"), "--out", str(pack)]) == 0
+    man = json.loads(manifest_path(pack).read_text())
+    assert manifest_path(pack) == tmp_path / "keep" / "rows.json"
+    assert pack_rows(tmp_path / "first", tmp_path / "again.jsonl.xz")["sha256"] == man["sha256"]  # reproducible
+    assert man["rows"] >= 4 and man["requests"] == {"self": 12}  # flushed rows (every 4) and every request
+    assert sum(man["rows_per_domain"].values()) == man["rows"] - man["skipped_rows"]
+
+    written = []
+    out = generate_dataset(cfg("second"), tiny_target, progress=False, resume_from=pack,
+                           on_row=lambda r: written.append(r["row_id"]))
+    again = load_distilled(out, tiny_target).to_list()
+    assert len(written) == len(clean) - man["rows"]  # only the prompts the pack does not answer
+    strip = [{k: v for k, v in r.items() if k != "origin"} for r in again]  # magpie origins name their folder
+    assert strip == [{k: v for k, v in r.items() if k != "origin"} for r in clean]
+    assert unpack_rows(pack, out)["rows_added"] == 0  # unpacking again adds nothing
+
+    damaged = tmp_path / "damaged" / "rows.jsonl.xz"
+    damaged.parent.mkdir()
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    manifest_path(damaged).write_text(manifest_path(pack).read_text())
+    with pytest.raises(DataError, match=r"rows.jsonl.xz: its sha256 does not match .*rows.json"):
+        unpack_rows(damaged, tmp_path / "third")
+    manifest_path(damaged).unlink()  # without its manifest, xz's own check still catches it
+    with pytest.raises(DataError, match="not a readable xz pack"):
+        unpack_rows(damaged, tmp_path / "third")
+    longer = cfg("fourth", generation=GenerationConfig(max_new_tokens=9, batch_size=8, flush_every=4), max_rows=3)
+    generate_dataset(longer, tiny_target, progress=False)
+    with pytest.raises(DataError, match="rows.jsonl.xz: its rows were generated with another sampling .*fourth"):
+        unpack_rows(pack, tmp_path / "fourth")

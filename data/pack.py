@@ -1,0 +1,96 @@
+"""A generated set's rows in one compressed file, so that the set grows from machine to machine instead of
+being regenerated.
+
+Generating rows is the slow part of a self-distilled set (the target writes every answer); everything else is
+derived from them: the dataset folder is assembled from the rows, and the hidden states a head trains on are one
+teacher-forced read (`draftsmith data capture`). A pack keeps exactly what cannot be derived: the generation key
+(run.json: target fingerprint, precision, sampling), each magpie source's written requests, and every finished
+row as generation recorded it (ids, loss mask, text, domain, source). `draftsmith data pack DIR --out FILE`
+writes one, also from an interrupted run; `draftsmith data generate --resume-from FILE` unpacks it into
+output_dir and goes on where it stopped, generating only the prompts the pack does not answer (both in
+data/generate.py, which knows the folder's layout; this module is the file format).
+
+The file is xz-compressed JSON lines (its CRC is checked on every read); line 1 is the header, then one row a
+line in row-id order. Beside it, `<name>.json` (the pack's manifest) records its sha256, the generation key and
+the counts per domain and source; a pack whose bytes do not match the manifest is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DataError
+from draftsmith.storage import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+
+PACK_KIND = "draftsmith-rows"
+PACK_VERSION = 1
+
+
+def manifest_path(pack: str | Path) -> Path:
+    """`rows.jsonl.xz` -> `rows.json`: the manifest beside the pack."""
+    pack = Path(pack)
+    name = pack.name
+    for suffix in (".xz", ".jsonl"):
+        name = name.removesuffix(suffix)
+    return pack.with_name(name + ".json")
+
+
+def write_pack(pack: str | Path, key: dict, requests: dict[str, list[str]], rows: dict[int, dict], *,
+               level: int = 9) -> dict[str, Any]:
+    """Write `rows` (by row id, as generation records them), the resume `key` and each magpie source's request
+    file (its lines, header first) into `pack`, and the manifest beside it; returns the manifest. Both files are
+    written whole or not at all."""
+    pack = Path(pack).expanduser()
+    if not rows:
+        raise DataError(f"{pack}: no finished rows to pack")
+    header = {"kind": PACK_KIND, "version": PACK_VERSION, "run": key, "requests": requests, "rows": len(rows)}
+    lines = [json.dumps(header, ensure_ascii=False)]
+    lines += [json.dumps(rows[i], ensure_ascii=False) for i in sorted(rows)]
+    atomic_write_bytes(pack, lzma.compress(("\n".join(lines) + "\n").encode("utf-8"), preset=level))
+    kept = [r for r in rows.values() if "skipped" not in r]
+    learned: Counter = Counter()
+    for r in kept:
+        learned[r["domain"]] += sum(r["loss_mask"])
+    manifest = {
+        "kind": PACK_KIND, "version": PACK_VERSION, "file": pack.name, "sha256": sha256_file(pack),
+        "bytes": pack.stat().st_size, "generation_key": key,
+        "rows": len(rows), "skipped_rows": len(rows) - len(kept),
+        "tokens": sum(len(r["input_ids"]) for r in kept), "loss_tokens": sum(learned.values()),
+        "rows_per_domain": dict(sorted(Counter(r["domain"] for r in kept).items())),
+        "loss_tokens_per_domain": dict(sorted(learned.items())),
+        "rows_per_source": dict(sorted(Counter(r["source"] for r in kept).items())),
+        "requests": {name: max(len(v) - 1, 0) for name, v in requests.items()},
+    }
+    atomic_write_json(manifest_path(pack), manifest)
+    return manifest
+
+
+def read_pack(pack: str | Path) -> tuple[dict, list[dict]]:
+    """The header and rows of `pack`, checked against its manifest (sha256) where one lies beside it."""
+    pack = Path(pack).expanduser()
+    if not pack.is_file():
+        raise DataError(f"{pack}: no such pack")
+    man = manifest_path(pack)
+    if man.is_file():
+        want = read_json(man).get("sha256")
+        if want != sha256_file(pack):
+            raise DataError(f"{pack}: its sha256 does not match {man} (damaged or replaced)")
+    try:
+        text = lzma.decompress(pack.read_bytes()).decode("utf-8")
+    except (lzma.LZMAError, UnicodeDecodeError) as e:
+        raise DataError(f"{pack}: not a readable xz pack ({type(e).__name__}: {e})") from None
+    lines = text.splitlines()
+    try:
+        header = json.loads(lines[0]) if lines else {}
+        rows = [json.loads(line) for line in lines[1:]]
+    except json.JSONDecodeError as e:
+        raise DataError(f"{pack}: line {e.lineno} is not JSON ({e.msg})") from None
+    if header.get("kind") != PACK_KIND or header.get("version") != PACK_VERSION:
+        raise DataError(f"{pack}: field 'kind'/'version' is not {PACK_KIND} v{PACK_VERSION} (a draftsmith row pack)")
+    if header.get("rows") != len(rows):
+        raise DataError(f"{pack}: field 'rows' says {header.get('rows')} rows, the file holds {len(rows)} (truncated?)")
+    return header, rows
