@@ -64,8 +64,10 @@ def _row_seed(source: SourceConfig, index: int) -> int:
     return int(sha256_json(["magpie", source.seed, source.name, index])[:15], 16)
 
 
-def _key(source: SourceConfig, system: str | None, fingerprint: dict, template_kwargs: dict) -> dict:
-    return {"fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "chat_template_hash", "weights_hash",
+def _key(source: SourceConfig, system: str | None, fingerprint: dict, template_kwargs: dict, dtype: str) -> dict:
+    # the precision the target wrote in is part of the key when it is not float32 (the weights' fingerprint does not
+    # say it), so that request files written before precision could change still resume
+    return {**({"dtype": dtype} if dtype != "float32" else {}), "fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "chat_template_hash", "weights_hash",
                                                             "config_hash")},
             "system": system, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}), "temperature": source.temperature, "top_p": source.top_p,
             "max_request_tokens": source.max_request_tokens, "seed": source.seed}
@@ -98,7 +100,7 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int,
     prefix, stop = user_turn_prefix(tok, system, kwargs)
     path = Path(config.output_dir).expanduser() / REQUESTS_DIR / f"{source.name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = _key(source, system, target.fingerprint(), kwargs)
+    key = _key(source, system, target.fingerprint(), kwargs, str(target.model.dtype).removeprefix("torch."))
     done = _read(path, key)
     todo = [i for i in range(count) if i not in done]
     if todo:

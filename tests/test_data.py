@@ -767,6 +767,13 @@ def test_magpie_requests_resume_and_extend_deterministically(tmp_path, tiny_targ
     hotter = _magpie(temperature=20.0)
     with pytest.raises(DataError, match="other settings"):
         write_requests(hotter, _magpie_cfg(tmp_path / "a", hotter), tiny_target, 24)
+    # nor do requests a bf16 copy of the target wrote: the key names a precision other than float32 (and only then,
+    # so files written before precision could change still resume)
+    from draftsmith.data.magpie import _key
+
+    header = json.loads(lines[0])["key"]
+    assert "dtype" not in header and header == _key(src, None, tiny_target.fingerprint(), {}, "float32")
+    assert _key(src, None, tiny_target.fingerprint(), {}, "bfloat16") == {"dtype": "bfloat16", **header}
 
     ps = load_prompts(cfg, target=tiny_target)
     assert [r.prompt for r in ps.rows] == [r["text"] for r in kept]
