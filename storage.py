@@ -115,6 +115,23 @@ def read_json(path: str | os.PathLike) -> Any:
         raise FileFormatError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
 
 
+def jsonl_records(text: str, where: str | os.PathLike) -> list[Any]:
+    """The records of a JSON-lines text. A record ends at "\\n" only: `json.dumps(..., ensure_ascii=False)` writes
+    U+2028, U+0085 and the other characters `str.splitlines()` also breaks at raw inside strings (a GSM8K question
+    holds one). A line that is not JSON is a FileFormatError naming `where` and the line."""
+    from draftsmith.errors import FileFormatError
+
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise FileFormatError(f"{where}: line {n} is not JSON ({e.msg} at column {e.colno})") from None
+    return out
+
+
 # ---- output folders: replaced only when they are ours ------------------------------------------------
 
 # The file that marks a folder as a draftsmith output, and the fields that file must hold. A user's own

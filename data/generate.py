@@ -47,6 +47,7 @@ from draftsmith.storage import (
     atomic_write_json,
     atomic_write_text,
     check_replaceable,
+    jsonl_records,
     output_kind,
     read_json,
     sha256_json,
@@ -147,8 +148,7 @@ def _read_chunks(chunk_dir: Path) -> dict[int, dict]:
     if not chunk_dir.is_dir():
         return done
     for path in sorted(chunk_dir.glob("chunk-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            rec = json.loads(line)
+        for rec in jsonl_records(path.read_text(encoding="utf-8"), path):
             done.setdefault(int(rec["row_id"]), rec)
     return done
 
@@ -658,15 +658,16 @@ def _sums(records: list[dict], key: str) -> dict[str, int]:
 def pack_rows(out_dir: str | Path, pack: str | Path) -> dict[str, Any]:
     """`draftsmith data pack`: the rows generation has written into `out_dir` (finished or interrupted), its
     resume key and magpie requests, into one pack (data/pack.py); returns the pack's manifest."""
-    from draftsmith.data.magpie import REQUESTS_DIR
+    from draftsmith.data.magpie import REQUESTS_DIR, read_request_file
     from draftsmith.data.pack import write_pack
 
     out = Path(out_dir).expanduser()
     if not (out / "run.json").is_file():
         raise DataError(f"{out}: no run.json there, so no generated rows to pack (is it a `data generate` output_dir?)")
-    folder = out / REQUESTS_DIR
-    requests = ({p.stem: p.read_text(encoding="utf-8").splitlines() for p in sorted(folder.glob("*.jsonl"))}
-                if folder.is_dir() else {})
+    requests = {}
+    for path in sorted((out / REQUESTS_DIR).glob("*.jsonl")):
+        header, records = read_request_file(path)
+        requests[path.stem] = {"key": header.get("key"), "records": [records[i] for i in sorted(records)]}
     manifest = write_pack(pack, read_json(out / "run.json"), requests, _read_chunks(out / CHUNKS_DIR))
     log.info("packed %d rows (%d learned tokens) of %s into %s (%.1f MB)", manifest["rows"], manifest["loss_tokens"],
              out, pack, manifest["bytes"] / 1e6)
@@ -677,7 +678,7 @@ def unpack_rows(pack: str | Path, out_dir: str | Path) -> dict[str, int]:
     """Put the rows of `pack` into the generation folder `out_dir` (new, or one whose run.json holds the pack's
     resume key): its run.json, magpie requests and a chunk with the rows the folder does not hold yet, so that
     generation resumes there as after an interruption. Returns how many rows and requests were added."""
-    from draftsmith.data.magpie import REQUESTS_DIR
+    from draftsmith.data.magpie import REQUESTS_DIR, read_request_file, write_request_file
     from draftsmith.data.pack import read_pack
 
     header, rows = read_pack(pack)
@@ -693,16 +694,14 @@ def unpack_rows(pack: str | Path, out_dir: str | Path) -> dict[str, int]:
     else:
         atomic_write_json(run_file, key)
     added_requests = 0
-    for name, lines in header["requests"].items():
+    for name, packed in header["requests"].items():
         path = out / REQUESTS_DIR / f"{name}.jsonl"
-        have = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
-        if have and json.loads(have[0]) != json.loads(lines[0]):
+        have_header, have = read_request_file(path) if path.is_file() else ({"key": packed["key"]}, {})
+        if have_header.get("key") != packed["key"]:
             raise DataError(f"{pack}: source '{name}' requests were written with other settings than {path}")
-        merged = {json.loads(x)["index"]: x for x in lines[1:]}
-        before = {json.loads(x)["index"]: x for x in have[1:]}
-        added_requests += len(set(merged) - set(before))
-        merged.update(before)
-        atomic_write_text(path, "\n".join([lines[0]] + [merged[i] for i in sorted(merged)]) + "\n")
+        merged = {int(r["index"]): r for r in packed["records"]}
+        added_requests += len(set(merged) - set(have))
+        write_request_file(path, packed["key"], {**merged, **have})
     done = _read_chunks(out / CHUNKS_DIR)
     new = [r for r in rows if int(r["row_id"]) not in done]
     if new:

@@ -30,7 +30,7 @@ from draftsmith.data.engines.continuous import ContinuousBatcher
 from draftsmith.data.masks import build_messages, resolve_mode
 from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import DataError
-from draftsmith.storage import atomic_write_text, sha256_json
+from draftsmith.storage import atomic_write_text, jsonl_records, sha256_json
 from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
@@ -65,9 +65,10 @@ def _row_seed(source: SourceConfig, index: int) -> int:
 
 
 def _key(source: SourceConfig, system: str | None, fingerprint: dict, template_kwargs: dict, dtype: str) -> dict:
-    # the precision the target wrote in is part of the key when it is not float32 (the weights' fingerprint does not
-    # say it), so that request files written before precision could change still resume
-    return {**({"dtype": dtype} if dtype != "float32" else {}), "fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "chat_template_hash", "weights_hash",
+    # the precision the target wrote in (the weights' fingerprint does not say it) is part of the key when it is not
+    # float32, so that request files written in float32 before the key named it still resume
+    return {**({"dtype": dtype} if dtype != "float32" else {}),
+            "fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "chat_template_hash", "weights_hash",
                                                             "config_hash")},
             "system": system, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}), "temperature": source.temperature, "top_p": source.top_p,
             "max_request_tokens": source.max_request_tokens, "seed": source.seed}
@@ -76,15 +77,22 @@ def _key(source: SourceConfig, system: str | None, fingerprint: dict, template_k
 def _read(path: Path, key: dict) -> dict[int, dict]:
     if not path.is_file():
         return {}
-    lines = path.read_text(encoding="utf-8").splitlines()
-    header = json.loads(lines[0]) if lines else {}
+    header, records = read_request_file(path)
     if header.get("key") != key:
         raise DataError(f"{path} holds requests written with other settings (target, template, system prompt, "
                         "sampling or seed); delete it or use another output_dir")
-    return {int(r["index"]): r for r in map(json.loads, lines[1:])}
+    return records
 
 
-def _write(path: Path, key: dict, done: dict[int, dict]) -> None:
+def read_request_file(path: Path) -> tuple[dict, dict[int, dict]]:
+    """A magpie request file: its header ({"key": ...}) and its requests by index."""
+    lines = jsonl_records(path.read_text(encoding="utf-8"), path)
+    header = lines[0] if lines else {}
+    return header, {int(r["index"]): r for r in lines[1:]}
+
+
+
+def write_request_file(path: Path, key: dict, done: dict[int, dict]) -> None:
     lines = [json.dumps({"key": key})] + [json.dumps(done[i], ensure_ascii=False) for i in sorted(done)]
     atomic_write_text(path, "\n".join(lines) + "\n")
 
@@ -123,7 +131,7 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int,
             pending.append(c.key)
             bar.update(1)
             if len(pending) >= gen.flush_every:
-                _write(path, key, done)
+                write_request_file(path, key, done)
                 pending.clear()
 
         reqs = [Request(i, list(prefix), source.max_request_tokens, seed=_row_seed(source, i)) for i in todo]
@@ -131,7 +139,7 @@ def write_requests(source: SourceConfig, config: DataConfig, target, count: int,
             engine.run(reqs, on_done)
         finally:
             bar.close()
-            _write(path, key, done)
+            write_request_file(path, key, done)
     return path, [done[i] for i in range(count)]
 
 

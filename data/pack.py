@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from draftsmith.errors import DataError
-from draftsmith.storage import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from draftsmith.errors import DataError, FileFormatError
+from draftsmith.storage import atomic_write_bytes, atomic_write_json, jsonl_records, read_json, sha256_file
 
 PACK_KIND = "draftsmith-rows"
 PACK_VERSION = 1
@@ -39,15 +39,16 @@ def manifest_path(pack: str | Path) -> Path:
     return pack.with_name(name + ".json")
 
 
-def write_pack(pack: str | Path, key: dict, requests: dict[str, list[str]], rows: dict[int, dict], *,
+def write_pack(pack: str | Path, key: dict, requests: dict[str, dict], rows: dict[int, dict], *,
                level: int = 9) -> dict[str, Any]:
-    """Write `rows` (by row id, as generation records them), the resume `key` and each magpie source's request
-    file (its lines, header first) into `pack`, and the manifest beside it; returns the manifest. Both files are
+    """Write `rows` (by row id, as generation records them), the resume `key` and each magpie source's requests
+    ({"key": its request key, "records": [...]}) into `pack`, and the manifest beside it; returns the manifest. Both files are
     written whole or not at all."""
     pack = Path(pack).expanduser()
     if not rows:
         raise DataError(f"{pack}: no finished rows to pack")
     header = {"kind": PACK_KIND, "version": PACK_VERSION, "run": key, "requests": requests, "rows": len(rows)}
+    # ensure_ascii=False keeps text small; readers split records at "\n" alone (storage.jsonl_records)
     lines = [json.dumps(header, ensure_ascii=False)]
     lines += [json.dumps(rows[i], ensure_ascii=False) for i in sorted(rows)]
     atomic_write_bytes(pack, lzma.compress(("\n".join(lines) + "\n").encode("utf-8"), preset=level))
@@ -63,7 +64,7 @@ def write_pack(pack: str | Path, key: dict, requests: dict[str, list[str]], rows
         "rows_per_domain": dict(sorted(Counter(r["domain"] for r in kept).items())),
         "loss_tokens_per_domain": dict(sorted(learned.items())),
         "rows_per_source": dict(sorted(Counter(r["source"] for r in kept).items())),
-        "requests": {name: max(len(v) - 1, 0) for name, v in requests.items()},
+        "requests": {name: len(v["records"]) for name, v in requests.items()},
     }
     atomic_write_json(manifest_path(pack), manifest)
     return manifest
@@ -83,13 +84,12 @@ def read_pack(pack: str | Path) -> tuple[dict, list[dict]]:
         text = lzma.decompress(pack.read_bytes()).decode("utf-8")
     except (lzma.LZMAError, UnicodeDecodeError) as e:
         raise DataError(f"{pack}: not a readable xz pack ({type(e).__name__}: {e})") from None
-    lines = text.splitlines()
     try:
-        header = json.loads(lines[0]) if lines else {}
-        rows = [json.loads(line) for line in lines[1:]]
-    except json.JSONDecodeError as e:
-        raise DataError(f"{pack}: line {e.lineno} is not JSON ({e.msg})") from None
-    if header.get("kind") != PACK_KIND or header.get("version") != PACK_VERSION:
+        lines = jsonl_records(text, pack)
+    except FileFormatError as e:
+        raise DataError(str(e)) from None
+    header, rows = (lines[0], lines[1:]) if lines else ({}, [])
+    if not isinstance(header, dict) or header.get("kind") != PACK_KIND or header.get("version") != PACK_VERSION:
         raise DataError(f"{pack}: field 'kind'/'version' is not {PACK_KIND} v{PACK_VERSION} (a draftsmith row pack)")
     if header.get("rows") != len(rows):
         raise DataError(f"{pack}: field 'rows' says {header.get('rows')} rows, the file holds {len(rows)} (truncated?)")

@@ -169,7 +169,7 @@ def log_alpha(folder: str | Path) -> dict:
                                                    "per_pos": defaultdict(float), "requests": 0.0})
     malformed = 0
     for path in files:
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8").split("\n"):  # JSON lines end at \n only (storage.jsonl_records)
             if not line.strip():
                 continue
             try:

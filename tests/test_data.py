@@ -863,10 +863,13 @@ def test_a_pack_carries_an_interrupted_set_to_a_new_folder_that_finishes_it(tmp_
     does not answer and ends with the set an uninterrupted run writes. A damaged pack and a pack generated under
     another key are refused in one line."""
     from draftsmith.data.generate import pack_rows, unpack_rows
-    from draftsmith.data.pack import manifest_path
+    from draftsmith.data.pack import manifest_path, read_pack
 
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text("".join(json.dumps({"q": q}) + "\n" for q in PROMPTS))
+    # a prompt holding characters str.splitlines() breaks at (a shipped GSM8K question holds U+2028), written raw
+    # into the chunks and the pack by ensure_ascii=False
+    odd = ["Two lines\u2028in one question\x85and a third: what is 2 + 2?"]
+    jsonl.write_text("".join(json.dumps({"q": q}, ensure_ascii=False) + "\n" for q in odd + PROMPTS))
 
     def cfg(name, **kw):
         return _magpie_cfg(tmp_path / name, _magpie(limit=12),
@@ -899,6 +902,9 @@ def test_a_pack_carries_an_interrupted_set_to_a_new_folder_that_finishes_it(tmp_
     assert len(written) == len(clean) - man["rows"]  # only the prompts the pack does not answer
     strip = [{k: v for k, v in r.items() if k != "origin"} for r in again]  # magpie origins name their folder
     assert strip == [{k: v for k, v in r.items() if k != "origin"} for r in clean]
+    assert odd[0] in {r["prompt"] for r in again}
+    whole = pack_rows(out, tmp_path / "whole.jsonl.xz")  # the finished set packs whole, the odd row read back
+    assert whole["rows"] == len(clean) and odd[0] in {r["prompt"] for r in read_pack(tmp_path / "whole.jsonl.xz")[1]}
     assert unpack_rows(pack, out)["rows_added"] == 0  # unpacking again adds nothing
 
     damaged = tmp_path / "damaged" / "rows.jsonl.xz"
