@@ -42,8 +42,9 @@ def manifest_path(pack: str | Path) -> Path:
 def write_pack(pack: str | Path, key: dict, requests: dict[str, dict], rows: dict[int, dict], *,
                level: int = 9) -> dict[str, Any]:
     """Write `rows` (by row id, as generation records them), the resume `key` and each magpie source's requests
-    ({"key": its request key, "records": [...]}) into `pack`, and the manifest beside it; returns the manifest. Both files are
-    written whole or not at all."""
+    ({"key": its request key, "records": [...]}) into `pack`, then the manifest beside it; returns the manifest.
+    Each file is written whole or not at all; a run stopped between the two leaves a pack its old manifest refuses
+    (sha256), and packing again mends it."""
     pack = Path(pack).expanduser()
     if not rows:
         raise DataError(f"{pack}: no finished rows to pack")
