@@ -91,7 +91,6 @@ def read_request_file(path: Path) -> tuple[dict, dict[int, dict]]:
     return header, {int(r["index"]): r for r in lines[1:]}
 
 
-
 def write_request_file(path: Path, key: dict, done: dict[int, dict]) -> None:
     lines = [json.dumps({"key": key})] + [json.dumps(done[i], ensure_ascii=False) for i in sorted(done)]
     atomic_write_text(path, "\n".join(lines) + "\n")

@@ -473,19 +473,24 @@ def _gen_cfg(tmp_path, prompts: list[str], name="out", **kw) -> DataConfig:
 PROMPTS = [f"Question number {i}: what is {i} plus {i * 3}?" for i in range(9)]
 
 
-def test_generate_resume_after_crash_equals_uninterrupted(tmp_path, tiny_target):
-    clean = load_distilled(generate_dataset(_gen_cfg(tmp_path, PROMPTS, "clean"), tiny_target, progress=False))
-
-    cfg = _gen_cfg(tmp_path, PROMPTS, "crashy")
+def _killed_after(n: int):
+    """An `on_row` callback that kills the run (KeyboardInterrupt) when its n-th row is finished."""
     seen = []
 
     def crash(rec):
         seen.append(rec["row_id"])
-        if len(seen) == 5:
+        if len(seen) == n:
             raise KeyboardInterrupt("simulated kill")
 
+    return crash
+
+
+def test_generate_resume_after_crash_equals_uninterrupted(tmp_path, tiny_target):
+    clean = load_distilled(generate_dataset(_gen_cfg(tmp_path, PROMPTS, "clean"), tiny_target, progress=False))
+
+    cfg = _gen_cfg(tmp_path, PROMPTS, "crashy")
     with pytest.raises(KeyboardInterrupt):
-        generate_dataset(cfg, tiny_target, progress=False, on_row=crash)
+        generate_dataset(cfg, tiny_target, progress=False, on_row=_killed_after(5))
     assert not (Path(cfg.output_dir) / "dataset").exists()
     chunks = list((Path(cfg.output_dir) / "chunks").glob("chunk-*.jsonl"))
     assert chunks  # finished rows survived the crash
@@ -876,15 +881,8 @@ def test_a_pack_carries_an_interrupted_set_to_a_new_folder_that_finishes_it(tmp_
                            SourceConfig(name="p", path=str(jsonl), prompt="q", domain="math"), **kw)
 
     clean = load_distilled(generate_dataset(cfg("clean"), tiny_target, progress=False)).to_list()
-    seen = []
-
-    def crash(rec):
-        seen.append(rec["row_id"])
-        if len(seen) == 6:
-            raise KeyboardInterrupt("simulated kill")
-
     with pytest.raises(KeyboardInterrupt):
-        generate_dataset(cfg("first"), tiny_target, progress=False, on_row=crash)
+        generate_dataset(cfg("first"), tiny_target, progress=False, on_row=_killed_after(6))
     from draftsmith.cli import main
 
     pack = tmp_path / "keep" / "rows.jsonl.xz"
