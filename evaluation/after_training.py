@@ -24,6 +24,7 @@ def evaluate_into_artifact(path: str | Path, target, kind: str, opts: EvalAfterT
 
     path = Path(path)
     report = evaluate(target, f"{kind}:{path}", prompts=opts.prompts or None, split=opts.split,
+                      domains=list(opts.domains),
                       limit_per_domain=opts.limit_per_domain, max_new_tokens=opts.max_new_tokens, k=opts.k,
                       tree_from_proposer=opts.tree and methods.get(kind).own_tree, hf_reference=opts.hf_reference,
                       cost_model=opts.cost_model, command=command or f"end-of-training evaluation of {path}")

@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--eval-limit", type=int, default=4, help="eval prompts per domain")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--domains", default="",
+                   help="comma-separated: evaluate on these domains of the eval sets only (a point comparable "
+                        "with curves measured before the eval sets had more domains: the same prompts per domain)")
     p.add_argument("--train-only", action="store_true",
                    help="train the missing points and stop (evaluate later, on a quiet machine: the cut tree is "
                         "chosen from timings)")
@@ -235,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         manifest = artifact.load_manifest(head)
         if not manifest.get("eval"):  # a trained artifact holds an empty eval until evaluated
             evaluate_into_artifact(head, target, a.method, EvalAfterTraining(
-                limit_per_domain=a.eval_limit, max_new_tokens=a.max_new_tokens),
+                limit_per_domain=a.eval_limit, max_new_tokens=a.max_new_tokens,
+                domains=[d for d in a.domains.split(",") if d]),
                 command=" ".join(["python", "scripts/learning_curve.py", *argv]) + f"  (point rows={n})")
             manifest = artifact.load_manifest(head)
         report = json.loads((head / "eval" / "report.json").read_text())

@@ -161,6 +161,12 @@ def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_ta
     assert all(row["lossless"] for row in report["domains"].values())
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["eval"]["report"] == "eval/report.json" and (art / "eval" / "report.md").is_file()
+    # evaluate.domains: the same prompts of one domain, the other left out
+    math_only = evaluate_into_artifact(art, tiny_target, "medusa", EvalAfterTraining(
+        prompts=[str(prompts)], limit_per_domain=2, max_new_tokens=8, domains=["math"]))
+    assert set(math_only["domains"]) == {"math"}
+    assert [p["source"] for p in math_only["prompts"]] == [p["source"] for p in report["prompts"]
+                                                         if p["domain"] == "math"]
 
 
 # --- Medusa-2: heads + a LoRA adapter on the target -------------------------------------------------------

@@ -147,6 +147,7 @@ class EvalAfterTraining:
     enabled: bool = True
     prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets of `split`
     split: str = "dev"  # the end-of-training evaluation chooses (checkpoints, recipes): never the test split
+    domains: list[str] = field(default_factory=list)  # only these domains of the eval sets (empty = all)
     limit_per_domain: int | None = 8
     max_new_tokens: int = 64
     k: int = 4  # chain length (draft models, and heads when tree is false)
