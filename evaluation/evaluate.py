@@ -260,6 +260,11 @@ class Setup:
     def compared(self) -> list[Entry]:
         return [e for e in self.entries if e.name.startswith("cmp:")]
 
+    @property
+    def compared_gpu_trees(self) -> list[Entry]:
+        """The side-by-side entries' GPU-sized trees ("gpu:ENTRY"), decoded untimed for their τ."""
+        return [e for e in self.entries if e.name.startswith("gpu:")]
+
 
 def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | None = None,
              config: EvalConfig | None = None, command: str | None = None, **overrides) -> dict:
@@ -399,6 +404,14 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
         if gpu is not None:  # uncut: what a GPU verifies, decoded here for its τ (its speed is this CPU's)
             gpu[0].use_dtype(drafts_in)
             setup.entries.append(Entry("gpu_tree", gpu[0], dict(tree=gpu[1], k=None), setup.main.draft_dtype))
+    # and beside every side-by-side tree, its own GPU-sized tree: several heads' τ at a GPU's budget in one run
+    for e in setup.compared if cfg.prune_tree and cfg.gpu_tree else []:
+        _, shape, own_dtype = _compare_entry(e.name[4:])
+        decodes_a_tree = shape == "tree" or isinstance(shape, TreeSpec) or (shape is None and cfg.tree_from_proposer)
+        other = e.proposer.gpu_tree() if decodes_a_tree and e.kw.get("tree") is not None else None
+        if other is not None:  # cast as _compare cast the entry itself
+            other[0].use_dtype(draft_dtype(own_dtype, target.dtype, device) if own_dtype else drafts_in)
+            setup.entries.append(Entry(f"gpu:{e.name[4:]}", other[0], dict(tree=other[1], k=None), e.draft_dtype))
     return setup
 
 
@@ -457,7 +470,7 @@ def decode_prompts(setup: Setup) -> list[dict]:
     eos = setup.gen_kw["eos_ids"]
     pad = pad_token_id(target)
     runs = _runners(setup, eos, pad)
-    timed = [n for n in runs if n not in UNTIMED]
+    timed = [n for n in runs if not untimed(n)]
     warm = format_prompt(tok, setup.rows[0].text, cfg.chat_template_kwargs)  # every code path once, not counted
     for name, run in runs.items():
         if name != "adaptive":
@@ -487,7 +500,7 @@ def _decode_one(setup: Setup, runs: dict, timed: list[str], i: int, turn: int, c
     measured, branches, rounds = _measure(setup, runs, timed, n, ids, seed)
     out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
     for name in runs:
-        if name in UNTIMED:  # decoded for its acceptance only: its speed is not what it reports
+        if untimed(name):  # decoded for its acceptance only: its speed is not what it reports
             out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
     if branches is not None:
         out["branches"] = branches
@@ -567,8 +580,10 @@ def _log_prompt(setup: Setup, i: int, rec: dict, rounds: int) -> None:
              "" if rec["lossless"] is not False else " NOT LOSSLESS")
 
 
-# decoded once per prompt, for acceptance only: the uncut GPU-sized tree's speed on this CPU is not reported
-UNTIMED = ("gpu_tree",)
+def untimed(name: str) -> bool:
+    """Runs decoded once per prompt, for acceptance only: an uncut GPU-sized tree (the proposer's, "gpu_tree",
+    or a side-by-side entry's, "gpu:ENTRY"), whose speed on this CPU is not reported."""
+    return name == "gpu_tree" or name.startswith("gpu:")
 
 
 def _timed(result):
@@ -625,6 +640,8 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
         rec["self_consistent"] = _all_or_none([rec["self_consistent"]] + [consistent(out[e.name]) for e in setup.compared])
     if "gpu_tree" in out:
         rec["gpu_tree"] = (out["gpu_tree"].stats, same(out["gpu_tree"]))
+    if setup.compared_gpu_trees:
+        rec["compare_gpu_tree"] = {e.name[4:]: (out[e.name].stats, same(out[e.name])) for e in setup.compared_gpu_trees}
     if "adaptive" in out:
         ad = out["adaptive"]
         rec["adaptive"] = ad.stats
@@ -680,6 +697,8 @@ def aggregate(recs: list[dict], depth: int, by_turn: bool = True) -> dict:
 
     if recs and "compare" in recs[0]:
         out["compare"] = {name: beside([r["compare"][name] for r in recs], name) for name in recs[0]["compare"]}
+        for name in (recs[0].get("compare_gpu_tree") or {}):
+            out["compare"][name]["gpu_tree"] = beside([r["compare_gpu_tree"][name] for r in recs], None)
     if recs and "gpu_tree" in recs[0]:
         out["gpu_tree"] = beside([r["gpu_tree"] for r in recs], None)
     if recs and "adaptive" in recs[0]:
@@ -846,7 +865,11 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
             "compare_settings": {e.name[4:]: {"k": e.kw["k"],
                                               "tree": list(e.kw["tree"].branching) if e.kw.get("tree") else None,
                                               "tree_max_nodes": e.kw["tree"].max_nodes if e.kw.get("tree") else None,
-                                              "draft_dtype": e.draft_dtype}
+                                              "draft_dtype": e.draft_dtype,
+                                              "gpu_tree": next(({"tree": list(g.kw["tree"].branching),
+                                                                 "tree_max_nodes": g.kw["tree"].max_nodes}
+                                                                for g in setup.compared_gpu_trees
+                                                                if g.name[4:] == e.name[4:]), None)}
                                  for e in setup.compared},
         },
         "domains": domains,
@@ -857,7 +880,7 @@ def _report(setup: Setup, proposer_name: str, command: str | None, per_prompt: l
         "memory": memory_info(target.device),
         "references": _references(setup, per_prompt, overall),
         "prompts": [{k: v for k, v in r.items() if k not in ("base", "spec", "adaptive", "adaptive_k", "compare",
-                                                              "gpu_tree")} | {
+                                                              "gpu_tree", "compare_gpu_tree")} | {
             "alpha": r["spec"].alpha, "tau": r["spec"].tau,
             "tokens_per_s": r["spec"].new_tokens / r["spec"].wall_time if r["spec"].wall_time else None,
             "baseline_tokens_per_s": r["base"].new_tokens / r["base"].wall_time if r["base"].wall_time else None,

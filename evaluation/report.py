@@ -192,6 +192,24 @@ def _side_by_side(report: dict, doms: list[tuple[str, dict]]) -> list[str]:
     for name, c in [(report["proposer"], ov)] + list((ov.get("compare") or {}).items()):
         lines.append(f"| {name} | {_fmt(c['tau'])} | {_fmt(c.get('verified_nodes_per_step'))} | "
                      f"{_fmt(c.get('conditional_acceptance'))} |")
+    return lines + _side_by_side_gpu_trees(report, doms, names)
+
+
+def _side_by_side_gpu_trees(report: dict, doms: list[tuple[str, dict]], names: list[str]) -> list[str]:
+    """τ per domain at each tree proposer's GPU-sized budget (uncut), the run's own and the side-by-side ones."""
+    has = [n for n in names if any("gpu_tree" in (d.get("compare") or {}).get(n, {}) for _, d in doms)]
+    if not has:
+        return []
+    own = any("gpu_tree" in d for _, d in doms)
+    cols = ([report["proposer"]] if own else []) + has
+    lines = ["", "τ with each proposer's GPU-sized tree (uncut; decoded once per prompt for its acceptance, its "
+             "speed here is not a result):", "", "| domain | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for n, d in doms:
+        cells = ([d.get("gpu_tree")] if own else []) + [(d.get("compare") or {}).get(c, {}).get("gpu_tree")
+                                                       for c in has]
+        lines.append(f"| {n} | " + " | ".join(
+            "–" if x is None else f"{_fmt(x['tau'])}{'' if x['lossless'] is not False else ' NOT LOSSLESS'}"
+            for x in cells) + " |")
     return lines
 
 

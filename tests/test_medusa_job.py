@@ -169,6 +169,42 @@ def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_ta
                                                          if p["domain"] == "math"]
 
 
+def test_a_compared_tree_gets_its_gpu_sized_tree_beside_it(medusa_artifact, tiny_target, tmp_path):
+    """One run puts several heads' τ at a GPU's budget side by side: every compared proposer that decodes a tree
+    of its own is also decoded, untimed, with its uncut GPU-sized tree; a chain gets none."""
+    from draftsmith.evaluation.evaluate import evaluate
+    from draftsmith.evaluation.report import write_report
+
+    art = medusa_artifact[1]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"category": d, "turns": [f"add {i} and {i}"]})
+                                 for d in ("math", "code") for i in range(2)) + "\n")
+    report = evaluate(tiny_target, f"medusa:{art}", prompts=[str(prompts)], max_new_tokens=8, tree_from_proposer=True,
+                      compare=[f"medusa:{art}@tree", f"medusa:{art}@chain=2", "ngram"], cost_context=16,
+                      cost_k_max=3, cost_repeats=1, repeats=1, remeasure=0)
+    tree, chain = f"medusa:{art}@tree", f"medusa:{art}@chain=2"
+    whole = report["settings"]["compare_settings"][tree]["gpu_tree"]
+    assert whole == report["settings"]["gpu_tree"] and report["settings"]["compare_settings"][chain]["gpu_tree"] is None
+    for d in list(report["domains"].values()) + [report["overall"]]:
+        beside = d["compare"][tree]["gpu_tree"]
+        assert beside["lossless"] is True and "tokens_per_s" not in beside  # untimed: τ only
+        assert beside["tau"] == d["gpu_tree"]["tau"]  # the same head at the same uncut tree, greedy
+        assert "gpu_tree" not in d["compare"][chain] and "gpu_tree" not in d["compare"]["ngram"]
+    assert all(set(m) == {"base", "spec", "hf", f"cmp:{tree}", f"cmp:{chain}", "cmp:ngram"}
+               for m in (p["timing"]["measurements"] for p in report["prompts"]))
+    md = (write_report(report, tmp_path / "r") / "report.md").read_text()
+    assert "τ with each proposer's GPU-sized tree" in md and f"| domain | medusa:{art} | {tree} |" in md
+    # the side-by-side entries are routing candidates under their proposer spec, scored by their own GPU τ
+    from draftsmith.decoding.routing import build_policy, write_policy
+
+    policy = build_policy([report | {"_path": "r"}], threshold=0.0, criterion="tau")
+    for d in policy["domains"].values():
+        assert set(d["candidates"]) <= {f"medusa:{art}", "ngram"} and "@" not in d["proposer"]
+        assert d["basis"]["gpu_tree"] is (d["proposer"] != "ngram")
+    routed = build_proposer(f"route:{write_policy(policy, tmp_path / 'policy.json')}", tiny_target)
+    assert routed.gpu_tree() is not None or all(d["proposer"] == "ngram" for d in policy["domains"].values())
+
+
 # --- Medusa-2: heads + a LoRA adapter on the target -------------------------------------------------------
 
 def test_medusa2_trains_adapter_and_heads_and_decodes_losslessly_with_the_adapted_target(tiny_target, tmp_path):
