@@ -86,7 +86,7 @@ def render(report: dict, path: str) -> str:
     ]
     entries = _entries(report)
     for i, (label, e, _, _) in enumerate(entries):
-        tau_gpu = o.get("gpu_tree", {}).get("tau") if i == 0 else None
+        tau_gpu = ((o if i == 0 else e).get("gpu_tree") or {}).get("tau")  # side-by-side trees have their own
         lines.append(f"| {label} | {_f(e['tokens_per_s'], 1)} | **{_f(e['speedup'])}** | {_f(e['speedup_vs_plain'])} "
                      f"| {_f(e['speedup_vs_hf_generate'])} | {_f(e['alpha'], 3)} | {_f(e['tau'])} | {_f(tau_gpu)} "
                      f"| {'yes' if e['lossless'] else ('no' if e['lossless'] is False else '–')} |")
