@@ -257,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{points[-1]['tau_gpu'] or 0:.2f} (GPU-sized), lossless {overall['lossless']}", flush=True)
     if a.train_only:
         return 0
+    evaluated = {"limit_per_domain": a.eval_limit, "max_new_tokens": a.max_new_tokens,
+                 "domains": [d for d in a.domains.split(",") if d] or "all"}
     (a.out / "curve.json").write_text(json.dumps({"method": a.method, "config": a.config, "data": a.data,
-                                                   "overrides": a.overrides, "points": points}, indent=1))
+                                                   "overrides": a.overrides, "eval": evaluated, "points": points},
+                                                  indent=1))
     lines = table(points)
     (a.out / "curve.md").write_text("\n".join(lines) + "\n")
     plot(points, a.out / "curve.png", a.method)
