@@ -311,3 +311,42 @@ def as_model(obj) -> torch.nn.Module:
     """The HF model of a `Target`, or the object itself when it already is a module (an HF causal LM has
     its own `.model` attribute, the inner decoder, so `getattr(x, "model", x)` would be wrong)."""
     return obj if isinstance(obj, torch.nn.Module) else obj.model
+
+
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def side_by_side_entry(entry: str) -> tuple[str, int | str | TreeSpec | None, str | None]:
+    """`PROPOSER[@SHAPE][@DTYPE]` -> (proposer spec, how it decodes in the side-by-side run, its draft dtype).
+
+    SHAPE: chain | chain=K | tree | tree=B1,B2,... -> "chain" (a chain of the run's --k), K, "tree" (the
+    proposer's own tree) or that TreeSpec; None = the run's own shape. DTYPE: float32 | bfloat16 | float16,
+    None = the run's draft_dtype. One run can so put a head's chain next to its tree, or its bf16 next to its
+    float32 (`--proposer eagle:P --tree auto --compare eagle:P@chain=4 eagle:P@float32`). An '@' followed by
+    anything else is part of the proposer spec (a path may hold one).
+    """
+    name, shape, dtype = entry, None, None
+    while True:
+        head, sep, opt = name.rpartition("@")
+        kind, eq, arg = opt.partition("=")
+        if not sep or not (kind in ("chain", "tree") or opt in _DTYPE_NAMES):
+            return name, shape, dtype
+        if opt in _DTYPE_NAMES:
+            if dtype is not None:
+                break
+            dtype = opt
+        elif shape is not None:
+            break
+        elif not eq:
+            shape = kind
+        else:
+            try:
+                sizes = tuple(int(b) for b in arg.split(","))
+            except ValueError:
+                sizes = ()
+            if not sizes or min(sizes) < 1 or (kind == "chain" and len(sizes) != 1):
+                break
+            shape = sizes[0] if kind == "chain" else TreeSpec(sizes)
+        name = head
+    raise ConfigError(f"compare '{entry}': after '@' give one shape (chain, chain=K, tree or tree=B1,B2,..., whole "
+                      f"numbers >= 1) and/or one dtype ({', '.join(_DTYPE_NAMES)})")

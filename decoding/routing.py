@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec
+from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec, side_by_side_entry
 from draftsmith.errors import ConfigError
 
 OFF = "off"
@@ -266,13 +266,11 @@ def _compared(report: dict) -> list[dict]:
     """The proposers an evaluation decoded side by side (`evaluate --compare`), as report-shaped dicts: each
     under its proposer spec (an entry's `@tree` / `@chain=K` / dtype suffix is how it decoded there, which its
     settings keep), with its GPU-sized tree's τ per domain where the run decoded one."""
-    from draftsmith.evaluation.evaluate import _compare_entry
-
     specs = (report.get("settings") or {}).get("compare_settings") or {}
     out = []
     for name, settings in specs.items():
         domains = {d: v["compare"][name] for d, v in report.get("domains", {}).items() if name in (v.get("compare") or {})}
-        out.append({"proposer": _compare_entry(name)[0], "target": report.get("target", {}), "settings": settings,
+        out.append({"proposer": side_by_side_entry(name)[0], "target": report.get("target", {}), "settings": settings,
                     "domains": domains,
                     "_path": f"{report.get('_path', '')} (--compare {name})"})
     return out

@@ -2,6 +2,7 @@
 
     python scripts/zoo_add.py runs/b31/eagle3b zoo/smollm2-135m/eagle3 --evaluate
     python scripts/zoo_add.py zoo/smollm2-135m/eagle3 --evaluate        # evaluate a shipped head again
+    python scripts/zoo_add.py zoo/smollm2-135m/eagle3 --evaluate --limit-per-domain 2   # fewer prompts
 
 The weights are verified against the artifact's checksums, stored in bfloat16 (half the bytes; the heads
 draft in bf16 on CPUs that have it, and the target verifies, so decoding stays lossless), and the manifest
@@ -28,11 +29,13 @@ def main(argv: list[str] | None = None) -> int:
                    "(omitted: evaluate the shipped head ARTIFACT in place; needs --evaluate)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--evaluate", action="store_true", help="evaluate the shipped head and write its report")
+    p.add_argument("--limit-per-domain", type=int, default=None,
+                   help="eval prompts per domain (default: the end-of-training evaluation's)")
     a = p.parse_args(argv)
     if a.dest is None:
         if not a.evaluate:
             p.error("give DEST, or --evaluate to evaluate a shipped head in place")
-        return evaluate(a.artifact)
+        return evaluate(a.artifact, a.limit_per_domain)
     manifest, state = artifact.load_artifact(a.artifact)  # checksums verified
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
     manifest = {k: v for k, v in manifest.items() if k != "checksums"}
@@ -46,18 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     out = artifact.save_artifact(a.dest, manifest, state, writer=extra, overwrite=a.overwrite)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{out}: {len(state)} tensors in bfloat16, {size / 2**20:.1f} MiB")
-    return evaluate(out) if a.evaluate else 0
+    return evaluate(out, a.limit_per_domain) if a.evaluate else 0
 
 
-def evaluate(head: Path) -> int:
+def evaluate(head: Path, limit_per_domain: int | None = None) -> int:
     from draftsmith import artifact
     from draftsmith.evaluation.after_training import EvalAfterTraining, evaluate_into_artifact
     from draftsmith.targets import load_target
 
     manifest = artifact.load_manifest(head)
     target = load_target(manifest["config"]["target"])
-    report = evaluate_into_artifact(head, target, manifest["kind"], EvalAfterTraining(),
-                                    command=f"python scripts/zoo_add.py {head} --evaluate")
+    opts = EvalAfterTraining() if limit_per_domain is None else EvalAfterTraining(limit_per_domain=limit_per_domain)
+    limit = "" if limit_per_domain is None else f" --limit-per-domain {limit_per_domain}"
+    report = evaluate_into_artifact(head, target, manifest["kind"], opts,
+                                    command=f"python scripts/zoo_add.py {head} --evaluate{limit}")
     overall = report["overall"]
     print(f"{head}: tau {overall.get('tau')}, speedup {overall.get('speedup')}, lossless {overall.get('lossless')}; "
           f"report in {head / 'eval'}")

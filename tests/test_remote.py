@@ -198,10 +198,13 @@ def test_one_server_killed_the_other_finishes(tmp_path, servers, tiny_target, en
 
     def kill_b(rec):
         seen.append(rec)
-        if len(seen) == 3:
+        if len(seen) == 1:
             b.stop()
 
-    cfg = _cfg(tmp_path, [a.url, b.url], "two", concurrency=1)
+    # b leaves at its first failed try (no retries): with retries, a could answer every other row within b's
+    # backoff and end the run before b is marked gone. Killed at the first row written (flush_every 1), b still
+    # has rows to take: each server holds one request at a time, so most of the 12 are still queued
+    cfg = _cfg(tmp_path, [a.url, b.url], "two", concurrency=1, flush_every=1, max_retries=0)
     out = generate_dataset(cfg, tiny_target, progress=False, on_row=kill_b)
     assert_same_rows(load_distilled(out), engine_rows)
     per = {s["url"]: s for s in json.loads((out / "provenance.json").read_text())["timing"]["servers"]["servers"]}
