@@ -102,10 +102,6 @@ def memory_info(device: torch.device) -> dict:
     return out
 
 
-# how a side-by-side entry decodes (`PROPOSER[@SHAPE][@DTYPE]`): parsed where routing can read it too
-_compare_entry = side_by_side_entry
-
-
 @dataclass
 class Speed:
     """Token counts and median seconds summed over the prompts whose timing of one entry is valid."""
@@ -371,7 +367,7 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
             setup.entries.append(Entry("gpu_tree", gpu[0], dict(tree=gpu[1], k=None), setup.main.draft_dtype))
     # and beside every side-by-side tree, its own GPU-sized tree: several heads' τ at a GPU's budget in one run
     for e in setup.compared if cfg.prune_tree and cfg.gpu_tree else []:
-        _, shape, own_dtype = _compare_entry(e.name[4:])
+        _, shape, own_dtype = side_by_side_entry(e.name[4:])
         decodes_a_tree = shape == "tree" or isinstance(shape, TreeSpec) or (shape is None and cfg.tree_from_proposer)
         other = e.proposer.gpu_tree() if decodes_a_tree and e.kw.get("tree") is not None else None
         if other is not None:  # cast as _compare cast the entry itself
@@ -381,8 +377,8 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
 
 
 def _compare(entry: str, target, cfg: EvalConfig, drafts_in: torch.dtype) -> Entry:
-    """A side-by-side entry `PROPOSER[@SHAPE][@DTYPE]` (see `_compare_entry`) as it decodes in this run."""
-    name, shape, own_dtype = _compare_entry(entry)
+    """A side-by-side entry `PROPOSER[@SHAPE][@DTYPE]` (see `side_by_side_entry`) as it decodes in this run."""
+    name, shape, own_dtype = side_by_side_entry(entry)
     other = build_proposer(name, target)
     if other.verifier_target is not None:
         raise ConfigError(f"compare '{entry}': a Medusa-2 artifact is verified by its own adapted target, not by "

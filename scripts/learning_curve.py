@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.targets import load_target
 
     rows = sorted(int(n) for n in a.rows.split(","))
+    domains = [d for d in a.domains.split(",") if d]
     cfg = load_config(a.config, [f"data={a.data}", *a.overrides])  # the preset's kind picks the class
     target = dataset = None
     if not a.train_only:
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if not manifest.get("eval"):  # a trained artifact holds an empty eval until evaluated
             evaluate_into_artifact(head, target, a.method, EvalAfterTraining(
                 limit_per_domain=a.eval_limit, max_new_tokens=a.max_new_tokens,
-                domains=[d for d in a.domains.split(",") if d]),
+                domains=domains),
                 command=" ".join(["python", "scripts/learning_curve.py", *argv]) + f"  (point rows={n})")
             manifest = artifact.load_manifest(head)
         report = json.loads((head / "eval" / "report.json").read_text())
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.train_only:
         return 0
     evaluated = {"limit_per_domain": a.eval_limit, "max_new_tokens": a.max_new_tokens,
-                 "domains": [d for d in a.domains.split(",") if d] or "all"}
+                 "domains": domains or "all"}
     (a.out / "curve.json").write_text(json.dumps({"method": a.method, "config": a.config, "data": a.data,
                                                    "overrides": a.overrides, "eval": evaluated, "points": points},
                                                   indent=1))
