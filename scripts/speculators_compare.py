@@ -51,10 +51,11 @@ Configured, not patched: attention "sdpa" (flex attention is a GPU kernel; specu
 such hardware), loss implementation "eager" (the fused losses are Triton kernels), no distributed setup
 (single process: speculators' topology getters answer rank 0 of 1), num_workers 0.
 
-`compare` decodes the default eval prompts once with both heads side by side (`evaluate --proposer
-eagle:OURS --compare eagle:THEIRS ...`): each head's EAGLE-2 tree cut by this machine's cost model, and a
-chain of `--chain` tokens for each, and writes report.json / report.md plus comparison.md / .json: τ, α and
-per-position acceptance per head (overall and per domain) and the uncut GPU-tree τ of the first head.
+`compare` decodes the eval prompts of `--split` (dev unless told; `--domains` picks some) once with both heads
+side by side (`evaluate --proposer eagle:OURS --compare eagle:THEIRS ...`): each head's EAGLE-2 tree cut by
+this machine's cost model, each head's uncut GPU-sized tree, and a chain of `--chain` tokens for each, and
+writes report.json / report.md plus comparison.md / .json: τ, α and per-position acceptance per head and
+decoding (overall and per domain). `--repeats 1` where only τ and α are compared.
 The same decoding by hand: `draftsmith evaluate --target smollm2-135m --proposer eagle:OURS --tree auto
 --limit-per-domain 4 --max-new-tokens 64 --compare eagle:THEIRS eagle:OURS@chain=5
 eagle:THEIRS@chain=5 --out DIR`.
@@ -539,9 +540,11 @@ def provenance(path: str | Path) -> dict:
 
 def compare(ours: str | Path, theirs: str | Path, out: str | Path, target="smollm2-135m",
             limit_per_domain: int | None = 4, max_new_tokens: int = 64, chain: int = 5,
-            prompts: list[str] | None = None, cost_model: bool = True) -> dict:
+            prompts: list[str] | None = None, cost_model: bool = True, split: str = "dev",
+            domains: list[str] | None = None, repeats: int = 3) -> dict:
     """Both heads decoding the same prompts in one run (module docstring); returns the comparison. `target`: a
-    target spec or a loaded Target."""
+    target spec or a loaded Target; `split` / `domains`: which shipped eval prompts (prompts/README.md);
+    `repeats`: timed runs per prompt (1 where only τ and α are compared)."""
     from draftsmith.evaluation.config import EvalConfig
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
@@ -550,9 +553,14 @@ def compare(ours: str | Path, theirs: str | Path, out: str | Path, target="smoll
                "chain": [f"eagle:{ours}@chain={chain}", f"eagle:{theirs}@chain={chain}"] if chain else []}
     cfg = EvalConfig(target=target if isinstance(target, str) else target.spec, proposer=f"eagle:{ours}",
                      prompts=list(prompts or []), max_new_tokens=max_new_tokens, limit_per_domain=limit_per_domain,
-                     tree_from_proposer=True, cost_model=cost_model,
+                     tree_from_proposer=True, cost_model=cost_model, split=split, domains=list(domains or []),
+                     repeats=repeats,
                      compare=entries["tree"] + entries["chain"])
-    command = f"scripts/speculators_compare.py compare {ours} {theirs} --out {out}"
+    command = (f"scripts/speculators_compare.py compare {ours} {theirs} --out {out} --split {split}"
+               + (f" --domains {' '.join(domains)}" if domains else "")
+               + (f" --limit-per-domain {limit_per_domain}" if limit_per_domain else "")
+               + f" --max-new-tokens {max_new_tokens} --chain {chain} --repeats {repeats}"
+               + (f" --prompts {' '.join(map(str, prompts))}" if prompts else ""))
     report = evaluate(target, cfg.proposer, config=cfg, command=command)
     out = Path(out)
     write_report(report, out)
@@ -580,6 +588,8 @@ def comparison(report: dict, ours, theirs, chain: int) -> dict:
             out[f"{b} / chain {chain}"] = pick(c[f"eagle:{theirs}@chain={chain}"])
         if part.get("gpu_tree"):
             out[f"{a} / GPU tree, uncut"] = pick(part["gpu_tree"])
+        if c[f"eagle:{theirs}"].get("gpu_tree"):
+            out[f"{b} / GPU tree, uncut"] = pick(c[f"eagle:{theirs}"]["gpu_tree"])
         return out
 
     return {"heads": heads, "settings": report.get("settings"),
@@ -607,7 +617,7 @@ def comparison_md(table: dict) -> str:
                      f"{fmt(h['tokens'])} tokens{took}")
     lines += ["", "τ: tokens per target forward; acc@i: per-position acceptance. tree: each head's EAGLE-2 tree cut "
               "by this machine's cost model; chain: a chain of that many drafts; GPU tree: the uncut EAGLE-2 "
-              "budget (depth 6, top-10, 60 nodes), decoded for the first head only.", "",
+              "budget (depth 6, top-10, 60 nodes), each head its own.", "",
               *block("overall", table["overall"])]
     for d, runs in table["domains"].items():
         lines += block(d, runs)
@@ -652,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--max-new-tokens", type=int, default=64)
     c.add_argument("--chain", type=int, default=5, help="also decode a chain of this many tokens per head (0: no)")
     c.add_argument("--prompts", nargs="+")
+    c.add_argument("--split", choices=["dev", "test"], default="dev", help="which shipped eval prompts")
+    c.add_argument("--domains", nargs="+", help="only these domains of the split (default: all)")
+    c.add_argument("--repeats", type=int, default=3, help="timed runs per prompt (1: τ and α only)")
     c.add_argument("--threads", type=int)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -661,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     table = compare(args.ours, args.theirs, args.out, args.target, args.limit_per_domain, args.max_new_tokens,
-                    args.chain, args.prompts)
+                    args.chain, args.prompts, split=args.split, domains=args.domains, repeats=args.repeats)
     print(comparison_md(table))
     return 0
 

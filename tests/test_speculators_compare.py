@@ -224,4 +224,10 @@ def test_compare_decodes_both_heads_side_by_side(sc, setup, tmp_path):
     runs, theirs = table["overall"], f"theirs (speculators {importlib.metadata.version('speculators')})"
     assert {"ours (draftsmith) / tree", f"{theirs} / tree", "ours (draftsmith) / chain 3", f"{theirs} / chain 3"} <= set(runs)
     assert all(r["lossless"] for r in runs.values()) and all(r["tau"] >= 1 for r in runs.values())
+    # each head's own uncut GPU-sized tree, in the same run
+    assert {"ours (draftsmith) / GPU tree, uncut", f"{theirs} / GPU tree, uncut"} <= set(runs)
     assert f"| {theirs} / chain 3 |" in (tmp_path / "cmp" / "comparison.md").read_text()
+    assert f"| {theirs} / GPU tree, uncut |" in (tmp_path / "cmp" / "comparison.md").read_text()
+    # the report's command is the one that reproduces it, settings included
+    command = json.loads((tmp_path / "cmp" / "report.json").read_text())["command"]
+    assert "--split dev" in command and "--limit-per-domain 2 --max-new-tokens 8 --chain 3" in command
