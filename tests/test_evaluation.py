@@ -325,22 +325,22 @@ def test_evaluate_cuts_scored_trees_and_survives_a_cut_to_nothing(tiny_target, p
 
 def test_compare_entries_pick_their_own_shape(tiny_target, prompt_files, tmp_path):
     from draftsmith.decoding.proposer import TreeSpec
-    from draftsmith.decoding.proposer import side_by_side_entry as _compare_entry
+    from draftsmith.decoding.proposer import side_by_side_entry
     from draftsmith.errors import ConfigError
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
 
-    assert _compare_entry("eagle:runs/x") == ("eagle:runs/x", None, None)
-    assert _compare_entry("eagle:a@b/x") == ("eagle:a@b/x", None, None)  # an '@' in a path is part of the path
-    assert _compare_entry("eagle:x@chain=4") == ("eagle:x", 4, None)
-    assert _compare_entry("eagle:x@chain") == ("eagle:x", "chain", None)
-    assert _compare_entry("medusa:x@tree@float32") == ("medusa:x", "tree", "float32")
-    assert _compare_entry("eagle:x@bfloat16@chain=2") == ("eagle:x", 2, "bfloat16")
-    assert _compare_entry("ngram@tree=3,2,1") == ("ngram", TreeSpec((3, 2, 1)), None)
+    assert side_by_side_entry("eagle:runs/x") == ("eagle:runs/x", None, None)
+    assert side_by_side_entry("eagle:a@b/x") == ("eagle:a@b/x", None, None)  # an '@' in a path is part of the path
+    assert side_by_side_entry("eagle:x@chain=4") == ("eagle:x", 4, None)
+    assert side_by_side_entry("eagle:x@chain") == ("eagle:x", "chain", None)
+    assert side_by_side_entry("medusa:x@tree@float32") == ("medusa:x", "tree", "float32")
+    assert side_by_side_entry("eagle:x@bfloat16@chain=2") == ("eagle:x", 2, "bfloat16")
+    assert side_by_side_entry("ngram@tree=3,2,1") == ("ngram", TreeSpec((3, 2, 1)), None)
     for bad in ("ngram@chain=0", "ngram@chain=2,2", "ngram@tree=", "ngram@tree=2,x", "ngram@chain@tree",
                 "ngram@float32@float16"):
         with pytest.raises(ConfigError, match="after '@'"):
-            _compare_entry(bad)
+            side_by_side_entry(bad)
     kw = dict(prompts=prompt_files, max_new_tokens=8, k=3, cost_context=16, cost_k_max=3, cost_repeats=1,
               limit_per_domain=1)
     with pytest.raises(ConfigError, match="no tree of its own"):
