@@ -324,8 +324,7 @@ def test_evaluate_cuts_scored_trees_and_survives_a_cut_to_nothing(tiny_target, p
 
 
 def test_compare_entries_pick_their_own_shape(tiny_target, prompt_files, tmp_path):
-    from draftsmith.decoding.proposer import TreeSpec
-    from draftsmith.decoding.proposer import side_by_side_entry
+    from draftsmith.decoding.proposer import TreeSpec, side_by_side_entry
     from draftsmith.errors import ConfigError
     from draftsmith.evaluation.evaluate import evaluate
     from draftsmith.evaluation.report import write_report
