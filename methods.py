@@ -82,7 +82,9 @@ class Method:
     #                                    <train.output_dir>/artifact
     command: tuple[str, ...] = ()  # a one-word alias of `train NAME` (`distill` for `train draft`)
     aliases: tuple[str, ...] = ()  # other names bench presets may give its job (`distill` for `draft`)
-    own_tree: bool = False  # its proposer has a tree of its own: end-of-training evaluation verifies it
+    # its proposer has a shape of its own (a head's tree, DFlash's block chain): the end-of-training evaluation
+    # decodes that shape and the proposer's GPU-sized one, not a chain of k
+    own_tree: bool = False
     job: Any = None  # its `training.job.Job` class: then `train` may be None and the one runner trains it
     commands: Any = None  # register(subparsers): subcommands of its own, which the CLI adds beside the others
 

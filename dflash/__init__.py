@@ -17,4 +17,5 @@ METHOD = Method(
     tensors="draftsmith.dflash.model:artifact_tensors",
     train_memory="draftsmith.dflash.memory:job_memory",
     default_config="configs/smollm2-135m/dflash.yaml",
+    own_tree=True,  # its block's chain (what vLLM and SGLang serve), and the GPU-sized tree beside it
 )

@@ -256,6 +256,25 @@ def test_evaluation_puts_the_gpu_sized_tree_beside_the_blocks_chain(trained, tar
     assert gpu["verified_nodes_per_step"] > report["overall"]["verified_nodes_per_step"]
 
 
+def test_the_end_of_training_evaluation_decodes_the_blocks_chain_not_a_chain_of_k(trained, target4, tmp_path):
+    """What `train` and `scripts/zoo_add.py --evaluate` write into the artifact: the block's chain of
+    block_size - 1 (the shape vLLM and SGLang serve) and the GPU-sized tree beside it, not evaluate.k."""
+    import shutil
+
+    from draftsmith.artifact import load_manifest
+    from draftsmith.evaluation.after_training import evaluate_into_artifact
+
+    _, result, _ = trained
+    art = shutil.copytree(result.artifact, tmp_path / "dflash")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"category": "qa", "turns": ["What is a fox?"]}) + "\n")
+    opts = EvalAfterTraining(prompts=[str(prompts)], limit_per_domain=1, max_new_tokens=8)
+    report = evaluate_into_artifact(art, target4, "dflash", opts)
+    assert report["settings"]["tree"] == [1] * (BS - 1) and report["settings"]["k"] is None
+    assert report["overall"]["gpu_tree"]["lossless"] is True
+    assert load_manifest(art)["eval"]["settings"]["tree"] == [1] * (BS - 1)
+
+
 @pytest.mark.parametrize("loss", ["ce", "kd"])
 def test_offline_features_from_the_capture_cache_give_the_online_loss(trained, target4, tmp_path, loss):
     """Trained from the same capture cache as EAGLE-3 (`capture_cache`, capture/cache.py): the target never runs

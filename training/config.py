@@ -151,7 +151,7 @@ class EvalAfterTraining:
     limit_per_domain: int | None = 8
     max_new_tokens: int = 64
     k: int = 4  # chain length (draft models, and heads when tree is false)
-    tree: bool = True  # heads: verify the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)
+    tree: bool = True  # verify the artifact's own shape (Medusa calibrated tree, EAGLE-2 budget, DFlash's block)
     hf_reference: bool = True  # HF generate beside: the independent reference `lossless` is judged against
     cost_model: bool = True  # measure v(k) and c on this machine -> recommended k
 
