@@ -179,10 +179,12 @@ def draftsmith_side(export_dir: Path | None, target, files: list[str], k: int, m
             art = import_export(export_dir, workdir / "reimported", overwrite=True)
             proposer = f"{read_json(art / 'manifest.json')['kind']}:{art}"
     # acceptance is what is compared with vLLM's counters: one timed run a prompt; HF generate stays on, as the
-    # independent reference draftsmith's `lossless` is judged against
+    # independent reference draftsmith's `lossless` is judged against. vLLM decodes each prompt's first user
+    # turn (`_job`), so the evaluator does too: a multi-turn prompt's later turns would add generations vLLM
+    # never ran to one side of the comparison
     report = evaluate(target, proposer, prompts=files, k=k, max_new_tokens=max_new_tokens, limit_per_domain=limit,
                       seed=seed, cost_model=False, gpu_tree=False, draft_dtype="float32", repeats=1, remeasure=0,
-                      out=str(workdir / "draftsmith-eval"))
+                      turns="first", out=str(workdir / "draftsmith-eval"))
     return report["overall"], proposer
 
 

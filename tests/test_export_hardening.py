@@ -116,3 +116,16 @@ def test_model_card_from_manifest_and_evaluation(tiny_tokenizer, tmp_path):
     card = (export_artifact(art, "vllm", tmp_path / "evaluated", target=target).out / "README.md").read_text()
     assert "| math | 3 | 0.500 | 1.75 | yes |" in card and "| overall | 3 | 0.500 | 1.75 | yes |" in card
     assert "base_model" not in card  # a local folder is not a hub id
+
+
+def test_serve_checks_own_side_decodes_the_first_turns_vllm_decodes(tiny_target, tmp_path):
+    """serve-check sends vLLM each prompt's first user turn; draftsmith's side of the comparison decodes the same
+    generations, not the later turns of a multi-turn prompt as well."""
+    from draftsmith.export.serve_check import draftsmith_side
+
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(json.dumps({"category": "multiturn", "turns": ["Name a fox.", "And a second one?"]}) + "\n"
+                       + json.dumps({"category": "multiturn", "turns": ["What is rain?"]}) + "\n")
+    overall, proposer = draftsmith_side(None, tiny_target, [str(prompts)], k=2, max_new_tokens=6, limit=None, seed=0,
+                                        method="ngram", workdir=tmp_path)
+    assert proposer == "ngram:3" and overall["n_prompts"] == 2 and overall["lossless"] is True
