@@ -317,6 +317,20 @@ def test_offline_features_give_the_online_loss(trained, target4, tmp_path):
     assert m_on == pytest.approx(m_off, rel=1e-5)
 
 
+def _per_step_reference(job, module, batch, target):
+    """Step j's draft logits, teacher logits and target ids at its selected bases, each step from features
+    shifted on its own (the definition), and the selections."""
+    feats = job.features(batch)
+    S = job.cfg.ttt_steps
+    select = [shift_left(batch["loss_mask"], 2 + j).bool() for j in range(S)]
+    x = torch.cat([feats[f"layer.{i}"] for i in job.layers], dim=-1)
+    out = module(batch["input_ids"], x, steps=S, select=select)
+    w = target.model.get_output_embeddings().weight[module.t2d]
+    teacher = [shift_left(feats["last_hidden"], 1 + j)[select[j]] @ w.T for j in range(S)]
+    ids = [shift_left(feats["topk_indices"][..., 0], 1 + j)[select[j]] for j in range(S)]
+    return out, teacher, ids, select
+
+
 def test_eagle3_job_loss_equals_a_per_step_reference(trained, target4):
     """The job computes every step's teacher as rows of one product; the reference shifts the target's
     features per step and multiplies S times (the definition: step j at base t learns the target at t+1+j)."""
@@ -326,14 +340,7 @@ def test_eagle3_job_loss_equals_a_per_step_reference(trained, target4):
     module = result.module.eval()
     with torch.no_grad():
         got, m_got = job.loss(module, batch)
-        feats = job.features(batch)
-        S = job.cfg.ttt_steps
-        select = [shift_left(batch["loss_mask"], 2 + j).bool() for j in range(S)]
-        x = torch.cat([feats[f"layer.{i}"] for i in job.layers], dim=-1)
-        out = module(batch["input_ids"], x, steps=S, select=select)
-        w = target4.model.get_output_embeddings().weight[module.t2d]
-        teacher = [shift_left(feats["last_hidden"], 1 + j)[select[j]] @ w.T for j in range(S)]
-        ids = [shift_left(feats["topk_indices"][..., 0], 1 + j)[select[j]] for j in range(S)]
+        out, teacher, ids, _ = _per_step_reference(job, module, batch, target4)
         want, m_want = eagle3_loss(out.logits, teacher, ids, module.d2t, job.weights)
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     assert m_got == pytest.approx(m_want, rel=1e-6)
@@ -363,17 +370,11 @@ def test_copy_weight_weighs_the_copied_positions_of_every_step(trained, target4,
     with torch.no_grad():
         plain, _ = job.loss(module, batch)
         got, m_got = copying.loss(module, batch)
-        feats = job.features(batch)
-        S = job.cfg.ttt_steps
-        select = [shift_left(batch["loss_mask"], 2 + j).bool() for j in range(S)]
-        x = torch.cat([feats[f"layer.{i}"] for i in job.layers], dim=-1)
-        out = module(batch["input_ids"], x, steps=S, select=select)
-        w = target4.model.get_output_embeddings().weight[module.t2d]
-        teacher = [shift_left(feats["last_hidden"], 1 + j)[select[j]] @ w.T for j in range(S)]
+        out, teacher, _, select = _per_step_reference(job, module, batch, target4)
         marks = lookup_marks(batch["input_ids"], 1)
         want = sum(job.weights[j] * soft_ce(out.logits[j], teacher[j],
                                             1.0 + 2.0 * shift_left(marks, 2 + j)[select[j]].float())
-                   for j in range(S))
+                   for j in range(len(select)))
     share = float(shift_left(marks, 2)[select[0]].float().mean())
     assert 0 < share < 1 and m_got["copy/share"] == pytest.approx(share)
     assert float(got) == pytest.approx(float(want), rel=1e-5) and float(got) > float(plain)
