@@ -1,26 +1,62 @@
-"""One writer per output folder: a second process writing the same training output, dataset, export,
-artifact or evaluation folder is refused in one line while the first runs.
+"""Exclusive writers, by an advisory `flock` that the kernel drops when its process dies however it dies
+(SIGKILL included), so a killed holder never blocks the next one and exactly one contender wins.
 
-The lock is an advisory `flock` on `.<name>.lock` beside the folder, held for the whole write. The kernel
-drops it when its process dies however it dies, so a killed writer never blocks the next one; the file is
-removed when the writer finishes (a lock file a killed writer left is taken over, then removed). A process
-that already holds a folder's lock may take it again (a dataset run saving into its own folder).
+- `output_lock`: one writer per output folder. A second process writing the same training output,
+  dataset, export, artifact or evaluation folder is refused in one line while the first runs. The lock
+  is `.<name>.lock` beside the folder, held for the whole write and removed when the writer finishes (a
+  lock file a killed writer left is taken over, then removed). A process that already holds a folder's
+  lock may take it again (a dataset run saving into its own folder).
+- `RunLock`: one retraining run per registry. Its file stays; it holds the owner's host, pid and start
+  time (informational), emptied on a clean release, so a new owner that finds content knows it broke
+  the lock of a run that died holding it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from draftsmith.errors import OutputError
+from draftsmith.errors import DraftsmithError, OutputError
 
 
 class OutputBusy(OutputError):
     """Another live process is writing the same output folder."""
+
+
+class LockHeld(DraftsmithError):
+    """Another live retraining run holds the registry's lock."""
+
+
+def _try_flock(path: Path) -> tuple[int, bytes | None]:
+    """Open `path` (created if absent) and take its exclusive flock without waiting. Returns the open
+    fd holding the lock and None, or -1 and what the file holds (the holder's note) when another
+    open file holds it."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        note = os.read(fd, 4096)
+        os.close(fd)
+        return -1, note
+    return fd, None
+
+
+def _write_note(fd: int, note: str) -> None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.ftruncate(fd, 0)
+    os.write(fd, note.encode())
+
+
+def _unlock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
 
 
 _HELD: dict[str, int] = {}  # lock file -> how many times this process holds it
@@ -69,28 +105,70 @@ def output_lock(folder: str | os.PathLike, what: str = "output", enabled: bool =
             _HELD.pop(key, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # still holding the lock: a newcomer that opened this file re-checks and retries
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        _unlock(fd)
 
 
 def _acquire(path: Path, folder, what: str) -> int:
     for _ in range(100):
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(fd, 200).decode(errors="replace").strip()
-            os.close(fd)
+        fd, note = _try_flock(path)
+        if fd < 0:
+            owner = note.decode(errors="replace").strip()
             raise OutputBusy(f"{folder}: another process{f' (pid {owner})' if owner.isdigit() else ''} is writing "
-                             f"this {what} now; wait for it to finish or choose another folder") from None
+                             f"this {what} now; wait for it to finish or choose another folder")
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
             same = False
         if same:  # not a file its previous holder unlinked while we waited for it
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
+            _write_note(fd, str(os.getpid()))
             return fd
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        _unlock(fd)
     raise OutputBusy(f"{folder}: its lock {path} keeps changing hands; retry")
+
+
+class RunLock:
+    """The registry's retraining lock: `with RunLock(base / ".lock") as lock:`; `lock.broke_stale` holds
+    the previous owner's note when that owner died holding it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.fd: int | None = None
+        self.broke_stale: dict | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, note = _try_flock(self.path)
+        if fd < 0:
+            info = _read_note(note)
+            who = f" (pid {info.get('pid')} on {info.get('host')})" if info else ""
+            raise LockHeld(f"another retraining run holds {self.path}{who}")
+        self.broke_stale = _read_note(os.read(fd, 4096), keep_raw=True)
+        _write_note(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}))
+        os.fsync(fd)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        os.ftruncate(self.fd, 0)  # an empty file means "released cleanly"
+        _unlock(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_note(note: bytes, keep_raw: bool = False) -> dict | None:
+    """A RunLock file's owner note, None when empty (released cleanly). A note that is not the JSON a run
+    writes is informational only: kept raw for the record when `keep_raw`, else ignored."""
+    if not note.strip():
+        return None
+    with contextlib.suppress(ValueError):
+        info = json.loads(note)
+        if isinstance(info, dict):
+            return info
+    return {"raw": note.decode(errors="replace")} if keep_raw else None

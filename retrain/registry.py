@@ -8,7 +8,7 @@
                                  the old pointer or the new one, never a torn write
         runs/<timestamp>.json    one record per retraining run
         policy.json              per-domain enable/disable, read by the serving layer
-        .lock                    held while a run trains (see retrain/lock.py)
+        .lock                    held while a run trains (see locks.py RunLock)
 
 A version's manifest carries its lineage (`parent`, the data it was trained on, its metrics, the target
 fingerprint). A version is published by renaming a finished artifact directory into versions/ and only

@@ -30,9 +30,9 @@ from draftsmith.artifact import load_manifest, now_iso, update_manifest
 from draftsmith.checks import inspect_artifact
 from draftsmith.config import load_config, to_dict
 from draftsmith.errors import ArtifactError, DraftsmithError
+from draftsmith.locks import LockHeld, RunLock
 from draftsmith.retrain.config import RetrainConfig
 from draftsmith.retrain.decide import domain_policy, gate, staleness
-from draftsmith.retrain.lock import LockHeld, RunLock
 from draftsmith.retrain.registry import Registry
 from draftsmith.retrain.traffic import TrafficRow, read_traffic, write_prompt_file
 from draftsmith.storage import sha256_json

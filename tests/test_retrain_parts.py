@@ -13,8 +13,8 @@ import pytest
 
 from draftsmith.artifact import make_manifest, save_artifact
 from draftsmith.errors import ArtifactError, DataError
+from draftsmith.locks import LockHeld, RunLock
 from draftsmith.retrain.decide import GateRule, Thresholds, domain_policy, gate, staleness
-from draftsmith.retrain.lock import LockHeld, RunLock
 from draftsmith.retrain.registry import Registry
 from draftsmith.retrain.traffic import read_traffic
 
@@ -44,7 +44,7 @@ def test_registry_publish_and_switch(tmp_path):
 def test_lock_excludes_and_breaks_after_kill(tmp_path):
     path = tmp_path / ".lock"
     code = ("import time;"
-            "from draftsmith.retrain.lock import RunLock;"
+            "from draftsmith.locks import RunLock;"
             f"l = RunLock({str(path)!r}); l.acquire(); print('held', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
