@@ -21,7 +21,7 @@ COMMAND_MODULES = [
     "draftsmith.targets.commands",
     "draftsmith.checks",
     "draftsmith.data.commands",
-    "draftsmith.training.commands",
+    "draftsmith.runner.commands",
     "draftsmith.evaluation.commands",
     "draftsmith.export.commands",
     "draftsmith.retrain.commands",

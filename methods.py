@@ -13,7 +13,7 @@ the methods imports none of their code, and decoding with a head imports its pro
 job.
 
     config    the job's config dataclass (registered with `@register_config`, so `kind: NAME` presets load)
-    job       its `training.job.Job` class (cfg, target, rows=None): the one runner (`training.runner.run`)
+    job       its `training.job.Job` class (cfg, target, rows=None): the one runner (`runner.train.run`)
               loads the target, trains it through the one loop and evaluates what it wrote
     train     (config_path, overrides) -> Path of the artifact it wrote; None with a `job`: the runner's
               `train_method` (the preset, its overrides, `run`)
@@ -92,7 +92,7 @@ class Method:
         """The object a reference field names, imported on first use."""
         if what == "train" and self.train is None and self.job is not None:
             # string reference, like every other: the registry imports no stage above it
-            return functools.partial(resolve("draftsmith.training.runner:train_method"), self)
+            return functools.partial(resolve("draftsmith.runner.train:train_method"), self)
         ref = getattr(self, what)
         if ref is None:
             raise ConfigError(f"method '{self.name}' declares no {what}")

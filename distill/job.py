@@ -18,7 +18,7 @@ Where the target's distribution comes from:
 The artifact (`save_artifact`) is a plain HF causal-LM folder — save_pretrained (LoRA merged first), the
 target's tokenizer files, and `manifest.json` (kind "draft", target fingerprint, config, data, metrics) —
 loadable with `AutoModelForCausalLM.from_pretrained` and usable as `assistant_model` in `generate`.
-The one runner (`training.runner.run("draft", cfg)`) trains it, then evaluates the draft as a proposer and
+The one runner (`runner.train.run("draft", cfg)`) trains it, then evaluates the draft as a proposer and
 writes the report into the artifact.
 """
 

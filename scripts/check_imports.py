@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, ...]] = [
     tuple(sorted(METHODS)),  # one folder per method: methods.BUILTIN, read from methods.py
     ("evaluation",),  # per-domain alpha/tau/speedup, lossless against a reference, reports
     # the one runner: train any method's job, then evaluate what it wrote; `draftsmith train` calls it
-    ("training.runner", "training.commands"),
+    ("runner",),
     ("export",),  # what each serving stack needs, verified
     ("checks",),  # `draftsmith check`: artifacts, exports and datasets, read back
     ("planning", "benchmark"),  # memory plans, routing, production alpha; every benchmark and its results

@@ -83,7 +83,7 @@ def train(target, data_path: Path) -> Path:
     from draftsmith.config import load_config
     from draftsmith.data.generate import CAPTURE_DIR
     from draftsmith.medusa.job import MedusaJobConfig
-    from draftsmith.training.runner import run
+    from draftsmith.runner.train import run
 
     out = OUT / "medusa"
     if (out / "manifest.json").is_file():

@@ -1,5 +1,5 @@
 """Distil a draft model from a target's logits: a thin entry point over `draftsmith train draft`
-(training/commands.py; `draftsmith distill` is its alias).
+(runner/commands.py; `draftsmith distill` is its alias).
 
     accelerate launch scripts/distill_draft.py --config configs/smollm2-135m/distill.yaml [key=value ...]
     python scripts/distill_draft.py --config configs/smollm2-135m/distill.yaml train.max_steps=50
@@ -12,7 +12,7 @@ import sys
 
 from draftsmith import methods
 from draftsmith.cli import run_entry_point
-from draftsmith.training.commands import run
+from draftsmith.runner.commands import run
 
 
 def main() -> int:

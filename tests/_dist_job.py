@@ -72,7 +72,7 @@ def train(a: argparse.Namespace) -> None:
     import draftsmith.targets as targets
     from draftsmith.training import TrainConfig
     from draftsmith.training.launch import preset_kind
-    from draftsmith.training.runner import run as run_job
+    from draftsmith.runner.train import run as run_job
 
     loaded = []
     real_load = targets.load_target

@@ -69,7 +69,7 @@ class TinyFamily:
         from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
         from draftsmith.targets import load_target
         from draftsmith.training import train
-        from draftsmith.training.runner import run
+        from draftsmith.runner.train import run
 
         self.tmp = tmp
         self.folder = build_tiny_family(family, tokenizer, tmp / family, hidden=128, layers=4)

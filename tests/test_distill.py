@@ -15,7 +15,7 @@ from draftsmith.distill.job import DistillJob, prompt_lengths
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.heads import lora
 from draftsmith.training.batching import pad_rows
-from draftsmith.training.runner import run
+from draftsmith.runner.train import run
 
 PROMPTS = ["What is the capital of France?", "Add 2 and 3.", "Write a loop in Python.", "Summarize the passage.",
            "How many clips did Natalia sell?", "Translate the sentence into French.", "def add(a, b):",

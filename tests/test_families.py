@@ -127,7 +127,7 @@ def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_pat
     from draftsmith.targets import load_target
     from draftsmith.targets.families import family as family_of
     from draftsmith.targets.families import full_attention_rope
-    from draftsmith.training.runner import run
+    from draftsmith.runner.train import run
 
     folder = build_tiny_family(family, tiny_tokenizer, tmp_path / family)
     target = load_target(str(folder))

@@ -15,7 +15,7 @@ from draftsmith.evaluation import evaluate
 from draftsmith.export import export_artifact
 from draftsmith.medusa.job import MedusaJobConfig
 from draftsmith.storage import shared_data_dir
-from draftsmith.training.runner import run
+from draftsmith.runner.train import run
 
 pytestmark = pytest.mark.real
 

@@ -92,7 +92,7 @@ def scenario(tiny_tokenizer, tmp_path_factory):
     """Config files and the initial version v1, trained briefly on domain A."""
     from draftsmith.data import generate_dataset
     from draftsmith.data.generate import load_data_config
-    from draftsmith.training.runner import train_method
+    from draftsmith.runner.train import train_method
 
     root = tmp_path_factory.mktemp("retrain")
     target = _learned_target(tiny_tokenizer, root / "target")

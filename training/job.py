@@ -95,7 +95,7 @@ class Job:
         """Refuse a launch layout the job cannot run under (one line), before the runner loads the target."""
 
     def announce(self) -> None:
-        """Once before training (training/runner.py): log what the job trains."""
+        """Once before training (runner/train.py): log what the job trains."""
 
     def setup(self, accelerator) -> None:
         """Once on every rank after the Accelerator exists: place the frozen target (targets.frozen)."""

@@ -1,6 +1,6 @@
 """Where each rank's frozen target lives, decided from the launcher before anything is loaded.
 
-The one job runner (training/runner.py `run`) creates the Accelerator FIRST
+The one job runner (runner/train.py `run`) creates the Accelerator FIRST
 (`make_accelerator`) and then loads the target once, on the device that Accelerator gives this rank
 (`load_target_for`). Under `accelerate launch` / `torchrun` on a GPU node that is `cuda:LOCAL_RANK`, so eight
 ranks put eight targets on eight GPUs, not eight targets on `cuda:0`.

@@ -1,5 +1,5 @@
 """`draftsmith train METHOD --config PATH [key=value ...]`: run any registered method's training job
-(methods.py) through the one runner (training/runner.py). A method may declare a one-word alias of the same
+(methods.py) through the one runner (runner/train.py). A method may declare a one-word alias of the same
 job (`Method.command`: `draftsmith distill` is `draftsmith train draft`), with the same arguments and the same
 output; `train METHOD` is the documented form."""
 
@@ -43,7 +43,7 @@ def run(args) -> int:
         print(f"artifact: {method.get('train')(args.config or method.default_config, args.overrides)}")
         return 0
     from draftsmith.config import load_config
-    from draftsmith.training.runner import run as run_job
+    from draftsmith.runner.train import run as run_job
 
     cfg = load_config(args.config or method.default_config, args.overrides, cls=method.get("config"))
     out = run_job(method, cfg, init_only=init_only)
