@@ -38,6 +38,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from draftsmith.storage import sha256_file
+
 TRAIN = {
     "gsm8k_train.jsonl": ("grade-school math word problems: question, answer",
                           "openai/grade-school-math, train split", "LICENSES/gsm8k-MIT"),
@@ -68,10 +70,6 @@ def split_of(stem: str, key: str) -> str:
     return "dev" if hashlib.sha256(f"{stem}:{key}".encode()).digest()[0] % 2 == 0 else "test"
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _gzip(src: Path, dst: Path) -> None:
     with open(src, "rb") as f, open(dst, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw,
                                                                       mtime=0, compresslevel=9) as g:
@@ -80,7 +78,7 @@ def _gzip(src: Path, dst: Path) -> None:
 
 def _entry(out: Path, path: Path, what: str, source: str, licence: str, rows: int) -> dict:
     return {"path": path.relative_to(out).as_posix(), "what": what, "source": source, "licence": licence,
-            "rows": rows, "sha256": _sha256(path)}
+            "rows": rows, "sha256": sha256_file(path)}
 
 
 def ship(src: Path, out: Path, sets: str = "all", existing: list[Path] = ()) -> dict:

@@ -35,7 +35,6 @@ resume falls back to the previous intact checkpoint (checkpoint.latest_intact).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -44,21 +43,13 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.errors import TrainingError
-from draftsmith.storage import atomic_write_json, atomic_write_text, read_json
+from draftsmith.storage import atomic_write_json, atomic_write_text, read_json, sha256_file
 from draftsmith.training.checkpoint import checkpoint_name, checkpoints_root, prune
 
 SHARDS = "shards"
 FORMAT = "sharded"
 DS_TAG = "deepspeed"  # DeepSpeed's checkpoint folder inside step-N
 DS_FORMAT = "deepspeed"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -98,7 +89,7 @@ def _commit(accelerator, output_dir, tmp: Path, final: Path, step: int, state: d
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     atomic_write_text(tmp / "log.jsonl", log_text)
     files = sorted([*weights, tmp / "rng.safetensors", tmp / "log.jsonl"])  # every file a resume reads
-    sums = {p.relative_to(tmp).as_posix(): _sha256(p) for p in files}
+    sums = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in files}
     full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "format": fmt, "checksums": sums}
     if fmt == FORMAT:
         full["metadata_sha256"] = sums[f"{SHARDS}/.metadata"]
@@ -183,7 +174,7 @@ def load_sharded(path: str | Path, model, optimizer) -> None:
     path = Path(path)
     meta = path / SHARDS / ".metadata"
     want = read_json(path / "state.json").get("metadata_sha256")
-    if not meta.is_file() or want is None or _sha256(meta) != want:
+    if not meta.is_file() or want is None or sha256_file(meta) != want:
         raise TrainingError(f"{meta}: missing or not the file this checkpoint recorded (sha256 mismatch); "
                             "it is a pickle and is only loaded when it is")
     model_sd, optim_sd = get_state_dict(model, optimizer)
