@@ -70,9 +70,9 @@ def trace_writes(under: Path) -> list[str]:
 def train(a: argparse.Namespace) -> None:
     writes = trace_writes(a.out)
     import draftsmith.targets as targets
+    from draftsmith.runner.train import run as run_job
     from draftsmith.training import TrainConfig
     from draftsmith.training.launch import preset_kind
-    from draftsmith.runner.train import run as run_job
 
     loaded = []
     real_load = targets.load_target

@@ -67,9 +67,9 @@ class TinyFamily:
         from draftsmith.eagle.job import EagleJob, EagleJobConfig
         from draftsmith.evaluation.after_training import EvalAfterTraining
         from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
+        from draftsmith.runner.train import run
         from draftsmith.targets import load_target
         from draftsmith.training import train
-        from draftsmith.runner.train import run
 
         self.tmp = tmp
         self.folder = build_tiny_family(family, tokenizer, tmp / family, hidden=128, layers=4)

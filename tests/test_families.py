@@ -124,10 +124,10 @@ def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_pat
     from draftsmith.distill.config import DistillConfig
     from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
+    from draftsmith.runner.train import run
     from draftsmith.targets import load_target
     from draftsmith.targets.families import family as family_of
     from draftsmith.targets.families import full_attention_rope
-    from draftsmith.runner.train import run
 
     folder = build_tiny_family(family, tiny_tokenizer, tmp_path / family)
     target = load_target(str(folder))
