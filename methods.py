@@ -24,10 +24,10 @@ job.
               (export/heads.py writes any head layout; distill/export.py a whole draft model)
     reimport  (export_dir, guard) -> (config, state, writer or None) of an export of this method (guard:
               its draftsmith.json, {} for another tool's), or None when it is not one; `import_export`
-    memory    (path, target_config) -> `planning.memory.ArtifactShape`: parameters and KV cache of the artifact
+    memory    (path, target_config) -> `memory.serving.ArtifactShape`: parameters and KV cache of the artifact
     tensors   (path) -> (required, optional, problems): the tensor names and shapes `config.json` implies,
               for `draftsmith check` (checks.inspect_artifact)
-    train_memory  (job config, target config, activation bytes, learned) -> `planning.train_memory.JobMemory`,
+    train_memory  (job config, target config, activation bytes, learned) -> `memory.training.JobMemory`,
               for `draftsmith plan --config`; `learned`: the loss positions of the planned row (None: every
               one of its max_length tokens), for a method whose steps run on those positions alone
     commands  (subparsers) -> None: adds the method's own subcommands to `draftsmith` (a job only this method

@@ -1,15 +1,15 @@
 """What a DFlash draft costs in memory, for `draftsmith plan`: serving (its parameters and the KV cache of its
 layers: one context entry per verified token and layer) and training (the tapped features it reads, and the
 activations of every block a row trains at once). The counting rules common to every method live in
-planning/memory.py and planning/train_memory.py."""
+memory/serving.py and memory/training.py."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from draftsmith.planning.memory import ArtifactShape, weights_params
-from draftsmith.planning.train_memory import JobMemory, layer_bytes_per_token, meta_params
+from draftsmith.memory.serving import ArtifactShape, weights_params
+from draftsmith.memory.training import JobMemory, layer_bytes_per_token, meta_params
 from draftsmith.targets.families import text_config
 
 

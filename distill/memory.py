@@ -1,13 +1,13 @@
 """What a draft model costs in memory, for `draftsmith plan`: serving (its parameters and its own KV cache,
 beside the target's) and training (the distillation job's trained parameters, teacher logits and
-activations). The counting rules common to every method live in planning/memory.py and planning/train_memory.py."""
+activations). The counting rules common to every method live in memory/serving.py and memory/training.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.planning.memory import ArtifactShape, count_params
-from draftsmith.planning.train_memory import JobMemory, layer_bytes_per_token
+from draftsmith.memory.serving import ArtifactShape, count_params
+from draftsmith.memory.training import JobMemory, layer_bytes_per_token
 from draftsmith.targets.families import text_config
 
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from draftsmith.planning.train_memory import JobMemory, meta_params
+from draftsmith.memory.training import JobMemory, meta_params
 from draftsmith.targets.families import text_config
 
 

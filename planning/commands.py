@@ -71,10 +71,10 @@ def register(subparsers) -> None:
 
 def run_plan(args) -> int:
     from draftsmith.errors import ConfigError
-    from draftsmith.planning import memory
+    from draftsmith.memory import serving
 
     if args.config:
-        from draftsmith.planning.train_memory import format_plan, plan_config
+        from draftsmith.memory.training import format_plan, plan_config
 
         p = plan_config(args.config, args.target, args.accelerate, args.gpu, args.gpus, args.overrides, args.learned,
                         advise=True)
@@ -83,14 +83,14 @@ def run_plan(args) -> int:
     if args.target is None:
         raise ConfigError("plan: give --target (inference memory) or --config (a training job's memory)")
 
-    cfg = memory.load_target_config(args.target)
-    shape = memory.artifact_shape(args.artifact, cfg)
+    cfg = serving.load_target_config(args.target)
+    shape = serving.artifact_shape(args.artifact, cfg)
     gpu = int(float(args.gpu)) if args.gpu.replace(".", "").replace("e", "").isdigit() else args.gpu
-    p = memory.plan(cfg, shape, gpu, args.batch, args.context, args.dtype, args.k, args.prefill_chunk,
-                    args.utilization)
+    p = serving.plan(cfg, shape, gpu, args.batch, args.context, args.dtype, args.k, args.prefill_chunk,
+                     args.utilization)
     if args.measure:
         # a fresh process, so its peak RSS is this measurement's alone
-        code = ("import json,sys; from draftsmith.planning.memory import measure_cpu; "
+        code = ("import json,sys; from draftsmith.memory.serving import measure_cpu; "
                 "print(json.dumps(measure_cpu(*json.loads(sys.argv[1]))))")
         argv = json.dumps([args.target, args.artifact, args.batch, args.context, args.k])
         # a fixed mmap threshold makes glibc return freed large blocks at once, so RSS tracks live tensors
@@ -99,8 +99,8 @@ def run_plan(args) -> int:
         if out.returncode != 0:
             raise RuntimeError(f"measurement failed: {out.stderr.strip().splitlines()[-1] if out.stderr else '?'}")
         measured = json.loads(out.stdout.strip().splitlines()[-1])
-        cpu = memory.plan(cfg, shape, "cpu", args.batch, args.context, "fp32", args.k, args.prefill_chunk, 1.0,
-                          overhead_bytes=0)
+        cpu = serving.plan(cfg, shape, "cpu", args.batch, args.context, "fp32", args.k, args.prefill_chunk, 1.0,
+                           overhead_bytes=0)
         p["cpu_check"] = {"planned_fp32": {"weights": sum(cpu["weights_bytes"].values()) if shape.separate_model
                                            else cpu["weights_bytes"]["target"],
                                            "kv": cpu["kv_bytes"]["target"] + cpu["kv_bytes"]["artifact"],
@@ -109,7 +109,7 @@ def run_plan(args) -> int:
     if args.json:
         print(json.dumps(p, indent=2))
         return 0
-    print(memory.render(p))
+    print(serving.render(p))
     if "cpu_check" in p:
         c = p["cpu_check"]
         pl, me = c["planned_fp32"], c["measured"]

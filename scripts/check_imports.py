@@ -55,10 +55,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("data",),  # sources -> rows, and data/engines/: everything that produces text, behind one interface
     ("training",),  # the one accelerate loop, checkpoints, trackers, online capture
     ("heads",),  # what the methods share: draft vocabularies, LoRA, KD losses
-    # the toolkits a method folder's own export layout and memory estimate are written with (the lower half
-    # of export/ and planning/): the export manifest and guard, the model card, reading a layout back, the
-    # writer every head layout shares; the memory counting rules every method's estimate uses
-    ("export.common", "export.card", "export.verify", "export.heads", "planning.memory", "planning.train_memory"),
+    ("memory",),  # the memory counting rules (serving, training) every method's estimate is written with
+    # the toolkits a method folder's own export layout is written with (the lower half of export/): the
+    # export manifest and guard, the model card, reading a layout back, the writer every head layout shares
+    ("export.common", "export.card", "export.verify", "export.heads"),
     tuple(sorted(METHODS)),  # one folder per method: methods.BUILTIN, read from methods.py
     ("evaluation",),  # per-domain alpha/tau/speedup, lossless against a reference, reports
     # the one runner: train any method's job, then evaluate what it wrote; `draftsmith train` calls it

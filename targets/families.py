@@ -31,7 +31,7 @@ a head of that family exports either way.
 Mixture-of-experts families (`experts`: the config fields of the routed experts per layer and of the experts
 each token goes through): the drafters read the decoder layer's output, where the experts' sum is already
 added, so nothing of the routing reaches a head; the target is frozen, so no router auxiliary loss is ever
-computed. What differs is the memory plan (planning/memory.py: every expert is held, only the routed ones
+computed. What differs is the memory plan (memory/serving.py: every expert is held, only the routed ones
 compute) and the draft layer: `draft_layer: target` would put a router and its experts in a one-layer
 draft, which no serving stack's EAGLE drafter builds, so the Llama layer is the one offered. DeepSeek-V3's
 multi-head latent attention runs inside transformers' own attention module: what it caches per layer and token

@@ -224,8 +224,8 @@ def test_export_for_vllm_and_sglang_verifies_and_reads_back(trained, target4, tm
 def test_memory_plan_counts_the_draft(trained, tmp_path):
     """`draftsmith plan`: a trained draft's parameters and the KV cache of its layers; a job preset's training
     memory on a GPU (the SmolLM2 preset against its embedded target's config)."""
-    from draftsmith.planning.memory import artifact_shape
-    from draftsmith.planning.train_memory import plan_config
+    from draftsmith.memory.serving import artifact_shape
+    from draftsmith.memory.training import plan_config
 
     job, result, _ = trained
     shape = artifact_shape(result.artifact, job.target.config)

@@ -64,7 +64,7 @@ def test_rope_base_is_written_in_every_spelling_and_verified(tiny_tokenizer, tmp
 def test_llama31_rope_scaling_reaches_the_draft_layer():
     from draftsmith.eagle.export import rope_problems
     from draftsmith.eagle.model import _hf_layer_config, layer_config_dict
-    from draftsmith.planning.memory import load_target_config
+    from draftsmith.memory.serving import load_target_config
 
     root = Path(__file__).resolve().parent.parent
     layer = layer_config_dict(load_target_config(root / "configs" / "llama3.1-8b-instruct" / "target-config.json"))

@@ -12,8 +12,8 @@ import pytest
 import torch
 from tiny_models import make_target
 
-from draftsmith.planning.memory import load_target_config
-from draftsmith.planning.train_memory import plan_config
+from draftsmith.memory.serving import load_target_config
+from draftsmith.memory.training import plan_config
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "configs" / "llama3.1-8b-instruct"

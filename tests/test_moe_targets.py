@@ -126,7 +126,7 @@ def test_plan_counts_every_expert_as_weights_and_the_routed_ones_as_compute(name
     256 routed experts and the shared one in 58 layers, 3 dense layers, latent attention, both embeddings.
     Weights are the total (every expert held), the per-token FLOPs the active count."""
     from draftsmith.distill.builders import size_report
-    from draftsmith.planning.memory import ArtifactShape, activation_bytes, mlp_width, param_counts, plan
+    from draftsmith.memory.serving import ArtifactShape, activation_bytes, mlp_width, param_counts, plan
 
     cfg = _published(name)
     n_total, n_active = param_counts(cfg)
@@ -153,7 +153,7 @@ def test_sharded_training_divides_every_expert_and_gathers_a_whole_layer():
     """Under FSDP / ZeRO-3 the frozen Qwen3-30B-A3B is divided over the ranks, experts included, and one whole
     decoder layer (all 128 experts) is gathered for the forward; without sharding every rank holds 30.5B."""
     from draftsmith.eagle.job import EagleJobConfig
-    from draftsmith.planning.train_memory import Sharding, format_plan, training_plan
+    from draftsmith.memory.training import Sharding, format_plan, training_plan
 
     cfg = _published("Qwen3-30B-A3B")
     job = EagleJobConfig(target="x", data="x", output="x")
@@ -173,7 +173,7 @@ def test_kv_cache_of_latent_attention_and_chunked_layers():
     context."""
     import transformers as tf
 
-    from draftsmith.planning.memory import kv_bytes_per_token
+    from draftsmith.memory.serving import kv_bytes_per_token
 
     assert kv_bytes_per_token(tf.DeepseekV3Config(), 2, 4096) == 61 * (512 + 64) * 2
     l4 = tf.Llama4TextConfig()  # Scout's text decoder: 48 layers, 8 KV heads of 128

@@ -457,7 +457,7 @@ def _tiny_cfg(**kw):
 
 
 def test_memory_arithmetic_by_hand():
-    from draftsmith.planning.memory import ArtifactShape, count_params, kv_bytes_per_token, plan
+    from draftsmith.memory.serving import ArtifactShape, count_params, kv_bytes_per_token, plan
 
     cfg = _tiny_cfg()
     h, i, L, V, hd = 64, 128, 3, 1000, 16
@@ -487,7 +487,7 @@ def test_memory_arithmetic_by_hand():
 
 def test_planned_kv_and_weights_match_the_bytes_counted_on_cpu(tiny_target, monkeypatch):
     """measure_cpu builds the real model, fills its KV cache and counts the bytes: they equal the plan's."""
-    from draftsmith.planning import memory
+    from draftsmith.memory import serving as memory
 
     monkeypatch.setattr("draftsmith.targets.load_target", lambda *a, **k: tiny_target)
     cfg = tiny_target.model.config

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.config import load_config
-from draftsmith.planning.memory import count_params, load_target_config
-from draftsmith.planning.train_memory import plan_config, read_accelerate
+from draftsmith.memory.serving import count_params, load_target_config
+from draftsmith.memory.training import plan_config, read_accelerate
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = {"llama3.1-8b-instruct": ("meta-llama/Llama-3.1-8B-Instruct", 8_030_261_248, "llama", 500000.0),

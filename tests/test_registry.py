@@ -157,7 +157,7 @@ def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(tab
     from draftsmith.benchmark.config import ArtifactStage
     from draftsmith.evaluation import evaluate
     from draftsmith.export.api import export_artifact, import_export, verify_export
-    from draftsmith.planning.memory import artifact_shape
+    from draftsmith.memory.serving import artifact_shape
     from draftsmith.retrain.config import RetrainConfig
 
     prompts = tmp_path / "p.jsonl"

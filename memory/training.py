@@ -37,7 +37,7 @@ from pathlib import Path
 
 from draftsmith import methods
 from draftsmith.errors import ConfigError
-from draftsmith.planning.memory import GIB, GPUS, activation_bytes, load_target_config, param_counts
+from draftsmith.memory.serving import GIB, GPUS, activation_bytes, load_target_config, param_counts
 from draftsmith.storage import read_json
 from draftsmith.targets.families import attention_dims, family, text_config
 
