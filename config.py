@@ -33,6 +33,40 @@ def register_config(kind: str):
     return deco
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field of a config dataclass -> the comment that documents it in the source: the `#` lines just
+    above the field, then the one beside it ("" where there is none). A flag that sets a field takes this as
+    its `--help` (`field_help`), so what the flag says and what the field means cannot drift apart."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    docs = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            first = node.lineno
+            while first > 1 and lines[first - 2].lstrip().startswith("#"):
+                first -= 1
+            own = [comments[n] for n in range(first, node.end_lineno + 1) if n in comments]
+            docs[node.target.id] = " ".join(own)
+    return docs
+
+
+def field_help(cls: type, name: str) -> str:
+    """`--help` of a flag that sets field `name` of config dataclass `cls`: its comment and its default (a
+    field without a default value, or with None or an empty one, has its comment say what that means)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    shown = "" if default in (None, dataclasses.MISSING, [], {}) else f" (default: {default})"
+    return (field_docs(cls)[name] + shown).replace("%", "%%")  # argparse expands % in help
+
+
 MAX_YAML_NODES = 1_000_000  # a preset is a few hundred nodes; aliases may not expand a file past this
 MAX_MESSAGE_VALUE = 120  # characters of a value an error message shows
 
@@ -237,10 +271,42 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+# The presets shipped with the package (package data in a wheel; the checkout's configs/ in an editable install).
+PRESETS = Path(__file__).resolve().parent / "configs"
+
+
+def preset_names() -> list[str]:
+    """Every shipped preset by the name `preset_path` takes: `smollm2-135m/eagle3`, `retrain`, ..."""
+    return sorted(p.relative_to(PRESETS).with_suffix("").as_posix() for p in PRESETS.rglob("*.yaml"))
+
+
+def preset_path(ref: str | Path) -> Path:
+    """A preset as a user names it: a YAML file's path, relative to the working directory, or else a preset
+    shipped with the package by name — `smollm2-135m/eagle3`, `smollm2-135m/eagle3.yaml` or
+    `configs/smollm2-135m/eagle3.yaml` — so that an installed draftsmith runs from any folder. A file of that
+    path in the working directory comes first (a checkout, or a user's own copy of a preset)."""
+    path = Path(ref).expanduser()
+    if path.is_file() or path.is_absolute():
+        return path
+    rel = Path(*path.parts[1:]) if path.parts[:1] == ("configs",) and len(path.parts) > 1 else path
+    for candidate in (PRESETS / rel, PRESETS / rel.parent / f"{rel.name}.yaml"):
+        if candidate.is_file() and candidate.resolve().is_relative_to(PRESETS.resolve()):
+            return candidate
+    return path
+
+
+def _not_found(ref: str | Path) -> ConfigError:
+    stem = Path(ref).with_suffix("").name
+    near = [n for n in preset_names() if Path(n).name == stem or stem in n]
+    hint = f"; shipped presets of that name: {', '.join(near[:8])}" if near else (
+        f"; shipped presets are named like {', '.join(preset_names()[:3])} ({PRESETS})")
+    return ConfigError(f"config file not found: {ref} (neither a file here nor a shipped preset{hint})")
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+    ref, path = path, preset_path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise _not_found(ref)
     try:
         data = safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as e:

@@ -76,7 +76,7 @@ class Method:
     memory: Any = None  # None: `draftsmith plan` counts model.safetensors' parameters and no cache
     tensors: Any = None  # None: `draftsmith check` compares no tensor shapes
     train_memory: Any = None  # None: `draftsmith plan --config` cannot size its training job
-    default_config: str | None = None  # the preset `draftsmith train NAME` uses without --config
+    default_config: str | None = None  # the shipped preset, by name, `draftsmith train NAME` uses without --config
     data_key: str = "data"  # the config key naming the self-distilled dataset (retrain and bench set it)
     output_key: str | None = "output"  # the config key naming the artifact folder; None: the job writes
     #                                    <train.output_dir>/artifact

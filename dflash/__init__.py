@@ -16,6 +16,6 @@ METHOD = Method(
     memory="draftsmith.dflash.memory:shape",
     tensors="draftsmith.dflash.model:artifact_tensors",
     train_memory="draftsmith.dflash.memory:job_memory",
-    default_config="configs/smollm2-135m/dflash.yaml",
+    default_config="smollm2-135m/dflash",
     own_tree=True,  # its block's chain (what vLLM and SGLang serve), and the GPU-sized tree beside it
 )

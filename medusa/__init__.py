@@ -15,7 +15,7 @@ METHOD = Method(
     reimport="draftsmith.medusa.export:reimport",
     tensors="draftsmith.medusa.model:artifact_tensors",
     train_memory="draftsmith.medusa.memory:job_memory",
-    default_config="configs/smollm2-135m/medusa.yaml",
+    default_config="smollm2-135m/medusa",
     own_tree=True,
     commands="draftsmith.medusa.commands:register",
 )
