@@ -212,6 +212,11 @@ class Setup:
     turns: list[int] | None = None  # turns measured per row (evaluation/turns.py); None: one each
     turns_cut: list[dict] = dataclasses.field(default_factory=list)  # rows the context cut short, with why
     left_out: list[dict] = dataclasses.field(default_factory=list)  # shipped prompts longer than the context
+    # the machine is busy throughout (other processes' CPU share above cost.BUSY_SHARE when the run started, or
+    # through every round of a prompt): each prompt gets one round, for its acceptance and losslessness, until a
+    # round is quiet again; the prompts decoded so are counted, their speedups not measured
+    busy: bool = False
+    busy_prompts: int = 0
 
     @property
     def main(self) -> Entry:
@@ -256,6 +261,12 @@ def evaluate(target, proposer: str | Proposer = "ngram", prompts: list[str] | No
     name = cfg.proposer if isinstance(proposer, str) else proposer.name
     report = _report(setup, name, command, per_prompt, domains, overall, cost_model, recommended, policy)
     report["contention"] = contention(share.others, per_prompt, cfg)
+    report["contention"]["busy_prompts"] = setup.busy_prompts
+    if setup.busy_prompts:
+        report["contention"]["note"] = (
+            f"the machine was busy throughout {setup.busy_prompts} of {len(per_prompt)} prompts: they were decoded "
+            f"once each for acceptance and losslessness, their speedups not measured; "
+            + (report["contention"]["note"] or ""))
     return report
 
 
@@ -437,6 +448,8 @@ def decode_prompts(setup: Setup) -> list[dict]:
         if name != "adaptive":
             run(warm, cfg.seed, min(8, cfg.max_new_tokens))
 
+    # a run that times nothing twice (repeats 1, no re-measuring) has no rounds to save
+    setup.busy = (cfg.repeats > 1 or cfg.remeasure > 0) and _busy_at_start()
     per_prompt = []
     for i, row in enumerate(setup.rows):
         conv = Conversation(row, cfg.chat_template_kwargs)
@@ -447,6 +460,19 @@ def decode_prompts(setup: Setup) -> list[dict]:
             # the context of the next turn is what plain decoding answered (evaluation/turns.py)
             conv.answered(tok, rec.pop("_answer"), set(eos))
     return per_prompt
+
+
+def _busy_at_start(seconds: float = 2.0) -> bool:
+    """Whether other processes keep the CPU busy before the first prompt (their share of the machine while this
+    process sleeps for `seconds`): then timing round after round cannot succeed, and the user hears so now."""
+    with CpuShare() as share:
+        time.sleep(seconds)
+    if not cost.contended(share.others):
+        return False
+    log.warning("other processes use %.0f%% of the CPU (over %.0f%%): speedups cannot be timed validly on a machine "
+                "this busy. Measuring acceptance and losslessness with one round per prompt; speedups are "
+                "reported as not measured unless the machine quiets down.", 100 * share.others, 100 * cost.BUSY_SHARE)
+    return True
 
 
 def _decode_one(setup: Setup, runs: dict, timed: list[str], i: int, turn: int, conv: Conversation,
@@ -513,6 +539,7 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
     measured: dict[str, list] = {name: [] for name in timed}
     branches = None
     rounds = 0
+    busy_before = setup.busy
     while True:
         shift = (i + rounds) % len(timed)
         for name in timed[shift:] + timed[:shift]:
@@ -525,7 +552,18 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
                 branches = prop.branch_stats()
         rounds += 1
         short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
+        if setup.busy and rounds == 1 and any(_quiet_count(measured[n]) < 1 for n in timed):
+            setup.busy_prompts += 1  # still busy: this round gave acceptance and losslessness, not a speedup
+            return measured, branches, rounds
+        if setup.busy and rounds == 1:
+            log.info("the machine is quiet again: timing from prompt %d on", i + 1)
+            setup.busy = False
         if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
+            if short and cfg.remeasure and not busy_before:
+                log.warning("other processes kept the CPU busy through all %d rounds of prompt %d: from the next "
+                            "prompt on, one round each (acceptance and losslessness; speedups not measured) "
+                            "until a round is quiet", rounds, i + 1)
+                setup.busy = True
             return measured, branches, rounds
 
 

@@ -384,7 +384,7 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
     assert set(report) == {"command", "date", "machine", "target", "proposer", "settings", "domains", "overall",
                           "cost_model", "recommended_k", "policy", "memory", "references", "prompts", "contention"}
     assert set(report["contention"]) == {"other_cpu_share", "threshold", "speedups_valid", "note", "repeats", "remeasure",
-                                         "prompts", "prompts_with_invalid_timing", "invalid"}
+                                         "prompts", "prompts_with_invalid_timing", "invalid", "busy_prompts"}
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
         "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",
@@ -456,17 +456,19 @@ def test_a_burst_of_load_is_remeasured_and_a_prompt_that_stays_busy_is_left_out(
 
     kw = dict(prompts=[prompt_files[0]], limit_per_domain=1, max_new_tokens=6, k=2, cost_model=False,
               repeats=3, remeasure=3)
-    # blocks 1-4 busy: round 1 (base, spec, hf) and the first run of round 2; more rounds until each run has
-    # 3 quiet measurements, and then the prompt's timing is valid
-    _scripted(monkeypatch, lambda n: 0.9 if 1 <= n <= 4 else 0.0)
+    # block 1 is the load probe before the first prompt (quiet here); blocks 2-5 busy: round 1 (base, spec,
+    # hf) and the first run of round 2; more rounds until each run has 3 quiet measurements, and then the
+    # prompt's timing is valid
+    _scripted(monkeypatch, lambda n: 0.9 if 2 <= n <= 5 else 0.0)
     report = evaluate(tiny_target, "ngram", **kw)
     timing = report["prompts"][0]["timing"]
     assert timing["rounds"] == 5 and all(timing["quiet"].values())
     assert [share for _, share in timing["measurements"]["base"]][:1] == [0.9]
     assert report["overall"]["n_timed"] == 1 and report["overall"]["speedup"] is not None
-    assert report["contention"]["speedups_valid"] is True
-    # a machine busy all along: re-measured up to repeats + remeasure rounds, then left out of every speed
-    _scripted(monkeypatch, lambda n: 0.9 if n >= 1 else 0.0)
+    assert report["contention"]["speedups_valid"] is True and report["contention"]["busy_prompts"] == 0
+    # busy from the first prompt on, the probe quiet: re-measured up to repeats + remeasure rounds, then left
+    # out of every speed
+    _scripted(monkeypatch, lambda n: 0.9 if n >= 2 else 0.0)
     report = evaluate(tiny_target, "ngram", **kw)
     timing = report["prompts"][0]["timing"]
     assert timing["rounds"] == 6 and not any(timing["quiet"].values())
@@ -475,6 +477,56 @@ def test_a_burst_of_load_is_remeasured_and_a_prompt_that_stays_busy_is_left_out(
     assert o["lossless"] is True and o["tau"] >= 1.0  # acceptance and losslessness stand
     c = report["contention"]
     assert c["speedups_valid"] is False and c["invalid"][0]["entry"] == "spec" and "busy" in c["invalid"][0]["reason"]
+
+
+def test_a_machine_busy_throughout_gets_one_round_per_prompt_and_no_speedup(tiny_target, prompt_files,
+                                                                              monkeypatch, caplog):
+    """Sustained load: rounds cannot become quiet, so re-measuring only makes the run longer. The probe before
+    the first prompt (or a prompt busy through all its rounds) says so at once; from then on each prompt is
+    decoded in one round — acceptance and losslessness measured, speedups reported as not measured — until a
+    round is quiet again."""
+    from draftsmith.evaluation.evaluate import evaluate
+
+    kw = dict(prompts=[prompt_files[0]], limit_per_domain=3, max_new_tokens=6, k=2, cost_model=False,
+              repeats=3, remeasure=3)
+    _scripted(monkeypatch, lambda n: 0.9 if n >= 1 else 0.0)  # busy before the first prompt and after
+    with caplog.at_level("WARNING"):
+        report = evaluate(tiny_target, "ngram", **kw)
+    assert "speedups cannot be timed validly" in caplog.text
+    assert [p["timing"]["rounds"] for p in report["prompts"]] == [1, 1, 1]
+    c, o = report["contention"], report["overall"]
+    assert c["busy_prompts"] == 3 and c["speedups_valid"] is False and "not measured" in c["note"]
+    assert o["speedup"] is None and o["lossless"] is True and o["tau"] >= 1.0
+    # the probe quiet, the first prompt busy through all 6 rounds: the next ones get one round each
+    _scripted(monkeypatch, lambda n: 0.9 if n >= 2 else 0.0)
+    report = evaluate(tiny_target, "ngram", **kw)
+    assert [p["timing"]["rounds"] for p in report["prompts"]] == [6, 1, 1]
+    assert report["contention"]["busy_prompts"] == 2
+    # busy at the start only: the first round is quiet, so timing resumes with that prompt
+    _scripted(monkeypatch, lambda n: 0.9 if n == 1 else 0.0)
+    report = evaluate(tiny_target, "ngram", **kw)
+    assert [p["timing"]["rounds"] for p in report["prompts"]] == [3, 3, 3]
+    assert report["contention"]["busy_prompts"] == 0 and report["contention"]["speedups_valid"] is True
+
+
+def test_real_load_on_every_core_is_seen_before_the_first_prompt(tiny_target, prompt_files):
+    """The same with real load: one spinning process per core beside the run (no scripted shares)."""
+    import os
+    import subprocess
+    import sys
+
+    from draftsmith.evaluation.evaluate import evaluate
+
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        report = evaluate(tiny_target, "ngram", prompts=[prompt_files[0]], limit_per_domain=2, max_new_tokens=6,
+                          k=2, cost_model=False, repeats=3, remeasure=3)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert [p["timing"]["rounds"] for p in report["prompts"]] == [1, 1]
+    assert report["contention"]["busy_prompts"] == 2 and report["overall"]["lossless"] is True
 
 
 def test_an_impossible_speedup_is_flagged_and_left_out():
