@@ -16,6 +16,8 @@ import json
 import re
 from pathlib import Path
 
+from draftsmith.formatting import fmt_num
+
 BEGIN = re.compile(r"<!-- headline: (?P<path>\S+) -->\n")
 END = "<!-- /headline -->"
 ROOT = Path(__file__).resolve().parents[1]  # the checkout whose README.md and BENCHMARKS.md `--write` renders
@@ -35,10 +37,6 @@ def _label(spec: str, settings: dict) -> str:
     if settings.get("tree") is not None:
         return f"{base}, tree cut by the cost model (at most {settings.get('tree_max_nodes')} nodes)"
     return f"{base}, chain of {settings.get('k')}"
-
-
-def _f(v, digits: int = 2) -> str:
-    return "–" if v is None else f"{v:.{digits}f}"
 
 
 def _entries(report: dict) -> list[tuple[str, dict, dict, dict]]:
@@ -77,18 +75,18 @@ def render(report: dict, path: str) -> str:
         "",
         "| decoding | tokens/s | speedup | vs our plain | vs HF `generate` | α | τ | τ (GPU-sized tree) | lossless |",
         "|---|---|---|---|---|---|---|---|---|",
-        f"| plain decoding (ours: measured kernel plan) | {_f(o['baseline_tokens_per_s'], 1)} | – | 1.00 | "
-        f"{_f((o['baseline_tokens_per_s'] or 0) / o['hf_generate_tokens_per_s'] if o.get('hf_generate_tokens_per_s') else None)} "
+        f"| plain decoding (ours: measured kernel plan) | {fmt_num(o['baseline_tokens_per_s'], '.1f')} | – | 1.00 | "
+        f"{fmt_num((o['baseline_tokens_per_s'] or 0) / o['hf_generate_tokens_per_s'] if o.get('hf_generate_tokens_per_s') else None, '.2f')} "
         f"| – | 1.00 | – | – |",
-        f"| HF `generate` (stock kernels) | {_f(o.get('hf_generate_tokens_per_s'), 1)} | – | "
-        f"{_f(o['hf_generate_tokens_per_s'] / o['baseline_tokens_per_s'] if o.get('hf_generate_tokens_per_s') and o['baseline_tokens_per_s'] else None)} "
+        f"| HF `generate` (stock kernels) | {fmt_num(o.get('hf_generate_tokens_per_s'), '.1f')} | – | "
+        f"{fmt_num(o['hf_generate_tokens_per_s'] / o['baseline_tokens_per_s'] if o.get('hf_generate_tokens_per_s') and o['baseline_tokens_per_s'] else None, '.2f')} "
         f"| 1.00 | – | 1.00 | – | – |",
     ]
     entries = _entries(report)
     for i, (label, e, _, _) in enumerate(entries):
         tau_gpu = ((o if i == 0 else e).get("gpu_tree") or {}).get("tau")  # side-by-side trees have their own
-        lines.append(f"| {label} | {_f(e['tokens_per_s'], 1)} | **{_f(e['speedup'])}** | {_f(e['speedup_vs_plain'])} "
-                     f"| {_f(e['speedup_vs_hf_generate'])} | {_f(e['alpha'], 3)} | {_f(e['tau'])} | {_f(tau_gpu)} "
+        lines.append(f"| {label} | {fmt_num(e['tokens_per_s'], '.1f')} | **{fmt_num(e['speedup'], '.2f')}** | {fmt_num(e['speedup_vs_plain'], '.2f')} "
+                     f"| {fmt_num(e['speedup_vs_hf_generate'], '.2f')} | {fmt_num(e['alpha'], '.3f')} | {fmt_num(e['tau'], '.2f')} | {fmt_num(tau_gpu, '.2f')} "
                      f"| {'yes' if e['lossless'] else ('no' if e['lossless'] is False else '–')} |")
     if gpu:
         lines += ["", f"τ (GPU-sized tree): the same prompts decoded with the uncut tree of {gpu.get('tree_max_nodes')} "
@@ -98,7 +96,7 @@ def render(report: dict, path: str) -> str:
               "| decoding | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
     for label, _, per, _ in entries:
         lines.append(f"| {label.split(',')[0]} | "
-                     + " | ".join(f"{_f(per[d]['speedup'])} ({_f(per[d]['tau'])})" for d in domains) + " |")
+                     + " | ".join(f"{fmt_num(per[d]['speedup'], '.2f')} ({fmt_num(per[d]['tau'], '.2f')})" for d in domains) + " |")
     invalid = c.get("invalid") or []
     if invalid:
         lines += ["", f"Left out of the speeds ({len(invalid)}): "

@@ -39,6 +39,7 @@ import torch
 
 from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec, side_by_side_entry
 from draftsmith.errors import ConfigError
+from draftsmith.formatting import fmt_num
 
 OFF = "off"
 
@@ -496,10 +497,6 @@ class RoutedProposer(Proposer):
             self.active[0].accept(result)
 
 
-def _fmt(v) -> str:
-    return "–" if v is None else f"{v:.2f}"
-
-
 def short_name(spec: str) -> str:
     """`medusa:runs/medusa/smollm2-135m` -> `medusa:smollm2-135m` (table headers)."""
     kind, sep, arg = spec.partition(":")
@@ -536,6 +533,6 @@ def compare_table(routed: dict, singles: list[dict] | None = None, noise: float 
         route = short_name(d.get("route", "?"))
         out[dom] = {"routed": r, "route": route, "best": best_v, "best_choice": best_n, "ratio": ratio,
                     "verdict": verdict}
-        lines.append(f"| {dom} | {_fmt(r)} ({route}) | " + " | ".join(_fmt(v) for v in single) +
-                     f" | {best_n} {_fmt(best_v)} | {_fmt(ratio)} | {verdict} |")
+        lines.append(f"| {dom} | {fmt_num(r, '.2f')} ({route}) | " + " | ".join(fmt_num(v, '.2f') for v in single) +
+                     f" | {best_n} {fmt_num(best_v, '.2f')} | {fmt_num(ratio, '.2f')} | {verdict} |")
     return "\n".join(lines) + "\n", out

@@ -15,13 +15,10 @@ import logging
 from pathlib import Path
 
 from draftsmith.evaluation.config import EvalConfig
+from draftsmith.formatting import fmt_num
 from draftsmith.storage import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
-
-
-def _fmt(v) -> str:
-    return "–" if v is None else f"{v:.3f}"
 
 
 def sweep_temperatures(cfg: EvalConfig, command: str | None = None, write: bool = True) -> dict:
@@ -81,9 +78,9 @@ def render(summary: dict) -> str:
              f" | Δα (T={temps[-1]} vs T={temps[0]}) | Δτ |",
              "|---|" + "---|" * (len(temps) + 2)]
     for d, row in summary["domains"].items():
-        cells = [f"{_fmt(row[t]['alpha'])} / {_fmt(row[t]['tau'])} / {_fmt(row[t]['speedup'])}" for t in temps]
+        cells = [f"{fmt_num(row[t]['alpha'])} / {fmt_num(row[t]['tau'])} / {fmt_num(row[t]['speedup'])}" for t in temps]
         last = row[temps[-1]]
-        lines.append(f"| {d} | " + " | ".join(cells) + f" | {_fmt(last['alpha_change'])} | {_fmt(last['tau_change'])} |")
+        lines.append(f"| {d} | " + " | ".join(cells) + f" | {fmt_num(last['alpha_change'])} | {fmt_num(last['tau_change'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.formatting import fmt_num
 from draftsmith.storage import atomic_write_json, atomic_write_text, read_json
 
 RUNNER = Path(__file__).with_name("vllm_run.py")
@@ -296,10 +297,6 @@ def _speed(r: dict) -> dict:
             "batched": {k: r["batched"][k] for k in ("batch", "tokens", "seconds", "tokens_per_s")}}
 
 
-def _f(v, fmt=".3f") -> str:
-    return format(v, fmt) if isinstance(v, int | float) else "—"
-
-
 def render(r: dict, heading: str = "#") -> str:
     lines = [f"{heading} Served by vLLM {r.get('vllm_version') or ''}".rstrip(), "",
              f"`{json.dumps(r['speculative_config'])}` on `{r['target']}`, {r['n_prompts']} prompts, greedy, "
@@ -310,19 +307,19 @@ def render(r: dict, heading: str = "#") -> str:
     lines += [f"- loaded: yes; output identical to vLLM without speculation: "
               f"{'yes' if r['lossless'] else 'NO'} (one at a time and batched)"]
     lines += [f"- vLLM run with a fix of its CPU kernels: {p}" for p in r.get("vllm_patches") or []] + [""]
-    ppa_v = " / ".join(_f(x) for x in v["per_position_acceptance"])
+    ppa_v = " / ".join(fmt_num(x) for x in v["per_position_acceptance"])
     lines += ["| decoder | per-position acceptance | α | τ |", "|---|---|---|---|",
-              f"| vLLM (its spec-decode counters) | {ppa_v} | {_f(v['alpha'])} | {_f(v['tau'])} |"]
+              f"| vLLM (its spec-decode counters) | {ppa_v} | {fmt_num(v['alpha'])} | {fmt_num(v['tau'])} |"]
     if d:
-        ppa_d = " / ".join(_f(x) for x in d["per_position_acceptance"] or [])
-        lines.append(f"| draftsmith evaluate, same prompts, k={r['k']} | {ppa_d} | {_f(d['alpha'])} | {_f(d['tau'])} |")
+        ppa_d = " / ".join(fmt_num(x) for x in d["per_position_acceptance"] or [])
+        lines.append(f"| draftsmith evaluate, same prompts, k={r['k']} | {ppa_d} | {fmt_num(d['alpha'])} | {fmt_num(d['tau'])} |")
     lines.append("")
     p, s = r["plain"], r["speculative"]
     lines += ["| tokens/s | without speculation | with | speedup |", "|---|---|---|---|",
-              f"| batch 1 | {_f(p['batch1']['tokens_per_s'], '.1f')} | {_f(s['batch1']['tokens_per_s'], '.1f')} | "
-              f"{_f(s['batch1'].get('speedup'), '.2f')} |",
-              f"| batch {s['batched']['batch']} | {_f(p['batched']['tokens_per_s'], '.1f')} | "
-              f"{_f(s['batched']['tokens_per_s'], '.1f')} | {_f(s['batched'].get('speedup'), '.2f')} |", "",
+              f"| batch 1 | {fmt_num(p['batch1']['tokens_per_s'], '.1f')} | {fmt_num(s['batch1']['tokens_per_s'], '.1f')} | "
+              f"{fmt_num(s['batch1'].get('speedup'), '.2f')} |",
+              f"| batch {s['batched']['batch']} | {fmt_num(p['batched']['tokens_per_s'], '.1f')} | "
+              f"{fmt_num(s['batched']['tokens_per_s'], '.1f')} | {fmt_num(s['batched'].get('speedup'), '.2f')} |", "",
               r["note"] + ".", ""]
     return "\n".join(lines)
 
