@@ -114,7 +114,7 @@ _SMOLLM2_PLAIN: dict = {}  # vLLM without speculation on the smollm2 prompts, sh
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle3-broad", "medusa"])
 def test_vllm_serves_the_zoo_heads_on_smollm2(kind, real_target, tmp_path):
     """The shipped heads on smollm2-135m (the Medusa heads share the target's lm_head: exported once, with
     original_lm_head): loaded, lossless against vLLM's own greedy output, and vLLM's per-position acceptance
