@@ -1,6 +1,6 @@
 """`draftsmith evaluate`: speculative decoding per domain for one proposer on one target.
 
-    draftsmith evaluate --target smollm2-135m --proposer ngram --prompts FILE [FILE ...] \
+    draftsmith evaluate --target smollm2-135m --proposer ngram --prompts FILE [FILE ...] \\
         --max-new-tokens 128 --k 4 --temperature 0 --limit-per-domain 6 --out DIR
     draftsmith evaluate --config configs/eval/ngram.yaml k=6 limit_per_domain=3
     draftsmith evaluate --proposer medusa:PATH --temperature 0 0.7 1.0      (a temperature sweep)
@@ -18,42 +18,54 @@ import argparse
 import shlex
 import sys
 
-FLAGS = {  # flag -> (EvalConfig field, type)
-    "--target": ("target", str), "--proposer": ("proposer", str), "--max-new-tokens": ("max_new_tokens", int),
-    "--k": ("k", int), "--top-p": ("top_p", float),
-    "--top-k": ("top_k", int), "--limit-per-domain": ("limit_per_domain", int), "--seed": ("seed", int),
+FLAGS = {  # flag -> (EvalConfig field, type), in the order `--help` lists them
+    "--target": ("target", str), "--proposer": ("proposer", str), "--split": ("split", str),
+    "--limit-per-domain": ("limit_per_domain", int), "--turns": ("turns", str),
+    "--max-new-tokens": ("max_new_tokens", int), "--k": ("k", int), "--top-p": ("top_p", float),
+    "--top-k": ("top_k", int), "--seed": ("seed", int),
+    "--repeats": ("repeats", int), "--remeasure": ("remeasure", int),
+    "--cost-context": ("cost_context", int), "--cost-k-max": ("cost_k_max", int),
+    "--cost-repeats": ("cost_repeats", int), "--policy-threshold": ("policy_threshold", float),
     "--out": ("out", str), "--device": ("device", str), "--dtype": ("dtype", str),
     "--draft-dtype": ("draft_dtype", str),
-    "--cost-repeats": ("cost_repeats", int), "--cost-k-max": ("cost_k_max", int),
-    "--cost-context": ("cost_context", int), "--policy-threshold": ("policy_threshold", float),
-    "--split": ("split", str), "--turns": ("turns", str), "--repeats": ("repeats", int), "--remeasure": ("remeasure", int),
 }
 
 
 def register(subparsers) -> None:
+    from draftsmith.config import field_help
+    from draftsmith.evaluation.config import EvalConfig
+
     p = subparsers.add_parser("evaluate", help="measure acceptance, tau and speedup per domain",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="a YAML preset with kind: eval")
-    for flag, (_, tp) in FLAGS.items():
-        p.add_argument(flag, type=tp, default=None)
+    p.add_argument("--config", help="a YAML preset with kind: eval (default: none; the flags' defaults below)")
+    # each flag's default stays None, so that only a flag given overrides the --config file; its help is the
+    # EvalConfig field's comment and default (evaluation/config.py), the one place both are written
+    for flag, (name, tp) in FLAGS.items():
+        p.add_argument(flag, type=tp, default=None, help=field_help(EvalConfig, name))
     p.add_argument("--temperature", type=float, nargs="+", default=None,
-                   help="sampling temperature; several values run a sweep (one report per temperature + sweep.md)")
+                   help=field_help(EvalConfig, "temperature") + "; several values run a sweep (one report per "
+                   "temperature + sweep.md)")
     p.add_argument("--adaptive", action="store_true",
                    help="also decode with adaptive k (chains up to --k) and compare it with fixed k")
     p.add_argument("--compare", nargs="+", default=None, metavar="PROPOSER",
                    help="more proposers decoded on the same prompts in the same run (side-by-side speedups)")
     p.add_argument("--domains", nargs="+", default=None, metavar="DOMAIN",
                    help="only these domains of the prompt files (e.g. general math code instructions)")
-    p.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the shipped eval sets of --split)")
-    p.add_argument("--tree", type=str, default=None, help="branching per depth instead of --k, e.g. 4,2,1; `auto` = the artifact's own tree (Medusa calibrated tree, EAGLE-2 budget)")
+    p.add_argument("--prompts", nargs="+", default=None,
+                   help="jsonl prompt files, one domain per file (default: the shipped eval sets of --split)")
+    p.add_argument("--tree", type=str, default=None,
+                   help="verify a tree instead of a --k chain: draft tokens per depth, e.g. 4,2,1; `auto` = the "
+                        "artifact's own tree (Medusa's calibrated tree, EAGLE-2's budget) (default: a chain)")
     p.add_argument("--no-hf-reference", action="store_true",
                    help="skip HF generate: faster, but `lossless` is then not judged (null)")
-    p.add_argument("--no-cost-model", action="store_true", help="skip measuring v(k)")
+    p.add_argument("--no-cost-model", action="store_true",
+                   help="skip measuring v(k) (the --cost-* flags): no predicted speedup, recommended k or tree cut")
     p.add_argument("--no-prune-tree", action="store_true",
                    help="verify every node a tree proposer returns (default: cut scored trees to the nodes that pay)")
     p.add_argument("--no-gpu-tree", action="store_true",
                    help="with a cut tree, do not also decode with the uncut GPU-sized tree (its τ is reported beside)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    p.add_argument("overrides", nargs="*",
+                   help="key=value overrides of the --config file, any EvalConfig field (evaluation/config.py)")
     p.set_defaults(func=run)
 
 

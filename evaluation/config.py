@@ -13,36 +13,42 @@ TURNS = ("all", "first")  # which user turns of a multi-turn prompt are measured
 @register_config("eval")
 @dataclass
 class EvalConfig:
+    # the target model: an embedded name (`draftsmith targets`), an HF model folder or a GGUF file
     target: str = "smollm2-135m"
-    proposer: str = "ngram"  # ngram | ngram:N | draft:PATH | medusa:PATH | eagle:PATH
-    prompts: list[str] = field(default_factory=list)  # empty = the shipped eval sets of `split`
+    # what proposes the draft tokens: ngram | ngram:N (prompt lookup, N-token match) | METHOD:ARTIFACT_DIR
+    # (draft, medusa, eagle, dflash) | multi:A+B (their trees merged) | route:POLICY.json (per domain)
+    proposer: str = "ngram"
+    prompts: list[str] = field(default_factory=list)  # jsonl prompt files; empty = the shipped eval sets of `split`
     # only these domains of the prompt files (empty = all): the same prompts per domain as a run over all of them
     domains: list[str] = field(default_factory=list)
-    split: str = "dev"  # dev: choosing heads, trees, policies; test: the headline numbers only (prompts/README.md)
-    max_new_tokens: int = 128
-    k: int = 4  # chain length (ignored when tree is given)
+    # which shipped eval sets: dev for choosing heads, trees and policies; test for the published numbers only
+    split: str = "dev"
+    max_new_tokens: int = 128  # tokens generated per prompt (per user turn), at most
+    k: int = 4  # draft tokens proposed and verified per step, a chain (ignored when a tree is given)
     tree: list[int] | None = None  # branching factor per depth, e.g. [4, 2, 1]
     tree_from_proposer: bool = False  # use the proposer's own tree (Medusa's calibrated tree, EAGLE-2's budget)
     prune_tree: bool = True  # trees with node scores are cut every step to the nodes that pay (decoding/budget.py)
     # with a cut tree, also decode every prompt with the uncut tree of a GPU-sized budget (EAGLE-2's defaults,
     # Medusa's whole calibrated tree) and report its τ: the field's τ are measured so
     gpu_tree: bool = True
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    limit_per_domain: int | None = None
-    seed: int = 0
-    out: str = "runs/eval"
+    temperature: float = 0.0  # sampling temperature; 0 = greedy, where `lossless` is exact token equality
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability (fraction)
+    top_k: int = 0  # sample among the k most likely tokens only (0 = no cut)
+    limit_per_domain: int | None = None  # prompts per domain, a seeded random choice (none: every prompt)
+    seed: int = 0  # seeds the prompt choice and sampling
+    out: str = "runs/eval"  # report folder (report.json, report.md); one evaluation at a time per folder
     # HF generate (stock kernels) on every prompt: the independent reference `lossless` is judged against, and
     # the other plain decoding speedups are stated against; off, `lossless` is null (not judged)
     hf_reference: bool = True
     repeats: int = 3  # timed runs of each decoding per prompt, interleaved; the median is the time
-    remeasure: int = 3  # extra rounds for a prompt whose runs were not quiet `repeats` times
-    cost_model: bool = True
-    cost_context: int = 256
-    cost_k_max: int = 16
-    cost_repeats: int = 9
-    policy_threshold: float = 1.0  # disable speculation where the speedup is below this
+    # extra rounds for a prompt whose runs were not quiet (other processes used the CPU) `repeats` times
+    remeasure: int = 3
+    cost_model: bool = True  # measure v(k), the target's (k+1)-token forward time over its 1-token time
+    cost_context: int = 256  # cached tokens the cost model's timed forwards attend to
+    cost_k_max: int = 16  # the largest k (draft tokens) v(k) is measured for
+    cost_repeats: int = 9  # timed forwards per k of the cost model; the median is kept
+    # the speedup (a ratio; measured, else predicted) below which the per-domain policy turns speculation off
+    policy_threshold: float = 1.0
     adaptive: bool = False  # also decode every prompt with adaptive k (chains up to k) and compare with fixed k
     temperatures: list[float] | None = None  # a sweep: one evaluation per temperature (evaluation/sweep.py)
     compare: list[str] = field(default_factory=list)  # more proposers decoded on the same prompts in the same run
@@ -52,10 +58,10 @@ class EvalConfig:
     # all: every user turn of a multi-turn prompt is one measured generation, its context the earlier turns with
     # the target's own answers (evaluation/turns.py); first: the first user turn only
     turns: str = "all"
-    device: str = "auto"
-    dtype: str = "auto"
-    # the proposers' own networks (draft model, Medusa/EAGLE heads): auto = bf16 next to a float32 target on a
-    # CPU with native bf16 (decoding/proposer.draft_dtype), else the target's dtype; float32 | bfloat16 | float16
+    device: str = "auto"  # cpu | cuda | cuda:N; auto = CUDA when there is a GPU, else the CPU
+    dtype: str = "auto"  # the target's: float32 | bfloat16 | float16; auto = bf16 on a GPU with it, else float32
+    # the proposers' own networks (draft model, Medusa/EAGLE/DFlash heads): float32 | bfloat16 | float16; auto =
+    # bf16 next to a float32 target on a CPU with native bf16 (decoding/proposer.draft_dtype), else the target's
     draft_dtype: str = "auto"
 
     def __post_init__(self):
