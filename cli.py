@@ -29,15 +29,55 @@ COMMAND_MODULES = [
     "draftsmith.benchmark.commands",
 ]
 
+# The pipeline stages `draftsmith --help` lists the commands under, in the order the data flows: (stage, what
+# it does, its commands). A command a method adds (its alias of `train NAME`, `Method.commands`) joins
+# METHOD_STAGE; a command in no stage is listed after them all, and tests/test_cli_help.py fails until it has one.
+STAGES: list[tuple[str, str, tuple[str, ...]]] = [
+    ("targets", "the frozen models drafters are made for", ("targets",)),
+    ("data", "prompts -> the target's own answers, a self-distilled dataset", ("data",)),
+    ("train", "a drafter on a frozen target; each method's own jobs", ("train",)),
+    ("evaluate", "acceptance, tau, speedup and losslessness per domain", ("evaluate",)),
+    ("export / serve", "an artifact in a serving stack's layout, run there", ("export", "serve-check", "import-export")),
+    ("plan / route", "memory per GPU, routing per domain, production acceptance", ("plan", "route", "alpha")),
+    ("retrain", "a new drafter when acceptance on live traffic drifts", ("retrain",)),
+    ("bench / check", "the whole benchmark and its timing jobs; artifacts vs a target", ("bench", "check")),
+]
+METHOD_STAGE = "train"
+
+
+class StagedHelpFormatter(argparse.HelpFormatter):
+    """Lists the commands of `draftsmith --help` under their pipeline stage (STAGES, through the `stage_of`
+    that build_parser gives the subcommand action) instead of in the order the folders register them."""
+
+    def _format_action(self, action):
+        stage_of = getattr(action, "stage_of", None)
+        if stage_of is None:
+            return super()._format_action(action)
+        subs = {sub.dest: sub for sub in action._get_subactions()}
+        groups = [(f"{stage}: {what}", [n for n, s in stage_of.items() if s == stage and n in subs])
+                  for stage, what, _ in STAGES]
+        groups.append(("in no stage:", [n for n in subs if n not in stage_of]))
+        parts = []
+        for heading, names in groups:
+            if names:
+                parts.append(" " * self._current_indent + heading + "\n")
+                self._indent()
+                parts += [super(StagedHelpFormatter, self)._format_action(subs[n]) for n in names]
+                self._dedent()
+        return "".join(parts)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="draftsmith",
-        description="Train, evaluate and export draft models, Medusa heads and EAGLE heads for speculative decoding.",
+        prog="draftsmith", formatter_class=StagedHelpFormatter,
+        description="Train drafters for speculative decoding on a frozen target ("
+                    + ", ".join(m.name for m in methods.all_methods())
+                    + "), measure them per domain, and export them for serving stacks.",
     )
     parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: info)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands, by pipeline stage",
+                                       description="`draftsmith COMMAND --help` describes a command's flags")
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
@@ -46,10 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that subsystem is not built yet: no subcommand
             raise
         module.register(subparsers)
+    registered = set(subparsers.choices)
     for method in methods.all_methods():  # a method's own jobs come with its folder (Method.commands)
         if method.commands is not None:
             method.get("commands")(subparsers)
+    by_methods = (set(subparsers.choices) - registered) | {m.command[0] for m in methods.all_methods() if m.command}
+    subparsers.stage_of = {name: stage for stage, _, names in STAGES for name in names}
+    subparsers.stage_of.update({name: METHOD_STAGE for name in subparsers.choices if name in by_methods})
     return parser
+
+
+def unstaged(parser: argparse.ArgumentParser) -> list[str]:
+    """The commands of build_parser's `parser` that no stage lists (tests/test_cli_help.py keeps it empty)."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [name for name in commands.choices if name not in commands.stage_of]
 
 
 def setup_logging(verbose: bool) -> None:
