@@ -9,12 +9,18 @@ from __future__ import annotations
 def register(subparsers) -> None:
     p = subparsers.add_parser("medusa2-drift", help="how far a Medusa-2 adapter moved the target: greedy-token "
                               "agreement and KL(original || adapted) on the dataset's held-out rows")
-    p.add_argument("artifact", help="a Medusa-2 artifact (heads + adapter)")
-    p.add_argument("--data", required=True, help="the self-distilled dataset it trained on")
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--eval-fraction", type=float, default=0.05, help="the job's held-out fraction")
-    p.add_argument("--seed", type=int, default=0, help="the job's split seed")
-    p.add_argument("--max-length", type=int, default=384)
+    p.add_argument("artifact", help="a Medusa-2 artifact folder (heads + adapter)")
+    p.add_argument("--data", required=True, help="the self-distilled dataset folder it trained on")
+    p.add_argument("--target", default="smollm2-135m",
+                   help="the target it was trained on: an embedded name, a GGUF file or an HF model folder "
+                        "(default: %(default)s)")
+    p.add_argument("--eval-fraction", type=float, default=0.05,
+                   help="the fraction of rows the job held out; with --seed, it picks the same rows "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the job's seed, which chose the held-out rows "
+                                                       "(default: %(default)s)")
+    p.add_argument("--max-length", type=int, default=384,
+                   help="tokens of each row compared, at most (the job's max_length; default: %(default)s)")
     p.set_defaults(func=run)
 
 

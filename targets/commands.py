@@ -7,8 +7,12 @@ import json
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("targets", help="list the embedded targets; `prepare NAME` caches one")
-    p.add_argument("action", nargs="?", choices=["list", "prepare", "fingerprint"], default="list")
-    p.add_argument("name", nargs="?", help="target spec for prepare / fingerprint")
+    p.add_argument("action", nargs="?", choices=["list", "prepare", "fingerprint"], default="list",
+                   help="list: the embedded targets, installed and cached or not; prepare: load NAME once, so its "
+                        "weights are cached (a GGUF file dequantised); fingerprint: print NAME's target "
+                        "fingerprint as JSON (default: %(default)s)")
+    p.add_argument("name", nargs="?", help="for prepare / fingerprint: an embedded name, a GGUF file, an HF model "
+                                           "folder or a hub id (default: smollm2-135m)")
     p.set_defaults(func=run_targets)
 
 
