@@ -60,13 +60,20 @@ class _JobOrOverrides(argparse._SubParsersAction):
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="train every artifact, evaluate everything, regenerate BENCHMARKS.md; "
                               "or one timing job (`bench JOB --help`)")
-    p.add_argument("--config", default="configs/bench/smollm2-135m.yaml", help="a bench preset (kind: bench)")
-    p.add_argument("--quick", action="store_true", help="the smoke budget (minutes, not hours)")
-    p.add_argument("--out", default=None, help="results folder (default <out>/<date>[-quick]; reuse it to resume)")
-    p.add_argument("--prompts", nargs="+", default=None, help="extra prompt files, evaluated with the shared sets")
-    p.add_argument("--no-update", action="store_true", help="do not touch BENCHMARKS.md")
+    p.add_argument("--config", default="configs/bench/smollm2-135m.yaml",
+                   help="a bench preset (kind: bench): its data, artifacts, baselines and budgets "
+                        "(default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="the preset's quick budget (a smoke run: minutes, not hours) instead of its full one")
+    p.add_argument("--out", default=None, help="results folder (default: the preset's out/<date>[-quick]); give "
+                                               "an earlier one to resume it, its finished stages kept")
+    p.add_argument("--prompts", nargs="+", default=None,
+                   help="extra jsonl prompt files, evaluated beside the shipped sets (default: none)")
+    p.add_argument("--no-update", action="store_true",
+                   help="leave BENCHMARKS.md as it is (default: its block for this target and budget is rewritten)")
     p.add_argument("--redo", nargs="+", default=None, metavar="STAGE",
-                   help="run these finished stages again when resuming (e.g. eval/medusa after a decoder change)")
+                   help="run these finished stages again when resuming (e.g. eval/medusa after a decoder change; "
+                        "default: none)")
     p.set_defaults(func=run)
     jobs = p.add_subparsers(dest="bench_job", metavar="[JOB]", action=_JobOrOverrides, help=JOBS_HELP)
     _register_engine_jobs(jobs)
@@ -77,41 +84,51 @@ def register(subparsers) -> None:
 def _register_engine_jobs(jobs) -> None:
     e = jobs.add_parser("engine", help="the decode engines on the same prompts (benchmark/engine.py)")
     e.add_argument("n", type=int, metavar="PROMPTS",
-                   help="N: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
-    e.add_argument("max_new_tokens", type=int)
+                   help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
+    e.add_argument("max_new_tokens", type=int, metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
     e.add_argument("engines", help="comma-separated KIND:BATCH[:PRECISION], KIND one of cb, np, sd, cap, capall, "
                                    "hf; PRECISION bf16 or bf16-all (default float32), e.g. cb:32,cap:32,hf:16,cb:1")
-    e.add_argument("target", nargs="?", default="smollm2-135m")
-    e.add_argument("--json", default=None, help="write the result here")
+    e.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
+    e.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     e.set_defaults(func=run_engine)
 
     c = jobs.add_parser("capture", help="teacher-forced capture against generation with capture "
                                         "(benchmark/capture.py)")
-    c.add_argument("n", type=int, metavar="PROMPTS")
-    c.add_argument("max_new_tokens", type=int)
-    c.add_argument("target", nargs="?", default="smollm2-135m")
-    c.add_argument("--batch", type=int, default=96, help="the generating engine's batch")
-    c.add_argument("--json", default=None, help="write the result here")
+    c.add_argument("n", type=int, metavar="PROMPTS",
+                   help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
+    c.add_argument("max_new_tokens", type=int, metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
+    c.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
+    c.add_argument("--batch", type=int, default=96,
+                   help="rows the generating engine decodes at once (default: %(default)s)")
+    c.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     c.set_defaults(func=run_capture)
 
     r = jobs.add_parser("remote", help="the embedded engine against an OpenAI-compatible server on the same "
                                        "prompts (benchmark/remote.py)")
-    r.add_argument("n", type=int, metavar="PROMPTS")
-    r.add_argument("max_new_tokens", type=int)
-    r.add_argument("target", nargs="?", default="smollm2-135m")
-    r.add_argument("--server", choices=["transformers", "vllm"], default="transformers")
+    r.add_argument("n", type=int, metavar="PROMPTS",
+                   help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
+    r.add_argument("max_new_tokens", type=int, metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
+    r.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
+    r.add_argument("--server", choices=["transformers", "vllm"], default="transformers",
+                   help="the OpenAI-compatible server: `transformers serve`, or vLLM from .venv-vllm "
+                        "(default: %(default)s)")
     r.add_argument("--batch", "--concurrency", dest="batch", type=int, default=16,
-                   help="the engine's batch, the requests in flight (and vLLM's max_num_seqs)")
-    r.add_argument("--repeats", type=int, default=1, help="turns of each side, alternating")
-    r.add_argument("--json", default=None, help="write the result here")
+                   help="the engine's batch, the requests in flight (and vLLM's max_num_seqs) (default: %(default)s)")
+    r.add_argument("--repeats", type=int, default=1,
+                   help="runs of each side, alternating; the median is reported (default: %(default)s)")
+    r.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     r.set_defaults(func=run_remote)
 
     s = jobs.add_parser("eagle-step", help="one EAGLE training step two ways (benchmark/eagle_step.py)")
     s.add_argument("overrides", nargs="*", metavar="[CONFIG] key=value",
                    help="the EAGLE job's preset (default configs/smollm2-135m/eagle3.yaml) and its overrides")
-    s.add_argument("--batches", type=int, default=6)
-    s.add_argument("--repeats", type=int, default=2)
-    s.add_argument("--compare", choices=["skip", "precision"], default="skip")
+    s.add_argument("--batches", type=int, default=6,
+                   help="length-sorted batches of the job's training split, each timed both ways "
+                        "(default: %(default)s)")
+    s.add_argument("--repeats", type=int, default=2, help="passes over the batches (default: %(default)s)")
+    s.add_argument("--compare", choices=["skip", "precision"], default="skip",
+                   help="skip: the head skipping the bases no loss reaches against computing every one; "
+                        "precision: float32 against bf16 autocast (default: %(default)s)")
     s.set_defaults(func=run_eagle_step)
 
     t = jobs.add_parser("train-step", help="one optimizer step of several training jobs, interleaved: their "
@@ -120,38 +137,52 @@ def _register_engine_jobs(jobs) -> None:
     t.add_argument("configs", nargs="+", metavar="[NAME=]CONFIG", help="job presets (NAME defaults to the kind)")
     t.add_argument("--set", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                    help="overrides for the job NAME (repeatable)")
-    t.add_argument("--batches", type=int, default=6)
-    t.add_argument("--repeats", type=int, default=3)
-    t.add_argument("--reference-steps", type=int, help="the first job's steps, converted to the others' at equal time")
-    t.add_argument("--out", help="folder for report.json")
+    t.add_argument("--batches", type=int, default=6,
+                   help="length-sorted batches of each job's training split, one full optimizer step each "
+                        "(default: %(default)s)")
+    t.add_argument("--repeats", type=int, default=3, help="passes over the batches, the jobs interleaved "
+                                                          "(default: %(default)s)")
+    t.add_argument("--reference-steps", type=int,
+                   help="the first job's steps, converted to the steps each other job takes in the same time "
+                        "(default: none, no conversion)")
+    t.add_argument("--out", help="folder for report.json (default: printed only)")
     t.set_defaults(func=run_train_step)
 
 
 def _register_kernel_jobs(jobs) -> None:
     b = jobs.add_parser("baseline", help="is plain decoding's one-token step not slower than a two-token forward? "
                                          "(evaluation/baseline.py; exit 1 when it is)")
-    b.add_argument("target", nargs="?", default=None)
-    b.add_argument("--context", type=int, default=256)
-    b.add_argument("--repeats", type=int, default=9)
-    b.add_argument("--json", default=None, help="write the result here")
+    b.add_argument("target", nargs="?", default=None, help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m)")
+    b.add_argument("--context", type=int, default=256,
+                   help="cached tokens the timed forwards attend to (default: %(default)s)")
+    b.add_argument("--repeats", type=int, default=9,
+                   help="timed forwards of each kind, interleaved; the median is kept (default: %(default)s)")
+    b.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     b.add_argument("--record-only", action="store_true", help="exit 0 whatever the verdict (the bench reports it)")
     b.set_defaults(func=run_baseline)
 
     g = jobs.add_parser("gemm", help="F.linear vs W @ x^T over a few rows: the plan measured at load, and whole "
                                      "target forwards with the path off and on (targets/gemm.py)")
-    g.add_argument("target", nargs="?", default=None)
-    g.add_argument("--rows", default="1,2,3,4,5,8,12,16,32")
-    g.add_argument("--context", type=int, default=256)
-    g.add_argument("--repeats", type=int, default=7)
+    g.add_argument("target", nargs="?", default=None, help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m)")
+    g.add_argument("--rows", default="1,2,3,4,5,8,12,16,32",
+                   help="comma-separated token counts of the forwards compared (default: %(default)s)")
+    g.add_argument("--context", type=int, default=256,
+                   help="cached tokens the timed forwards attend to (default: %(default)s)")
+    g.add_argument("--repeats", type=int, default=7,
+                   help="timed forwards of each row count and path; the median is kept (default: %(default)s)")
     g.set_defaults(func=run_gemm)
 
     ll = jobs.add_parser("llamacpp", help="llama.cpp beside our plain decoding on the same GGUF and prompts "
                                           "(benchmark/llamacpp.py; `make setup-llamacpp`)")
-    ll.add_argument("target", nargs="?", default=None)
-    ll.add_argument("--limit-per-domain", type=int, default=2)
-    ll.add_argument("--max-new-tokens", type=int, default=96)
-    ll.add_argument("--split", default="dev", choices=["dev", "test"], help="which eval split's prompts")
-    ll.add_argument("--json", default=None, help="write the result here")
+    ll.add_argument("target", nargs="?", default=None,
+                    help="a target from a GGUF file: an embedded name or a .gguf path (default: smollm2-135m)")
+    ll.add_argument("--limit-per-domain", type=int, default=2,
+                    help="prompts per domain of the shipped eval sets (default: %(default)s)")
+    ll.add_argument("--max-new-tokens", type=int, default=96,
+                    help="tokens generated per prompt, at most (default: %(default)s)")
+    ll.add_argument("--split", default="dev", choices=["dev", "test"],
+                    help="which eval split's prompts (default: %(default)s)")
+    ll.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     ll.set_defaults(func=run_llamacpp)
 
 
