@@ -21,7 +21,7 @@ class CaptureSource:
     logits' logsumexp)}; positions past a row's length are zero.
     Online it runs the frozen target on batch["input_ids"] / ["attention_mask"] (right-padded);
     offline (`cache_dir` given) it reads rows batch["row_id"] from the capture cache, from each row's
-    batch["offset"] on (the window a long row is trained on, training/batching.py).
+    batch["offset"] on (the window a long row is trained on, data/batching.py).
     """
 
     def __init__(self, target, layers: Sequence[int] = (), topk: int = 0, last_hidden: bool = False,
@@ -103,7 +103,7 @@ class CaptureSource:
         ids = batch["input_ids"]
         B, T = ids.shape
         lengths = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [T] * B
-        offsets = batch["offset"].tolist() if "offset" in batch else [0] * B  # window starts (training/batching.py)
+        offsets = batch["offset"].tolist() if "offset" in batch else [0] * B  # window starts (data/batching.py)
         keys = [f"layer.{i}" for i in self.layers] + (["last_hidden"] if self.last_hidden else [])
         out: dict[str, torch.Tensor] = {}
         for b, row_id in enumerate(batch["row_id"].tolist()):

@@ -122,7 +122,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"tokens/row: mean {sum(lengths) / len(lengths):.1f}, median {srt[len(srt) // 2]}, max {srt[-1]}; "
           f"learned/row: mean {sum(learned) / len(learned):.1f}; stopped with EOS: {sum(ds['stopped'])}/{len(ds)}")
     if args.max_length:
-        from draftsmith.training.batching import batching_report
+        from draftsmith.data.batching import batching_report
 
         r = batching_report(ds["loss_mask"], args.max_length, args.batch_size, args.prompt_context)
         print(f"max_length {args.max_length}" + (f", prompt_context {args.prompt_context}" if args.prompt_context else "")
@@ -219,7 +219,7 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
     """Concatenate the rows of datasets one target wrote into a new dataset folder.
 
     Row ids stay unique and stable: the first dataset keeps its own (so the rows it held out for evaluation
-    stay held out, training/batching.py `split_rows`), each later one's are rehashed (`merged_row_id`), so a
+    stay held out, data/batching.py `split_rows`), each later one's are rehashed (`merged_row_id`), so a
     merged dataset merged again keeps its ids and a repeated id is refused. Rollout
     marks (`replay`, data/engines/rollout.py) are kept; rows without them get zeros (no draft rejected there).
     Captured states are not carried over: `draftsmith data capture` reads the merged rows once."""

@@ -24,6 +24,7 @@ import torch
 
 from draftsmith import artifact
 from draftsmith.config import register_config, to_dict
+from draftsmith.data.batching import pad_rows, row_lengths, split_rows
 from draftsmith.dflash.model import (
     DFlashDraft,
     block_targets,
@@ -35,7 +36,6 @@ from draftsmith.dflash.model import (
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.targets.families import pad_token_id
-from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
 from draftsmith.training.job import Job, unwrap
 

@@ -33,13 +33,13 @@ import torch
 from draftsmith import artifact
 from draftsmith.capture.forward import topk_with_logsumexp
 from draftsmith.config import to_dict
+from draftsmith.data.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
 from draftsmith.distill.builders import build_draft, size_report
 from draftsmith.distill.config import DistillConfig
 from draftsmith.errors import DataError
 from draftsmith.heads.lora import apply_lora, plain_model
 from draftsmith.heads.losses import distill_loss
 from draftsmith.targets.families import family, pad_token_id
-from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
 from draftsmith.training.job import Job
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class DistillJob(Job):
         from draftsmith.capture.online import CaptureSource
 
         cache = Path(self.cfg.data.capture_cache or Path(self.cfg.train.output_dir) / "capture")
-        # each row up to the end of the window it is trained on (training/batching.py)
+        # each row up to the end of the window it is trained on (data/batching.py)
         need = [{"row_id": int(r["row_id"]),
                  "input_ids": list(r["input_ids"])[: window(list(r["loss_mask"]), self.cfg.data.max_length)[1]]}
                 for r in rows]

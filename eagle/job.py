@@ -28,6 +28,7 @@ import torch
 
 from draftsmith import artifact
 from draftsmith.config import register_config, to_dict
+from draftsmith.data.batching import pad_rows, row_lengths, split_rows
 from draftsmith.eagle.model import (
     EagleHead,
     check_architecture,
@@ -42,7 +43,6 @@ from draftsmith.eagle.variants import VARIANTS, variant
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
 from draftsmith.targets.families import family, lm_head, pad_token_id, whole
-from draftsmith.training.batching import pad_rows, row_lengths, split_rows
 from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
 from draftsmith.training.job import Job, unwrap
 
@@ -86,7 +86,7 @@ class EagleJobConfig:
     copy_weight: float = 0.0
     copy_ngram: int = 2
     max_length: int = 512
-    # keep at most this many prompt tokens before a row's first learned token (training/batching.py): from
+    # keep at most this many prompt tokens before a row's first learned token (data/batching.py): from
     # the capture cache every feature has seen the whole row, and the draft layer gets its context from them
     prompt_context: int | None = None
     eval_fraction: float = 0.05

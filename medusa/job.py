@@ -16,6 +16,7 @@ import torch
 
 from draftsmith import artifact
 from draftsmith.config import register_config, to_dict
+from draftsmith.data.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.errors import ConfigError
 from draftsmith.heads.losses import topk_divergence
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
@@ -31,7 +32,6 @@ from draftsmith.medusa.model import (
 )
 from draftsmith.storage import atomic_write_json
 from draftsmith.targets.families import family, pad_token_id
-from draftsmith.training.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
 from draftsmith.training.job import Job, unwrap
 

@@ -141,7 +141,7 @@ def target_drift(original, adapted, rows, pad_id: int, max_length: int, batch_si
     """How far an adapter moved the target, at the positions whose next token is learned in `rows`
     (self-distilled rows): the share where the adapted target's greedy token is the original's, and
     KL(original ‖ adapted) over the full vocabulary (mean per position)."""
-    from draftsmith.training.batching import next_token_learned, pad_rows
+    from draftsmith.data.batching import next_token_learned, pad_rows
 
     agree = kl = n = 0.0
     rows = list(rows)
@@ -172,8 +172,8 @@ def held_out_drift(artifact: str | Path, data: str | Path, target_spec: str = "s
     """`draftsmith medusa2-drift`: the adapter's drift on the dataset's held-out rows (the split a Medusa job
     with the same seed and fraction holds out): `target_drift`'s numbers and the rows they come from."""
     from draftsmith.data import load_distilled
+    from draftsmith.data.batching import split_rows
     from draftsmith.targets import load_target
-    from draftsmith.training.batching import split_rows
 
     target = load_target(target_spec)
     _, held_out = split_rows(load_distilled(data, target), eval_fraction, seed)

@@ -119,7 +119,7 @@ def planned_row(job, learned: int | None = None) -> tuple[int, int]:
     """(window, learned): the tokens of the planned row a step runs on, and its loss positions. The planned row
     is the longest one: max_length tokens whose last `learned` are learned (None: all of them). With
     `prompt_context` P (EAGLE, DFlash) only P tokens before the first learned one are kept
-    (training/batching.py's window): the row shrinks to P + learned."""
+    (data/batching.py's window): the row shrinks to P + learned."""
     T = max_length_of(job)
     a = min(learned or T, T)
     p = getattr(job, "prompt_context", None)

@@ -72,8 +72,6 @@ LAYERS: list[tuple[str, ...]] = [
 
 # (importer, imported) -> why the import against the layer order stays, for now
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("draftsmith.data.commands", "draftsmith.training.batching"): "`draftsmith data stats` reports how the rows "
-        "batch for training",
     ("draftsmith.training.checkpoint", "draftsmith.export.verify"): "a checkpoint's safetensors headers are "
         "read by export's reader",
 }

@@ -8,7 +8,7 @@ same optimizer steps for every point, then evaluate each head with the speculati
 Each point is `draftsmith train METHOD --config C data=D train.train_rows=N train.max_steps=S ...` (the
 command is printed and kept in curve.json): the first N rows of the training split in its seeded order, so
 a smaller point's rows are part of a larger point's and the held-out split is the same for all
-(training/batching.py split_rows). Two ways to spend compute, and they differ:
+(data/batching.py split_rows). Two ways to spend compute, and they differ:
   --steps S     equal compute: every point takes S optimizer steps, so a small point sees its rows many
                 times and a large one may not see all of its rows once (epochs < 1);
   --epochs E    equal epochs: a point of N rows takes ceil(E * N / rows per step) steps.
@@ -66,8 +66,8 @@ def held_out_top1(summary: dict) -> list[float]:
 
 
 def learned_tokens(dataset, eval_fraction: float, seed: int, n: int) -> int:
-    """Learned tokens of the first n training rows: the split the job makes (training/batching.py)."""
-    from draftsmith.training.batching import split_rows
+    """Learned tokens of the first n training rows: the split the job makes (data/batching.py)."""
+    from draftsmith.data.batching import split_rows
 
     train, _ = split_rows(dataset, eval_fraction, seed, n)
     return int(sum(sum(m) for m in train["loss_mask"]))

@@ -249,7 +249,7 @@ def sample(row: dict, states: dict[str, torch.Tensor], layers: list[int], span: 
 
 def captured_rows_dataset(rows, reader, layers: list[int], cfg: PeerConfig, dtype: torch.dtype):
     """A speculators `BaseDataset` over our rows: each row's `window`, its capture states, token counters."""
-    from draftsmith.training.batching import window
+    from draftsmith.data.batching import window
 
     base = speculators_modules()["data"].BaseDataset
 
@@ -408,10 +408,10 @@ def train_peer(cfg: PeerConfig, target=None, rows=None) -> Path:
     from draftsmith.capture.cache import ShardReader
     from draftsmith.capture.layers import default_eagle3_layers, resolve_layers
     from draftsmith.data import load_distilled
+    from draftsmith.data.batching import split_rows
     from draftsmith.heads.vocab import draft_vocabulary, token_counts
     from draftsmith.targets import load_target
     from draftsmith.targets.fingerprint import check_compatible
-    from draftsmith.training.batching import split_rows
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -1,4 +1,4 @@
-"""Batches of self-distilled rows (training/batching.py): the window a long row is trained on keeps its
+"""Batches of self-distilled rows (data/batching.py): the window a long row is trained on keeps its
 answer, the offline capture cache hands out the window's positions, and length-grouped epochs are a
 deterministic reordering that pads less and resumes exactly."""
 
@@ -10,7 +10,7 @@ from _train_job import make_rows  # noqa: E402
 
 from draftsmith.capture.cache import capture_dataset  # noqa: E402
 from draftsmith.capture.online import CaptureSource  # noqa: E402
-from draftsmith.training.batching import (  # noqa: E402  # noqa: E402
+from draftsmith.data.batching import (  # noqa: E402  # noqa: E402
     batching_report,
     epoch_permutation,
     length_grouped,

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from draftsmith.config import load_config
+from draftsmith.data.batching import pad_rows
 from draftsmith.distill import builders as B
 from draftsmith.distill.config import DistillConfig
 from draftsmith.distill.job import DistillJob, prompt_lengths
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.heads import lora
 from draftsmith.runner.train import run
-from draftsmith.training.batching import pad_rows
 
 PROMPTS = ["What is the capital of France?", "Add 2 and 3.", "Write a loop in Python.", "Summarize the passage.",
            "How many clips did Natalia sell?", "Translate the sentence into French.", "def add(a, b):",

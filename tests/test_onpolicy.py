@@ -193,9 +193,9 @@ def test_on_policy_round_rollouts_capture_and_replay_training(target4, round0, t
         generate_dataset(dataclasses.replace(cfg), target4, progress=False)
 
     # the next round trains on the earlier rows and the rollouts together: `draftsmith data merge` + capture
+    from draftsmith.data.batching import split_rows
     from draftsmith.data.commands import merge_datasets, merged_row_id
     from draftsmith.data.generate import capture_dataset_dir
-    from draftsmith.training.batching import split_rows
 
     generate_dataset(_data_config(tmp_path, "roll", engine="speculative", proposer=spec, k=3), target4,
                      progress=False)  # the killed rollout finishes with its own head

@@ -57,7 +57,7 @@ class TrainConfig:
     epochs: float = 1.0
     batch_size: int = 8  # rows per micro-batch per rank
     # batches of rows of similar length (less padding; the order is still a function of seed and epoch,
-    # training/batching.py)
+    # data/batching.py)
     group_by_length: bool = False
     grad_accum: int = 1
     max_grad_norm: float | None = 1.0  # null disables clipping
@@ -71,7 +71,7 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 10
     seed: int = 0
-    # train on only the first N rows of the training split, in its seeded order (training/batching.py
+    # train on only the first N rows of the training split, in its seeded order (data/batching.py
     # split_rows): the held-out split is the same whatever N, and a smaller N's rows are a subset of a
     # larger N's, so runs with growing N are the points of one learning curve. None = every training row
     train_rows: int | None = None

@@ -20,7 +20,7 @@ Schedule (per step s of S total, W warmup steps; Goyal et al. 2017 warmup, Loshc
 
 Data order is ours, not the DataLoader's: epoch e uses the permutation randperm(n, seed = cfg.seed·1000003 + e)
 (with `group_by_length`, reordered so that each micro-batch index holds rows of similar length:
-`training/batching.py`); micro-batch b of rank r is rows perm[(b·world + r)·B : (b·world + r + 1)·B]
+`data/batching.py`); micro-batch b of rank r is rows perm[(b·world + r)·B : (b·world + r + 1)·B]
 (incomplete tail dropped), so a position (epoch, b) plus the seed pins every future batch and resume needs
 no sampler pickles. Logging windows are flushed at every checkpoint step, so a resumed run's log equals the
 uninterrupted one.
@@ -47,10 +47,10 @@ import torch
 from torch import nn
 
 from draftsmith.config import to_dict
+from draftsmith.data.batching import epoch_permutation, length_grouped, rank_batches, row_lengths
 from draftsmith.errors import DataError, TrainingError
 from draftsmith.training import checkpoint as ckpt
 from draftsmith.training import sharded
-from draftsmith.training.batching import epoch_permutation, length_grouped, rank_batches, row_lengths
 from draftsmith.training.config import TrainConfig
 from draftsmith.training.job import Job
 from draftsmith.training.launch import make_accelerator

@@ -1,5 +1,7 @@
 """Batches for the jobs that learn from self-distilled rows (draft, Medusa, EAGLE): which slice of a long
-row is trained on, right padding, and an epoch order that puts rows of similar length together.
+row is trained on, right padding, and an epoch order that puts rows of similar length together. It is part
+of data/ (rows -> batches), below training/: `draftsmith data stats` reports how a dataset's rows batch, and
+the loop and every method's job read the same rules.
 
 Rows are dicts with `input_ids` and `loss_mask` (1 = a target-written token that is learned) and, for the
 offline capture cache, `row_id`.
