@@ -12,23 +12,32 @@ import sys
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="memory plan for a target + artifact on a GPU (weights, KV, headroom)")
     p.add_argument("--target", default=None,
-                   help="config.json, HF model folder or embedded target name (with --config: the job's target)")
-    p.add_argument("--config", default=None, help="a training job preset (eagle / medusa / distill YAML): plan "
-                   "its training memory per GPU (target + trained module + optimizer + activations)")
-    p.add_argument("--accelerate", default=None, help="with --config: the accelerate preset (DDP, FSDP, ZeRO-2/3)")
+                   help="config.json, HF model folder or embedded target name (default: with --config, the job's "
+                        "target; without, required)")
+    p.add_argument("--config", default=None, help="a training job preset (any method's YAML): plan its training "
+                   "memory per GPU (target + trained module + optimizer + activations) instead of serving memory")
+    p.add_argument("--accelerate", default=None, help="with --config: the accelerate preset (DDP, FSDP, ZeRO-2/3; "
+                                                      "default: one process, no sharding)")
     p.add_argument("--gpus", type=int, default=None, help="with --config: ranks (default: the accelerate preset's)")
     p.add_argument("--learned", type=int, default=None,
                    help="with --config: loss positions of the longest row (its answer; default: the whole row); "
                         "EAGLE's later TTT steps and logits, and prompt_context's cut, depend on it")
     p.add_argument("overrides", nargs="*", help="with --config: dotted key=value overrides, e.g. max_length=32768")
-    p.add_argument("--artifact", default=None, help="a draftsmith artifact (draft, medusa or eagle)")
-    p.add_argument("--gpu", default="H100-80GB", help="H100-80GB, A100-40GB, ..., cpu, or a size in bytes")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--k", type=int, default=4, help="draft tokens verified per step")
-    p.add_argument("--utilization", type=float, default=0.9, help="share of device memory the engine may use")
-    p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill forward (chunked prefill)")
+    p.add_argument("--artifact", default=None, help="a draftsmith artifact, any method's (default: none, the "
+                                                    "target alone)")
+    p.add_argument("--gpu", default="H100-80GB", help="the device: a name (H100-80GB, A100-40GB, L4-24GB, ...), cpu "
+                                                     "(this machine's RAM), or a size in bytes (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=32, help="sequences decoded at once (default: %(default)s)")
+    p.add_argument("--context", type=int, default=8192,
+                   help="tokens per sequence held in the KV cache, prompt and answer (default: %(default)s)")
+    p.add_argument("--dtype", default="bf16", help="dtype of the weights and KV cache: bf16 | fp16 | fp32 | fp8 | "
+                                                  "int8 (default: %(default)s)")
+    p.add_argument("--k", type=int, default=4, help="draft tokens verified per step (default: %(default)s)")
+    p.add_argument("--utilization", type=float, default=0.9,
+                   help="fraction of device memory the engine may use, vLLM's gpu_memory_utilization "
+                        "(default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=8192,
+                   help="tokens per prefill forward (chunked prefill) (default: %(default)s)")
     p.add_argument("--measure", action="store_true",
                    help="also build the models on this CPU (fp32) and compare the plan with measured bytes")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -40,32 +49,36 @@ def register(subparsers) -> None:
     b.add_argument("--reports", nargs="+", required=True, help="evaluation report.json files or their folders")
     b.add_argument("--out", required=True, help="policy file to write (JSON)")
     b.add_argument("--threshold", type=float, default=1.0,
-                   help="route a domain off below this value of the criterion (speedup, tau or predicted speedup)")
+                   help="route a domain off below this value of the criterion: a speedup ratio, or tau in tokens "
+                        "per step (default: %(default)s)")
     b.add_argument("--criterion", choices=["speedup", "tau", "predicted"], default="speedup",
                    help="speedup: measured in the reports (this machine); tau: tau at the GPU-sized budget; "
-                        "predicted: tau / (v(n) + c) for --profile (decoding/routing.py)")
+                        "predicted: tau / (v(n) + c) for --profile (decoding/routing.py) (default: %(default)s)")
     b.add_argument("--profile", default=None,
                    help="with --criterion predicted: a verify-cost profile, `gpu` (built in) or a JSON file "
-                        "{\"v\": {nodes: cost}, \"c\": {kind: cost}}")
+                        "{\"v\": {nodes: cost}, \"c\": {kind: cost}} (default: none)")
     b.add_argument("--router", choices=["declared", "keyword"], default="declared",
-                   help="classify requests by their declared domain (keywords when missing) or by keywords only")
+                   help="classify requests by their declared domain (keywords when missing) or by keywords only "
+                        "(default: %(default)s)")
     b.set_defaults(func=run_route_build)
     c = rs.add_parser("compare", help="the routed run against every single artifact, per domain")
     c.add_argument("--routed", required=True, help="report of `draftsmith evaluate --proposer route:POLICY`")
     c.add_argument("--reports", nargs="+", default=None,
                    help="single-artifact reports from other runs (default: the routed run's own --compare runs)")
-    c.add_argument("--out", default=None, help="write the table (markdown) here too")
+    c.add_argument("--out", default=None, help="write the table (markdown) here too (default: printed only)")
     c.set_defaults(func=run_route_compare)
 
     a = subparsers.add_parser("alpha", help="per-domain acceptance from a vLLM server's /metrics or request logs")
     a.add_argument("source", help="a running server's /metrics URL (http://127.0.0.1:8000/metrics), a Prometheus "
                                   "text dump of it, or a folder / .jsonl of request logs")
-    a.add_argument("--since", default=None, help="an earlier dump: report the window between the two")
+    a.add_argument("--since", default=None, help="an earlier dump: report the window between the two (default: "
+                                                 "none: the totals so far)")
     a.add_argument("--save", default=None, metavar="FILE",
-                   help="keep the metrics read (the --since of the next check)")
+                   help="keep the metrics read (the --since of the next check; default: not kept)")
     a.add_argument("--model-domain", action="append", default=[], metavar="MODEL=DOMAIN",
                    help="map a served model_name to a domain (repeatable)")
-    a.add_argument("--out", default=None, help="write the table as JSON (the shape retraining reads)")
+    a.add_argument("--out", default=None, help="write the table as JSON (the shape retraining reads; default: "
+                                               "printed only)")
     a.set_defaults(func=run_alpha)
 
 
