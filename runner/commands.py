@@ -13,10 +13,12 @@ from draftsmith.errors import ConfigError
 
 
 def _add_job_arguments(p, default_help: str) -> None:
-    p.add_argument("--config", default=None, help=f"YAML preset (default: {default_help})")
+    p.add_argument("--config", default=None, help="the job's YAML preset: a shipped preset's name "
+                   f"(smollm2-135m/eagle3) or a file's path (default: {default_help})")
     p.add_argument("--init-only", action="store_true",
                    help="save and evaluate the module as built, untrained: the baseline a trained one is compared with")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=100")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the preset, e.g. "
+                                                "train.max_steps=100")
 
 
 def register(subparsers) -> None:
@@ -25,7 +27,7 @@ def register(subparsers) -> None:
                               + ", ".join(m.name for m in known))
     p.add_argument("job", choices=[m.name for m in known],
                    help="; ".join(f"{m.name}: {m.summary}" for m in known))
-    _add_job_arguments(p, "the method's smollm2-135m preset")
+    _add_job_arguments(p, "the method's own: " + ", ".join(f"{m.name} {m.default_config}" for m in known))
     p.set_defaults(func=run)
     for m in known:  # a method's declared alias (one word: a top-level command) runs `train NAME` as it is
         if len(m.command) == 1:
