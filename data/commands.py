@@ -14,7 +14,8 @@ def register(subparsers) -> None:
     sub = data.add_subparsers(dest="data_command", required=True)
 
     gen = sub.add_parser("generate", help="the target writes responses to the configured prompts (resumable)")
-    gen.add_argument("--config", required=True, help="YAML preset with kind: data")
+    gen.add_argument("--config", required=True, help="a data preset (kind: data): a shipped preset's name "
+                                                     "(smollm2-135m/data) or a file's path")
     gen.add_argument("--overwrite", action="store_true", help="replace a finished dataset in output_dir")
     gen.add_argument("--grow", action="store_true", help="add the config's new prompts to the finished dataset in "
                                                          "output_dir, keeping every row it holds and its capture")
@@ -22,23 +23,27 @@ def register(subparsers) -> None:
                                                         "and grow the copy; DIR stays as it is")
     gen.add_argument("--resume-from", metavar="PACK", help="first put the rows of a pack (`data pack`) into "
                                                            "output_dir, then generate only what it does not answer")
-    gen.add_argument("--no-progress", action="store_true")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and cron jobs)")
     gen.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. generation.batch_size=16")
     gen.set_defaults(func=run_generate)
 
     cap = sub.add_parser("capture", help="teacher-forced capture: the target reads the finished rows once and "
                                          "keeps hidden states + top-k logits for head training (resumable)")
     cap.add_argument("--config", required=True, help="the data preset (its output_dir and capture section)")
-    cap.add_argument("--no-progress", action="store_true")
+    cap.add_argument("--no-progress", action="store_true", help="no progress bar (for logs and cron jobs)")
     cap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. capture.topk=64")
     cap.set_defaults(func=run_capture)
 
     ins = sub.add_parser("inspect", help="counts per domain, token stats, one example with its loss mask")
     ins.add_argument("path", help="output_dir of `data generate`")
-    ins.add_argument("--row", type=int, default=0, help="which row to show")
-    ins.add_argument("--max-length", type=int, help="also show what a job with this max_length trains on")
-    ins.add_argument("--prompt-context", type=int, help="... keeping at most this many prompt tokens (EAGLE)")
-    ins.add_argument("--batch-size", type=int, default=8, help="... in batches of this many rows (default 8)")
+    ins.add_argument("--row", type=int, default=0, help="which row to show, by index (default: %(default)s)")
+    ins.add_argument("--max-length", type=int, help="also show what a job with this max_length (tokens per row) "
+                                                    "trains on: the learned tokens it keeps, the padding it adds "
+                                                    "(default: not shown)")
+    ins.add_argument("--prompt-context", type=int, help="with --max-length: keeping at most this many prompt "
+                                                        "tokens, as EAGLE's prompt_context does (default: all)")
+    ins.add_argument("--batch-size", type=int, default=8,
+                     help="with --max-length: in batches of this many rows (default: %(default)s)")
     ins.set_defaults(func=run_inspect)
 
     sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains")
