@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from draftsmith.data.config import EvalSetConfig
-from draftsmith.data.sources import PromptRow, _FieldError, _iter_jsonl, extract_turns, normalize_text
+from draftsmith.data.sources import PromptRow, _FieldError, extract_turns, iter_jsonl, normalize_text
 from draftsmith.errors import DataError
 from draftsmith.storage import data_path
 
@@ -56,7 +56,7 @@ def load_eval_texts(eval_sets: list[EvalSetConfig], n: int) -> list[EvalText]:
         path = data_path(es.path)
         if not path.is_file():
             raise DataError(f"eval set {es.path}: no such file {path}")
-        for lineno, obj, err in _iter_jsonl(path):
+        for lineno, obj, err in iter_jsonl(path):
             if err is not None:
                 continue
             try:

@@ -230,10 +230,11 @@ def _domain(row: Any, source: SourceConfig) -> str:
 # --------------------------------------------------------------------------------------------- readers
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """(line number, parsed object or None, error) for every non-blank line. A line that is not UTF-8 is an
-    error of its own (decoding it with replacement characters would store mangled text). `.gz` files are
-    read decompressed."""
+def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """(line number, parsed object or None, error) for every non-blank line of a prompt file: the one reader
+    of prompt lines (training sources, eval sets, the overlap check, evaluation's prompts). A line that is
+    not UTF-8 is an error of its own (decoding it with replacement characters would store mangled text).
+    `.gz` files are read decompressed. The caller decides whether an error skips the line or stops."""
     with open_data(path) as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -323,7 +324,7 @@ def _records_source(source: SourceConfig, report: MalformedReport, keep: bool = 
         path = data_path(source.path)
         if not path.is_file():
             raise DataError(f"source '{source.name}': no such file {path}")
-        records = _iter_jsonl(path)
+        records = iter_jsonl(path)
         where = lambda i: f"{path}:{i}"  # noqa: E731
     else:
         records = _iter_hf(source)

@@ -12,13 +12,13 @@ A row's domain is its `domain` field, else `category`, else the file's stem; bot
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.data.sources import iter_jsonl
 from draftsmith.errors import DataError
-from draftsmith.storage import data_path, data_stem, open_data, shared_data_dir
+from draftsmith.storage import data_path, data_stem, shared_data_dir
 
 # the four first sets, then what a chat target is asked beyond them: translation, summaries of long passages,
 # answers from long passages (RAG) and two-turn conversations (MT-bench; every row carries its `domain`)
@@ -100,24 +100,18 @@ def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, s
         if not path.is_file():
             raise DataError(f"prompt file not found: {path}")
         stem_domain = canonical_domain(data_stem(path))
-        with open_data(path) as fh:
-            for lineno, raw_line in enumerate(fh, 1):
-                if not raw_line.strip():
-                    continue
-                try:
-                    row = json.loads(raw_line.decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {e.start} of the line)") from None
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                turns = _turns(row)
-                if not turns:
-                    raise DataError(f"{path}:{lineno}: no prompt field (turns / instruction / prompt / text / messages)")
-                raw = row.get("domain") or row.get("category") or ""
-                domain = canonical_domain(raw) if raw else stem_domain
-                meta = {k: row[k] for k in ("question_id", "id", "motivation_app") if k in row}
-                by_domain.setdefault(domain, []).append(
-                    EvalPrompt(domain, turns[0], f"{path.name}:{lineno}", turns, meta))
+        for lineno, row, error in iter_jsonl(path):
+            if error is None and not isinstance(row, dict):
+                error = f"not a JSON object (got {type(row).__name__})"
+            if error is not None:  # an eval set is fixed: a bad line is an error, never a quietly smaller set
+                raise DataError(f"{path}:{lineno}: {error}")
+            turns = _turns(row)
+            if not turns:
+                raise DataError(f"{path}:{lineno}: no prompt field (turns / instruction / prompt / text / messages)")
+            raw = row.get("domain") or row.get("category") or ""
+            domain = canonical_domain(raw) if raw else stem_domain
+            meta = {k: row[k] for k in ("question_id", "id", "motivation_app") if k in row}
+            by_domain.setdefault(domain, []).append(EvalPrompt(domain, turns[0], f"{path.name}:{lineno}", turns, meta))
     if not by_domain:
         raise DataError("no prompts in " + ", ".join(map(str, files)))
     out: list[EvalPrompt] = []

@@ -54,6 +54,18 @@ def test_domains(prompt_files):
     assert canonical_domain("humaneval") == "code" and canonical_domain("Poetry") == "poetry"
 
 
+@pytest.mark.parametrize("line, why", [(b'{"turns": ["ok"', "bad JSON"), (b'["a list"]', "not a JSON object"),
+                                       (b'{"turns": ["caf\xe9"]}', "not UTF-8"), (b'{"id": 3}', "no prompt field")])
+def test_a_bad_eval_prompt_line_is_an_error_naming_file_and_line(tmp_path, line, why):
+    """Eval prompts are read by the data pipeline's line reader, but a bad line stops the run (an eval set
+    quietly one prompt smaller would move every number measured on it)."""
+    from draftsmith.errors import DataError
+
+    (tmp_path / "p.jsonl").write_bytes(b'{"turns": ["fine"]}\n\n' + line + b"\n")
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'p.jsonl'}:3: {why}[^\n]*$"):
+        load_prompts([tmp_path / "p.jsonl"])
+
+
 def test_only_some_domains_are_the_same_prompts_as_in_a_run_over_all(prompt_files):
     """--domains keeps the prompts a run over every domain measures for those domains (the per-domain choice comes
     first), takes aliases, and refuses a domain the files do not hold in one line naming what they hold."""
