@@ -9,6 +9,13 @@
    one another, so a method is one folder that can be added or removed alone. Every top-level module or
    folder must be placed in a layer. ALLOWED_UPWARD lists the imports against the order still accepted,
    each with its reason; like ALLOWED_CYCLES it is reported when an entry no longer occurs.
+4. imports by name are imports: a string constant that is, whole, a draftsmith module with or without an
+   attribute (`"draftsmith.eagle.job:EagleJob"` in a method's `METHOD`, `methods.BUILTIN`, `cli.COMMAND_MODULES`,
+   `config.CONFIG_MODULES`, a `python -m draftsmith.cli` argument) is a dependency resolved at run time, and is
+   checked against LAYERS like an import (not for cycles: nothing runs it when the module is imported). A
+   method folder's references point into the folder itself; a reference to a later layer is declared in
+   BY_NAME by the layer it reaches ("method folders" for any of METHODS), with its reason, and a declaration
+   that no longer occurs is reported.
 
     python scripts/check_imports.py          # exit 1 with one line per violation, else one line of totals
 
@@ -75,6 +82,23 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("draftsmith.training.checkpoint", "draftsmith.export.verify"): "a checkpoint's safetensors headers are "
         "read by export's reader",
 }
+METHOD_LAYER = "method folders"  # how BY_NAME names a reference to any of METHODS
+# (module, the layer it reaches by name) -> why it names that later layer rather than importing it (rule 4)
+BY_NAME: dict[tuple[str, str], str] = {
+    ("draftsmith.methods", METHOD_LAYER): "BUILTIN names the folders that declare the built-in methods, "
+        "imported on first use: the registry sits below every stage that reads it",
+    ("draftsmith.methods", "runner"): "a method that declares a job trains through the one runner's "
+        "train_method (Method.get('train'))",
+    ("draftsmith.config", "data"): "CONFIG_MODULES: the preset kinds' config classes register themselves "
+        "when imported, and load_config imports them on first use",
+    ("draftsmith.config", "training"): "CONFIG_MODULES (as for data)",
+    ("draftsmith.config", "evaluation"): "CONFIG_MODULES (as for data)",
+    ("draftsmith.config", "retrain"): "CONFIG_MODULES (as for data)",
+    ("draftsmith.config", "benchmark"): "CONFIG_MODULES (as for data)",
+    ("draftsmith.benchmark.run", "cli"): "the whole bench runs each stage as `python -m draftsmith.cli` in a "
+        "process of its own, so each number carries its command and memory is returned between stages",
+}
+
 
 # frozenset of the modules of one cycle -> why it stays
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}
@@ -124,6 +148,24 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
         while mod and mod not in known:  # `from x.y import func`: the module is x.y
             mod = mod.rpartition(".")[0]
         if mod and mod != name:
+def references_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """The draftsmith modules `path` names by string (rule 4): each string constant that is, whole, a known
+    module other than the package itself, with or without `:attribute`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            mod = node.value.partition(":")[0]
+            if mod in known and mod not in (PACKAGE, name):
+                out.add(mod)
+    return out
+
+
+def references(root: Path = ROOT) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: refs for name, path in known.items() if (refs := references_of(path, name, known))}
+
+
             deps.add(mod)
     return deps
 
@@ -211,6 +253,34 @@ def layer_problems(g: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYER
                 continue
             found.append(f"{mod} imports {dep}: {why}")
     for mod, dep in sorted(set(allowed) - seen):
+def reference_problems(refs: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYERS,
+                       declared: dict[tuple[str, str], str] = BY_NAME,
+                       methods: set[str] | None = None) -> list[str]:
+    """Rule 4: one line per import by name against the layers, per stale declaration."""
+    methods = METHODS if methods is None else methods
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    found, seen = [], set()
+    for mod, names in sorted(refs.items()):
+        a = layer_key(mod, rank)
+        for ref in sorted(names):
+            b = layer_key(ref, rank)
+            if a in methods:
+                if b != a:
+                    found.append(f"{mod} names {ref}: a method folder's references by name point into {a}/ itself")
+                continue
+            if a == b or a not in rank or b not in rank or rank[b] <= rank[a]:
+                continue
+            reached = METHOD_LAYER if b in methods else b
+            if (mod, reached) in declared:
+                seen.add((mod, reached))
+                continue
+            found.append(f"{mod} names {ref}: {a} comes before {b} in LAYERS (an import by name; declare it in "
+                         "BY_NAME with its reason, or move it)")
+    for mod, reached in sorted(set(declared) - seen):
+        found.append(f"BY_NAME declares a reference that no longer occurs: {mod} -> {reached}")
+    return found
+
+
         found.append(f"ALLOWED_UPWARD lists an import that no longer occurs: {mod} -> {dep}")
     return found
 
@@ -240,7 +310,8 @@ def problems(g: dict[str, set[str]], allowed: dict[frozenset[str], str] = ALLOWE
 
 def main() -> int:
     g = graph()
-    found = problems(g)
+    refs = references()
+    found = problems(g) + reference_problems(refs)
     for line in found:
         print(line)
     edges = sum(len(v) for v in g.values())
@@ -249,7 +320,8 @@ def main() -> int:
         return 1
     print(f"check_imports: {len(g)} modules, {edges} imports, no cycle, {BOTTOM}/ imports nothing above it, "
           f"{len(LAYERS)} layers in order ({len(ALLOWED_CYCLES)} cycle(s), {len(ALLOWED_UPWARD)} upward "
-          "import(s) allowed)")
+          f"import(s) allowed), {sum(len(v) for v in refs.values())} imports by name checked "
+          f"({len(BY_NAME)} declared upward)")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The package's import rules (scripts/check_imports.py, also run by `make lint`): no cycle between files,
 counting imports inside functions, nothing above targets/ imported from it, and the folders imported in
-the layer order of docs/architecture.md (method folders never import one another)."""
+the layer order of docs/architecture.md (method folders never import one another), and imports by name
+(`"draftsmith.module:attr"` strings) checked against the same layers."""
 
 from __future__ import annotations
 
@@ -64,3 +65,39 @@ def test_the_checker_finds_an_import_against_the_layer_order(tmp_path):
     found = checker.layer_problems(g, allowed=allowed)
     assert "ALLOWED_UPWARD lists an import that no longer occurs: draftsmith.x -> draftsmith.y" in found
     assert not any(line.startswith("draftsmith.data.rows") for line in found)
+
+
+def test_imports_by_name_in_the_package_are_in_layer_order():
+    checker = _checker()
+    refs = checker.references()
+    assert "draftsmith.eagle.job" in refs["draftsmith.eagle"]  # METHOD's "module:attr" strings are read
+    assert "draftsmith.runner.commands" in refs["draftsmith.cli"]
+    assert checker.reference_problems(refs) == []
+
+
+def test_the_checker_finds_a_misplaced_import_by_name(tmp_path):
+    checker = _checker()
+    (tmp_path / "__init__.py").write_text("")
+    for pkg in ("data", "evaluation", "medusa", "heads"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "heads" / "lora.py").write_text("")
+    (tmp_path / "medusa" / "job.py").write_text("")
+    # a method's registration naming a module outside its folder, and a stage naming a later one
+    (tmp_path / "medusa" / "__init__.py").write_text('METHOD = dict(job="draftsmith.medusa.job:MedusaJob",\n'
+                                                     '              lora="draftsmith.heads.lora:apply")\n')
+    (tmp_path / "data" / "rows.py").write_text('STAGE = "draftsmith.evaluation.cost:measure"\n'
+                                               'NOT_A_MODULE = "draftsmith.json"\n')
+    (tmp_path / "evaluation" / "cost.py").write_text('ROWS = "draftsmith.data.rows"\n')  # downward: fine
+    layers = [("data",), ("heads",), ("medusa",), ("evaluation",)]
+    refs = checker.references(tmp_path)
+    found = checker.reference_problems(refs, layers, declared={}, methods={"medusa"})
+    assert found == [
+        "draftsmith.data.rows names draftsmith.evaluation.cost: data comes before evaluation in LAYERS (an import "
+        "by name; declare it in BY_NAME with its reason, or move it)",
+        "draftsmith.medusa names draftsmith.heads.lora: a method folder's references by name point into medusa/ "
+        "itself",
+    ]
+    declared = {("draftsmith.data.rows", "evaluation"): "why", ("draftsmith.x", "method folders"): "why"}
+    assert checker.reference_problems(refs, layers, declared=declared, methods={"medusa"}) == [
+        found[1], "BY_NAME declares a reference that no longer occurs: draftsmith.x -> method folders"]
