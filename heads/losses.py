@@ -104,30 +104,6 @@ def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind:
     return masked_mean(divergence_from_logprobs(log_p, log_q, kind, beta), mask)
 
 
-def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
-               temperature: float = 1.0) -> torch.Tensor:
-    """KL(p ‖ q) over [..., V] logits, masked mean over [...] positions. Scalar."""
-    return divergence(student_logits, teacher_logits, "forward_kl", mask, temperature)
-
-
-def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
-               temperature: float = 1.0) -> torch.Tensor:
-    """KL(q ‖ p) over [..., V] logits, masked mean over [...] positions. Scalar."""
-    return divergence(student_logits, teacher_logits, "reverse_kl", mask, temperature)
-
-
-def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
-                    mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
-    """GKD's JSD(β) (β = 0: forward KL, β = 1: reverse KL, see module docstring). Scalar."""
-    return divergence(student_logits, teacher_logits, "jsd", mask, temperature, beta)
-
-
-def total_variation(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
-                    temperature: float = 1.0) -> torch.Tensor:
-    """½ Σ|p − q| in [0, 1]; at τ = 1 it is 1 − α for one token under speculative sampling. Scalar."""
-    return divergence(student_logits, teacher_logits, "tvd", mask, temperature)
-
-
 def _log_tail(log_probs_on_support: torch.Tensor) -> torch.Tensor:
     """log(max(1 − Σ_S p, TAIL_FLOOR)) for log-probs [..., k] of the support S. Returns [..., 1]."""
     mass = torch.logsumexp(log_probs_on_support, dim=-1, keepdim=True).exp()
