@@ -25,10 +25,19 @@ DOCS = ("README.md", "BENCHMARKS.md")
 
 # how a proposer spec of the headline run reads in the table; anything else is shown as its spec
 LABELS = {
-    "eagle:zoo/smollm2-135m/eagle3": "EAGLE-3, the shipped head `eagle:zoo/smollm2-135m/eagle3`",
+    "route:bench/results/broad-dev-smollm2-135m/policy.json": "the broad EAGLE-3 head's tree merged with prompt "
+        "lookup (the policy the dev split chose, `route:bench/results/broad-dev-smollm2-135m/policy.json`)",
+    "eagle:zoo/smollm2-135m/eagle3-broad": "EAGLE-3, the shipped head `eagle:zoo/smollm2-135m/eagle3-broad`",
+    "eagle:zoo/smollm2-135m/eagle3": "EAGLE-3 trained on the default set (`zoo/smollm2-135m/eagle3`, since "
+        "replaced by the broad head; in git history)",
+    "dflash:zoo/smollm2-135m/dflash-broad": "DFlash, the shipped drafter `dflash:zoo/smollm2-135m/dflash-broad`",
     "medusa:zoo/smollm2-135m/medusa": "Medusa-1, the shipped heads `medusa:zoo/smollm2-135m/medusa`",
     "ngram": "n-gram lookup",
 }
+# the per-domain table's row names where the label up to its first comma does not make one
+SHORT = {"route:bench/results/broad-dev-smollm2-135m/policy.json": "EAGLE-3 (broad) merged with lookup",
+         "eagle:zoo/smollm2-135m/eagle3-broad": "EAGLE-3 (broad)",
+         "eagle:zoo/smollm2-135m/eagle3": "EAGLE-3 (default set)"}
 
 
 def _label(spec: str, settings: dict) -> str:
@@ -39,15 +48,20 @@ def _label(spec: str, settings: dict) -> str:
     return f"{base}, chain of {settings.get('k')}"
 
 
-def _entries(report: dict) -> list[tuple[str, dict, dict, dict]]:
-    """(label, overall summary, per-domain summaries, settings) of the main proposer and each side-by-side one."""
+def _short(spec: str) -> str:
+    name = spec.partition("@")[0]
+    return SHORT.get(name) or LABELS.get(name, f"`{name}`").split(",")[0]
+
+
+def _entries(report: dict) -> list[tuple[str, dict, dict, str]]:
+    """(label, overall summary, per-domain summaries, short name) of the main proposer and each side-by-side one."""
     s = report["settings"]
     main_settings = {"tree": s.get("tree"), "tree_max_nodes": s.get("tree_max_nodes"), "k": s.get("k")}
     out = [(_label(report["proposer"], main_settings), report["overall"],
-            {d: r for d, r in report["domains"].items()}, main_settings)]
+            {d: r for d, r in report["domains"].items()}, _short(report["proposer"]))]
     for name, cs in (s.get("compare_settings") or {}).items():
         out.append((_label(name, cs), report["overall"]["compare"][name],
-                    {d: r["compare"][name] for d, r in report["domains"].items()}, cs))
+                    {d: r["compare"][name] for d, r in report["domains"].items()}, _short(name)))
     return out
 
 
@@ -94,8 +108,8 @@ def render(report: dict, path: str) -> str:
     domains = list(report["domains"])
     lines += ["", "Per domain, speedup (τ):", "",
               "| decoding | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
-    for label, _, per, _ in entries:
-        lines.append(f"| {label.split(',')[0]} | "
+    for _, _, per, short in entries:
+        lines.append(f"| {short} | "
                      + " | ".join(f"{fmt_num(per[d]['speedup'], '.2f')} ({fmt_num(per[d]['tau'], '.2f')})" for d in domains) + " |")
     invalid = c.get("invalid") or []
     if invalid:

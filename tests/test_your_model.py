@@ -7,9 +7,11 @@ command) and the hub upload (the export's model card must be there)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,10 +65,8 @@ def test_readme_commands_run_from_a_hub_id_to_a_served_eagle3_head(tiny_tokenize
     commands = readme_commands()
     assert 1 <= len(commands) <= 10, commands
     folder = str(build_tiny_family("llama", tiny_tokenizer, tmp_path / "tiny-llama"))
-    work = tmp_path / "work"
+    work = tmp_path / "work"  # the user's own folder: the presets come from the package (the `cp` line)
     work.mkdir()
-    for name in ("configs", "scripts"):
-        (work / name).symlink_to(ROOT / name)
     monkeypatch.chdir(work)
     gsm8k = ROOT / "prompts" / "eval" / "dev" / "gsm8k.jsonl"
     ran, checked = [], []
@@ -78,6 +78,12 @@ def test_readme_commands_run_from_a_hub_id_to_a_served_eagle3_head(tiny_tokenize
                 assert ".[deepspeed]" in command
                 checked.append("pip")
                 continue
+            if args[0] == "cp":  # as the shell runs it, with this environment's python first on the PATH
+                env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+                subprocess.run(["bash", "-c", command], cwd=work, env=env, check=True, timeout=120)
+                assert (work / "configs/llama3.1-8b-instruct/eagle3.yaml").is_file()
+                checked.append("cp")
+                continue
             if args[:3] == ["draftsmith", "data", "generate"]:
                 # the preset's prompt files are not on this machine: the standard library's code prompts are
                 extra = [f"target={folder}", "max_rows=6", "sources=[{name: code, type: stdlib, domain: code, limit: 6}]",
@@ -88,15 +94,15 @@ def test_readme_commands_run_from_a_hub_id_to_a_served_eagle3_head(tiny_tokenize
                 assert main(args[1:]) == 0
                 assert ": fits" in capsys.readouterr().out
             elif args[:2] == ["accelerate", "launch"]:
-                script = next(a for a in args if a.endswith(".py"))
-                rest = args[args.index(script) + 1:]
+                module = args[args.index("-m") + 1]
+                rest = args[args.index(module) + 1:]
                 extra = [f"target={folder}", "target_layers=null", "ttt_steps=2", "draft_vocab_size=64",
                          "max_length=64", "eval_fraction=0.2", "train.max_steps=3", "train.batch_size=2",
                          "train.grad_accum=1", "train.mixed_precision=auto", "train.eval_every=0", "train.save_every=0",
                          "train.progress=false", "train.loggers=[jsonl]", "evaluate.enabled=false"]
-                monkeypatch.setattr(sys, "argv", [script] + rest + extra)
-                with pytest.raises(SystemExit) as e:  # the script as accelerate runs it (here one process)
-                    runpy.run_path(str(work / script), run_name="__main__")
+                monkeypatch.setattr(sys, "argv", [module] + rest + extra)
+                with pytest.raises(SystemExit) as e:  # the module as accelerate runs it (here one process)
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
                 assert e.value.code == 0
             elif args[:2] == ["draftsmith", "evaluate"]:
                 extra = ["--prompts", str(gsm8k), "--limit-per-domain", "1", "--max-new-tokens", "8",
@@ -125,4 +131,4 @@ def test_readme_commands_run_from_a_hub_id_to_a_served_eagle3_head(tiny_tokenize
             ran.append(" ".join(args[:2]))
     assert ran == ["draftsmith data", "draftsmith plan", "accelerate launch", "draftsmith evaluate",
                    "draftsmith export"], ran
-    assert checked == ["pip", "vllm serve", "upload"], checked
+    assert checked == ["pip", "cp", "vllm serve", "upload"], checked
