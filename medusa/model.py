@@ -246,20 +246,6 @@ def medusa_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], weights:
     return total, metrics
 
 
-def medusa_loss_dense(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                      weights: list[float], teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      kd_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """`medusa_loss` from dense logits [K, B, T, V] (and a dense teacher [B, T, k] pair)."""
-    sels = [head_positions(loss_mask, i) for i in range(logits.shape[0])]
-    picked = [logits[i][sel] for i, sel in enumerate(sels)]
-    labels = [head_labels(input_ids, sel, i) for i, sel in enumerate(sels)]
-    t = None
-    if teacher is not None:
-        # the teacher for head i at t is the target at t+1+i
-        t = [tuple(torch.roll(x, shifts=-(i + 1), dims=1)[sel] for x in teacher) for i, sel in enumerate(sels)]
-    return medusa_loss(picked, labels, weights, t, kd_weight)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Sparse candidate tree (Medusa §3.1.2): a node is a path (r_0, r_1, ..., r_d) of ranks, r_i being the
 # rank of the candidate taken from head i. Assuming heads are independent, the node is accepted with

@@ -11,8 +11,9 @@ from draftsmith.medusa.model import (
     MedusaHeads,
     MedusaTree,
     build_tree,
+    head_labels,
     head_positions,
-    medusa_loss_dense,
+    medusa_loss,
     rank_accuracies,
     tree_expected_length,
 )
@@ -59,6 +60,18 @@ def test_every_block_has_its_own_parameters(tiny_target):
                                      lm_head=tiny_target.model.lm_head)
     assert sum(p.numel() for p in shared.parameters()) == 4 * 3 * (H * H + H)
     assert "lm_head" not in "".join(shared.state_dict())
+
+
+def medusa_loss_dense(logits, input_ids, loss_mask, weights, teacher=None, kd_weight=0.0):
+    """`medusa_loss` from dense logits [K, B, T, V] (and a dense teacher [B, T, k] pair), picking each head's
+    positions and labels as the job does: the teacher for head i at t is the target at t+1+i."""
+    sels = [head_positions(loss_mask, i) for i in range(logits.shape[0])]
+    picked = [logits[i][sel] for i, sel in enumerate(sels)]
+    labels = [head_labels(input_ids, sel, i) for i, sel in enumerate(sels)]
+    t = None
+    if teacher is not None:
+        t = [tuple(torch.roll(x, shifts=-(i + 1), dims=1)[sel] for x in teacher) for i, sel in enumerate(sels)]
+    return medusa_loss(picked, labels, weights, t, kd_weight)
 
 
 def test_loss_targets_the_token_two_plus_i_ahead():
