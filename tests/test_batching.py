@@ -132,7 +132,7 @@ def test_grouped_training_resumes_exactly(tiny_target, tmp_path):
     shutil.copytree(tmp_path / "full", tmp_path / "part")
     shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-00000010")
     shutil.rmtree(tmp_path / "part" / "artifact")
-    assert ckpt.latest_checkpoint(tmp_path / "part").name == "step-00000005"
+    assert ckpt.list_checkpoints(tmp_path / "part")[-1].name == "step-00000005"
     resumed = train(Ragged(tiny_target), TrainConfig(output_dir=str(tmp_path / "part"), **base))
     assert resumed.resumed_from is not None and resumed.steps == 10
     for k, v in full.module.state_dict().items():

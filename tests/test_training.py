@@ -148,7 +148,7 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, tmp_path):
     proc.wait()
     done = [p.name for p in ckpt.list_checkpoints(out)]
     assert done and "step-00000012" not in done and not (out / "artifact").exists()
-    killed_at = ckpt.load_checkpoint(ckpt.latest_checkpoint(out)).state["step"]
+    killed_at = ckpt.load_checkpoint(ckpt.list_checkpoints(out)[-1]).state["step"]
     # resume in a fresh process, like a user rerunning the command
     subprocess.run(cmd[:-2], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = ckpt.read_log(out / "log.jsonl")
@@ -197,10 +197,10 @@ def test_trackers_resume_into_one_run(tmp_path, monkeypatch):
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    first = ckpt.load_checkpoint(ckpt.latest_checkpoint(out)).state
+    first = ckpt.load_checkpoint(ckpt.list_checkpoints(out)[-1]).state
     assert first["step"] < 12 and first["trackers"]["mlflow_run_id"]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    last = ckpt.load_checkpoint(ckpt.latest_checkpoint(out)).state
+    last = ckpt.load_checkpoint(ckpt.list_checkpoints(out)[-1]).state
     assert last["step"] == 12 and last["trackers"] == first["trackers"]
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a local store for the test; users point at a server
@@ -227,7 +227,7 @@ def test_checkpoint_atomicity_and_keep_last(reference, tmp_path):
     half = root / "step-00000020"  # even a dir under a final name without state.json is not "complete"
     half.mkdir()
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step-00000008", "step-00000012"]
-    assert ckpt.latest_checkpoint(out).name == "step-00000012"
+    assert ckpt.list_checkpoints(out)[-1].name == "step-00000012"
     assert torn in ckpt.clean_temp(out) and not torn.exists()
     half.rmdir()
     # every listed checkpoint loads completely

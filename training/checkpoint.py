@@ -80,11 +80,6 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    ckpts = list_checkpoints(output_dir)
-    return ckpts[-1] if ckpts else None
-
-
 def checkpoint_problems(path: str | Path) -> list[str]:
     """Why a checkpoint cannot be resumed from, one line per file (empty when it is intact): state.json
     unreadable, a safetensors file missing, truncated or different from the sha256 state.json recorded."""
