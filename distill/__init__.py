@@ -5,7 +5,7 @@ from draftsmith.methods import Method
 METHOD = Method(
     name="draft",
     summary="a small causal LM distilled from the target's logits",
-    config="draftsmith.distill.config:DistillConfig",
+    config="draftsmith.distill.job:DistillConfig",
     train=None,  # the one runner trains its job
     job="draftsmith.distill.job:DistillJob",
     load="draftsmith.distill.proposer:load_draft",

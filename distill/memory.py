@@ -21,7 +21,7 @@ def shape(path: Path, target_config) -> ArtifactShape:
 
 def job_memory(job, target_config, act: int, learned: int | None = None) -> JobMemory:
     """`Method.train_memory` of a draft distillation job (the draft runs every position: `learned` changes nothing)."""
-    from draftsmith.distill.builders import _config_for_layers
+    from draftsmith.distill.model import _config_for_layers
 
     tc = text_config(target_config)
     V = tc.vocab_size

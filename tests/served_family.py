@@ -63,7 +63,7 @@ class TinyFamily:
     artifact of every kind, trained for a few steps on rows the target wrote."""
 
     def __init__(self, family: str, tokenizer, tmp: Path, kinds=KINDS, steps: int = 40):
-        from draftsmith.distill.config import DistillConfig
+        from draftsmith.distill.job import DistillConfig
         from draftsmith.eagle.job import EagleJob, EagleJobConfig
         from draftsmith.evaluation.after_training import EvalAfterTraining
         from draftsmith.medusa.job import MedusaJob, MedusaJobConfig

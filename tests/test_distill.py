@@ -10,9 +10,8 @@ import torch
 
 from draftsmith.config import load_config
 from draftsmith.data.batching import pad_rows
-from draftsmith.distill import builders as B
-from draftsmith.distill.config import DistillConfig
-from draftsmith.distill.job import DistillJob, prompt_lengths
+from draftsmith.distill import model as B
+from draftsmith.distill.job import DistillConfig, DistillJob, prompt_lengths
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.heads import lora
 from draftsmith.runner.train import run

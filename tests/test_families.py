@@ -121,7 +121,7 @@ def _speculators_parity(export_dir: Path, art: Path, target, rows: list[dict]) -
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_path):
-    from draftsmith.distill.config import DistillConfig
+    from draftsmith.distill.job import DistillConfig
     from draftsmith.eagle.job import EagleJob, EagleJobConfig
     from draftsmith.medusa.job import MedusaJob, MedusaJobConfig
     from draftsmith.runner.train import run

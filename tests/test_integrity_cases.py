@@ -202,7 +202,7 @@ class _KindJob(NextTokenJob):
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "draft"])
 def test_a_flipped_bit_is_caught_by_every_reader_of_every_kind(tiny_target, deep_target, tmp_path, capsys, kind):
     from draftsmith.cli import main
-    from draftsmith.distill.builders import existing_draft
+    from draftsmith.distill.model import existing_draft
 
     target = deep_target if kind == "eagle" else tiny_target
     make = {"medusa": make_medusa_artifact, "eagle": _eagle_artifact, "draft": make_draft_artifact}[kind]

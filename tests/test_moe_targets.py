@@ -125,7 +125,7 @@ def test_plan_counts_every_expert_as_weights_and_the_routed_ones_as_compute(name
     14B multi-token-prediction module, which the causal LM does not build); counted as Qwen counts, 37.55B: 8 of
     256 routed experts and the shared one in 58 layers, 3 dense layers, latent attention, both embeddings.
     Weights are the total (every expert held), the per-token FLOPs the active count."""
-    from draftsmith.distill.builders import size_report
+    from draftsmith.distill.model import size_report
     from draftsmith.memory.serving import ArtifactShape, activation_bytes, mlp_width, param_counts, plan
 
     cfg = _published(name)

@@ -1,4 +1,4 @@
-"""Draft builders: the three ways to get a draft that shares the target's tokenizer.
+"""The draft model: the three ways to build a draft that shares the target's tokenizer.
 
     fresh_draft(target, num_layers, hidden_size, ...)   a new, randomly initialised model of the target's
                                                         family (same model_type, vocab, special tokens,
@@ -201,7 +201,7 @@ def existing_draft(path: str | Path, target, check_tokenizer_files: bool = True)
 
 
 def build_draft(spec: dict[str, Any] | Any, target) -> nn.Module:
-    """Dispatch on a `DraftSpec` (distill.config): init = fresh | truncated | existing."""
+    """Dispatch on a `DraftSpec` (distill/job.py): init = fresh | truncated | existing."""
     init = spec.init
     if init == "truncated":
         return truncated_draft(target, spec.num_layers)
