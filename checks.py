@@ -13,7 +13,7 @@ from pathlib import Path
 from draftsmith import methods
 from draftsmith.artifact import MANIFEST, WEIGHTS, load_manifest
 from draftsmith.errors import ArtifactError
-from draftsmith.export.verify import VerificationError, compare, nonfinite_tensors, read_header
+from draftsmith.layouts.verify import VerificationError, compare, nonfinite_tensors, read_header
 from draftsmith.storage import checksum_problems
 
 
@@ -121,7 +121,7 @@ def structure_problems(path: Path, target=None) -> tuple[list[str], list[str]]:
     `export` runs, checksums included); a dataset has no weights to check here."""
     from draftsmith.errors import DraftsmithError
     from draftsmith.export.api import verify_export
-    from draftsmith.export.common import GUARD
+    from draftsmith.layouts.common import GUARD
 
     if (path / GUARD).is_file():
         try:

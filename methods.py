@@ -20,8 +20,12 @@ job.
     load      (path, target) -> the artifact's module(s), fingerprint checked against `target`
     proposer  (target, path, **opts) -> a `decoding.proposer.Proposer`
     export    (artifact_dir, stack, out, target, num_speculative_tokens, verify, *, overwrite, verifier)
-              -> `export.common.ExportResult`; which layout each stack takes is the method's business
-              (export/heads.py writes any head layout; distill/export.py a whole draft model)
+              -> `layouts.common.ExportResult`; which layout each stack takes, and how each stack launches it,
+              is the method's business (layouts/heads.py writes any head layout; distill/export.py a whole
+              draft model)
+    serving   a `layouts.serving.Serving`: what export/'s drivers ask of its exports (how vLLM serves each
+              format, for `draftsmith serve-check`; the target families the measured vLLM refuses), so export/
+              names no method
     reimport  (export_dir, guard) -> (config, state, writer or None) of an export of this method (guard:
               its draftsmith.json, {} for another tool's), or None when it is not one; `import_export`
     memory    (path, target_config) -> `memory.serving.ArtifactShape`: parameters and KV cache of the artifact
@@ -73,6 +77,7 @@ class Method:
     proposer: Any
     export: Any = None  # None: no serving stack takes it (`draftsmith export` says so)
     reimport: Any = None  # None: `import_export` reads none of its exports back
+    serving: Any = None  # None: serve-check runs none of its exports, and no vLLM refusal is known
     memory: Any = None  # None: `draftsmith plan` counts model.safetensors' parameters and no cache
     tensors: Any = None  # None: `draftsmith check` compares no tensor shapes
     train_memory: Any = None  # None: `draftsmith plan --config` cannot size its training job

@@ -12,6 +12,7 @@ METHOD = Method(
     load="draftsmith.dflash.model:load_dflash",
     proposer="draftsmith.dflash.proposer:build_proposer",
     export="draftsmith.dflash.export:export",
+    serving="draftsmith.dflash.export:SERVING",
     reimport="draftsmith.dflash.export:reimport",
     memory="draftsmith.dflash.memory:shape",
     tensors="draftsmith.dflash.model:artifact_tensors",

@@ -24,7 +24,6 @@ the block the draft was trained on); SGLang reads `block_size` from config.json.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -34,8 +33,9 @@ from safetensors.torch import save_file
 from draftsmith import artifact
 from draftsmith.dflash.model import DFlashConfig, DFlashDraft, read_config
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.export.common import dtype_name, fenced, state_dtype
-from draftsmith.export.verify import (
+from draftsmith.layouts.common import state_dtype
+from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, vllm_serve
+from draftsmith.layouts.verify import (
     VerificationError,
     check,
     compare,
@@ -46,6 +46,7 @@ from draftsmith.export.verify import (
     vocab_map_problems,
 )
 from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import full_attention_rope, rope_fields
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,8 @@ def layout_config(config: DFlashConfig, dtype: torch.dtype, num_target_layers: i
 
 def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int | None = None,
            verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
-    """`Method.export` of DFlash drafts (export/heads.py does the rest)."""
-    from draftsmith.export.heads import HeadExport, export_heads
+    """`Method.export` of DFlash drafts (layouts/heads.py does the rest)."""
+    from draftsmith.layouts.heads import HeadExport, export_heads
 
     artifact_dir = Path(artifact_dir)
     manifest, state = artifact.load_artifact(artifact_dir, kind="dflash", target=target)
@@ -120,24 +121,37 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
                                                              target_ref, target_arch))
         return target_ref
 
-    formats, unsupported = STACK_FORMATS, UNSUPPORTED
+    formats, unsupported = STACK_FORMATS, {s: f"{artifact_dir}: {why}" for s, why in UNSUPPORTED.items()}
     if config.reduced_vocab:
         formats = {k: v for k, v in STACK_FORMATS.items() if k != "sglang"}
-        unsupported = {**UNSUPPORTED, "sglang": sglang_refusal(artifact_dir, config)}
-    plan = HeadExport("dflash", formats, manifest, {"block_size": config.block_size}, write,
-                      guard={"dflash": {"block_size": config.block_size}}, unsupported=unsupported, serve=serve)
+        unsupported = {**unsupported, "sglang": sglang_refusal(artifact_dir, config)}
+    plan = HeadExport("dflash", "a DFlash block drafter", formats, manifest, write, serve,
+                      guard={"dflash": {"block_size": config.block_size}}, unsupported=unsupported)
     return export_heads(plan, artifact_dir, stack, out, target, k, verify, overwrite=overwrite, verifier=verifier)
 
 
 def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
+    """serve.md's body: how `stack` launches the drafter."""
     if stack == "vllm":
-        spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": k})
-        return (f"{fenced(f'vllm serve {target_ref} --speculative-config {chr(39)}{spec}{chr(39)}')}\n\n"
+        return (f"{vllm_serve(target_ref, 'dflash', out, k)}\n\n"
                 f"`num_speculative_tokens` = block size - 1: the anchor and {k} mask slots, the block the draft was "
                 "trained on. The target must implement vLLM's EAGLE-3 interface (it hands out the tapped layers).\n")
-    cmd = (f"python -m sglang.launch_server --model-path {target_ref} \\\n  --speculative-algorithm DFLASH "
-           f"--speculative-draft-model-path {out}")
-    return f"{fenced(cmd)}\n\nSGLang reads the block size ({k + 1}) from config.json.\n"
+    return f"{sglang_serve(target_ref, 'DFLASH', out)}\n\nSGLang reads the block size ({k + 1}) from config.json.\n"
+
+
+def vllm_block_problem(export_dir: Path, k: int) -> str | None:
+    """vLLM serves a DFlash block of `block_size` as `block_size - 1` speculative tokens: any other k is another
+    block than the one the draft was trained on."""
+    block = read_json(export_dir / "config.json")["block_size"]
+    if k != block - 1:
+        return (f"{export_dir / 'config.json'}: a DFlash draft of block {block} serves {block - 1} speculative tokens "
+                f"(the block it was trained on), got k {k}")
+    return None
+
+
+# `Method.serving`: vLLM 0.32's CPU build normalises the context keys of all draft layers with the first layer's
+# k_norm (export/vllm_run.py PATCHES), so serve-check applies its measured fix there
+SERVING = Serving(vllm={FORMAT: VllmServe("dflash", check=vllm_block_problem, patches=("dflash-context-knorm",))})
 
 
 # --- verification --------------------------------------------------------------------------------------

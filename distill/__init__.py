@@ -11,6 +11,7 @@ METHOD = Method(
     load="draftsmith.distill.proposer:load_draft",
     proposer="draftsmith.distill.proposer:build_proposer",
     export="draftsmith.distill.export:export_draft",
+    serving="draftsmith.distill.export:SERVING",
     memory="draftsmith.distill.memory:shape",
     tensors="draftsmith.distill.export:draft_artifact_tensors",
     train_memory="draftsmith.distill.memory:job_memory",

@@ -17,7 +17,6 @@ output token for token.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -25,15 +24,19 @@ import torch
 
 from draftsmith.artifact import load_manifest, verify_weights
 from draftsmith.errors import ArtifactError
-from draftsmith.export.common import (
+from draftsmith.layouts.card import write_card
+from draftsmith.layouts.common import (
     ExportResult,
+    check_stack,
     copy_tokenizer_files,
     fenced,
     record_checksums,
+    verifier_ref,
     write_guard,
     write_serve,
 )
-from draftsmith.export.verify import (
+from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, trtllm_serve, vllm_serve
+from draftsmith.layouts.verify import (
     Spec,
     VerificationError,
     check,
@@ -55,6 +58,7 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
                  num_speculative_tokens: int | None = None, verify: bool = True, *, overwrite: bool = False,
                  verifier: str | None = None) -> ExportResult:
     artifact_dir, out = Path(artifact_dir), Path(out)
+    check_stack(stack)
     num_speculative_tokens = 4 if num_speculative_tokens is None else num_speculative_tokens
     manifest = load_manifest(artifact_dir, kind="draft")
     verify_weights(artifact_dir, manifest)
@@ -66,9 +70,6 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
     want_vocab = manifest["target"].get("vocab_size")
     if cfg.get("vocab_size") != want_vocab:
         raise ArtifactError(f"{artifact_dir}: draft vocab_size {cfg.get('vocab_size')} != target vocab_size {want_vocab}")
-
-    from draftsmith.export.card import write_card
-    from draftsmith.export.common import verifier_ref
 
     result = ExportResult(out, stack, FORMAT)
 
@@ -91,26 +92,21 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
         write_guard(tmp, manifest, stack, FORMAT, {"num_speculative_tokens": int(num_speculative_tokens)})
         body = serve_text(stack, out, verifier_ref(target, verifier), num_speculative_tokens)
         write_serve(tmp, f"Serving this draft with {stack}", body)
-        write_card(tmp, manifest, "draft", stack, FORMAT, verifier_ref(target, verifier), body)
+        write_card(tmp, manifest, "a distilled draft model", "draft", stack, FORMAT, verifier_ref(target, verifier),
+                   body)
         record_checksums(tmp)
     return result
 
 
 def serve_text(stack: str, out: Path, tgt: str, k: int) -> str:
+    """serve.md's body: how `stack` launches the draft beside its target."""
     if stack == "vllm":
-        spec = json.dumps({"method": "draft_model", "model": str(out), "num_speculative_tokens": k})
-        return (f"vLLM two-model speculative decoding (draft model):\n\n"
-                f"{fenced(f'vllm serve {tgt} --speculative-config {chr(39)}{spec}{chr(39)}')}\n")
+        return f"vLLM two-model speculative decoding (draft model):\n\n{vllm_serve(tgt, 'draft_model', out, k)}\n"
     if stack == "sglang":
-        cmd = (f"python -m sglang.launch_server --model-path {tgt} \\\n  --speculative-algorithm STANDALONE "
-               f"--speculative-draft-model-path {out} \\\n  --speculative-num-steps {k} --speculative-eagle-topk 1 "
-               f"--speculative-num-draft-tokens {k + 1}")
-        return f"SGLang standalone (draft-model) speculative decoding:\n\n{fenced(cmd)}\n"
+        flags = f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+        return f"SGLang standalone (draft-model) speculative decoding:\n\n{sglang_serve(tgt, 'STANDALONE', out, flags)}\n"
     if stack == "trtllm":
-        yaml = (f"speculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: {k}\n"
-                f"  speculative_model_dir: {out}\n")
-        return (f"TensorRT-LLM (PyTorch backend), save as `spec.yaml`:\n\n{fenced(yaml, 'yaml')}\n\n"
-                f"{fenced(f'trtllm-serve {tgt} --extra_llm_api_options spec.yaml')}\n")
+        return trtllm_serve(tgt, out, ["decoding_type: DraftTarget", f"max_draft_len: {k}"])
     code = (f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"tok = AutoTokenizer.from_pretrained('{tgt}')\n"
             f"target = AutoModelForCausalLM.from_pretrained('{tgt}')\n"
@@ -118,6 +114,14 @@ def serve_text(stack: str, out: Path, tgt: str, k: int) -> str:
             f"ids = tok.apply_chat_template([{{'role': 'user', 'content': 'Hi'}}], add_generation_prompt=True, return_tensors='pt')\n"
             f"out = target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=64)")
     return f"Hugging Face assisted generation:\n\n{fenced(code, 'python')}\n"
+
+
+def draft_proposer(export_dir: Path) -> str:
+    """The export folder is itself an HF draft model: draftsmith decodes it as one, no read-back needed."""
+    return f"draft:{export_dir}"
+
+
+SERVING = Serving(vllm={FORMAT: VllmServe("draft_model", proposer=draft_proposer)})  # `Method.serving`
 
 
 # --- verification ------------------------------------------------------------------------------------

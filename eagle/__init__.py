@@ -11,6 +11,7 @@ METHOD = Method(
     load="draftsmith.eagle.model:load_eagle",
     proposer="draftsmith.eagle.proposer:build_proposer",
     export="draftsmith.eagle.export:export",
+    serving="draftsmith.eagle.export:SERVING",
     reimport="draftsmith.eagle.export:reimport",
     memory="draftsmith.eagle.memory:shape",
     tensors="draftsmith.eagle.model:artifact_tensors",

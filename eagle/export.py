@@ -14,8 +14,11 @@ Canonical names used inside this module (the stacks' names are derived from them
 
 Layouts:
     speculators-eagle3 (vLLM)   layers.0.*, fc, norm, lm_head, d2t, t2d; config.json `speculators_config`,
-                                `transformer_layer_config`, explicit norm_before_residual
-    eagle3-midlayer (SGLang LlamaForCausalLMEagle3, TensorRT-LLM Eagle3)   midlayer.*, fc, norm, lm_head, d2t
+                                `transformer_layer_config`, explicit norm_before_residual and EAGLE-3.1 switches
+    eagle3-midlayer (SGLang LlamaForCausalLMEagle3, TensorRT-LLM Eagle3)   midlayer.*, fc, norm, lm_head, d2t;
+                                EAGLE-3.1: fc_norm.k (config `fc_norm`), `norm_output`, and for TensorRT-LLM
+                                input_norm (`eagle_config.norm_before_fc`); docs/export.md says which loader
+                                version reads which
     vllm-eagle1                 layers.0.* (no input_layernorm), fc.weight only: vLLM builds fc WITHOUT a
                                 bias and drops an fc.bias silently, so a non-zero bias is refused
     eagle1                      layers.0.*, fc.weight + fc.bias (SGLang LlamaForCausalLMEagle, TensorRT-LLM):
@@ -31,6 +34,7 @@ TensorRT-LLM id = draftsmith id.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -41,8 +45,9 @@ from draftsmith.capture.layers import resolve_layers
 from draftsmith.eagle import variants
 from draftsmith.eagle.variants import variant
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.export.common import dtype_name, state_dtype
-from draftsmith.export.verify import (
+from draftsmith.layouts.common import fenced, state_dtype
+from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, trtllm_serve, vllm_serve
+from draftsmith.layouts.verify import (
     Spec,
     VerificationError,
     check,
@@ -55,6 +60,7 @@ from draftsmith.export.verify import (
     vocab_map_problems,
 )
 from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import attention_dims, full_attention_rope, rope_fields
 
 SPECULATORS = "speculators-eagle3"
@@ -69,6 +75,11 @@ STACK_FORMATS = {
     "eagle1": {"vllm": VLLM_EAGLE1, "sglang": EAGLE1, "trtllm": EAGLE1},
 }
 UNSUPPORTED = {"eagle1": {"hf": "Hugging Face has no EAGLE-1 loader; export EAGLE-1 heads for vllm, sglang or trtllm"}}
+VLLM_METHOD = {SPECULATORS: "eagle3", VLLM_EAGLE1: "eagle"}  # vLLM's speculative method for each vLLM layout
+# what the loaders of the midlayer layout read of EAGLE-3.1 (docs/export.md: which version, which file):
+# SGLang's llama_eagle3.py builds fc_norm.k and feeds back the normalised output (`fc_norm`, `norm_output`), but
+# has no input_norm; TensorRT-LLM's Eagle3DraftModel reads all three (`norm_before_fc` inside `eagle_config`)
+MIDLAYER_READS = {"sglang": ("fc_norm", "norm_output"), "trtllm": ("norm_before_fc", "fc_norm", "norm_output")}
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "layer.", "decoder.", "decoder_layer.", "block.")
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -140,9 +151,9 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
 # --- canonical -> layouts ----------------------------------------------------------------------------
 def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int | None = None,
            verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
-    """`Method.export` of EAGLE heads (export/heads.py does the rest): EAGLE-1 and EAGLE-3 are two layout
+    """`Method.export` of EAGLE heads (layouts/heads.py does the rest): EAGLE-1 and EAGLE-3 are two layout
     families, and every stack's drafter layer is a Llama layer."""
-    from draftsmith.export.heads import HeadExport, export_heads
+    from draftsmith.layouts.heads import HeadExport, export_heads
     from draftsmith.targets.families import FAMILIES
 
     artifact_dir = Path(artifact_dir)
@@ -161,10 +172,78 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
     guard = {"eagle": {"version": cfg["version"], "source_names": names, "aux_layers_draftsmith": cfg.get("aux_layers"),
                        "target_rope_theta": cfg["rope_theta"]}}
     layout = variant(cfg["version"]).layout
-    plan = HeadExport(layout, STACK_FORMATS[layout], manifest, cfg, write, guard=guard,
-                      unsupported=UNSUPPORTED.get(layout, {}))
+    unsupported = {**UNSUPPORTED.get(layout, {}), **{s: f"{artifact_dir}: {why}" for s, why in refusals(cfg).items()}}
+    formats = {s: f for s, f in STACK_FORMATS[layout].items() if s not in unsupported}
+    what = "an EAGLE-3 head" if layout == "eagle3" else "an EAGLE-1 head"
+
+    def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
+        return serve_text(stack, layout, cfg, out, target_ref, k)
+
+    plan = HeadExport(layout, what, formats, manifest, write, serve, guard=guard, unsupported=unsupported)
     return export_heads(plan, artifact_dir, stack, out, target, num_speculative_tokens, verify, overwrite=overwrite,
                         verifier=verifier)
+
+
+def refusals(cfg: dict) -> dict[str, str]:
+    """stack -> why it would load this head but compute something else than was trained (none: every stack of
+    the head's layout family computes it as trained)."""
+    out = {}
+    if cfg.get("norm_before_residual"):  # both layers keep the un-normalised feature as the residual
+        for stack, name in (("sglang", "SGLang"), ("trtllm", "TensorRT-LLM")):
+            out[stack] = (f"this EAGLE-3 head was trained with norm_before_residual: true, which {name}'s EAGLE-3 "
+                          "layer does not honour (it adds the un-normalised feature): export it for vllm or hf, or "
+                          "retrain with norm_before_residual: false")
+    for stack, reads in MIDLAYER_READS.items():
+        unread = [k for k in EAGLE31 if cfg.get(k) and k not in reads]
+        if unread and stack not in out:
+            out[stack] = (f"this EAGLE-3.1 head ({', '.join(unread)}) needs a norm {stack}'s EAGLE-3 loader does not "
+                          "build (docs/export.md): export it for vllm or hf (speculators layout)")
+    return out
+
+
+def serve_text(stack: str, layout: str, cfg: dict, out: Path, target_ref: str, k: int) -> str:
+    """serve.md's body: how `stack` launches an EAGLE head of `layout` (eagle3 / eagle1)."""
+    eagle3 = layout == "eagle3"
+    on = [key for key in EAGLE31 if cfg.get(key)]
+    if stack == "vllm":
+        text = f"{vllm_serve(target_ref, VLLM_METHOD[STACK_FORMATS[layout]['vllm']], out, k)}\n"
+        if eagle3:
+            text += (f"\nThe target's aux hidden states are taken at vLLM layer ids {aux_ids(cfg, 'vllm')} (config.json "
+                     f"`eagle_aux_hidden_state_layer_ids`; vLLM id = draftsmith id + 1: vLLM captures the residual "
+                     f"stream entering a layer; draftsmith ids {cfg['aux_layers']} name layer outputs).\n")
+        return text
+    if stack == "sglang":
+        flags = f"--speculative-num-steps {k} --speculative-eagle-topk 4 --speculative-num-draft-tokens {2 * k + 2}"
+        text = f"{sglang_serve(target_ref, 'EAGLE3' if eagle3 else 'EAGLE', out, flags)}\n"
+        if eagle3:
+            text += (f"\nAux hidden states at SGLang layer ids {aux_ids(cfg, 'sglang')} (config.json "
+                     f"`eagle_config.eagle_aux_hidden_state_layer_ids`; SGLang takes output-of-layer ids and adds "
+                     f"1 internally, so they equal draftsmith's; vLLM's ids are one higher).\n")
+        if on:
+            text += (f"\nEAGLE-3.1 ({', '.join(on)}): SGLang's `llama_eagle3.py` reads these since its PR #24663 "
+                     "(merged 2026-05); an older SGLang loads the head without them and drafts a different function.\n")
+        return text
+    if stack == "trtllm":
+        options = ([f"decoding_type: {'Eagle3' if eagle3 else 'Eagle'}", f"max_draft_len: {k}"]
+                   + ([f"eagle3_layers_to_capture: {json.dumps(aux_ids(cfg, 'trtllm'))}"] if eagle3 else []))
+        text = trtllm_serve(target_ref, out, options)
+        if on:
+            text += (f"\nEAGLE-3.1 ({', '.join(on)}): TensorRT-LLM's `Eagle3DraftModel` reads `fc_norm` and "
+                     "`norm_output` since its PR #14988 (merged 2026-06) and `eagle_config.norm_before_fc` since its "
+                     "PR #12561; an older TensorRT-LLM loads the head without them.\n")
+        return text
+    code = (f"from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig\n"
+            f"config = Eagle3SpeculatorConfig.from_pretrained('{out}')\n"
+            f"config.transformer_layer_config._attn_implementation = 'sdpa'  # flex attention needs a GPU\n"
+            f"model = Eagle3DraftModel.from_pretrained('{out}', config=config)\n"
+            f"model.load_verifier_weights()  # embeddings from the verifier: {target_ref}")
+    return f"The speculators (transformers-based) EAGLE-3 format:\n\n{fenced(code, 'python')}\n"
+
+
+def artifact_layout(manifest: dict) -> str:
+    """`Serving.layout`: eagle3 / eagle1, the artifact's version (the name vLLM's measured table uses)."""
+    version = (manifest.get("config") or {}).get("version")
+    return "eagle1" if version in (1, "eagle1") else "eagle3"
 
 
 def reimport(export_dir: Path, guard: dict):
@@ -271,10 +350,13 @@ def layout_config(fmt: str, cfg: dict, dtype: torch.dtype, target_folder: str, t
             "draftsmith_version": __version__,
         }
     if fmt == MIDLAYER:
+        # the EAGLE-3.1 switches explicit (both loaders default them off): `fc_norm` and `norm_output` at the top,
+        # where SGLang and TensorRT-LLM read them; `norm_before_fc` also inside eagle_config, where TensorRT-LLM reads it
         return {**base, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg["draft_vocab_size"],
                 "target_hidden_size": cfg["hidden_size"], "norm_before_residual": bool(cfg["norm_before_residual"]),
+                **{k: bool(cfg.get(k, False)) for k in EAGLE31},
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids(cfg, "sglang"),
-                                 "use_aux_hidden_state": True}}
+                                 "use_aux_hidden_state": True, "norm_before_fc": bool(cfg.get("norm_before_fc", False))}}
     arch = "EagleLlamaForCausalLM" if fmt == VLLM_EAGLE1 else "LlamaForCausalLMEagle"
     return {**base, "architectures": [arch]}
 
@@ -373,11 +455,15 @@ def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None, expect_t
         if len(set(ids)) != len(ids):
             problems.append(f"aux layer ids {ids} repeat a layer (vLLM/speculators need distinct ids)")
     if fmt == MIDLAYER:
-        for key in ("draft_vocab_size", "torch_dtype", "eagle_config"):
+        for key in ("draft_vocab_size", "torch_dtype", "eagle_config", *EAGLE31):
             if key not in config:
                 problems.append(f"config lacks {key}")
         if config.get("tie_word_embeddings") is not False:
             problems.append("config must set tie_word_embeddings: false (the head has its own lm_head)")
+        inner = (config.get("eagle_config") or {}).get("norm_before_fc", False)
+        if bool(inner) != bool(config.get("norm_before_fc")):
+            problems.append(f"eagle_config.norm_before_fc {inner} != norm_before_fc {config.get('norm_before_fc')} "
+                            "(TensorRT-LLM reads the first, SGLang's refusal the second)")
     check(out, problems)
     spec = expected_tensors(fmt, config)
     problems += compare(read_header(out / "model.safetensors"), spec)
@@ -417,7 +503,8 @@ def read_layout(out: str | Path, names: dict[str, str] | None = None) -> tuple[d
         cfg = {k: config[k] for k in LAYER_FIELDS if k in config}
         cfg.update(version=3, draft_vocab_size=config["draft_vocab_size"], vocab_size=config["vocab_size"],
                    aux_layers=list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-                   norm_before_residual=bool(config.get("norm_before_residual", False)))
+                   norm_before_residual=bool(config.get("norm_before_residual", False)),
+                   **{k: bool(config.get(k, config["eagle_config"].get(k, False))) for k in EAGLE31})
     else:
         cfg = {k: config[k] for k in LAYER_FIELDS if k in config}
         cfg.update(version=1, vocab_size=config["vocab_size"])
@@ -446,6 +533,16 @@ def _make_verifier(fmt: str):
 
 for _fmt in (SPECULATORS, MIDLAYER, VLLM_EAGLE1, EAGLE1):
     _make_verifier(_fmt)
+
+# `Method.serving`: what export/'s drivers ask of EAGLE heads. The refusal was measured in vLLM 0.32.0 by
+# scripts/vllm_families.py (bench/results/vllm-families/report.json): Gemma3ForCausalLM does not implement vLLM's
+# SupportsEagle3, so it cannot hand its aux hidden states out
+SERVING = Serving(
+    vllm={fmt: VllmServe(method) for fmt, method in VLLM_METHOD.items()},
+    layout=artifact_layout,
+    vllm_refuses={("gemma3_text", "eagle3"): "RuntimeError: Model does not support EAGLE3 interface but "
+                                             "aux_hidden_state_outputs was requested"},
+)
 
 
 def load_speculators(out: Path, config):

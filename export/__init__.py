@@ -1,4 +1,6 @@
-"""Export: one writer per serving stack (vLLM, SGLang, TensorRT-LLM, Hugging Face), each verified by reloading.
+"""Export: any method's artifact for a serving stack (vLLM, SGLang, TensorRT-LLM, Hugging Face), verified by
+reloading, and the export judged by vLLM itself (`draftsmith serve-check`). The layouts are the methods' own
+(`Method.export`, `Method.serving`); export/ drives them through the registry.
 
     from draftsmith.export import export_artifact, import_export
     export_artifact("runs/medusa/smollm2-135m", "vllm", "exports/medusa-vllm", target=target)

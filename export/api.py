@@ -1,10 +1,9 @@
 """Export entry points: `export_artifact` (any kind, any stack) and `import_export` (back into draftsmith).
 
-Each method (methods.py) names its exporter: distill/export.py writes a draft model (the same HF folder for every
-stack); medusa/export.py and eagle/export.py read heads into the layout every head shares (export/heads.py).
-One module per stack (export/vllm.py, sglang.py, trtllm.py, hf.py) says which layout a head family takes
-there and how to launch it. Every export is verified
-by re-reading it (export/verify.py) unless verify=False.
+Each method (methods.py) names its exporter (`Method.export`, its folder's export.py): which layout each stack
+takes, how to write it and how each stack launches it are the method's own, written with layouts/ (a draft
+model's HF folder, or the writer every head layout shares, layouts/heads.py); export/ reaches the methods only
+through the registry. Every export is verified by re-reading it (layouts/verify.py) unless verify=False.
 
 The export is written to a temporary sibling of `out`, verified there, and only then swapped in: an export
 that fails verification leaves the previous one exactly as it was. An existing `out` is replaced only if it
@@ -18,8 +17,8 @@ from pathlib import Path
 
 from draftsmith import artifact, methods
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.export.common import ExportResult, read_guard, stack_module
-from draftsmith.export.verify import VERIFIERS, VerificationError, run_verifier
+from draftsmith.layouts.common import ExportResult, check_stack, read_guard
+from draftsmith.layouts.verify import VERIFIERS, VerificationError, run_verifier
 from draftsmith.storage import check_replaceable
 
 log = logging.getLogger(__name__)
@@ -35,11 +34,11 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
     meta-llama/Llama-3.1-8B-Instruct); written into config.json, serve.md and the model card instead of
     the local folder the target was loaded from.
 
-    `num_speculative_tokens`: the draft length written into serve.md; None = the method's own (Medusa: one
-    token per exported head, the only length vLLM's Medusa drafts without a head of random weights; DFlash:
-    its block size - 1; EAGLE and draft models: 4)."""
+    `num_speculative_tokens`: the draft length written into serve.md; None = the method's own (a drafter whose
+    length is fixed by what it learned says so: one token per Medusa head, a DFlash block less its anchor;
+    others: 4)."""
     artifact_dir, out = Path(artifact_dir), Path(out)
-    stack_module(stack)
+    check_stack(stack)
     check_replaceable(out, "export", overwrite)  # before any work: a folder that is not ours stays untouched
     kind = artifact.load_manifest(artifact_dir)["kind"]
     method = methods.get(kind)
@@ -48,32 +47,22 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
     result = method.get("export")(artifact_dir=artifact_dir, stack=stack, out=out, target=target,
                                   num_speculative_tokens=num_speculative_tokens, verify=verify,
                                   overwrite=overwrite, verifier=verifier)
-    if stack == "vllm":
-        from draftsmith.export.vllm import refusal
+    if stack == "vllm":  # where the measured vLLM refuses this target family and layout, the export says so
+        from draftsmith.export.vllm import layout_of, refusal
 
         manifest = artifact.load_manifest(artifact_dir)
-        kind_key = _export_kind(manifest)
-        warning = refusal(((manifest.get("target") or {}).get("architecture") or {}).get("model_type"), kind_key)
+        model_type = ((manifest.get("target") or {}).get("architecture") or {}).get("model_type")
+        warning = refusal(model_type, layout_of(manifest))
         if warning:
             log.warning("%s: %s", out, warning)
             result.checks.append(f"WARNING: {warning}")
     return result
 
 
-def _export_kind(manifest: dict) -> str:
-    """The kind as vLLM's table names it: eagle3 / eagle1 (an EAGLE artifact's version), medusa, draft."""
-    kind = manifest["kind"]
-    if kind == "eagle":
-        version = (manifest.get("config") or {}).get("version")
-        return "eagle1" if version in (1, "eagle1") else "eagle3"
-    return kind
-
-
 def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | None = None,
                   overwrite: bool = False) -> Path:
     """Read an export back into a draftsmith artifact (same weights): each method's `reimport` (methods.py)
-    recognizes its own layouts (vLLM / FasterDecoding Medusa, speculators / midlayer / EAGLE-1). The
-    fingerprint comes from draftsmith.json unless given."""
+    recognizes its own layouts. The fingerprint comes from draftsmith.json unless given."""
     export_dir = Path(export_dir)
     guard = read_guard(export_dir) if (export_dir / "draftsmith.json").is_file() else {}
     if guard.get("format") in _verifiers():

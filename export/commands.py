@@ -1,23 +1,24 @@
 """`draftsmith export --artifact PATH --to vllm|sglang|trtllm|hf --out DIR [--target SPEC] [--no-verify]
 [--serve-check]`, `draftsmith serve-check --export DIR [--target SPEC] [--prompts FILE ...] [--k 4]` (real vLLM
-from .venv-vllm: export/serve_check.py) and `draftsmith import-export --export DIR --out ARTIFACT` (a vLLM Medusa / speculators EAGLE-3 folder back
-into a draftsmith artifact)."""
+from .venv-vllm: export/serve_check.py) and `draftsmith import-export --export DIR --out ARTIFACT` (an export folder, draftsmith's
+or another tool's in a layout a method reads back, into a draftsmith artifact)."""
 
 from __future__ import annotations
 
-from draftsmith.export.common import STACKS
+from draftsmith.layouts.common import STACKS
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="export an artifact for a serving stack (verified by reloading)")
-    p.add_argument("--artifact", required=True, help="draftsmith artifact directory (draft, medusa or eagle)")
-    p.add_argument("--to", required=True, choices=STACKS, help="serving stack")
+    p.add_argument("--artifact", required=True, help="draftsmith artifact directory (any method's)")
+    p.add_argument("--to", required=True, choices=STACKS, help="the serving stack whose layout is written")
     p.add_argument("--out", required=True, help="output directory (written beside it, verified, then swapped in; "
                    "an existing folder is replaced only if it is a draftsmith export)")
     p.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith export")
     p.add_argument("--target", default=None, help="target spec (default: smollm2-135m); its fingerprint must match")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft length written into serve.md (default: 4; Medusa: its number of heads)")
+                   help="draft length written into serve.md (default: the method's own; 4 where "
+                        "the drafter does not fix it)")
     p.add_argument("--verifier", default=None, metavar="HUB_ID",
                    help="the target's name where it will be served (e.g. meta-llama/Llama-3.1-8B-Instruct): "
                         "written into config.json, serve.md and README.md instead of the local folder")
@@ -29,20 +30,26 @@ def register(subparsers) -> None:
 
     s = subparsers.add_parser("serve-check", help="load and decode a vLLM export in real vLLM (`make setup-vllm`): "
                               "loaded, lossless, acceptance vs draftsmith's own evaluator, tokens/s")
-    s.add_argument("--export", default=None, help="a vLLM export folder (draftsmith export --to vllm)")
+    s.add_argument("--export", default=None, help="a vLLM export folder (draftsmith export --to vllm); required "
+                                                  "unless --ngram")
     s.add_argument("--ngram", action="store_true", help="check vLLM's n-gram lookup instead of an export (a control)")
     s.add_argument("--target", default=None, help="target spec (default: smollm2-135m)")
     s.add_argument("--prompts", nargs="*", default=None, help="prompt files (default: the shared evaluation sets)")
-    s.add_argument("--k", type=int, default=4, help="draft tokens per step (chain length), both decoders")
-    s.add_argument("--max-new-tokens", type=int, default=64)
-    s.add_argument("--limit-per-domain", type=int, default=2, help="prompts per domain (bounded run)")
-    s.add_argument("--batch", type=int, default=None, help="batch for the batched tokens/s (default: every prompt)")
-    s.add_argument("--timeout", type=float, default=900.0, help="seconds each vLLM engine may run before it is killed")
+    s.add_argument("--k", type=int, default=4,
+                   help="draft tokens per step (chain length), both decoders (default: %(default)s)")
+    s.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens generated per prompt, at most (default: %(default)s)")
+    s.add_argument("--limit-per-domain", type=int, default=2,
+                   help="prompts per domain, to bound the run (default: %(default)s)")
+    s.add_argument("--batch", type=int, default=None,
+                   help="prompts per batch for the batched tokens/s (default: every prompt at once)")
+    s.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds each vLLM engine may run before it is killed (default: %(default)s)")
     s.add_argument("--out", default=None, help="report folder (default: runs/serve-check/EXPORT_NAME)")
     s.add_argument("--no-evaluate", dest="evaluate", action="store_false", help="skip draftsmith's own evaluator")
     s.set_defaults(func=run_serve_check)
 
-    i = subparsers.add_parser("import-export", help="read an exported Medusa / EAGLE folder back into an artifact")
+    i = subparsers.add_parser("import-export", help="read an export folder back into an artifact")
     i.add_argument("--export", required=True, help="export directory (with draftsmith.json)")
     i.add_argument("--out", required=True, help="artifact directory to write")
     i.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith artifact")

@@ -39,17 +39,17 @@ import time
 from pathlib import Path
 
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.export.vllm import formats as vllm_formats
 from draftsmith.formatting import fmt_num
+from draftsmith.layouts.serving import VllmServe
 from draftsmith.storage import atomic_write_json, atomic_write_text, read_json
 
 RUNNER = Path(__file__).with_name("vllm_run.py")
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
-# export format (draftsmith.json) -> vLLM's speculative method
-VLLM_METHODS = {"speculators-eagle3": "eagle3", "vllm-eagle1": "eagle", "vllm-medusa": "medusa", "hf-draft": "draft_model",
-                "dflash": "dflash"}
-# fixes of vLLM's own code the runner applies per method (export/vllm_run.py PATCHES: each a measured defect of
-# the CPU build's kernels, applied only on the CPU platform; the report lists what was applied)
-VLLM_PATCHES = {"dflash": ["dflash-context-knorm"]}
+# How vLLM serves each export format (its speculative method, a chain length it would serve otherwise than trained,
+# the fixes of vLLM's CPU kernels the runner applies: export/vllm_run.py PATCHES, each a measured defect, applied
+# only on the CPU platform; the report lists what was applied) is each method's own: `Method.serving`, read
+# through export/vllm.py
 TOLERANCE = 0.03  # per-position acceptance, vLLM vs draftsmith, absolute (float32 vs float32 kernels differ)
 
 
@@ -85,22 +85,21 @@ def speculative_config(export_dir: Path | None, k: int, method: str | None = Non
     n-gram control (method="ngram": prompt lookup with draftsmith's n-gram sizes, 1..3)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    guard = read_json(export_dir / "draftsmith.json")
-    fmt = guard.get("format")
-    if fmt not in VLLM_METHODS:
+    entry = vllm_serving(export_dir)
+    problem = entry.check(export_dir, k) if entry.check is not None else None
+    if problem:
+        raise ConfigError(problem)
+    return {"method": entry.method, "model": str(export_dir.resolve()), "num_speculative_tokens": k}
+
+
+def vllm_serving(export_dir: Path) -> VllmServe:
+    """How vLLM serves this export, by its format in draftsmith.json (each method declares its own)."""
+    fmt = read_json(export_dir / "draftsmith.json").get("format")
+    known = vllm_formats()
+    if fmt not in known:
         raise ConfigError(f"{export_dir / 'draftsmith.json'}: format '{fmt}' is not a vLLM export "
-                          f"(vLLM reads {', '.join(VLLM_METHODS)})")
-    if fmt == "vllm-medusa":
-        heads = read_json(export_dir / "config.json")["num_heads"]
-        if k > heads:
-            raise ConfigError(f"{export_dir / 'config.json'}: num_heads {heads} < k {k}: vLLM's Medusa drafts one "
-                              f"token per head")
-    if fmt == "dflash":
-        block = read_json(export_dir / "config.json")["block_size"]
-        if k != block - 1:
-            raise ConfigError(f"{export_dir / 'config.json'}: a DFlash draft of block {block} serves {block - 1} "
-                              f"speculative tokens (the block it was trained on), got k {k}")
-    return {"method": VLLM_METHODS[fmt], "model": str(export_dir.resolve()), "num_speculative_tokens": k}
+                          f"(vLLM reads {', '.join(known)})")
+    return known[fmt]
 
 
 def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
@@ -171,9 +170,9 @@ def draftsmith_side(export_dir: Path | None, target, files: list[str], k: int, m
     if method == "ngram":
         proposer = "ngram:3"
     else:
-        fmt = read_json(export_dir / "draftsmith.json")["format"]
-        if fmt == "hf-draft":
-            proposer = f"draft:{export_dir}"
+        entry = vllm_serving(export_dir)
+        if entry.proposer is not None:
+            proposer = entry.proposer(export_dir)
         else:
             from draftsmith.export.api import import_export
 
@@ -196,8 +195,8 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
     """Run the check and write report.json + report.md into `out` (default: runs/serve-check/EXPORT_NAME). `method`
     "ngram" checks vLLM's n-gram lookup instead of an export (the control). `plain`: a vLLM result without
     speculation already measured on these prompts (tests share one per target). `patches`: apply the runner's
-    fixes of vLLM's CPU kernels for this method (VLLM_PATCHES); False runs vLLM exactly as installed. Returns the
-    report."""
+    fixes of vLLM's CPU kernels for this export's format (`VllmServe.patches`); False runs vLLM exactly as
+    installed. Returns the report."""
     export_dir, target, spec, files, out, job = _job(export_dir, target, prompts, out, k, max_new_tokens,
                                                      limit_per_domain, batch, seed, method)
     t0 = time.perf_counter()
@@ -205,7 +204,7 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
         plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)
     if not plain.get("loaded"):
         raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {plain.get('error')}")
-    fixes = VLLM_PATCHES.get(spec["method"], []) if patches else []
+    fixes = list(vllm_serving(export_dir).patches) if patches and export_dir is not None else []
     spec_run = run_vllm({**job, "speculative_config": spec, "patches": fixes}, out, "vllm-spec", timeout)
     report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
               "k": k, "n_prompts": len(job["prompts"]), "max_new_tokens": max_new_tokens, "prompt_files": files,

@@ -12,6 +12,7 @@ METHOD = Method(
     load="draftsmith.medusa.model:load_medusa",
     proposer="draftsmith.medusa.proposer:build_proposer",
     export="draftsmith.medusa.export:export",
+    serving="draftsmith.medusa.export:SERVING",
     reimport="draftsmith.medusa.export:reimport",
     tensors="draftsmith.medusa.model:artifact_tensors",
     train_memory="draftsmith.medusa.memory:job_memory",

@@ -23,6 +23,7 @@ for FasterDecoding / TensorRT-LLM, whose layout has no shared head. Neither can 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -30,8 +31,9 @@ from safetensors.torch import save_file
 
 from draftsmith import artifact
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.export.common import dtype_name, state_dtype
-from draftsmith.export.verify import (
+from draftsmith.layouts.common import fenced, state_dtype
+from draftsmith.layouts.serving import Serving, VllmServe, vllm_serve
+from draftsmith.layouts.verify import (
     Spec,
     check,
     compare,
@@ -42,6 +44,7 @@ from draftsmith.export.verify import (
     st_dtype,
 )
 from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import lm_head
 
 VLLM_FORMAT = "vllm-medusa"
@@ -78,14 +81,14 @@ def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dic
 def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
            num_speculative_tokens: int | None = None, verify: bool = True, *, overwrite: bool = False,
            verifier: str | None = None):
-    """`Method.export` of Medusa heads (export/heads.py does the rest). A Medusa-2 artifact's heads belong to
+    """`Method.export` of Medusa heads (layouts/heads.py does the rest). A Medusa-2 artifact's heads belong to
     the adapted target, so its merged copy is exported beside them and serve.md names it.
 
     The draft length is the number of heads (None: taken from them). vLLM sizes its Medusa model by
     num_speculative_tokens (MedusaConfig.num_lookahead_tokens sets num_heads): more tokens than heads would
     build a head the checkpoint does not fill (random weights, drafting garbage), fewer would drop trained
     heads, so any other value is refused."""
-    from draftsmith.export.heads import HeadExport, export_heads
+    from draftsmith.layouts.heads import HeadExport, export_heads
 
     artifact_dir = Path(artifact_dir)
     manifest, cfg, state, tree = read_medusa_artifact(artifact_dir, target)
@@ -109,11 +112,64 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
             target.tokenizer.save_pretrained(tmp / "adapted_target")
             target_ref = str(out / "adapted_target")
         write_layout(tmp, fmt, cfg, state, target_ref)
+        if tree is not None:  # the calibrated tree, for the stacks that take one (TensorRT-LLM's medusa_choices)
+            atomic_write_json(tmp / "tree.json", {"paths": tree})
         return target_ref
 
-    plan = HeadExport("medusa", STACK_FORMATS, manifest, cfg, write, tree=tree, unsupported=UNSUPPORTED)
+    def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
+        return serve_text(stack, cfg, tree, out, target_ref, k)
+
+    plan = HeadExport("medusa", "Medusa heads", STACK_FORMATS, manifest, write, serve,
+                      guard={"medusa_choices": tree} if tree is not None else {},
+                      unsupported={s: f"{artifact_dir}: {why}" for s, why in UNSUPPORTED.items()})
     return export_heads(plan, artifact_dir, stack, out, target,
                         num_speculative_tokens, verify, overwrite=overwrite, verifier=verifier)
+
+
+def serve_text(stack: str, cfg: dict, tree: list | None, out: Path, target_ref: str, k: int) -> str:
+    """serve.md's body: how `stack` launches these heads."""
+    if stack == "vllm":
+        return (f"{vllm_serve(target_ref, 'medusa', out, k)}\n\nvLLM's Medusa proposes a top-1 chain (one token per "
+                "head); the calibrated tree is in draftsmith.json (`medusa_choices`) for stacks that take one "
+                "(TensorRT-LLM).\n")
+    if stack == "trtllm":
+        return medusa_engine_flow(out, target_ref, cfg, tree)
+    return (f"FasterDecoding Medusa layout (`{MEDUSA_WEIGHTS}`, the layout Medusa's own `MedusaModel` and "
+            f"TensorRT-LLM's converter read), for base model `{target_ref}`.\n\n"
+            f"Calibrated tree (`medusa_choices`): {json.dumps(tree)}\n")
+
+
+def medusa_engine_flow(out, target_ref: str, cfg: dict, tree: list | None) -> str:
+    """TensorRT-LLM's PyTorch backend (`trtllm-serve`, the LLM API's default) refuses Medusa; its TensorRT
+    engine flow serves it: convert the base model with the heads into a TensorRT-LLM checkpoint, build an
+    engine with Medusa decoding, run it with the calibrated tree."""
+    K = cfg["num_heads"]
+    choices = json.dumps(tree or [[0] * d for d in range(1, K + 1)])
+    convert = (f"python examples/medusa/convert_checkpoint.py --model_dir {target_ref} \\\n"
+               f"  --medusa_model_dir {out} --num_medusa_heads {K} \\\n"
+               f"  --output_dir ckpt-medusa --dtype bfloat16")
+    build = ("trtllm-build --checkpoint_dir ckpt-medusa --output_dir engine-medusa \\\n"
+             "  --gemm_plugin bfloat16 --speculative_decoding_mode medusa --max_batch_size 8")
+    run = (f"python examples/run.py --engine_dir engine-medusa --tokenizer_dir {target_ref} \\\n"
+           f"  --max_output_len 256 --medusa_choices='{choices}'")
+    return ("TensorRT-LLM's PyTorch backend (`trtllm-serve`, the LLM API) does not serve Medusa heads. Its "
+            "TensorRT engine flow does (the `examples/medusa` converter of the TensorRT-LLM releases that ship "
+            "the TensorRT backend), from this folder (`medusa_lm_head.safetensors` + config.json), run from a "
+            "TensorRT-LLM checkout:\n\n"
+            f"{fenced(convert)}\n\n{fenced(build)}\n\n"
+            "TensorRT-LLM verifies Medusa drafts greedily; `medusa_choices` is the tree draftsmith calibrated (tree.json):\n\n"
+            f"{fenced(run)}\n")
+
+
+def vllm_heads_problem(export_dir: Path, k: int) -> str | None:
+    """vLLM's Medusa drafts one token per head: a chain longer than the heads cannot be served."""
+    heads = read_json(export_dir / "config.json")["num_heads"]
+    if k > heads:
+        return f"{export_dir / 'config.json'}: num_heads {heads} < k {k}: vLLM's Medusa drafts one token per head"
+    return None
+
+
+SERVING = Serving(vllm={VLLM_FORMAT: VllmServe("medusa", check=vllm_heads_problem)})  # `Method.serving`
 
 
 def reimport(export_dir: Path, guard: dict):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith import artifact
 from draftsmith.errors import ConfigError
 from draftsmith.export.api import export_artifact, import_export, verify_export
-from draftsmith.export.verify import VerificationError, read_header
+from draftsmith.layouts.verify import VerificationError, read_header
 
 H, NH, NKV, HD, INTER = 64, 4, 2, 16, 128
 
@@ -363,6 +363,99 @@ def test_eagle3_round_trip_same_weights(deep_target, tmp_path, stack):
     assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
     cfg = json.loads((back / "config.json").read_text())
     assert cfg["aux_layers"] == json.loads((out / "draftsmith.json").read_text())["eagle"]["aux_layers_draftsmith"]
+
+
+# --- EAGLE-3.1 in the midlayer layout: the keys and tensors SGLang's and TensorRT-LLM's loaders read ------------
+def make_eagle31_artifact(target, path, **switches):
+    """An EAGLE-3 head with EAGLE-3.1's switches (`fc_norm`: one norm per fused layer, `norm_before_fc`: one over
+    their concatenation, `norm_output`: no tensor of its own) and `norm_before_residual`; its norms are away from
+    one, so a norm a stack dropped would show."""
+    g = torch.Generator().manual_seed(6)
+    state = eagle_state(3, target.vocab_size, 100)
+    if switches.get("fc_norm"):
+        state.update({f"fc_norm.{i}.weight": 1 + 0.1 * torch.randn(H, generator=g) for i in range(3)})
+    if switches.get("norm_before_fc"):
+        state["input_norm.weight"] = 1 + 0.1 * torch.randn(3 * H, generator=g)
+    cfg = {"version": 3, "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": HD,
+           "intermediate_size": INTER, "rms_norm_eps": 1e-5, "aux_layers": [0, 1, -1],
+           **{k: bool(switches.get(k)) for k in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")}}
+    return artifact.save_artifact(path, artifact.make_manifest("eagle", target.fingerprint(), {}), state, cfg)
+
+
+@pytest.mark.parametrize("stack", ["sglang", "trtllm"])
+def test_eagle31_fc_norm_and_norm_output_in_the_keys_the_loaders_read(deep_target, tmp_path, stack):
+    """SGLang's llama_eagle3.py and TensorRT-LLM's Eagle3DraftModel read `fc_norm` and `norm_output` at the top of
+    config.json (both off when absent) and build one RMSNorm per fused layer, `fc_norm.k.weight` [target hidden];
+    the export writes exactly that, the verifier reads it back, and import-export restores the same head."""
+    art = make_eagle31_artifact(deep_target, tmp_path / "e", fc_norm=True, norm_output=True)
+    res = export_artifact(art, stack, tmp_path / stack, deep_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_fc"]) == (True, True, False)
+    assert cfg["eagle_config"]["norm_before_fc"] is False  # where TensorRT-LLM reads the single norm's switch
+    hdr = read_header(res.out / "model.safetensors")
+    assert [hdr.get(f"fc_norm.{i}.weight") for i in range(3)] == [((H,), "F32")] * 3
+    assert "input_norm.weight" not in hdr and "midlayer.hidden_norm.weight" in hdr
+    assert any("tensors match the eagle3-midlayer spec" in c for c in res.checks), res.checks
+    serve = (res.out / "serve.md").read_text()
+    assert ("PR #24663" in serve) if stack == "sglang" else ("PR #14988" in serve)
+    back = import_export(res.out, tmp_path / "back")
+    _, s0 = artifact.load_artifact(art, "eagle", deep_target)
+    _, s1 = artifact.load_artifact(back, "eagle", deep_target)
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    acfg = json.loads((back / "config.json").read_text())
+    assert (acfg["fc_norm"], acfg["norm_output"], acfg["norm_before_fc"]) == (True, True, False)
+
+
+def test_eagle31_norm_before_fc_exports_for_trtllm_and_is_refused_for_sglang(deep_target, tmp_path):
+    """TensorRT-LLM reads the single norm over the concatenated features (`input_norm.weight` [3 H]) when
+    `eagle_config.norm_before_fc` is set; SGLang's loader builds no such norm and would drop the tensor silently."""
+    art = make_eagle31_artifact(deep_target, tmp_path / "e", norm_before_fc=True)
+    res = export_artifact(art, "trtllm", tmp_path / "t", deep_target)
+    cfg = json.loads((res.out / "config.json").read_text())
+    assert cfg["eagle_config"]["norm_before_fc"] is True and cfg["norm_before_fc"] is True
+    assert cfg["fc_norm"] is False and cfg["norm_output"] is False
+    assert read_header(res.out / "model.safetensors")["input_norm.weight"] == ((3 * H,), "F32")
+    with pytest.raises(ConfigError, match="EAGLE-3.1 head \\(norm_before_fc\\).*sglang") as e:
+        export_artifact(art, "sglang", tmp_path / "s", deep_target)
+    assert "\n" not in str(e.value) and not (tmp_path / "s").exists()
+
+
+def test_trtllm_refuses_norm_before_residual(deep_target, tmp_path):
+    """TensorRT-LLM's EAGLE-3 layer keeps the un-normalised feature as its residual, as SGLang's does."""
+    art = make_eagle31_artifact(deep_target, tmp_path / "e", norm_before_residual=True)
+    for stack, name in (("trtllm", "TensorRT-LLM"), ("sglang", "SGLang")):
+        with pytest.raises(ConfigError, match=f"norm_before_residual: true, which {name}'s EAGLE-3 layer"):
+            export_artifact(art, stack, tmp_path / stack, deep_target)
+
+
+def test_eagle31_midlayer_keys_are_verified(deep_target, tmp_path):
+    """What a loader would read otherwise than trained is caught on re-reading: a switch left out (the loader's
+    default is off), a norm tensor the config does not ask for (dropped silently), a missing one (left at its
+    init), and TensorRT-LLM's `eagle_config.norm_before_fc` disagreeing with the top-level switch."""
+    art = make_eagle31_artifact(deep_target, tmp_path / "e", fc_norm=True, norm_output=True)
+    out = export_artifact(art, "sglang", tmp_path / "s", deep_target).out
+    path = out / "config.json"
+    cfg = json.loads(path.read_text())
+    for key in ("fc_norm", "norm_output"):
+        path.write_text(json.dumps({k: v for k, v in cfg.items() if k != key}))
+        with pytest.raises(VerificationError, match=f"config lacks {key}"):
+            verify_export(out)
+    path.write_text(json.dumps({**cfg, "fc_norm": False}))
+    with pytest.raises(VerificationError, match="unexpected tensor 'fc_norm.0.weight'"):
+        verify_export(out)
+    path.write_text(json.dumps(cfg))
+    sd = load_file(out / "model.safetensors")
+    del sd["fc_norm.1.weight"]
+    save_file(sd, out / "model.safetensors")
+    with pytest.raises(VerificationError, match="missing tensor 'fc_norm.1.weight'"):
+        verify_export(out)
+    art = make_eagle31_artifact(deep_target, tmp_path / "e2", norm_before_fc=True)
+    out = export_artifact(art, "trtllm", tmp_path / "t", deep_target).out
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_config"]["norm_before_fc"] = False
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(VerificationError, match="eagle_config.norm_before_fc False != norm_before_fc True"):
+        verify_export(out)
 
 
 def test_eagle3_speculators_loads_and_runs(deep_target, tmp_path):

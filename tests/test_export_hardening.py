@@ -14,7 +14,7 @@ from tiny_models import build_tiny_family
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.after_training import EvalAfterTraining
 from draftsmith.export.api import verify_export
-from draftsmith.export.verify import VerificationError
+from draftsmith.layouts.verify import VerificationError
 from draftsmith.training import TrainConfig, train
 
 

@@ -12,7 +12,7 @@ import torch
 from draftsmith import artifact
 from draftsmith.errors import ConfigError
 from draftsmith.export.api import export_artifact
-from draftsmith.export.verify import read_header
+from draftsmith.layouts.verify import read_header
 
 pytestmark = pytest.mark.real
 

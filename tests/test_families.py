@@ -63,7 +63,7 @@ def _export_all(art: Path, target, tmp: Path, stacks: list[str], consumer: str |
     `consumer` stack's export is also run by its real consumer (transformers assisted generation,
     speculators), which reads the same layout the other stacks get where a kind has one layout."""
     from draftsmith.export import export_artifact
-    from draftsmith.export.verify import VERIFIERS
+    from draftsmith.layouts.verify import VERIFIERS
 
     out = {}
     for stack in stacks:
@@ -71,11 +71,10 @@ def _export_all(art: Path, target, tmp: Path, stacks: list[str], consumer: str |
         res = export_artifact(art, stack, tmp / f"{art.name}-{stack}", target=target, verify=full)
         if stack == "vllm":  # a warning exactly where the measured vLLM refuses this family and kind
             from draftsmith import artifact
-            from draftsmith.export.api import _export_kind
-            from draftsmith.export.vllm import refusal
+            from draftsmith.export.vllm import layout_of, refusal
 
             manifest = artifact.load_manifest(art)
-            expected = refusal(manifest["target"]["architecture"]["model_type"], _export_kind(manifest))
+            expected = refusal(manifest["target"]["architecture"]["model_type"], layout_of(manifest))
             assert [c for c in res.checks if c.startswith("WARNING: vLLM")] == ([f"WARNING: {expected}"] if expected
                                                                               else []), res.checks
         if not full:

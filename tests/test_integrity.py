@@ -27,7 +27,7 @@ from draftsmith.errors import (
     TrainingError,
 )
 from draftsmith.export.api import export_artifact, import_export, verify_export
-from draftsmith.export.verify import VerificationError
+from draftsmith.layouts.verify import VerificationError
 from draftsmith.storage import atomic_dir, sha256_file, weight_checksums
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt

@@ -1,6 +1,7 @@
 """Adding a drafting method is one registration: a toy method, declared here and nowhere else, is trained
 by `draftsmith train`, loaded by the config loader, accepted as an artifact kind, decoded losslessly by
-the verifier and evaluated, exported in a layout of its own, and known to retrain, bench and plan.
+the verifier and evaluated, exported in layouts of its own (serve.md, the vLLM method serve-check hands vLLM and the
+vLLM refusal an export warns of are its own too, with no edit of export/), and known to retrain, bench and plan.
 
 The toy drafts from a next-token table: entry t is the target's greedy token after the one-token context
 t, computed by its "training job" in one batched target forward. Its proposal is the chain the table
@@ -64,10 +65,11 @@ def load_table(path, target=None) -> torch.Tensor:
 
 def export_table(artifact_dir, stack, out, target=None, num_speculative_tokens=4, verify=True, *, overwrite=False,
                  verifier=None):
-    """The toy's own layout, for the hf stack only, with its own serve.md text."""
+    """The toy's own layouts, for the hf and vllm stacks, with its own serve.md text."""
     from safetensors.torch import save_file
 
-    from draftsmith.export.heads import HeadExport, export_heads
+    from draftsmith.layouts.heads import HeadExport, export_heads
+    from draftsmith.layouts.serving import vllm_serve
 
     manifest, state = artifact.load_artifact(artifact_dir, kind="table", target=target)
 
@@ -75,14 +77,23 @@ def export_table(artifact_dir, stack, out, target=None, num_speculative_tokens=4
         save_file({"table": state["table"].contiguous()}, str(tmp / "table.safetensors"))
         return target_ref
 
-    plan = HeadExport("table", {"hf": "table-v1"}, manifest, {}, write, unsupported={"vllm": "vLLM has no table"},
-                      serve=lambda stack, out, ref, k: f"Draft with `{out}/table.safetensors` beside `{ref}`.\n")
+    def serve(stack, out, ref, k):
+        if stack == "vllm":
+            return vllm_serve(ref, "table-lookup", out, k)
+        return f"Draft with `{out}/table.safetensors` beside `{ref}`.\n"
+
+    plan = HeadExport("table", "a next-token table", {"hf": "table-v1", "vllm": "table-vllm"}, manifest, write, serve,
+                      unsupported={"sglang": "SGLang has no table"})
     return export_heads(plan, Path(artifact_dir), stack, out, target, num_speculative_tokens, verify,
                         overwrite=overwrite, verifier=verifier)
 
 
+def table_chain_problem(export_dir, k):
+    return None if k <= 3 else f"{export_dir}: the table drafts at most 3 tokens, got k {k}"
+
+
 def verify_table(out, target=None) -> list[str]:
-    from draftsmith.export.verify import check, read_header
+    from draftsmith.layouts.verify import check, read_header
 
     names = sorted(read_header(Path(out) / "table.safetensors"))
     check(out, [] if names == ["table"] else [f"table.safetensors holds {names}"])
@@ -95,18 +106,25 @@ def table_tensors(path):
 
 
 @pytest.fixture
-def table_method():
-    from draftsmith.export.verify import VERIFIERS
+def table_method(tiny_target):
+    from draftsmith.layouts.serving import Serving, VllmServe
+    from draftsmith.layouts.verify import VERIFIERS
 
+    # what export/'s drivers ask of it: how vLLM serves its vLLM layout, and a (made-up) measured refusal for the
+    # tiny target's family, which an export for vLLM must warn of
+    serving = Serving(vllm={"table-vllm": VllmServe("table-lookup", check=table_chain_problem)},
+                      vllm_refuses={(tiny_target.config.model_type, "table"): "TableError: no table interface"})
     method = methods.register(methods.Method(
         name="table", summary="a next-token table read off the target", config=TableConfig, train=train_table,
         load=load_table, proposer=lambda target, path, **opts: TableProposer(load_table(path, target)),
-        export=export_table, tensors=table_tensors))
-    VERIFIERS["table-v1"] = verify_table  # what a layout module's @register_verifier does
+        export=export_table, serving=serving, tensors=table_tensors))
+    for fmt in ("table-v1", "table-vllm"):
+        VERIFIERS[fmt] = verify_table  # what a layout module's @register_verifier does
     yield method
     methods.unregister("table")
     CONFIG_KINDS.pop("table", None)
-    VERIFIERS.pop("table-v1", None)
+    for fmt in ("table-v1", "table-vllm"):
+        VERIFIERS.pop(fmt, None)
 
 
 @pytest.fixture
@@ -176,8 +194,22 @@ def test_the_evaluator_retrain_bench_plan_and_export_see_a_registered_method(tab
     assert res.checks[-1] == "table.safetensors holds the table"
     assert "table.safetensors` beside" in (res.out / "serve.md").read_text()
     assert verify_export(res.out) == res.checks  # re-verified from draftsmith.json alone
-    with pytest.raises(ConfigError, match="vLLM has no table"):
-        export_artifact(table_artifact, "vllm", tmp_path / "export-vllm", tiny_target)
+    assert "# a next-token table for" in (res.out / "README.md").read_text()
+    with pytest.raises(ConfigError, match="SGLang has no table"):
+        export_artifact(table_artifact, "sglang", tmp_path / "export-sglang", tiny_target)
+    assert not (tmp_path / "export-sglang").exists()
+
+    # its vLLM layout, driven by export/ through the registry alone: the launch text, the measured refusal's
+    # warning, the speculative config serve-check would hand vLLM and the chain length it refuses are the toy's
+    from draftsmith.export.serve_check import speculative_config
+
+    res = export_artifact(table_artifact, "vllm", tmp_path / "export-vllm", tiny_target)
+    assert res.format == "table-vllm" and '"method": "table-lookup"' in (res.out / "serve.md").read_text()
+    assert res.checks[-1].startswith("WARNING: vLLM") and "TableError: no table interface" in res.checks[-1]
+    assert speculative_config(res.out, 3) == {"method": "table-lookup", "model": str(res.out.resolve()),
+                                              "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match="the table drafts at most 3 tokens, got k 4"):
+        speculative_config(res.out, 4)
     with pytest.raises(ArtifactError, match="no method reads this layout back"):  # no reader claims every folder
         import_export(table_artifact, tmp_path / "back", fingerprint=tiny_target.fingerprint())
 

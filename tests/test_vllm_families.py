@@ -2,7 +2,8 @@
 
 scripts/vllm_families.py loads a tiny random target of every family with every kind of export in vLLM and keeps
 its report (bench/results/vllm-families/report.json). The family table of docs/your-model.md is rendered from it,
-and export/vllm.py's VLLM_REFUSES (the warning an export for vLLM carries) lists exactly the refusals it measured.
+and the methods' measured vLLM refusals (`Method.serving`, read by export/vllm.py: the warning an export for vLLM
+carries) are exactly the refusals it measured.
 An export of a refused family and kind warns, in its checks and its log.
 """
 
@@ -50,7 +51,7 @@ def test_the_docs_table_is_the_report(report):
 
 
 def test_export_warns_exactly_where_the_measured_vllm_refuses(report):
-    from draftsmith.export.vllm import VLLM_REFUSES, VLLM_VERSION, refusal
+    from draftsmith.export.vllm import VLLM_VERSION, refusal, refuses
 
     assert report["vllm_version"] == VLLM_VERSION
     refused = {}
@@ -58,9 +59,9 @@ def test_export_warns_exactly_where_the_measured_vllm_refuses(report):
         for r in rows:
             if r["kind"] != "ngram" and r.get("target_ran") and r.get("loaded") is False:
                 refused[(fam, r["kind"])] = r["error"]
-    assert set(VLLM_REFUSES) == set(refused)
+    assert set(refuses()) == set(refused)  # what every method declares (`Method.serving`), through the registry
     for key, error in refused.items():
-        assert error[:80] in VLLM_REFUSES[key], key
+        assert error[:80] in refuses()[key], key
         assert refusal(*key) and "refuses" in refusal(*key)
     served = [(f, r["kind"]) for f, rows in report["families"].items() for r in rows if r.get("loaded")]
     assert served and all(refusal(*key) is None for key in served)

@@ -83,7 +83,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 def checkpoint_problems(path: str | Path) -> list[str]:
     """Why a checkpoint cannot be resumed from, one line per file (empty when it is intact): state.json
     unreadable, a safetensors file missing, truncated or different from the sha256 state.json recorded."""
-    from draftsmith.export.verify import VerificationError, read_header
+    from draftsmith.layouts.verify import VerificationError, read_header
 
     path = Path(path)
     try:

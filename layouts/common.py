@@ -1,4 +1,4 @@
-"""What every exporter shares: the result record, the compatibility guard file, serve.md, dtype names.
+"""What every exporter shares: the stacks, the result record, the compatibility guard file, serve.md.
 
 Every export directory holds, besides the stack's own files:
 
@@ -22,25 +22,16 @@ from draftsmith import __version__
 from draftsmith.artifact import now_iso
 from draftsmith.storage import atomic_write_json, atomic_write_text, read_json, weight_checksums
 
-STACKS = ("vllm", "sglang", "trtllm", "hf")
+STACKS = ("vllm", "sglang", "trtllm", "hf")  # the serving stacks an export is written for (`--to`)
 GUARD = "draftsmith.json"
 SERVE = "serve.md"
-
-# safetensors header dtype names <-> torch dtypes
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
-TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass
 class ExportResult:
     out: Path
     stack: str
-    format: str  # the layout written (one spec per format in export.verify)
+    format: str  # the layout written (one verifier per format in layouts/verify.py)
     files: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)  # what verification did, one line each
 
@@ -88,15 +79,12 @@ def read_guard(out: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def stack_module(stack: str):
-    """The module of one serving stack (export/vllm.py, ...): `serve` (and `refuse`) per layout family."""
-    import importlib
-
-    from draftsmith.errors import ConfigError
-
+def check_stack(stack: str) -> None:
+    """A stack name `--to` may take (one line naming the known ones)."""
     if stack not in STACKS:
+        from draftsmith.errors import ConfigError
+
         raise ConfigError(f"unknown stack '{stack}' (known: {', '.join(STACKS)})")
-    return importlib.import_module(f"draftsmith.export.{stack}")
 
 
 def verifier_ref(target, verifier: str | None) -> str:
@@ -121,10 +109,6 @@ def state_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
         if t.is_floating_point():
             return t.dtype
     return torch.float32
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return TORCH_TO_NAME.get(dtype, str(dtype).removeprefix("torch."))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

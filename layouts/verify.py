@@ -28,9 +28,14 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import ArtifactError
-from draftsmith.export.common import TORCH_TO_ST
+from draftsmith.layouts.common import GUARD
+from draftsmith.storage import checksum_problems, read_json
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype name)
+# torch dtypes -> safetensors header dtype names
+TORCH_TO_ST = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL"}
 
 
 class VerificationError(ArtifactError):
@@ -190,18 +195,12 @@ def check(where: str | Path, problems: list[str]) -> None:
 
 def guard_vocab_size(out: Path) -> int | None:
     """The target vocabulary size an export recorded in its draftsmith.json (None: not recorded)."""
-    from draftsmith.export.common import GUARD
-    from draftsmith.storage import read_json
-
     return read_json(Path(out) / GUARD)["target"].get("vocab_size")
 
 
 def run_verifier(path: Path, fmt: str, target=None, shown: Path | None = None) -> list[str]:
     """The weight checksums recorded in draftsmith.json, then the format's verifier. An exporter verifies
     its temporary folder before swapping it in: `shown` is the final path, named in the messages instead."""
-    from draftsmith.export.common import GUARD
-    from draftsmith.storage import checksum_problems, read_json
-
     path = Path(path)
     recorded = read_json(path / GUARD).get("checksums")
     sums = checksum_problems(path, recorded, GUARD) + nonfinite_tensors(path)
@@ -220,7 +219,7 @@ def run_verifier(path: Path, fmt: str, target=None, shown: Path | None = None) -
     return checks
 
 
-VERIFIERS: dict = {}  # format name -> fn(out_dir, target|None) -> list[str]; filled by the writer modules
+VERIFIERS: dict = {}  # format name -> fn(out_dir, target|None) -> list[str]; each method's export.py registers its own
 
 
 def register_verifier(fmt: str):

@@ -16,22 +16,22 @@ from draftsmith.storage import atomic_write_text
 
 CARD = "README.md"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_METHOD = {"draft": "a distilled draft model", "medusa": "Medusa heads", "eagle1": "an EAGLE-1 head",
-           "eagle3": "an EAGLE-3 head", "dflash": "a DFlash block drafter"}
 
 
 def _num(v, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, int | float) else "—"
 
 
-def card_text(manifest: dict, sub: str, stack: str, fmt: str, verifier: str, serve_body: str) -> str:
+def card_text(manifest: dict, what: str, tag: str, stack: str, fmt: str, verifier: str, serve_body: str) -> str:
+    """`what`: the drafter in words, as its method says it ("an EAGLE-3 head"); `tag`: its layout family, a hub
+    tag beside the stack's."""
     target = manifest.get("target") or {}
     arch = target.get("architecture") or {}
-    front = ["---", "library_name: draftsmith", "tags:", "- speculative-decoding", f"- {sub}", f"- {stack}"]
+    front = ["---", "library_name: draftsmith", "tags:", "- speculative-decoding", f"- {tag}", f"- {stack}"]
     if _HUB_ID.match(verifier or ""):
         front.append(f"base_model: {verifier}")
     front.append("---")
-    lines = front + ["", f"# {_METHOD.get(sub, sub)} for {verifier}", "",
+    lines = front + ["", f"# {what} for {verifier}", "",
                      f"Speculative-decoding drafter trained with draftsmith {manifest.get('draftsmith_version', '')} "
                      f"on the frozen target `{verifier}`, exported in the `{fmt}` layout for {stack}.", "",
                      "## Target", "",
@@ -64,5 +64,6 @@ def card_text(manifest: dict, sub: str, stack: str, fmt: str, verifier: str, ser
     return "\n".join(lines)
 
 
-def write_card(out: Path, manifest: dict, sub: str, stack: str, fmt: str, verifier: str, serve_body: str) -> None:
-    atomic_write_text(Path(out) / CARD, card_text(manifest, sub, stack, fmt, verifier, serve_body))
+def write_card(out: Path, manifest: dict, what: str, tag: str, stack: str, fmt: str, verifier: str,
+               serve_body: str) -> None:
+    atomic_write_text(Path(out) / CARD, card_text(manifest, what, tag, stack, fmt, verifier, serve_body))
