@@ -77,8 +77,3 @@ def keep_positions(cache, start: int, keep: list[int]) -> None:
         layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx)], dim=-2)
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = start + len(keep)
-
-
-def snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of every layer's (keys, values), for tests and debugging."""
-    return [(layer.keys.clone(), layer.values.clone()) for layer in _layers(cache) if layer.keys is not None]

@@ -324,9 +324,9 @@ def test_kv_rollback_equals_fresh_prefill(target, draft, prompts, proposer_kind)
         fresh = DynamicCache(config=target.config)
         target(input_ids=seq.context[None, :-1], past_key_values=fresh, use_cache=True)
         assert kvcache.cache_length(seq.cache) == seq.context.numel() - 1
-        for (k1, v1), (k2, v2) in zip(kvcache.snapshot(seq.cache), kvcache.snapshot(fresh)):
-            torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+        for kept, prefilled in zip(seq.cache.layers, fresh.layers, strict=True):
+            torch.testing.assert_close(kept.keys, prefilled.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(kept.values, prefilled.values, atol=1e-5, rtol=1e-5)
         gathered |= proposer_kind == "tree"
     if proposer_kind == "chain":
         assert seq.stats.accepted < seq.stats.proposed  # there were rejections to roll back
