@@ -57,20 +57,19 @@ LAYERS: list[tuple[str, ...]] = [
     # what the frozen target computes, kept: layer convention, forward capture, the cache on disk, offline
     # capture of a dataset, online capture in a training step (the verifier, the data engine and training read it)
     ("capture",),
-    ("artifact",),  # the artifact directory every method writes and every later stage reads
+    # the artifact directory every method writes and every later stage reads; layouts/: what every export layout
+    # is written and read back with (guard, card, the safetensors reader, the head writer, each stack's launch)
+    ("artifact", "layouts"),
     ("decoding",),  # the decoder: proposer interface, one verifier, sampling, KV cache, trees, cost model
     ("data",),  # sources -> rows, and data/engines/: everything that produces text, behind one interface
     ("training",),  # the one accelerate loop, checkpoints, trackers, online capture
     ("heads",),  # what the methods share: draft vocabularies, LoRA, KD losses
     ("memory",),  # the memory counting rules (serving, training) every method's estimate is written with
-    # the toolkits a method folder's own export layout is written with (the lower half of export/): the
-    # export manifest and guard, the model card, reading a layout back, the writer every head layout shares
-    ("export.common", "export.card", "export.verify", "export.heads"),
     tuple(sorted(METHODS)),  # one folder per method: methods.BUILTIN, read from methods.py
     ("evaluation",),  # per-domain alpha/tau/speedup, lossless against a reference, reports
     # the one runner: train any method's job, then evaluate what it wrote; `draftsmith train` calls it
     ("runner",),
-    ("export",),  # what each serving stack needs, verified
+    ("export",),  # export_artifact and serve-check: any method's layouts, through the registry
     ("checks",),  # `draftsmith check`: artifacts, exports and datasets, read back
     ("planning", "benchmark"),  # memory plans, routing, production alpha; every benchmark and its results
     ("retrain",),  # drift -> retrain -> gate -> promote
@@ -78,10 +77,11 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 # (importer, imported) -> why the import against the layer order stays, for now
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("draftsmith.training.checkpoint", "draftsmith.export.verify"): "a checkpoint's safetensors headers are "
-        "read by export's reader",
-}
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+# frozenset of the modules of one cycle -> why it stays
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
+
 METHOD_LAYER = "method folders"  # how BY_NAME names a reference to any of METHODS
 # (module, the layer it reaches by name) -> why it names that later layer rather than importing it (rule 4)
 BY_NAME: dict[tuple[str, str], str] = {
@@ -98,10 +98,6 @@ BY_NAME: dict[tuple[str, str], str] = {
     ("draftsmith.benchmark.run", "cli"): "the whole bench runs each stage as `python -m draftsmith.cli` in a "
         "process of its own, so each number carries its command and memory is returned between stages",
 }
-
-
-# frozenset of the modules of one cycle -> why it stays
-ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -148,6 +144,10 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
         while mod and mod not in known:  # `from x.y import func`: the module is x.y
             mod = mod.rpartition(".")[0]
         if mod and mod != name:
+            deps.add(mod)
+    return deps
+
+
 def references_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
     """The draftsmith modules `path` names by string (rule 4): each string constant that is, whole, a known
     module other than the package itself, with or without `:attribute`."""
@@ -164,10 +164,6 @@ def references_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
 def references(root: Path = ROOT) -> dict[str, set[str]]:
     known = modules(root)
     return {name: refs for name, path in known.items() if (refs := references_of(path, name, known))}
-
-
-            deps.add(mod)
-    return deps
 
 
 def graph(root: Path = ROOT) -> dict[str, set[str]]:
@@ -253,6 +249,10 @@ def layer_problems(g: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYER
                 continue
             found.append(f"{mod} imports {dep}: {why}")
     for mod, dep in sorted(set(allowed) - seen):
+        found.append(f"ALLOWED_UPWARD lists an import that no longer occurs: {mod} -> {dep}")
+    return found
+
+
 def reference_problems(refs: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYERS,
                        declared: dict[tuple[str, str], str] = BY_NAME,
                        methods: set[str] | None = None) -> list[str]:
@@ -278,10 +278,6 @@ def reference_problems(refs: dict[str, set[str]], layers: list[tuple[str, ...]] 
                          "BY_NAME with its reason, or move it)")
     for mod, reached in sorted(set(declared) - seen):
         found.append(f"BY_NAME declares a reference that no longer occurs: {mod} -> {reached}")
-    return found
-
-
-        found.append(f"ALLOWED_UPWARD lists an import that no longer occurs: {mod} -> {dep}")
     return found
 
 
