@@ -10,8 +10,8 @@ draftsmith's. vLLM's n-gram lookup is the control (nothing of ours loaded: it te
     .venv/bin/python scripts/vllm_families.py --out bench/results/vllm-families   # needs `make setup-vllm`
 
 Writes report.json (a row per family and kind, written after each, so an interrupted run resumes where it
-stopped) and report.md. export/vllm.py's VLLM_REFUSES (the warning at export) and the table in
-docs/your-model.md are checked against the committed report by tests/test_vllm_families.py.
+stopped) and report.md. The methods' measured vLLM refusals (`Method.serving.vllm_refuses`, the warning at
+export) and the table in docs/your-model.md are checked against the committed report by tests/test_vllm_families.py.
 """
 
 from __future__ import annotations
