@@ -2,7 +2,7 @@
 
     draftsmith evaluate --target smollm2-135m --proposer ngram --prompts FILE [FILE ...] \\
         --max-new-tokens 128 --k 4 --temperature 0 --limit-per-domain 6 --out DIR
-    draftsmith evaluate --config configs/eval/ngram.yaml k=6 limit_per_domain=3
+    draftsmith evaluate --config eval/ngram-smollm2 k=6 limit_per_domain=3
     draftsmith evaluate --proposer medusa:PATH --temperature 0 0.7 1.0      (a temperature sweep)
     draftsmith evaluate --proposer draft:PATH --k 6 --adaptive              (fixed k vs adaptive k)
     draftsmith evaluate --proposer multi:ngram+medusa:PATH --tree auto      (one merged tree)
@@ -37,7 +37,8 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("evaluate", help="measure acceptance, tau and speedup per domain",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="a YAML preset with kind: eval (default: none; the flags' defaults below)")
+    p.add_argument("--config", help="an eval preset (kind: eval): a shipped preset's name (eval/ngram-smollm2) or a "
+                                    "file's path (default: none; the flags' defaults below)")
     # each flag's default stays None, so that only a flag given overrides the --config file; its help is the
     # EvalConfig field's comment and default (evaluation/config.py), the one place both are written
     for flag, (name, tp) in FLAGS.items():

@@ -15,7 +15,7 @@ TURNS = ("all", "first")  # which user turns of a multi-turn prompt are measured
 class EvalConfig:
     # the target model: an embedded name (`draftsmith targets`), an HF model folder or a GGUF file
     target: str = "smollm2-135m"
-    # what proposes the draft tokens: ngram | ngram:N (prompt lookup, N-token match) | METHOD:ARTIFACT_DIR
+    # what proposes the draft tokens: ngram | ngram:N (prompt lookup, matching up to N tokens) | METHOD:ARTIFACT_DIR
     # (draft, medusa, eagle, dflash) | multi:A+B (their trees merged) | route:POLICY.json (per domain)
     proposer: str = "ngram"
     prompts: list[str] = field(default_factory=list)  # jsonl prompt files; empty = the shipped eval sets of `split`
