@@ -150,15 +150,6 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None
     return args
 
 
-def script_main(train_fn, default_config: str, doc: str | None) -> int:
-    """The body of a thin training script: `--config PATH [key=value ...]` → `train_fn(config, overrides)`."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=default_config)
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.max_steps=100")
-    args = parse_with_overrides(parser)
-    return run_entry_point(lambda: print(f"artifact: {train_fn(args.config, args.overrides)}"))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_with_overrides(parser, argv)

@@ -39,3 +39,33 @@ def test_sharding_presets_load_the_target_on_the_cpu_in_the_gpus_dtype(kind):
     assert target_dtype(kind, "cuda:3", "bf16") == torch.bfloat16
     assert target_dtype(kind, "cuda:3", "no") is None
     assert target_dtype(kind, "cpu", "bf16") is None  # on a CPU-only run the CPU computes too
+
+
+def test_the_launcher_script_is_draftsmith_train(monkeypatch, capsys, tmp_path):
+    """scripts/train.py, the file `accelerate launch` and `torchrun` start, runs `draftsmith train METHOD` as
+    it is: the method, its preset and the overrides reach the one runner unchanged."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from draftsmith.runner import train as runner
+
+    seen = {}
+
+    def fake_run(method, cfg, **kw):
+        seen.update(method=method.name, cfg=cfg, **kw)
+        return runner.RunResult(tmp_path / "artifact")
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "train.py")
+    monkeypatch.setattr(sys, "argv", [script, "medusa", "train.max_steps=7", "--init-only"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(script, run_name="__main__")
+    assert done.value.code == 0
+    assert seen["method"] == "medusa" and seen["init_only"] is True
+    assert seen["cfg"].train.max_steps == 7  # the method's default preset, overridden
+    assert f"artifact: {tmp_path / 'artifact'}" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [script, "no-such-method"])
+    with pytest.raises(SystemExit) as refused:
+        runpy.run_path(script, run_name="__main__")
+    assert refused.value.code == 2  # argparse: not a registered method
