@@ -359,8 +359,8 @@ def test_replay_keeps_all_earlier_traffic_after_three_promotions(tiny_target, tm
 
 
 def test_a_held_lock_has_its_own_exit_code(tmp_path, monkeypatch, capsys):
-    from draftsmith.retrain import run as runmod
     from draftsmith.locks import LockHeld
+    from draftsmith.retrain import run as runmod
 
     def held(cfg, init=None):
         raise LockHeld(f"another retraining run holds {tmp_path / '.lock'} (pid 1)")

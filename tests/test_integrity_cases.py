@@ -446,8 +446,8 @@ def test_a_bench_refuses_a_users_folder(tmp_path):
 
 def test_a_really_held_lock_exits_12_and_touches_nothing(tiny_target, tmp_path, capsys):
     from draftsmith.cli import main
-    from draftsmith.retrain.config import RetrainConfig
     from draftsmith.locks import RunLock
+    from draftsmith.retrain.config import RetrainConfig
     from draftsmith.retrain.run import EXIT_LOCKED, retrain_once
 
     cfg = RetrainConfig(registry=str(tmp_path / "reg"), target=str(tiny_target.folder))
