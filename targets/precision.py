@@ -81,7 +81,7 @@ def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     dimensions. HF's rotary module computes in float32 from whatever `inv_freq` holds, and casts cos/sin to
     the activations' dtype itself, so the buffers can stay float32 (as HF leaves them for a model it loads
     in bf16). At prompt + 96 tokens the rounded copy agreed with float32 about as well (99.15% vs 99.18% of
-    greedy tokens, BENCHMARKS.md "EAGLE-3 past 1.8x"); longer contexts would show it more."""
+    greedy tokens, BENCHMARKS.md "The target in bfloat16"); longer contexts would show it more."""
     for p in module.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
