@@ -1,9 +1,9 @@
 """The drafting methods: each artifact kind declares itself once, in its folder, and every part reads it here.
 
-A method is one folder (`distill/` for distilled draft models, `medusa/`, `eagle/`) whose `__init__.py`
-holds a `METHOD = Method(...)`: its name (the artifact kind in `manifest.json`, the proposer spec
-`NAME:PATH`, `draftsmith train NAME`), its job config class, the function that runs its training job,
-how an artifact of it is loaded, turned into a proposer, exported for each serving stack and sized for
+A method is one folder (every registered method: the folders `BUILTIN` names below, one per method)
+whose `__init__.py` holds a `METHOD = Method(...)`: its name (the artifact kind in `manifest.json`, the
+proposer spec `NAME:PATH`, `draftsmith train NAME`), its job config class, its training job (which the
+one runner trains), how an artifact of it is loaded, turned into a proposer, exported for each serving stack and sized for
 `draftsmith plan`. `BUILTIN` names those folders; adding a method is a folder plus one line there (and the
 folder in pyproject.toml's package list, for the wheel), or a `register(Method(...))` call, which is how a
 test or a plugin adds one without touching any file.
@@ -15,8 +15,6 @@ job.
     config    the job's config dataclass (registered with `@register_config`, so `kind: NAME` presets load)
     job       its `training.job.Job` class (cfg, target, rows=None): the one runner (`runner.train.run`)
               loads the target, trains it through the one loop and evaluates what it wrote
-    train     (config_path, overrides) -> Path of the artifact it wrote; None with a `job`: the runner's
-              `train_method` (the preset, its overrides, `run`)
     load      (path, target) -> the artifact's module(s), fingerprint checked against `target`
     proposer  (target, path, **opts) -> a `decoding.proposer.Proposer`
     export    (artifact_dir, stack, out, target, num_speculative_tokens, verify, *, overwrite, verifier)
@@ -40,7 +38,6 @@ job.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +69,7 @@ class Method:
     name: str  # artifact kind, proposer prefix, `draftsmith train NAME`
     summary: str  # one line for `draftsmith train --help`
     config: Any  # references (module docstring)
-    train: Any
+    job: Any  # its `training.job.Job` class: the one runner trains it
     load: Any
     proposer: Any
     export: Any = None  # None: no serving stack takes it (`draftsmith export` says so)
@@ -90,14 +87,10 @@ class Method:
     # its proposer has a shape of its own (a head's tree, DFlash's block chain): the end-of-training evaluation
     # decodes that shape and the proposer's GPU-sized one, not a chain of k
     own_tree: bool = False
-    job: Any = None  # its `training.job.Job` class: then `train` may be None and the one runner trains it
     commands: Any = None  # register(subparsers): subcommands of its own, which the CLI adds beside the others
 
     def get(self, what: str) -> Any:
         """The object a reference field names, imported on first use."""
-        if what == "train" and self.train is None and self.job is not None:
-            # string reference, like every other: the registry imports no stage above it
-            return functools.partial(resolve("draftsmith.runner.train:train_method"), self)
         ref = getattr(self, what)
         if ref is None:
             raise ConfigError(f"method '{self.name}' declares no {what}")

@@ -7,7 +7,6 @@ METHOD = Method(
     name="dflash",
     summary="a DFlash block drafter (decoder layers predicting a block at once from the target's hidden states)",
     config="draftsmith.dflash.job:DFlashJobConfig",
-    train=None,  # the one runner trains its job
     job="draftsmith.dflash.job:DFlashJob",
     load="draftsmith.dflash.model:load_dflash",
     proposer="draftsmith.dflash.proposer:build_proposer",

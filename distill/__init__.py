@@ -6,7 +6,6 @@ METHOD = Method(
     name="draft",
     summary="a small causal LM distilled from the target's logits",
     config="draftsmith.distill.job:DistillConfig",
-    train=None,  # the one runner trains its job
     job="draftsmith.distill.job:DistillJob",
     load="draftsmith.distill.proposer:load_draft",
     proposer="draftsmith.distill.proposer:build_proposer",

@@ -6,7 +6,6 @@ METHOD = Method(
     name="eagle",
     summary="an EAGLE-1 or EAGLE-3 head (one decoder layer on the target's hidden states)",
     config="draftsmith.eagle.job:EagleJobConfig",
-    train=None,  # the one runner trains its job
     job="draftsmith.eagle.job:EagleJob",
     load="draftsmith.eagle.model:load_eagle",
     proposer="draftsmith.eagle.proposer:build_proposer",

@@ -7,7 +7,6 @@ METHOD = Method(
     name="medusa",
     summary="Medusa heads on the target's last hidden state (Medusa-2 with medusa2.enabled)",
     config="draftsmith.medusa.job:MedusaJobConfig",
-    train=None,  # the one runner trains its job
     job="draftsmith.medusa.job:MedusaJob",
     load="draftsmith.medusa.model:load_medusa",
     proposer="draftsmith.medusa.proposer:build_proposer",

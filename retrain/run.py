@@ -109,7 +109,9 @@ def _train_candidate(cfg: RetrainConfig, target, work: Path, data_path: Path, wa
         overrides.insert(1, f"{method.output_key}={out}")
     if warm_start is not None:
         overrides.append(f"train.warm_start={warm_start}")
-    return Path(method.get("train")(cfg.job_config, overrides))
+    from draftsmith.runner.train import train_method
+
+    return train_method(method, cfg.job_config, overrides)
 
 
 def _build_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None) -> Path:

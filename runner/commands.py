@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 from draftsmith import methods
-from draftsmith.errors import ConfigError
 
 
 def _add_job_arguments(p, default_help: str) -> None:
@@ -39,11 +38,6 @@ def register(subparsers) -> None:
 def run(args) -> int:
     method = methods.get(args.job)
     init_only = getattr(args, "init_only", False)
-    if method.job is None:  # a method that trains by itself (`Method.train`)
-        if init_only:
-            raise ConfigError(f"--init-only: method '{method.name}' declares no job to build untrained")
-        print(f"artifact: {method.get('train')(args.config or method.default_config, args.overrides)}")
-        return 0
     from draftsmith.config import load_config
     from draftsmith.runner.train import run as run_job
 

@@ -3,7 +3,7 @@
 Every job goes the same way, so it is written once: the Accelerator first (the launcher decides this rank's
 device), the frozen target on it, the method's `Job` (methods.py `Method.job`) over the rows, the one loop
 (training/loop.py), the process group left, and the end-of-training evaluation written into the artifact
-on the main process. A method differs only by its `Job`; its `Method.train` loads its config and calls this.
+on the main process. A method differs only by its `Job`; `train_method` loads a method's config and calls this.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def run(method: str | methods.Method, cfg, *, target=None, rows=None, accelerato
 
 
 def train_method(method: str | methods.Method, config_path: str | None, overrides: list[str]) -> Path | None:
-    """`Method.train` of a method that declares a `job`: its preset (the method's default without one),
-    `key=value` overrides, `run`. Returns the artifact folder; off the main process, where no artifact is
+    """Train `method` through `run` from a preset (the method's default without one) and `key=value`
+    overrides (`draftsmith train`, retraining, the thin scripts). Returns the artifact folder; off the main process, where no artifact is
     written, the configured output folder (None for a method whose config names none)."""
     from draftsmith.config import load_config
 

@@ -87,8 +87,6 @@ METHOD_LAYER = "method folders"  # how BY_NAME names a reference to any of METHO
 BY_NAME: dict[tuple[str, str], str] = {
     ("draftsmith.methods", METHOD_LAYER): "BUILTIN names the folders that declare the built-in methods, "
         "imported on first use: the registry sits below every stage that reads it",
-    ("draftsmith.methods", "runner"): "a method that declares a job trains through the one runner's "
-        "train_method (Method.get('train'))",
     ("draftsmith.config", "data"): "CONFIG_MODULES: the preset kinds' config classes register themselves "
         "when imported, and load_config imports them on first use",
     ("draftsmith.config", "training"): "CONFIG_MODULES (as for data)",

@@ -4,7 +4,8 @@ the verifier and evaluated, exported in layouts of its own (serve.md, the vLLM m
 vLLM refusal an export warns of are its own too, with no edit of export/), and known to retrain, bench and plan.
 
 The toy drafts from a next-token table: entry t is the target's greedy token after the one-token context
-t, computed by its "training job" in one batched target forward. Its proposal is the chain the table
+t. Its job (a `training.job.Job`, trained by the one runner like every method's) learns the table's logits
+against those tokens, read off the target in one batched forward. Its proposal is the chain the table
 spells from the pending token."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from draftsmith.checks import inspect_artifact
 from draftsmith.config import CONFIG_KINDS, load_config, to_dict
 from draftsmith.decoding.proposer import Proposal, Proposer
 from draftsmith.errors import ArtifactError, ConfigError
+from draftsmith.training.config import EvalAfterTraining, TrainConfig
+from draftsmith.training.job import Job
 
 
 @dataclass
@@ -28,8 +31,10 @@ class TableConfig:
     target: str = ""
     data: str = ""  # unused: the table is read off the target itself
     output: str = ""
-    train: dict = field(default_factory=dict)  # accepts the overrides bench/retrain give every job
-    evaluate: dict = field(default_factory=dict)
+    # two steps over every context at once: Adam's first step already puts each row's mass on its label
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=0.5, max_steps=2, batch_size=256,
+                                                                   schedule="constant", progress=False))
+    evaluate: EvalAfterTraining = field(default_factory=lambda: EvalAfterTraining(enabled=False))
 
 
 class TableProposer(Proposer):
@@ -46,16 +51,41 @@ class TableProposer(Proposer):
         return Proposal.chain(tokens, device=context.device)  # q = None: deterministic candidates
 
 
-def train_table(config_path, overrides) -> Path:
-    from draftsmith.targets import load_target
+class TableJob(Job):
+    """Logits [V, V] learned against the target's greedy token after each one-token context; the artifact
+    keeps their argmax."""
 
-    cfg = load_config(config_path, overrides, cls=TableConfig)
-    target = load_target(cfg.target, device="cpu", dtype="float32")
-    with torch.no_grad():
-        ids = torch.arange(target.vocab_size)[:, None]
-        table = target.model(input_ids=ids).logits[:, -1].argmax(-1)
-    manifest = artifact.make_manifest("table", target.fingerprint(), to_dict(cfg))
-    return artifact.save_artifact(cfg.output, manifest, {"table": table}, {"vocab_size": target.vocab_size})
+    kind = "table"
+
+    def __init__(self, cfg: TableConfig, target, rows=None):
+        self.cfg, self.target = cfg, target
+        with torch.no_grad():
+            self.greedy = target.model(input_ids=torch.arange(target.vocab_size)[:, None]).logits[:, -1].argmax(-1)
+
+    def build_module(self) -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.logits = torch.nn.Parameter(torch.zeros(self.target.vocab_size, self.target.vocab_size))
+        return module
+
+    def train_rows(self):
+        return list(range(self.target.vocab_size))
+
+    def collate(self, rows):
+        context = torch.tensor(rows)
+        return {"context": context, "label": self.greedy[context]}
+
+    def loss(self, module, batch):
+        logits = module.logits[batch["context"]]
+        top1 = (logits.argmax(-1) == batch["label"]).float().mean().item()
+        return torch.nn.functional.cross_entropy(logits, batch["label"]), {"top1": top1}
+
+    def artifact_dest(self, default: Path) -> Path:
+        return Path(self.cfg.output)
+
+    def save_artifact(self, module, out_dir, metrics) -> Path:
+        manifest = artifact.make_manifest("table", self.target.fingerprint(), to_dict(self.cfg))
+        return artifact.save_artifact(self.artifact_dest(out_dir), manifest, {"table": module.logits.argmax(-1)},
+                                      {"vocab_size": self.target.vocab_size})
 
 
 def load_table(path, target=None) -> torch.Tensor:
@@ -115,7 +145,7 @@ def table_method(tiny_target):
     serving = Serving(vllm={"table-vllm": VllmServe("table-lookup", check=table_chain_problem)},
                       vllm_refuses={(tiny_target.config.model_type, "table"): "TableError: no table interface"})
     method = methods.register(methods.Method(
-        name="table", summary="a next-token table read off the target", config=TableConfig, train=train_table,
+        name="table", summary="a next-token table read off the target", config=TableConfig, job=TableJob,
         load=load_table, proposer=lambda target, path, **opts: TableProposer(load_table(path, target)),
         export=export_table, serving=serving, tensors=table_tensors))
     for fmt in ("table-v1", "table-vllm"):
@@ -134,7 +164,9 @@ def table_artifact(table_method, tiny_target, tmp_path):
     preset = tmp_path / "table.yaml"
     preset.write_text(f"kind: table\ntarget: {tiny_target.folder}\n")
     out = tmp_path / "table-artifact"
-    assert main(["train", "table", "--config", str(preset), f"output={out}"]) == 0
+    assert main(["train", "table", "--config", str(preset), f"output={out}",
+                 f"train.output_dir={tmp_path / 'table-run'}"]) == 0
+    assert torch.equal(load_table(out), TableJob(None, tiny_target).greedy)  # the job learned every entry
     return out
 
 
@@ -227,7 +259,7 @@ def test_unregistered_and_unknown_methods_are_one_line_errors(tiny_target):
 
         RetrainConfig(artifact_kind="table")
     with pytest.raises(ConfigError, match="already registered"):
-        methods.register(methods.Method(name="medusa", summary="", config=None, train=None, load=None, proposer=None))
+        methods.register(methods.Method(name="medusa", summary="", config=None, job=None, load=None, proposer=None))
 
 
 def test_every_builtin_method_folder_ships_in_the_wheel():
@@ -238,10 +270,9 @@ def test_every_builtin_method_folder_ships_in_the_wheel():
 
 
 def test_every_reference_of_the_builtin_methods_resolves():
-    fields = ("config", "train", "job", "load", "proposer", "export", "reimport", "memory", "tensors", "train_memory")
+    fields = ("config", "job", "load", "proposer", "export", "reimport", "memory", "tensors", "train_memory")
     for method in methods.all_methods():
-        assert method.config is not None and method.proposer is not None
-        assert method.train is not None or method.job is not None  # a job: the one runner trains it
+        assert method.config is not None and method.proposer is not None and method.job is not None
         for what in fields:
-            if getattr(method, what) is not None or what == "train":
+            if getattr(method, what) is not None:
                 assert callable(method.get(what)), (method.name, what)
