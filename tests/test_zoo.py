@@ -31,7 +31,7 @@ def test_the_zoo_ships_intact_bf16_heads_under_32_mib():
 def test_a_name_resolves_to_the_zoo_only_where_no_local_folder_has_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     name = "zoo/smollm2-135m/eagle3-broad"
-    assert artifact.resolve_path(name) == artifact.ZOO / "smollm2-135m" / "eagle3"
+    assert artifact.resolve_path(name) == artifact.ZOO / "smollm2-135m" / "eagle3-broad"
     assert artifact.load_manifest(name)["kind"] == "eagle"
     (tmp_path / name).mkdir(parents=True)  # the user's own folder of that name comes first
     assert artifact.resolve_path(name) == Path(name)
