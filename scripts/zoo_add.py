@@ -1,13 +1,13 @@
 """Add a trained artifact to the reference heads shipped with the package (zoo/<target>/<name>).
 
-    python scripts/zoo_add.py runs/b31/eagle3b zoo/smollm2-135m/eagle3 --evaluate
-    python scripts/zoo_add.py zoo/smollm2-135m/eagle3 --evaluate        # evaluate a shipped head again
-    python scripts/zoo_add.py zoo/smollm2-135m/eagle3 --evaluate --limit-per-domain 2   # fewer prompts
+    python scripts/zoo_add.py runs/curve/eagle3-broad/rows13315 zoo/smollm2-135m/eagle3-broad --evaluate
+    python scripts/zoo_add.py zoo/smollm2-135m/eagle3-broad --evaluate        # evaluate a shipped head again
+    python scripts/zoo_add.py zoo/smollm2-135m/eagle3-broad --evaluate --limit-per-domain 2   # fewer prompts
 
 The weights are verified against the artifact's checksums, stored in bfloat16 (half the bytes; the heads
 draft in bf16 on CPUs that have it, and the target verifies, so decoding stays lossless), and the manifest
 keeps the artifact's target fingerprint, training config, data and metrics, with `zoo` saying where it came
-from. Proposers load it by name from anywhere: `eagle:zoo/smollm2-135m/eagle3` (artifact.resolve_path).
+from. Proposers load it by name from anywhere: `eagle:zoo/smollm2-135m/eagle3-broad` (artifact.resolve_path).
 """
 
 from __future__ import annotations
