@@ -35,7 +35,6 @@ from draftsmith.eagle.model import (
     eagle1_loss,
     eagle3_loss,
     exportable,
-    lookup_marks,
     shift_left,
     step_weights,
 )
@@ -79,12 +78,6 @@ class EagleJobConfig:
     # speculative, data/engines/rollout.py) marks where verification rejected its draft; those (base, TTT step)
     # pairs count 1 + replay_weight times in the loss. 0 = plain supervised training on any rows
     replay_weight: float = 0.0
-    # a copying signal (EAGLE-3): positions whose token the row copies from earlier in itself — where the
-    # `copy_ngram` tokens before it, followed by it, occurred before (what prompt lookup could propose:
-    # translation, summaries and answers over passages quote their prompt) count 1 + copy_weight times in the
-    # loss. Only the trained window counts as earlier (prompt_context cuts the prompt). 0 = every position alike
-    copy_weight: float = 0.0
-    copy_ngram: int = 2
     max_length: int = 512
     # keep at most this many prompt tokens before a row's first learned token (data/batching.py): from
     # the capture cache every feature has seen the whole row, and the draft layer gets its context from them
@@ -108,14 +101,7 @@ class EagleJobConfig:
             raise ValueError(f"w_cls must be >= 0, got {self.w_cls}")
         if self.replay_weight < 0:
             raise ValueError(f"replay_weight must be >= 0, got {self.replay_weight}")
-        if self.copy_weight < 0:
-            raise ValueError(f"copy_weight must be >= 0, got {self.copy_weight}")
-        if not 1 <= self.copy_ngram <= 8:
-            raise ValueError(f"copy_ngram must be in 1..8, got {self.copy_ngram}")
         v = variant(self.version)
-        if self.copy_weight and v.teacher != "logits":
-            raise ValueError(f"copy_weight: the copying signal weighs the token loss of logits-teacher heads; "
-                             f"{v.name} regresses features")
         if self.replay_weight and not v.replay:
             raise ValueError(f"replay_weight: on-policy replay is not implemented for {v.name} heads "
                              f"(variants with it: {', '.join(n for n, x in VARIANTS.items() if x.replay)})")
@@ -247,12 +233,8 @@ class EagleJob(Job):
         replay = None
         if "replay" in batch:  # rollout marks: replay[t] = j + 1 where step j at base t was rejected
             replay = [(batch["replay"] == j + 1)[select[j]] for j in range(S)]
-        copy = None
-        if self.cfg.copy_weight:  # step j at base t predicts x_{t+2+j}: its mark is that position's
-            marks = lookup_marks(batch["input_ids"], self.cfg.copy_ngram)
-            copy = [shift_left(marks, 2 + j, fill=False)[select[j]] for j in range(S)]
         return eagle3_loss(out.logits, [logits_at[r] for r in rows], [top1_at[r] for r in rows], head.d2t,
-                           self.weights, replay, self.cfg.replay_weight, copy, self.cfg.copy_weight)
+                           self.weights, replay, self.cfg.replay_weight)
 
     def _features_loss(self, head, feats, out, select):
         """EAGLE-1: regress the next feature, plus the weighted token cross-entropy through the target's head."""

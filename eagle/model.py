@@ -519,34 +519,14 @@ def soft_ce(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     return (ce if weights is None else ce * weights.to(ce.dtype)).mean()
 
 
-def lookup_marks(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """marks[b, p] = True where the n tokens before p, followed by ids[b, p], occurred earlier in row b: the
-    tokens a prompt lookup of n tokens (decoding/ngram.py) could have proposed, because the row copies
-    itself there. ids: [B, T] (right-padded rows: an earlier occurrence lies inside the row). O(T²) per row
-    in booleans, a few MB at T = 512."""
-    B, T = ids.shape
-    marks = torch.zeros((B, T), dtype=torch.bool, device=ids.device)
-    if T <= n:
-        return marks
-    grams = ids.unfold(1, n + 1, 1)  # [B, W, n+1]; gram w ends at position w + n
-    same = (grams[:, :, None, :] == grams[:, None, :, :]).all(-1)  # [B, W, W]
-    earlier = torch.ones(same.shape[1:], dtype=torch.bool, device=ids.device).tril(-1)  # q < p
-    marks[:, n:] = (same & earlier).any(-1)
-    return marks
-
-
 def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_ids: list[torch.Tensor],
                 d2t: torch.Tensor, weights: list[float], replay: list[torch.Tensor] | None = None,
-                replay_weight: float = 0.0, copy: list[torch.Tensor] | None = None,
-                copy_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                replay_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Σ_j w_j · soft-CE(p̃_target, draft) over the selected positions of step j.
 
     replay[j] (bool [n_j], optional): the positions where an on-policy rollout's draft was rejected at step j
     (data/engines/rollout.py); their cross-entropy counts 1 + replay_weight times. `replay/acc` is the draft's
     top-1 accuracy on them (on a head's own rollouts it starts at 0: the draft was rejected there).
-    copy[j] (bool [n_j], optional): the positions whose token the row copies from earlier in itself
-    (`lookup_marks`); they count 1 + copy_weight times (added to a replay weight). `copy/share` is their share
-    of step 0's positions, `copy/acc` the draft's top-1 accuracy on them over all steps.
 
     logits[j]: [n_j, N] draft logits; teacher[j]: [n_j, N] the target's logits restricted to the draft
     vocabulary (softmax renormalises over it); target_ids[j]: [n_j] the target's argmax over its FULL
@@ -555,19 +535,14 @@ def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_
     """
     total = None
     metrics: dict[str, float] = {}
-    hits = seen = copy_hits = copy_seen = 0
+    hits = seen = 0
     for j, (lg, te, ti) in enumerate(zip(logits, teacher, target_ids)):
         if lg.shape[0] == 0:
             metrics[f"step{j}/loss"], metrics[f"step{j}/acc"] = 0.0, 0.0
             loss_j = lg.sum() * 0.0
         else:
             rj = replay[j] if replay is not None else None
-            cj = copy[j] if copy is not None else None
-            w = None
-            if rj is not None and replay_weight:
-                w = 1.0 + replay_weight * rj.float()
-            if cj is not None and copy_weight:
-                w = (1.0 if w is None else w) + copy_weight * cj.float()
+            w = 1.0 + replay_weight * rj.float() if rj is not None and replay_weight else None
             loss_j = soft_ce(lg, te, w)
             with torch.no_grad():
                 pred = lg.argmax(-1)
@@ -575,18 +550,11 @@ def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_
                 acc = right.float().mean()
                 if rj is not None:
                     hits, seen = hits + int(right[rj].sum()), seen + int(rj.sum())
-                if cj is not None:
-                    copy_hits, copy_seen = copy_hits + int(right[cj].sum()), copy_seen + int(cj.sum())
-                    if j == 0:
-                        metrics["copy/share"] = float(cj.float().mean())
             metrics[f"step{j}/loss"], metrics[f"step{j}/acc"] = float(loss_j.detach()), float(acc)
         total = weights[j] * loss_j if total is None else total + weights[j] * loss_j
     if replay is not None:
         metrics["replay/n"] = float(seen)
         metrics["replay/acc"] = hits / seen if seen else 0.0
-    if copy is not None:
-        metrics.setdefault("copy/share", 0.0)
-        metrics["copy/acc"] = copy_hits / copy_seen if copy_seen else 0.0
     return total, metrics
 
 
