@@ -1,6 +1,6 @@
 """The `draftsmith` command, the one entry point of every job. Each subsystem registers its own subcommands
 from `<folder>/commands.py` (`register(subparsers)`), and a method folder may add its own jobs
-(`Method.commands`); a subsystem that is not built has no subcommand, rather than a stub.
+(`Method.commands`). A name in COMMAND_MODULES that does not import is an error, never a quietly missing command.
 
 User errors (DraftsmithError) print one line and exit 2; anything else prints one line naming the
 exception and exits 1 (DRAFTSMITH_DEBUG=1 shows the traceback).
@@ -9,7 +9,6 @@ exception and exits 1 (DRAFTSMITH_DEBUG=1 shows the traceback).
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
@@ -79,13 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands, by pipeline stage",
                                        description="`draftsmith COMMAND --help` describes a command's flags")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue  # that subsystem is not built yet: no subcommand
-            raise
-        module.register(subparsers)
+        methods.import_listed(name, "cli.COMMAND_MODULES").register(subparsers)
     registered = set(subparsers.choices)
     for method in methods.all_methods():  # a method's own jobs come with its folder (Method.commands)
         if method.commands is not None:

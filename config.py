@@ -338,10 +338,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
     return from_dict(cls, data)
 
 
-def dump_yaml(obj: Any) -> str:
-    return yaml.safe_dump(to_dict(obj), sort_keys=False)
-
-
 # Modules that register config kinds besides the methods' job configs (methods.py); imported lazily so
 # `draftsmith.config` stays light.
 CONFIG_MODULES = [
@@ -354,16 +350,10 @@ CONFIG_MODULES = [
 
 
 def _import_config_modules() -> None:
-    import importlib
-
     from draftsmith import methods
 
     for name in CONFIG_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:  # a real import failure inside an existing module
-                raise
+        methods.import_listed(name, "config.CONFIG_MODULES")
     for method in methods.all_methods():
         cls = method.get("config")
         if getattr(cls, "config_kind", None) is None:  # a job config without @register_config: its method's name

@@ -53,6 +53,18 @@ BUILTIN = (
 )
 
 
+def import_listed(name: str, listed_in: str) -> Any:
+    """Import a module that a list of names (BUILTIN, cli.COMMAND_MODULES, config.CONFIG_MODULES) holds. A name
+    that is no module is a one-line error naming the list: a misspelled entry must stop the program, not pass
+    as a missing command or config kind. A module that exists but fails to import raises as it is."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+            raise  # something the module itself imports is missing: its own traceback says what
+        raise ConfigError(f"{listed_in} names '{name}', which is not a module (no module named '{e.name}')") from None
+
+
 def resolve(ref: Any) -> Any:
     """`"package.module:Name.attr"` -> the object; anything else is returned as it is."""
     if not isinstance(ref, str):
@@ -124,7 +136,7 @@ def _load_builtin() -> None:
         return
     _loaded = True
     for package in BUILTIN:
-        method = importlib.import_module(package).METHOD
+        method = import_listed(package, "methods.BUILTIN").METHOD
         _METHODS[method.name] = method
 
 

@@ -262,6 +262,24 @@ def test_unregistered_and_unknown_methods_are_one_line_errors(tiny_target):
         methods.register(methods.Method(name="medusa", summary="", config=None, job=None, load=None, proposer=None))
 
 
+@pytest.mark.parametrize("listed_in", ["methods.BUILTIN", "cli.COMMAND_MODULES", "config.CONFIG_MODULES"])
+def test_a_misspelled_module_in_a_list_of_modules_is_a_one_line_error(monkeypatch, listed_in):
+    """A name no module answers to stops the program in one line naming the list, where it was once skipped
+    as a subsystem not built yet (a misspelling hid a command or a config kind)."""
+    from draftsmith import cli, config
+
+    owner, attr = listed_in.split(".")
+    module = {"methods": methods, "cli": cli, "config": config}[owner]
+    monkeypatch.setattr(module, attr, (*getattr(module, attr), "draftsmith.evalution.commands"))
+    monkeypatch.setattr(methods, "_METHODS", {})
+    monkeypatch.setattr(methods, "_loaded", False)
+    run = {"methods": methods.all_methods, "cli": cli.build_parser, "config": config._import_config_modules}[owner]
+    with pytest.raises(ConfigError) as e:
+        run()
+    assert str(e.value) == (f"{listed_in} names 'draftsmith.evalution.commands', which is not a module "
+                            "(no module named 'draftsmith.evalution')")
+
+
 def test_every_builtin_method_folder_ships_in_the_wheel():
     import tomllib
 
