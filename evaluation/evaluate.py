@@ -327,32 +327,10 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     original_target = None
     if prop.verifier_target is not None:
         original_target, target = target, prop.verifier_target
-    device = target.device
-    drafts_in = draft_dtype(cfg.draft_dtype, target.dtype, device)
+    drafts_in = draft_dtype(cfg.draft_dtype, target.dtype, target.device)
     cast = prop.use_dtype(drafts_in)
-    if cfg.tree_from_proposer:
-        spec = prop.default_tree_spec()
-        if spec is None:
-            raise ConfigError(f"proposer '{cfg.proposer}' has no tree of its own: give tree branching factors")
-        cfg = dataclasses.replace(cfg, tree=list(spec.branching))
-    else:
-        spec = TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)
-    files = cfg.prompts or [str(p) for p in default_prompt_files(cfg.split)]
-    check_prompt_files(files)
-    rows = only_domains(load_prompts(files, cfg.limit_per_domain, cfg.seed), cfg.domains, files)
-    left_out: list[dict] = []
-    if not cfg.prompts:  # the shipped sets: a short-context target is measured on what it can read
-        rows, left_out = leave_out_long(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs)
-        if left_out:
-            log.warning("%d shipped prompts left out: longer than the target's context (%s, ...)", len(left_out),
-                        left_out[0]["reason"])
-        if not rows:
-            raise ConfigError(f"no shipped eval prompt fits the target's context with max_new_tokens "
-                              f"{cfg.max_new_tokens} ({left_out[0]['reason']}, ...)")
-    turns, turns_cut = fit_context(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs, cfg.turns)
-    for c in turns_cut:
-        log.warning("prompt %s: measured on %d of its %d turns: %s", c["prompt"], c["measured"], c["turns"],
-                    c["reason"])
+    spec, cfg = _spec_tree(prop, cfg)
+    rows, files, left_out, turns, turns_cut = _eval_rows(target, cfg)
     eos = list(target.eos_token_ids)
     entries = [Entry("spec", prop, dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k),
                      dtype_name(drafts_in) if cast else None)]
@@ -370,21 +348,64 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
                   left_out=left_out)
     if cfg.prune_tree and not spec.is_chain:
         _cut_trees(setup)
-    # the GPU-sized shape beside the proposer's own, tree or chain (DFlash's own shape is its block's chain)
-    if cfg.prune_tree and (not spec.is_chain or cfg.tree_from_proposer):
-        gpu = prop.gpu_tree() if cfg.gpu_tree else None
-        if gpu is not None:  # uncut: what a GPU verifies, decoded here for its τ (its speed is this CPU's)
+    if cfg.prune_tree:
+        _add_gpu_trees(setup, spec, drafts_in)
+    return setup
+
+
+def _spec_tree(prop: Proposer, cfg: EvalConfig) -> tuple[TreeSpec, EvalConfig]:
+    """The shape the main entry decodes: the proposer's own tree under `tree_from_proposer` (written back into
+    the config, so the report names it), else the configured tree, else a chain of k."""
+    if cfg.tree_from_proposer:
+        spec = prop.default_tree_spec()
+        if spec is None:
+            raise ConfigError(f"proposer '{cfg.proposer}' has no tree of its own: give tree branching factors")
+        return spec, dataclasses.replace(cfg, tree=list(spec.branching))
+    return (TreeSpec(tuple(cfg.tree)) if cfg.tree else TreeSpec.chain(cfg.k)), cfg
+
+
+def _eval_rows(target, cfg: EvalConfig) -> tuple[list, list[str], list[dict], list, list[dict]]:
+    """The prompts the run decodes and what it leaves out of them: (rows, prompt files, prompts left out for
+    the target's context, each row's turns, the rows measured on fewer turns than they have)."""
+    files = cfg.prompts or [str(p) for p in default_prompt_files(cfg.split)]
+    check_prompt_files(files)
+    rows = only_domains(load_prompts(files, cfg.limit_per_domain, cfg.seed), cfg.domains, files)
+    left_out: list[dict] = []
+    if not cfg.prompts:  # the shipped sets: a short-context target is measured on what it can read
+        rows, left_out = leave_out_long(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs)
+        if left_out:
+            log.warning("%d shipped prompts left out: longer than the target's context (%s, ...)", len(left_out),
+                        left_out[0]["reason"])
+        if not rows:
+            raise ConfigError(f"no shipped eval prompt fits the target's context with max_new_tokens "
+                              f"{cfg.max_new_tokens} ({left_out[0]['reason']}, ...)")
+    turns, turns_cut = fit_context(target, rows, cfg.max_new_tokens, cfg.chat_template_kwargs, cfg.turns)
+    for c in turns_cut:
+        log.warning("prompt %s: measured on %d of its %d turns: %s", c["prompt"], c["measured"], c["turns"],
+                    c["reason"])
+    return rows, files, left_out, turns, turns_cut
+
+
+def _add_gpu_trees(setup: Setup, spec: TreeSpec, drafts_in: torch.dtype) -> None:
+    """Beside the proposer's own shape, tree or chain (DFlash's own shape is its block's chain), and beside
+    every side-by-side tree, the GPU-sized tree uncut: what a GPU verifies, decoded here for its τ (its speed
+    is this CPU's), so several heads' τ at a GPU's budget come from one run. `spec`: the main entry's shape
+    as decided, before the cost model cut it."""
+    cfg, prop, target = setup.cfg, setup.prop, setup.target
+    if not cfg.gpu_tree:
+        return
+    if not spec.is_chain or cfg.tree_from_proposer:
+        gpu = prop.gpu_tree()
+        if gpu is not None:
             gpu[0].use_dtype(drafts_in)
             setup.entries.append(Entry("gpu_tree", gpu[0], dict(tree=gpu[1], k=None), setup.main.draft_dtype))
-    # and beside every side-by-side tree, its own GPU-sized tree: several heads' τ at a GPU's budget in one run
-    for e in setup.compared if cfg.prune_tree and cfg.gpu_tree else []:
+    for e in setup.compared:
         _, shape, own_dtype = side_by_side_entry(e.name[4:])
         decodes_a_tree = shape == "tree" or isinstance(shape, TreeSpec) or (shape is None and cfg.tree_from_proposer)
         other = e.proposer.gpu_tree() if decodes_a_tree and e.kw.get("tree") is not None else None
         if other is not None:  # cast as _compare cast the entry itself
-            other[0].use_dtype(draft_dtype(own_dtype, target.dtype, device) if own_dtype else drafts_in)
+            other[0].use_dtype(draft_dtype(own_dtype, target.dtype, target.device) if own_dtype else drafts_in)
             setup.entries.append(Entry(f"gpu:{e.name[4:]}", other[0], dict(tree=other[1], k=None), e.draft_dtype))
-    return setup
 
 
 def _compare(entry: str, target, cfg: EvalConfig, drafts_in: torch.dtype) -> Entry:
