@@ -5,8 +5,9 @@ full logits' logsumexp, so top-k KD knows the tail mass). Generation can keep th
 (`capture.enabled` during `data generate`), but rows the target did not write — a dataset's own responses
 kept with `responses: keep`, or responses a server fleet wrote — need the target to read them once. That is
 a prefill, with no decode loop: every position of a batch in one forward. Where decoding is memory-bound (a
-GPU) that is many times faster than generating the same tokens; on 2 CPU cores the engine's batch-96 decode
-is compute-bound too, and capture measured 1.5x its speed on the same rows (benchmark/capture.py).
+GPU) that is many times faster than generating the same tokens; on a CPU, where a large-batch decode is
+compute-bound too, capture is still faster on the same rows (benchmark/capture.py; BENCHMARKS.md has the
+measurement).
 
 Rows are sorted by length and packed into batches of at most `capture.batch_tokens` padded tokens (little
 padding, full matrices). The body runs in `capture.dtype` (auto = bf16 on a GPU or a CPU with native bf16;

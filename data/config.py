@@ -253,7 +253,7 @@ class GenerationConfig:
     tree_auto: bool = False
     threads: int | None = 2  # torch intra-op threads (None leaves torch's default)
     # the target's dtype while it writes: auto = bf16 on a GPU or a CPU with native bf16 (AVX512-BF16 / AMX),
-    # else float32 (targets/precision.py; on this project's CPU bf16 writes 1.4x faster, BENCHMARKS.md)
+    # else float32 (targets/precision.py; where the CPU has native bf16 it writes faster, BENCHMARKS.md)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     fp32_logits: bool = True  # a bf16 body still computes its logits in float32 (fewer changed greedy tokens)
     flush_every: int = 16  # completed rows per chunk file (a crash loses at most this many)

@@ -285,8 +285,7 @@ class Proposer(ABC):
 
 def draft_dtype(setting: str | torch.dtype, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype proposers' networks run in: `auto` = bf16 next to a float32 target on a CPU with native bf16
-    (a draft step there reads its weights from memory, and bf16 halves the bytes: an EAGLE-3 draft lm_head
-    call over 8,192 rows took ~0.5 ms against ~2 ms in float32 on SmolLM2's 2-core EPYC), else the target's
+    (a draft step there reads its weights from memory, and bf16 halves the bytes it reads), else the target's
     dtype; anything else names a dtype."""
     from draftsmith.targets.device import select_dtype
     from draftsmith.targets.precision import cpu_native_bf16

@@ -85,10 +85,9 @@ def tune_cpu_allocator() -> bool:
 
     A CPU training step allocates and frees tensors of tens of MB (activations, logits, gradients). glibc
     serves each with a fresh mmap and returns it on free, so every step zero-fills its pages again in the
-    kernel: an EAGLE-3 step on SmolLM2 spent a third of its time in system calls and page faults here.
-    With mmap off, the trim threshold at its maximum and a 1 GB top pad, freed blocks are reused: 10 EAGLE-3
-    steps took 56.5 s instead of 69.0 s (48.2 s with the same settings as MALLOC_*_ variables; BENCHMARKS.md).
-    The price is an RSS that stays at its peak until the process ends.
+    kernel, and a CPU training step spends a large share of its time in system calls and page faults. With
+    mmap off, the trim threshold at its maximum and a 1 GB top pad, freed blocks are reused and the steps run
+    faster (measured in BENCHMARKS.md). The price is an RSS that stays at its peak until the process ends.
     Called by every `draftsmith` command and script; DRAFTSMITH_MALLOC=0 leaves the allocator alone, and a
     MALLOC_*_ variable set by the user wins (glibc reads those at start). Returns whether it changed anything.
     """

@@ -152,8 +152,8 @@ def calibrate(model: nn.Module, repeats: int = 3) -> Plan | None:
     linears at the row counts of MEASURED_ROWS, and make the faster one the plan. Each class's linears are
     swept in module order, so the weights come from memory as in a forward; the two ways alternate, and each
     keeps its fastest of `repeats` sweeps (after a warm-up sweep): the question is which kernel is faster, and
-    another process on the cores only ever adds time (a median taken beside a test run picked F.linear for
-    one row where it was 1.9x slower). Returns the plan (also kept as the active one), or None when the
+    another process on the cores only ever adds time, so a median taken on a busy machine can pick the slower
+    kernel. Returns the plan (also kept as the active one), or None when the
     model has no such linears or the path is off. The same shapes are measured once per process."""
     global _plan
     if not ENABLED:
