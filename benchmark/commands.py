@@ -77,6 +77,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
     jobs = p.add_subparsers(dest="bench_job", metavar="[JOB]", action=_JobOrOverrides, help=JOBS_HELP)
     _register_engine_jobs(jobs)
+    _register_training_jobs(jobs)
     _register_kernel_jobs(jobs)
     _register_headline(jobs)
 
@@ -119,6 +120,8 @@ def _register_engine_jobs(jobs) -> None:
     r.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     r.set_defaults(func=run_remote)
 
+
+def _register_training_jobs(jobs) -> None:
     s = jobs.add_parser("eagle-step", help="one EAGLE training step two ways (benchmark/eagle_step.py)")
     s.add_argument("overrides", nargs="*", metavar="[CONFIG] key=value",
                    help="the EAGLE job's preset (default configs/smollm2-135m/eagle3.yaml) and its overrides")

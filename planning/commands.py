@@ -10,6 +10,12 @@ import sys
 
 
 def register(subparsers) -> None:
+    _register_plan(subparsers)
+    _register_route(subparsers)
+    _register_alpha(subparsers)
+
+
+def _register_plan(subparsers) -> None:
     p = subparsers.add_parser("plan", help="memory plan for a target + artifact on a GPU (weights, KV, headroom)")
     p.add_argument("--target", default=None,
                    help="config.json, HF model folder or embedded target name (default: with --config, the job's "
@@ -43,6 +49,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)
 
+
+def _register_route(subparsers) -> None:
     r = subparsers.add_parser("route", help="per-domain routing policy from evaluation reports")
     rs = r.add_subparsers(dest="route_cmd", required=True)
     b = rs.add_parser("build", help="pick the fastest lossless artifact per domain (or off)")
@@ -68,6 +76,8 @@ def register(subparsers) -> None:
     c.add_argument("--out", default=None, help="write the table (markdown) here too (default: printed only)")
     c.set_defaults(func=run_route_compare)
 
+
+def _register_alpha(subparsers) -> None:
     a = subparsers.add_parser("alpha", help="per-domain acceptance from a vLLM server's /metrics or request logs")
     a.add_argument("source", help="a running server's /metrics URL (http://127.0.0.1:8000/metrics), a Prometheus "
                                   "text dump of it, or a folder / .jsonl of request logs")
