@@ -40,7 +40,7 @@ class EvalSpec:
 @dataclass
 class ArtifactStage:
     name: str
-    job: str  # a method's name (methods.py) or alias: draft (distill), medusa, eagle
+    job: str  # a registered method's name (methods.py) or alias (`distill` for `draft`)
     config: str
     overrides: list[str] = field(default_factory=list)
     eval: EvalSpec = field(default_factory=EvalSpec)

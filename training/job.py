@@ -1,4 +1,4 @@
-"""The job protocol: what a draft-distillation, Medusa or EAGLE trainer hands to the one loop.
+"""The job protocol: what every registered method's trainer (`Method.job`) hands to the one loop.
 
 A job differs from its siblings only by its module, its batches and its loss (the habit of Medusa's and
 TRL's trainers, which override `compute_loss` and nothing else). The loop owns everything else:

@@ -1,6 +1,6 @@
 """The one training loop: `train(job, cfg) -> TrainResult`, on `accelerate.Accelerator`.
 
-Every job (draft distillation, Medusa, EAGLE) runs here; a job only supplies a module, batches and a loss
+Every registered method's job runs here; a job only supplies a module, batches and a loss
 (`training/job.py`). One step, for each of the `grad_accum` micro-batches of every rank:
 
     loss, metrics = job.loss(module, batch)           # under autocast (bf16 on CUDA when supported)
