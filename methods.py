@@ -1,10 +1,9 @@
 """The drafting methods: each artifact kind declares itself once, in its folder, and every part reads it here.
 
-A method is one folder (every registered method: the folders `BUILTIN` names below, one per method)
-whose `__init__.py` holds a `METHOD = Method(...)`: its name (the artifact kind in `manifest.json`, the
-proposer spec `NAME:PATH`, `draftsmith train NAME`), its job config class, its training job (which the
-one runner trains), how an artifact of it is loaded, turned into a proposer, exported for each serving stack and sized for
-`draftsmith plan`. `BUILTIN` names those folders; adding a method is a folder plus one line there (and the
+Every method is one folder whose `__init__.py` holds a `METHOD = Method(...)`: its name (the artifact kind
+in `manifest.json`, the proposer spec `NAME:PATH`, `draftsmith train NAME`), its job config class, its
+training job (which the one runner trains), how an artifact of it is loaded, turned into a proposer,
+exported for each serving stack and sized for `draftsmith plan`. `BUILTIN` names the built-in folders; adding a method is a folder plus one line there (and the
 folder in pyproject.toml's package list, for the wheel), or a `register(Method(...))` call, which is how a
 test or a plugin adds one without touching any file.
 
