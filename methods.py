@@ -3,9 +3,9 @@
 Every method is one folder whose `__init__.py` holds a `METHOD = Method(...)`: its name (the artifact kind
 in `manifest.json`, the proposer spec `NAME:PATH`, `draftsmith train NAME`), its job config class, its
 training job (which the one runner trains), how an artifact of it is loaded, turned into a proposer,
-exported for each serving stack and sized for `draftsmith plan`. `BUILTIN` names the built-in folders; adding a method is a folder plus one line there (and the
-folder in pyproject.toml's package list, for the wheel), or a `register(Method(...))` call, which is how a
-test or a plugin adds one without touching any file.
+exported for each serving stack and sized for `draftsmith plan`. `BUILTIN` names the built-in folders;
+adding a method is a folder plus one line there (and the folder in pyproject.toml's package list, for the
+wheel), or a `register(Method(...))` call, which is how a test or a plugin adds one without touching any file.
 
 References are `"module:attribute"` strings (or the objects themselves), imported on first use: listing
 the methods imports none of their code, and decoding with a head imports its proposer, not its training
