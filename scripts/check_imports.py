@@ -37,8 +37,8 @@ BOTTOM = "targets"  # rule 2
 BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage"}
 
 # The layers, first to last: each name is a top-level module or folder of the package ("__init__" is the
-# package's own), or a dotted module inside a folder that sits lower than the rest of its folder. Names in
-# one layer may import each other, except the method folders (rule 3).
+# package's own), whole: a module sits in its folder's layer, never in one of its own (a dotted name is
+# refused). Names in one layer may import each other, except the method folders (rule 3).
 def _builtin_methods() -> set[str]:
     """The method folders methods.BUILTIN names (read from the source: adding a method is its folder and that
     one line, not an edit here too)."""
@@ -214,12 +214,8 @@ def top(module: str) -> str:
 
 
 def layer_key(module: str, rank: dict[str, int]) -> str:
-    """The LAYERS name a module falls under: its longest dotted prefix listed there (`export.verify` for
-    draftsmith.export.verify where that is listed), else its top-level module or folder."""
-    parts = module.split(".")[1:]
-    for n in range(len(parts), 1, -1):
-        if ".".join(parts[:n]) in rank:
-            return ".".join(parts[:n])
+    """The LAYERS name a module falls under: its top-level module or folder, whatever `rank` lists (a module
+    sits in its folder's layer)."""
     return top(module)
 
 
@@ -228,6 +224,9 @@ def layer_problems(g: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYER
     """Rule 3: one line per import against the layer order, per module in no layer, per stale allowance."""
     rank = {name: i for i, layer in enumerate(layers) for name in layer}
     found, seen = [], set()
+    for name in sorted(n for n in rank if "." in n):
+        found.append(f"LAYERS names {name}: a layer holds whole folders and top-level modules, and a module sits "
+                     "in its folder's layer")
     for name in sorted({layer_key(m, rank) for m in g} - set(rank)):
         found.append(f"{PACKAGE}.{name} is in no layer: place it in LAYERS (scripts/check_imports.py)")
     for mod, deps in sorted(g.items()):

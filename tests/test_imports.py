@@ -65,6 +65,15 @@ def test_the_checker_finds_an_import_against_the_layer_order(tmp_path):
     found = checker.layer_problems(g, allowed=allowed)
     assert "ALLOWED_UPWARD lists an import that no longer occurs: draftsmith.x -> draftsmith.y" in found
     assert not any(line.startswith("draftsmith.data.rows") for line in found)
+    # a module placed in a layer other than its folder's is refused, not honoured
+    assert checker.layer_problems(g, layers=[("__init__", "data", "evaluation", "medusa", "distill", "stray",
+                                              "evaluation.cost")],
+                                  allowed={}) == [
+        "LAYERS names evaluation.cost: a layer holds whole folders and top-level modules, and a module sits in its "
+        "folder's layer",
+        "draftsmith.medusa.job imports draftsmith.distill.losses: the method folders medusa/ and distill/ import "
+        "nothing of each other",
+    ]
 
 
 def test_imports_by_name_in_the_package_are_in_layer_order():
