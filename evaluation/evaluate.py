@@ -573,7 +573,9 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
                 branches = prop.branch_stats()
         rounds += 1
         short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
-        if setup.busy and rounds == 1 and any(_quiet_count(measured[n]) < 1 for n in timed):
+        # a run too short for /proc/stat to read (share None) does not show that the load is gone
+        if setup.busy and rounds == 1 and not all(sh is not None and not cost.contended(sh)
+                                                  for n in timed for _, _, sh in measured[n]):
             setup.busy_prompts += 1  # still busy: this round gave acceptance and losslessness, not a speedup
             return measured, branches, rounds
         if setup.busy and rounds == 1:

@@ -531,7 +531,7 @@ def test_real_load_on_every_core_is_seen_before_the_first_prompt(tiny_target, pr
 
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
-        report = evaluate(tiny_target, "ngram", prompts=[prompt_files[0]], limit_per_domain=2, max_new_tokens=6,
+        report = evaluate(tiny_target, "ngram", prompts=[prompt_files[0]], limit_per_domain=2, max_new_tokens=24,
                           k=2, cost_model=False, repeats=3, remeasure=3)
     finally:
         for p in spinners:
