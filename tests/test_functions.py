@@ -3,17 +3,11 @@ the package, 100 for one in tests/ or scripts/."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from repo_scripts import load_script
 
 
 def _checker():
-    spec = importlib.util.spec_from_file_location("check_functions", ROOT / "scripts" / "check_functions.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("check_functions")
 
 
 def _function(name: str, lines: int) -> str:

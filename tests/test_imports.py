@@ -5,17 +5,11 @@ the layer order of docs/architecture.md (method folders never import one another
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from repo_scripts import load_script
 
 
 def _checker():
-    spec = importlib.util.spec_from_file_location("check_imports", ROOT / "scripts" / "check_imports.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("check_imports")
 
 
 def test_the_package_has_no_import_cycle_and_targets_imports_nothing_above_it():
