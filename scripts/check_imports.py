@@ -52,7 +52,7 @@ def _builtin_methods() -> set[str]:
 METHODS = _builtin_methods()
 
 LAYERS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "locks", "storage", "formatting", "methods", "config"),  # the shared base
+    ("__init__", "errors", "locks", "storage", "net", "formatting", "methods", "config"),  # the shared base
     ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
     # what the frozen target computes, kept: layer convention, forward capture, the cache on disk, offline
     # capture of a dataset, online capture in a training step (the verifier, the data engine and training read it)
