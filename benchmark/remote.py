@@ -24,9 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from draftsmith import net
 from draftsmith.benchmark.engine import TRAIN, emit
 from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
 from draftsmith.data.generate import generate_dataset, load_distilled, read_provenance
@@ -50,9 +50,9 @@ def _serve(folder: Path, threads: int = 2) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise DraftsmithError(f"transformers serve {folder} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"{url}/models", timeout=2):
-                return proc, url
-        except OSError:
+            net.request(f"{url}/models", deadline=2, max_bytes=net.ANSWER_MAX_BYTES)
+            return proc, url
+        except net.NetError:
             time.sleep(0.5)
     proc.kill()
     raise DraftsmithError(f"transformers serve {folder} did not come up in 180 s")

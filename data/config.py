@@ -265,7 +265,7 @@ class GenerationConfig:
     concurrency: int = 8  # requests in flight per server
     max_retries: int = 4  # per request and server, on connection errors, timeouts, HTTP 429 / 5xx
     retry_backoff: float = 1.0  # seconds before the first retry; doubled for each next one
-    request_timeout: float = 300.0  # seconds a request may wait on the socket before it counts as failed
+    request_timeout: float = 300.0  # seconds a whole request may take (a deadline, not per read) before it counts as failed
     # text: send the prompt as text (checked to re-tokenize to the exact ids); token_ids: send the ids
     # themselves (vLLM and SGLang accept them; exact even where a tokenizer would add a BOS of its own)
     prompt_as: Literal["text", "token_ids"] = "text"

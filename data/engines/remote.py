@@ -13,6 +13,12 @@ after `max_retries` retries the server is taken out of the run and its rows go t
 server is left the run stops with every server's last error; the rows already written are kept, and a
 rerun resumes from them.
 
+Every request goes through the one client (net.py): `request_timeout` is a deadline for the whole request
+(not for one read: a server dripping bytes cannot hold a row forever), an answer is at most
+net.ANSWER_MAX_BYTES long and nests JSON at most net.MAX_DEPTH deep, and anything else is a bad answer of that
+server (retried, then the server leaves the run). The API key, and anything a server echoes that is spelled
+like a credential, is redacted from every error, log line and provenance entry.
+
 A server serving another model is refused, never written from:
   * `/models` must list `served_model` (or exactly one model, when none is named), and every answer must
     name that model;
@@ -26,18 +32,16 @@ stop`), exactly as the chat template ends an assistant turn.
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
 import queue
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from draftsmith import net
 from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
 from draftsmith.data.masks import encode_text
 from draftsmith.errors import DataError, FingerprintMismatch
@@ -71,42 +75,25 @@ class _Server:
     stats: dict[str, int] = field(default_factory=dict)
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is refused, never followed: a followed one would carry the API key (`Authorization`) to
-    whatever origin the server names, and turn the POST into a GET."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        fp.close()
-        raise _Refused(f"HTTP {code} from {req.full_url}: a redirect to {str(newurl)[:200]} is not followed (the "
-                       "API key goes only to the addresses in generation.base_urls; give the final address there)")
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect)
-
-
 def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> dict:
-    """One request, bounded by `timeout` seconds per socket operation; _Retry / _Refused on failure."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
-    req.add_header("Content-Type", "application/json")
+    """One request through the one client (net.py): answered within `timeout` seconds in all, at most
+    net.ANSWER_MAX_BYTES long, JSON nested at most net.MAX_DEPTH deep; _Retry / _Refused on failure. A redirect
+    is refused, never followed: a followed one would carry the API key (`Authorization`) to whatever origin
+    the server names, and turn the POST into a GET. Every message is redacted (net.redact)."""
+    headers = {"Content-Type": "application/json"}
     if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = None if body is None else json.dumps(body).encode()
     try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read()[:300].decode("utf-8", "replace").strip()
-        msg = f"HTTP {e.code} from {url}: {detail}"
-        raise (_Retry if e.code in RETRY_STATUS else _Refused)(msg) from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise _Retry(f"{url}: {type(reason).__name__}: {str(reason)[:200]}") from None
-    except http.client.HTTPException as e:  # an answer cut short (IncompleteRead), a garbled status line
-        raise _Retry(f"{url}: {type(e).__name__}: the answer was cut short or garbled ({str(e)[:120]})") from None
-    try:
-        return json.loads(raw)
-    except ValueError:  # not JSON, or not UTF-8
-        raise _Retry(f"{url}: the answer is not JSON ({raw[:80]!r})") from None
+        return net.request(url, data, deadline=timeout, max_bytes=net.ANSWER_MAX_BYTES, headers=headers).json()
+    except net.NetError as e:
+        if e.status is not None and 300 <= e.status < 400:
+            where = net.safe_url(str(e.headers.get("Location", "")))[:200]
+            raise _Refused(f"HTTP {e.status} from {e.url}: a redirect to {where} is not followed (the API key goes "
+                           "only to the addresses in generation.base_urls; give the final address there)") from None
+        if e.status is not None:
+            raise (_Retry if e.status in RETRY_STATUS else _Refused)(f"HTTP {e.status} from {e.url}: {e.detail}") from None
+        raise _Retry(str(e)) from None
 
 
 def _listed_models(url: str, answer) -> list[str]:
@@ -177,14 +164,14 @@ class RemoteEngine(TextEngine):
                                                                      self.gen.request_timeout, self.api_key))
                     break
                 except _Retry as e:
-                    s.last_error = str(e)
+                    s.last_error = self._clean(e)
                     if attempt < self.gen.max_retries:
                         time.sleep(self.gen.retry_backoff * 2 ** attempt)
                 except _Refused as e:
-                    raise DataError(f"server {s.url}: {e}") from None
+                    raise DataError(self._clean(f"server {s.url}: {e}")) from None
             else:
                 s.dead = f"no answer to /models ({s.last_error})"
-                log.warning("server %s left the run: %s", s.url, s.dead)
+                log.warning("%s", self._clean(f"server {s.url} left the run: {s.dead}"))
                 continue
             if self.gen.served_model is not None:
                 if self.gen.served_model not in listed:
@@ -198,7 +185,7 @@ class RemoteEngine(TextEngine):
                 s.model = listed[0]
         alive = [s for s in self.servers if not s.dead]
         if not alive:
-            raise DataError("no server answered: " + "; ".join(f"{s.url}: {s.dead}" for s in self.servers))
+            raise DataError(self._clean("no server answered: " + "; ".join(f"{s.url}: {s.dead}" for s in self.servers)))
         names = {s.model for s in alive}
         if len(names) > 1:
             raise FingerprintMismatch(f"the servers serve different models ({sorted(names)}): give one target's "
@@ -325,7 +312,7 @@ class RemoteEngine(TextEngine):
                     break
                 except _Retry as e:
                     s.failures += 1
-                    s.last_error = str(e)
+                    s.last_error = self._clean(e)
                     if attempt < gen.max_retries:
                         stop.wait(gen.retry_backoff * 2 ** attempt)
                 except _Refused as e:
@@ -336,7 +323,7 @@ class RemoteEngine(TextEngine):
                     return
             else:
                 s.dead = f"{gen.max_retries + 1} tries failed, last: {s.last_error}"
-                log.warning("server %s left the run: %s; its rows go to the others", s.url, s.dead)
+                log.warning("%s", self._clean(f"server {s.url} left the run: {s.dead}; its rows go to the others"))
                 todo.put(req)
                 results.put((s, None, None))  # wakes the main loop to see who is left
 
@@ -350,9 +337,9 @@ class RemoteEngine(TextEngine):
             except queue.Empty:
                 got = None
             if isinstance(got, _Mismatch):
-                raise FingerprintMismatch(f"server {s.url} (model {s.model!r}) refused: it {got}")
+                raise FingerprintMismatch(self._clean(f"server {s.url} (model {s.model!r}) refused: it {got}"))
             if isinstance(got, _Refused):
-                raise DataError(f"server {s.url} rejected a request: {got}")
+                raise DataError(self._clean(f"server {s.url} rejected a request: {got}"))
             if isinstance(got, Exception):
                 raise got
             if isinstance(got, Completion):
@@ -363,11 +350,16 @@ class RemoteEngine(TextEngine):
                     on_tokens(len(got.tokens))
                 on_done(got)
             elif all(x.dead for x in self.servers):
-                raise DataError(f"every server failed ({pending} requests left): "
-                                + "; ".join(f"{x.url}: {x.dead}" for x in self.servers))
+                raise DataError(self._clean(f"every server failed ({pending} requests left): "
+                                            + "; ".join(f"{x.url}: {x.dead}" for x in self.servers)))
         return generated
+
+    def _clean(self, text) -> str:
+        """`text` as it may be logged, raised or written to provenance: without the API key or anything
+        spelled like a credential (a server may echo the request it failed, `Authorization` header and all)."""
+        return net.redact(str(text), [self.api_key] if self.api_key else [])
 
     def describe(self) -> dict:
         return {"model": self.model, "servers": [
-            {"url": s.url, "rows": s.rows, "requests": s.requests, "failures": s.failures, "left": s.dead,
-             **s.stats} for s in self.servers]}
+            {"url": net.safe_url(s.url), "rows": s.rows, "requests": s.requests, "failures": s.failures,
+             "left": None if s.dead is None else self._clean(s.dead), **s.stats} for s in self.servers]}
