@@ -89,6 +89,10 @@ def _register_alpha(subparsers) -> None:
                    help="map a served model_name to a domain (repeatable)")
     a.add_argument("--out", default=None, help="write the table as JSON (the shape retraining reads; default: "
                                                "printed only)")
+    a.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a URL must answer in full within this (a deadline, not per read; default: %(default)s)")
+    a.add_argument("--max-mib", type=float, default=64.0, metavar="MIB",
+                   help="refuse metrics (a URL's answer or a dump) larger than this (default: %(default)s)")
     a.set_defaults(func=run_alpha)
 
 
@@ -174,6 +178,8 @@ def run_route_compare(args) -> int:
 
 
 def run_alpha(args) -> int:
+    import math
+
     from draftsmith.errors import ConfigError
     from draftsmith.planning.production import production_alpha, render
     from draftsmith.storage import atomic_write_json
@@ -184,7 +190,11 @@ def run_alpha(args) -> int:
         if not sep or not model or not domain:
             raise ConfigError(f"--model-domain {item!r}: expected MODEL=DOMAIN")
         mapping[model] = domain
-    table = production_alpha(args.source, args.since, mapping, save=args.save)
+    for flag, value in (("--timeout", args.timeout), ("--max-mib", args.max_mib)):
+        if not (math.isfinite(value) and 0 < value <= 1e6):
+            raise ConfigError(f"{flag} {value}: expected a number in (0, 1e6]")
+    table = production_alpha(args.source, args.since, mapping, save=args.save, timeout=args.timeout,
+                             max_bytes=int(args.max_mib * (1 << 20)))
     print(render(table))
     if args.out:
         atomic_write_json(args.out, table)

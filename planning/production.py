@@ -13,7 +13,9 @@ Two sources, one output shape (the `domains` / `overall` rows of an evaluation r
    and finished requests in vllm:request_success_total. α = accepted / draft tokens, τ = 1 + accepted /
    drafts (vLLM's own "mean acceptance length"), per-position acceptance = accepted_per_pos[i] / drafts.
    The counters are cumulative since the server started: give an earlier dump as `since` to get the window
-   between the two. vLLM has no notion of a domain: `model_domains` maps a served model name (one per
+   between the two (across a restart, told by `process_start_time_seconds`, the counts since the restart).
+   Every counter is checked as it enters: a count is finite and >= 0, positions are 0..k-1, accepted tokens
+   come with the drafted tokens they are divided by; a URL is read through net.py (a byte cap and a deadline). vLLM has no notion of a domain: `model_domains` maps a served model name (one per
    deployment, or a LoRA/adapter name per traffic class) to a domain; unmapped models keep their name.
 2. Request logs (a folder of *.jsonl, the traffic format of retrain/traffic.py) whose rows carry the
    engine's per-request counters: `draft_tokens` + `accepted_tokens` (+ optional `drafts`), or SGLang's
@@ -29,6 +31,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from draftsmith import net
 from draftsmith.errors import DataError
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$')
@@ -37,8 +40,9 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 PREFIX = "vllm:spec_decode_"
 
 
-def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) for every sample line of a Prometheus text exposition (comments skipped)."""
+def parse_prometheus(text: str, source: str = "metrics") -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) for every sample line of a Prometheus text exposition (comments skipped); a bad
+    line is one DataError naming `source` (the file or URL) and the line."""
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -46,13 +50,13 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
             continue
         m = _SAMPLE.match(line)
         if m is None:
-            raise DataError(f"metrics line {n}: not a Prometheus sample: {line[:80]!r}")
+            raise DataError(f"{source} line {n}: not a Prometheus sample: {line[:80]!r}")
         labels = {k: re.sub(r'\\(.)', lambda e: "\n" if e[1] == "n" else e[1], v)
                   for k, v in _LABEL.findall(m["labels"] or "")}
         try:
             value = float(m["value"])
         except ValueError:
-            raise DataError(f"metrics line {n}: value {m['value']!r} is not a number") from None
+            raise DataError(f"{source} line {n}: value {m['value']!r} is not a number") from None
         out.append((m["name"], labels, value))
     return out
 
@@ -62,10 +66,20 @@ def _counter(name: str) -> str:
     return name[:-6] if name.endswith("_total") else name
 
 
-def _vllm_counts(text: str, label: str, source: str = "vllm metrics") -> dict[str, dict]:
+START = "process_start_time_seconds"  # prometheus_client's process collector: when the server process started
+REQUIRED = {"num_accepted_tokens": "num_draft_tokens", "num_accepted_tokens_per_pos": "num_drafts"}
+
+
+def _vllm_counts(text: str, label: str, source: str = "vllm metrics") -> tuple[dict[str, dict], dict]:
+    """Per model (`label`): the speculative-decoding counters of one dump, checked as they enter; and the
+    dump's process start times ({labels: seconds}), which tell a restart between two dumps."""
     counts: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
-                                                   "per_pos": defaultdict(float), "requests": 0.0})
-    for name, labels, value in parse_prometheus(text):
+                                                   "per_pos": defaultdict(float), "requests": 0.0, "seen": set()})
+    starts: dict = {}
+    for name, labels, value in parse_prometheus(text, source):
+        if name == START:
+            starts[tuple(sorted(labels.items()))] = value
+            continue
         if name.endswith("_created"):
             continue
         base = _counter(name)
@@ -79,6 +93,7 @@ def _vllm_counts(text: str, label: str, source: str = "vllm metrics") -> dict[st
             continue
         key = base[len(PREFIX):]
         c = counts[model]
+        c["seen"].add(key)
         if key == "num_drafts":
             c["drafts"] += value
         elif key == "num_draft_tokens":
@@ -86,19 +101,38 @@ def _vllm_counts(text: str, label: str, source: str = "vllm metrics") -> dict[st
         elif key == "num_accepted_tokens":
             c["accepted"] += value
         elif key == "num_accepted_tokens_per_pos":
-            c["per_pos"][int(labels.get("position", 0))] += value
-    return counts
+            pos = labels.get("position", "")
+            if not pos.isdigit():  # vLLM labels draft positions 0..k-1
+                raise DataError(f"{source}: {name} of model {model!r}: position={pos!r} is not a draft position "
+                                "(an int >= 0); refused")
+            c["per_pos"][int(pos)] += value
+    for model, c in sorted(counts.items()):
+        # a counter missing beside the one it divides: summed as 0, it would make α or a position's rate
+        # anything (accepted tokens over no drafted tokens)
+        for have, need in REQUIRED.items():
+            if have in c["seen"] and need not in c["seen"]:
+                raise DataError(f"{source}: {model!r}: {PREFIX}{have}_total but no {PREFIX}{need}_total, "
+                                "what it is divided by: its acceptance cannot be counted; refused")
+        if sorted(c["per_pos"]) != list(range(len(c["per_pos"]))):
+            raise DataError(f"{source}: {model!r}: per-position counters at positions {sorted(c['per_pos'])[:10]}: "
+                            "vLLM counts every position 0..k-1, some are missing; refused")
+    return counts, starts
 
 
-def _row(drafts: float, draft_tokens: float, accepted: float, per_pos: dict[int, float], requests: float) -> dict:
+def _row(drafts: float, draft_tokens: float, accepted: float, per_pos: dict[int, float], requests: float,
+         accepted_alpha: float | None = None, accepted_tau: float | None = None) -> dict:
+    """One table row. `accepted_alpha` / `accepted_tau`: the accepted tokens of the groups that count drafted
+    tokens / drafts (the overall row: a group without the divisor adds nothing to either ratio)."""
     positions = [per_pos[i] for i in sorted(per_pos)]
+    a_alpha = accepted if accepted_alpha is None else accepted_alpha
+    a_tau = accepted if accepted_tau is None else accepted_tau
     return {
         "n_prompts": int(requests),
         "drafts": int(drafts),
         "proposed": int(draft_tokens),
         "accepted": int(accepted),
-        "alpha": accepted / draft_tokens if draft_tokens else None,
-        "tau": 1.0 + accepted / drafts if drafts else None,
+        "alpha": a_alpha / draft_tokens if draft_tokens else None,
+        "tau": 1.0 + a_tau / drafts if drafts else None,
         # vLLM's per-position rate: P(position i accepted) over all drafts (already cumulative in i)
         "per_position_acceptance": [p / drafts for p in positions] if drafts else [],
     }
@@ -134,15 +168,31 @@ def _table(groups: dict[str, dict], source: str) -> dict:
             tot[k] += g[k]
         for i, v in g["per_pos"].items():
             tot["per_pos"][i] += v
+    # SGLang's logs count no drafted tokens (τ only): their accepted tokens stay out of the overall α
+    by_alpha = sum(g["accepted"] for g in groups.values() if g["draft_tokens"] > 0)
+    by_tau = sum(g["accepted"] for g in groups.values() if g["drafts"] > 0)
     return {"kind": "production_alpha", "source": source, "domains": domains,
-            "overall": _row(tot["drafts"], tot["draft_tokens"], tot["accepted"], tot["per_pos"], tot["requests"])}
+            "overall": _row(tot["drafts"], tot["draft_tokens"], tot["accepted"], tot["per_pos"], tot["requests"],
+                            by_alpha, by_tau)}
 
 
 def vllm_alpha(text: str, since: str | None = None, model_domains: dict[str, str] | None = None,
-               label: str = "model_name", source: str = "vllm metrics") -> dict:
-    """Per-domain α table from a vLLM /metrics dump (minus an earlier dump `since`, if given)."""
-    now = _vllm_counts(text, label, source)
-    before = _vllm_counts(since, label, f"{source} (--since)") if since else {}
+               label: str = "model_name", source: str = "vllm metrics", since_source: str | None = None) -> dict:
+    """Per-domain α table from a vLLM /metrics dump (minus an earlier dump `since`, if given).
+
+    A restart between the two dumps (`process_start_time_seconds` differs) restarted every counter from 0:
+    subtracting the earlier values would mix two processes (and, once the new counts pass the old ones,
+    silently). The after-dump alone is then the window's count (all of it happened after the earlier dump,
+    since the restart did); what the old process counted between the earlier dump and its end is lost, which
+    the table says (`restarted`). Counters that went down with no start time to tell why are refused."""
+    now, started = _vllm_counts(text, label, source)
+    before, started_before = (_vllm_counts(since, label, since_source or f"{source} (--since)") if since
+                              else ({}, {}))
+    restarted = None
+    if started and started_before and started != started_before:
+        restarted = (f"the server restarted between the dumps ({START} {min(started_before.values()):.0f} -> "
+                     f"{min(started.values()):.0f}): the counts are those since the restart")
+        before = {}
     groups: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
                                                    "per_pos": defaultdict(float), "requests": 0.0})
     for model, c in now.items():
@@ -156,7 +206,10 @@ def vllm_alpha(text: str, since: str | None = None, model_domains: dict[str, str
             g[k] += delta
         for i, v in c["per_pos"].items():
             g["per_pos"][i] += v - (b["per_pos"].get(i, 0.0) if b else 0.0)
-    return _table(groups, source)
+    table = _table(groups, source)
+    if restarted:
+        table["restarted"] = restarted
+    return table
 
 
 def log_alpha(folder: str | Path) -> dict:
@@ -208,40 +261,43 @@ def is_url(source) -> bool:
     return str(source).startswith(("http://", "https://"))
 
 
-def read_metrics(source: str | Path, timeout: float = 30.0) -> str:
+def read_metrics(source: str | Path, timeout: float = 30.0, max_bytes: int | None = None) -> str:
     """The Prometheus text of `source`: a running server's /metrics endpoint (an http(s) URL, e.g.
-    http://127.0.0.1:8000/metrics of `vllm serve`) or a dump of one (a file)."""
-    import urllib.error
-    import urllib.request
-
+    http://127.0.0.1:8000/metrics of `vllm serve`) or a dump of one (a file). Either is read up to `max_bytes`
+    (default net.METRICS_MAX_BYTES) and must be UTF-8; a URL must answer in full within `timeout` seconds (a
+    deadline for the whole answer, net.py). Anything else is one DataError naming the URL or file."""
+    cap = net.METRICS_MAX_BYTES if max_bytes is None else max_bytes
     if not is_url(source):
         path = Path(source)
         if not path.is_file():
             raise DataError(f"production metrics not found: {path}")
-        return path.read_text(encoding="utf-8")
+        if path.stat().st_size > cap:
+            raise DataError(f"{path}: {path.stat().st_size} bytes, larger than {cap} bytes: not a /metrics dump; "
+                            "refused")
+        return net.decode(path.read_bytes(), str(path), "the file")
     try:
-        with urllib.request.urlopen(str(source), timeout=timeout) as r:  # noqa: S310 (http(s) only, checked above)
-            return r.read().decode("utf-8")
-    except urllib.error.HTTPError as e:
-        raise DataError(f"{source}: HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise DataError(f"{source}: no metrics read ({getattr(e, 'reason', e)})") from None
+        return net.request(str(source), deadline=timeout, max_bytes=cap).text()
+    except net.NetError as e:
+        raise DataError(f"{e.url}: no metrics read ({e.reason})" if e.status is None else str(e)) from None
 
 
 def production_alpha(path: str | Path, since: str | Path | None = None,
-                     model_domains: dict[str, str] | None = None, save: str | Path | None = None) -> dict:
+                     model_domains: dict[str, str] | None = None, save: str | Path | None = None,
+                     timeout: float = 30.0, max_bytes: int | None = None) -> dict:
     """A running server's /metrics URL or a Prometheus dump (a file), or request logs (a folder / a .jsonl
     file) -> the per-domain α table. `since`: an earlier dump (file or URL read now), the window between the
-    two. `save`: keep the metrics text read (the `since` of the next check)."""
+    two. `save`: keep the metrics text read (the `since` of the next check). `timeout`, `max_bytes`: the
+    bounds of each read (read_metrics)."""
     if not is_url(path):
         path = Path(path)
         if not path.exists():
             raise DataError(f"production metrics not found: {path}")
         if path.is_dir() or path.suffix == ".jsonl":
             return log_alpha(path)
-    text = read_metrics(path)
-    earlier = read_metrics(since) if since else None
-    table = vllm_alpha(text, earlier, model_domains, source=str(path))
+    text = read_metrics(path, timeout, max_bytes)
+    earlier = read_metrics(since, timeout, max_bytes) if since else None
+    table = vllm_alpha(text, earlier, model_domains, source=net.safe_url(str(path)),
+                       since_source=net.safe_url(str(since)) if since else None)
     if save:
         from draftsmith.storage import atomic_write_text
 
@@ -253,6 +309,8 @@ def render(table: dict) -> str:
     f = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     lines = [f"# Production acceptance ({table['source']})", "",
              "| domain | requests | drafts | drafted | accepted | α | τ | per-position |", "|---|---|---|---|---|---|---|---|"]
+    if table.get("restarted"):
+        lines[1:1] = ["", f"Note: {table['restarted']}."]
     for d, r in list(table["domains"].items()) + [("overall", table["overall"])]:
         pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"][:8])
         lines.append(f"| {d} | {r['n_prompts']} | {r['drafts']} | {r['proposed']} | {r['accepted']} | "

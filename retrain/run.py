@@ -66,6 +66,8 @@ def _production(m, kept: Path) -> dict:
     try:
         prod = production_alpha(m.production, since, m.production_model_domains, save=save)
         prod["since"] = str(since) if since else "server start"
+        if prod.get("restarted"):  # told by process_start_time_seconds: the counts are those since the restart
+            prod["since"] = "server start (restarted since the last check)"
     except DataError as e:
         if not (m.production_since == "last" and since and "went down" in str(e)):
             raise
