@@ -121,11 +121,9 @@ def loads(data: bytes, url: str, max_depth: int = MAX_DEPTH, secrets=()):
         raise NetError(url, f"the answer is not JSON ({redact(text[:80], secrets)!r})") from None
 
 
-def request(url: str, body: bytes | None = None, *, deadline: float, max_bytes: int,
-            headers: dict | None = None, method: str | None = None) -> Response:
-    """One HTTP(S) request, answered within `deadline` seconds in all and at most `max_bytes` long. Returns
-    the Response of a 2xx status; any other status, a refused connection, a deadline passed, a body too long
-    or cut short is a NetError (module docstring). The values of `headers` never appear in its message."""
+def _prepared(url: str, headers: dict | None, has_body: bool):
+    """(printable URL, its parts, port, the headers to send, the secrets they hold) of a request, or a NetError
+    for a URL that is not one draftsmith can ask; credentials in the URL become a Basic Authorization header."""
     safe = safe_url(url)
     headers = dict(headers or {})
     secrets = tuple(v.split()[-1] for k, v in headers.items() if k.lower() == "authorization" and v.split())
@@ -140,8 +138,17 @@ def request(url: str, body: bytes | None = None, *, deadline: float, max_bytes: 
         cred = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
         headers.setdefault("Authorization", "Basic " + base64.b64encode(cred.encode()).decode())
         secrets += (headers["Authorization"].split()[-1], parts.password or "")
-    if body is not None:
+    if has_body:
         headers.setdefault("Content-Type", "application/json")
+    return safe, parts, port, headers, secrets
+
+
+def request(url: str, body: bytes | None = None, *, deadline: float, max_bytes: int,
+            headers: dict | None = None, method: str | None = None) -> Response:
+    """One HTTP(S) request, answered within `deadline` seconds in all and at most `max_bytes` long. Returns
+    the Response of a 2xx status; any other status, a refused connection, a deadline passed, a body too long
+    or cut short is a NetError (module docstring). The values of `headers` never appear in its message."""
+    safe, parts, port, headers, secrets = _prepared(url, headers, body is not None)
     cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = cls(parts.hostname, port, timeout=deadline)
     expired = threading.Event()
