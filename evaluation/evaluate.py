@@ -213,8 +213,8 @@ class Setup:
     turns_cut: list[dict] = dataclasses.field(default_factory=list)  # rows the context cut short, with why
     left_out: list[dict] = dataclasses.field(default_factory=list)  # shipped prompts longer than the context
     # the machine is busy throughout (other processes' CPU share above cost.BUSY_SHARE when the run started, or
-    # through every round of a prompt): each prompt gets one round, for its acceptance and losslessness, until a
-    # round is quiet again; the prompts decoded so are counted, their speedups not measured
+    # through two whole rounds of a prompt): each prompt gets one round, for its acceptance and losslessness,
+    # until a round is quiet again; the prompts decoded so are counted, their speedups not measured
     busy: bool = False
     busy_prompts: int = 0
 
@@ -560,7 +560,6 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
     measured: dict[str, list] = {name: [] for name in timed}
     branches = None
     rounds = 0
-    busy_before = setup.busy
     while True:
         shift = (i + rounds) % len(timed)
         for name in timed[shift:] + timed[:shift]:
@@ -581,13 +580,21 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
         if setup.busy and rounds == 1:
             log.info("the machine is quiet again: timing from prompt %d on", i + 1)
             setup.busy = False
-        if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
-            if short and cfg.remeasure and not busy_before:
-                log.warning("other processes kept the CPU busy through all %d rounds of prompt %d: from the next "
-                            "prompt on, one round each (acceptance and losslessness; speedups not measured) "
-                            "until a round is quiet", rounds, i + 1)
-                setup.busy = True
+        if not setup.busy and rounds >= 2 and cfg.remeasure and _all_busy(measured, timed, last=2):
+            # a burst lasts seconds; two whole rounds of every run busy is load that more rounds will not outwait
+            log.warning("other processes kept the CPU busy through two whole rounds of prompt %d: from here on one "
+                        "round per prompt (acceptance and losslessness; speedups not measured) until a round is "
+                        "quiet", i + 1)
+            setup.busy, setup.busy_prompts = True, setup.busy_prompts + 1
             return measured, branches, rounds
+        if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
+            return measured, branches, rounds
+
+
+def _all_busy(measured: dict, timed: list[str], last: int) -> bool:
+    """Whether every timed run's `last` latest measurements were read as contended."""
+    return all(len(measured[n]) >= last and all(sh is not None and cost.contended(sh) for _, _, sh in measured[n][-last:])
+               for n in timed)
 
 
 def _log_prompt(setup: Setup, i: int, rec: dict, rounds: int) -> None:
