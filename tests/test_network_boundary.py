@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from local_http import local_server
 from test_hostile import _json, data_cfg, fake_server, openai_answer
 
 from draftsmith.data import generate_dataset
@@ -48,17 +49,11 @@ def streaming_server(write_body):
                 self.end_headers()
                 write_body(self.wfile, stop)
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        stop.set()
-        srv.shutdown()
-        srv.server_close()
-        t.join(timeout=5)
+    with local_server(Handler) as url:
+        try:
+            yield url
+        finally:
+            stop.set()  # before the server stops: a body still being written ends
 
 
 # --- 2. an API key echoed by a failing server is never written ---------------------------------------------

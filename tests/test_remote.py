@@ -16,12 +16,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from local_http import local_server
 from tiny_models import assert_same_rows
 
 from draftsmith.data import generate_dataset, load_distilled
@@ -118,15 +118,8 @@ class _Broken(http.server.BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def broken_server(model: str, hang: bool = False):
     handler = type("Handler", (_Broken,), {"model": model, "hang": hang})
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    srv.daemon_threads = True
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with local_server(handler) as url:
+        yield f"{url}/v1"
 
 
 def _cfg(tmp_path, urls, name, prompts=PROMPTS, chat=PLAIN, **gen) -> DataConfig:
