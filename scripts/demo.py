@@ -1,4 +1,4 @@
-"""`make demo`: the main job on the embedded default target, end to end, in 25-40 minutes on 2 cores.
+"""`make demo`: the main job on the embedded default target, end to end, in under 40 minutes on 2 cores.
 
     target  load smollm2-135m (dequantised once, then from the safetensors cache)
     data    the target answers a mixed prompt set (math, NLP tasks, general, code) itself
