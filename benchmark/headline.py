@@ -43,7 +43,10 @@ SHORT = {"route:bench/results/broad-dev-smollm2-135m/policy.json": "EAGLE-3 (bro
 def _label(spec: str, settings: dict) -> str:
     name, _, shape = spec.partition("@")
     base = LABELS.get(name, f"`{name}`")
-    if settings.get("tree") is not None:
+    tree = settings.get("tree")
+    if tree is not None and settings.get("tree_max_nodes") is None and all(b == 1 for b in tree):
+        return f"{base}, its own chain of {len(tree)}"  # a shape the drafter brings (DFlash's block), not cut
+    if tree is not None:
         return f"{base}, tree cut by the cost model (at most {settings.get('tree_max_nodes')} nodes)"
     return f"{base}, chain of {settings.get('k')}"
 
