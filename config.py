@@ -8,6 +8,7 @@ keys, wrong types and out-of-range values fail here, at load time, with the dott
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -33,6 +34,7 @@ def register_config(kind: str):
     return deco
 
 
+@functools.cache  # read once per class: every flag of a command asks for its field's comment
 def field_docs(cls: type) -> dict[str, str]:
     """Each field of a config dataclass -> the comment that documents it in the source: the `#` lines just
     above the field, then the one beside it ("" where there is none). A flag that sets a field takes this as
