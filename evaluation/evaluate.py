@@ -571,30 +571,29 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
             if name == "spec" and prop.tracks_branches and branches is None:
                 branches = prop.branch_stats()
         rounds += 1
-        short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
-        # a run too short for /proc/stat to read (share None) does not show that the load is gone
-        if setup.busy and rounds == 1 and not all(sh is not None and not cost.contended(sh)
-                                                  for n in timed for _, _, sh in measured[n]):
-            setup.busy_prompts += 1  # still busy: this round gave acceptance and losslessness, not a speedup
-            return measured, branches, rounds
-        if setup.busy and rounds == 1:
+        if setup.busy:  # busy mode: one round, and timing resumes only if every run of it was read as quiet
+            if not all(sh is not None and not cost.contended(sh) for sh in _latest_shares(measured, timed, 1)):
+                setup.busy_prompts += 1  # this round gave acceptance and losslessness, not a speedup
+                return measured, branches, rounds
             log.info("the machine is quiet again: timing from prompt %d on", i + 1)
             setup.busy = False
-        if not setup.busy and rounds >= 2 and cfg.remeasure and _all_busy(measured, timed, last=2):
+        elif rounds >= 2 and cfg.remeasure and all(sh is not None and cost.contended(sh)
+                                                   for sh in _latest_shares(measured, timed, 2)):
             # a burst lasts seconds; two whole rounds of every run busy is load that more rounds will not outwait
             log.warning("other processes kept the CPU busy through two whole rounds of prompt %d: from here on one "
                         "round per prompt (acceptance and losslessness; speedups not measured) until a round is "
                         "quiet", i + 1)
             setup.busy, setup.busy_prompts = True, setup.busy_prompts + 1
             return measured, branches, rounds
+        short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
         if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
             return measured, branches, rounds
 
 
-def _all_busy(measured: dict, timed: list[str], last: int) -> bool:
-    """Whether every timed run's `last` latest measurements were read as contended."""
-    return all(len(measured[n]) >= last and all(sh is not None and cost.contended(sh) for _, _, sh in measured[n][-last:])
-               for n in timed)
+def _latest_shares(measured: dict, timed: list[str], rounds: int) -> list[float | None]:
+    """Other processes' CPU share read around each timed run of the last `rounds` rounds (None: a run too short
+    for /proc/stat to read, which shows neither load nor quiet)."""
+    return [sh for n in timed for _, _, sh in measured[n][-rounds:]]
 
 
 def _log_prompt(setup: Setup, i: int, rec: dict, rounds: int) -> None:
