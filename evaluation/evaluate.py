@@ -323,6 +323,7 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
         from draftsmith.targets import load_target
 
         target = load_target(target, device=cfg.device, dtype=cfg.dtype)
+    _check_cost_context(target, cfg)
     prop = proposer if isinstance(proposer, Proposer) else build_proposer(cfg.proposer, target)
     original_target = None
     if prop.verifier_target is not None:
@@ -351,6 +352,19 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
     if cfg.prune_tree:
         _add_gpu_trees(setup, spec, drafts_in)
     return setup
+
+
+def _check_cost_context(target, cfg: EvalConfig) -> None:
+    """The cost model's timed forwards read `cost_context` cached positions and up to cost_k_max + 1 new ones: all
+    must lie inside the target's context, or v(k) is measured on positions the target never reads. Refused at
+    the start, before anything is decoded."""
+    from draftsmith.targets.context import context_window
+
+    ctx = context_window(target)
+    if ctx is not None and cfg.cost_context + cfg.cost_k_max + 1 > ctx:
+        raise ConfigError(f"cost_context {cfg.cost_context} (+ cost_k_max {cfg.cost_k_max} + 1 verified positions) is "
+                          f"more than the target's context of {ctx} positions (max_position_embeddings): lower "
+                          "cost_context")
 
 
 def _spec_tree(prop: Proposer, cfg: EvalConfig) -> tuple[TreeSpec, EvalConfig]:
