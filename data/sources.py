@@ -109,9 +109,22 @@ class _FieldError(Exception):
     pass
 
 
+def json_kind(value: Any) -> str:
+    """A value's type as the JSON it was read from spells it (`null`, not `NoneType`): what errors name."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return f"a number ({value!r})"
+    return {str: "text", list: "list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
 def _text(value: Any, what: str) -> str:
+    """`value` as stripped text (possibly empty: the caller says whether that is allowed); anything else, never
+    turned into its string ("None", "123"), is a _FieldError naming `what`."""
     if not isinstance(value, str):
-        raise _FieldError(f"{what} is not text (got {type(value).__name__})")
+        raise _FieldError(f"{what} is not text (got {json_kind(value)})")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate, from a JSON "\ud800"-style escape
@@ -151,7 +164,9 @@ def extract_conversation(row: Any, field_name: str, sharegpt: bool, roles: dict[
     names = {**ROLE_NAMES, **{k.lower(): v for k, v in (roles or {}).items()}}
     system, users, assistants = None, [], []
     for i, msg in enumerate(convo):
-        if not isinstance(msg, dict) or role_key not in msg or text_key not in msg:
+        if not isinstance(msg, dict):
+            raise _FieldError(f"message {i} is not an object (got {json_kind(msg)})")
+        if role_key not in msg or text_key not in msg:
             raise _FieldError(f"message without {role_key}/{text_key} (message {i})")
         name = msg[role_key]
         role = names.get(name.lower()) if isinstance(name, str) else None
@@ -203,17 +218,32 @@ def extract_turns(row: Any, prompt: str | None, template: str | None, turns: str
             raise _FieldError(f"missing field '{prompt}'")
         values = [value]
     else:
-        value = get_field(row, turns)
-        if value is _MISSING or value is None:
-            raise _FieldError(f"missing field '{turns}'")
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list):
-            raise _FieldError(f"field '{turns}' is not a list of turns")
-        values = value
+        return _turn_list(get_field(row, turns), turns)
     out = [_text(v, "prompt") for v in values]
     if not out or any(not t for t in out):
         raise _FieldError("empty prompt")
+    return out
+
+
+def _turn_list(value: Any, name: str) -> list[str]:
+    """The user turns under field `name`: one text, or a non-empty list of texts, each non-empty. The field and the
+    turn are named: `prompt is not text (turns[0] is null)`, `empty prompt (turns[1])`."""
+    if value is _MISSING or value is None:
+        raise _FieldError(f"missing field '{name}'")
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise _FieldError(f"field '{name}' is not a list of turns (got {json_kind(value)})")
+    if not value:
+        raise _FieldError(f"empty prompt (field '{name}' is an empty list)")
+    out = []
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise _FieldError(f"prompt is not text ({name}[{i}] is {json_kind(v)}, expected non-empty text)")
+        text = _text(v, f"{name}[{i}]")
+        if not text:
+            raise _FieldError(f"empty prompt ({name}[{i}] is empty, expected non-empty text)")
+        out.append(text)
     return out
 
 

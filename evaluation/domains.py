@@ -16,7 +16,14 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.data.sources import iter_jsonl
+from draftsmith.data.sources import (
+    _FieldError,
+    _text,
+    extract_conversation,
+    extract_turns,
+    iter_jsonl,
+    json_kind,
+)
 from draftsmith.errors import DataError
 from draftsmith.storage import data_path, data_stem, shared_data_dir
 
@@ -77,19 +84,60 @@ def canonical_domain(name: str) -> str:
 
 
 def _turns(row: dict) -> list[str]:
-    if isinstance(row.get("turns"), list) and row["turns"]:
-        return [str(t) for t in row["turns"]]
-    if isinstance(row.get("messages"), list):
-        return [str(m.get("content", "")) for m in row["messages"] if m.get("role") == "user"]
-    if row.get("instruction"):
-        text = str(row["instruction"])
-        instances = row.get("instances") or []
-        inp = instances[0].get("input", "") if instances and isinstance(instances[0], dict) else ""
-        return [f"{text}\n\n{inp}".strip() if inp else text]
+    """The user turns of one eval row, read in the first shape the row has (module docstring) by the data pipeline's
+    own checks (data/sources.py): every turn non-empty text, never a value turned into the text "None" or "123".
+    Anything else is a _FieldError naming the field."""
+    if "turns" in row:
+        return extract_turns(row, None, None, "turns")
+    if "messages" in row:
+        return extract_conversation(row, "messages", sharegpt=False)[1]
+    if "instruction" in row:
+        text = extract_turns(row, "instruction", None, None)[0]
+        instances = row.get("instances")
+        if instances is None or instances == []:
+            return [text]
+        if not isinstance(instances, list) or not isinstance(instances[0], dict):
+            raise _FieldError(f"field 'instances' is not a list of objects (got {json_kind(instances)})")
+        inp = instances[0].get("input")
+        inp = "" if inp is None else _text(inp, "instances[0].input")
+        return [f"{text}\n\n{inp}" if inp else text]
     for key in ("prompt", "text", "question", "input"):
-        if row.get(key):
-            return [str(row[key])]
-    return []
+        if key in row:
+            return extract_turns(row, key, None, None)
+    raise _FieldError("no prompt field (turns / instruction / prompt / text / messages)")
+
+
+def _label(row: dict, key: str) -> str:
+    """An optional text field (`domain`, `category`): absent or null is empty; any other non-text is an error."""
+    value = row.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _FieldError(f"field '{key}' is not text (got {json_kind(value)})")
+    return value.strip()
+
+
+def _meta(row: dict) -> dict:
+    """The ids a report carries along: text or whole numbers only."""
+    for k in ("question_id", "id", "motivation_app"):
+        if k in row and (isinstance(row[k], bool) or not isinstance(row[k], str | int)):
+            raise _FieldError(f"field '{k}' is not text or a whole number (got {json_kind(row[k])})")
+    return {k: row[k] for k in ("question_id", "id", "motivation_app") if k in row}
+
+
+def read_prompt_line(row, path: Path, lineno: int, stem_domain: str) -> EvalPrompt:
+    """Line `lineno` of the eval prompt file `path` as an EvalPrompt, or a DataError in one line naming the file, the
+    line and the field at fault."""
+    try:
+        if not isinstance(row, dict):
+            raise _FieldError(f"not a JSON object (got {json_kind(row)})")
+        turns = _turns(row)
+        raw = _label(row, "domain") or _label(row, "category")
+        meta = _meta(row)
+    except _FieldError as e:
+        raise DataError(f"{path}:{lineno}: {e}") from None
+    domain = canonical_domain(raw) if raw else stem_domain
+    return EvalPrompt(domain, turns[0], f"{path.name}:{lineno}", turns, meta)
 
 
 def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, seed: int = 0) -> list[EvalPrompt]:
@@ -101,17 +149,10 @@ def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, s
             raise DataError(f"prompt file not found: {path}")
         stem_domain = canonical_domain(data_stem(path))
         for lineno, row, error in iter_jsonl(path):
-            if error is None and not isinstance(row, dict):
-                error = f"not a JSON object (got {type(row).__name__})"
             if error is not None:  # an eval set is fixed: a bad line is an error, never a quietly smaller set
                 raise DataError(f"{path}:{lineno}: {error}")
-            turns = _turns(row)
-            if not turns:
-                raise DataError(f"{path}:{lineno}: no prompt field (turns / instruction / prompt / text / messages)")
-            raw = row.get("domain") or row.get("category") or ""
-            domain = canonical_domain(raw) if raw else stem_domain
-            meta = {k: row[k] for k in ("question_id", "id", "motivation_app") if k in row}
-            by_domain.setdefault(domain, []).append(EvalPrompt(domain, turns[0], f"{path.name}:{lineno}", turns, meta))
+            prompt = read_prompt_line(row, path, lineno, stem_domain)
+            by_domain.setdefault(prompt.domain, []).append(prompt)
     if not by_domain:
         raise DataError("no prompts in " + ", ".join(map(str, files)))
     out: list[EvalPrompt] = []

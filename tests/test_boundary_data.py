@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, DataError
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:
@@ -29,3 +29,60 @@ def test_cost_context_past_the_targets_context_is_refused_at_the_start(tiny_targ
                  cost_repeats=1, repeats=1, remeasure=0)
     message = _one_line(e)
     assert "cost_context" in message and "2000" in message and "512" in message
+
+
+# ---- findings 17 and 25: every prompt line is checked where it is read, in every shape ----------------------
+
+@pytest.mark.parametrize("row, field", [
+    ({"turns": [None]}, "turns[0]"), ({"turns": [123]}, "turns[0]"), ({"turns": ["hi", ""]}, "turns[1]"),
+    ({"turns": ["hi", "  "]}, "turns[1]"), ({"turns": []}, "turns"), ({"messages": [{"role": "user", "content": None}]},
+                                                                      "message 0 content"),
+    ({"messages": ["x"]}, "message 0"), ({"turns": ["hi"], "category": 5}, "category"),
+    ({"turns": ["hi"], "domain": ["math"]}, "domain"), ({"instruction": None}, "instruction"),
+    ({"instruction": "Do it.", "instances": "x"}, "instances"), ({"prompt": 7}, "prompt"),
+])
+def test_eval_prompt_values_that_are_not_text_are_refused_naming_line_and_field(tmp_path, row, field):
+    """Finding 17 / 25: `{"turns": [null]}` was evaluated as the text "None", `[123]` as "123", `content: null` as
+    "None", `["hi", ""]` decoded an empty second turn; `{"category": 5}` and `{"messages": ["x"]}` raised a raw
+    AttributeError. Each is now one line naming the file, the line and the field."""
+    from draftsmith.evaluation.domains import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"turns": ["fine"]}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        load_prompts([path])
+    message = _one_line(e)
+    assert message.startswith(f"{path}:2: ") and field in message
+
+
+@pytest.mark.parametrize("line", ['["hello"]', '"hello"', "42", "null"])
+def test_eval_prompt_lines_that_are_not_objects_are_refused(tmp_path, line):
+    from draftsmith.evaluation.domains import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(DataError) as e:
+        load_prompts([path])
+    assert _one_line(e).startswith(f"{path}:1: not a JSON object")
+
+
+@pytest.mark.parametrize("row", [{"turns": [None]}, {"turns": ["hi", ""]}, {"turns": [123]}, {"messages": ["x"]},
+                                 {"messages": [{"role": "user", "content": None}]}, ["hello"], "hello"])
+def test_training_prompt_lines_in_every_shape_are_malformed_never_raw(tmp_path, row):
+    """The same lines in a training source (turns or messages): skipped as malformed with the line and the field
+    named, never a raw exception, never the text "None"."""
+    from draftsmith.config import from_dict
+    from draftsmith.data.config import DataConfig
+    from draftsmith.data.sources import load_prompts
+
+    chat = isinstance(row, dict) and "messages" in row
+    fine = {"messages": [{"role": "user", "content": "fine"}]} if chat else {"turns": ["fine"]}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(fine) + "\n" + json.dumps(row) + "\n")
+    source = {"name": "s", "type": "jsonl", "path": str(path), "domain": "d", **({"messages": "messages"} if chat else
+                                                                                  {"turns": "turns"})}
+    cfg = from_dict(DataConfig, {"target": "x", "output_dir": str(tmp_path / "o"), "sources": [source]})
+    prompts = load_prompts(cfg)
+    assert [r.turns for r in prompts.rows] == [["fine"]]
+    [(origin, why)] = prompts.malformed.items
+    assert origin == f"{path}:2" and "\n" not in why
