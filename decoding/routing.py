@@ -33,12 +33,17 @@ default route). Sub-proposers are built once per distinct spec.
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from draftsmith import net
+from draftsmith.config import show
 from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec, side_by_side_entry
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, DataError, FileFormatError
 from draftsmith.formatting import fmt_num
 
 OFF = "off"
@@ -128,11 +133,13 @@ class VerifyProfile:
 
     BUILTIN = {"gpu": {"name": "gpu", "v": {"0": 1.0, "64": 1.0, "128": 2.0}, "c": {"ngram": 0.0}}}
 
-    def __init__(self, spec: dict):
-        points = sorted((int(n), float(v)) for n, v in (spec.get("v") or {}).items())
-        if not points or any(v <= 0 for _, v in points):
-            raise ConfigError("verify profile: `v` needs at least one node count -> positive cost, e.g. {\"0\": 1.0}")
-        self.name, self.points, self.c = spec.get("name", "custom"), points, dict(spec.get("c") or {})
+    def __init__(self, spec: dict, where: str = "verify profile"):
+        problem = profile_problem(spec)
+        if problem:
+            raise ConfigError(f"{where}: {problem}")
+        self.name = spec.get("name", "custom")
+        self.points = sorted((int(n), float(v)) for n, v in spec["v"].items())
+        self.c = {k: float(v) for k, v in (spec.get("c") or {}).items()}
 
     @classmethod
     def load(cls, what: str | dict | None) -> VerifyProfile | None:
@@ -141,12 +148,10 @@ class VerifyProfile:
         if what in cls.BUILTIN:
             return cls(cls.BUILTIN[what])
         path = Path(what)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ConfigError(f"verify profile {what!r}: not a built-in ({', '.join(cls.BUILTIN)}) nor a JSON file")
-        try:
-            return cls({"name": path.stem, **json.loads(path.read_text())})
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not a JSON verify profile ({e.msg})") from None
+        spec = read_json_file(path, ConfigError)
+        return cls({"name": path.stem, **spec} if isinstance(spec, dict) else spec, str(path))
 
     def v(self, n: float) -> float:
         pts = self.points
@@ -167,8 +172,185 @@ class VerifyProfile:
         return (measured or 0.0), "measured in the report" if measured is not None else "unknown (0)"
 
 
+_NODE_COUNT = 10**6  # a verify profile's node counts: a GPU verifies at most a few thousand nodes a step
+
+
+def _number(value: Any, lo: float, hi: float = math.inf, lo_open: bool = False) -> bool:
+    """A finite int or float (never a bool) in [lo, hi] (or (lo, hi] with `lo_open`)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > lo if lo_open else value >= lo) and value <= hi)
+
+
+def _range(lo: float, hi: float = math.inf, lo_open: bool = False) -> str:
+    low = f"> {lo:g}" if lo_open else f">= {lo:g}"
+    return f"a finite number {low}" if hi == math.inf else f"a finite number in [{lo:g}, {hi:g}]"
+
+
+def profile_problem(spec: Any) -> str | None:
+    """Why `spec` is not a verify profile {"v": {node count: cost > 0}, "c": {kind: cost >= 0}}, or None."""
+    if not isinstance(spec, dict):
+        return f"expected a JSON object {{\"v\": {{nodes: cost}}, \"c\": {{kind: cost}}}}, got {show(spec)}"
+    v, c = spec.get("v"), spec.get("c")
+    if not isinstance(v, dict) or not v:
+        return "`v` needs at least one node count -> positive cost, e.g. {\"0\": 1.0}"
+    seen = set()
+    for key, cost in v.items():
+        digits = str(key)
+        if not (digits.isascii() and digits.isdigit() and int(digits) <= _NODE_COUNT):
+            return f"v key {show(key)} is not a node count (an int in 0..{_NODE_COUNT})"
+        if int(digits) in seen:
+            return f"v has node count {int(digits)} twice"
+        seen.add(int(digits))
+        if not _number(cost, 0.0, lo_open=True):
+            return f"v.{key} is {show(cost)}: expected {_range(0.0, lo_open=True)} (the cost in target steps)"
+    if c is not None and not isinstance(c, dict):
+        return f"c is {show(c)}: expected a map of proposer kind -> drafting cost"
+    for kind, cost in (c or {}).items():
+        if not _number(cost, 0.0):
+            return f"c.{kind} is {show(cost)}: expected {_range(0.0)} (the drafting cost in target steps)"
+    if not isinstance(spec.get("name", "custom"), str):
+        return f"name is {show(spec['name'])}: expected a string"
+    return None
+
+
+MAX_JSON_DEPTH = 64  # a report nests about 6 deep, a policy 4
+
+
+def read_json_file(path: str | Path, error: type[Exception] = DataError) -> Any:
+    """A JSON file read from outside (a report, a policy, a profile): its value, or one line naming it when it
+    is no readable file (`error`), not UTF-8, nested deeper than MAX_JSON_DEPTH (counted before parsing: a deep
+    file is a bad file, never a RecursionError) or not JSON (FileFormatError)."""
+    path = Path(path)
+    if not path.is_file():
+        dangling = path.is_symlink() and not path.exists()
+        raise error(f"{path}: {'a dangling symlink' if dangling else 'a folder' if path.is_dir() else 'not found'}, "
+                    "not a JSON file")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FileFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    depth = net.json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise FileFormatError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels ({depth}); refused")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FileFormatError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+
+
+# ---- evaluation reports: what routing (and retraining) reads of `evaluate`'s report.json --------------------
+
+# a domain row's numbers: (lowest, highest, lowest excluded); None is always allowed (not measured)
+DOMAIN_NUMBERS = {
+    "speedup": (0.0, math.inf, True), "alpha": (0.0, 1.0, False), "tau": (0.0, math.inf, False),
+    "verified_nodes_per_step": (0.0, math.inf, False), "target_forwards": (0.0, math.inf, False),
+    "proposer_time_s": (0.0, math.inf, False), "tokens_per_s": (0.0, math.inf, False),
+}
+
+
+def domain_problem(row: Any, where: str, nested: bool = True) -> str | None:
+    """Why a report's domain row (or `overall`, or a side-by-side run's row) is not one routing can trust."""
+    if not isinstance(row, dict):
+        return f"{where} is {show(row)}: expected a JSON object (a domain's measurements)"
+    for key, (lo, hi, lo_open) in DOMAIN_NUMBERS.items():
+        if row.get(key) is not None and not _number(row[key], lo, hi, lo_open):
+            return f"{where}.{key} is {show(row[key])}, expected {_range(lo, hi, lo_open)}"
+    n = row.get("n_prompts")
+    if n is not None and not (_number(n, 0) and isinstance(n, int)):
+        return f"{where}.n_prompts is {show(n)}, expected an int >= 0"
+    if row.get("lossless") is not None and not isinstance(row["lossless"], bool):
+        return f"{where}.lossless is {show(row['lossless'])}, expected true, false or null"
+    if row.get("route") is not None and not isinstance(row["route"], str):
+        return f"{where}.route is {show(row['route'])}, expected a proposer spec (a string)"
+    gpu = row.get("gpu_tree")
+    if gpu is not None:
+        problem = domain_problem(gpu, f"{where}.gpu_tree", nested=False)
+        if problem:
+            return problem
+    side = row.get("compare")
+    if side is not None and not (nested and isinstance(side, dict)):
+        return f"{where}.compare is {show(side)}, expected a map of side-by-side run -> its measurements"
+    return next((p for name, r in (side or {}).items() if (p := domain_problem(r, f"{where}.compare.{name}", False))),
+                None)
+
+
+def _settings_problem(settings: Any) -> str | None:
+    if not isinstance(settings, dict):
+        return f"settings is {show(settings)}, expected a JSON object"
+    shape = {k: settings.get(k) for k in ("k", "tree", "tree_max_nodes")}
+    problem = route_problem({"proposer": "x", **shape}, "settings")
+    side = settings.get("compare_settings")
+    if problem or side is None:
+        return problem
+    if not isinstance(side, dict):
+        return f"settings.compare_settings is {show(side)}, expected a map of side-by-side run -> its settings"
+    for name, each in side.items():
+        try:
+            side_by_side_entry(name)
+        except ConfigError as e:
+            return f"settings.compare_settings: {e}"
+        if not isinstance(each, dict):
+            return f"settings.compare_settings.{name} is {show(each)}, expected a JSON object"
+        shape = {k: each.get(k) for k in ("k", "tree", "tree_max_nodes")}
+        if problem := route_problem({"proposer": "x", **shape}, f"settings.compare_settings.{name}"):
+            return problem
+    return None
+
+
+def report_problem(report: Any) -> str | None:
+    """The first field of an evaluation report that routing and retraining could not trust, one line, or None:
+    a proposer spec, a domains map of rows whose numbers are finite and in range (DOMAIN_NUMBERS), settings
+    whose shape a routing policy accepts (route_problem), mappings where mappings are read."""
+    if not isinstance(report, dict):
+        return f"expected a JSON object (an evaluation report), got {show(report)}"
+    proposer = report.get("proposer")
+    if proposer is None:
+        return "proposer is missing (an evaluation report names the proposer it measured)"
+    if not isinstance(proposer, str) or not proposer.strip():
+        return f"proposer is {show(proposer)}, expected a proposer spec (a non-empty string)"
+    target = report.get("target")
+    if target is not None and not (isinstance(target, dict) and isinstance(target.get("fingerprint") or {}, dict)):
+        return f"target is {show(target)}, expected a JSON object with a fingerprint mapping"
+    cost = report.get("cost_model")
+    if cost is not None and not isinstance(cost, dict):
+        return f"cost_model is {show(cost)}, expected a JSON object"
+    t_step = (cost or {}).get("t_step_decode_s")
+    if t_step is not None and not _number(t_step, 0.0, lo_open=True):
+        return f"cost_model.t_step_decode_s is {show(t_step)}, expected {_range(0.0, lo_open=True)}"
+    if report.get("settings") is not None and (problem := _settings_problem(report["settings"])):
+        return problem
+    domains = report.get("domains")
+    if not isinstance(domains, dict):
+        return f"domains is {show(domains)}, expected a map of domain -> its measurements"
+    if report.get("overall") is not None and (problem := domain_problem(report["overall"], "overall")):
+        return problem
+    return next((p for name, row in domains.items() if (p := domain_problem(row, f"domains.{name}"))), None)
+
+
+def check_report(report: Any, where: str) -> dict:
+    """`report` when `report_problem` finds nothing, else one DataError naming `where` and the field."""
+    problem = report_problem(report)
+    if problem:
+        raise DataError(f"{where}: {problem}")
+    return report
+
+
+def read_report(path: str | Path) -> dict:
+    """An evaluation report (report.json, or the folder holding one), validated as it is read (`check_report`),
+    with its path kept under `_path`."""
+    path = Path(path)
+    path = path / "report.json" if path.is_dir() else path
+    if not os.path.lexists(path):
+        raise ConfigError(f"evaluation report not found: {path}")
+    return {**check_report(read_json_file(path), str(path)), "_path": str(path)}
+
+
 def _route_entry(report: dict, domain: dict) -> dict:
-    s = report.get("settings", {})
+    s = report.get("settings") or {}
     return {"proposer": report["proposer"], "k": s.get("k"), "tree": s.get("tree"),
             "tree_max_nodes": s.get("tree_max_nodes"), "speedup": domain.get("speedup"),
             "alpha": domain.get("alpha"), "tau": domain.get("tau"), "report": report.get("_path")}
@@ -214,50 +396,54 @@ def build_policy(reports: list[dict | str | Path], threshold: float = 1.0, route
     (ties: the one with fewer verified nodes a step)."""
     if criterion not in CRITERIA:
         raise ConfigError(f"criterion must be one of {', '.join(CRITERIA)}, got {criterion!r}")
+    if not _number(threshold, -math.inf):
+        raise ConfigError(f"threshold is {show(threshold)}: expected a finite number")
     prof = VerifyProfile.load(profile if profile is not None else ("gpu" if criterion == "predicted" else None))
     loaded = _load_reports(reports)
     if router not in ("declared", "keyword"):
         raise ConfigError(f"router must be 'declared' or 'keyword', got {router!r}")
-    domains: dict = {}
-    for name in sorted({d for r in loaded for d in r.get("domains", {})}):
-        cands = []
-        for r in loaded:
-            d = r.get("domains", {}).get(name)
-            if d is None or d.get("lossless") is False:
-                continue  # a run that was not lossless never serves traffic
-            score = criterion_value(criterion, r, d, prof)
-            if score["value"] is not None:
-                cands.append((score["value"], -(d.get("verified_nodes_per_step") or 0.0), r, d, score))
-        if not cands:
-            domains[name] = OFF
-            continue
-        value, _, r, d, score = max(cands, key=lambda c: (c[0], c[1]))
-        table = {c[2]["proposer"]: c[0] for c in cands}
-        domains[name] = {**_route_entry(r, d), "value": value, **({"basis": score} if criterion != "speedup" else {}),
-                         "candidates": table} if value >= threshold else OFF
+    domains = {name: _best_route(name, loaded, criterion, prof, threshold)
+               for name in sorted({d for r in loaded for d in r["domains"]})}
     return {"kind": "routing_policy", "threshold": threshold, "criterion": criterion,
             **({"profile": {"name": prof.name, "v": {str(n): v for n, v in prof.points}, "c": prof.c}} if prof else {}),
-            "target": loaded[0].get("target", {}),
+            "target": loaded[0].get("target") or {},
             "router": {"kind": router, "keywords": keywords or DEFAULT_KEYWORDS}, "default": OFF,
             "domains": domains}
 
 
+def _best_route(name: str, loaded: list[dict], criterion: str, prof: VerifyProfile | None,
+                threshold: float) -> dict | str:
+    """Domain `name`'s route: the lossless candidate with the highest criterion value (ties: fewer verified
+    nodes a step, then the first by proposer and report path: `loaded` is in that order), or OFF."""
+    cands = []
+    for r in loaded:
+        d = r["domains"].get(name)
+        if d is None or d.get("lossless") is False:
+            continue  # a run that was not lossless never serves traffic
+        score = criterion_value(criterion, r, d, prof)
+        if score["value"] is not None:
+            cands.append((score["value"], -(d.get("verified_nodes_per_step") or 0.0), r, d, score))
+    if not cands:
+        return OFF
+    value, _, r, d, score = max(cands, key=lambda c: (c[0], c[1]))
+    if value < threshold:
+        return OFF
+    table = {c[2]["proposer"]: c[0] for c in cands}
+    return {**_route_entry(r, d), "value": value, **({"basis": score} if criterion != "speedup" else {}),
+            "candidates": dict(sorted(table.items()))}
+
+
 def _load_reports(reports: list[dict | str | Path]) -> list[dict]:
-    """The reports and their side-by-side runs as report-shaped dicts, all of one target (routed runs left out:
-    routes do not nest)."""
-    loaded = []
-    for r in reports:
-        if not isinstance(r, dict):
-            path = Path(r)
-            path = path / "report.json" if path.is_dir() else path
-            if not path.is_file():
-                raise ConfigError(f"evaluation report not found: {path}")
-            r = {**json.loads(path.read_text()), "_path": str(path)}
-        loaded.append(r)
+    """The reports (each validated as it is read: `read_report`, `check_report`) and their side-by-side runs as
+    report-shaped dicts, all of one target (routed runs left out: routes do not nest), in the order of their
+    proposer and path, so that no choice depends on the order they were given in."""
+    loaded = [check_report(r, str(r.get("_path") or f"report {i + 1}")) if isinstance(r, dict) else read_report(r)
+              for i, r in enumerate(reports)]
     if not loaded:
         raise ConfigError("routing needs at least one evaluation report")
     loaded = [x for r in loaded for x in [r, *_compared(r)] if not str(x["proposer"]).startswith("route:")]
-    hashes = {json.dumps(r.get("target", {}).get("fingerprint", {}), sort_keys=True) for r in loaded}
+    loaded.sort(key=lambda r: (str(r["proposer"]), str(r.get("_path") or "")))
+    hashes = {json.dumps((r.get("target") or {}).get("fingerprint") or {}, sort_keys=True) for r in loaded}
     if len(hashes) > 1:
         raise ConfigError("the reports were measured on different targets (fingerprints differ): route one target")
     return loaded
@@ -270,8 +456,8 @@ def _compared(report: dict) -> list[dict]:
     specs = (report.get("settings") or {}).get("compare_settings") or {}
     out = []
     for name, settings in specs.items():
-        domains = {d: v["compare"][name] for d, v in report.get("domains", {}).items() if name in (v.get("compare") or {})}
-        out.append({"proposer": side_by_side_entry(name)[0], "target": report.get("target", {}), "settings": settings,
+        domains = {d: v["compare"][name] for d, v in report["domains"].items() if name in (v.get("compare") or {})}
+        out.append({"proposer": side_by_side_entry(name)[0], "target": report.get("target") or {}, "settings": settings,
                     "domains": domains,
                     "_path": f"{report.get('_path', '')} (--compare {name})"})
     return out
@@ -286,13 +472,12 @@ def write_policy(policy: dict, path: str | Path) -> Path:
 
 
 def load_policy(path: str | Path) -> dict:
+    """A routing policy file, validated as it is read: one ConfigError naming the file and the field the
+    decoder could not follow (`policy_problem`)."""
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"routing policy not found: {path}")
-    try:
-        policy = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not a JSON routing policy ({e})") from None
+    policy = read_json_file(path, ConfigError)
     if not isinstance(policy, dict) or policy.get("kind") != "routing_policy" or not isinstance(policy.get("domains"), dict):
         raise ConfigError(f"{path}: not a routing policy (kind: routing_policy with a domains map)")
     problem = policy_problem(policy)
@@ -345,6 +530,9 @@ def policy_problem(policy: dict) -> str | None:
     if keywords is not None and not (isinstance(keywords, dict) and all(
             isinstance(ks, list) and all(isinstance(k, str) and k for k in ks) for ks in keywords.values())):
         return "router.keywords: a map of domain -> list of non-empty strings"
+    target = policy.get("target")
+    if target is not None and not (isinstance(target, dict) and isinstance(target.get("fingerprint") or {}, dict)):
+        return f"target is {show(target)}: a JSON object with a fingerprint mapping (or null)"
     return None
 
 
@@ -421,7 +609,7 @@ class RoutedProposer(Proposer):
         from draftsmith.targets.fingerprint import check_compatible
 
         policy = load_policy(path)
-        if policy.get("target", {}).get("fingerprint"):
+        if (policy.get("target") or {}).get("fingerprint"):
             check_compatible(policy["target"]["fingerprint"], target.fingerprint(), what=f"routing policy {path}")
         specs = {r["proposer"] for r in list(policy["domains"].values()) + [policy.get("default")]
                  if isinstance(r, dict)}

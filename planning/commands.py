@@ -163,14 +163,10 @@ def run_route_build(args) -> int:
 def run_route_compare(args) -> int:
     from pathlib import Path
 
-    from draftsmith.decoding.routing import compare_table
+    from draftsmith.decoding.routing import compare_table, read_report
     from draftsmith.storage import atomic_write_text
 
-    def load(p):
-        p = Path(p)
-        return json.loads((p / "report.json" if p.is_dir() else p).read_text())
-
-    md, _ = compare_table(load(args.routed), [load(p) for p in args.reports] if args.reports else None)
+    md, _ = compare_table(read_report(args.routed), [read_report(p) for p in args.reports] if args.reports else None)
     print(md)
     if args.out:
         atomic_write_text(Path(args.out), md)
