@@ -18,6 +18,7 @@ import re
 import string
 import sysconfig
 import textwrap
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -154,7 +155,7 @@ def extract_conversation(row: Any, field_name: str, sharegpt: bool, roles: dict[
     reshaped into something the data did not say.
     """
     if not isinstance(row, dict):
-        raise _FieldError(f"not a JSON object (got {type(row).__name__})")
+        raise _FieldError(f"not a JSON object (got {json_kind(row)})")
     convo = get_field(row, field_name)
     if convo is _MISSING or convo is None:
         raise _FieldError(f"missing field '{field_name}'")
@@ -203,7 +204,7 @@ def extract_response(row: dict, field_name: str) -> str:
 def extract_turns(row: Any, prompt: str | None, template: str | None, turns: str | None) -> list[str]:
     """The user turns of one row under a field mapping; _FieldError says what is wrong."""
     if not isinstance(row, dict):
-        raise _FieldError(f"not a JSON object (got {type(row).__name__})")
+        raise _FieldError(f"not a JSON object (got {json_kind(row)})")
     if template is not None:
         try:
             text = string.Formatter().vformat(template, (), row)
@@ -263,21 +264,46 @@ def _domain(row: Any, source: SourceConfig) -> str:
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, parsed object or None, error) for every non-blank line of a prompt file: the one reader
     of prompt lines (training sources, eval sets, the overlap check, evaluation's prompts). A line that is
-    not UTF-8 is an error of its own (decoding it with replacement characters would store mangled text).
-    `.gz` files are read decompressed. The caller decides whether an error skips the line or stops."""
-    with open_data(path) as f:
-        for lineno, raw in enumerate(f, 1):
+    not UTF-8 is an error of its own (decoding it with replacement characters would store mangled text), and so
+    is a line nested past what the parser can read. `.gz` files are read decompressed; a file cut short or damaged
+    ends with an error at the line where it breaks. The caller decides whether an error skips the line or stops."""
+    try:
+        f = open_data(path)
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    with f:
+        lineno = 0
+        while True:
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, None, f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line), None
-            except json.JSONDecodeError as e:
-                yield lineno, None, f"bad JSON ({e.msg} at column {e.colno})"
+                raw = f.readline()
+            except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+                yield lineno + 1, None, f"the file is cut short or damaged here ({type(e).__name__}: {e})"
+                return
+            if not raw:
+                return
+            lineno += 1
+            error, obj = _parse_line(raw)
+            if error is not None or obj is not _BLANK:
+                yield lineno, obj, error
+
+
+_BLANK = object()
+
+
+def _parse_line(raw: bytes) -> tuple[str | None, Any]:
+    """(error, object) of one line: _BLANK for a blank one."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})", None
+    if not line.strip():
+        return None, _BLANK
+    try:
+        return None, json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"bad JSON ({e.msg} at column {e.colno})", None
+    except RecursionError:
+        return "bad JSON (nested too deep to read)", None
 
 
 def _iter_hf(source: SourceConfig) -> Iterator[tuple[int, Any, str | None]]:
@@ -550,7 +576,8 @@ def load_prompts(config: DataConfig, tokenizer=None, prompt_length=None, target=
     if report.items:
         log.warning("%s", report.summary())
     if not rows:
-        raise DataError(f"no prompts left after filtering ({report.summary()})")
+        read = ", ".join(f"{s.name} ({s.path or s.id or s.type})" for s in config.sources)
+        raise DataError(f"no prompts left after filtering ({report.summary()}); sources read: {read}")
     return PromptSet(rows, report, duplicates, per_source, rejected)
 
 

@@ -86,3 +86,23 @@ def test_training_prompt_lines_in_every_shape_are_malformed_never_raw(tmp_path, 
     assert [r.turns for r in prompts.rows] == [["fine"]]
     [(origin, why)] = prompts.malformed.items
     assert origin == f"{path}:2" and "\n" not in why
+
+
+def test_a_torn_gzip_or_a_deeply_nested_prompt_line_is_named_never_raw(tmp_path):
+    """A prompt file cut short inside its gzip stream, and a line nested past Python's recursion limit: one line
+    naming the file (evaluation), a malformed line (a training source), never EOFError or RecursionError."""
+    import gzip
+
+    from draftsmith.evaluation.domains import load_prompts
+
+    torn = tmp_path / "torn.jsonl.gz"
+    whole = gzip.compress(("\n".join(json.dumps({"turns": [f"question {i}"]}) for i in range(200)) + "\n").encode())
+    torn.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError) as e:
+        load_prompts([torn])
+    assert str(torn) in _one_line(e)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(json.dumps({"turns": ["fine"]}) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(DataError) as e:
+        load_prompts([deep])
+    assert _one_line(e).startswith(f"{deep}:2: ")
