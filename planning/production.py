@@ -17,7 +17,8 @@ Two sources, one output shape (the `domains` / `overall` rows of an evaluation r
    Every counter is checked as it enters: a count is finite and >= 0, positions are 0..k-1, accepted tokens
    come with the drafted tokens they are divided by; a URL is read through net.py (a byte cap and a deadline). vLLM has no notion of a domain: `model_domains` maps a served model name (one per
    deployment, or a LoRA/adapter name per traffic class) to a domain; unmapped models keep their name.
-2. Request logs (a folder of *.jsonl, the traffic format of retrain/traffic.py) whose rows carry the
+2. Request logs (a folder of *.jsonl / *.jsonl.gz read by planning/logs.py, the traffic format of
+   retrain/traffic.py) whose rows carry the
    engine's per-request counters: `draft_tokens` + `accepted_tokens` (+ optional `drafts`), or SGLang's
    `meta_info` style `spec_verify_ct` + `completion_tokens` (τ = completion_tokens / spec_verify_ct).
    Rows are grouped by their `domain` field (else "unknown").
@@ -25,14 +26,15 @@ Two sources, one output shape (the `domains` / `overall` rows of an evaluation r
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
 from pathlib import Path
 
 from draftsmith import net
+from draftsmith.config import show
 from draftsmith.errors import DataError
+from draftsmith.planning.logs import log_files, records
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -102,7 +104,7 @@ def _vllm_counts(text: str, label: str, source: str = "vllm metrics") -> tuple[d
             c["accepted"] += value
         elif key == "num_accepted_tokens_per_pos":
             pos = labels.get("position", "")
-            if not pos.isdigit():  # vLLM labels draft positions 0..k-1
+            if not (pos.isascii() and pos.isdigit() and len(pos) <= 6):  # vLLM labels draft positions 0..k-1
                 raise DataError(f"{source}: {name} of model {model!r}: position={pos!r} is not a draft position "
                                 "(an int >= 0); refused")
             c["per_pos"][int(pos)] += value
@@ -212,48 +214,66 @@ def vllm_alpha(text: str, since: str | None = None, model_domains: dict[str, str
     return table
 
 
+def _count(meta: dict, key: str) -> float:
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{key} is {show(value)}, expected a count (a finite number >= 0)")
+    return float(value)
+
+
+def _request_counters(row: dict) -> tuple[float, float, float] | None:
+    """(drafts, drafted tokens, accepted tokens) of one request log row, None for a request served without
+    speculation, or a ValueError naming the field that is not a count (module docstring, source 2)."""
+    meta = row.get("meta_info") or row
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta_info is {show(meta)}, expected a JSON object")
+    if "draft_tokens" in meta and "accepted_tokens" in meta:
+        drafted, accepted = _count(meta, "draft_tokens"), _count(meta, "accepted_tokens")
+        drafts = _count(meta, "drafts") if meta.get("drafts") is not None else 0.0
+        if accepted > drafted:
+            raise ValueError(f"accepted_tokens {accepted:g} > draft_tokens {drafted:g}: alpha would be above 1")
+        return drafts, drafted, accepted
+    if "spec_verify_ct" in meta and "completion_tokens" in meta:
+        # SGLang: completion tokens = verify steps + accepted drafts; drafted count is not reported,
+        # so α is left to the engines that report it and only τ is exact
+        drafts, completion = _count(meta, "spec_verify_ct"), _count(meta, "completion_tokens")
+        if completion < drafts:
+            raise ValueError(f"completion_tokens {completion:g} < spec_verify_ct {drafts:g}: every verify step "
+                             "emits a token")
+        drafted = _count(meta, "draft_tokens") if meta.get("draft_tokens") is not None else 0.0
+        return drafts, drafted, completion - drafts
+    return None
+
+
 def log_alpha(folder: str | Path) -> dict:
-    """Per-domain α table from request logs carrying per-request speculative counters (module docstring)."""
-    folder = Path(folder)
-    files = sorted([*folder.glob("*.jsonl")]) if folder.is_dir() else [folder] if folder.is_file() else []
-    if not files:
-        raise DataError(f"no request logs (*.jsonl) at {folder}")
+    """Per-domain α table from request logs carrying per-request speculative counters (module docstring). The
+    files are read by planning/logs.py (what cannot be read is named in `bad` and skipped); a row whose counters
+    are not counts is one more bad row, named."""
+    logs = log_files(folder, "request logs")
     groups: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
                                                    "per_pos": defaultdict(float), "requests": 0.0})
-    malformed = 0
-    for path in files:
-        for line in path.read_text(encoding="utf-8").split("\n"):  # JSON lines end at \n only (storage.jsonl_records)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                meta = row.get("meta_info") or row
-                if "draft_tokens" in meta and "accepted_tokens" in meta:
-                    drafted, accepted = float(meta["draft_tokens"]), float(meta["accepted_tokens"])
-                    drafts = float(meta.get("drafts", 0.0))
-                elif "spec_verify_ct" in meta and "completion_tokens" in meta:
-                    # SGLang: completion tokens = verify steps + accepted drafts; drafted count is not reported,
-                    # so α is left to the engines that report it and only τ is exact
-                    drafts = float(meta["spec_verify_ct"])
-                    accepted = float(meta["completion_tokens"]) - drafts
-                    drafted = float(meta["draft_tokens"]) if "draft_tokens" in meta else 0.0
-                else:
-                    continue  # a request served without speculation
-                if not all(math.isfinite(v) and v >= 0 for v in (drafted, accepted, drafts)):
-                    raise ValueError("a counter that is not a finite count")
-            except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
-                malformed += 1
-                continue
-            g = groups[str(row.get("domain") or "unknown")]
-            g["drafts"] += drafts
-            g["draft_tokens"] += drafted
-            g["accepted"] += accepted
-            g["requests"] += 1
+    for path, number, row, _ in records(logs):
+        try:
+            counted = _request_counters(row)
+            domain = row.get("domain") or "unknown"
+            if not isinstance(domain, str):
+                raise ValueError(f"domain is {show(domain)}, expected a string")
+        except ValueError as e:
+            logs.reject(f"{path}:{number}", str(e))
+            continue
+        if counted is None:
+            continue  # a request served without speculation
+        g = groups[domain]
+        g["drafts"] += counted[0]
+        g["draft_tokens"] += counted[1]
+        g["accepted"] += counted[2]
+        g["requests"] += 1
     if not any(g["draft_tokens"] > 0 or g["drafts"] > 0 for g in groups.values()):
         raise DataError(f"{folder}: no request carries speculative-decoding counters (draft_tokens + "
-                        f"accepted_tokens, or spec_verify_ct + completion_tokens; {malformed} malformed lines)")
+                        f"accepted_tokens, or spec_verify_ct + completion_tokens; {logs.malformed} malformed"
+                        f"{logs.first_bad()})")
     table = _table(groups, str(folder))
-    table["malformed"] = malformed
+    table["malformed"], table["bad"] = logs.malformed, logs.bad
     return table
 
 
@@ -292,7 +312,7 @@ def production_alpha(path: str | Path, since: str | Path | None = None,
         path = Path(path)
         if not path.exists():
             raise DataError(f"production metrics not found: {path}")
-        if path.is_dir() or path.suffix == ".jsonl":
+        if path.is_dir() or path.name.endswith((".jsonl", ".jsonl.gz")):
             return log_alpha(path)
     text = read_metrics(path, timeout, max_bytes)
     earlier = read_metrics(since, timeout, max_bytes) if since else None

@@ -5,26 +5,28 @@ Each `*.jsonl` (or `*.jsonl.gz`) line is one request:
      "response": "...",            optional: what was served
      "domain": "code",             optional: else the router / "unknown"
      "timestamp": "2026-11-20T10:00:00Z" | 1763632800}   optional: else the file's mtime
-Rows older than the window (relative to the newest row) are ignored; malformed lines (not JSON, not UTF-8, no
-prompt, a timestamp that is not a finite time or lies in the future) are counted, and the first few are named
-(`file:line: why`) in `TrafficSample.bad`; a partly written `.gz` gives the rows before the damage and counts
-as one bad row naming the file.
+Rows older than the window (relative to the newest row) are left out and counted (`outside_window`); malformed
+lines (not JSON, not UTF-8, no prompt, a field of the wrong type, a timestamp that is not a finite time or lies
+in the future) are counted, and the first few are named (`file:line: why`) in `TrafficSample.bad`; a partly
+written `.gz` gives the rows before the damage and counts as one bad row naming the file, and an entry of a
+log's name that is no file (a dangling symlink, a folder) is named and skipped (planning/logs.py reads the
+files; this module checks the rows).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import gzip
 import json
 import math
 import random
 import time
-import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.errors import DataError
+from draftsmith.config import show
+from draftsmith.errors import ConfigError, DataError
+from draftsmith.planning.logs import log_files, records
 
 
 @dataclass
@@ -43,7 +45,8 @@ class TrafficSample:
     malformed: int = 0
     window: tuple[float, float] | None = None
     files: list[str] = field(default_factory=list)
-    bad: list[str] = field(default_factory=list)  # the first MAX_NAMED malformed lines, "file:line: why"
+    bad: list[str] = field(default_factory=list)  # the first logs.MAX_NAMED malformed lines, "file:line: why"
+    outside_window: int = 0  # readable rows older than the window (measured back from the newest row)
 
     def by_domain(self) -> dict[str, list[TrafficRow]]:
         out: dict[str, list[TrafficRow]] = defaultdict(list)
@@ -69,7 +72,10 @@ def _timestamp(value, fallback: float, now: float) -> float:
             parsed = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
         except ValueError:
             raise ValueError(f"unreadable timestamp {str(value)[:80]!r}") from None
-        ts, what = parsed.timestamp(), "timestamp"
+        try:
+            ts, what = parsed.timestamp(), "timestamp"
+        except (OverflowError, OSError, ValueError):  # year 1 in local time lies before the epoch's range
+            raise ValueError(f"timestamp {str(value)[:80]!r} is not a finite time") from None
     try:
         ts = float(ts)
     except OverflowError:
@@ -82,74 +88,75 @@ def _timestamp(value, fallback: float, now: float) -> float:
     return ts
 
 
-MAX_NAMED = 20
+def _check_sampling(window_days, max_per_domain) -> None:
+    """The window and the per-domain cap as read_traffic needs them (the config checks them too; a caller
+    passing them directly is checked here): a NaN window kept no row and said nothing."""
+    if isinstance(window_days, bool) or not isinstance(window_days, int | float) or not (
+            math.isfinite(window_days) and window_days > 0):
+        raise ConfigError(f"traffic.window_days is {show(window_days)}: expected a finite number of days > 0")
+    if max_per_domain is not None and (isinstance(max_per_domain, bool) or not isinstance(max_per_domain, int)
+                                       or max_per_domain < 1):
+        raise ConfigError(f"traffic.max_per_domain is {show(max_per_domain)}: expected an int >= 1 (or null)")
 
 
-def _open(path: Path):
-    """Bytes, line by line: a line that is not UTF-8 is one bad row, not the end of the file."""
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+def _message_text(messages: list) -> str:
+    """The last user message's content of a chat prompt; a ValueError naming what is wrong with a message."""
+    for m in messages:
+        if not isinstance(m, dict):
+            raise ValueError(f"prompt: a message is {show(m)}, expected {{role, content}}")
+        if "content" not in m:
+            raise ValueError("prompt: a message without content")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"prompt: a message's content is {show(m['content'])}, expected a string")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"prompt: a message's role is {show(m.get('role'))}, expected a string")
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not users:
+        raise ValueError("prompt: no user message")
+    return users[-1]
 
 
-def _row(raw_line: bytes, mtime: float, now: float, classify) -> TrafficRow:
-    line = raw_line.decode("utf-8")
-    obj = json.loads(line)
-    if not isinstance(obj, dict):
-        raise ValueError(f"not a JSON object ({type(obj).__name__})")
+def _row(obj: dict, mtime: float, now: float, classify) -> TrafficRow:
+    """One traffic row of a log line's object (module docstring), or a ValueError saying which field is wrong."""
     if "prompt" not in obj:
         raise ValueError("missing field 'prompt'")
     raw = obj["prompt"]
-    messages = raw if isinstance(raw, list) else None
-    prompt = raw if isinstance(raw, str) else next(m["content"] for m in reversed(raw) if m.get("role") == "user")
+    if isinstance(raw, str):
+        prompt, messages = raw, None
+    elif isinstance(raw, list):
+        prompt, messages = _message_text(raw), raw
+    else:
+        raise ValueError(f"prompt is {show(raw)}, expected a string or a list of messages")
     if not prompt.strip():
         raise ValueError("empty prompt")
-    domain = obj.get("domain") or (classify(prompt) if classify else "unknown")
-    return TrafficRow(prompt, str(domain), _timestamp(obj.get("timestamp"), mtime, now), obj.get("response"), messages)
-
-
-def _why(e: Exception) -> str:
-    if isinstance(e, UnicodeDecodeError):
-        return "not UTF-8"
-    if isinstance(e, json.JSONDecodeError):
-        return f"not valid JSON ({e.msg})"
-    first = str(e).splitlines()[0] if str(e) else ""
-    return first if isinstance(e, ValueError) and first else f"{type(e).__name__}: {first}"
+    domain, response = obj.get("domain"), obj.get("response")
+    if domain is not None and not isinstance(domain, str):
+        raise ValueError(f"domain is {show(domain)}, expected a string")
+    if response is not None and not isinstance(response, str):
+        raise ValueError(f"response is {show(response)}, expected a string or null")
+    domain = domain or (classify(prompt) if classify else "unknown")
+    return TrafficRow(prompt, str(domain), _timestamp(obj.get("timestamp"), mtime, now), response, messages)
 
 
 def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: int | None = None,
                  seed: int = 0, classify=None) -> TrafficSample:
     """Rows of the last `window_days` (relative to the newest row), sampled to `max_per_domain` per domain.
 
-    `classify(prompt) -> domain` labels rows without a domain (default: "unknown").
+    `classify(prompt) -> domain` labels rows without a domain (default: "unknown"). The files are read by
+    planning/logs.py (what cannot be read is named in `bad` and skipped); each row's fields are checked here.
     """
-    folder = Path(folder)
-    files = sorted([*folder.glob("*.jsonl"), *folder.glob("*.jsonl.gz")]) if folder.is_dir() else []
-    if not files:
-        raise DataError(f"no traffic logs (*.jsonl) in {folder}")
+    _check_sampling(window_days, max_per_domain)
+    logs = log_files(folder, "traffic logs")
     rows: list[TrafficRow] = []
-    malformed = 0
-    bad: list[str] = []
     now = time.time()
-    for path in files:
-        mtime = path.stat().st_mtime
+    for path, number, obj, mtime in records(logs):
         try:
-            with _open(path) as f:
-                for number, raw_line in enumerate(f, 1):
-                    if not raw_line.strip():
-                        continue
-                    try:
-                        rows.append(_row(raw_line, mtime, now, classify))
-                    except (json.JSONDecodeError, KeyError, TypeError, ValueError, StopIteration, AttributeError) as e:
-                        malformed += 1
-                        if len(bad) < MAX_NAMED:
-                            bad.append(f"{path}:{number}: {_why(e)}")
-        except (EOFError, OSError, zlib.error) as e:  # a partly written .gz: its readable rows are kept
-            malformed += 1
-            if len(bad) < MAX_NAMED:
-                bad.append(f"{path}: damaged or partly written, the rest of the file skipped "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            rows.append(_row(obj, mtime, now, classify))
+        except ValueError as e:
+            logs.reject(f"{path}:{number}", str(e).splitlines()[0] if str(e) else type(e).__name__)
     if not rows:
-        first = f"; first: {bad[0]}" if bad else ""
-        raise DataError(f"traffic logs in {folder} hold no readable rows ({malformed} malformed{first})")
+        raise DataError(f"traffic logs in {folder} hold no readable rows ({logs.malformed} malformed"
+                        f"{logs.first_bad()})")
     newest = max(r.timestamp for r in rows)
     start = newest - window_days * 86400
     recent = [r for r in rows if r.timestamp >= start]
@@ -163,8 +170,8 @@ def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: i
         if max_per_domain is not None and len(group) > max_per_domain:
             group = rng.sample(group, max_per_domain)
         picked.extend(group)
-    return TrafficSample(picked, dict(Counter(r.domain for r in picked)), malformed, (start, newest),
-                         [str(p) for p in files], bad)
+    return TrafficSample(picked, dict(Counter(r.domain for r in picked)), logs.malformed, (start, newest),
+                         [str(p) for p in logs.files], logs.bad, len(rows) - len(recent))
 
 
 def write_prompt_file(rows: list[TrafficRow], path: str | Path) -> Path:
