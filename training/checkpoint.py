@@ -27,8 +27,6 @@ flipped bit) is not resumed from: `resume: auto` falls back to the newest intact
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import random
@@ -51,6 +49,14 @@ from draftsmith.storage import (
     read_json,
     sha256_file,
     weight_checksums,
+)
+from draftsmith.training.run_files import (
+    log_records,
+    read_log_text,
+    read_state,
+    read_written,
+    record_written,
+    written_path,
 )
 
 log = logging.getLogger(__name__)
@@ -82,22 +88,15 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 def checkpoint_problems(path: str | Path) -> list[str]:
     """Why a checkpoint cannot be resumed from, one line per file (empty when it is intact): state.json
-    unreadable, a safetensors file missing, truncated or different from the sha256 state.json recorded."""
+    unreadable or not in its schema (run_files.read_state), a file missing, truncated or different from the
+    sha256 state.json recorded."""
     from draftsmith.layouts.verify import VerificationError, read_header
 
     path = Path(path)
     try:
-        state = read_json(path / "state.json")
+        state = read_state(path / "state.json")
     except FileFormatError as e:
-        return [f"{path / 'state.json'}: unreadable: {str(e).removeprefix(str(path / 'state.json') + ': ')}"]
-    except OSError as e:
-        return [f"{path / 'state.json'}: unreadable ({type(e).__name__}: {e.strerror})"]
-    if not isinstance(state, dict):
-        return [f"{path / 'state.json'}: not a JSON object"]
-    missing = [k for k in STATE_FIELDS if k not in state]
-    if missing:
-        return [f"{path / 'state.json'}: missing field '{missing[0]}'" + (f" (and {len(missing) - 1} more)"
-                                                                           if len(missing) > 1 else "")]
+        return [str(e)]
     sums = state.get("checksums")
     if sums:
         return checksum_problems(path, sums, "state.json")
@@ -110,17 +109,45 @@ def checkpoint_problems(path: str | Path) -> list[str]:
     return problems
 
 
-STATE_FIELDS = ("step", "micro", "world_size", "batch_size", "nonfinite_total", "nonfinite_in_row", "tokens_total",
-                "last_eval", "last_train", "rng")
+PICKLED = ("shards", "deepspeed")  # DCP's and DeepSpeed's folders in a sharded checkpoint: they hold pickles
+
+
+def holds_pickles(path: str | Path) -> bool:
+    return any((Path(path) / name).is_dir() for name in PICKLED)
+
+
+def trust_problem(path: str | Path, output_dir: str | Path) -> str | None:
+    """Why this run may not resume from `path` (one line), or None. A run resumes from its own checkpoints:
+    a folder in its own `checkpoints/` (symlinks and `..` resolved), or one whose state.json this run's
+    `checkpoints/written.json` recorded (a copy it made elsewhere). A checkpoint holding pickles needs the
+    record in every case: its own state.json vouches for nothing, whoever wrote the folder wrote that too."""
+    path, root = Path(path), checkpoints_root(output_dir)
+    inside = path.resolve().parent == root.resolve()
+    if inside and not holds_pickles(path):
+        return None  # safetensors and JSON only: nothing in it can run code
+    try:
+        written = read_written(root)
+    except FileFormatError as e:
+        return f"{path}: cannot be trusted, {e}"
+    state = path / "state.json"
+    if state.is_file() and sha256_file(state) in written:
+        return None
+    if not inside:
+        return (f"train.resume: {path} is not a checkpoint of this run's output folder {output_dir} (resolved: "
+                f"{path.resolve()}), nor one {written_path(root)} records: draftsmith resumes only from checkpoints "
+                "it wrote there; set train.output_dir to the run that wrote it")
+    return (f"{path} holds pickles (shards/ or deepspeed/) that this run did not write ({written_path(root)} does "
+            "not record it): they are never loaded; delete it, or set train.resume=never")
 
 
 def latest_intact(output_dir: str | Path) -> Path | None:
-    """The newest checkpoint that passes `checkpoint_problems`, logging each newer one that does not."""
+    """The newest checkpoint this run may resume from (`trust_problem`) that passes `checkpoint_problems`,
+    logging each newer one that does not."""
     for path in reversed(list_checkpoints(output_dir)):
-        problems = checkpoint_problems(path)
-        if not problems:
+        problem = trust_problem(path, output_dir) or next(iter(checkpoint_problems(path)), None)
+        if problem is None:
             return path
-        log.warning("checkpoint %s is damaged, not used: %s", path.name, problems[0])
+        log.warning("checkpoint %s is damaged or not this run's, not used: %s", path.name, problem)
     return None
 
 
@@ -257,6 +284,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
         sums = {**weight_checksums(tmp), **{n: sha256_file(tmp / n) for n in ("optimizer.json", "log.jsonl")}}
         full = {**state, "step": step, "rng": [js for js, _ in rng_per_rank], "checksums": sums}
         atomic_write_json(tmp / "state.json", full)  # last: its presence marks a complete checkpoint
+        record_written(final.parent, tmp / "state.json", final.name)  # before the rename gives it its name
     prune(output_dir, keep_last)
     return final
 
@@ -268,34 +296,63 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     problems = checkpoint_problems(path)
     if problems:
         raise TrainingError(f"checkpoint {path} is damaged: {problems[0]}")
-    state = read_json(path / "state.json")
+    state = read_state(path / "state.json")
     model = load_file(str(path / "model.safetensors"))
-    optimizer = unflatten_state(read_json(path / "optimizer.json"), load_file(str(path / "optimizer.safetensors")))
-    rng_flat = load_file(str(path / "rng.safetensors"))
-    n = len(state["rng"])
-    rng_tensors: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
-    for k, v in rng_flat.items():
-        rank, name = k.split(".", 1)
-        rng_tensors[int(rank[4:])][name] = v
-    log_lines = (path / "log.jsonl").read_text(encoding="utf-8").splitlines(keepends=True) \
-        if (path / "log.jsonl").is_file() else []
-    return LoadedCheckpoint(path, state, model, optimizer, state["rng"], rng_tensors, log_lines)
+    try:
+        optimizer = unflatten_state(read_json(path / "optimizer.json"), load_file(str(path / "optimizer.safetensors")))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise TrainingError(f"checkpoint {path / 'optimizer.json'}: not the optimizer state it wrote "
+                            f"({type(e).__name__}: {e})") from None
+    if not isinstance(optimizer, dict):
+        raise TrainingError(f"checkpoint {path / 'optimizer.json'}: not an optimizer state (not an object)")
+    rng_json, rng_tensors, log_lines = read_rng_and_log(path, state)
+    return LoadedCheckpoint(path, state, model, optimizer, rng_json, rng_tensors, log_lines)
+
+
+_RNG_KEY = re.compile(r"^rank(\d{1,5})\.(torch|cuda\.\d{1,3})$")
+
+
+def read_rng_and_log(path: Path, state: dict) -> tuple[list[dict], list[dict[str, torch.Tensor]], list[str]]:
+    """A checkpoint's per-rank RNG (state.json's python/numpy, rng.safetensors' torch/cuda tensors) and its
+    log's lines, each checked: a key of another shape or a rank state.json has no entry for, or a log line
+    that is not a record, is one line naming the file."""
+    rng_tensors: list[dict[str, torch.Tensor]] = [{} for _ in state["rng"]]
+    for k, v in load_file(str(path / "rng.safetensors")).items():
+        m = _RNG_KEY.match(k)
+        if m is None or int(m[1]) >= len(rng_tensors) or v.dtype != torch.uint8 or v.dim() != 1:
+            raise TrainingError(f"checkpoint {path / 'rng.safetensors'}: tensor '{k}' is not a generator state of "
+                                f"one of the {len(rng_tensors)} ranks state.json lists")
+        rng_tensors[int(m[1])][m[2]] = v
+    if any("torch" not in t for t in rng_tensors):
+        raise TrainingError(f"checkpoint {path / 'rng.safetensors'}: a rank's torch generator state is missing")
+    try:
+        text = read_log_text(path / "log.jsonl")
+        log_records(text, path / "log.jsonl", torn_tail=False)  # a checkpoint's log was written whole
+    except FileFormatError as e:
+        raise TrainingError(f"checkpoint {path} is damaged: {e}") from None
+    return state["rng"], rng_tensors, text.splitlines(keepends=True)
 
 
 def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """'never' -> None; 'auto' -> newest complete checkpoint or None; else that path (must be complete)."""
+    """'never' -> None; 'auto' -> newest complete checkpoint or None; else that path (must be complete, and a
+    checkpoint of this run: `trust_problem`)."""
     if resume == "never":
         return None
     if resume == "auto":
         ckpts = list_checkpoints(output_dir)
         found = latest_intact(output_dir)
         if ckpts and found is None:
-            raise TrainingError(f"every checkpoint under {checkpoints_root(output_dir)} is damaged (see the warnings "
-                                "above): restore one, or set train.resume=never to start over")
+            newest = ckpts[-1]
+            why = trust_problem(newest, output_dir) or next(iter(checkpoint_problems(newest)), "damaged")
+            raise TrainingError(f"no checkpoint under {checkpoints_root(output_dir)} can be resumed (the newest: "
+                                f"{why}); restore one, or set train.resume=never to start over")
         if found is not None and found != ckpts[-1]:
             log.warning("resuming from %s, the newest intact checkpoint (newer ones are damaged)", found)
         return found
-    path = Path(resume)
+    path = Path(resume).expanduser()
+    problem = trust_problem(path, output_dir)  # first: nothing of a folder of unknown origin is read
+    if problem:
+        raise TrainingError(problem)
     if not (path / "state.json").is_file():
         raise TrainingError(f"train.resume: {path} is not a complete checkpoint directory")
     problems = checkpoint_problems(path)
@@ -305,10 +362,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
 
 
 def read_log(path: str | Path) -> list[dict]:
-    """Parse a JSONL log (ignoring a torn last line)."""
-    out = []
-    with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as f:
-        for line in f:
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-    return out
+    """A training log's records (run_files.read_log: a torn last line dropped, any other fault named)."""
+    from draftsmith.training.run_files import read_log as read
+
+    return read(path)

@@ -345,7 +345,12 @@ class Trainer:
             if "ranks" in opt and len(opt["ranks"]) != self.world:
                 raise TrainingError(f"checkpoint {self.resume_path} holds optimizer shards of {len(opt['ranks'])} "
                                     f"ranks; this run has {self.world} (resume with the same world size)")
-            self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
+            try:
+                self.optimizer.load_state_dict(opt["ranks"][self.rank] if "ranks" in opt else opt)
+            except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+                raise TrainingError(f"checkpoint {self.resume_path}: optimizer.json does not fit this run's "
+                                    f"optimizer ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r})"
+                                    "; resume with the same model settings, or set train.resume=never") from None
         for g, values in zip(self.optimizer.param_groups, self.fresh_groups):  # this run's, not the checkpoint's
             g.update(values)
         self._record_changed_settings(st.get("config") or {})
@@ -370,7 +375,7 @@ class Trainer:
         reads rows perm[(b * world + r) * batch_size ...] (module docstring)."""
         cfg = self.cfg
         old_world, old_bs = st["world_size"], st["batch_size"]
-        old_accum = st.get("config", {}).get("grad_accum", cfg.grad_accum)
+        old_accum = (st.get("config") or {}).get("grad_accum", cfg.grad_accum)
         if cfg.group_by_length and st.get("length_group", old_world * old_bs) != self.length_group:
             raise TrainingError(
                 f"checkpoint {self.resume_path} grouped rows by length in runs of "
@@ -382,7 +387,7 @@ class Trainer:
         rows_before = st["micro"] * old_world * old_bs
         per_micro = self.world * cfg.batch_size
         same_step = old_world * old_bs * old_accum == self.world * cfg.batch_size * cfg.grad_accum
-        same_epoch = st["micro_per_epoch"] * old_world * old_bs == self.micro_per_epoch * per_micro
+        same_epoch = st.get("micro_per_epoch", 0) * old_world * old_bs == self.micro_per_epoch * per_micro
         if not (same_step and same_epoch and rows_before % per_micro == 0):
             raise TrainingError(
                 f"checkpoint {self.resume_path} was written with world_size={old_world}, batch_size={old_bs}, "

@@ -17,8 +17,11 @@ PICKLE. Two files are Python pickles, read by their engines with `pickle.load` /
 pickle-free reader: DCP's `.metadata` and DeepSpeed's `.pt` partitions (ZeRO's optimizer state holds Python
 objects: loss scaler, fragment maps). So before anything is unpickled, every file's sha256 must be the one
 `state.json` recorded when this code wrote it (`load_sharded`, `load_deepspeed`): a file that is not is
-refused, and a sharded checkpoint is only ever loaded from a run's own output directory. Do not resume from
-sharded checkpoints of unknown origin; the final artifact is always one consolidated safetensors folder
+refused. And since whoever writes a folder writes its state.json too, that state.json must itself be one this
+run wrote: rank 0 records its sha256 in the output folder's `checkpoints/written.json` before the checkpoint
+gets its name (training/run_files.py), and a checkpoint holding pickles is resumed only when that record names
+it (checkpoint.trust_problem, checked by resolve_resume before anything of the folder is read). A sharded
+checkpoint of unknown origin is never loaded; the final artifact is always one consolidated safetensors folder
 (rank 0).
 
 World size. DCP reshards on load: a checkpoint written by 2 ranks loads into 1 process (or 4), since every
@@ -44,17 +47,17 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import TrainingError
 from draftsmith.storage import atomic_write_json, atomic_write_text, read_json, sha256_file
-from draftsmith.training.checkpoint import checkpoint_name, checkpoints_root, prune
+from draftsmith.training.checkpoint import PICKLED, checkpoint_name, checkpoints_root, holds_pickles, prune
+from draftsmith.training.run_files import read_state, record_written
 
-SHARDS = "shards"
+SHARDS, DS_TAG = PICKLED  # DCP's and DeepSpeed's checkpoint folders inside step-N
 FORMAT = "sharded"
-DS_TAG = "deepspeed"  # DeepSpeed's checkpoint folder inside step-N
 DS_FORMAT = "deepspeed"
 
 
 def is_sharded(path: str | Path) -> bool:
     """A checkpoint whose module and optimizer state are written per rank (FSDP shards or DeepSpeed ZeRO)."""
-    return (Path(path) / SHARDS).is_dir() or (Path(path) / DS_TAG).is_dir()
+    return holds_pickles(path)
 
 
 def is_deepspeed(path: str | Path) -> bool:
@@ -94,6 +97,7 @@ def _commit(accelerator, output_dir, tmp: Path, final: Path, step: int, state: d
     if fmt == FORMAT:
         full["metadata_sha256"] = sums[f"{SHARDS}/.metadata"]
     atomic_write_json(tmp / "state.json", full)  # last: its presence marks a complete checkpoint
+    record_written(final.parent, tmp / "state.json", final.name)  # before the rename gives it its name
     if final.exists():  # a re-save of the same step (resumed run): keep a complete copy until the rename
         old = final.parent / f".{final.name}.tmp-old"
         os.replace(final, old)
@@ -153,7 +157,7 @@ def load_deepspeed(path: str | Path, engine, world: int) -> None:
     """Load a DeepSpeed checkpoint into a prepared engine: same world size only (ZeRO partitions are cut for
     it), after every file's sha256 matched."""
     path = Path(path)
-    written = read_json(path / "state.json")["world_size"]
+    written = read_state(path / "state.json")["world_size"]
     if written != world:
         raise TrainingError(f"checkpoint {path} holds DeepSpeed ZeRO partitions of {written} ranks; this run has "
                             f"{world}: resume with {written} processes (DeepSpeed reshards only through its "
@@ -177,25 +181,24 @@ def load_sharded(path: str | Path, model, optimizer) -> None:
     if not meta.is_file() or want is None or sha256_file(meta) != want:
         raise TrainingError(f"{meta}: missing or not the file this checkpoint recorded (sha256 mismatch); "
                             "it is a pickle and is only loaded when it is")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / SHARDS)))
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / SHARDS)))
+    except CheckpointException as e:  # a BaseException: it would escape every `except Exception`
+        first = next((ln.strip() for ln in str(e).splitlines()[::-1] if ln.strip()), type(e).__name__)
+        raise TrainingError(f"{path / SHARDS}: cannot be loaded into this run's module ({first})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def load_meta(path: str | Path):
     """A sharded checkpoint's loop state (state.json, RNG, log) as a `LoadedCheckpoint` with no tensors: the
     module and optimizer are read after `accelerator.prepare`, by `load_sharded`."""
-    from safetensors.torch import load_file
-
-    from draftsmith.training.checkpoint import LoadedCheckpoint
+    from draftsmith.training.checkpoint import LoadedCheckpoint, read_rng_and_log
 
     path = Path(path)
-    state = read_json(path / "state.json")
-    rng_tensors: list[dict[str, torch.Tensor]] = [{} for _ in state["rng"]]
-    for k, v in load_file(str(path / "rng.safetensors")).items():
-        rank, name = k.split(".", 1)
-        rng_tensors[int(rank[4:])][name] = v
-    log = path / "log.jsonl"
-    lines = log.read_text(encoding="utf-8").splitlines(keepends=True) if log.is_file() else []
-    return LoadedCheckpoint(path, state, {}, {}, state["rng"], rng_tensors, lines)
+    state = read_state(path / "state.json")
+    rng_json, rng_tensors, lines = read_rng_and_log(path, state)
+    return LoadedCheckpoint(path, state, {}, {}, rng_json, rng_tensors, lines)
