@@ -17,6 +17,11 @@ as pickles (`random_states_<rank>.pkl`, `sampler.bin`, `custom_checkpoint_<i>.pk
 objects with `weights_only=False`, i.e. arbitrary code on load. Here nothing is a pickle: tensors go to
 safetensors, everything else to JSON, so no `torch.load` is ever called.
 
+Trust: a run resumes only from its own checkpoints (`trust_problem`): a `step-N` folder of its own
+`checkpoints/` (symlinks and `..` resolved), or a copy whose state.json sha256 `checkpoints/.written.json` (the
+record of every checkpoint this run wrote, training/run_files.py) holds. Nothing here is a pickle, but a sharded
+checkpoint's engine files are (training/sharded.py): those are loaded only when that record names them.
+
 Atomicity: rank 0 writes into `.step-00000100.tmp-<random>` and renames it to `step-00000100` only after
 every file is fsynced; `state.json` is written last. `list_checkpoints` only returns `step-N` dirs with a
 `state.json`, and leftover `.tmp-` dirs from a killed save are deleted by `clean_temp`. `state.json` records
@@ -119,7 +124,7 @@ def holds_pickles(path: str | Path) -> bool:
 def trust_problem(path: str | Path, output_dir: str | Path) -> str | None:
     """Why this run may not resume from `path` (one line), or None. A run resumes from its own checkpoints:
     a folder in its own `checkpoints/` (symlinks and `..` resolved), or one whose state.json this run's
-    `checkpoints/written.json` recorded (a copy it made elsewhere). A checkpoint holding pickles needs the
+    `checkpoints/.written.json` recorded (a copy it made elsewhere). A checkpoint holding pickles needs the
     record in every case: its own state.json vouches for nothing, whoever wrote the folder wrote that too."""
     path, root = Path(path), checkpoints_root(output_dir)
     inside = path.resolve().parent == root.resolve()

@@ -1,5 +1,5 @@
 """The one validating reader for what a training run reads back from its own folder: a checkpoint's
-`state.json`, the JSON-lines training log (`log.jsonl`) and `checkpoints/written.json`, the record of every
+`state.json`, the JSON-lines training log (`log.jsonl`) and `checkpoints/.written.json`, the record of every
 checkpoint this run wrote.
 
 Everything is checked here, once, when it is read: the schema, each field's type and range. A file that
@@ -7,7 +7,7 @@ fails is refused in one line naming the file and the field (a FileFormatError, o
 checkpoint cannot be resumed), so the loop behind it trusts what it gets and never meets a raw KeyError,
 TypeError or ValueError from a hostile or corrupted file.
 
-`written.json` is what makes resuming safe: DCP's `shards/.metadata` and DeepSpeed's `.pt` partitions are
+`.written.json` is what makes resuming safe: DCP's `shards/.metadata` and DeepSpeed's `.pt` partitions are
 pickles (training/sharded.py), and a checkpoint's own `state.json` can record any sha256 its author likes. The
 run records the sha256 of each `state.json` it writes in its own output folder, outside the checkpoint, before
 the checkpoint gets its name; a checkpoint holding pickles is loaded only when that record names it.
@@ -28,7 +28,7 @@ from draftsmith.storage import atomic_write_json, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
-WRITTEN = "written.json"  # in <output_dir>/checkpoints/
+WRITTEN = ".written.json"  # in <output_dir>/checkpoints/ (hidden: the folder lists checkpoints)
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 _U32 = 2**32
 

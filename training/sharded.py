@@ -18,7 +18,7 @@ pickle-free reader: DCP's `.metadata` and DeepSpeed's `.pt` partitions (ZeRO's o
 objects: loss scaler, fragment maps). So before anything is unpickled, every file's sha256 must be the one
 `state.json` recorded when this code wrote it (`load_sharded`, `load_deepspeed`): a file that is not is
 refused. And since whoever writes a folder writes its state.json too, that state.json must itself be one this
-run wrote: rank 0 records its sha256 in the output folder's `checkpoints/written.json` before the checkpoint
+run wrote: rank 0 records its sha256 in the output folder's `checkpoints/.written.json` before the checkpoint
 gets its name (training/run_files.py), and a checkpoint holding pickles is resumed only when that record names
 it (checkpoint.trust_problem, checked by resolve_resume before anything of the folder is read). A sharded
 checkpoint of unknown origin is never loaded; the final artifact is always one consolidated safetensors folder
