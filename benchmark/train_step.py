@@ -25,14 +25,13 @@ from pathlib import Path
 def _load_job(config: str, overrides: list[str]):
     """(method name, job, trainable module, optimizer, job config) of a preset, as `draftsmith train` builds it."""
     import torch
-    import yaml
 
     from draftsmith import methods
-    from draftsmith.config import load_config
+    from draftsmith.config import load_config, read_yaml
     from draftsmith.training.launch import load_target_for, make_accelerator
     from draftsmith.training.loop import param_groups
 
-    kind = (yaml.safe_load(Path(config).read_text()) or {}).get("kind")
+    kind = read_yaml(config).get("kind")  # the bounded loader: an alias bomb is one line naming the file
     method = methods.get(str(kind), what=f"kind of {config}")
     cfg = load_config(config, overrides, cls=method.get("config"))
     accelerator = make_accelerator(cfg.train)
@@ -45,12 +44,12 @@ def _load_job(config: str, overrides: list[str]):
 
 def _named(spec: str) -> tuple[str, str]:
     """`NAME=CONFIG` or `CONFIG` (named by its kind) -> (name, config path)."""
-    import yaml
+    from draftsmith.config import read_yaml
 
     if "=" in spec:
         name, _, path = spec.partition("=")
         return name, path
-    return str((yaml.safe_load(Path(spec).read_text()) or {}).get("kind")), spec
+    return str(read_yaml(spec).get("kind")), spec
 
 
 def _row_batches(rows, batch_size: int, n: int, seed: int) -> list[list[int]]:

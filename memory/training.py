@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith import methods
+from draftsmith.config import show
 from draftsmith.errors import ConfigError
 from draftsmith.memory.serving import GIB, GPUS, activation_bytes, load_target_config, param_counts
 from draftsmith.storage import read_json
@@ -60,35 +61,91 @@ class Sharding:
         return self.kind in ("zero2", "zero3", "fsdp")
 
 
+MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")  # accelerate's mixed_precision values
+MAX_RANKS = 1 << 16
+
+
+def _int_in(value, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
 def read_accelerate(path: str | Path | None, ranks: int | None = None) -> Sharding:
-    """The sharding an accelerate config file describes (None: one GPU, no sharding)."""
+    """The sharding an accelerate config file describes (None: one GPU, no sharding). The file is read by the
+    bounded YAML loader (config.read_yaml: an alias bomb, a file that is not UTF-8 or not a mapping is one
+    line), and every field the plan reads is checked (`_accelerate_fields`): one ConfigError naming the file
+    and the field."""
+    if ranks is not None and not _int_in(ranks, 1, MAX_RANKS):
+        raise ConfigError(f"--gpus {ranks}: expected an int in 1..{MAX_RANKS}")
     if path is None:
         return Sharding("replicate", ranks or 1)
-    import yaml
+    from draftsmith.config import read_yaml
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--accelerate {path}: no such file")
-    cfg = yaml.safe_load(path.read_text()) or {}
-    n = ranks or int(cfg.get("num_processes") or 1)
-    mp = str(cfg.get("mixed_precision") or "bf16")
-    dist = str(cfg.get("distributed_type", "NO")).upper()
+    cfg = read_yaml(path)
+    n, mp, dist = _accelerate_fields(cfg, path)
+    n = ranks or n
     if dist == "FSDP":
         return Sharding("fsdp", n, mp)
     if dist == "DEEPSPEED":
         ds = cfg.get("deepspeed_config") or {}
+        if not isinstance(ds, dict):
+            raise ConfigError(f"{path}: deepspeed_config is {show(ds)}: expected a mapping")
         stage = ds.get("zero_stage")
         if stage is None and ds.get("deepspeed_config_file"):
-            ds_file = Path(ds["deepspeed_config_file"])  # relative to where accelerate launches: the checkout
-            if not ds_file.is_file():
-                ds_file = path.resolve().parents[2] / ds_file  # configs/accelerate/x.yaml -> the checkout
-            ds_json = read_json(ds_file)
-            stage = (ds_json.get("zero_optimization") or {}).get("stage")
-            if (ds_json.get("bf16") or {}).get("enabled"):
-                mp = "bf16"
-        stage = int(stage or 0)
+            stage, bf16 = _deepspeed_file(path, ds["deepspeed_config_file"])
+            mp = "bf16" if bf16 else mp
+        elif stage is not None and not _int_in(stage, 0, 3):
+            raise ConfigError(f"{path}: deepspeed_config.zero_stage is {show(stage)}: expected 0, 1, 2 or 3")
+        stage = stage or 0
         return Sharding("zero3" if stage == 3 else "zero2" if stage == 2 else "replicate", n, mp)
     return Sharding("replicate", n, mp)
+
+
+def _accelerate_fields(cfg: dict, path: Path) -> tuple[int, str, str]:
+    """(num_processes, mixed_precision, distributed_type) of an accelerate config, each checked."""
+    from accelerate.utils import DistributedType
+
+    n = cfg.get("num_processes")
+    if n is not None and not _int_in(n, 1, MAX_RANKS):
+        raise ConfigError(f"{path}: num_processes is {show(n)}: expected an int >= 1 (at most {MAX_RANKS})")
+    mp = cfg.get("mixed_precision")
+    mp = "no" if mp is False else mp  # YAML 1.1 reads a bare `no` as false
+    if mp is not None and mp not in MIXED_PRECISION:
+        raise ConfigError(f"{path}: mixed_precision is {show(mp)}: expected one of {', '.join(MIXED_PRECISION)}")
+    dist = cfg.get("distributed_type")
+    known = [t.value for t in DistributedType]
+    if dist is not None and not (isinstance(dist, str) and dist.upper() in known):
+        raise ConfigError(f"{path}: distributed_type is {show(dist)}: expected one of {', '.join(known)}")
+    return n or 1, mp or "bf16", (dist or "NO").upper()
+
+
+def _deepspeed_file(path: Path, name) -> tuple[int, bool]:
+    """(ZeRO stage, bf16 on) of the DeepSpeed JSON an accelerate config names, relative to where accelerate
+    launches (the checkout: configs/accelerate/x.yaml -> the folder two above)."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{path}: deepspeed_config.deepspeed_config_file is {show(name)}: expected a path")
+    ds_file = Path(name)
+    parents = path.resolve().parents
+    if not ds_file.is_file() and len(parents) > 2 and (parents[2] / ds_file).is_file():
+        ds_file = parents[2] / ds_file
+    if not ds_file.is_file():
+        raise ConfigError(f"{ds_file}: no such file (the deepspeed_config_file of {path})")
+    try:
+        doc = read_json(ds_file)
+    except (OSError, ValueError, RecursionError) as e:
+        why = str(e) if isinstance(e, ValueError) else f"{ds_file}: cannot be read ({type(e).__name__})"
+        raise ConfigError(why.splitlines()[0]) from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{ds_file}: expected a JSON object (a DeepSpeed config), got {show(doc)}")
+    zero, bf16 = doc.get("zero_optimization") or {}, doc.get("bf16") or {}
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{ds_file}: zero_optimization is {show(zero)}: expected a mapping {{stage: ...}}")
+    stage = zero.get("stage", 0)
+    if not _int_in(stage, 0, 3):
+        raise ConfigError(f"{ds_file}: zero_optimization.stage is {show(stage)}: expected 0, 1, 2 or 3")
+    if not isinstance(bf16, dict):
+        raise ConfigError(f"{ds_file}: bf16 is {show(bf16)}: expected a mapping {{enabled: ...}}")
+    return stage, bf16.get("enabled") in (True, "auto")
 
 
 def meta_params(build) -> int:
