@@ -25,10 +25,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.artifact import load_manifest, now_iso, update_manifest, verify_weights
+from draftsmith.config import show
 from draftsmith.errors import ArtifactError
 from draftsmith.storage import atomic_write_json, read_json
 
 _VERSION = re.compile(r"^v(\d{4,})$")
+
+
+def _pointer_version(pointer: Path) -> str:
+    """The version current.json names, checked: a JSON object whose `version` is a version folder's name
+    (`v0001`), never a path to follow (`../../etc`); else one ArtifactError naming the file and the field."""
+    try:
+        doc = read_json(pointer)
+    except ValueError as e:  # storage's FileFormatError: not UTF-8 or not JSON, the file named
+        raise ArtifactError(str(e)) from None
+    except (OSError, RecursionError) as e:
+        raise ArtifactError(f"{pointer}: cannot be read ({type(e).__name__})") from None
+    if not isinstance(doc, dict):
+        raise ArtifactError(f"{pointer}: expected a JSON object {{\"version\": \"v0001\", ...}}, got {show(doc)}")
+    if "version" not in doc:
+        raise ArtifactError(f"{pointer}: version is missing (the version current points at, e.g. v0001)")
+    version = doc["version"]
+    if not (isinstance(version, str) and _VERSION.fullmatch(version)):
+        raise ArtifactError(f"{pointer}: version is {show(version)}: expected a version name such as v0001")
+    return version
 
 
 @dataclass
@@ -65,7 +85,7 @@ class Registry:
         pointer = self.base / "current.json"
         if not pointer.is_file():
             return None
-        version = read_json(pointer)["version"]
+        version = _pointer_version(pointer)
         if not (self.path(version) / "manifest.json").is_file():
             raise ArtifactError(f"registry {self.base}: current points at missing version {version}")
         return version
