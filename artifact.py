@@ -13,6 +13,7 @@ an existing folder is replaced only if it is an artifact itself (or the caller p
 from __future__ import annotations
 
 import datetime as _dt
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__, methods
 from draftsmith.errors import ArtifactError
-from draftsmith.storage import atomic_dir, atomic_write_json, read_json, verify_checksums, weight_checksums
+from draftsmith.layouts import schema
+from draftsmith.storage import atomic_dir, atomic_write_json, verify_checksums, weight_checksums
 from draftsmith.targets.fingerprint import check_compatible
 
 FORMAT_VERSION = 1
@@ -58,15 +60,16 @@ def contiguous_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_artifact(out: str | Path, manifest: dict, state: dict[str, torch.Tensor] | None = None,
-                  config: dict | None = None, writer=None, overwrite: bool = False) -> Path:
+                  config: dict | None = None, writer=None, overwrite: bool = False, verify=None) -> Path:
     """Write an artifact directory atomically.
 
     `state` goes to model.safetensors and `config` to config.json; `writer(tmp_dir)` may add more files
     (an HF draft saves itself with save_pretrained there). The manifest records the sha256 of every weight
     file. An existing `out` is replaced only if it is an artifact (or empty), unless overwrite=True.
+    `verify(tmp_dir)` may refuse the finished folder (by raising) before it is swapped in.
     """
     out = Path(out)
-    with atomic_dir(out, overwrite=overwrite, kind="artifact") as tmp:
+    with atomic_dir(out, overwrite=overwrite, kind="artifact", verify=verify) as tmp:
         if writer is not None:
             writer(tmp)
         if state is not None:
@@ -90,24 +93,32 @@ def resolve_path(path: str | Path) -> Path:
 
 
 def load_manifest(path: str | Path, kind: str | None = None) -> dict:
+    """The one reader of manifest.json: every field a consumer uses checked for type and range (kind, format
+    version, target fingerprint, checksums, the summaries), or an ArtifactError naming the file and field."""
     path = resolve_path(path)
-    if not (path / MANIFEST).is_file():
+    if not os.path.lexists(path / MANIFEST):
         raise ArtifactError(f"{path}: not a draftsmith artifact (no {MANIFEST})")
-    from draftsmith.errors import FileFormatError
-
-    try:
-        manifest = read_json(path / MANIFEST)
-    except FileFormatError as e:  # names the file already
-        raise ArtifactError(str(e)) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path / MANIFEST}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or "kind" not in manifest:
-        raise ArtifactError(f"{path / MANIFEST}: not a draftsmith manifest (no 'kind' field)")
+    where = path / MANIFEST
+    manifest = schema.read_doc(where)
+    if "kind" not in manifest:
+        raise ArtifactError(f"{where}: not a draftsmith manifest (no 'kind' field)")
+    schema.get(manifest, "kind", where, "str")
     if kind is not None and manifest.get("kind") != kind:
         raise ArtifactError(f"{path}: artifact kind is '{manifest.get('kind')}', expected '{kind}'")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise ArtifactError(f"{path}: format version {manifest['format_version']} is newer than this draftsmith")
+    version = schema.get(manifest, "format_version", where, "int", lo=0, default=0)
+    if version > FORMAT_VERSION:
+        raise ArtifactError(f"{path}: format version {version} is newer than this draftsmith")
+    schema.get(manifest, "target", where, "dict")
+    schema.get(manifest, "target.vocab_size", where, "int", lo=1, null=True, default=None)
+    for name in ("config", "data", "metrics", "eval"):
+        schema.get(manifest, name, where, "dict", null=True, default=None)
+    schema.checksums(manifest, where)
     return manifest
+
+
+def target_vocab(manifest: dict) -> int | None:
+    """The vocabulary size of the target an artifact was made for (its fingerprint's), None where unrecorded."""
+    return (manifest.get("target") or {}).get("vocab_size")
 
 
 def load_artifact(path: str | Path, kind: str | None = None, target=None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -120,9 +131,26 @@ def load_artifact(path: str | Path, kind: str | None = None, target=None) -> tup
         raise ArtifactError(f"{path}: missing {WEIGHTS}")
     verify_weights(path, manifest)
     try:
-        return manifest, load_file(str(path / WEIGHTS))
+        state = load_file(str(path / WEIGHTS))
     except Exception as e:  # safetensors raises its own error types for a damaged header
         raise ArtifactError(f"{path / WEIGHTS}: cannot be read ({type(e).__name__}: {e})") from None
+    problems = vocab_problems(state, target_vocab(manifest))
+    if problems:
+        raise ArtifactError(f"{path / WEIGHTS}: {problems[0]}")
+    return manifest, state
+
+
+def vocab_problems(tensors: dict[str, torch.Tensor], vocab_size: int | None) -> list[str]:
+    """A draft vocabulary's maps, whatever the method (every method names them d2t / t2d, the serving stacks'
+    names): dtypes, shapes, ids inside the target's vocabulary and distinct (layouts/schema.py)."""
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        return []
+    t2d = tensors.get("t2d")
+    vocab = vocab_size or (t2d.numel() if t2d is not None else None)
+    if vocab is None:
+        return []
+    return schema.vocab_map_problems(d2t, t2d, vocab)
 
 
 def verify_weights(path: str | Path, manifest: dict) -> None:

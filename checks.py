@@ -1,20 +1,21 @@
 """`draftsmith check`: is an artifact, export or dataset whole, and was it made for this target?
 
-`inspect_artifact` reads an artifact the way every consumer will (manifest fields, checksums, tensor names
-and shapes against what its method's module holds, finite weights); an export is re-verified the way
+`inspect_artifact` (layouts/inspect.py) reads an artifact the way every consumer will (manifest fields,
+checksums, tensor names and shapes against what its method's module holds, the draft vocabulary, finite
+weights); an export is re-verified the way
 `export` verified it; a dataset has only its target fingerprint to compare.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from draftsmith import methods
-from draftsmith.artifact import MANIFEST, WEIGHTS, load_manifest
+from draftsmith.artifact import MANIFEST
 from draftsmith.errors import ArtifactError
-from draftsmith.layouts.verify import VerificationError, compare, nonfinite_tensors, read_header
-from draftsmith.storage import checksum_problems
+from draftsmith.layouts.inspect import REQUIRED_FIELDS, inspect_artifact
+from draftsmith.layouts.schema import read_doc
+
+__all__ = ["REQUIRED_FIELDS", "inspect_artifact", "read_fingerprint", "structure_problems"]
 
 
 def register(subparsers) -> None:
@@ -26,74 +27,6 @@ def register(subparsers) -> None:
     c.set_defaults(func=run_check)
 
 
-REQUIRED_FIELDS = ("kind", "format_version", "target", "config", "created")
-
-
-def inspect_artifact(path: str | Path) -> tuple[list[str], list[str]]:
-    """(problems, checks done) of an artifact directory, each one line naming the file / field / tensor:
-    manifest fields, weight files present, their checksums, tensor names and shapes against what the
-    kind's module holds (built from config.json on the meta device: no weights loaded), and a Medusa
-    tree that uses only heads that exist. The target fingerprint is compared by the caller."""
-    path = Path(path)
-    problems: list[str] = []
-    try:
-        manifest = load_manifest(path)
-    except ArtifactError as e:
-        return [str(e)], []
-    checks = []
-    missing = [f for f in REQUIRED_FIELDS if f not in manifest]
-    problems += [f"{path / MANIFEST}: missing field '{f}'" for f in missing]
-    if manifest.get("kind") not in methods.names():
-        problems.append(f"{path / MANIFEST}: field 'kind' is {manifest.get('kind')!r} "
-                        f"(known: {', '.join(methods.names())})")
-        return problems, checks
-    if not missing:
-        checks.append(f"{MANIFEST}: fields {', '.join(REQUIRED_FIELDS)} present")
-    sums = manifest.get("checksums")
-    if sums:
-        found = checksum_problems(path, sums, MANIFEST)
-        problems += found
-        if not found:
-            checks.append(f"sha256 of {len(sums)} weight file(s) equal {MANIFEST}'s")
-    else:
-        checks.append(f"{MANIFEST} records no checksums (written before they were recorded): not compared")
-    if not (path / WEIGHTS).is_file():
-        problems.append(f"{path / WEIGHTS}: missing")
-        return problems, checks
-    try:
-        found_tensors = read_header(path / WEIGHTS)
-    except VerificationError as e:
-        problems.append(str(e))
-        return problems, checks
-    try:
-        expected, optional, extra = _expected_tensors(path, manifest["kind"])
-    except FileNotFoundError as e:
-        problems.append(f"{e.filename}: missing")
-        return problems, checks
-    except (ArtifactError, KeyError, TypeError, ValueError) as e:
-        problems.append(f"{path / 'config.json'}: cannot build the {manifest['kind']} module it describes ({e})")
-        return problems, checks
-    shape_problems = [f"{path / WEIGHTS}: {p}" for p in compare(found_tensors, expected, optional)]
-    nonfinite = nonfinite_tensors(path)
-    problems += shape_problems + extra + nonfinite
-    if not expected:
-        checks.append(f"the {manifest['kind']} method declares no tensor shapes: names and shapes not compared")
-    elif not shape_problems:
-        checks.append(f"{len(found_tensors)} tensors match the {manifest['kind']} module's names and shapes")
-    if not nonfinite:
-        checks.append("every weight is finite")
-    return problems, checks
-
-
-def _expected_tensors(path: Path, kind: str) -> tuple[dict, dict, list[str]]:
-    """(required, optional) name -> (shape, "") of the module `config.json` describes, and other problems,
-    as the artifact's method computes them (methods.py `tensors`)."""
-    method = methods.get(kind)
-    if method.tensors is None:
-        return {}, {}, []
-    return method.get("tensors")(path)
-
-
 FINGERPRINT_FILES = ["manifest.json", "draftsmith.json", "provenance.json"]
 
 
@@ -102,12 +35,7 @@ def read_fingerprint(path: Path) -> tuple[dict, str]:
     for name in FINGERPRINT_FILES:
         f = path / name
         if f.is_file():
-            try:
-                data = json.loads(f.read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ArtifactError(f"{f}: not valid JSON ({e})") from None
-            if not isinstance(data, dict):
-                continue
+            data = read_doc(f)  # one line naming the file: not JSON, too deep, not an object
             fp = data.get("target") or data.get("target_fingerprint")
             if isinstance(fp, dict) and isinstance(fp.get("fingerprint"), dict):  # dataset provenance
                 fp = fp["fingerprint"]

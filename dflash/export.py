@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from draftsmith import artifact
 from draftsmith.dflash.model import DFlashConfig, DFlashDraft, read_config
 from draftsmith.errors import ArtifactError, ConfigError
+from draftsmith.layouts import schema
 from draftsmith.layouts.common import state_dtype
 from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, vllm_serve
 from draftsmith.layouts.verify import (
@@ -45,7 +46,7 @@ from draftsmith.layouts.verify import (
     register_verifier,
     vocab_map_problems,
 )
-from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.storage import atomic_write_json
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import full_attention_rope, rope_fields
 
@@ -102,7 +103,7 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, n
 
     artifact_dir = Path(artifact_dir)
     manifest, state = artifact.load_artifact(artifact_dir, kind="dflash", target=target)
-    config = read_config(artifact_dir)
+    config = read_config(artifact_dir, manifest)
     arch = (manifest["target"].get("architecture") or {})
     n_target = arch.get("num_hidden_layers") or (target.num_layers if target is not None else None)
     if n_target is None:
@@ -142,7 +143,7 @@ def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
 def vllm_block_problem(export_dir: Path, k: int) -> str | None:
     """vLLM serves a DFlash block of `block_size` as `block_size - 1` speculative tokens: any other k is another
     block than the one the draft was trained on."""
-    block = read_json(export_dir / "config.json")["block_size"]
+    block = read_layout_config(export_dir)[1].block_size
     if k != block - 1:
         return (f"{export_dir / 'config.json'}: a DFlash draft of block {block} serves {block - 1} speculative tokens "
                 f"(the block it was trained on), got k {k}")
@@ -156,29 +157,45 @@ SERVING = Serving(vllm={FORMAT: VllmServe("dflash", check=vllm_block_problem, pa
 
 # --- verification --------------------------------------------------------------------------------------
 def config_from_layout(config: dict, where: Path) -> DFlashConfig:
-    """A written config.json -> the DFlashConfig it describes (the draft draftsmith would build from it)."""
+    """A written config.json -> the DFlashConfig it describes (the draft draftsmith would build from it), every
+    field typed and in range, or a FieldError naming the file and the field."""
+    f = Path(where) / "config.json"
+    V = schema.get(config, "vocab_size", f, "int", lo=1, hi=schema.MAX_VOCAB)
+    layer = {k: schema.get(config, k, f, "int", lo=1, hi=schema.MAX_VOCAB) for k in LAYER_INTS}
+    layer["rms_norm_eps"] = schema.get(config, "rms_norm_eps", f, "number", lo=0, hi=1)
+    layer["vocab_size"] = V
     try:
-        d = config["dflash_config"]
-        layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
-                                         "vocab_size")}
         layer.update(rope_fields(full_attention_rope(config)), model_type="qwen3", hidden_act="silu",
                      attention_bias=False)
-        return DFlashConfig(config["hidden_size"], config["vocab_size"], list(d["target_layer_ids"]),
-                            config["num_hidden_layers"], config["block_size"], d["mask_token_id"], layer,
-                            config.get("draft_vocab_size"))
-    except KeyError as e:
-        raise VerificationError(f"{where}/config.json: missing field {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise schema.FieldError(f"{f}: its RoPE fields are not a RoPE configuration ({type(e).__name__}: {e})") from None
+    try:
+        return DFlashConfig(
+            layer["hidden_size"], V, schema.get(config, "dflash_config.target_layer_ids", f, "ints", lo=0, hi=1023),
+            schema.get(config, "num_hidden_layers", f, "int", lo=1, hi=16),
+            schema.get(config, "block_size", f, "int", lo=2, hi=64),
+            schema.get(config, "dflash_config.mask_token_id", f, "int", lo=0, hi=V - 1), layer,
+            schema.get(config, "draft_vocab_size", f, "int", lo=1, hi=V - 1, null=True, default=None))
     except ValueError as e:
-        raise VerificationError(f"{where}/config.json: {e}") from None
+        raise VerificationError(f"{f}: {e}") from None
+
+
+LAYER_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "max_position_embeddings")
+
+
+def read_layout_config(out: str | Path) -> tuple[dict, DFlashConfig]:
+    """The one reader of a DFlash export's config.json: the file and the draft it describes (`config_from_layout`)."""
+    config = schema.read_doc(Path(out) / "config.json")
+    schema.get(config, "num_target_layers", Path(out) / "config.json", "int", lo=1, hi=1024, null=True, default=None)
+    return config, config_from_layout(config, Path(out))
 
 
 def verify_layout(out: Path, target=None) -> list[str]:
-    config = read_json(out / "config.json")
+    config, cfg = read_layout_config(out)
     problems = []
     if config.get("architectures") != ["DFlashDraftModel"]:
         problems.append(f"architectures {config.get('architectures')} != ['DFlashDraftModel'] (vLLM's registry name)")
-    cfg = config_from_layout(config, out)
     vocab = guard_vocab_size(out)
     if vocab is not None and cfg.vocab_size != vocab:
         problems.append(f"config vocab_size {cfg.vocab_size} != target vocab_size {vocab}")
@@ -211,7 +228,7 @@ def verify_layout(out: Path, target=None) -> list[str]:
 
 def reload_check(out: Path, artifact_state: dict[str, torch.Tensor] | None = None) -> str:
     """The export loads back into draftsmith's own DFlash module, strictly, tensor for tensor."""
-    cfg = config_from_layout(read_json(out / "config.json"), out)
+    cfg = read_layout_config(out)[1]
     draft = DFlashDraft(cfg)
     tensors = read_tensors(out / "model.safetensors")
     missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
@@ -234,10 +251,10 @@ def reimport(export_dir: Path, guard: dict):
     export_dir = Path(export_dir)
     if guard.get("format") not in (None, FORMAT) or not (export_dir / "config.json").is_file():
         return None
-    config = read_json(export_dir / "config.json")
+    config = schema.read_doc(export_dir / "config.json")
     if "dflash_config" not in config:
         return None
-    cfg = config_from_layout(config, export_dir)
+    cfg = read_layout_config(export_dir)[1]
     state = read_tensors(export_dir / "model.safetensors")
     if "fc.weight" not in state:
         raise ArtifactError(f"{export_dir}/model.safetensors: missing tensor 'fc.weight' (the DFlash feature projection)")

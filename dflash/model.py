@@ -44,7 +44,7 @@ from torch import nn
 from draftsmith import artifact
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import check_draft_vocab
-from draftsmith.storage import read_json
+from draftsmith.layouts import schema
 from draftsmith.targets.families import (
     attention_dims,
     embedding_rows,
@@ -454,7 +454,7 @@ def load_dflash(path: str | Path, target=None) -> tuple[DFlashDraft, dict]:
     to its device / dtype."""
     path = Path(path)
     manifest, state = artifact.load_artifact(path, kind="dflash", target=target)
-    draft = DFlashDraft(read_config(path))
+    draft = DFlashDraft(read_config(path, manifest))
     artifact.load_strict(draft, state, path)
     if target is not None:
         draft.to(device=target.device, dtype=target.dtype)
@@ -462,16 +462,48 @@ def load_dflash(path: str | Path, target=None) -> tuple[DFlashDraft, dict]:
     return draft.eval().requires_grad_(False), manifest
 
 
-def read_config(path: str | Path) -> DFlashConfig:
-    cfg = read_json(Path(path) / "config.json")
+def read_config(path: str | Path, manifest: dict | None = None) -> DFlashConfig:
+    """The one reader of a DFlash artifact's config.json: every field typed and in range, and, with the
+    artifact's `manifest`, against the target it was made for (vocabulary size, tapped layers inside its depth),
+    or a FieldError naming the file and the field."""
+    where = Path(path) / "config.json"
+    cfg = schema.read_doc(where)
+    target = (manifest or {}).get("target") or {}
+    vocab, depth = target.get("vocab_size"), (target.get("architecture") or {}).get("num_hidden_layers")
+    V = schema.get(cfg, "vocab_size", where, "int", lo=1, hi=schema.MAX_VOCAB)
+    if vocab is not None and V != vocab:
+        raise schema.FieldError(f"{where}: field 'vocab_size' is {V}, but the target's vocabulary has {vocab} tokens")
+    top = depth - 1 if isinstance(depth, int) and depth >= 1 else 1023
+    fields = {"hidden_size": schema.get(cfg, "hidden_size", where, "int", lo=1, hi=schema.MAX_HIDDEN),
+              "vocab_size": V, "target_layers": schema.get(cfg, "target_layers", where, "ints", lo=0, hi=top),
+              "num_layers": schema.get(cfg, "num_layers", where, "int", lo=1, hi=16),
+              "block_size": schema.get(cfg, "block_size", where, "int", lo=2, hi=64),
+              "mask_token_id": schema.get(cfg, "mask_token_id", where, "int", lo=0, hi=V - 1),
+              "layer_config": schema.get(cfg, "layer_config", where, "dict"),
+              "draft_vocab_size": schema.get(cfg, "draft_vocab_size", where, "int", lo=1, hi=V - 1, null=True,
+                                             default=None)}
+    for name in LAYER_INTS:
+        schema.get(cfg, f"layer_config.{name}", where, "int", lo=1, hi=schema.MAX_VOCAB)
+    schema.get(cfg, "layer_config.rms_norm_eps", where, "number", lo=0, hi=1)
+    if fields["layer_config"]["hidden_size"] != fields["hidden_size"]:
+        raise schema.FieldError(f"{where}: field 'layer_config.hidden_size' is {fields['layer_config']['hidden_size']}, "
+                                f"but 'hidden_size' is {fields['hidden_size']}")
     try:
-        return DFlashConfig(**{k: cfg[k] for k in DFlashConfig.__dataclass_fields__ if k in cfg})
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}/config.json: not a DFlash config ({e})") from None
+        full_attention_rope(fields["layer_config"])
+        return DFlashConfig(**fields)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise schema.FieldError(f"{where}: not a DFlash config ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+# the draft layer's sizes (layer_config_dict): a module is built from them
+LAYER_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "max_position_embeddings")
 
 
 def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
-    """`Method.tensors`: name -> (shape, "") of the draft `config.json` describes, built on the meta device."""
+    """`Method.tensors`: name -> (shape, dtype or "") of the draft `config.json` describes, built on the meta
+    device."""
+    config = read_config(path, artifact.load_manifest(path))
     with torch.device("meta"):
-        module = DFlashDraft(read_config(path))
-    return {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}, {}, []
+        module = DFlashDraft(config)
+    return schema.module_spec(module), {}, []

@@ -45,7 +45,8 @@ from draftsmith.capture.layers import resolve_layers
 from draftsmith.eagle import variants
 from draftsmith.eagle.variants import variant
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.layouts.common import fenced, state_dtype
+from draftsmith.layouts import schema
+from draftsmith.layouts.common import fenced, read_guard, state_dtype
 from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, trtllm_serve, vllm_serve
 from draftsmith.layouts.verify import (
     Spec,
@@ -59,7 +60,7 @@ from draftsmith.layouts.verify import (
     st_dtype,
     vocab_map_problems,
 )
-from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.storage import atomic_write_json
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import attention_dims, full_attention_rope, rope_fields
 
@@ -106,7 +107,7 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
     """(manifest, canonical config, canonical state, {canonical name: artifact name})."""
     path = Path(path)
     manifest, raw = artifact.load_artifact(path, kind="eagle", target=target)
-    acfg = read_json(path / "config.json") if (path / "config.json").is_file() else {}
+    acfg = schema.read_doc(path / "config.json") if (path / "config.json").is_file() else {}
     state, names = {}, {}
     for k, v in raw.items():
         c = canonical_name(k)
@@ -126,7 +127,9 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
     fin = state["fc.weight"].shape[1]
     v = variant(int(acfg.get("version") or acfg.get("eagle_version") or (1 if fin == 2 * H else 3)))
     cfg["version"] = v.number
-    cfg["vocab_size"] = manifest["target"]["vocab_size"]
+    cfg["vocab_size"] = artifact.target_vocab(manifest)
+    if cfg["vocab_size"] is None:
+        raise ArtifactError(f"{path / artifact.MANIFEST}: field 'target.vocab_size' missing (the head's vocabulary)")
     if v.draft_vocab and "lm_head.weight" not in state:
         raise ArtifactError(f"{path}: an {v.name} artifact needs its own lm_head.weight")
     if v.draft_vocab:
@@ -259,7 +262,7 @@ def reimport(export_dir: Path, guard: dict):
             return None
         if "fc.weight" not in {canonical_name(k) for k in read_header(export_dir / "model.safetensors")}:
             return None
-        if "dflash_config" in read_json(export_dir / "config.json"):  # a block drafter's fc, not a head's
+        if "dflash_config" in schema.read_doc(export_dir / "config.json"):  # a block drafter's fc, not a head's
             return None
     names = (guard.get("eagle") or {}).get("source_names")
     cfg, state = read_layout(export_dir, names)
@@ -396,7 +399,7 @@ def expected_tensors(fmt: str, config: dict) -> Spec:
     """The tensors each stack's loader asks for, derived from the config.json written."""
     c = config["transformer_layer_config"] if fmt == SPECULATORS else config
     dt = st_dtype(getattr(torch, config.get("torch_dtype", "float32")))
-    H, V = c["hidden_size"], c["vocab_size"]
+    H, V = c["hidden_size"], c["vocab_size"]  # typed by read_layout_config
     if fmt in (SPECULATORS, MIDLAYER):
         n_aux = len(config["eagle_aux_hidden_state_layer_ids"] if fmt == SPECULATORS
                     else config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
@@ -440,7 +443,7 @@ def rope_problems(c: dict, expect_theta: float | None) -> list[str]:
 
 def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None, expect_theta: float | None = None
                   ) -> list[str]:
-    config = read_json(out / "config.json")
+    config = read_layout_config(out, fmt)
     problems = []
     c = config.get("transformer_layer_config", config)
     if expect_vocab is not None and c.get("vocab_size") != expect_vocab:
@@ -479,12 +482,47 @@ def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None, expect_t
     return checks
 
 
+def read_layout_config(out: str | Path, fmt: str | None = None) -> dict:
+    """The one reader of an EAGLE export's config.json, in the layout `fmt` names (None: the one the file says:
+    speculators' `speculators_model_type: eagle3`, the midlayer's `eagle_config`, else EAGLE-1): every field
+    the verifier and the reader back use, typed and in range, or a FieldError naming the file and field."""
+    f = Path(out) / "config.json"
+    config = schema.read_doc(f)
+    if fmt is None:
+        fmt = (SPECULATORS if config.get("speculators_model_type") == "eagle3" else
+               MIDLAYER if "eagle_config" in config else EAGLE1)
+    layer = "transformer_layer_config." if fmt == SPECULATORS else ""
+    V = schema.get(config, f"{layer}vocab_size", f, "int", lo=1, hi=schema.MAX_VOCAB)
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads"):
+        schema.get(config, layer + name, f, "int", lo=1, hi=schema.MAX_VOCAB)
+    for name in ("num_key_value_heads", "head_dim"):
+        schema.get(config, layer + name, f, "int", lo=1, hi=schema.MAX_VOCAB, null=True, default=None)
+    schema.get(config, layer + "rope_theta", f, "number", lo=0, null=True, default=None)
+    for name in ("rope_parameters", "rope_scaling"):
+        schema.get(config, layer + name, f, "dict", null=True, default=None)
+        schema.get(config, f"{layer}{name}.rope_theta", f, "number", lo=0, null=True, default=None)
+        schema.get(config, f"{layer}{name}.rope_type", f, "str", null=True, default=None)
+    schema.get(config, "torch_dtype", f, "str", default="float32", choices=("float32", "float16", "bfloat16",
+                                                                             "float64"))
+    schema.get(config, "target_hidden_size", f, "int", lo=1, hi=schema.MAX_HIDDEN, null=True, default=None)
+    if fmt in (SPECULATORS, MIDLAYER):
+        aux = "eagle_aux_hidden_state_layer_ids" if fmt == SPECULATORS else "eagle_config.eagle_aux_hidden_state_layer_ids"
+        ids = schema.get(config, aux, f, "ints", lo=1 if fmt == SPECULATORS else 0, hi=1024)
+        if not ids:
+            raise schema.FieldError(f"{f}: field '{aux}' is empty, expected the target layers the head reads")
+        schema.get(config, "draft_vocab_size", f, "int", lo=1, hi=V)
+        schema.get(config, "norm_before_residual", f, "bool", default=False)
+        for name in EAGLE31:
+            schema.get(config, name, f, "bool", default=False)
+    return config
+
+
 # --- back into draftsmith -----------------------------------------------------------------------------
 def read_layout(out: str | Path, names: dict[str, str] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """A speculators / midlayer / EAGLE-1 folder -> (config, state under the artifact's own names when
     `names` (canonical -> artifact, recorded in draftsmith.json) is given, else canonical names)."""
     out = Path(out)
-    config = read_json(out / "config.json")
+    config = read_layout_config(out)
     tensors = read_tensors(out / "model.safetensors")
     state = {}
     for k, v in tensors.items():
@@ -516,7 +554,7 @@ def _expected_theta(out: Path, target) -> float | None:
     """The target's full-attention RoPE base: from the target when given, else as recorded at export."""
     if target is not None:
         return full_attention_rope(target.config)["rope_theta"]
-    return (read_json(out / "draftsmith.json").get("eagle") or {}).get("target_rope_theta")
+    return (read_guard(out).get("eagle") or {}).get("target_rope_theta")
 
 
 def _make_verifier(fmt: str):

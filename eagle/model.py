@@ -64,10 +64,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import artifact
-from draftsmith.eagle.variants import Variant, variant
+from draftsmith.eagle.variants import VARIANTS, Variant, variant
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import check_draft_vocab
-from draftsmith.storage import read_json
+from draftsmith.layouts import schema
 from draftsmith.targets.families import (
     FAMILIES,
     Family,
@@ -584,18 +584,46 @@ def eagle1_loss(pred_features: list[torch.Tensor], target_features: list[torch.T
     return total, metrics
 
 
+def read_config(path: str | Path, manifest: dict | None = None) -> EagleConfig:
+    """The one reader of an EAGLE artifact's config.json: every field typed and in range, and, with the
+    artifact's `manifest`, against the target it was made for (vocabulary size, feature layers inside its
+    depth); the decoder layer's config must build. A FieldError names the file and the field."""
+    where = Path(path) / "config.json"
+    cfg = schema.read_doc(where)
+    target = (manifest or {}).get("target") or {}
+    vocab, depth = target.get("vocab_size"), (target.get("architecture") or {}).get("num_hidden_layers")
+    V = schema.get(cfg, "vocab_size", where, "int", lo=1, hi=schema.MAX_VOCAB)
+    if vocab is not None and V != vocab:
+        raise schema.FieldError(f"{where}: field 'vocab_size' is {V}, but the target's vocabulary has {vocab} tokens")
+    top = depth - 1 if isinstance(depth, int) and depth >= 1 else 1023
+    versions = tuple(x for v in VARIANTS.values() for x in (v.number, v.name))
+    fields = {"version": schema.get(cfg, "version", where, "str" if isinstance(cfg.get("version"), str) else "int",
+                                    choices=versions),
+              "hidden_size": schema.get(cfg, "hidden_size", where, "int", lo=1, hi=schema.MAX_HIDDEN),
+              "vocab_size": V, "target_layers": schema.get(cfg, "target_layers", where, "ints", lo=0, hi=top),
+              "draft_vocab_size": schema.get(cfg, "draft_vocab_size", where, "int", lo=1, hi=V, null=True,
+                                             default=None),
+              "ttt_steps": schema.get(cfg, "ttt_steps", where, "int", lo=1, hi=16, default=1),
+              "ttt_tokens": schema.get(cfg, "ttt_tokens", where, "str", default="target", choices=("target", "draft")),
+              "layer_config": schema.get(cfg, "layer_config", where, "dict")}
+    for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        fields[name] = schema.get(cfg, name, where, "bool", default=False)
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings"):
+        schema.get(cfg, f"layer_config.{name}", where, "int", lo=1, hi=schema.MAX_VOCAB)
+    try:
+        config = EagleConfig(**fields)
+        _hf_layer_config(config.layer_config)
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
+        raise schema.FieldError(f"{where}: not an EAGLE head config ({type(e).__name__}: {str(e)[:200]})") from None
+    return config
+
+
 def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
     """Head and manifest of an EAGLE artifact; with `target` (fingerprint checked) the head is attached to it
     and moved to its device / dtype."""
     path = Path(path)
     manifest, state = artifact.load_artifact(path, kind="eagle", target=target)
-    cfg = read_json(path / "config.json")
-    fields = {k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}
-    try:
-        config = EagleConfig(**fields)
-    except (TypeError, ValueError, ConfigError) as e:
-        raise ConfigError(f"{path}/config.json: not an EAGLE head config ({e})") from None
-    head = EagleHead(config)
+    head = EagleHead(read_config(path, manifest))
     artifact.load_strict(head, state, path)
     if target is not None:
         head.to(device=target.device, dtype=target.dtype)
@@ -604,9 +632,9 @@ def load_eagle(path: str | Path, target=None) -> tuple[EagleHead, dict]:
 
 
 def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
-    """`Method.tensors`: (required, optional) name -> (shape, "") of the head `config.json` describes, built
-    on the meta device."""
-    cfg = read_json(Path(path) / "config.json")
+    """`Method.tensors`: (required, optional) name -> (shape, dtype or "") of the head `config.json` describes,
+    built on the meta device."""
+    config = read_config(path, artifact.load_manifest(path))
     with torch.device("meta"):
-        module = EagleHead(EagleConfig(**{k: cfg[k] for k in EagleConfig.__dataclass_fields__ if k in cfg}))
-    return {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}, {}, []
+        module = EagleHead(config)
+    return schema.module_spec(module), {}, []

@@ -13,11 +13,13 @@ is a draftsmith export (or empty), unless overwrite=True.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from draftsmith import artifact, methods
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.layouts.common import ExportResult, check_stack, read_guard
+from draftsmith.layouts.common import GUARD, ExportResult, check_stack, read_guard
+from draftsmith.layouts.inspect import inspect_artifact
 from draftsmith.layouts.verify import VERIFIERS, VerificationError, run_verifier
 from draftsmith.storage import check_replaceable
 
@@ -62,9 +64,11 @@ def export_artifact(artifact_dir: str | Path, stack: str, out: str | Path, targe
 def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | None = None,
                   overwrite: bool = False) -> Path:
     """Read an export back into a draftsmith artifact (same weights): each method's `reimport` (methods.py)
-    recognizes its own layouts. The fingerprint comes from draftsmith.json unless given."""
-    export_dir = Path(export_dir)
-    guard = read_guard(export_dir) if (export_dir / "draftsmith.json").is_file() else {}
+    recognizes its own layouts. The fingerprint comes from draftsmith.json unless given. What is written is read
+    by the reader `draftsmith check` uses (layouts/inspect.py) before it is swapped in: an export that does not
+    make a whole artifact is refused in one line, and nothing is written."""
+    export_dir, out = Path(export_dir), Path(out)
+    guard = read_guard(export_dir) if os.path.lexists(export_dir / GUARD) else {}
     if guard.get("format") in _verifiers():
         run_verifier(export_dir, guard["format"])  # checksums and layout, before reading any weight
     fp = fingerprint or guard.get("target")
@@ -76,9 +80,21 @@ def import_export(export_dir: str | Path, out: str | Path, fingerprint: dict | N
         if found is not None:
             cfg, state, writer = found
             manifest = artifact.make_manifest(method.name, fp, {}, **meta)
-            return artifact.save_artifact(out, manifest, state, cfg, writer=writer, overwrite=overwrite)
+            return artifact.save_artifact(out, manifest, state, cfg, writer=writer, overwrite=overwrite,
+                                          verify=_whole(export_dir, out, method.name))
     readers = ", ".join(m.name for m in methods.all_methods() if m.reimport is not None)
     raise ArtifactError(f"{export_dir}: no method reads this layout back ({readers} exports can be imported)")
+
+
+def _whole(export_dir: Path, out: Path, kind: str):
+    """The check an imported artifact passes before it is swapped in: `draftsmith check`'s reader, no problem."""
+    def verify(tmp: Path) -> None:
+        problems, _ = inspect_artifact(tmp)
+        if problems:
+            named = [p.replace(str(tmp), str(out)) for p in problems]
+            raise ArtifactError(f"{export_dir}: does not read back into a whole {kind} artifact, nothing written: "
+                                f"{named[0]}" + (f" (and {len(named) - 1} more)" if len(named) > 1 else ""))
+    return verify
 
 
 def _verifiers() -> dict:

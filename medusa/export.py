@@ -31,7 +31,8 @@ from safetensors.torch import save_file
 
 from draftsmith import artifact
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.layouts.common import fenced, state_dtype
+from draftsmith.layouts import schema
+from draftsmith.layouts.common import fenced, read_guard, state_dtype
 from draftsmith.layouts.serving import Serving, VllmServe, vllm_serve
 from draftsmith.layouts.verify import (
     Spec,
@@ -43,7 +44,7 @@ from draftsmith.layouts.verify import (
     register_verifier,
     st_dtype,
 )
-from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.storage import atomic_write_json
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import lm_head
 
@@ -56,26 +57,55 @@ UNSUPPORTED = {"sglang": "SGLang has no Medusa support; export Medusa heads for 
 
 
 def read_medusa_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict[str, torch.Tensor], list | None]:
-    """(manifest, config, state with an lm_head in every head, tree rank paths or None)."""
+    """(manifest, config, state with an lm_head in every head, tree rank paths or None), each file through
+    its reader (medusa/model.py: config.json, tree.json)."""
+    from dataclasses import asdict
+
+    from draftsmith.medusa.model import read_heads_config, read_tree
+
     path = Path(path)
     manifest, state = artifact.load_artifact(path, kind="medusa", target=target)
-    cfg = read_json(path / "config.json")
-    if cfg.get("share_lm_head"):
+    config = read_heads_config(path, artifact.target_vocab(manifest))
+    cfg = asdict(config)
+    if config.share_lm_head:
         if target is None:
             raise ConfigError(f"{path}: these Medusa heads share the target's lm_head; give --target to export them")
         w = lm_head(target.model).weight.detach().to("cpu", state_dtype(state))
-        for h in range(cfg["num_heads"]):
+        for h in range(config.num_heads):
             state[f"heads.{h}.lm_head.weight"] = w
-    from draftsmith.medusa.model import read_tree_file, tree_problem
+    tree = read_tree(path, config.num_heads, config.out_size)
+    return manifest, cfg, state, [list(p) for p in tree.paths] if tree is not None else None
 
-    data = read_tree_file(path)
-    tree = data["paths"] if data is not None else None
-    if tree is not None:
-        problem = tree_problem(tree, cfg["num_heads"], cfg.get("draft_vocab_size") or cfg["vocab_size"],
-                               str(path / "tree.json"))
-        if problem:
-            raise ConfigError(problem)
-    return manifest, cfg, state, tree
+
+def read_layout_config(out: str | Path, fmt: str | None = None) -> dict:
+    """The one reader of a Medusa export's config.json, in the layout `fmt` names (None: the one the file
+    itself says: vLLM's `model_type: medusa`, or FasterDecoding's `medusa_num_heads`): every field the
+    verifier, serve-check and the reader back use, typed and in range, or a FieldError naming the file and
+    field."""
+    where = Path(out) / "config.json"
+    config = schema.read_doc(where)
+    if fmt is None:
+        fmt = VLLM_FORMAT if config.get("model_type") == "medusa" else (
+            MEDUSA_FORMAT if "medusa_num_heads" in config else None)
+    if fmt is None:
+        raise schema.FieldError(f"{where}: neither a vLLM Medusa config (model_type 'medusa') nor a FasterDecoding "
+                                "one (medusa_num_heads)")
+    V = schema.get(config, "vocab_size", where, "int", lo=1, hi=schema.MAX_VOCAB)
+    schema.get(config, "hidden_size", where, "int", lo=1, hi=schema.MAX_HIDDEN)
+    schema.get(config, "torch_dtype", where, "str", default="float32", choices=tuple(DTYPES))
+    if fmt == VLLM_FORMAT:
+        schema.get(config, "num_heads", where, "int", lo=1, hi=16)
+        schema.get(config, "num_hidden_layers", where, "int", lo=0, hi=64)
+        schema.get(config, "truncated_vocab_size", where, "int", lo=1, hi=V, null=True, default=None)
+        for name in ("medusa_fc_bias", "original_lm_head"):
+            schema.get(config, name, where, "bool", default=False)
+    else:
+        schema.get(config, "medusa_num_heads", where, "int", lo=1, hi=16)
+        schema.get(config, "medusa_num_layers", where, "int", lo=0, hi=64)
+    return config
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
@@ -163,7 +193,7 @@ def medusa_engine_flow(out, target_ref: str, cfg: dict, tree: list | None) -> st
 
 def vllm_heads_problem(export_dir: Path, k: int) -> str | None:
     """vLLM's Medusa drafts one token per head: a chain longer than the heads cannot be served."""
-    heads = read_json(export_dir / "config.json")["num_heads"]
+    heads = read_layout_config(export_dir, VLLM_FORMAT)["num_heads"]
     if k > heads:
         return f"{export_dir / 'config.json'}: num_heads {heads} < k {k}: vLLM's Medusa drafts one token per head"
     return None
@@ -254,7 +284,7 @@ def write_layout(tmp: Path, fmt: str, cfg: dict, state: dict[str, torch.Tensor],
 
 # --- specs ---------------------------------------------------------------------------------------------
 def expected_tensors(fmt: str, config: dict) -> Spec:
-    dt = st_dtype(getattr(torch, config.get("torch_dtype", "float32")))
+    dt = st_dtype(DTYPES[config.get("torch_dtype", "float32")])
     H, V = config["hidden_size"], config["vocab_size"]
     spec: Spec = {}
     if fmt == VLLM_FORMAT:
@@ -282,7 +312,7 @@ def expected_tensors(fmt: str, config: dict) -> Spec:
 
 
 def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None) -> list[str]:
-    config = read_json(out / "config.json")
+    config = read_layout_config(out, fmt)
     weights = out / ("model.safetensors" if fmt == VLLM_FORMAT else MEDUSA_WEIGHTS)
     problems = []
     if fmt == VLLM_FORMAT:
@@ -307,7 +337,7 @@ def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None) -> list[
 def read_layout(out: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """A vLLM or FasterDecoding Medusa folder -> (draftsmith MedusaHeadsConfig dict, draftsmith state)."""
     out = Path(out)
-    config = read_json(out / "config.json")
+    config = read_layout_config(out)
     state: dict[str, torch.Tensor] = {}
     if config.get("model_type") == "medusa":
         K, L = config["num_heads"], config["num_hidden_layers"]
@@ -345,27 +375,21 @@ def read_layout(out: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 # --- verifiers (re-read from disk; the format is named in draftsmith.json) ------------------------------
-MAX_VOCAB = 1 << 30  # an export that records no vocabulary size: ranks bounded by MAX_TREE_RANK alone
 
 
 def tree_problems(out: Path) -> list[str]:
     """The tree written beside the heads (draftsmith.json `medusa_choices`, tree.json) may only use heads
     that exist: a path of depth d reads head d-1, and a stack given a deeper tree indexes past its heads."""
-    config = read_json(out / "config.json")
-    heads = config.get("num_heads", config.get("medusa_num_heads"))
     from draftsmith.medusa.model import read_tree_or_problem, tree_problem
 
-    guard = read_json(out / "draftsmith.json")
-    trees = [(f"{out / 'draftsmith.json'} medusa_choices", guard.get("medusa_choices"))]
-    data, unreadable = read_tree_or_problem(out)
+    config = read_layout_config(out)
+    heads = config.get("num_heads", config.get("medusa_num_heads"))
+    vocab = config.get("truncated_vocab_size") or config["vocab_size"]
+    _, unreadable = read_tree_or_problem(out, heads, vocab, noun="export")
     problems = [unreadable] if unreadable else []
-    if data is not None:
-        trees.append((str(out / "tree.json"), data["paths"]))
-    vocab = config.get("draft_vocab_size") or config.get("vocab_size") or guard_vocab_size(out) or MAX_VOCAB
-    for where, paths in trees:
-        if not paths or heads is None:
-            continue
-        problem = tree_problem(paths, heads, vocab, where, noun="export")
+    choices = read_guard(out).get("medusa_choices")
+    if choices:
+        problem = tree_problem(choices, heads, vocab, f"{out / 'draftsmith.json'} medusa_choices", noun="export")
         problems += [problem] if problem else []
     return problems
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import artifact
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.heads.vocab import check_draft_vocab
-from draftsmith.storage import read_json
+from draftsmith.layouts import schema
 from draftsmith.targets.families import text_config
 from draftsmith.targets.gemm import rows_linear
 
@@ -295,30 +296,35 @@ MAX_TREE_RANK = 256  # candidates per head a tree may use (calibration considers
 MAX_TREE_BYTES = 4 << 20
 
 
-def read_tree_or_problem(folder) -> tuple[dict | None, str | None]:
-    """`read_tree_file`, with an unreadable or malformed tree.json given back as its one-line problem."""
-    try:
-        return read_tree_file(folder), None
-    except ConfigError as e:
-        return None, str(e)
-
-
-def read_tree_file(folder: str | Path) -> dict | None:
-    """tree.json of an artifact or export, or None where there is none. A tree.json that cannot be read (a
-    symlink loop, a dangling link, a folder, a file of many MB) is an error, never "no tree"."""
-    import os
-
+def read_tree(folder: str | Path, num_heads: int, vocab: int, noun: str = "artifact") -> MedusaTree | None:
+    """The one reader of tree.json (an artifact's or an export's): None where there is none, else a tree whose
+    every field is checked — `paths` a tree the heads can draft (`tree_problem`), `probs` one probability in
+    [0, 1] per path, `expected_length` a finite number in [0, number of paths] — or a FieldError naming the file
+    and the field. A tree.json that cannot be read (a dangling link, a folder, a file of many MB) is an error,
+    never "no tree"."""
     f = Path(folder) / "tree.json"
     if not os.path.lexists(f):
         return None
-    if not f.is_file():
-        raise ConfigError(f"{f}: not a readable file (a symlink loop, a dangling link or a folder)")
-    if f.stat().st_size > MAX_TREE_BYTES:
-        raise ConfigError(f"{f}: {f.stat().st_size} bytes, more than a tree of {MAX_TREE_NODES} nodes needs")
-    data = read_json(f)
-    if not isinstance(data, dict) or not isinstance(data.get("paths"), list):
-        raise ConfigError(f"{f}: field 'paths' (a list of rank paths) missing")
-    return data
+    data = schema.read_doc(f, max_bytes=MAX_TREE_BYTES)
+    paths = schema.get(data, "paths", f, "list")
+    problem = tree_problem(paths, num_heads, vocab, str(f), noun)
+    if problem:
+        raise schema.FieldError(problem)
+    probs = schema.get(data, "probs", f, "numbers", lo=0, hi=1, null=True, default=None)
+    if probs is not None and len(probs) != len(paths):
+        raise schema.FieldError(f"{f}: field 'probs' holds {len(probs)} values for {len(paths)} paths, expected one "
+                                "probability per path")
+    expected = schema.get(data, "expected_length", f, "number", lo=0, hi=len(paths), default=0.0)
+    return MedusaTree([tuple(p) for p in paths], float(expected), [float(x) for x in probs] if probs else None)
+
+
+def read_tree_or_problem(folder: str | Path, num_heads: int, vocab: int,
+                         noun: str = "artifact") -> tuple[MedusaTree | None, str | None]:
+    """`read_tree`, with a tree.json it refuses given back as its one-line problem."""
+    try:
+        return read_tree(folder, num_heads, vocab, noun), None
+    except DraftsmithError as e:
+        return None, str(e)
 
 
 def tree_problem(paths, num_heads: int, vocab: int, where: str, noun: str = "artifact") -> str | None:
@@ -394,20 +400,33 @@ def tree_expected_length(acc: list[list[float]], tree: MedusaTree) -> float:
     return sum(path_probability(acc, p) for p in tree.paths)
 
 
+def read_heads_config(path: str | Path, vocab: int | None = None) -> MedusaHeadsConfig:
+    """The one reader of a Medusa artifact's config.json: every field typed and in range, `vocab_size` the
+    target's (`vocab`, from the manifest's fingerprint, where known), or a FieldError naming the file and field."""
+    where = Path(path) / "config.json"
+    cfg = schema.read_doc(where)
+    V = schema.get(cfg, "vocab_size", where, "int", lo=1, hi=schema.MAX_VOCAB)
+    if vocab is not None and V != vocab:
+        raise schema.FieldError(f"{where}: field 'vocab_size' is {V}, but the target's vocabulary has {vocab} tokens")
+    fields = {"hidden_size": schema.get(cfg, "hidden_size", where, "int", lo=1, hi=schema.MAX_HIDDEN),
+              "vocab_size": V, "num_heads": schema.get(cfg, "num_heads", where, "int", lo=1, hi=16),
+              "num_layers": schema.get(cfg, "num_layers", where, "int", lo=0, hi=64),
+              "share_lm_head": schema.get(cfg, "share_lm_head", where, "bool"),
+              # absent from artifacts older than the option
+              "draft_vocab_size": schema.get(cfg, "draft_vocab_size", where, "int", lo=1, hi=V, null=True,
+                                             default=None)}
+    try:
+        return MedusaHeadsConfig(**fields)
+    except ValueError as e:
+        raise schema.FieldError(f"{where}: {e}") from None
+
+
 def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree | None, dict]:
     """Heads, calibrated tree and manifest of a Medusa artifact (fingerprint checked against `target`)."""
     path = Path(path)
     manifest, state = artifact.load_artifact(path, kind="medusa", target=target)
-    cfg = read_json(path / "config.json")
-    missing = [k for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head") if k not in cfg]
-    if missing:
-        raise ConfigError(f"{path / 'config.json'}: missing field '{missing[0]}' (not a Medusa heads config)")
-    fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
-    fields["draft_vocab_size"] = cfg.get("draft_vocab_size")  # absent from artifacts older than the option
-    try:
-        heads = MedusaHeads(MedusaHeadsConfig(**fields))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path / 'config.json'}: not a Medusa heads config ({e})") from None
+    config = read_heads_config(path, artifact.target_vocab(manifest))
+    heads = MedusaHeads(config)
     artifact.load_strict(heads, state, path)
     if heads.config.share_lm_head:
         if target is None:
@@ -415,16 +434,7 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
         heads.attach_lm_head(target.model.lm_head, copy=False)
     if target is not None:
         heads.to(device=target.device, dtype=target.dtype)
-    data = read_tree_file(path)
-    if data is not None:
-        vocab = heads.config.draft_vocab_size or heads.config.vocab_size
-        problem = tree_problem(data["paths"], heads.config.num_heads, vocab, str(path / "tree.json"))
-        probs = data.get("probs")
-        if problem is None and probs is not None and (not isinstance(probs, list) or len(probs) != len(data["paths"])):
-            problem = f"{path / 'tree.json'}: field 'probs' does not give one probability per path"
-        if problem:
-            raise ConfigError(problem)
-    tree = MedusaTree.from_json(data) if data is not None else None
+    tree = read_tree(path, config.num_heads, config.out_size)
     acc = (manifest.get("metrics") or {}).get("calibration_rank_accuracy")
     if tree is not None and tree.probs is None and acc:
         tree = tree.with_probs(acc)
@@ -432,18 +442,11 @@ def load_medusa(path: str | Path, target=None) -> tuple[MedusaHeads, MedusaTree 
 
 
 def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
-    """`Method.tensors`: (required, optional) name -> (shape, "") of the heads `config.json` describes, built
-    on the meta device, and a tree that uses heads the artifact lacks."""
+    """`Method.tensors`: (required, optional) name -> (shape, dtype or "") of the heads `config.json` describes,
+    built on the meta device (the vocabulary maps keep their own dtypes), and a tree.json it refuses."""
     path = Path(path)
-    cfg = read_json(path / "config.json")
-    fields = {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "share_lm_head")}
-    fields["draft_vocab_size"] = cfg.get("draft_vocab_size")
+    config = read_heads_config(path, artifact.target_vocab(artifact.load_manifest(path)))
     with torch.device("meta"):
-        module = MedusaHeads(MedusaHeadsConfig(**fields))
-    data, unreadable = read_tree_or_problem(path)
-    extra: list[str] = [unreadable] if unreadable else []
-    if data is not None:
-        vocab = fields["draft_vocab_size"] or fields["vocab_size"]
-        problem = tree_problem(data["paths"], fields["num_heads"], vocab, str(path / "tree.json"))
-        extra += [problem] if problem else []
-    return {k: (tuple(v.shape), "") for k, v in module.state_dict().items()}, {}, extra
+        module = MedusaHeads(config)
+    _, unreadable = read_tree_or_problem(path, config.num_heads, config.out_size)
+    return schema.module_spec(module), {}, [unreadable] if unreadable else []
