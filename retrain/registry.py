@@ -87,7 +87,8 @@ class Registry:
             return None
         version = _pointer_version(pointer)
         if not (self.path(version) / "manifest.json").is_file():
-            raise ArtifactError(f"registry {self.base}: current points at missing version {version}")
+            raise ArtifactError(f"{pointer}: current points at missing version {version} (no "
+                                f"{self.path(version) / 'manifest.json'})")
         return version
 
     def current_path(self) -> Path | None:
