@@ -10,8 +10,17 @@ import shutil
 import time
 
 import pytest
-from fuzzing import (FUZZ, FUZZ_LONG, PLACES, _damage, mutated_json, mutated_jsonl, mutated_yaml, place,
-                     refuses_cleanly)
+from fuzzing import (
+    FUZZ,
+    FUZZ_LONG,
+    PLACES,
+    _damage,
+    mutated_json,
+    mutated_jsonl,
+    mutated_yaml,
+    place,
+    refuses_cleanly,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -92,7 +101,7 @@ def _report(tmp_path, data: bytes, how: str) -> None:
     if refuses_cleanly(lambda: read_report(path), path.name) is None:
         return
     for criterion in ("speedup", "tau", "predicted"):  # what the reader accepts, routing runs on
-        policy = refuses_cleanly(lambda: build_policy([path], threshold=0.0, criterion=criterion), path.name)
+        policy = refuses_cleanly(lambda c=criterion: build_policy([path], threshold=0.0, criterion=c), path.name)
         assert policy is None or policy_problem(policy) is None
 
 
