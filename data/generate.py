@@ -40,8 +40,9 @@ from draftsmith.data.engines import CaptureSpec, Completion, Request, TextEngine
 from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.reasoning import drop_thinking, thinking_tokens
+from draftsmith.data.rows import RowLimits, check_row
 from draftsmith.data.sources import PromptRow, load_prompts
-from draftsmith.errors import DataError
+from draftsmith.errors import DataError, FileFormatError
 from draftsmith.storage import (
     atomic_dir,
     atomic_write_json,
@@ -75,7 +76,8 @@ def _claim_output(out: Path) -> None:
     if not out.is_dir():
         check_replaceable(out, "dataset")  # a file or a symlink is refused; an absent folder passes
         return
-    names = {p.name for p in out.iterdir()}
+    # a writer's lock inside the folder (locks.py) is no content of its own
+    names = {p.name for p in out.iterdir() if not (p.name.startswith(".") and p.name.endswith(".lock"))}
     if not names or output_kind(out) == "dataset":
         return
     try:
@@ -143,13 +145,26 @@ class _Formatter:
         return "\n\n".join(responses)
 
 
-def _read_chunks(chunk_dir: Path) -> dict[int, dict]:
+def _read_chunks(chunk_dir: Path, limits: RowLimits | None = None) -> dict[int, dict]:
+    """The rows an earlier run wrote, by row id, each checked (data/rows.py; against the target where `limits`
+    gives it). A chunk file that cannot be read (torn, not UTF-8, not JSON lines) and a row that fails its check are
+    named in a warning and left out: those rows are generated again."""
     done: dict[int, dict] = {}
     if not chunk_dir.is_dir():
         return done
     for path in sorted(chunk_dir.glob("chunk-*.jsonl")):
-        for rec in jsonl_records(path.read_text(encoding="utf-8"), path):
-            done.setdefault(int(rec["row_id"]), rec)
+        try:
+            records = jsonl_records(path.read_text(encoding="utf-8"), path)
+        except (OSError, UnicodeDecodeError, FileFormatError) as e:
+            log.warning("%s: cannot be read, its rows are generated again (%s)", path, str(e).splitlines()[0][:200])
+            continue
+        for n, rec in enumerate(records, 1):
+            try:
+                check_row(rec, f"{path}:{n}", limits or RowLimits())
+            except DataError as e:
+                log.warning("%s; the row is generated again", e)
+                continue
+            done.setdefault(rec["row_id"], rec)
     return done
 
 
@@ -241,8 +256,10 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         if grow_from is not None:  # under the lock: no other run copies or writes here meanwhile
             copy_base_set(Path(grow_from).expanduser(), Path(config.output_dir).expanduser())
             grow = True
-        if resume_from is not None:
-            unpack_rows(resume_from, Path(config.output_dir).expanduser())
+        if resume_from is not None:  # the pack's rows are checked against the target before they are stored
+            target = target or load_target(config.target)
+            unpack_rows(resume_from, Path(config.output_dir).expanduser(),
+                        RowLimits.of(target, config.generation.max_new_tokens))
         return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite, grow=grow)
 
 
@@ -287,7 +304,7 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     target = engine.target  # locally: the target in the generation dtype
     rows, stats, fmt = prepare_prompts(config, target, progress)
     fp = target.fingerprint()
-    done = _resume(out, _generation_key(config, fp, engine.precision))
+    done = _resume(out, _generation_key(config, fp, engine.precision), RowLimits.of(target, gen.max_new_tokens))
     kept: list[dict] = []
     if grow and finished:
         kept, rows = _grown_rows(out, config, target, rows, done, stats)
@@ -382,7 +399,7 @@ def _finished_records(rows, done: dict[int, dict], stats) -> list[dict]:
     return records
 
 
-def _resume(out: Path, key: dict[str, Any]) -> dict[int, dict]:
+def _resume(out: Path, key: dict[str, Any], limits: RowLimits | None = None) -> dict[int, dict]:
     """The rows an earlier run with the same target, precision and sampling (`key`, kept in run.json) wrote
     into `out`, by row id; a run under another key is refused. A new run records its key."""
     run_file = out / "run.json"
@@ -395,7 +412,7 @@ def _resume(out: Path, key: dict[str, Any]) -> dict[int, dict]:
     else:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_file, key)
-    return _read_chunks(out / CHUNKS_DIR)
+    return _read_chunks(out / CHUNKS_DIR, limits)
 
 
 def _shard_writer(target, config: DataConfig, out: Path, fp: dict, resumed: list[dict]):
@@ -674,14 +691,14 @@ def pack_rows(out_dir: str | Path, pack: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def unpack_rows(pack: str | Path, out_dir: str | Path) -> dict[str, int]:
+def unpack_rows(pack: str | Path, out_dir: str | Path, limits: RowLimits | None = None) -> dict[str, int]:
     """Put the rows of `pack` into the generation folder `out_dir` (new, or one whose run.json holds the pack's
     resume key): its run.json, magpie requests and a chunk with the rows the folder does not hold yet, so that
     generation resumes there as after an interruption. Returns how many rows and requests were added."""
     from draftsmith.data.magpie import REQUESTS_DIR, read_request_file, write_request_file
     from draftsmith.data.pack import read_pack
 
-    header, rows = read_pack(pack)
+    header, rows = read_pack(pack, limits)  # every row checked, against the target's limits where given
     out = Path(out_dir).expanduser()
     _claim_output(out)
     key = header["run"]

@@ -85,10 +85,31 @@ def _read(path: Path, key: dict) -> dict[int, dict]:
 
 
 def read_request_file(path: Path) -> tuple[dict, dict[int, dict]]:
-    """A magpie request file: its header ({"key": ...}) and its requests by index."""
-    lines = jsonl_records(path.read_text(encoding="utf-8"), path)
+    """A magpie request file: its header ({"key": ...}) and its requests by index, each checked (`check_request`)."""
+    try:
+        lines = jsonl_records(path.read_text(encoding="utf-8"), path)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
     header = lines[0] if lines else {}
-    return header, {int(r["index"]): r for r in lines[1:]}
+    if not isinstance(header, dict):
+        raise DataError(f"{path}:1: the header is not a JSON object (got {type(header).__name__})")
+    return header, {check_request(r, f"{path}:{n}")["index"]: r for n, r in enumerate(lines[1:], 2)}
+
+
+REQUEST_FIELDS = {"index": int, "text": str, "stopped": bool, "special_inside": bool, "tokens": int}
+
+
+def check_request(rec, where: str) -> dict:
+    """One written request ({"index", "text", "stopped", "special_inside", "tokens"}), as a request file or a row
+    pack holds it; a DataError in one line naming `where` and the field otherwise."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: a request is not a JSON object (got {type(rec).__name__})")
+    for name, kind in REQUEST_FIELDS.items():
+        value = rec.get(name)
+        if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
+            raise DataError(f"{where}: field '{name}' is {value!r:.40}, expected {kind.__name__}"
+                            + (" >= 0" if kind is int else ""))
+    return rec
 
 
 def write_request_file(path: Path, key: dict, done: dict[int, dict]) -> None:

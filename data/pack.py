@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import json
 import lzma
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from draftsmith.data.rows import RowLimits, check_row, pack_limits
 from draftsmith.errors import DataError, FileFormatError
 from draftsmith.storage import atomic_write_bytes, atomic_write_json, jsonl_records, read_json, sha256_file
 
 PACK_KIND = "draftsmith-rows"
 PACK_VERSION = 1
+MAX_UNPACKED = 8 << 30  # bytes of JSON lines a pack may unpack to
 
 
 def manifest_path(pack: str | Path) -> Path:
@@ -71,19 +74,24 @@ def write_pack(pack: str | Path, key: dict, requests: dict[str, dict], rows: dic
     return manifest
 
 
-def read_pack(pack: str | Path) -> tuple[dict, list[dict]]:
-    """The header and rows of `pack`, checked against its manifest (sha256) where one lies beside it."""
+def read_pack(pack: str | Path, limits: RowLimits | None = None) -> tuple[dict, list[dict]]:
+    """The header and rows of `pack`, checked against its manifest (sha256) where one lies beside it, every row
+    checked (data/rows.py) against `limits` (the target's), else against what the pack's generation key records."""
     pack = Path(pack).expanduser()
     if not pack.is_file():
         raise DataError(f"{pack}: no such pack")
     man = manifest_path(pack)
     if man.is_file():
-        want = read_json(man).get("sha256")
+        recorded = read_json(man)
+        want = recorded.get("sha256") if isinstance(recorded, dict) else None
         if want != sha256_file(pack):
             raise DataError(f"{pack}: its sha256 does not match {man} (damaged or replaced)")
     try:
-        text = lzma.decompress(pack.read_bytes()).decode("utf-8")
-    except (lzma.LZMAError, UnicodeDecodeError) as e:
+        unxz = lzma.LZMADecompressor()
+        text = unxz.decompress(pack.read_bytes(), max_length=MAX_UNPACKED).decode("utf-8")
+        if not unxz.eof:  # cut short, or a small file that unpacks to more than a pack of rows ever holds
+            raise lzma.LZMAError(f"the stream does not end within {MAX_UNPACKED >> 30} GiB unpacked")
+    except (lzma.LZMAError, UnicodeDecodeError, EOFError) as e:
         raise DataError(f"{pack}: not a readable xz pack ({type(e).__name__}: {e})") from None
     try:
         lines = jsonl_records(text, pack)
@@ -94,4 +102,31 @@ def read_pack(pack: str | Path) -> tuple[dict, list[dict]]:
         raise DataError(f"{pack}: field 'kind'/'version' is not {PACK_KIND} v{PACK_VERSION} (a draftsmith row pack)")
     if header.get("rows") != len(rows):
         raise DataError(f"{pack}: field 'rows' says {header.get('rows')} rows, the file holds {len(rows)} (truncated?)")
+    _check_requests(header.get("requests"), pack)
+    limits = pack_limits(header, f"{pack}:1", limits)
+    seen: set[int] = set()
+    for n, row in enumerate(rows, 2):
+        check_row(row, f"{pack}:{n}", limits)
+        if row["row_id"] in seen:
+            raise DataError(f"{pack}:{n}: field 'row_id' {row['row_id']} repeats an earlier row's")
+        seen.add(row["row_id"])
     return header, rows
+
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # a source name as a file name: no path, no dot file
+
+
+def _check_requests(requests, pack: Path) -> None:
+    """The header's magpie requests: {source name: {"key": ..., "records": [request, ...]}}, each name a plain file
+    name (it names a file in output_dir) and each request as a request file holds it."""
+    from draftsmith.data.magpie import check_request
+
+    if not isinstance(requests, dict):
+        raise DataError(f"{pack}:1: field 'requests' is not an object of source name -> requests")
+    for name, packed in requests.items():
+        if not SAFE_NAME.fullmatch(name):
+            raise DataError(f"{pack}:1: field 'requests' names source {name!r:.60}, not a plain file name")
+        if not isinstance(packed, dict) or "key" not in packed or not isinstance(packed.get("records"), list):
+            raise DataError(f"{pack}:1: field 'requests.{name}' is not {{\"key\": ..., \"records\": [...]}}")
+        for i, rec in enumerate(packed["records"]):
+            check_request(rec, f"{pack}:1: requests.{name}.records[{i}]")

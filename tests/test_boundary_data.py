@@ -5,6 +5,7 @@ it pins; each failed before its fix."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,86 @@ def test_a_torn_gzip_or_a_deeply_nested_prompt_line_is_named_never_raw(tmp_path)
     with pytest.raises(DataError) as e:
         load_prompts([deep])
     assert _one_line(e).startswith(f"{deep}:2: ")
+
+
+# ---- finding 4: rows read from outside are checked against the target ---------------------------------------
+
+PROMPTS = ["What is 2 + 3?", "Name three colors.", "Say hi.", "What is a fox?"]
+
+
+def _gen_cfg(tmp_path, name: str, prompts: list[str] = PROMPTS, **gen):
+    from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
+
+    jsonl = tmp_path / f"{name}.jsonl"
+    if not jsonl.exists():
+        jsonl.write_text("".join(json.dumps({"q": q}) + "\n" for q in prompts))
+    generation = GenerationConfig(**{"max_new_tokens": 6, "batch_size": 4, "flush_every": 2, **gen})
+    return DataConfig(sources=[SourceConfig(name="p", path=str(jsonl), prompt="q", domain="math")],
+                      output_dir=str(tmp_path / name), generation=generation)
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_target, tmp_path_factory) -> Path:
+    """A finished tiny generation run (4 prompts, 6 new tokens) and its pack, `rows.jsonl.xz` beside it."""
+    from draftsmith.data.generate import generate_dataset, pack_rows
+
+    root = tmp_path_factory.mktemp("first_run")
+    generate_dataset(_gen_cfg(root, "first"), tiny_target, progress=False)
+    pack_rows(root / "first", root / "rows.jsonl.xz")
+    return root
+
+
+def _tampered_pack(first_run: Path, tmp_path: Path, change) -> Path:
+    """`first_run`'s pack with `change(rows)` applied and its manifest's sha256 written anew."""
+    from draftsmith.data.pack import read_pack, write_pack
+
+    header, rows = read_pack(first_run / "rows.jsonl.xz")
+    change(rows)
+    pack = tmp_path / "rows.jsonl.xz"
+    write_pack(pack, header["run"], header["requests"], {r["row_id"]: r for r in rows})
+    return pack
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda rows: rows[0]["input_ids"].__setitem__(-1, 99999), "input_ids'["),
+    (lambda rows: rows[1]["input_ids"].__setitem__(0, -5), "input_ids'[0]"),
+    (lambda rows: rows[0].__setitem__("loss_mask", rows[0]["loss_mask"][:-1]), "loss_mask"),
+    (lambda rows: rows[0].update(input_ids=rows[0]["input_ids"] * 40, loss_mask=[1] * 40 * len(rows[0]["loss_mask"])),
+     "input_ids"),
+])
+def test_a_pack_whose_rows_the_target_cannot_hold_is_refused(tmp_path, tiny_target, first_run, change, field):
+    """Finding 4: a pack given to `--resume-from` with ids 99999 and -5 (its manifest's sha256 rewritten) was stored
+    as it was; now every row is checked against the target (vocabulary, context, max_new_tokens) and the pack is
+    refused in one line naming it, the line and the field, before anything is written."""
+    from draftsmith.data.generate import generate_dataset
+
+    pack = _tampered_pack(first_run, tmp_path, change)
+    with pytest.raises(DataError) as e:
+        generate_dataset(_gen_cfg(tmp_path, "second"), tiny_target, progress=False, resume_from=pack)
+    message = _one_line(e)
+    assert str(pack) in message and field in message
+    assert not (tmp_path / "second" / "chunks").exists()
+
+
+def test_torn_or_tampered_chunks_are_named_and_their_rows_generated_again(tmp_path, tiny_target, first_run, caplog):
+    """The chunks an interrupted run left are read through the same check: a chunk file that is not JSON lines and
+    a row with an id past the vocabulary are named in a warning and generated again; the set finishes whole."""
+    import shutil
+
+    from draftsmith.data.generate import generate_dataset
+
+    out = tmp_path / "first"
+    shutil.copytree(first_run / "first", out)
+    shutil.rmtree(out / "dataset")
+    (out / "provenance.json").unlink()
+    chunks = sorted((out / "chunks").glob("chunk-*.jsonl"))
+    chunks[0].write_bytes(b'{"row_id": 1, "input_ids": [\xff\n')
+    rows = [json.loads(line) for line in chunks[1].read_text().splitlines()]
+    rows[0]["input_ids"][0] = 10**6
+    chunks[1].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    generate_dataset(_gen_cfg(tmp_path, "first"), tiny_target, progress=False)
+    from draftsmith.data import load_distilled
+
+    ds = load_distilled(out, tiny_target)
+    assert len(ds) == len(PROMPTS) and max(max(x) for x in ds["input_ids"]) < tiny_target.vocab_size
+    assert f"{chunks[0]}: cannot be read" in caplog.text and f"{chunks[1]}:1: field 'input_ids'[0]" in caplog.text
