@@ -2,10 +2,12 @@
 (SIGKILL included), so a killed holder never blocks the next one and exactly one contender wins.
 
 - `output_lock`: one writer per output folder. A second process writing the same training output,
-  dataset, export, artifact or evaluation folder is refused in one line while the first runs. The lock
-  is `.<name>.lock` beside the folder, held for the whole write and removed when the writer finishes (a
-  lock file a killed writer left is taken over, then removed). A process that already holds a folder's
-  lock may take it again (a dataset run saving into its own folder).
+  dataset, export, artifact or evaluation folder is refused in one line while the first runs, whatever
+  spelling of the folder it was given (a symlink, `..`, another case): the lock is `.draftsmith.lock`
+  inside the folder it guards, plus `.<name>.lock` beside the folder's resolved path (the one lock of a
+  folder that does not exist yet, or is replaced whole by `storage.atomic_dir`). Held for the whole write
+  and removed when the writer finishes (a lock file a killed writer left is taken over, then removed). A
+  process that already holds a folder's lock may take it again (a dataset run saving into its own folder).
 - `RunLock`: one retraining run per registry. Its file stays; it holds the owner's host, pid and start
   time (informational), emptied on a clean release, so a new owner that finds content knows it broke
   the lock of a run that died holding it.
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -59,30 +62,82 @@ def _unlock(fd: int) -> None:
     os.close(fd)
 
 
-_HELD: dict[str, int] = {}  # lock file -> how many times this process holds it
+_HELD: dict[tuple[int, int], int] = {}  # lock file (device, inode) -> how many times this process holds it
 _GUARD = threading.Lock()
+
+INSIDE = ".draftsmith.lock"  # the lock inside the folder it guards
+
+
+def _resolved(folder: str | os.PathLike) -> Path:
+    """The folder's one spelling: `~` expanded, symlinks and `..` resolved (as far as the path exists)."""
+    return Path(folder).expanduser().resolve()
 
 
 def lock_path(folder: str | os.PathLike) -> Path:
-    folder = Path(folder).expanduser().absolute()
+    """The lock beside `folder` (in its parent), named after its resolved path: the lock of a folder that is
+    replaced whole (storage.atomic_dir renames a new copy onto it) or that does not exist yet."""
+    folder = _resolved(folder)
     return folder.parent / f".{folder.name}.lock"
 
 
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 @contextlib.contextmanager
-def output_lock(folder: str | os.PathLike, what: str = "output", enabled: bool = True) -> Iterator[None]:
+def output_lock(folder: str | os.PathLike, what: str = "output", enabled: bool = True,
+                inside: bool = True) -> Iterator[None]:
     """Hold `folder`'s writer lock for the block, or raise OutputBusy (nothing touched) when another
-    process holds it. `enabled=False` (a non-main rank) holds nothing."""
+    process holds it. `enabled=False` (a non-main rank) holds nothing.
+
+    Every spelling of a folder gets the same lock: a symlink, `..`, another case on a case-insensitive file
+    system. The lock is `.draftsmith.lock` INSIDE an existing folder (it is the folder's own file, whatever
+    path reached it, and needs no write access to the parent), and also the lock beside it (`lock_path`)
+    where the parent is writable, which is what a writer of a folder that does not exist yet holds. With
+    `inside=False` (a folder that is replaced whole, so a lock inside would be replaced with it) only the one
+    beside it."""
     if not enabled:
         yield
         return
-    path = lock_path(folder)
-    key = str(path)
-    with _GUARD:
-        if _HELD.get(key):
-            _HELD[key] += 1
-            reentered = True
+    resolved = _resolved(folder)
+    with contextlib.ExitStack() as stack:
+        if inside and resolved.is_dir():
+            stack.enter_context(_holding(resolved / INSIDE, folder, what))
+            with contextlib.suppress(PermissionError, _ReadOnly):  # a read-only parent: the lock inside holds
+                stack.enter_context(_holding(lock_path(resolved), folder, what))
         else:
-            reentered = False
+            _make_parent(resolved, folder)
+            stack.enter_context(_holding(lock_path(resolved), folder, what))
+        yield
+
+
+class _ReadOnly(OSError):
+    """The lock file cannot be created where it would go (a read-only file system)."""
+
+
+def _make_parent(resolved: Path, folder) -> None:
+    try:
+        resolved.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [resolved.parent, *resolved.parent.parents] if p.exists() and not p.is_dir()),
+                       resolved.parent)
+        raise OutputError(f"{folder}: cannot be written, {blocker} is a file, not a folder") from None
+    except PermissionError:
+        raise OutputError(f"{folder}: cannot be written, no permission to create it in {resolved.parent}") from None
+
+
+@contextlib.contextmanager
+def _holding(path: Path, folder, what: str) -> Iterator[None]:
+    """Hold the flock of the lock file `path`, or take it again when this process holds it already."""
+    with _GUARD:
+        key = _inode(path)
+        reentered = key is not None and key in _HELD
+        if reentered:
+            _HELD[key] += 1
     if reentered:
         try:
             yield
@@ -90,12 +145,8 @@ def output_lock(folder: str | os.PathLike, what: str = "output", enabled: bool =
             with _GUARD:
                 _HELD[key] -= 1
         return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        blocker = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), path.parent)
-        raise OutputError(f"{folder}: cannot be written, {blocker} is a file, not a folder") from None
     fd = _acquire(path, folder, what)
+    key = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
     with _GUARD:
         _HELD[key] = 1
     try:
@@ -104,13 +155,19 @@ def output_lock(folder: str | os.PathLike, what: str = "output", enabled: bool =
         with _GUARD:
             _HELD.pop(key, None)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # still holding the lock: a newcomer that opened this file re-checks and retries
+            if _inode(path) == key:
+                os.unlink(path)  # still holding the lock: a newcomer that opened this file re-checks and retries
         _unlock(fd)
 
 
 def _acquire(path: Path, folder, what: str) -> int:
     for _ in range(100):
-        fd, note = _try_flock(path)
+        try:
+            fd, note = _try_flock(path)
+        except OSError as e:
+            if e.errno == errno.EROFS:
+                raise _ReadOnly(e.errno, e.strerror, str(path)) from None
+            raise
         if fd < 0:
             owner = note.decode(errors="replace").strip()
             raise OutputBusy(f"{folder}: another process{f' (pid {owner})' if owner.isdigit() else ''} is writing "

@@ -173,7 +173,9 @@ def check_replaceable(final: str | os.PathLike, kind: str, overwrite: bool = Fal
     if final.is_symlink() or not final.is_dir():
         what = "a symlink" if final.is_symlink() else "a file"
     else:
-        names = sorted(p.name for p in final.iterdir())
+        from draftsmith.locks import INSIDE
+
+        names = sorted(p.name for p in final.iterdir() if p.name != INSIDE)  # a writer's lock is not content
         if not names:
             return
         found = output_kind(final)
@@ -245,7 +247,8 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | No
     from draftsmith.locks import output_lock
 
     try:
-        with output_lock(final, kind or "folder"), _atomic_dir(final, overwrite, kind, verify) as tmp:
+        # the lock beside `final`: a lock inside it would be renamed away with the copy it replaces
+        with output_lock(final, kind or "folder", inside=False), _atomic_dir(final, overwrite, kind, verify) as tmp:
             yield tmp
     except Exception as e:  # OSError, or a writer's own error type carrying one (safetensors: "os error 28")
         raise_if_full(e, final)

@@ -5,7 +5,10 @@ failed before the fix it names."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,67 @@ def test_resume_takes_a_copy_the_run_recorded_and_refuses_another_runs_checkpoin
     link.symlink_to(foreign)
     with pytest.raises(TrainingError, match="is not a checkpoint of this run's output folder"):
         train(NextTokenJob(tiny_target), _cfg(out, max_steps=3, resume=str(link)))
+
+
+# --- 9, 26. one lock per folder, whatever its spelling, inside the folder it guards ----------------------------
+_HOLD = ("import sys, time\nfrom draftsmith.locks import output_lock\n"
+         "with output_lock(sys.argv[1], sys.argv[2]):\n    print('held', flush=True)\n    time.sleep(120)\n")
+
+
+class _Holder:
+    """Another live process holding `folder`'s writer lock (what a running training or evaluation holds)."""
+
+    def __init__(self, folder: Path, what: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(folder), what], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "held", self.proc.stderr.read()
+
+    def __enter__(self) -> subprocess.Popen:
+        return self.proc
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def test_a_second_training_into_a_symlink_of_a_running_ones_output_dir_is_refused(tiny_target, tmp_path):
+    from draftsmith.locks import OutputBusy
+
+    out = tmp_path / "run"
+    train(NextTokenJob(tiny_target), _cfg(out, max_steps=2, save_every=2))  # a live checkpoint to resume
+    (tmp_path / "alias").symlink_to(out)
+    (tmp_path / "sub").mkdir()
+    with _Holder(out, "training output") as first:
+        for spelling in (tmp_path / "alias", tmp_path / "sub" / ".." / "run"):
+            with pytest.raises(OutputBusy, match=f"another process \\(pid {first.pid}\\) is writing this training"):
+                train(NextTokenJob(tiny_target), _cfg(spelling, max_steps=4))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".written.json", "step-00000002"]
+
+
+def test_two_evaluations_into_a_folder_and_a_symlink_to_it_are_one_writer(tmp_path):
+    from draftsmith.locks import OutputBusy, output_lock
+
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e-link").symlink_to(tmp_path / "e")
+    with _Holder(tmp_path / "e", "evaluation output"), pytest.raises(OutputBusy, match="e-link: another process"):
+        with output_lock(tmp_path / "e-link", "evaluation output"):
+            pass
+    with output_lock(tmp_path / "e-link", "evaluation output"):  # the first one gone: free again
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "e-link"] and not any((tmp_path / "e").iterdir())
+
+
+def test_the_lock_of_an_output_folder_lives_inside_it(tmp_path):
+    from draftsmith.locks import output_lock
+
+    ro, out = tmp_path / "RO", tmp_path / "RO" / "out"
+    out.mkdir(parents=True)
+    ro.chmod(0o555)  # `out` is writable, the folder it is in is not
+    try:
+        with output_lock(out, "evaluation output"):
+            assert (out / ".draftsmith.lock").is_file()
+            if os.geteuid() != 0:  # root writes anywhere: only an unprivileged user sees RO refuse the lock beside
+                assert not (ro / ".out.lock").exists()
+    finally:
+        ro.chmod(0o755)
+    assert not any(out.iterdir())
