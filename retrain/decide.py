@@ -14,28 +14,26 @@ policy: per-domain enable/disable for the serving layer (α below the floor afte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from draftsmith.config import FRACTION, Range, validated
 
 
+@validated
 @dataclass
 class Thresholds:
-    alpha_floor: float = 0.3
-    max_drop: float = 0.1
-    min_domain_prompts: int = 3  # domains with fewer measured prompts are reported, not judged
-
-    def __post_init__(self):
-        if not 0 <= self.alpha_floor <= 1 or not 0 <= self.max_drop <= 1:
-            raise ValueError("alpha_floor and max_drop must be in [0, 1]")
+    alpha_floor: Annotated[float, FRACTION] = 0.3
+    max_drop: Annotated[float, FRACTION] = 0.1
+    # domains with fewer measured prompts are reported, not judged
+    min_domain_prompts: Annotated[int, Range(ge=1, le=10**6)] = 3
 
 
+@validated
 @dataclass
 class GateRule:
-    min_gain: float = 0.02
-    baseline_margin: float = 0.03
+    min_gain: Annotated[float, FRACTION] = 0.02
+    baseline_margin: Annotated[float, FRACTION] = 0.03
     require_lossless: bool = True
-
-    def __post_init__(self):
-        if self.min_gain < 0 or self.baseline_margin < 0:
-            raise ValueError("min_gain and baseline_margin must be >= 0")
 
 
 @dataclass
@@ -104,6 +102,9 @@ def domain_policy(report: dict, alpha_floor: float, version: str) -> dict:
     """{domain: {"speculate": bool, "alpha": α, "why": ...}} for the serving layer."""
     out = {}
     for domain, row in sorted(_domains(report).items()):
+        if row.get("alpha") is None:  # nothing was drafted there: no evidence that speculation pays
+            out[domain] = {"speculate": False, "alpha": None, "why": "alpha not measured (no drafted tokens)"}
+            continue
         alpha = float(row["alpha"])
         enable = alpha >= alpha_floor
         out[domain] = {
@@ -112,3 +113,24 @@ def domain_policy(report: dict, alpha_floor: float, version: str) -> dict:
             "why": f"alpha {alpha:.3f} {'>=' if enable else '<'} floor {alpha_floor:.3f}",
         }
     return {"version": version, "alpha_floor": alpha_floor, "domains": out}
+
+
+def recorded_alpha(manifest: dict, where: str) -> dict[str, float]:
+    """{domain: α} a version recorded on traffic when it was promoted (its manifest's `traffic_eval`), each
+    row checked as an evaluation report's domain row (decoding/routing.py's `domain_problem`: α finite, in
+    [0, 1]); a domain whose α was not measured is left out. A bad field is one DataError naming `where`."""
+    from draftsmith.config import show
+    from draftsmith.decoding.routing import domain_problem
+    from draftsmith.errors import DataError
+
+    recorded = manifest.get("traffic_eval") or {}
+    domains = recorded.get("domains") or {} if isinstance(recorded, dict) else None
+    if not isinstance(domains, dict):
+        field = "traffic_eval.domains" if isinstance(recorded, dict) else "traffic_eval"
+        value = recorded.get("domains") if isinstance(recorded, dict) else recorded
+        raise DataError(f"{where}: {field} is {show(value)}, expected a map of domain -> its measurements")
+    for domain, row in domains.items():
+        problem = domain_problem(row, f"traffic_eval.domains.{domain}", nested=False)
+        if problem:
+            raise DataError(f"{where}: {problem}")
+    return {d: float(row["alpha"]) for d, row in domains.items() if row.get("alpha") is not None}

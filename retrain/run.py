@@ -32,7 +32,7 @@ from draftsmith.config import load_config, to_dict
 from draftsmith.errors import ArtifactError, DraftsmithError
 from draftsmith.locks import LockHeld, RunLock
 from draftsmith.retrain.config import RetrainConfig
-from draftsmith.retrain.decide import domain_policy, gate, staleness
+from draftsmith.retrain.decide import domain_policy, gate, recorded_alpha, staleness
 from draftsmith.retrain.registry import Registry
 from draftsmith.retrain.traffic import TrafficRow, read_traffic, write_prompt_file
 from draftsmith.storage import sha256_json
@@ -292,8 +292,7 @@ def _judge(cfg: RetrainConfig, reg: Registry, record: dict, target, a: _Attempt)
     and on production's acceptance where configured: (its traffic report, the verdict)."""
     # the held-out traffic file is already capped per domain: no limit
     cur_traffic = {} if a.hard else _measure(target, cfg.artifact_kind, a.path, [str(a.held_file)], None, cfg)
-    recorded = {d: row["alpha"] for d, row in ((a.manifest.get("traffic_eval") or {}).get("domains") or {}).items()
-                if row.get("alpha") is not None}
+    recorded = recorded_alpha(a.manifest, str(a.path / "manifest.json"))
     verdict = staleness(cur_traffic, recorded, a.hard, a.weights_changed, cfg.thresholds)
     if cfg.measure.production and not a.hard:
         prod = _production(cfg.measure, reg.base / "production-last.prom")

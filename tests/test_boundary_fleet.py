@@ -338,3 +338,25 @@ def test_a_shipped_report_reads_cleanly():
     assert len(shipped) >= 5  # the evaluation reports among the results (the data stage writes its own kind)
     for path in shipped:
         assert read_report(path)["proposer"]
+
+
+# --- retraining's decisions: the acceptance a version recorded, a domain without a measured alpha ------------
+def test_a_recorded_alpha_that_is_not_a_number_is_one_line_naming_the_manifest():
+    from draftsmith.retrain.decide import recorded_alpha
+
+    good = {"traffic_eval": {"domains": {"a": {"alpha": 0.7, "n_prompts": 4}, "b": {"alpha": None}}}}
+    assert recorded_alpha(good, "m/manifest.json") == {"a": 0.7}
+    for bad, says in (({"domains": {"a": {"alpha": "high"}}}, "traffic_eval.domains.a.alpha is 'high'"),
+                      ({"domains": {"a": {"alpha": float("nan")}}}, "traffic_eval.domains.a.alpha is nan"),
+                      ({"domains": ["a"]}, "traffic_eval.domains is ['a']"), ([1], "traffic_eval is [1]")):
+        with pytest.raises(DataError) as e:
+            recorded_alpha({"traffic_eval": bad}, "m/manifest.json")
+        assert str(e.value).startswith(f"m/manifest.json: {says}"), str(e.value)
+
+
+def test_the_serving_policy_turns_off_a_domain_whose_alpha_was_not_measured():
+    from draftsmith.retrain.decide import domain_policy
+
+    policy = domain_policy({"domains": {"a": {"alpha": 0.6}, "b": {"alpha": None}}}, 0.3, "v0002")
+    assert policy["domains"]["a"]["speculate"] and not policy["domains"]["b"]["speculate"]
+    assert policy["domains"]["b"]["why"] == "alpha not measured (no drafted tokens)"
