@@ -15,7 +15,7 @@ import pytest
 from _train_job import NextTokenJob
 from safetensors.torch import save_file
 
-from draftsmith.errors import DraftsmithError, TrainingError
+from draftsmith.errors import DraftsmithError, OutputError, TrainingError
 from draftsmith.storage import sha256_file
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
@@ -166,3 +166,43 @@ def test_the_lock_of_an_output_folder_lives_inside_it(tmp_path):
     finally:
         ro.chmod(0o755)
     assert not any(out.iterdir())
+
+
+# --- 27, 25. the run's trackers and log: a local default, or one line naming what to fix -----------------------
+def test_mlflow_without_a_tracking_uri_tracks_into_the_runs_output_dir(tmp_path, monkeypatch):
+    from draftsmith.training.loggers import RunLogger
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)  # where mlflow's own default (./mlflow.db) would go
+    out = tmp_path / "run"
+    logger = RunLogger(out, ["jsonl", "mlflow"], {"lr": 1e-3}, active=True)
+    logger.log({"type": "train", "step": 1, "loss": 0.5})
+    logger.close()
+    run_id = logger.state["mlflow_run_id"]
+    assert any((out / "mlruns").rglob(run_id)), "the run is not in <output_dir>/mlruns"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the process is left as it was
+    again = RunLogger(out, ["mlflow"], {}, active=True, state=logger.state, resume_step=1)  # a resume: the same run
+    again.close()
+    assert again.state["mlflow_run_id"] == run_id
+
+
+@pytest.mark.parametrize("name,make", [("tensorboard", "file"), ("log.jsonl", "folder")])
+def test_a_run_folder_entry_of_the_wrong_kind_is_named_in_one_line(tmp_path, name, make):
+    from draftsmith.training.loggers import RunLogger
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).mkdir() if make == "folder" else (out / name).write_text("mine")
+    with pytest.raises(OutputError) as e:
+        RunLogger(out, ["jsonl", "tensorboard"], {"lr": 1e-3}, active=True)
+    assert str(out / name) in _one_line(e.value) and "train.output_dir" in str(e.value)
+
+
+def test_a_train_output_dir_that_is_a_file_is_named_in_one_line(tiny_target, tmp_path):
+    (tmp_path / "run").write_text("a user's file")
+    with pytest.raises(OutputError) as e:
+        train(NextTokenJob(tiny_target), _cfg(tmp_path / "run", max_steps=2))
+    assert "train.output_dir" in _one_line(e.value) and f"{tmp_path / 'run'} is a file" in str(e.value)
+    assert (tmp_path / "run").read_text() == "a user's file"

@@ -18,10 +18,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
+from draftsmith.errors import ConfigError, DraftsmithError
+
 log = logging.getLogger(__name__)
+
+# where each tracker reads its settings, for the line that says one could not start
+_HINT = {"mlflow": " (MLFLOW_TRACKING_URI)", "wandb": " (WANDB_API_KEY, WANDB_MODE=offline)",
+         "trackio": " (the trackio project)", "tensorboard": " (train.output_dir)"}
 
 
 def _clean(v: Any) -> Any:
@@ -31,10 +38,11 @@ def _clean(v: Any) -> Any:
 
 
 def _check_ours(path: Path) -> None:
-    """A log.jsonl that is not a draftsmith training log (its first line is not a record of ours) belongs to
-    the user: it is not overwritten."""
+    """A log.jsonl that is not a draftsmith training log (its first line is not a record of ours, or it is a
+    folder or a symlink) belongs to the user: it is not overwritten."""
     from draftsmith.errors import OutputError
 
+    _check_kind(path, "file")
     try:
         with open(path, "rb") as f:
             first = f.readline()
@@ -49,6 +57,21 @@ def _check_ours(path: Path) -> None:
     if not (isinstance(record, dict) and "type" in record and "step" in record):
         raise OutputError(f"{path} exists and is not a draftsmith training log: set train.output_dir to another "
                           "folder, or move it")
+
+
+def _check_kind(path: Path, kind: str) -> None:
+    """`path`, where the run writes a `kind` ("file" or "folder") of its own, is absent or that kind: anything
+    else (a folder where the log goes, a file where TensorBoard's folder goes, a symlink) is the user's and is
+    named in one line instead of failing inside a writer."""
+    from draftsmith.errors import OutputError
+
+    if not os.path.lexists(path):
+        return
+    found = "a symlink" if path.is_symlink() else "a folder" if path.is_dir() else "a file" if path.is_file() \
+        else "not a regular file"
+    if found != f"a {kind}":
+        raise OutputError(f"{path}: is {found}, where the run writes its {path.name} {kind}: set train.output_dir "
+                          "to another folder, or move it")
 
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
@@ -88,6 +111,7 @@ class RunLogger:
         self.text = initial_text
         self.trackers: list = []
         self.state: dict[str, Any] = dict(state or {})
+        self._env: list[str] = []  # environment variables this logger set (unset again by close)
         if not active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +127,15 @@ class RunLogger:
             if not _installed(name):
                 log.warning("train.loggers has %r but %s is not installed: skipped", name, _PACKAGE[name])
                 continue
-            tracker, fresh = self._start(name, Path(output_dir), project or "draftsmith", resume_step)
+            try:
+                tracker, fresh = self._start(name, Path(output_dir), project or "draftsmith", resume_step)
+            except DraftsmithError:
+                raise
+            except Exception as e:  # a tracker's own error (a store it cannot reach, a bad key): one line
+                self.close()
+                first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
+                raise ConfigError(f"train.loggers: {name} could not start ({type(e).__name__}: {first}); fix its "
+                                  f"settings{_HINT.get(name, '')} or drop {name} from train.loggers") from None
             if fresh:
                 tracker.store_init_configuration(flat)
             self.trackers.append(tracker)
@@ -114,6 +146,7 @@ class RunLogger:
 
         run_name = self.state["run_name"]
         if name == "tensorboard":
+            _check_kind(out / "tensorboard", "folder")
             fresh = "tensorboard" not in self.state
             kw = {"purge_step": resume_step + 1} if resume_step is not None and not fresh else {}
             tracker = tracking.TensorBoardTracker("tensorboard", out, **kw)  # writes out/tensorboard
@@ -125,6 +158,7 @@ class RunLogger:
             tracker = tracking.WandBTracker(project, id=run_id, name=run_name, resume="allow", dir=str(out))
             tracker.start()
         elif name == "mlflow":
+            self._mlflow_default(out)
             fresh = "mlflow_run_id" not in self.state
             tracker = tracking.MLflowTracker(experiment_name=project, run_id=self.state.get("mlflow_run_id"),
                                              run_name=run_name)
@@ -136,6 +170,21 @@ class RunLogger:
             tracker.start()
             self.state["trackio"] = run_name
         return tracker, fresh
+
+    def _mlflow_default(self, out: Path) -> None:
+        """Without MLFLOW_TRACKING_URI, the run tracks into `<output_dir>/mlruns`, a file store, as TensorBoard
+        and wandb keep their files in the output folder: the run's record travels with the run. mlflow's own
+        default (`sqlite:///mlflow.db` in the working directory) needs SQLAlchemy, which mlflow-skinny lacks,
+        and would mix every run started from one directory. mlflow keeps the file store behind
+        MLFLOW_ALLOW_FILE_STORE: set for this run only, as the tracking URI is."""
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            return
+        defaults = {"MLFLOW_TRACKING_URI": (out / "mlruns").absolute().as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
+        for key, value in defaults.items():
+            if key not in os.environ:
+                os.environ[key] = value
+                self._env.append(key)
+        log.info("mlflow: MLFLOW_TRACKING_URI is not set: tracking into %s", out / "mlruns")
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.active:
@@ -158,6 +207,9 @@ class RunLogger:
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
+        for key in self._env:
+            os.environ.pop(key, None)
+        self._env = []
 
 
 def uuid_hex(n: int) -> str:

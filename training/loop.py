@@ -188,7 +188,7 @@ class Trainer:
         check_replaceable(self.artifact_dest(), "artifact",
                           hint="set the job's output (or train.output_dir) to another path, or delete it")
         if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            _make_folder(self.out)
             ckpt.clean_temp(self.out)
             clean_stale(self.artifact_dest())  # what a run killed while saving its artifact left beside it
         self.acc.wait_for_everyone()
@@ -804,6 +804,17 @@ def _summary_text(kind: str, summary: dict, artifact: Path | None) -> str:
     if artifact is not None:
         parts.append(f"artifact: {artifact}")
     return "  ".join(parts)
+
+
+def _make_folder(out: Path) -> None:
+    """Create train.output_dir; a file where it (or a folder above it) must be is one line naming it."""
+    from draftsmith.errors import OutputError
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in [out, *out.parents] if p.exists() and not p.is_dir()), out)
+        raise OutputError(f"train.output_dir {out}: cannot be written, {blocker} is a file, not a folder") from None
 
 
 def train(job: Job, cfg: TrainConfig, accelerator=None) -> TrainResult:
