@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith import artifact
-from draftsmith.dflash.model import DFlashConfig, DFlashDraft, read_config
+from draftsmith.dflash.model import DFlashConfig, DFlashDraft, buildable, read_config
 from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.layouts import schema
 from draftsmith.layouts.common import state_dtype
@@ -169,15 +169,15 @@ def config_from_layout(config: dict, where: Path) -> DFlashConfig:
                      attention_bias=False)
     except (KeyError, TypeError, ValueError) as e:
         raise schema.FieldError(f"{f}: its RoPE fields are not a RoPE configuration ({type(e).__name__}: {e})") from None
-    try:
-        return DFlashConfig(
-            layer["hidden_size"], V, schema.get(config, "dflash_config.target_layer_ids", f, "ints", lo=0, hi=1023),
-            schema.get(config, "num_hidden_layers", f, "int", lo=1, hi=16),
-            schema.get(config, "block_size", f, "int", lo=2, hi=64),
-            schema.get(config, "dflash_config.mask_token_id", f, "int", lo=0, hi=V - 1), layer,
-            schema.get(config, "draft_vocab_size", f, "int", lo=1, hi=V - 1, null=True, default=None))
-    except ValueError as e:
-        raise VerificationError(f"{f}: {e}") from None
+    fields = {"hidden_size": layer["hidden_size"], "vocab_size": V,
+              "target_layers": schema.get(config, "dflash_config.target_layer_ids", f, "ints", lo=0, hi=1023),
+              "num_layers": schema.get(config, "num_hidden_layers", f, "int", lo=1, hi=16),
+              "block_size": schema.get(config, "block_size", f, "int", lo=2, hi=64),
+              "mask_token_id": schema.get(config, "dflash_config.mask_token_id", f, "int", lo=0, hi=V - 1),
+              "layer_config": layer,
+              "draft_vocab_size": schema.get(config, "draft_vocab_size", f, "int", lo=1, hi=V - 1, null=True,
+                                             default=None)}
+    return buildable(DFlashConfig, fields, f)
 
 
 LAYER_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -488,11 +488,20 @@ def read_config(path: str | Path, manifest: dict | None = None) -> DFlashConfig:
     if fields["layer_config"]["hidden_size"] != fields["hidden_size"]:
         raise schema.FieldError(f"{where}: field 'layer_config.hidden_size' is {fields['layer_config']['hidden_size']}, "
                                 f"but 'hidden_size' is {fields['hidden_size']}")
+    return buildable(DFlashConfig, fields, where)
+
+
+def buildable(make, fields: dict, where: Path) -> DFlashConfig:
+    """`make(**fields)`, a config whose draft builds (on the meta device: no memory), or a FieldError naming
+    `where`: transformers validates the layer's RoPE config with error types of its own."""
     try:
-        full_attention_rope(fields["layer_config"])
-        return DFlashConfig(**fields)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise schema.FieldError(f"{where}: not a DFlash config ({type(e).__name__}: {str(e)[:200]})") from None
+        config = make(**fields)
+        with torch.device("meta"):
+            DFlashDraft(config)
+    except Exception as e:  # transformers and huggingface_hub raise their own validation error types
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise schema.FieldError(f"{where}: not a DFlash config ({type(e).__name__}: {first})") from None
+    return config
 
 
 # the draft layer's sizes (layer_config_dict): a module is built from them

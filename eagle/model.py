@@ -612,9 +612,11 @@ def read_config(path: str | Path, manifest: dict | None = None) -> EagleConfig:
         schema.get(cfg, f"layer_config.{name}", where, "int", lo=1, hi=schema.MAX_VOCAB)
     try:
         config = EagleConfig(**fields)
-        _hf_layer_config(config.layer_config)
-    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
-        raise schema.FieldError(f"{where}: not an EAGLE head config ({type(e).__name__}: {str(e)[:200]})") from None
+        with torch.device("meta"):  # the head must build from it: transformers validates the layer's config
+            EagleHead(config)
+    except Exception as e:  # transformers and huggingface_hub raise their own validation error types
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise schema.FieldError(f"{where}: not an EAGLE head config ({type(e).__name__}: {first})") from None
     return config
 
 

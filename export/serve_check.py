@@ -157,8 +157,8 @@ def read_result(path: Path, log_path: Path) -> dict:
         if result["loaded"]:
             _token_lists(result, "outputs", path)
             counters = schema.get(result, "counters", path, "dict")
-            for name in counters:
-                schema.get(counters, name, f"{path}: field 'counters'", "numbers" if isinstance(counters[name], list)
+            for name in counters:  # a count per draft position (`..._per_pos`), else one count
+                schema.get(counters, name, f"{path}: field 'counters'", "numbers" if name.endswith("_per_pos")
                            else "number", lo=0)
             for run in ("batch1", "batched"):
                 schema.get(result, f"{run}.tokens", path, "int", lo=0)

@@ -113,7 +113,7 @@ def get(doc: dict, name: str, where: str | Path, kind: str, *, lo: float | None 
     if value is _MISSING:
         if default is not _MISSING:
             return default
-        raise FieldError(f"{where}: field '{name}' missing")
+        raise FieldError(f"{where}: missing field '{name}'")
     if value is None and null:
         return None
     ok = {"int": _is_int, "number": _is_number, "bool": lambda v: isinstance(v, bool),
@@ -192,7 +192,7 @@ def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: 
             problems.append(f"tensor 't2d' marks {marked} target tokens, expected {n} (the draft vocabulary)")
         elif not torch.equal(nz, ids):
             bad = int((nz != ids).nonzero()[0])
-            problems.append(f"tensor 'd2t' is inconsistent with 't2d': draft id {bad} maps to target {int(ids[bad])} "
+            problems.append(f"tensors 'd2t' / 't2d': d2t is inconsistent with t2d: draft id {bad} maps to target {int(ids[bad])} "
                             f"but the {bad}-th marked target token is {int(nz[bad])} (target = draft + d2t[draft])")
     return problems
 

@@ -237,8 +237,8 @@ def test_a_medusa_export_without_num_heads_is_named_by_serve_check_and_check(tin
     edit_json(exp / "config.json", lambda c: c.pop("num_heads"))
     with pytest.raises(DraftsmithError) as e:
         speculative_config(exp, 2)
-    one_line(e.value, "config.json", "'num_heads' missing")
-    check_says(capsys, exp, tiny_target, "config.json", "'num_heads' missing")
+    one_line(e.value, "config.json", "missing field 'num_heads'")
+    check_says(capsys, exp, tiny_target, "config.json", "missing field 'num_heads'")
 
 
 def test_a_dflash_block_size_spelled_as_a_string_is_named(tiny_target, tmp_path, capsys):
@@ -284,5 +284,5 @@ def test_a_speculators_config_without_draft_vocab_size_is_named(target4, tmp_pat
     (exp / "draftsmith.json").unlink()  # another tool's export: the layout alone says what it is
     with pytest.raises(DraftsmithError) as e:
         import_export(exp, tmp_path / "back", fingerprint=target4.fingerprint())
-    one_line(e.value, "config.json", "'draft_vocab_size' missing")
+    one_line(e.value, "config.json", "missing field 'draft_vocab_size'")
     assert not (tmp_path / "back").exists()
