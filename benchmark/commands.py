@@ -282,7 +282,6 @@ def run_llamacpp(args) -> int:
 
 
 def run_headline(args) -> int:
-    import json
     from pathlib import Path
 
     from draftsmith.benchmark import headline
@@ -295,5 +294,5 @@ def run_headline(args) -> int:
         return 0
     if not args.report:
         raise ConfigError("bench headline: give a report.json, or --write")
-    print(headline.render(json.loads(Path(args.report).read_text()), args.report))
+    print(headline.render(headline.read_headline_report(args.report), args.report))
     return 0

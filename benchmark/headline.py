@@ -12,7 +12,6 @@ report's command, machine and date above it.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -66,6 +65,64 @@ def _entries(report: dict) -> list[tuple[str, dict, dict, str]]:
         out.append((_label(name, cs), report["overall"]["compare"][name],
                     {d: r["compare"][name] for d, r in report["domains"].items()}, _short(name)))
     return out
+
+
+# what the block prints besides the numbers routing reads: (dotted field, type); a None is printed as "–"
+PRINTED = (("date", str), ("command", str), ("machine", dict), ("target.name", str), ("settings.max_new_tokens", int),
+           ("overall.n_prompts", int), ("overall.n_timed", int))
+ROW_KEYS = ("tokens_per_s", "speedup", "speedup_vs_plain", "speedup_vs_hf_generate", "alpha", "tau", "lossless")
+
+
+def _field(report: dict, dotted: str):
+    node = report
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def headline_problem(report: dict) -> str | None:
+    """The first field the headline block prints that `report` (already read by `read_report`, its numbers
+    checked) lacks or holds in another type, or None."""
+    from draftsmith.config import show
+
+    for dotted, kind in PRINTED:
+        value = _field(report, dotted)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{dotted} is {show(value)}, expected {kind.__name__}"
+    for dotted, kind in (("contention", dict), ("settings.gpu_tree", dict), ("overall.fastest_plain", str),
+                         ("contention.invalid", list)):
+        value = _field(report, dotted)
+        if value is not None and not isinstance(value, kind):
+            return f"{dotted} is {show(value)}, expected {kind.__name__} or null"
+    share = _field(report, "contention.other_cpu_share")
+    if share is not None and not (isinstance(share, int | float) and not isinstance(share, bool) and 0 <= share <= 1):
+        return f"contention.other_cpu_share is {show(share)}, expected a share in [0, 1] or null"
+    if not all(isinstance(i, dict) and {"prompt", "entry", "reason"} <= set(i)
+               for i in _field(report, "contention.invalid") or []):
+        return "contention.invalid: expected a list of {prompt, entry, reason}"
+    names = list(report["settings"].get("compare_settings") or {})
+    rows = [("overall", report["overall"])] + [(f"domains.{d}", r) for d, r in report["domains"].items()]
+    rows += [(f"{where}.compare.{name}", (row.get("compare") or {}).get(name)) for where, row in rows for name in names]
+    for where, row in rows:
+        if row is None:
+            return f"{where} is missing (a side-by-side run the settings name)"
+        missing = next((key for key in ROW_KEYS if key not in row), None)
+        if missing:
+            return f"{where}.{missing} is missing (printed in the headline)"
+    return None
+
+
+def read_headline_report(path: str | Path) -> dict:
+    """The evaluation report a headline block renders: read and checked by the one report reader
+    (decoding/routing.py's `read_report`), then the fields the block prints (`headline_problem`)."""
+    from draftsmith.decoding.routing import read_report
+    from draftsmith.errors import DataError
+
+    report = read_report(path)
+    problem = headline_problem(report)
+    if problem:
+        raise DataError(f"{report['_path']}: {problem}")
+    return report
 
 
 def render(report: dict, path: str) -> str:
@@ -138,7 +195,7 @@ def rewrite(doc: Path, root: Path) -> int:
     text = doc.read_text(encoding="utf-8")
     found = blocks(text)
     for start, end, path in reversed(found):
-        report = json.loads((root / path).read_text(encoding="utf-8"))
+        report = read_headline_report(root / path)
         text = text[:start] + render(report, path) + text[end:]
     doc.write_text(text, encoding="utf-8")
     return len(found)

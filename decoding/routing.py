@@ -249,6 +249,8 @@ DOMAIN_NUMBERS = {
     "speedup": (0.0, math.inf, True), "alpha": (0.0, 1.0, False), "tau": (0.0, math.inf, False),
     "verified_nodes_per_step": (0.0, math.inf, False), "target_forwards": (0.0, math.inf, False),
     "proposer_time_s": (0.0, math.inf, False), "tokens_per_s": (0.0, math.inf, False),
+    "baseline_tokens_per_s": (0.0, math.inf, False), "hf_generate_tokens_per_s": (0.0, math.inf, False),
+    "speedup_vs_plain": (0.0, math.inf, True), "speedup_vs_hf_generate": (0.0, math.inf, True),
 }
 
 

@@ -360,3 +360,23 @@ def test_the_serving_policy_turns_off_a_domain_whose_alpha_was_not_measured():
     policy = domain_policy({"domains": {"a": {"alpha": 0.6}, "b": {"alpha": None}}}, 0.3, "v0002")
     assert policy["domains"]["a"]["speculate"] and not policy["domains"]["b"]["speculate"]
     assert policy["domains"]["b"]["why"] == "alpha not measured (no drafted tokens)"
+
+
+# --- bench headline: a report read by the same reader, plus the fields the block prints -----------------------
+def test_bench_headline_names_the_report_and_the_field_it_lacks(tmp_path, capsys):
+    root = Path(__file__).resolve().parents[1]
+    doc = json.loads((root / "bench" / "results" / "headline-smollm2-135m" / "report.json").read_text())
+    assert main(["bench", "headline", str(write(tmp_path / "ok.json", doc))]) == 0
+    capsys.readouterr()
+    name = next(iter(doc["settings"]["compare_settings"]))
+    cases = [("machine", None, "machine is None"), ("date", 20261126, "date is 20261126"),
+             ("overall", {**doc["overall"], "speedup_vs_plain": "1.2"}, "overall.speedup_vs_plain is '1.2'"),
+             ("overall", {**doc["overall"], "compare": {}}, f"overall.compare.{name} is missing")]
+    for key, value, says in cases:
+        path = write(tmp_path / "bad.json", {**doc, key: value})
+        assert main(["bench", "headline", str(path)]) == 2
+        assert f"{path}: {says}" in one_line(capsys.readouterr().err)
+    torn = tmp_path / "torn.json"
+    torn.write_text('{"proposer": ')
+    assert main(["bench", "headline", str(torn)]) == 2
+    assert f"{torn}: not valid JSON" in one_line(capsys.readouterr().err)

@@ -6,8 +6,10 @@ or refuses it in one line naming it; what a reader accepts, the code behind it r
 from __future__ import annotations
 
 import gzip
+import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 from fuzzing import (
@@ -93,6 +95,10 @@ def mutated_prometheus(draw, lines: list[str] = PROM) -> bytes:
     return _damage(draw, ("\n".join(lines) + "\n").encode())
 
 
+HEADLINE = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "headline-smollm2-135m" /
+                       "report.json").read_text())
+
+
 # --- each reader, and what runs behind it ---------------------------------------------------------------------
 def _report(tmp_path, data: bytes, how: str) -> None:
     from draftsmith.decoding.routing import build_policy, policy_problem, read_report
@@ -103,6 +109,15 @@ def _report(tmp_path, data: bytes, how: str) -> None:
     for criterion in ("speedup", "tau", "predicted"):  # what the reader accepts, routing runs on
         policy = refuses_cleanly(lambda c=criterion: build_policy([path], threshold=0.0, criterion=c), path.name)
         assert policy is None or policy_problem(policy) is None
+
+
+def _headline(tmp_path, data: bytes, how: str) -> None:
+    from draftsmith.benchmark.headline import read_headline_report, render
+
+    path = place(tmp_path / "headline.json", data, how)
+    report = refuses_cleanly(lambda: read_headline_report(path), path.name)
+    if report is not None:
+        assert render(report, "r.json")
 
 
 def _policy(tmp_path, data: bytes, how: str) -> None:
@@ -192,6 +207,12 @@ def test_fuzz_evaluation_report(tmp_path, data, how):
 
 
 @FUZZ
+@given(mutated_json(HEADLINE), PLACES)
+def test_fuzz_headline_report(tmp_path, data, how):
+    _headline(tmp_path, data, how)
+
+
+@FUZZ
 @given(mutated_json(POLICY), PLACES)
 def test_fuzz_routing_policy(tmp_path, data, how):
     _policy(tmp_path, data, how)
@@ -236,12 +257,13 @@ def test_fuzz_registry_current_pointer(tmp_path, data, how):
 # --- the longer random run ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 @FUZZ_LONG
-@given(mutated_json(REPORT), mutated_json(POLICY), mutated_json(PROFILE), mutated_jsonl(TRAFFIC),
+@given(mutated_json(REPORT), mutated_json(HEADLINE), mutated_json(POLICY), mutated_json(PROFILE), mutated_jsonl(TRAFFIC),
        mutated_jsonl(REQUESTS), mutated_prometheus(), mutated_yaml(ACCELERATE), mutated_json(POINTER), PLACES,
        st.booleans(), st.floats(0.05, 1.0))
-def test_fuzz_fleet_readers_long(tmp_path, report, policy, profile, traffic, requests, prom, acc, pointer, how, gz,
+def test_fuzz_fleet_readers_long(tmp_path, report, headline, policy, profile, traffic, requests, prom, acc, pointer, how, gz,
                                  cut):
     _report(tmp_path, report, how)
+    _headline(tmp_path, headline, how)
     _policy(tmp_path, policy, how)
     _profile(tmp_path, profile, how)
     _traffic(tmp_path, traffic, how, gz, cut)
