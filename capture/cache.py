@@ -31,6 +31,7 @@ offline (from the cache, keyed by the batch's `row_id`), padded to the batch's l
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -47,6 +48,8 @@ from draftsmith.capture.forward import capture_forward, topk_with_logsumexp
 from draftsmith.errors import DataError
 from draftsmith.storage import _fsync_dir, atomic_write_json, read_json
 from draftsmith.targets.families import pad_token_id
+
+log = logging.getLogger(__name__)
 
 INDEX = "index.json"
 _SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
@@ -75,9 +78,81 @@ def _shards(out_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+_MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one of ours
+_SHAPE = {"layers": "a list of layer indices", "topk": "an integer >= 0", "hidden_dtype": "a dtype name",
+          "hidden_size": "an integer >= 1 or null", "last_hidden": "true or false", "logsumexp": "true or false",
+          "rows": "a list of [row_id, offset, length]"}
+
+
+def _int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _header(path: Path) -> dict:
+    """A safetensors file's header, read without the library (whose errors name no file), and checked to
+    describe the bytes that follow it: a shard cut short by a full disk or a bad copy fails here."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(size - 8, _MAX_HEADER):
+                raise DataError(f"{path}: torn ({size} bytes, its header says otherwise): not a whole safetensors file")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise DataError(f"{path}: unreadable ({type(e).__name__}: {e.strerror or e})") from None
+    except (ValueError, RecursionError):
+        raise DataError(f"{path}: torn or not safetensors (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise DataError(f"{path}: not safetensors (its header is not an object)")
+    ends = [t.get("data_offsets", [0, 0])[-1] if isinstance(t, dict) and isinstance(t.get("data_offsets"), list)
+            and t["data_offsets"] else None for k, t in header.items() if k != "__metadata__"]
+    if any(not _int(e) for e in ends) or 8 + n + max(ends, default=0) != size:
+        raise DataError(f"{path}: torn ({size} bytes, its header describes {8 + n + max(ends, default=0)}): "
+                        "not a whole safetensors file")
+    return header
+
+
 def _shard_meta(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["draftsmith"])
+    """A shard's own description (its safetensors metadata), validated: one line naming the shard and the
+    field when it is torn, unreadable or not a shard of ours."""
+    header = _header(path)
+    try:
+        meta = json.loads((header.get("__metadata__") or {})["draftsmith"])
+    except (KeyError, TypeError, ValueError, RecursionError):
+        raise DataError(f"{path}: not a capture shard (no draftsmith metadata)") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: not a capture shard (its metadata is not an object)")
+    checks = {"layers": lambda v: isinstance(v, list) and all(_int(i, -(2**31)) for i in v),
+              "topk": _int, "hidden_dtype": lambda v: v in _DTYPE_NAMES.values(),
+              "hidden_size": lambda v: v is None or _int(v, 1), "last_hidden": lambda v: isinstance(v, bool),
+              "logsumexp": lambda v: isinstance(v, bool),
+              "rows": lambda v: isinstance(v, list) and all(isinstance(r, list) and len(r) == 3 and _int(r[0])
+                                                            and _int(r[1]) and _int(r[2], 1) for r in v)}
+    for key, check in checks.items():
+        if (key in meta or key != "logsumexp") and not check(meta.get(key)):
+            raise DataError(f"{path}: field '{key}' must be {_SHAPE[key]}, got {json.dumps(meta.get(key))[:40]}")
+    lengths = {t["shape"][0] for k, t in header.items() if k != "__metadata__" and isinstance(t.get("shape"), list)
+               and t["shape"] and _int(t["shape"][0])}
+    if any(o + n > min(lengths, default=0) for _, o, n in meta["rows"]):
+        raise DataError(f"{path}: field 'rows' points past its tensors' {min(lengths, default=0)} positions")
+    return meta
+
+
+def _whole_shards(out_dir: Path) -> tuple[list[tuple[int, Path, dict]], list[Path]]:
+    """The shards of a cache that read whole, with their metadata, and those that do not (each named in a
+    warning, with the count): a job that can go on without their rows goes on."""
+    whole, skipped = [], []
+    for idx, path in _shards(out_dir):
+        try:
+            whole.append((idx, path, _shard_meta(path)))
+        except DataError as e:
+            log.warning("%s", e)
+            skipped.append(path)
+    if skipped:
+        log.warning("capture cache %s: %d torn or unreadable shard(s) skipped (%s): their rows are not read",
+                    out_dir, len(skipped), ", ".join(p.name for p in skipped))
+    return whole, skipped
 
 
 class ShardWriter:
@@ -103,12 +178,15 @@ class ShardWriter:
                 p.unlink(missing_ok=True)
         self.rows: dict[int, tuple[int, int, int]] = {}
         self._next_shard = 0
-        for idx, path in _shards(self.out_dir):
-            meta = _shard_meta(path)
+        whole, self.skipped = _whole_shards(self.out_dir)
+        for path in self.skipped:  # set aside (never read again), its rows captured anew
+            os.replace(path, path.with_name(f".{path.name}.torn"))
+        for idx, path, meta in whole:
             self._check_compatible(meta, path)
             for row_id, offset, length in meta["rows"]:
                 self.rows[int(row_id)] = (idx, offset, length)
             self._next_shard = idx + 1
+        self._next_shard = max([self._next_shard, *(int(_SHARD_RE.match(p.name)[1]) + 1 for p in self.skipped)])
         self._buf: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._buf_tokens = 0
         self.closed = False
@@ -240,22 +318,27 @@ class ShardReader:
 
     def __init__(self, cache_dir: str | Path) -> None:
         self.dir = Path(cache_dir)
-        if (self.dir / INDEX).is_file():
-            self.index = read_json(self.dir / INDEX)
-            self._rows = {int(r): tuple(v) for r, v in self.index["rows"].items()}
-        else:  # an unfinished capture is still readable from its complete shards
-            shards = _shards(self.dir)
-            if not shards:
-                raise DataError(f"{self.dir}: not a capture cache (no {INDEX}, no shards)")
-            self._rows, meta, logsumexp = {}, {}, True
-            for idx, path in shards:
-                meta = _shard_meta(path)
-                logsumexp = logsumexp and meta.get("logsumexp", False)
-                for row_id, o, n in meta["rows"]:
-                    self._rows[int(row_id)] = (idx, o, n)
-            self.index = {k: meta[k] for k in ("layers", "topk", "hidden_size", "hidden_dtype", "last_hidden")}
-            self.index["logsumexp"] = logsumexp
-            self.index["fingerprint"] = None
+        whole, self.skipped = _whole_shards(self.dir)  # every shard's own metadata, validated
+        index = _read_index(self.dir / INDEX) if os.path.lexists(self.dir / INDEX) else None
+        if not whole and (index is None or index.get("rows")):
+            if self.skipped:
+                raise DataError(f"{self.skipped[0]}: torn or unreadable, and no shard of the capture cache {self.dir} "
+                                "reads whole: capture it again")
+            raise DataError(f"{self.dir}: not a capture cache (no {INDEX}, no shards)")
+        # the shards say which rows they hold (index.json too, but a capture killed after it was written, or a
+        # torn shard, leaves it saying more than the shards hold)
+        self._rows: dict[int, tuple[int, int, int]] = {}
+        first = whole[0][2] if whole else index
+        for idx, path, meta in whole:
+            for key in ("layers", "topk", "hidden_dtype", "last_hidden"):
+                if meta[key] != first[key]:
+                    raise DataError(f"{path}: field '{key}' is {meta[key]}, the cache's other shards have {first[key]}")
+            for row_id, o, n in meta["rows"]:
+                self._rows[int(row_id)] = (idx, o, n)
+        self.index = {k: first[k] for k in ("layers", "topk", "hidden_size", "hidden_dtype", "last_hidden")}
+        self.index["logsumexp"] = all(meta.get("logsumexp", False) for _, _, meta in whole) if whole \
+            else bool(first.get("logsumexp"))
+        self.index["fingerprint"] = index.get("fingerprint") if index is not None else None
         self.layers: list[int] = self.index["layers"]
         self.topk: int = self.index["topk"]
         self.hidden_size: int = self.index["hidden_size"]
@@ -286,6 +369,29 @@ class ShardReader:
         if "topk_indices" in out:
             out["topk_indices"] = out["topk_indices"].long()
         return out
+
+
+def _read_index(path: Path) -> dict:
+    """A cache's index.json, checked for what the reader takes from it (the target fingerprint; the shape
+    fields of a cache with no shard): one line naming the file and the field."""
+    from draftsmith.errors import FileFormatError
+
+    try:
+        index = read_json(path)
+    except (FileFormatError, OSError, RecursionError) as e:
+        detail = str(e).removeprefix(f"{path}: ") if isinstance(e, FileFormatError) else type(e).__name__
+        raise DataError(f"{path}: unreadable ({detail})") from None
+    if not isinstance(index, dict):
+        raise DataError(f"{path}: not a JSON object")
+    if not (index.get("fingerprint") is None or isinstance(index["fingerprint"], dict)):
+        raise DataError(f"{path}: field 'fingerprint' must be an object or null")
+    if not isinstance(index.get("rows", {}), dict):
+        raise DataError(f"{path}: field 'rows' must be an object of row -> [shard, offset, length]")
+    if not index.get("rows"):
+        for key in ("layers", "topk", "hidden_size", "hidden_dtype", "last_hidden"):
+            if key not in index:
+                raise DataError(f"{path}: missing field '{key}'")
+    return index
 
 
 def _row_ids(rows: Sequence[Any]) -> list[int]:

@@ -5,6 +5,7 @@ failed before the fix it names."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -12,10 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _train_job import NextTokenJob
 from safetensors.torch import save_file
 
-from draftsmith.errors import DraftsmithError, OutputError, TrainingError
+from draftsmith.errors import DataError, DraftsmithError, OutputError, TrainingError
 from draftsmith.storage import sha256_file
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
@@ -206,3 +208,57 @@ def test_a_train_output_dir_that_is_a_file_is_named_in_one_line(tiny_target, tmp
         train(NextTokenJob(tiny_target), _cfg(tmp_path / "run", max_steps=2))
     assert "train.output_dir" in _one_line(e.value) and f"{tmp_path / 'run'} is a file" in str(e.value)
     assert (tmp_path / "run").read_text() == "a user's file"
+
+
+# --- 25. a capture shard cut short: named, set aside, its rows captured again ------------------------------------
+def _cache(folder: Path, rows: dict[int, int], close: bool = True):
+    """A capture cache of one shard per row (layer 0, hidden 8, top-3)."""
+    from draftsmith.capture.cache import ShardWriter
+
+    w = ShardWriter(folder, layers=[0], topk=3, hidden_dtype=torch.float32, shard_tokens=1)
+    for rid, n in rows.items():
+        g = torch.Generator().manual_seed(rid)
+        w.add(rid, {0: torch.randn(n, 8, generator=g)}, torch.randn(n, 3, generator=g),
+              torch.randint(0, 100, (n, 3), generator=g))
+    if close:
+        w.close()
+    return w
+
+
+def _cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_capture_shard_cut_in_half_is_named_set_aside_and_captured_again(tmp_path, caplog):
+    from draftsmith.capture.cache import ShardReader
+
+    rows = {3: 5, 4: 6, 5: 7}
+    _cache(tmp_path / "c", rows)
+    torn = tmp_path / "c" / "shard-00001.safetensors"  # row 4
+    _cut_in_half(torn)
+    with caplog.at_level(logging.WARNING):
+        reader = ShardReader(tmp_path / "c")  # training from the cache: the rows of whole shards are read
+    assert reader.rows == [3, 5] and reader.skipped == [torn]
+    assert "1 torn or unreadable shard" in caplog.text and str(torn) in caplog.text
+    with pytest.raises(DataError, match="row 4 is not in the capture cache"):
+        reader.get(4)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        writer = _cache(tmp_path / "c", rows)  # `data capture` / `--grow` rerun: row 4 is captured again
+    assert writer.skipped == [torn] and str(torn) in caplog.text
+    again = ShardReader(tmp_path / "c")
+    assert again.rows == [3, 4, 5] and again.skipped == [] and again.get(4)["layer.0"].shape == (6, 8)
+
+
+def test_an_unfinished_capture_with_a_torn_shard_reads_the_whole_ones(tmp_path):
+    from draftsmith.capture.cache import ShardReader
+
+    _cache(tmp_path / "c", {1: 4, 2: 4}, close=False)  # killed before index.json
+    _cut_in_half(tmp_path / "c" / "shard-00000.safetensors")
+    reader = ShardReader(tmp_path / "c")
+    assert reader.rows == [2] and [p.name for p in reader.skipped] == ["shard-00000.safetensors"]
+    _cut_in_half(tmp_path / "c" / "shard-00001.safetensors")
+    with pytest.raises(DataError) as e:
+        ShardReader(tmp_path / "c")
+    assert "shard-00000.safetensors" in _one_line(e.value)
