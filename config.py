@@ -3,16 +3,24 @@
 `load_config(path, overrides)` reads a YAML preset whose top-level `kind:` names a registered dataclass,
 applies dotted `key=value` overrides from the command line, and builds the dataclass recursively. Unknown
 keys, wrong types and out-of-range values fail here, at load time, with the dotted path of the bad key.
+
+Every number is checked where it enters: every numeric field carries its range in its annotation —
+`batch_size: Annotated[int, Range(ge=1, le=MAX_BATCH)]` —, so the range is written once, beside the field;
+a `@validated` config dataclass checks it whenever it is built (from YAML, where the error names the dotted
+key, or by Python code), a float is finite, and the `--help` of the flag that sets the field shows it
+(tests/test_config_ranges.py refuses a numeric field without a range, or a config class not validated). A command-line flag that sets no config
+field takes `ranged(int, Range(...))` as its argparse type: the same check, the same message.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -61,12 +69,169 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def field_help(cls: type, name: str) -> str:
-    """`--help` of a flag that sets field `name` of config dataclass `cls`: its comment and its default (a
-    field without a default value, or with None or an empty one, has its comment say what that means)."""
+    """`--help` of a flag that sets field `name` of config dataclass `cls`: its comment, its default (a
+    field without a default value, or with None or an empty one, has its comment say what that means) and
+    the range its annotation allows."""
     field = next(f for f in dataclasses.fields(cls) if f.name == name)
     default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-    shown = "" if default in (None, dataclasses.MISSING, [], {}) else f" (default: {default})"
-    return (field_docs(cls)[name] + shown).replace("%", "%%")  # argparse expands % in help
+    shown = [] if default in (None, dataclasses.MISSING, [], {}) else [f"default: {default}"]
+    ranges = field_ranges(cls).get(name)
+    shown += [str(ranges)] if ranges else []
+    text = field_docs(cls)[name] + (f" ({'; '.join(shown)})" if shown else "")
+    return text.replace("%", "%%")  # argparse expands % in help
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric config field or flag allows, in annotated-types' words (ge, gt, le, lt); a float
+    must also be finite. Written in the field's annotation: `Annotated[float, Range(gt=0, le=1)]`; in a
+    list's item type it bounds every item."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def check(self, value: Any, where: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: {value} is not a finite number (expected {self})")
+        if ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+                or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt)):
+            raise ConfigError(f"{where}: {show(value)} is out of range (expected {self})")
+
+    def __str__(self) -> str:
+        low = f"{_num(self.ge)} <= " if self.ge is not None else f"{_num(self.gt)} < " if self.gt is not None else ""
+        high = f" <= {_num(self.le)}" if self.le is not None else f" < {_num(self.lt)}" if self.lt is not None else ""
+        return f"{low}x{high}"
+
+
+# Ranges many fields share. The upper bounds are sanity bounds, past anything a real run uses: a value past
+# them is a typo (1e8 rows a batch, 100000 workers) that would otherwise fork, allocate or wait for hours.
+MAX_BATCH = 1 << 16  # rows in one batch
+SEED = Range(ge=0, le=2**32 - 1)  # what numpy and torch both take
+FRACTION = Range(ge=0, le=1)
+HELD_OUT = Range(ge=0, lt=1)  # a share of the rows kept out of training (all of them would leave none)
+PROBABILITY = Range(gt=0, le=1)  # top_p, decays: 0 would keep nothing
+TEMPERATURE = Range(ge=0, le=100)  # 0 = greedy
+TOKENS = Range(ge=1, le=1 << 20)  # a count of tokens (new tokens, lengths, contexts)
+DRAFT_TOKENS = Range(ge=1, le=64)  # tokens drafted a step, or branches at one depth of a tree
+ROWS = Range(ge=1, le=10**12)  # a count of rows or prompts
+STEPS = Range(ge=0, le=10**9)  # a count of optimizer steps (0 = "never" where a field says so)
+REPEATS = Range(ge=1, le=1000)  # timed repetitions
+WEIGHT = Range(ge=0, le=1000)  # a loss weight or a multiplier
+LAYER = Range(ge=-1, le=4095)  # a layer index; -1 = the last (capture/layers.py)
+VOCAB = Range(ge=1, le=1 << 24)  # a vocabulary size or a token id's bound
+SECONDS = Range(gt=0, le=7 * 86400)
+
+
+MAX_TREE_NODES = 4096  # draft tokens one verify step of a tree holds (a GPU-sized EAGLE-2 tree: 60)
+
+
+def check_tree(branches: list[int] | None, where: str) -> None:
+    """A tree given as branches per depth ([4, 2, 1]: 4 + 8 + 8 nodes) holds at most MAX_TREE_NODES nodes:
+    each depth's bound alone lets [64, 64, 64, 64] through, 17 million nodes verified in one forward."""
+    if branches is None:
+        return
+    if not branches:
+        raise ValueError(f"{where}: a tree needs at least one depth")
+    nodes, width = 0, 1
+    for b in branches:
+        width *= b
+        nodes += width
+        if nodes > MAX_TREE_NODES:
+            raise ValueError(f"{where}: {branches} is more than {MAX_TREE_NODES} draft tokens a step")
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+class FieldError(ConfigError, ValueError):
+    """A config field's value is out of its Range: `field` names it (`tree[2]`), `problem` says how."""
+
+    def __init__(self, cls: type, field: str, problem: str):
+        super().__init__(f"{cls.__name__}.{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
+def validated(cls: type[T]) -> type[T]:
+    """Class decorator, above `@dataclass`: every construction checks each field against its annotation's
+    Range before anything else runs (its `__post_init__`, the code that uses it) — whether the values come
+    from a YAML file (from_dict names the dotted key), a flag, or Python code calling the class."""
+    hook = "__post_init__" if hasattr(cls, "__post_init__") else "__init__"
+    original = getattr(cls, hook)
+
+    @functools.wraps(original)
+    def checked(self, *args, **kwargs):
+        if hook == "__init__":
+            original(self, *args, **kwargs)
+        check_fields(self)
+        if hook == "__post_init__":
+            original(self, *args, **kwargs)
+
+    setattr(cls, hook, checked)
+    cls.validated = True
+    return cls
+
+
+def check_fields(obj: Any) -> None:
+    """Every ranged field of a config dataclass instance, its items and values included; FieldError if not."""
+    for name, bounds in field_ranges(type(obj)).items():
+        value = getattr(obj, name)
+        items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
+                 else [(None, value)])
+        for key, item in items:
+            where = name if key is None else f"{name}.{key}" if isinstance(value, dict) else f"{name}[{key}]"
+            if item is None and key is None:
+                continue  # an Optional field left unset
+            if isinstance(item, bool) or not isinstance(item, int | float):
+                raise FieldError(type(obj), where, f"expected a number, got {show(item)}")
+            try:
+                bounds.check(item, where)
+            except ConfigError as e:
+                raise FieldError(type(obj), where, str(e).split(": ", 1)[1]) from None
+
+
+@functools.cache  # read once per class: every construction checks its fields
+def field_ranges(cls: type) -> dict[str, Range]:
+    """Each numeric field of a config dataclass -> the Range its annotation (or its items') carries."""
+    out = {}
+    for name, tp in get_type_hints(cls, include_extras=True).items():
+        found = _range_of(tp)
+        if found is not None:
+            out[name] = found
+    return out
+
+
+def _range_of(tp: Any) -> Range | None:
+    if get_origin(tp) is Annotated:
+        return next((m for m in get_args(tp)[1:] if isinstance(m, Range)), None)
+    for arg in get_args(tp):  # Optional[...], list[...], tuple[...]
+        found = _range_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def ranged(tp: type, bounds: Range):
+    """An argparse `type=` for a flag that sets no config field: `tp` parsed, finite and within `bounds`,
+    refused with argparse's one-line usage error."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            value = tp(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if tp is int else 'a number'}") from None
+        try:
+            bounds.check(value, text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from None
+        return value
+
+    parse.__name__ = tp.__name__  # argparse names the type in its messages
+    parse.bounds = bounds
+    return parse
 
 
 MAX_YAML_NODES = 1_000_000  # a preset is a few hundred nodes; aliases may not expand a file past this
@@ -127,6 +292,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return value
+    if origin is Annotated:  # its Range is checked when the dataclass is built (`validated`)
+        return _coerce(get_args(tp)[0], value, where)
     if origin in (Union, types.UnionType):
         return _coerce_union(tp, value, where)
     if origin is Literal:
@@ -176,8 +343,13 @@ def _coerce_container(tp: Any, origin: Any, value: Any, where: str) -> Any:
         return {_coerce(key_tp, k, where): _coerce(val_tp, v, f"{where}.{k}") for k, v in value.items()}
     if not isinstance(value, list | tuple):
         raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
-    (item_tp, *_) = get_args(tp) or (Any,)
-    items = [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    item_tps = get_args(tp) or (Any,)
+    if origin is tuple and Ellipsis not in item_tps:  # tuple[float, float]: exactly two
+        if len(value) != len(item_tps):
+            raise ConfigError(f"{where}: expected {len(item_tps)} items, got {len(value)}")
+    else:
+        item_tps = item_tps[:1] * len(value)
+    items = [_coerce(item_tp, v, f"{where}[{i}]") for i, (item_tp, v) in enumerate(zip(item_tps, value))]
     return tuple(items) if origin is tuple else items
 
 
@@ -192,13 +364,16 @@ def _coerce_scalar(tp: type, value: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected an integer, got {show(value)}")
     if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
         if isinstance(value, str):  # YAML reads 1e-4 as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except OverflowError:  # an integer past float's range (10**400)
+                raise ConfigError(f"{where}: {show(value)} is out of range for a number") from None
         raise ConfigError(f"{where}: expected a number, got {show(value)}")
     if isinstance(value, str):
         return value
@@ -209,7 +384,7 @@ def _coerce_scalar(tp: type, value: Any, where: str) -> Any:
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     """Build dataclass `cls` from a mapping, recursively, checking every key and type."""
-    hints = get_type_hints(cls)
+    hints = get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields) - {"kind"}, key=str)
     if unknown:
@@ -223,6 +398,8 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         kwargs[name] = _coerce(hints[name], value, path)
     try:
         return cls(**kwargs)
+    except FieldError as e:  # a value out of its field's Range (`validated`): named by its dotted key
+        raise ConfigError(f"{where}.{e.field}: {e.problem}" if where else f"{e.field}: {e.problem}") from None
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{where or cls.__name__}: {e}") from None
     except ValueError as e:  # __post_init__ range checks (their values cut: a message is one short line)
@@ -330,14 +507,18 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, cls
     data = apply_overrides(data, list(overrides or []))
     if cls is None:
         kind = data.get("kind")
-        if kind not in CONFIG_KINDS:
+        if not isinstance(kind, str) or kind not in CONFIG_KINDS:
             raise ConfigError(
-                f"{path}: 'kind: {kind}' is not a known config kind (known: {', '.join(sorted(CONFIG_KINDS))})"
+                f"{path}: 'kind: {show(kind)}' is not a known config kind (known: {', '.join(sorted(CONFIG_KINDS))})"
             )
         cls = CONFIG_KINDS[kind]
-    elif "kind" in data and getattr(cls, "config_kind", data["kind"]) != data["kind"]:
-        raise ConfigError(f"{path}: kind is '{data['kind']}', expected '{cls.config_kind}'")
-    return from_dict(cls, data)
+    elif "kind" in data and getattr(cls, "config_kind", None) != data["kind"]:
+        raise ConfigError(f"{path}: kind is {show(data['kind'])}, expected '{cls.config_kind}'")
+    try:
+        return from_dict(cls, data)
+    except ConfigError as e:  # the key is named; the file it came from too (or the overrides)
+        source = " + ".join(([str(path)] if path is not None else []) + (["overrides"] if overrides else []))
+        raise ConfigError(f"{source}: {e}" if source else str(e)) from None
 
 
 # Modules that register config kinds besides the methods' job configs (methods.py); imported lazily so

@@ -16,10 +16,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from draftsmith.config import register_config
+from draftsmith.config import DRAFT_TOKENS, REPEATS, ROWS, TOKENS, Range, register_config, validated
 
 
+@validated
 @dataclass
 class DataStage:
     config: str | None = None  # a data preset (kind: data): generated inside the bench
@@ -31,12 +33,14 @@ class DataStage:
             raise ValueError("bench data: give exactly one of config (generate) or path (reuse)")
 
 
+@validated
 @dataclass
 class EvalSpec:
-    k: int = 4
+    k: Annotated[int, DRAFT_TOKENS] = 4
     tree: str | None = None  # "auto" = the artifact's own tree
 
 
+@validated
 @dataclass
 class ArtifactStage:
     name: str
@@ -54,6 +58,7 @@ class ArtifactStage:
             self.eval = EvalSpec(**self.eval)
 
 
+@validated
 @dataclass
 class Baseline:
     name: str
@@ -65,24 +70,22 @@ class Baseline:
             self.eval = EvalSpec(**self.eval)
 
 
+@validated
 @dataclass
 class Budget:
-    data_rows: int | None = None  # None: every row the data preset yields
-    data_new_tokens: int | None = None
-    train_steps: dict[str, int] = field(default_factory=dict)  # artifact name -> max steps
-    limit_per_domain: int | None = 8
-    max_new_tokens: int = 128
+    data_rows: Annotated[int, ROWS] | None = None  # None: every row the data preset yields
+    data_new_tokens: Annotated[int, TOKENS] | None = None
+    train_steps: dict[str, Annotated[int, Range(ge=1, le=10**9)]] = field(default_factory=dict)  # artifact name -> max steps
+    limit_per_domain: Annotated[int, ROWS] | None = 8
+    max_new_tokens: Annotated[int, TOKENS] = 128
     hf_reference: bool = True
-    engine_prompts: int = 32
-    engine_new_tokens: int = 128
-    cost_repeats: int = 9
-
-    def __post_init__(self):
-        if any(v < 1 for v in self.train_steps.values()):
-            raise ValueError("bench budget: train_steps must be >= 1")
+    engine_prompts: Annotated[int, ROWS] = 32
+    engine_new_tokens: Annotated[int, TOKENS] = 128
+    cost_repeats: Annotated[int, REPEATS] = 9
 
 
 @register_config("bench")
+@validated
 @dataclass
 class BenchConfig:
     target: str = "smollm2-135m"

@@ -8,16 +8,31 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from draftsmith.capture.config import CaptureConfig
-from draftsmith.config import register_config
+from draftsmith.config import (
+    DRAFT_TOKENS,
+    FRACTION,
+    MAX_BATCH,
+    PROBABILITY,
+    ROWS,
+    SECONDS,
+    SEED,
+    TEMPERATURE,
+    TOKENS,
+    Range,
+    check_tree,
+    register_config,
+    validated,
+)
 from draftsmith.data.hub_sets import apply_hub_set
 from draftsmith.data.reasoning import DEFAULT_TAGS, POLICIES
 from draftsmith.storage import data_path
 from draftsmith.targets.context import MAX_NEW_TOKENS
 
 
+@validated
 @dataclass
 class DomainRule:
     """Rows whose `field` matches `pattern` (re.search) get `domain`. Rules are tried in order."""
@@ -38,6 +53,7 @@ class DomainRule:
 MAPPINGS = ("prompt", "prompt_template", "turns", "conversations", "messages")
 
 
+@validated
 @dataclass
 class SourceConfig:
     """One prompt source.
@@ -95,17 +111,17 @@ class SourceConfig:
     reasoning: Literal["keep", "drop", "mask"] | None = None
     domain: str | None = None  # fixed domain, or the fallback when no rule matches
     domain_rules: list[DomainRule] = field(default_factory=list)
-    limit: int | None = None
+    limit: Annotated[int, ROWS] | None = None
     sample: Literal["first", "random"] = "random"  # which `limit` rows: the first ones, or a seeded sample
-    seed: int = 0
+    seed: Annotated[int, SEED] = 0
     # stdlib only
-    completion_fraction: float = 0.6  # share of function-completion prompts (rest: module continuation)
-    chunk_lines: int = 24  # lines of module text shown in a continuation prompt
+    completion_fraction: Annotated[float, FRACTION] = 0.6  # share of function-completion prompts (rest: module continuation)
+    chunk_lines: Annotated[int, Range(ge=2, le=10_000)] = 24  # lines of module text shown in a continuation prompt
     # magpie only: `limit` user requests written by the target itself (data/magpie.py)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_request_tokens: int = 96  # a request that has not ended by then is dropped
-    min_request_chars: int = 12
+    temperature: Annotated[float, TEMPERATURE] = 1.0
+    top_p: Annotated[float, PROBABILITY] = 1.0
+    max_request_tokens: Annotated[int, TOKENS] = 96  # a request that has not ended by then is dropped
+    min_request_chars: Annotated[int, Range(ge=0, le=10**6)] = 12
 
     def __post_init__(self):
         if self.preset is not None:
@@ -136,16 +152,8 @@ class SourceConfig:
                 raise ValueError(f"source '{self.name}': type magpie needs limit (how many requests to write)")
             if self.temperature <= 0 or not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"source '{self.name}': magpie samples; temperature must be > 0, top_p in (0, 1]")
-            if self.max_request_tokens < 1:
-                raise ValueError(f"source '{self.name}': max_request_tokens must be >= 1")
         if not self.domain and not self.domain_rules:
             raise ValueError(f"source '{self.name}': give a domain or domain_rules")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"source '{self.name}': limit must be >= 1")
-        if not 0.0 <= self.completion_fraction <= 1.0:
-            raise ValueError(f"source '{self.name}': completion_fraction must be in [0, 1]")
-        if self.chunk_lines < 2:
-            raise ValueError(f"source '{self.name}': chunk_lines must be >= 2")
         check_template_kwargs(self.chat_template_kwargs, f"sources.{self.name}.chat_template_kwargs")
         if self.reasoning is not None and self.reasoning not in POLICIES:
             raise ValueError(f"sources.{self.name}.reasoning must be keep, drop or mask, got {self.reasoning!r}")
@@ -157,6 +165,7 @@ class SourceConfig:
         return bool(self.conversations or self.messages or self.response) or self.type == "stdlib"
 
 
+@validated
 @dataclass
 class EvalSetConfig:
     """A held-out prompt set: nothing resembling it may enter training."""
@@ -185,6 +194,7 @@ def check_template_kwargs(kwargs: Any, where: str) -> None:
         raise ValueError(f"{where}: {', '.join(owned)} is set by draftsmith for each call, not by the config")
 
 
+@validated
 @dataclass
 class ChatConfig:
     """How a conversation becomes tokens.
@@ -230,42 +240,43 @@ OWNED_REQUEST_FIELDS = {"model", "prompt", "max_tokens", "max_completion_tokens"
                         "n", "best_of", "stream", "echo"}
 
 
+@validated
 @dataclass
 class GenerationConfig:
     """Self-distillation sampling and the decode engine."""
 
-    max_new_tokens: int = 160
-    max_prompt_tokens: int = 512  # longer prompts are malformed rows ("prompt too long")
+    max_new_tokens: Annotated[int, Range(ge=1, le=MAX_NEW_TOKENS)] = 160
+    max_prompt_tokens: Annotated[int, TOKENS] = 512  # longer prompts are malformed rows ("prompt too long")
     do_sample: bool = False
-    temperature: float = 0.7
-    top_p: float = 0.95
-    seed: int = 0
-    batch_size: int = 32  # rows decoded together (continuous batching keeps the batch full)
+    temperature: Annotated[float, Range(gt=0, le=100)] = 0.7
+    top_p: Annotated[float, PROBABILITY] = 0.95
+    seed: Annotated[int, SEED] = 0
+    batch_size: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 32  # rows decoded together (continuous batching keeps the batch full)
     engine: Literal["continuous", "hf", "speculative"] = "continuous"  # hf = transformers `generate`, for comparison
     # speculative = on-policy rollouts (data/engines/rollout.py): our speculative decoder with `proposer` (e.g. the head
     # being trained) writes the rows, one row at a time; they are the target's rows (lossless) and each one
     # records where verification rejected the draft (column `replay`, read by EAGLE's replay_weight)
     proposer: str | None = None  # engine speculative: a proposer spec, e.g. eagle:zoo/smollm2-135m/eagle3
-    tree: list[int] | None = None  # engine speculative: branching per depth (null: a chain of k)
-    k: int = 6  # engine speculative: chain length when tree is null
+    tree: list[Annotated[int, DRAFT_TOKENS]] | None = None  # engine speculative: branching per depth (null: a chain of k)
+    k: Annotated[int, DRAFT_TOKENS] = 6  # engine speculative: chain length when tree is null
     # engine speculative: decode as `draftsmith evaluate --tree auto` does, with the proposer's own tree cut
     # every step to the nodes that pay on this device (v(n) measured first); overrides tree and k
     tree_auto: bool = False
-    threads: int | None = 2  # torch intra-op threads (None leaves torch's default)
+    threads: Annotated[int, Range(ge=1, le=1024)] | None = 2  # torch intra-op threads (None leaves torch's default)
     # the target's dtype while it writes: auto = bf16 on a GPU or a CPU with native bf16 (AVX512-BF16 / AMX),
     # else float32 (targets/precision.py; where the CPU has native bf16 it writes faster, BENCHMARKS.md)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     fp32_logits: bool = True  # a bf16 body still computes its logits in float32 (fewer changed greedy tokens)
-    flush_every: int = 16  # completed rows per chunk file (a crash loses at most this many)
+    flush_every: Annotated[int, Range(ge=1, le=10**6)] = 16  # completed rows per chunk file (a crash loses at most this many)
     # who writes: engine = the embedded decode loop above (one device); openai = any OpenAI-compatible
     # completions server (vLLM, SGLang, `transformers serve`); several base_urls share the rows (data/engines/remote.py)
     backend: Literal["engine", "openai"] = "engine"
     base_urls: list[str] = field(default_factory=list)  # e.g. http://gpu-node-1:8000/v1
     served_model: str | None = None  # the name the servers serve the target under (default: their only one)
-    concurrency: int = 8  # requests in flight per server
-    max_retries: int = 4  # per request and server, on connection errors, timeouts, HTTP 429 / 5xx
-    retry_backoff: float = 1.0  # seconds before the first retry; doubled for each next one
-    request_timeout: float = 300.0  # seconds a whole request may take (a deadline, not per read) before it counts as failed
+    concurrency: Annotated[int, Range(ge=1, le=1024)] = 8  # requests in flight per server
+    max_retries: Annotated[int, Range(ge=0, le=100)] = 4  # per request and server, on connection errors, timeouts, HTTP 429 / 5xx
+    retry_backoff: Annotated[float, Range(ge=0, le=3600)] = 1.0  # seconds before the first retry; doubled for each next one
+    request_timeout: Annotated[float, SECONDS] = 300.0  # seconds a whole request may take (a deadline, not per read) before it counts as failed
     # text: send the prompt as text (checked to re-tokenize to the exact ids); token_ids: send the ids
     # themselves (vLLM and SGLang accept them; exact even where a tokenizer would add a BOS of its own)
     prompt_as: Literal["text", "token_ids"] = "text"
@@ -273,20 +284,6 @@ class GenerationConfig:
     extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {return_token_ids: true} (vLLM)
 
     def __post_init__(self):
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"generation.max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
-        if self.max_prompt_tokens < 1:
-            raise ValueError("generation.max_prompt_tokens must be >= 1")
-        if self.temperature <= 0:
-            raise ValueError("generation.temperature must be > 0 (use do_sample: false for greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("generation.top_p must be in (0, 1]")
-        if not 1 <= self.batch_size <= 1 << 16:
-            raise ValueError(f"generation.batch_size must be in 1..65536, got {self.batch_size}")
-        if self.threads is not None and not 1 <= self.threads <= 1024:
-            raise ValueError(f"generation.threads must be in 1..1024, got {self.threads}")
-        if self.flush_every < 1:
-            raise ValueError("generation.flush_every must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"generation.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.engine not in ("continuous", "hf", "speculative"):
@@ -296,10 +293,7 @@ class GenerationConfig:
                 raise ValueError("generation.engine speculative needs generation.proposer (e.g. eagle:PATH)")
             if self.backend != "engine":
                 raise ValueError("generation.engine speculative runs on this machine: it needs backend: engine")
-            if self.tree is not None and (not self.tree or any(b < 1 for b in self.tree)):
-                raise ValueError(f"generation.tree: branching factors must be >= 1, got {self.tree}")
-            if self.k < 1:
-                raise ValueError(f"generation.k must be >= 1, got {self.k}")
+            check_tree(self.tree, "generation.tree")
         if self.backend not in ("engine", "openai"):
             raise ValueError(f"generation.backend must be engine or openai, got {self.backend!r}")
         if self.backend == "openai":
@@ -310,10 +304,6 @@ class GenerationConfig:
                 raise ValueError(f"generation.base_urls: {bad[0]!r} is not an http(s) address")
             if len(set(self.base_urls)) != len(self.base_urls):
                 raise ValueError("generation.base_urls: an address repeats")
-        if self.concurrency < 1 or self.max_retries < 0:
-            raise ValueError("generation.concurrency must be >= 1 and max_retries >= 0")
-        if self.retry_backoff < 0 or self.request_timeout <= 0:
-            raise ValueError("generation.retry_backoff must be >= 0 and request_timeout > 0")
         if self.prompt_as not in ("text", "token_ids"):
             raise ValueError(f"generation.prompt_as must be text or token_ids, got {self.prompt_as!r}")
         if not isinstance(self.extra_body, dict):
@@ -325,6 +315,7 @@ class GenerationConfig:
 
 
 @register_config("data")
+@validated
 @dataclass
 class DataConfig:
     """Self-distillation dataset: prompts from `sources`, responses written by `target`."""
@@ -345,10 +336,10 @@ class DataConfig:
     eval_sets: list[EvalSetConfig] = field(default_factory=list)
     eval_dirs: list[str] = field(default_factory=list)  # no source may read from inside these folders
     overlap: Literal["drop", "warn", "fail"] = "drop"
-    overlap_ngram: int = 8
-    overlap_jaccard: float = 0.5  # n-gram Jaccard at or above this is a near-duplicate
-    max_rows: int | None = None  # cap on the total after filtering (seeded shuffle keeps the domain mix)
-    seed: int = 0
+    overlap_ngram: Annotated[int, Range(ge=2, le=64)] = 8
+    overlap_jaccard: Annotated[float, PROBABILITY] = 0.5  # n-gram Jaccard at or above this is a near-duplicate
+    max_rows: Annotated[int, ROWS] | None = None  # cap on the total after filtering (seeded shuffle keeps the domain mix)
+    seed: Annotated[int, SEED] = 0
 
     def __post_init__(self):
         if not self.sources:
@@ -359,12 +350,6 @@ class DataConfig:
             raise ValueError(f"sources: duplicate source name {dup[0]!r} (names key the rows)")
         if not self.output_dir:
             raise ValueError("output_dir must be set")
-        if self.overlap_ngram < 2:
-            raise ValueError("overlap_ngram must be >= 2")
-        if not 0.0 < self.overlap_jaccard <= 1.0:
-            raise ValueError("overlap_jaccard must be in (0, 1]")
-        if self.max_rows is not None and self.max_rows < 1:
-            raise ValueError("max_rows must be >= 1")
         if self.reasoning not in POLICIES:
             raise ValueError(f"reasoning must be keep, drop or mask, got {self.reasoning!r}")
         if self.responses not in ("regenerate", "keep"):

@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
 from draftsmith import artifact
-from draftsmith.config import register_config, to_dict
+from draftsmith.config import LAYER, TOKENS, VOCAB, Range, register_config, to_dict, validated
 from draftsmith.data.batching import pad_rows, row_lengths, split_rows
 from draftsmith.dflash.model import (
     DFlashDraft,
@@ -46,50 +46,39 @@ DEFAULT_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
 
 
 @register_config("dflash")
+@validated
 @dataclass
 class DFlashJobConfig:
     target: str = "smollm2-135m"
     data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
     output: str = "runs/dflash/smollm2-135m"
-    num_layers: int = 1  # draft decoder layers
-    block_size: int = 8  # anchor + block_size-1 drafted tokens; vLLM serves it with num_speculative_tokens = bs-1
+    num_layers: Annotated[int, Range(ge=1, le=16)] = 1  # draft decoder layers
+    block_size: Annotated[int, Range(ge=2, le=64)] = 8  # anchor + block_size-1 drafted tokens; vLLM serves it with num_speculative_tokens = bs-1
     # output-of-layer ids the context reads (ascending); None: the reference's rule with one tap per draft
     # layer, and three for a one-layer draft (one tap would lose the low/high-level mix EAGLE-3 found useful)
-    target_layers: list[int] | None = None
+    target_layers: list[Annotated[int, LAYER]] | None = None
     # a token id whose (frozen) embedding row marks the slots to predict; None: a row no token of the
     # tokenizer uses where the embedding is padded, else the highest special token the training data
     # never contains
-    mask_token_id: int | None = None
-    gamma: float | None = None  # slot weight exp(-(j-1)/γ); None: 4 at block 8, 7 at block 16 (DEFAULT_GAMMA)
-    anchors_per_row: int = 16  # blocks trained per row and step
+    mask_token_id: Annotated[int, Range(ge=0, lt=VOCAB.le)] | None = None
+    gamma: Annotated[float, Range(gt=0, le=1000)] | None = None  # slot weight exp(-(j-1)/γ); None: 4 at block 8, 7 at block 16 (DEFAULT_GAMMA)
+    anchors_per_row: Annotated[int, Range(ge=1, le=1 << 16)] = 16  # blocks trained per row and step
     loss: Literal["ce", "kd"] = "ce"  # ce: the token the target wrote; kd: the target's distribution there
     # an own lm_head over the N most frequent target-written tokens (EAGLE-3's reduced vocabulary); None: the
     # target's lm_head, shared (SGLang serves only that: it ignores an own lm_head and d2t)
-    draft_vocab_size: int | None = None
-    init_std: float = 0.02
-    max_length: int = 512
-    prompt_context: int | None = None
-    eval_fraction: float = 0.05
+    draft_vocab_size: Annotated[int, VOCAB] | None = None
+    init_std: Annotated[float, Range(gt=0, le=1)] = 0.02
+    max_length: Annotated[int, TOKENS] = 512
+    prompt_context: Annotated[int, TOKENS] | None = None
+    eval_fraction: Annotated[float, Range(gt=0, lt=0.5)] = 0.05
     capture_cache: str | None = None  # offline target features (capture/cache.py); None = online
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
 
     def __post_init__(self):
         check_output_folders(self.output, self.train.output_dir)
-        if not 1 <= self.num_layers <= 16:
-            raise ValueError(f"num_layers must be in 1..16, got {self.num_layers}")
-        if not 2 <= self.block_size <= 64:
-            raise ValueError(f"block_size must be in 2..64, got {self.block_size}")
-        if self.gamma is not None and self.gamma <= 0:
-            raise ValueError(f"gamma must be > 0 or null, got {self.gamma}")
-        if self.anchors_per_row < 1:
-            raise ValueError(f"anchors_per_row must be >= 1, got {self.anchors_per_row}")
         if self.target_layers is not None and list(self.target_layers) != sorted(set(self.target_layers)):
             raise ValueError(f"target_layers must be distinct and ascending, got {self.target_layers}")
-        if not 0 < self.eval_fraction < 0.5:
-            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size must be >= 1 or null, got {self.draft_vocab_size}")
         if self.max_length < 2 * self.block_size:
             raise ValueError(f"max_length must be >= 2·block_size ({2 * self.block_size}), got {self.max_length}")
 

@@ -35,13 +35,13 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
 from draftsmith import artifact
 from draftsmith.capture.forward import topk_with_logsumexp
-from draftsmith.config import register_config, to_dict
+from draftsmith.config import FRACTION, ROWS, SEED, TOKENS, Range, register_config, to_dict, validated
 from draftsmith.data.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
 from draftsmith.distill.model import build_draft, size_report
 from draftsmith.errors import DataError
@@ -59,24 +59,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # ---- config ------------------------------------------------------------------------------------
 
+@validated
 @dataclass
 class DraftSpec:
     """init: truncated (first num_layers layers of the target), fresh (new model of the target's family
     with the sizes below; None = the target's), existing (an HF folder at `path`, tokenizer checked)."""
 
     init: Literal["truncated", "fresh", "existing"] = "truncated"
-    num_layers: int = 2
-    hidden_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    intermediate_size: int | None = None
-    head_dim: int | None = None
+    num_layers: Annotated[int, Range(ge=1, le=256)] = 2
+    hidden_size: Annotated[int, Range(ge=1, le=1 << 16)] | None = None
+    num_attention_heads: Annotated[int, Range(ge=1, le=1024)] | None = None
+    num_key_value_heads: Annotated[int, Range(ge=1, le=1024)] | None = None
+    intermediate_size: Annotated[int, Range(ge=1, le=1 << 20)] | None = None
+    head_dim: Annotated[int, Range(ge=1, le=4096)] | None = None
     init_embeddings: bool = True  # fresh: copy the target's embeddings when hidden sizes match
     path: str | None = None
 
     def __post_init__(self):
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -85,30 +84,24 @@ class DraftSpec:
             raise ValueError("init 'existing' needs path (an HF model folder)")
 
 
+@validated
 @dataclass
 class KDSpec:
     """loss = (1 − ce_weight)·τ²·D(p_target, q_draft) + ce_weight·CE(next token). ce_weight 1 = no KD."""
 
     divergence: Literal["forward_kl", "reverse_kl", "jsd", "tvd"] = "forward_kl"
-    beta: float = 0.5  # JSD(β) only (0 = forward KL, 1 = reverse KL)
-    temperature: float = 1.0
-    ce_weight: float = 0.0
-    topk: int | None = None  # train from the target's top-k logits only (offline caches hold top-k)
+    beta: Annotated[float, FRACTION] = 0.5  # JSD(β) only (0 = forward KL, 1 = reverse KL)
+    temperature: Annotated[float, Range(gt=0, le=100)] = 1.0
+    ce_weight: Annotated[float, FRACTION] = 0.0
+    topk: Annotated[int, Range(ge=1, le=1 << 24)] | None = None  # train from the target's top-k logits only (offline caches hold top-k)
     tail: Literal["bucket", "renormalize"] = "bucket"  # top-k tail handling (heads/losses.py)
 
     def __post_init__(self):
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0.0 <= self.ce_weight <= 1.0:
-            raise ValueError(f"ce_weight must be in [0, 1], got {self.ce_weight}")
-        if self.topk is not None and self.topk < 1:
-            raise ValueError(f"topk must be >= 1 or null, got {self.topk}")
 
 
+@validated
 @dataclass
 class DataSpec:
     """mode online: the target runs in every step (full logits, or top-k if kd.topk is set).
@@ -118,42 +111,26 @@ class DataSpec:
     path: str = "runs/data/smollm2-135m"
     mode: Literal["online", "offline"] = "online"
     capture_cache: str | None = None  # offline: default <train.output_dir>/capture
-    capture_topk: int = 32
-    max_length: int = 384
-    eval_fraction: float = 0.05
-    max_rows: int | None = None  # use only the first N rows (quick runs)
-
-    def __post_init__(self):
-        if self.capture_topk < 1:
-            raise ValueError(f"capture_topk must be >= 1, got {self.capture_topk}")
-        if self.max_length < 8:
-            raise ValueError(f"max_length must be >= 8, got {self.max_length}")
-        if not 0.0 < self.eval_fraction < 0.5:
-            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
-        if self.max_rows is not None and self.max_rows < 2:
-            raise ValueError(f"max_rows must be >= 2 or null, got {self.max_rows}")
+    capture_topk: Annotated[int, Range(ge=1, le=1 << 24)] = 32
+    max_length: Annotated[int, Range(ge=8, le=TOKENS.le)] = 384
+    eval_fraction: Annotated[float, Range(gt=0, lt=0.5)] = 0.05
+    max_rows: Annotated[int, Range(ge=2, le=ROWS.le)] | None = None  # use only the first N rows (quick runs)
 
 
+@validated
 @dataclass
 class OnPolicySpec:
     """GKD (Agarwal et al. 2024) / DistillSpec (Zhou et al. 2024): with probability `fraction` (λ) a batch's
     responses are replaced by continuations SAMPLED from the draft itself, then scored by the target."""
 
-    fraction: float = 0.0
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if self.temperature <= 0:
-            raise ValueError("temperature must be > 0")
+    fraction: Annotated[float, FRACTION] = 0.0
+    max_new_tokens: Annotated[int, TOKENS] = 64
+    temperature: Annotated[float, Range(gt=0, le=100)] = 1.0
+    seed: Annotated[int, SEED] = 0
 
 
 @register_config("distill")
+@validated
 @dataclass
 class DistillConfig:
     target: str = "smollm2-135m"

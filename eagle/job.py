@@ -22,12 +22,22 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
 from draftsmith import artifact
-from draftsmith.config import register_config, to_dict
+from draftsmith.config import (
+    LAYER,
+    PROBABILITY,
+    TOKENS,
+    VOCAB,
+    WEIGHT,
+    Range,
+    register_config,
+    to_dict,
+    validated,
+)
 from draftsmith.data.batching import pad_rows, row_lengths, split_rows
 from draftsmith.eagle.model import (
     EagleHead,
@@ -49,16 +59,17 @@ log = logging.getLogger(__name__)
 
 
 @register_config("eagle")
+@validated
 @dataclass
 class EagleJobConfig:
     target: str = "smollm2-135m"
     data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
     output: str = "runs/eagle/smollm2-135m"  # the artifact directory
     version: str = "eagle3"  # a variant of eagle/variants.py VARIANTS: eagle3 | eagle1
-    target_layers: list[int] | None = None  # None: EAGLE-3 default_eagle3_layers(L), EAGLE-1 [-1]
-    ttt_steps: int = 7  # EAGLE-3 training-time test unroll (EAGLE-1 preset: 1)
+    target_layers: list[Annotated[int, LAYER]] | None = None  # None: EAGLE-3 default_eagle3_layers(L), EAGLE-1 [-1]
+    ttt_steps: Annotated[int, Range(ge=1, le=16)] = 7  # EAGLE-3 training-time test unroll (EAGLE-1 preset: 1)
     ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (eagle/model.py)
-    step_decay: float = 0.8  # step j weighs step_decay**j
+    step_decay: Annotated[float, PROBABILITY] = 0.8  # step j weighs step_decay**j
     norm_before_residual: bool = False
     # EAGLE-3.1 (eagle/model.py EagleConfig): a norm over the fused layers' concatenation before fc, or one per
     # layer; the next test-time step reads the normalised output. vLLM and speculators serve them
@@ -72,17 +83,17 @@ class EagleJobConfig:
     # refuse before training a head that no serving stack loads (draft_layer: target on a non-Llama family);
     # false trains it for draftsmith's own decoder and evaluation
     exportable: bool = True
-    draft_vocab_size: int = 8192  # EAGLE-3 only (see module docstring)
-    w_cls: float = 0.1  # EAGLE-1: weight of the token loss next to the feature regression
+    draft_vocab_size: Annotated[int, VOCAB] = 8192  # EAGLE-3 only (see module docstring)
+    w_cls: Annotated[float, WEIGHT] = 0.1  # EAGLE-1: weight of the token loss next to the feature regression
     # on-policy training (EAGLE-3): data written by rollouts of our decoder with a head (generation.engine:
     # speculative, data/engines/rollout.py) marks where verification rejected its draft; those (base, TTT step)
     # pairs count 1 + replay_weight times in the loss. 0 = plain supervised training on any rows
-    replay_weight: float = 0.0
-    max_length: int = 512
+    replay_weight: Annotated[float, WEIGHT] = 0.0
+    max_length: Annotated[int, Range(ge=8, le=TOKENS.le)] = 512
     # keep at most this many prompt tokens before a row's first learned token (data/batching.py): from
     # the capture cache every feature has seen the whole row, and the draft layer gets its context from them
-    prompt_context: int | None = None
-    eval_fraction: float = 0.05
+    prompt_context: Annotated[int, Range(ge=2, le=TOKENS.le)] | None = None
+    eval_fraction: Annotated[float, Range(gt=0, lt=0.5)] = 0.05
     capture_cache: str | None = None  # offline target features (capture/cache.py); None = online
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvalAfterTraining = field(default_factory=EvalAfterTraining)
@@ -91,26 +102,10 @@ class EagleJobConfig:
         check_output_folders(self.output, self.train.output_dir)
         if self.version not in VARIANTS:
             raise ValueError(f"version must be one of {', '.join(VARIANTS)}, got {self.version!r}")
-        if not 1 <= self.ttt_steps <= 16:
-            raise ValueError(f"ttt_steps must be in 1..16, got {self.ttt_steps}")
-        if not 0 < self.step_decay <= 1:
-            raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay}")
-        if self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        if self.w_cls < 0:
-            raise ValueError(f"w_cls must be >= 0, got {self.w_cls}")
-        if self.replay_weight < 0:
-            raise ValueError(f"replay_weight must be >= 0, got {self.replay_weight}")
         v = variant(self.version)
         if self.replay_weight and not v.replay:
             raise ValueError(f"replay_weight: on-policy replay is not implemented for {v.name} heads "
                              f"(variants with it: {', '.join(n for n, x in VARIANTS.items() if x.replay)})")
-        if not 0 < self.eval_fraction < 0.5:
-            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
-        if self.max_length < 8:
-            raise ValueError(f"max_length must be >= 8, got {self.max_length}")
-        if self.prompt_context is not None and self.prompt_context < 2:
-            raise ValueError(f"prompt_context must be >= 2 or null, got {self.prompt_context}")
         if self.prompt_context is not None and not self.capture_cache:
             log.warning("prompt_context without capture_cache: the target too reads only the cut prompt")
         if (self.norm_before_fc or self.fc_norm) and not v.fuse_layers:

@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from draftsmith.config import register_config
+from draftsmith.config import (
+    DRAFT_TOKENS,
+    PROBABILITY,
+    REPEATS,
+    ROWS,
+    SEED,
+    TEMPERATURE,
+    TOKENS,
+    Range,
+    check_tree,
+    register_config,
+    validated,
+)
 from draftsmith.targets.context import MAX_NEW_TOKENS
 
 TURNS = ("all", "first")  # which user turns of a multi-turn prompt are measured
 
 
 @register_config("eval")
+@validated
 @dataclass
 class EvalConfig:
     # the target model: an embedded name (`draftsmith targets`), an HF model folder or a GGUF file
@@ -23,34 +37,34 @@ class EvalConfig:
     domains: list[str] = field(default_factory=list)
     # which shipped eval sets: dev for choosing heads, trees and policies; test for the published numbers only
     split: str = "dev"
-    max_new_tokens: int = 128  # tokens generated per prompt (per user turn), at most
-    k: int = 4  # draft tokens proposed and verified per step, a chain (ignored when a tree is given)
-    tree: list[int] | None = None  # branching factor per depth, e.g. [4, 2, 1]
+    max_new_tokens: Annotated[int, Range(ge=1, le=MAX_NEW_TOKENS)] = 128  # tokens generated per prompt (per user turn), at most
+    k: Annotated[int, Range(ge=0, le=64)] = 4  # draft tokens proposed and verified per step, a chain (ignored when a tree is given)
+    tree: list[Annotated[int, DRAFT_TOKENS]] | None = None  # branching factor per depth, e.g. [4, 2, 1]
     tree_from_proposer: bool = False  # use the proposer's own tree (Medusa's calibrated tree, EAGLE-2's budget)
     prune_tree: bool = True  # trees with node scores are cut every step to the nodes that pay (decoding/budget.py)
     # with a cut tree, also decode every prompt with the uncut tree of a GPU-sized budget (EAGLE-2's defaults,
     # Medusa's whole calibrated tree) and report its τ: the field's τ are measured so
     gpu_tree: bool = True
-    temperature: float = 0.0  # sampling temperature; 0 = greedy, where `lossless` is exact token equality
-    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability (fraction)
-    top_k: int = 0  # sample among the k most likely tokens only (0 = no cut)
-    limit_per_domain: int | None = None  # prompts per domain, a seeded random choice (none: every prompt)
-    seed: int = 0  # seeds the prompt choice and sampling
+    temperature: Annotated[float, TEMPERATURE] = 0.0  # sampling temperature; 0 = greedy, where `lossless` is exact token equality
+    top_p: Annotated[float, PROBABILITY] = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability (fraction)
+    top_k: Annotated[int, Range(ge=0, le=1 << 24)] = 0  # sample among the k most likely tokens only (0 = no cut)
+    limit_per_domain: Annotated[int, ROWS] | None = None  # prompts per domain, a seeded random choice (none: every prompt)
+    seed: Annotated[int, SEED] = 0  # seeds the prompt choice and sampling
     out: str = "runs/eval"  # report folder (report.json, report.md); one evaluation at a time per folder
     # HF generate (stock kernels) on every prompt: the independent reference `lossless` is judged against, and
     # the other plain decoding speedups are stated against; off, `lossless` is null (not judged)
     hf_reference: bool = True
-    repeats: int = 3  # timed runs of each decoding per prompt, interleaved; the median is the time
+    repeats: Annotated[int, REPEATS] = 3  # timed runs of each decoding per prompt, interleaved; the median is the time
     # extra rounds for a prompt whose runs were not quiet (other processes used the CPU) `repeats` times
-    remeasure: int = 3
+    remeasure: Annotated[int, Range(ge=0, le=1000)] = 3
     cost_model: bool = True  # measure v(k), the target's (k+1)-token forward time over its 1-token time
-    cost_context: int = 256  # cached tokens the cost model's timed forwards attend to
-    cost_k_max: int = 16  # the largest k (draft tokens) v(k) is measured for
-    cost_repeats: int = 9  # timed forwards per k of the cost model; the median is kept
+    cost_context: Annotated[int, TOKENS] = 256  # cached tokens the cost model's timed forwards attend to
+    cost_k_max: Annotated[int, Range(ge=1, le=256)] = 16  # the largest k (draft tokens) v(k) is measured for
+    cost_repeats: Annotated[int, REPEATS] = 9  # timed forwards per k of the cost model; the median is kept
     # the speedup (a ratio; measured, else predicted) below which the per-domain policy turns speculation off
-    policy_threshold: float = 1.0
+    policy_threshold: Annotated[float, Range(gt=0, le=1000)] = 1.0
     adaptive: bool = False  # also decode every prompt with adaptive k (chains up to k) and compare with fixed k
-    temperatures: list[float] | None = None  # a sweep: one evaluation per temperature (evaluation/sweep.py)
+    temperatures: list[Annotated[float, TEMPERATURE]] | None = None  # a sweep: one evaluation per temperature (evaluation/sweep.py)
     compare: list[str] = field(default_factory=list)  # more proposers decoded on the same prompts in the same run
     # passed to the target's chat template for every prompt, as the data config's `chat_template_kwargs` were for
     # the rows the head learned from (a reasoning target: {enable_thinking: false} answers without thinking)
@@ -65,16 +79,7 @@ class EvalConfig:
     draft_dtype: str = "auto"
 
     def __post_init__(self):
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
-        if self.k < 0:
-            raise ValueError(f"k must be >= 0, got {self.k}")
-        if self.tree is not None and (not self.tree or any(b < 1 for b in self.tree)):
-            raise ValueError(f"tree must be a non-empty list of branching factors >= 1, got {self.tree}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0")
-        if self.limit_per_domain is not None and self.limit_per_domain < 1:
-            raise ValueError(f"limit_per_domain must be >= 1, got {self.limit_per_domain}")
+        check_tree(self.tree, "tree")
         if self.temperatures is not None and (not self.temperatures or any(t < 0 for t in self.temperatures)):
             raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {self.temperatures}")
         if self.adaptive and (self.tree is not None or self.tree_from_proposer or self.k < 1):
@@ -83,7 +88,3 @@ class EvalConfig:
             raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
         if self.split not in ("dev", "test"):
             raise ValueError(f"split must be dev or test, got {self.split!r}")
-        if self.repeats < 1 or self.remeasure < 0:
-            raise ValueError(f"repeats must be >= 1 and remeasure >= 0, got {self.repeats} and {self.remeasure}")
-        if self.cost_k_max < 1 or self.cost_repeats < 1 or self.cost_context < 1:
-            raise ValueError("cost_k_max, cost_repeats and cost_context must be >= 1")

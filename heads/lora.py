@@ -6,26 +6,23 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Annotated
 
 from torch import nn
 
+from draftsmith.config import HELD_OUT, Range, validated
 
+
+@validated
 @dataclass
 class LoraSpec:
     """LoRA adapters on the draft (peft); merged into a plain HF model when the artifact is saved."""
 
     enabled: bool = False
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    r: Annotated[int, Range(ge=1, le=4096)] = 16
+    alpha: Annotated[int, Range(ge=1, le=1 << 16)] = 32
+    dropout: Annotated[float, HELD_OUT] = 0.0
     target_modules: list[str] | None = None  # None = attention and MLP projections
-
-    def __post_init__(self):
-        if self.r < 1 or self.alpha < 1:
-            raise ValueError("r and alpha must be >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
 
 
 def apply_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.0,

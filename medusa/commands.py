@@ -7,6 +7,8 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
+    from draftsmith.config import SEED, TOKENS, Range, ranged
+
     p = subparsers.add_parser("medusa2-drift", help="how far a Medusa-2 adapter moved the target: greedy-token "
                               "agreement and KL(original || adapted) on the dataset's held-out rows")
     p.add_argument("artifact", help="a Medusa-2 artifact folder (heads + adapter)")
@@ -14,12 +16,12 @@ def register(subparsers) -> None:
     p.add_argument("--target", default="smollm2-135m",
                    help="the target it was trained on: an embedded name, a GGUF file or an HF model folder "
                         "(default: %(default)s)")
-    p.add_argument("--eval-fraction", type=float, default=0.05,
+    p.add_argument("--eval-fraction", type=ranged(float, Range(gt=0, lt=0.5)), default=0.05,
                    help="the fraction of rows the job held out; with --seed, it picks the same rows "
                         "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="the job's seed, which chose the held-out rows "
+    p.add_argument("--seed", type=ranged(int, SEED), default=0, help="the job's seed, which chose the held-out rows "
                                                        "(default: %(default)s)")
-    p.add_argument("--max-length", type=int, default=384,
+    p.add_argument("--max-length", type=ranged(int, Range(ge=8, le=TOKENS.le)), default=384,
                    help="tokens of each row compared, at most (the job's max_length; default: %(default)s)")
     p.set_defaults(func=run)
 

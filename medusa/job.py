@@ -11,11 +11,22 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import torch
 
 from draftsmith import artifact
-from draftsmith.config import register_config, to_dict
+from draftsmith.config import (
+    FRACTION,
+    PROBABILITY,
+    ROWS,
+    TOKENS,
+    VOCAB,
+    Range,
+    register_config,
+    to_dict,
+    validated,
+)
 from draftsmith.data.batching import next_token_learned, pad_rows, row_lengths, split_rows
 from draftsmith.errors import ConfigError
 from draftsmith.heads.losses import topk_divergence
@@ -39,26 +50,27 @@ log = logging.getLogger(__name__)
 
 
 @register_config("medusa")
+@validated
 @dataclass
 class MedusaJobConfig:
     target: str = "smollm2-135m"
     data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
     output: str = "runs/medusa/smollm2-135m"  # the artifact directory
-    num_heads: int = 4
-    num_layers: int = 1
+    num_heads: Annotated[int, Range(ge=1, le=16)] = 4
+    num_layers: Annotated[int, Range(ge=1, le=64)] = 1
     share_lm_head: bool = False
     # heads over the N tokens the target writes most often in the training split (medusa/model.py); None = all
-    draft_vocab_size: int | None = None
-    decay: float = 0.8  # head i weighs decay**i
-    kd_weight: float = 0.0  # mix in KL to the target's own distribution (its top-k logits)
+    draft_vocab_size: Annotated[int, VOCAB] | None = None
+    decay: Annotated[float, PROBABILITY] = 0.8  # head i weighs decay**i
+    kd_weight: Annotated[float, FRACTION] = 0.0  # mix in KL to the target's own distribution (its top-k logits)
     # k of the target's top-k logits used as a teacher: head KD (kd_weight), and for Medusa-2 trained from a
     # capture cache the KL term's teacher (at most the cache's k)
-    kd_topk: int = 64
-    max_length: int = 512
-    eval_fraction: float = 0.05
-    calibration_rows: int = 64
-    tree_budget: int = 48  # nodes of the sparse candidate tree
-    tree_max_rank: int = 8  # candidates per head considered by the tree builder
+    kd_topk: Annotated[int, Range(ge=1, le=1 << 24)] = 64
+    max_length: Annotated[int, Range(ge=8, le=TOKENS.le)] = 512
+    eval_fraction: Annotated[float, Range(gt=0, lt=0.5)] = 0.05
+    calibration_rows: Annotated[int, ROWS] = 64
+    tree_budget: Annotated[int, Range(ge=1, le=4096)] = 48  # nodes of the sparse candidate tree
+    tree_max_rank: Annotated[int, Range(ge=1, le=1024)] = 8  # candidates per head considered by the tree builder
     # offline target features (capture/cache.py); None = online. Medusa-2 runs its adapted target online
     # anyway and reads only the original target's top-k logits (its KL teacher) from the cache
     capture_cache: str | None = None
@@ -68,21 +80,9 @@ class MedusaJobConfig:
 
     def __post_init__(self):
         check_output_folders(self.output, self.train.output_dir)
-        if not 1 <= self.num_heads <= 16:
-            raise ValueError(f"num_heads must be in 1..16, got {self.num_heads}")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if not 0 <= self.kd_weight <= 1:
-            raise ValueError(f"kd_weight must be in [0, 1], got {self.kd_weight}")
-        if not 0 < self.eval_fraction < 0.5:
-            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
         if self.draft_vocab_size is not None and (self.draft_vocab_size < 1 or self.share_lm_head):
             raise ValueError("draft_vocab_size must be >= 1 and cannot be combined with share_lm_head (the shared "
                              "projection is the target's whole lm_head)")
-        if self.tree_budget < 1 or self.tree_max_rank < 1 or self.max_length < 8:
-            raise ValueError("tree_budget, tree_max_rank must be >= 1 and max_length >= 8")
-        if self.kd_topk < 1:
-            raise ValueError(f"kd_topk must be >= 1, got {self.kd_topk}")
         if isinstance(self.medusa2, dict):
             self.medusa2 = Medusa2Config(**self.medusa2)
 

@@ -28,11 +28,13 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.config import WEIGHT, Range, validated
 from draftsmith.errors import ArtifactError
 from draftsmith.heads.lora import LoraSpec
 from draftsmith.targets.families import pad_token_id
@@ -44,6 +46,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+@validated
 @dataclass
 class Medusa2Config(LoraSpec):
     """The LoRA adapter on the target (r, alpha, dropout, target_modules: None = attention and MLP
@@ -52,17 +55,10 @@ class Medusa2Config(LoraSpec):
     is trained already, the heads are not). Start from heads trained alone (`train.warm_start` = a Medusa-1
     artifact), as the paper's heads warm-up does: fresh heads' gradients would move the target for nothing."""
 
-    base_weight: float = 1.0
+    base_weight: Annotated[float, WEIGHT] = 1.0
     # on SmolLM2 the adapter at the heads' lr (1e-3) moved the target to a held-out KL of 0.89 nats within 50
     # steps with no gain in head accuracy over Medusa-1 (BENCHMARKS.md)
-    adapter_lr_scale: float = 0.1
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.base_weight < 0:
-            raise ValueError("medusa2.base_weight must be >= 0")
-        if not 0 < self.adapter_lr_scale <= 10:
-            raise ValueError(f"medusa2.adapter_lr_scale must be in (0, 10], got {self.adapter_lr_scale}")
+    adapter_lr_scale: Annotated[float, Range(gt=0, le=10)] = 0.1
 
 
 class Medusa2Module(nn.Module):

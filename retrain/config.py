@@ -3,35 +3,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from draftsmith.config import register_config
+from draftsmith.config import (
+    DRAFT_TOKENS,
+    FRACTION,
+    HELD_OUT,
+    ROWS,
+    SEED,
+    TOKENS,
+    Range,
+    register_config,
+    validated,
+)
 from draftsmith.retrain.decide import GateRule, Thresholds
 
 
+@validated
 @dataclass
 class TrafficConfig:
     dir: str = "runs/traffic"  # folder of *.jsonl request logs
-    window_days: float = 7.0
-    max_per_domain: int = 64  # rows sampled per domain from the window
-    eval_share: float = 0.5  # of the sampled rows, the share held out to measure α (never trained on)
-    max_eval_per_domain: int = 8
-    seed: int = 0
-
-    def __post_init__(self):
-        if not 0 < self.eval_share < 1:
-            raise ValueError(f"traffic.eval_share must be in (0, 1), got {self.eval_share}")
-        if self.window_days <= 0 or self.max_per_domain < 2 or self.max_eval_per_domain < 1:
-            raise ValueError("traffic: window_days > 0, max_per_domain >= 2, max_eval_per_domain >= 1")
+    window_days: Annotated[float, Range(gt=0, le=3650)] = 7.0
+    max_per_domain: Annotated[int, Range(ge=2, le=10**7)] = 64  # rows sampled per domain from the window
+    eval_share: Annotated[float, Range(gt=0, lt=1)] = 0.5  # of the sampled rows, the share held out to measure α (never trained on)
+    max_eval_per_domain: Annotated[int, Range(ge=1, le=10**7)] = 8
+    seed: Annotated[int, SEED] = 0
 
 
+@validated
 @dataclass
 class MeasureConfig:
     """How α is measured (the evaluator, greedy, so losslessness is checked too)."""
 
     baseline_prompts: list[str] = field(default_factory=list)  # empty = the evaluator's default eval sets
-    baseline_limit_per_domain: int = 4
-    max_new_tokens: int = 48
-    k: int = 4
+    baseline_limit_per_domain: Annotated[int, ROWS] = 4
+    max_new_tokens: Annotated[int, TOKENS] = 48
+    k: Annotated[int, DRAFT_TOKENS] = 4
     # production acceptance (planning/production.py): a running vLLM server's /metrics URL, a dump of it, or request
     # logs with per-request counters; when given, its per-domain α is checked against the same thresholds as the
     # measured α
@@ -42,24 +49,20 @@ class MeasureConfig:
     production_model_domains: dict[str, str] = field(default_factory=dict)  # vLLM model_name -> domain
 
 
+@validated
 @dataclass
 class BudgetConfig:
     """A bounded retraining: fresh self-distilled data from traffic + replay of the old data."""
 
-    max_steps: int = 200
-    replay_fraction: float = 0.3  # share of the new training set drawn from the current version's data
+    max_steps: Annotated[int, Range(ge=1, le=10**9)] = 200
+    replay_fraction: Annotated[float, HELD_OUT] = 0.3  # share of the new training set drawn from the current version's data
     warm_start: bool = True  # start from the current version's weights (else from scratch)
     data_overrides: list[str] = field(default_factory=list)  # dotted overrides for the data config
     job_overrides: list[str] = field(default_factory=list)  # dotted overrides for the job config
 
-    def __post_init__(self):
-        if self.max_steps < 1:
-            raise ValueError("budget.max_steps must be >= 1")
-        if not 0 <= self.replay_fraction < 1:
-            raise ValueError("budget.replay_fraction must be in [0, 1)")
-
 
 @register_config("retrain")
+@validated
 @dataclass
 class RetrainConfig:
     artifact_kind: str = "medusa"  # what this registry holds: a method's name (methods.py)
@@ -72,7 +75,7 @@ class RetrainConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     gate: GateRule = field(default_factory=GateRule)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
-    policy_alpha_floor: float = 0.3  # domains below this after retraining: "disable speculation"
+    policy_alpha_floor: Annotated[float, FRACTION] = 0.3  # domains below this after retraining: "disable speculation"
 
     def __post_init__(self):
         from draftsmith import methods

@@ -203,5 +203,5 @@ def test_train_rows_gives_nested_points_of_one_learning_curve(with_ids):
 def test_train_rows_is_checked_in_the_config():
     from draftsmith.training.config import TrainConfig
 
-    with pytest.raises(ValueError, match="train.train_rows must be >= 1"):
+    with pytest.raises(ValueError, match=r"TrainConfig\.train_rows: 0 is out of range \(expected 1 <= x"):
         TrainConfig(train_rows=0)
