@@ -230,9 +230,7 @@ def _request_counters(row: dict) -> tuple[float, float, float] | None:
     if "draft_tokens" in meta and "accepted_tokens" in meta:
         drafted, accepted = _count(meta, "draft_tokens"), _count(meta, "accepted_tokens")
         drafts = _count(meta, "drafts") if meta.get("drafts") is not None else 0.0
-        if accepted > drafted:
-            raise ValueError(f"accepted_tokens {accepted:g} > draft_tokens {drafted:g}: alpha would be above 1")
-        return drafts, drafted, accepted
+        return drafts, drafted, accepted  # more accepted than drafted: the group's check refuses the whole log
     if "spec_verify_ct" in meta and "completion_tokens" in meta:
         # SGLang: completion tokens = verify steps + accepted drafts; drafted count is not reported,
         # so α is left to the engines that report it and only τ is exact
