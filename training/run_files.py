@@ -51,7 +51,7 @@ def _rng_ok(r: Any) -> bool:
     if not isinstance(r, dict) or not isinstance(r.get("python"), list) or not isinstance(r.get("numpy"), list):
         return False
     py, np_ = r["python"], r["numpy"]
-    if len(py) != 3 or not _int(py[0], 1, 3) or not _ints(py[1], 625, _U32 - 1) or py[1][-1] > 624:
+    if len(py) != 3 or not _int(py[0], 2, 3) or not _ints(py[1], 625, _U32 - 1) or py[1][-1] > 624:
         return False
     if py[2] is not None and not (isinstance(py[2], float) and math.isfinite(py[2])):
         return False
