@@ -40,3 +40,8 @@ class IntegrityError(ArtifactError):
 
 class FileFormatError(DraftsmithError, ValueError):
     """A file draftsmith reads is not in its format (not UTF-8, not JSON); the message names the file."""
+
+
+class MissingFile(DraftsmithError, FileNotFoundError):
+    """A file draftsmith must read is not there (or is a symlink to nothing); the message names it. Still a
+    FileNotFoundError, for callers for which a missing file means "not written yet"."""

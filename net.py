@@ -28,9 +28,9 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 from draftsmith.errors import DataError
+from draftsmith.storage import json_depth
 
 METRICS_MAX_BYTES = 64 << 20  # a /metrics page of vLLM is tens of KiB; a thousand LoRA adapters stay far below
 ANSWER_MAX_BYTES = 16 << 20  # one completion, with token ids and logprobs, is at most a few MiB
@@ -99,14 +99,6 @@ def decode(data: bytes, where: str, what: str = "the answer") -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise NetError(where, f"{what} is not UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
-
-
-def json_depth(text: str) -> int:
-    """How deep `text`'s arrays and objects nest (brackets inside strings do not count), in linear time and
-    without recursion."""
-    outside = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
-    brackets = re.sub(r"[^\[\]{}]", "", outside)
-    return max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
 
 
 def loads(data: bytes, url: str, max_depth: int = MAX_DEPTH, secrets=()):

@@ -15,9 +15,11 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -100,19 +102,49 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot serialise {type(obj).__name__} to JSON")
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """Parse a JSON file; a file that is not valid UTF-8 JSON is a FileFormatError naming it (and a
-    ValueError, for callers that treat any unreadable file alike)."""
-    from draftsmith.errors import FileFormatError
+MAX_JSON_DEPTH = 64  # a manifest, report or policy nests under 10 deep; json.loads recurses once a level
+MAX_JSON_BYTES = 256 << 20  # a JSON file draftsmith reads is kB to a few MB (a tokenizer.json: tens of MB)
 
-    with open(path, "rb") as f:
-        raw = f.read()
+
+def json_depth(text: str) -> int:
+    """How deep `text`'s arrays and objects nest (brackets inside strings do not count), in linear time and
+    without recursion: what is counted before json.loads, which would hit the recursion limit."""
+    outside = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
+    brackets = re.sub(r"[^\[\]{}]", "", outside)
+    return max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
+
+
+def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Parse a JSON file from anywhere, the one reader of JSON files: a file that is missing (MissingFile, a
+    FileNotFoundError too), a folder, unreadable, over `max_bytes`, not UTF-8, nested deeper than
+    MAX_JSON_DEPTH or not JSON is one line naming it (FileFormatError, a ValueError too, for callers that treat
+    any unreadable file alike). What the value must hold is the caller's schema."""
+    from draftsmith.errors import FileFormatError, MissingFile
+
     try:
-        return json.loads(raw.decode("utf-8"))
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > max_bytes:
+                raise FileFormatError(f"{path}: over {max_bytes >> 20} MiB, not a JSON file draftsmith reads")
+            raw = f.read(max_bytes + 1)
+    except FileNotFoundError:
+        what = "a symlink to nothing" if Path(path).is_symlink() else "no such file"
+        raise MissingFile(f"{path}: {what}") from None
+    except IsADirectoryError:
+        raise FileFormatError(f"{path}: a folder, not a JSON file") from None
+    except OSError as e:
+        raise FileFormatError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise FileFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if (depth := json_depth(text)) > MAX_JSON_DEPTH:
+        raise FileFormatError(f"{path}: JSON nested {depth} deep (at most {MAX_JSON_DEPTH} is read)")
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise FileFormatError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise FileFormatError(f"{path}: not JSON draftsmith reads ({str(e)[:80]})") from None
 
 
 def jsonl_records(text: str, where: str | os.PathLike) -> list[Any]:
