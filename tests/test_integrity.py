@@ -510,7 +510,7 @@ def test_a_non_utf8_traffic_line_is_a_counted_named_bad_row(tmp_path):
     (logs / "a.jsonl").write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "domain": "chat"}\n' + good + b"\n")
     sample = read_traffic(logs)
     assert len(sample.rows) == 2 and sample.malformed == 1
-    assert sample.bad == [f"{logs / 'a.jsonl'}:2: not UTF-8"]
+    assert sample.bad == [f"{logs / 'a.jsonl'}:2: not UTF-8 (byte 15)"]
     from draftsmith.evaluation.domains import load_prompts
 
     (tmp_path / "p.jsonl").write_bytes(b'{"turns": ["ok"]}\n{"turns": ["caf\xe9"]}\n')
