@@ -146,7 +146,7 @@ def _num(x: float) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
-class FieldError(ConfigError, ValueError):
+class OutOfRange(ConfigError, ValueError):
     """A config field's value is out of its Range: `field` names it (`tree[2]`), `problem` says how."""
 
     def __init__(self, cls: type, field: str, problem: str):
@@ -175,7 +175,7 @@ def validated(cls: type[T]) -> type[T]:
 
 
 def check_fields(obj: Any) -> None:
-    """Every ranged field of a config dataclass instance, its items and values included; FieldError if not."""
+    """Every ranged field of a config dataclass instance, its items and values included; OutOfRange if not."""
     for name, bounds in field_ranges(type(obj)).items():
         value = getattr(obj, name)
         items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
@@ -185,11 +185,11 @@ def check_fields(obj: Any) -> None:
             if item is None and key is None:
                 continue  # an Optional field left unset
             if isinstance(item, bool) or not isinstance(item, int | float):
-                raise FieldError(type(obj), where, f"expected a number, got {show(item)}")
+                raise OutOfRange(type(obj), where, f"expected a number, got {show(item)}")
             try:
                 bounds.check(item, where)
             except ConfigError as e:
-                raise FieldError(type(obj), where, str(e).split(": ", 1)[1]) from None
+                raise OutOfRange(type(obj), where, str(e).split(": ", 1)[1]) from None
 
 
 @functools.cache  # read once per class: every construction checks its fields
@@ -398,7 +398,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         kwargs[name] = _coerce(hints[name], value, path)
     try:
         return cls(**kwargs)
-    except FieldError as e:  # a value out of its field's Range (`validated`): named by its dotted key
+    except OutOfRange as e:  # a value out of its field's Range (`validated`): named by its dotted key
         raise ConfigError(f"{where}.{e.field}: {e.problem}" if where else f"{e.field}: {e.problem}") from None
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{where or cls.__name__}: {e}") from None

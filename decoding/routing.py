@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from draftsmith import net
 from draftsmith.config import show
 from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec, side_by_side_entry
-from draftsmith.errors import ConfigError, DataError, FileFormatError
+from draftsmith.errors import ConfigError, DataError, MissingFile
 from draftsmith.formatting import fmt_num
+from draftsmith.storage import read_json
 
 OFF = "off"
 
@@ -213,33 +213,13 @@ def profile_problem(spec: Any) -> str | None:
     return None
 
 
-MAX_JSON_DEPTH = 64  # a report nests about 6 deep, a policy 4
-
-
 def read_json_file(path: str | Path, error: type[Exception] = DataError) -> Any:
-    """A JSON file read from outside (a report, a policy, a profile): its value, or one line naming it when it
-    is no readable file (`error`), not UTF-8, nested deeper than MAX_JSON_DEPTH (counted before parsing: a deep
-    file is a bad file, never a RecursionError) or not JSON (FileFormatError)."""
-    path = Path(path)
-    if not path.is_file():
-        dangling = path.is_symlink() and not path.exists()
-        raise error(f"{path}: {'a dangling symlink' if dangling else 'a folder' if path.is_dir() else 'not found'}, "
-                    "not a JSON file")
+    """A JSON file read from outside (a report, a policy, a profile): storage.read_json, a missing file an
+    `error` of the caller's kind (a policy is configuration, a report data)."""
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise error(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FileFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    depth = net.json_depth(text)
-    if depth > MAX_JSON_DEPTH:
-        raise FileFormatError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels ({depth}); refused")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FileFormatError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+        return read_json(path)
+    except MissingFile as e:
+        raise error(str(e)) from None
 
 
 # ---- evaluation reports: what routing (and retraining) reads of `evaluate`'s report.json --------------------

@@ -11,22 +11,18 @@ never a KeyError or a ValueError at decode time.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith.config import show
-from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.net import json_depth
+from draftsmith.errors import ArtifactError, ConfigError, DraftsmithError
+from draftsmith.storage import MAX_JSON_BYTES, read_json
 
-MAX_JSON_BYTES = 64 << 20  # a manifest with a large evaluation is a few MB; a config far less
 MAX_VOCAB = 1 << 24  # a vocabulary size beyond any tokenizer (Gemma 3: 262,144): a typo or a hostile file
 MAX_HIDDEN = 1 << 16  # a hidden size beyond any model's
-MAX_DEPTH = 64  # the deepest file draftsmith writes (a manifest's training config) nests about 8 deep
 
 
 class FieldError(ArtifactError, ConfigError):
@@ -35,35 +31,13 @@ class FieldError(ArtifactError, ConfigError):
     and a ConfigError (its config is wrong), so callers that catch either keep working."""
 
 
-def read_doc(path: str | Path, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_DEPTH) -> dict:
-    """A JSON object from `path`, or a FieldError naming it: missing, not a regular file (a folder, a dangling
-    link, a loop), over `max_bytes`, not UTF-8, nested deeper than `max_depth` (counted before parsing, so a
-    100,000-deep file is refused and not a RecursionError), not JSON, or not an object."""
-    path = Path(path)
-    if not os.path.lexists(path):
-        raise FieldError(f"{path}: missing")
-    if not path.is_file():
-        raise FieldError(f"{path}: not a readable file (a folder, a dangling link or a symlink loop)")
+def read_doc(path: str | Path, max_bytes: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from `path` (storage.read_json: missing, a folder, over `max_bytes`, not UTF-8, nested too
+    deep, not JSON), or a FieldError naming it; also when it is not an object."""
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise FieldError(f"{path}: {size} bytes, more than the {max_bytes} read of such a file")
-        raw = path.read_bytes()
-    except OSError as e:
-        raise FieldError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FieldError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    depth = json_depth(text)
-    if depth > max_depth:
-        raise FieldError(f"{path}: JSON nested {depth} deep (at most {max_depth} is read)")
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FieldError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
-    except RecursionError:  # json_depth counts brackets; this is only a second net
-        raise FieldError(f"{path}: JSON nested too deep") from None
+        doc = read_json(path, max_bytes)
+    except DraftsmithError as e:
+        raise FieldError(str(e)) from None
     if not isinstance(doc, dict):
         raise FieldError(f"{path}: {_kind(doc)} at the top, expected a JSON object")
     return doc

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith import net
 from draftsmith.errors import DataError
+from draftsmith.storage import json_depth
 
 MAX_NAMED = 20
 MAX_DEPTH = 32  # a log row nests 3 deep (a prompt's messages); a deeper line is a bad line, never a RecursionError
@@ -83,7 +83,7 @@ def parse_line(raw: bytes) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"not UTF-8 (byte {e.start})") from None
-    if net.json_depth(text) > MAX_DEPTH:
+    if json_depth(text) > MAX_DEPTH:
         raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
     try:
         obj = json.loads(text)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 
 from draftsmith import config
-from draftsmith.config import ConfigError, Range, from_dict, load_config
+from draftsmith.config import ConfigError, Range, load_config
 from tests.fuzzing import FUZZ, FUZZ_LONG, mutated_yaml, place, refuses_cleanly
 from tests.test_cli_help import parsers
 
@@ -129,7 +129,7 @@ def test_every_bound_is_enforced_in_one_line_naming_the_field():
         config.check_fields(_with(cls, name, _wrapped(tp, bounds.ge if bounds.ge is not None else
                                                         (bounds.gt + (bounds.le or bounds.lt)) / 2)))
         for bad in _bad_values(bounds, "float" in str(tp)):
-            with pytest.raises(config.FieldError) as e:
+            with pytest.raises(config.OutOfRange) as e:
                 config.check_fields(_with(cls, name, _wrapped(tp, bad)))
             message = str(e.value)
             assert message.startswith(f"{cls.__name__}.{name}") and "\n" not in message, (cls, name, bad, message)
