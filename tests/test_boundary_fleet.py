@@ -115,7 +115,7 @@ def test_a_policy_that_is_not_utf8_or_nested_too_deep_is_one_line_naming_it(tmp_
     latin.write_bytes(b'{"kind": "routing_policy", "domains": {"caf\xe9": "off"}}')
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
-    for path, says in ((latin, "not UTF-8"), (deep, "nested deeper than")):
+    for path, says in ((latin, "not UTF-8"), (deep, "JSON nested 100000 deep")):
         with pytest.raises(DraftsmithError) as e:
             load_policy(path)
         assert str(e.value).startswith(f"{path}: {says}"), str(e.value)
