@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 
+from draftsmith.config import MAX_BATCH, REPEATS, ROWS, TOKENS, Range, ranged
+
 JOBS_HELP = "a single timing job (engine, capture, remote, eagle-step, train-step, baseline, gemm, llamacpp, " \
             "headline); without one, the whole bench, and the words are key=value overrides of its config"
 
@@ -84,9 +86,9 @@ def register(subparsers) -> None:
 
 def _register_engine_jobs(jobs) -> None:
     e = jobs.add_parser("engine", help="the decode engines on the same prompts (benchmark/engine.py)")
-    e.add_argument("n", type=int, metavar="PROMPTS",
+    e.add_argument("n", type=ranged(int, ROWS), metavar="PROMPTS",
                    help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
-    e.add_argument("max_new_tokens", type=int, metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
+    e.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
     e.add_argument("engines", help="comma-separated KIND:BATCH[:PRECISION], KIND one of cb, np, sd, cap, capall, "
                                    "hf; PRECISION bf16 or bf16-all (default float32), e.g. cb:32,cap:32,hf:16,cb:1")
     e.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
@@ -95,27 +97,27 @@ def _register_engine_jobs(jobs) -> None:
 
     c = jobs.add_parser("capture", help="teacher-forced capture against generation with capture "
                                         "(benchmark/capture.py)")
-    c.add_argument("n", type=int, metavar="PROMPTS",
+    c.add_argument("n", type=ranged(int, ROWS), metavar="PROMPTS",
                    help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
-    c.add_argument("max_new_tokens", type=int, metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
+    c.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
     c.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
-    c.add_argument("--batch", type=int, default=96,
+    c.add_argument("--batch", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=96,
                    help="rows the generating engine decodes at once (default: %(default)s)")
     c.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     c.set_defaults(func=run_capture)
 
     r = jobs.add_parser("remote", help="the embedded engine against an OpenAI-compatible server on the same "
                                        "prompts (benchmark/remote.py)")
-    r.add_argument("n", type=int, metavar="PROMPTS",
+    r.add_argument("n", type=ranged(int, ROWS), metavar="PROMPTS",
                    help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
-    r.add_argument("max_new_tokens", type=int, metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
+    r.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
     r.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
     r.add_argument("--server", choices=["transformers", "vllm"], default="transformers",
                    help="the OpenAI-compatible server: `transformers serve`, or vLLM from .venv-vllm "
                         "(default: %(default)s)")
-    r.add_argument("--batch", "--concurrency", dest="batch", type=int, default=16,
+    r.add_argument("--batch", "--concurrency", dest="batch", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=16,
                    help="the engine's batch, the requests in flight (and vLLM's max_num_seqs) (default: %(default)s)")
-    r.add_argument("--repeats", type=int, default=1,
+    r.add_argument("--repeats", type=ranged(int, REPEATS), default=1,
                    help="runs of each side, alternating; the median is reported (default: %(default)s)")
     r.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     r.set_defaults(func=run_remote)
@@ -125,10 +127,10 @@ def _register_training_jobs(jobs) -> None:
     s = jobs.add_parser("eagle-step", help="one EAGLE training step two ways (benchmark/eagle_step.py)")
     s.add_argument("overrides", nargs="*", metavar="[CONFIG] key=value",
                    help="the EAGLE job's preset (default configs/smollm2-135m/eagle3.yaml) and its overrides")
-    s.add_argument("--batches", type=int, default=6,
+    s.add_argument("--batches", type=ranged(int, Range(ge=1, le=10**6)), default=6,
                    help="length-sorted batches of the job's training split, each timed both ways "
                         "(default: %(default)s)")
-    s.add_argument("--repeats", type=int, default=2, help="passes over the batches (default: %(default)s)")
+    s.add_argument("--repeats", type=ranged(int, REPEATS), default=2, help="passes over the batches (default: %(default)s)")
     s.add_argument("--compare", choices=["skip", "precision"], default="skip",
                    help="skip: the head skipping the bases no loss reaches against computing every one; "
                         "precision: float32 against bf16 autocast (default: %(default)s)")
@@ -140,12 +142,12 @@ def _register_training_jobs(jobs) -> None:
     t.add_argument("configs", nargs="+", metavar="[NAME=]CONFIG", help="job presets (NAME defaults to the kind)")
     t.add_argument("--set", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                    help="overrides for the job NAME (repeatable)")
-    t.add_argument("--batches", type=int, default=6,
+    t.add_argument("--batches", type=ranged(int, Range(ge=1, le=10**6)), default=6,
                    help="length-sorted batches of each job's training split, one full optimizer step each "
                         "(default: %(default)s)")
-    t.add_argument("--repeats", type=int, default=3, help="passes over the batches, the jobs interleaved "
+    t.add_argument("--repeats", type=ranged(int, REPEATS), default=3, help="passes over the batches, the jobs interleaved "
                                                           "(default: %(default)s)")
-    t.add_argument("--reference-steps", type=int,
+    t.add_argument("--reference-steps", type=ranged(int, Range(ge=1, le=10**9)),
                    help="the first job's steps, converted to the steps each other job takes in the same time "
                         "(default: none, no conversion)")
     t.add_argument("--out", help="folder for report.json (default: printed only)")
@@ -156,9 +158,9 @@ def _register_kernel_jobs(jobs) -> None:
     b = jobs.add_parser("baseline", help="is plain decoding's one-token step not slower than a two-token forward? "
                                          "(evaluation/baseline.py; exit 1 when it is)")
     b.add_argument("target", nargs="?", default=None, help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m)")
-    b.add_argument("--context", type=int, default=256,
+    b.add_argument("--context", type=ranged(int, TOKENS), default=256,
                    help="cached tokens the timed forwards attend to (default: %(default)s)")
-    b.add_argument("--repeats", type=int, default=9,
+    b.add_argument("--repeats", type=ranged(int, REPEATS), default=9,
                    help="timed forwards of each kind, interleaved; the median is kept (default: %(default)s)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     b.add_argument("--record-only", action="store_true", help="exit 0 whatever the verdict (the bench reports it)")
@@ -169,9 +171,9 @@ def _register_kernel_jobs(jobs) -> None:
     g.add_argument("target", nargs="?", default=None, help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m)")
     g.add_argument("--rows", default="1,2,3,4,5,8,12,16,32",
                    help="comma-separated token counts of the forwards compared (default: %(default)s)")
-    g.add_argument("--context", type=int, default=256,
+    g.add_argument("--context", type=ranged(int, TOKENS), default=256,
                    help="cached tokens the timed forwards attend to (default: %(default)s)")
-    g.add_argument("--repeats", type=int, default=7,
+    g.add_argument("--repeats", type=ranged(int, REPEATS), default=7,
                    help="timed forwards of each row count and path; the median is kept (default: %(default)s)")
     g.set_defaults(func=run_gemm)
 
@@ -179,9 +181,9 @@ def _register_kernel_jobs(jobs) -> None:
                                           "(benchmark/llamacpp.py; `make setup-llamacpp`)")
     ll.add_argument("target", nargs="?", default=None,
                     help="a target from a GGUF file: an embedded name or a .gguf path (default: smollm2-135m)")
-    ll.add_argument("--limit-per-domain", type=int, default=2,
+    ll.add_argument("--limit-per-domain", type=ranged(int, ROWS), default=2,
                     help="prompts per domain of the shipped eval sets (default: %(default)s)")
-    ll.add_argument("--max-new-tokens", type=int, default=96,
+    ll.add_argument("--max-new-tokens", type=ranged(int, TOKENS), default=96,
                     help="tokens generated per prompt, at most (default: %(default)s)")
     ll.add_argument("--split", default="dev", choices=["dev", "test"],
                     help="which eval split's prompts (default: %(default)s)")

@@ -5,6 +5,7 @@ or another tool's in a layout a method reads back, into a draftsmith artifact)."
 
 from __future__ import annotations
 
+from draftsmith.config import DRAFT_TOKENS, MAX_BATCH, ROWS, SECONDS, TOKENS, Range, ranged
 from draftsmith.layouts.common import STACKS
 
 
@@ -16,7 +17,7 @@ def register(subparsers) -> None:
                    "an existing folder is replaced only if it is a draftsmith export)")
     p.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith export")
     p.add_argument("--target", default=None, help="target spec (default: smollm2-135m); its fingerprint must match")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
+    p.add_argument("--num-speculative-tokens", type=ranged(int, DRAFT_TOKENS), default=None,
                    help="draft length written into serve.md (default: the method's own; 4 where "
                         "the drafter does not fix it)")
     p.add_argument("--verifier", default=None, metavar="HUB_ID",
@@ -35,15 +36,15 @@ def register(subparsers) -> None:
     s.add_argument("--ngram", action="store_true", help="check vLLM's n-gram lookup instead of an export (a control)")
     s.add_argument("--target", default=None, help="target spec (default: smollm2-135m)")
     s.add_argument("--prompts", nargs="*", default=None, help="prompt files (default: the shared evaluation sets)")
-    s.add_argument("--k", type=int, default=4,
+    s.add_argument("--k", type=ranged(int, DRAFT_TOKENS), default=4,
                    help="draft tokens per step (chain length), both decoders (default: %(default)s)")
-    s.add_argument("--max-new-tokens", type=int, default=64,
+    s.add_argument("--max-new-tokens", type=ranged(int, TOKENS), default=64,
                    help="tokens generated per prompt, at most (default: %(default)s)")
-    s.add_argument("--limit-per-domain", type=int, default=2,
+    s.add_argument("--limit-per-domain", type=ranged(int, ROWS), default=2,
                    help="prompts per domain, to bound the run (default: %(default)s)")
-    s.add_argument("--batch", type=int, default=None,
+    s.add_argument("--batch", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=None,
                    help="prompts per batch for the batched tokens/s (default: every prompt at once)")
-    s.add_argument("--timeout", type=float, default=900.0,
+    s.add_argument("--timeout", type=ranged(float, SECONDS), default=900.0,
                    help="seconds each vLLM engine may run before it is killed (default: %(default)s)")
     s.add_argument("--out", default=None, help="report folder (default: runs/serve-check/EXPORT_NAME)")
     s.add_argument("--no-evaluate", dest="evaluate", action="store_false", help="skip draftsmith's own evaluator")

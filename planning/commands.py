@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from draftsmith.config import DRAFT_TOKENS, MAX_BATCH, PROBABILITY, SECONDS, TOKENS, Range, ranged
+
 
 def register(subparsers) -> None:
     _register_plan(subparsers)
@@ -24,8 +26,8 @@ def _register_plan(subparsers) -> None:
                    "memory per GPU (target + trained module + optimizer + activations) instead of serving memory")
     p.add_argument("--accelerate", default=None, help="with --config: the accelerate preset (DDP, FSDP, ZeRO-2/3; "
                                                       "default: one process, no sharding)")
-    p.add_argument("--gpus", type=int, default=None, help="with --config: ranks (default: the accelerate preset's)")
-    p.add_argument("--learned", type=int, default=None,
+    p.add_argument("--gpus", type=ranged(int, Range(ge=1, le=1 << 16)), default=None, help="with --config: ranks (default: the accelerate preset's)")
+    p.add_argument("--learned", type=ranged(int, TOKENS), default=None,
                    help="with --config: loss positions of the longest row (its answer; default: the whole row); "
                         "EAGLE's later TTT steps and logits, and prompt_context's cut, depend on it")
     p.add_argument("overrides", nargs="*", help="with --config: dotted key=value overrides, e.g. max_length=32768")
@@ -33,16 +35,16 @@ def _register_plan(subparsers) -> None:
                                                     "target alone)")
     p.add_argument("--gpu", default="H100-80GB", help="the device: a name (H100-80GB, A100-40GB, L4-24GB, ...), cpu "
                                                      "(this machine's RAM), or a size in bytes (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=32, help="sequences decoded at once (default: %(default)s)")
-    p.add_argument("--context", type=int, default=8192,
+    p.add_argument("--batch", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=32, help="sequences decoded at once (default: %(default)s)")
+    p.add_argument("--context", type=ranged(int, TOKENS), default=8192,
                    help="tokens per sequence held in the KV cache, prompt and answer (default: %(default)s)")
     p.add_argument("--dtype", default="bf16", help="dtype of the weights and KV cache: bf16 | fp16 | fp32 | fp8 | "
                                                   "int8 (default: %(default)s)")
-    p.add_argument("--k", type=int, default=4, help="draft tokens verified per step (default: %(default)s)")
-    p.add_argument("--utilization", type=float, default=0.9,
+    p.add_argument("--k", type=ranged(int, DRAFT_TOKENS), default=4, help="draft tokens verified per step (default: %(default)s)")
+    p.add_argument("--utilization", type=ranged(float, PROBABILITY), default=0.9,
                    help="fraction of device memory the engine may use, vLLM's gpu_memory_utilization "
                         "(default: %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=8192,
+    p.add_argument("--prefill-chunk", type=ranged(int, TOKENS), default=8192,
                    help="tokens per prefill forward (chunked prefill) (default: %(default)s)")
     p.add_argument("--measure", action="store_true",
                    help="also build the models on this CPU (fp32) and compare the plan with measured bytes")
@@ -56,7 +58,7 @@ def _register_route(subparsers) -> None:
     b = rs.add_parser("build", help="pick the fastest lossless artifact per domain (or off)")
     b.add_argument("--reports", nargs="+", required=True, help="evaluation report.json files or their folders")
     b.add_argument("--out", required=True, help="policy file to write (JSON)")
-    b.add_argument("--threshold", type=float, default=1.0,
+    b.add_argument("--threshold", type=ranged(float, Range(gt=0, le=1000)), default=1.0,
                    help="route a domain off below this value of the criterion: a speedup ratio, or tau in tokens "
                         "per step (default: %(default)s)")
     b.add_argument("--criterion", choices=["speedup", "tau", "predicted"], default="speedup",
@@ -89,9 +91,9 @@ def _register_alpha(subparsers) -> None:
                    help="map a served model_name to a domain (repeatable)")
     a.add_argument("--out", default=None, help="write the table as JSON (the shape retraining reads; default: "
                                                "printed only)")
-    a.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+    a.add_argument("--timeout", type=ranged(float, SECONDS), default=30.0, metavar="SECONDS",
                    help="a URL must answer in full within this (a deadline, not per read; default: %(default)s)")
-    a.add_argument("--max-mib", type=float, default=64.0, metavar="MIB",
+    a.add_argument("--max-mib", type=ranged(float, Range(gt=0, le=1 << 20)), default=64.0, metavar="MIB",
                    help="refuse metrics (a URL's answer or a dump) larger than this (default: %(default)s)")
     a.set_defaults(func=run_alpha)
 

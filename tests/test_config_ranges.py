@@ -147,7 +147,9 @@ def test_a_bad_value_from_yaml_is_named_by_its_dotted_key_and_file(tmp_path):
 
 
 def test_a_range_is_shown_in_the_flag_help_and_refused_by_a_ranged_flag():
-    assert "1 <= x <= 64" in config.field_help(config.CONFIG_KINDS["eval"], "tree")
+    from draftsmith.evaluation.config import EvalConfig
+
+    assert "1 <= x <= 64" in config.field_help(EvalConfig, "tree")
     parser = argparse.ArgumentParser(prog="p", exit_on_error=False)
     parser.add_argument("--n", type=config.ranged(int, Range(ge=1, le=8)))
     assert parser.parse_args(["--n", "8"]).n == 8
