@@ -112,6 +112,44 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# the sizes of a model's config.json that become shapes: each a positive integer below a sanity bound (a
+# vocabulary of 10^9 or a string "lots" is a hostile or broken file, refused before a tensor is allocated)
+SIZE_FIELDS = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "intermediate_size": 1 << 20, "num_hidden_layers": 4096,
+               "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 4096,
+               "max_position_embeddings": 1 << 24, "num_experts": 1 << 16, "num_local_experts": 1 << 16}
+
+
+def check_model_config(folder: Path) -> dict:
+    """A local model folder's config.json, read from outside: a JSON object (storage.read_json) whose
+    `model_type` is a name and whose sizes (SIZE_FIELDS, also in a `text_config` section) are positive
+    integers in range; a TargetError naming the file and field otherwise."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.storage import read_json
+
+    path = folder / "config.json"
+    try:
+        doc = read_json(path)
+    except DraftsmithError as e:
+        raise TargetError(str(e)) from None
+    if not isinstance(doc, dict):
+        raise TargetError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    if not isinstance(doc.get("model_type"), str) or not doc["model_type"]:
+        raise TargetError(f"{path}: model_type is {_shown(doc.get('model_type'))}, expected a model type name")
+    sections = [("", doc)] + ([("text_config.", doc["text_config"])] if isinstance(doc.get("text_config"), dict)
+                              else [])
+    for prefix, section in sections:
+        for name, bound in SIZE_FIELDS.items():
+            value = section.get(name)
+            if value is not None and (type(value) is not int or not 1 <= value <= bound):
+                raise TargetError(f"{path}: {prefix}{name} is {_shown(value)}, expected an integer in 1..{bound}")
+    return doc
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 def _from_folder(folder: str | Path, device, dtype, trust_remote_code: bool, **kw):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,6 +158,17 @@ def _from_folder(folder: str | Path, device, dtype, trust_remote_code: bool, **k
         folder, dtype=dtype, trust_remote_code=trust_remote_code, **kw
     )
     return model.to(device), tokenizer
+
+
+def _from_local_folder(path: Path, device, dtype, trust_remote_code: bool):
+    """A user's HF model folder: its config.json checked first, and what transformers refuses of it (a model
+    type it does not know, a tokenizer file it cannot parse, weights of other shapes) one line naming it."""
+    check_model_config(path)
+    try:
+        return _from_folder(path, device, dtype, trust_remote_code)
+    except Exception as e:  # noqa: BLE001 (transformers' and huggingface_hub's own validation errors, whatever their class)
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise TargetError(f"{path}: not a model folder transformers can load ({type(e).__name__}: {first})") from None
 
 
 def _gguf_cache_folder(gguf: Path, name: str | None) -> Path:
@@ -192,7 +241,7 @@ def load_target(
             if len(ggufs) == 1:
                 return load_target(str(ggufs[0]), device, dtype, trust_remote_code)
             raise TargetError(f"{spec}: folder has no config.json (not a Hugging Face model folder)")
-        model, tok = _from_folder(path, dev, dt, trust_remote_code)
+        model, tok = _from_local_folder(path, dev, dt, trust_remote_code)
         return Target(path.name, freeze(model), tok, spec, path)
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
         try:
