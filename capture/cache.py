@@ -130,13 +130,23 @@ def _shard_meta(path: Path) -> dict:
               "rows": lambda v: isinstance(v, list) and all(isinstance(r, list) and len(r) == 3 and _int(r[0])
                                                             and _int(r[1]) and _int(r[2], 1) for r in v)}
     for key, check in checks.items():
-        if (key in meta or key != "logsumexp") and not check(meta.get(key)):
-            raise DataError(f"{path}: field '{key}' must be {_SHAPE[key]}, got {json.dumps(meta.get(key))[:40]}")
+        if key not in meta and key != "logsumexp":  # shards of older caches have no logsumexp
+            raise DataError(f"{path}: missing field '{key}'")
+        if key in meta and not check(meta[key]):
+            raise DataError(f"{path}: field '{key}' must be {_SHAPE[key]}, got {json.dumps(meta[key])[:40]}")
     lengths = {t["shape"][0] for k, t in header.items() if k != "__metadata__" and isinstance(t.get("shape"), list)
                and t["shape"] and _int(t["shape"][0])}
     if any(o + n > min(lengths, default=0) for _, o, n in meta["rows"]):
         raise DataError(f"{path}: field 'rows' points past its tensors' {min(lengths, default=0)} positions")
     return meta
+
+
+def _faults(path: Path) -> list[DataError]:
+    try:
+        _shard_meta(path)
+    except DataError as e:
+        return [e]
+    return []
 
 
 def _whole_shards(out_dir: Path) -> tuple[list[tuple[int, Path, dict]], list[Path]]:
@@ -321,9 +331,9 @@ class ShardReader:
         whole, self.skipped = _whole_shards(self.dir)  # every shard's own metadata, validated
         index = _read_index(self.dir / INDEX) if os.path.lexists(self.dir / INDEX) else None
         if not whole and (index is None or index.get("rows")):
-            if self.skipped:
-                raise DataError(f"{self.skipped[0]}: torn or unreadable, and no shard of the capture cache {self.dir} "
-                                "reads whole: capture it again")
+            if self.skipped:  # the first one's own fault, named again for the one line the job stops with
+                why = next((str(e) for e in _faults(self.skipped[0])), f"{self.skipped[0]}: unreadable")
+                raise DataError(f"{why}; no shard of the capture cache {self.dir} reads whole: capture it again")
             raise DataError(f"{self.dir}: not a capture cache (no {INDEX}, no shards)")
         # the shards say which rows they hold (index.json too, but a capture killed after it was written, or a
         # torn shard, leaves it saying more than the shards hold)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from draftsmith.capture.cache import ShardReader, ShardWriter
+from draftsmith.errors import DataError
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
 from draftsmith.training.loggers import RunLogger
@@ -188,3 +189,13 @@ def test_capture_index_mutations_are_read_or_refused_in_one_line(tmp_path, data,
     names = ("index.json",) if not shard else ()
     got = refuses_cleanly(lambda: _read_cache(folder), *names)
     assert got is None or len(got) == (2 if shard else 0)
+
+
+def test_a_shard_without_its_hidden_size_is_named(tmp_path):
+    """Found by the long fuzz run: a shard's metadata without `hidden_size` was a raw KeyError."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    meta = {k: v for k, v in _META.items() if k != "hidden_size"}
+    (folder / "shard-00000.safetensors").write_bytes(_shard_bytes(folder, json.dumps(meta)))
+    with pytest.raises(DataError, match="shard-00000.safetensors: missing field 'hidden_size'"):
+        _read_cache(folder)
