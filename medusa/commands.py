@@ -16,7 +16,7 @@ def register(subparsers) -> None:
     p.add_argument("--target", default="smollm2-135m",
                    help="the target it was trained on: an embedded name, a GGUF file or an HF model folder "
                         "(default: %(default)s)")
-    p.add_argument("--eval-fraction", type=ranged(float, Range(gt=0, lt=0.5)), default=0.05,
+    p.add_argument("--eval-fraction", type=ranged(float, Range(gt=0, lt=1)), default=0.05,
                    help="the fraction of rows the job held out; with --seed, it picks the same rows "
                         "(default: %(default)s)")
     p.add_argument("--seed", type=ranged(int, SEED), default=0, help="the job's seed, which chose the held-out rows "
