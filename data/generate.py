@@ -464,6 +464,7 @@ class _Rows:
         self.done, self.chunks, self.writer, self.bar, self.on_row = done, chunks, writer, bar, on_row
         self.tokens = 0
         self.t0 = time.perf_counter()
+        self.limits = RowLimits.of(target)  # every engine's row is held to the target's vocabulary and context
 
     def count(self, n: int) -> None:
         self.tokens += n
@@ -486,6 +487,7 @@ class _Rows:
                "origin": row.origin, "stopped": bool(c.stopped), "n_turns": len(row.turns)}
         if c.replay is not None:
             rec["replay"] = list(c.replay)
+        check_row(rec, row.origin, self.limits)
         if self.writer is not None and c.capture is not None:
             cap = c.capture
             self.writer.add(row.row_id, cap["layers"], cap["topk_values"], cap["topk_indices"], cap["last_hidden"],

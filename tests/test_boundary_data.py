@@ -190,3 +190,91 @@ def test_torn_or_tampered_chunks_are_named_and_their_rows_generated_again(tmp_pa
     ds = load_distilled(out, tiny_target)
     assert len(ds) == len(PROMPTS) and max(max(x) for x in ds["input_ids"]) < tiny_target.vocab_size
     assert f"{chunks[0]}: cannot be read" in caplog.text and f"{chunks[1]}:1: field 'input_ids'[0]" in caplog.text
+
+
+# ---- findings 4 and 6: what a generation server answers is checked against what was asked -------------------
+
+def scripted_server(answer):
+    """A local OpenAI-compatible server serving model "m" whose /completions answer is `answer(body)`."""
+    import http.server
+
+    from local_http import local_server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self._send({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+        def do_POST(self):
+            self._send(answer(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))))
+
+        def _send(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return local_server(Handler)
+
+
+def _remote_run(tiny_target, answer, prompt_ids: list[int], budget: int):
+    """What RemoteEngine makes of `answer` to one request of `budget` tokens: its Completion, or the error."""
+    from draftsmith.data.config import GenerationConfig
+    from draftsmith.data.engines.base import Request
+    from draftsmith.data.engines.remote import RemoteEngine
+
+    with scripted_server(answer) as url:
+        gen = GenerationConfig(backend="openai", base_urls=[url], max_retries=0, retry_backoff=0.01,
+                               request_timeout=10.0, concurrency=1, prompt_as="token_ids")
+        engine = RemoteEngine(tiny_target.tokenizer, list(tiny_target.eos_token_ids), gen, "plain",
+                              tiny_target.vocab_size)
+        got = []
+        engine.run([Request(7, prompt_ids, budget, seed=0)], got.append)
+        return got[0]
+
+
+def _text_answer(text: str, finish: str = "length", usage: dict | None = None):
+    return lambda body: {"model": "m", "choices": [{"text": text, "finish_reason": finish}],
+                         **({"usage": usage} if usage is not None else {})}
+
+
+WORDS = " ".join(["apple banana"] * 150)  # 300 words
+
+
+@pytest.mark.parametrize("usage", [None, {"completion_tokens": 60.0}, {"completion_tokens": 6, "prompt_tokens": "3"}])
+def test_a_server_answer_past_max_tokens_or_with_counts_that_are_not_counts_is_refused(tiny_target, usage):
+    """Finding 4: a server answering text with no `usage`, or with `completion_tokens: 60.0`, at max_new_tokens 6 gave
+    rows of 219 learned tokens. Now the answer's tokens are held to the budget asked for, and a count that is not a
+    whole number is a bad answer: the run stops in one line naming the server and the field."""
+    ids = tiny_target.tokenizer("What is 2 + 3?", add_special_tokens=False).input_ids
+    with pytest.raises(DataError) as e:
+        _remote_run(tiny_target, _text_answer(WORDS, usage=usage), ids, 6)
+    message = _one_line(e)
+    assert "max_tokens" in message or "usage." in message
+
+
+@pytest.mark.parametrize("usage", [None, {"completion_tokens": 30, "prompt_tokens": 482}])
+def test_a_server_answer_of_300_words_for_30_tokens_near_the_context_never_passes_it(tiny_target, usage):
+    """Finding 6: a 482-token prompt on the 512-context target, asked for the 30 tokens left, answered 300 words:
+    a 1,621-token row was stored. Without a count the answer is refused; with the server's count of 30 (a text
+    round trip splits a sampled answer differently: 10 tokens came back as 18 from a real server) it is cut to
+    the 30 asked for. No row is longer than the target's context."""
+    ids = (tiny_target.tokenizer(WORDS, add_special_tokens=False).input_ids * 4)[:482]
+    if usage is None:
+        with pytest.raises(DataError) as e:
+            _remote_run(tiny_target, _text_answer(WORDS), ids, 30)
+        assert "max_tokens 30" in _one_line(e)
+        return
+    c = _remote_run(tiny_target, _text_answer(WORDS, "stop", usage), ids, 30)
+    assert len(c.tokens) == 30 and not c.stopped and len(ids) + len(c.tokens) <= 512
+
+
+def test_a_server_answer_within_the_budget_is_kept(tiny_target):
+    ids = tiny_target.tokenizer("Say hi.", add_special_tokens=False).input_ids
+    c = _remote_run(tiny_target, _text_answer(" hi", "stop", {"completion_tokens": 2, "prompt_tokens": len(ids)}),
+                    ids, 6)
+    assert c.stopped and len(c.tokens) <= 6 and c.tokens[-1] in tiny_target.eos_token_ids

@@ -116,6 +116,25 @@ def _token_ids(ids, vocab_size: int, what: str) -> list[int]:
     return ids
 
 
+def _usage(answer: dict, what: str) -> dict[str, int]:
+    """The answer's token counts (`usage.prompt_tokens`, `usage.completion_tokens`): whole numbers >= 0 where given
+    (a float 60.0, a string or a negative count is a bad answer, never compared as if it were one)."""
+    usage = answer.get("usage")
+    if usage is None:
+        return {}
+    if not isinstance(usage, dict):
+        raise _Retry(f"{what}: usage is not an object ({str(usage)[:60]})")
+    out = {}
+    for name in ("prompt_tokens", "completion_tokens"):
+        value = usage.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _Retry(f"{what}: usage.{name} is {repr(value)[:40]}, not a whole number of tokens")
+        out[name] = value
+    return out
+
+
 def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
     """The end-of-turn token the chat template writes after an assistant turn (plain mode: the first EOS),
     which a text-only answer that stopped is given back."""
@@ -229,9 +248,7 @@ class RemoteEngine(TextEngine):
             raise _Retry(f"{s.url}: row {req.key}: choices[0].text is {str(text)[:40]}, not a string")
         if answer.get("model") not in (None, s.model):
             raise _Mismatch(f"answered as model {answer.get('model')!r}, not {s.model!r}")
-        usage = answer.get("usage") or {}
-        if not isinstance(usage, dict):
-            raise _Retry(f"{s.url}: row {req.key}: usage is not an object ({str(usage)[:60]})")
+        usage = _usage(answer, f"{s.url}: row {req.key}")
         got_prompt = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
         if got_prompt is not None:
             got_prompt = _token_ids(got_prompt, self.vocab_size, f"{s.url}: row {req.key}: prompt_token_ids")
@@ -241,25 +258,45 @@ class RemoteEngine(TextEngine):
         if usage.get("prompt_tokens") is not None and usage["prompt_tokens"] != len(req.prompt_ids):
             raise _Mismatch(f"counted {usage['prompt_tokens']} tokens in row {req.key}'s prompt, the target's tokenizer "
                            f"{len(req.prompt_ids)}: it serves a model with another tokenizer")
-        ids = choice.get("token_ids")
-        stopped = finish == "stop"
         n = usage.get("completion_tokens")
-        if isinstance(n, int) and n > req.max_new_tokens:  # a server that ignored max_tokens
-            raise _Refused(f"row {req.key}: wrote {n} tokens for max_tokens {req.max_new_tokens}")
+        if n is not None and n > req.max_new_tokens:  # a server that ignored max_tokens
+            raise _Refused(f"row {req.key}: wrote {n} tokens (usage.completion_tokens) for max_tokens {req.max_new_tokens}")
+        ids = choice.get("token_ids")
         if ids is not None:
             tokens = list(_token_ids(ids, self.vocab_size, f"{s.url}: row {req.key}: token_ids"))
-            if len(tokens) > req.max_new_tokens + 1:
-                raise _Refused(f"returned {len(tokens)} token ids for max_tokens {req.max_new_tokens}")
-            if stopped and (not tokens or tokens[-1] not in self.eos_ids):  # a server that leaves the stop token out
-                tokens.append(self.end_id)
+            if len(tokens) > req.max_new_tokens or (n is not None and n not in (len(tokens), len(tokens) + 1)):
+                raise _Refused(f"row {req.key}: returned {len(tokens)} token ids for max_tokens {req.max_new_tokens} "
+                               f"and usage.completion_tokens {n}: the counts disagree")
         else:
-            # the text as the target's tokenizer splits it: what the row stores and its mask covers. Where the
-            # model wrote a split the tokenizer would not make, the count differs; the text is kept as written
-            tokens = encode_text(self.tok, text)  # special-token strings the model wrote stay text
-            if stopped:
-                tokens.append(self.end_id)
-            if n is not None and n != len(tokens):  # a text round trip may split differently; counted, kept
-                s.stats["retokenized_differently"] = s.stats.get("retokenized_differently", 0) + 1
+            tokens = self._text_tokens(s, req, text, n)
+        return self._ended(req, tokens, finish == "stop")
+
+    def _text_tokens(self, s: _Server, req: Request, text: str, n: int | None) -> list[int]:
+        """A text answer as the target's tokenizer splits it: what the row stores and its mask covers (special-token
+        strings the model wrote stay text). Where the model wrote a split the tokenizer would not make, the count
+        differs from the server's (a sampled answer of a small model splits very differently: 10 tokens came back as
+        18): counted, kept, and cut to max_tokens where the server's own count shows it kept to them, so that no
+        row holds more than it asked for. More text than max_tokens allows with no count is refused."""
+        tokens = encode_text(self.tok, text)
+        if n is not None and n != len(tokens):
+            s.stats["retokenized_differently"] = s.stats.get("retokenized_differently", 0) + 1
+        if len(tokens) > req.max_new_tokens:
+            if n is None:
+                raise _Refused(f"row {req.key}: answered {len(tokens)} tokens of text for max_tokens "
+                               f"{req.max_new_tokens}, with no usage.completion_tokens: the server does not keep "
+                               "to max_tokens")
+            s.stats["cut_to_max_tokens"] = s.stats.get("cut_to_max_tokens", 0) + 1
+            tokens = tokens[: req.max_new_tokens]
+        return tokens
+
+    def _ended(self, req: Request, tokens: list[int], stopped: bool) -> Completion:
+        """The completion, its end-of-turn token given back where the server left it out (and the budget has room
+        for it: a row never holds more than max_tokens answer tokens, so never more than the context)."""
+        if stopped and (not tokens or tokens[-1] not in self.eos_ids):
+            if len(tokens) < req.max_new_tokens:
+                tokens = tokens + [self.end_id]
+            else:
+                stopped = False  # cut at the budget: kept as an answer that did not end
         return Completion(req.key, list(req.prompt_ids), tokens, stopped)
 
     # ------------------------------------------------------------------------------------ running
