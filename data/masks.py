@@ -119,6 +119,15 @@ def end_tokens(tokenizer, eos_token_ids: Sequence[int] | None = None) -> list[tu
     return [(i, _decode(tokenizer, [i])) for i in ids]
 
 
+def encode_rendered(tokenizer, messages: list[Message], full: str, kwargs: dict | None = None) -> list[int]:
+    """`full`, the template's rendering of `messages`, as ids: the template's own special-token strings become
+    their tokens, the messages' text stays text (`encode_text`), as `tokenize_conversation` makes them."""
+    specials = special_strings(tokenizer)
+    if not any(sp in m["content"] for m in messages for sp in specials):
+        return _encode(tokenizer, full)
+    return _encode_spans(tokenizer, full, _content_spans(tokenizer, messages, full, kwargs or {}))
+
+
 def _token_boundary(tokenizer, text: str, char: int, full_ids: list[int], what: str,
                     spans: list[tuple[int, int]] | None = None) -> int:
     """Token index where character `char` of `text` starts, if the tokenization splits there."""

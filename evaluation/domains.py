@@ -173,4 +173,4 @@ def format_prompt(tokenizer, text: str, template_kwargs: dict | None = None) -> 
 
         return tokenize_conversation(tokenizer, [{"role": "user", "content": text}], mode="chat",
                                      add_generation_prompt=True, template_kwargs=template_kwargs)[0]
-    return list(tokenizer(text).input_ids)
+    return list(tokenizer(text, split_special_tokens=True).input_ids)  # the user's text stays text

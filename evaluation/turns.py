@@ -53,14 +53,20 @@ def _has_template(tokenizer) -> bool:
 def conversation_bound(tokenizer, turns: list[str], max_new_tokens: int, kwargs: dict | None, what: str) -> int:
     """The most tokens the prompt of the last of `turns` can take: the template over the user turns with empty
     answers, plus `max_new_tokens` for each earlier answer."""
+    from draftsmith.data.masks import encode_rendered
+
     earlier = len(turns) - 1
-    if _has_template(tokenizer):
-        text = _render(tokenizer, _messages(turns, [""] * earlier), kwargs, what)
-        base = len(tokenizer(text, add_special_tokens=False).input_ids)
+    if _has_template(tokenizer):  # counted as the prompt is made: the turns' own text as text
+        messages = _messages(turns, [""] * earlier)
+        base = len(encode_rendered(tokenizer, messages, _render(tokenizer, messages, kwargs, what), kwargs))
     else:
-        base = len(tokenizer(turns[0]).input_ids) + sum(
-            len(tokenizer("\n" + t, add_special_tokens=False).input_ids) for t in turns[1:])
+        base = len(format_prompt(tokenizer, turns[0])) + sum(len(_plain_turn(tokenizer, t)) for t in turns[1:])
     return base + earlier * max_new_tokens
+
+
+def _plain_turn(tokenizer, text: str) -> list[int]:
+    """A later user turn without a template: a newline and its text, which stays text (no control tokens)."""
+    return list(tokenizer("\n" + text, add_special_tokens=False, split_special_tokens=True).input_ids)
 
 
 @dataclass
@@ -84,8 +90,7 @@ class Conversation:
         if turn == 0:
             self.last_ids = format_prompt(tokenizer, self.row.text, self.template_kwargs)
         elif not _has_template(tokenizer):
-            self.last_ids = self.last_ids + list(tokenizer("\n" + self.row.turns[turn], add_special_tokens=False)
-                                                 .input_ids)
+            self.last_ids = self.last_ids + _plain_turn(tokenizer, self.row.turns[turn])
         else:
             self.last_ids = self._templated(tokenizer, turn)
         return list(self.last_ids)
