@@ -154,12 +154,19 @@ def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None 
                    exclude: list[str] | None = None, overwrite: bool = False) -> Path:
     """Copy the rows of `domains` (or of every domain not in `exclude`) into a new dataset folder whose
     provenance records the parent and the filter. Unknown domain names are an error, not an empty set."""
-    from draftsmith.data.generate import DATASET_DIR, PROVENANCE, load_distilled, read_provenance
+    from draftsmith.data.generate import (
+        DATASET_DIR,
+        PROVENANCE,
+        inside,
+        load_distilled,
+        read_provenance,
+        same_folder,
+    )
     from draftsmith.errors import DataError
     from draftsmith.storage import atomic_dir, atomic_write_json, check_replaceable
 
     path, out = Path(path), Path(out)
-    if out.resolve() == path.resolve():
+    if same_folder(out, path) or inside(path, out):
         raise DataError(f"{out}: the subset would replace the dataset it is taken from; choose another --out")
     check_replaceable(out, "dataset", overwrite)
     prov = read_provenance(path)
@@ -221,7 +228,7 @@ def refuse_repeats(paths: list[Path], provs: list[dict]) -> None:
 
 
 def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = False) -> Path:
-    """Concatenate the rows of datasets one target wrote into a new dataset folder.
+    """Concatenate the rows of datasets one target wrote into a new dataset folder, one of each (`one_of_each`).
 
     Row ids stay unique and stable: the first dataset keeps its own (so the rows it held out for evaluation
     stay held out, data/batching.py `split_rows`), each later one's are rehashed (`merged_row_id`), so a
@@ -230,7 +237,14 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
     Captured states are not carried over: `draftsmith data capture` reads the merged rows once."""
     import datasets
 
-    from draftsmith.data.generate import DATASET_DIR, PROVENANCE, load_distilled, read_provenance
+    from draftsmith.data.generate import (
+        DATASET_DIR,
+        PROVENANCE,
+        inside,
+        load_distilled,
+        read_provenance,
+        same_folder,
+    )
     from draftsmith.errors import DataError
     from draftsmith.storage import atomic_dir, atomic_write_json, check_replaceable
     from draftsmith.targets import check_compatible
@@ -238,7 +252,7 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
     paths, out = [Path(p) for p in paths], Path(out)
     if len(paths) < 2:
         raise DataError("data merge needs two or more datasets")
-    if any(out.resolve() == p.resolve() for p in paths):
+    if any(same_folder(out, p) or inside(p, out) for p in paths):
         raise DataError(f"{out}: the merge would replace a dataset it reads; choose another --out")
     check_replaceable(out, "dataset", overwrite)
     provs = [read_provenance(p) for p in paths]
@@ -261,29 +275,56 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
     columns = sorted(set.intersection(*(set(d.column_names) for d in parts)))
     merged = datasets.concatenate_datasets([d.select_columns(columns) for d in parts])
     ids = merged["row_id"]
-    if len(set(ids)) != len(ids):
+    if len(set(ids)) != len(ids):  # a later dataset's own rows under the ids a merge already gave them
         raise DataError(f"{paths[0]}: a row id repeats after merging (a dataset given twice, or one already in "
                         "a merged one)")
-    prov = {**provs[0], "merge": {"parents": [str(p) for p in paths], "rows": [len(d) for d in parts],
-                                  "row_ids": "the first dataset's own, the others' merged_row_id"},
-            "capture": None}
-    prov["counts"] = {"rows": len(merged), "per_domain": dict(sorted(Counter(merged["domain"]).items())),
-                      "tokens": sum(len(x) for x in merged["input_ids"]),
-                      "loss_tokens": sum(sum(m) for m in merged["loss_mask"])}
-    prov["timing"] = {"parents": [p.get("timing") for p in provs]}
+    merged, repeats = one_of_each(merged)
+    prov = _merged_provenance(paths, provs, [len(d) for d in parts], merged, repeats)
     with atomic_dir(out, overwrite=overwrite, kind="dataset") as tmp:
         merged.save_to_disk(str(tmp / DATASET_DIR))
         atomic_write_json(tmp / PROVENANCE, prov)
     return out
 
 
+def one_of_each(ds):
+    """The rows of `ds` without repeats, and how many were dropped: a row is its content (ids, loss mask and rollout
+    marks), so a dataset merged with a merge that already holds it contributes each row once, while a rollout of a
+    prompt that marks where drafts were rejected stays beside the same text without marks."""
+    from draftsmith.storage import sha256_json
+
+    seen: set[str] = set()
+    keep = []
+    replay = ds["replay"] if "replay" in ds.column_names else [None] * len(ds)
+    for i, content in enumerate(zip(ds["input_ids"], ds["loss_mask"], replay)):
+        key = sha256_json(content)
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    return (ds if len(keep) == len(ds) else ds.select(keep)), len(ds) - len(keep)
+
+
+def _merged_provenance(paths: list[Path], provs: list[dict], rows: list[int], merged, repeats: int) -> dict:
+    """The merge's provenance: the first parent's, with the parents, their row counts and the merged counts."""
+    prov = {**provs[0], "merge": {"parents": [str(p) for p in paths], "rows": rows, "repeated_rows_dropped": repeats,
+                                  "row_ids": "the first dataset's own, the others' merged_row_id"},
+            "capture": None}
+    prov["counts"] = {"rows": len(merged), "per_domain": dict(sorted(Counter(merged["domain"]).items())),
+                      "tokens": sum(len(x) for x in merged["input_ids"]),
+                      "loss_tokens": sum(sum(m) for m in merged["loss_mask"])}
+    prov["timing"] = {"parents": [p.get("timing") for p in provs]}
+    return prov
+
+
 def run_merge(args: argparse.Namespace) -> int:
     out = merge_datasets(args.paths, args.out, args.overwrite)
     from draftsmith.data.generate import read_provenance
 
-    m = read_provenance(out)["merge"]
-    print(f"wrote {sum(m['rows'])} rows ({' + '.join(map(str, m['rows']))}) to {out}; "
-          f"capture them with `draftsmith data capture` before offline training")
+    prov = read_provenance(out)
+    m = prov["merge"]
+    dropped = m.get("repeated_rows_dropped", 0)
+    print(f"wrote {prov['counts']['rows']} rows ({' + '.join(map(str, m['rows']))}"
+          + (f", {dropped} repeated rows dropped" if dropped else "") + f") to {out}; "
+          "capture them with `draftsmith data capture` before offline training")
     return 0
 
 

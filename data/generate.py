@@ -263,12 +263,29 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
         return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite, grow=grow)
 
 
+def same_folder(a: str | Path, b: str | Path) -> bool:
+    """Whether two spellings name one folder: `~`, symlinks and `..` resolved, and, where both exist, the same file
+    on disk (a case-insensitive file system spells one folder several ways)."""
+    a, b = Path(a).expanduser(), Path(b).expanduser()
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+def inside(a: str | Path, b: str | Path) -> bool:
+    """Whether folder `a` lies within folder `b` (resolved)."""
+    return Path(a).expanduser().resolve().is_relative_to(Path(b).expanduser().resolve())
+
+
 def copy_base_set(base: Path, out: Path) -> None:
     """Copy the finished dataset `base` (rows, chunks, captured states, provenance) into `out`, a folder that does
     not exist yet, through a temporary sibling renamed at the end: an interrupted copy leaves no half set. A rerun
     whose `out` already holds the copy goes on growing it (the copy is not repeated)."""
     import shutil
 
+    if same_folder(out, base) or inside(out, base):
+        raise DataError(f"{out}: output_dir is the grow_from set {base} itself (or a folder in it); grow_from copies "
+                        "the set into a new output_dir and leaves it as it is: choose another output_dir")
     if out.exists():
         if (out / PROVENANCE).is_file() or (out / CHUNKS_DIR).is_dir():
             return  # copied by an earlier run: growing resumes in it

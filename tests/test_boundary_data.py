@@ -319,3 +319,48 @@ def test_special_token_text_in_eval_prompts_stays_text(tiny_tokenizer, template)
     assert _specials(tok, second) == _specials(tok, _second_turn(tok, CLEAN_TEXT))
     answer = len(tok("Hi there.", add_special_tokens=False).input_ids)
     assert conversation_bound(tok, ["Hello.", HOSTILE_TEXT], answer, None, "p.jsonl:1") >= len(second)
+
+
+# ---- finding 15: grow_from never grows the base set itself ------------------------------------------------
+
+@pytest.mark.parametrize("spelling", ["same", "symlink", "dotdot"])
+def test_grow_from_a_set_into_the_same_folder_is_refused(tmp_path, tiny_target, first_run, spelling):
+    """Finding 15: `--grow-from BASE` with output_dir BASE grew BASE (8 -> 11 rows), which the help says stays as
+    it is. The same folder by any spelling (itself, a symlink to it, `sub/..`) is refused in one line."""
+    import dataclasses
+    import shutil
+
+    from draftsmith.data import load_distilled
+    from draftsmith.data.generate import generate_dataset
+
+    base = tmp_path / "base"
+    shutil.copytree(first_run / "first", base)
+    out = {"same": base, "symlink": tmp_path / "link", "dotdot": base / "chunks" / ".."}[spelling]
+    if spelling == "symlink":
+        out.symlink_to(base)
+    cfg = dataclasses.replace(_gen_cfg(tmp_path, "first", PROMPTS + ["One more?", "And another?"]),
+                              output_dir=str(out))
+    with pytest.raises(DataError) as e:
+        generate_dataset(cfg, tiny_target, progress=False, grow_from=base)
+    assert "grow_from" in _one_line(e)
+    assert len(load_distilled(base)) == len(PROMPTS)
+
+
+# ---- finding 3: a merge keeps one of each row ---------------------------------------------------------------
+
+def test_merging_a_set_with_a_merge_that_holds_it_keeps_one_of_each_row(tmp_path, tiny_target, first_run, capsys):
+    """Finding 3: `data merge X Z --out M` then `data merge X M --out XM` wrote X's rows twice ("wrote 20 rows
+    (8 + 12)"). Rows are identified by their content (ids and mask): a merge keeps one of each and says how many
+    repeats it dropped."""
+    from draftsmith.cli import main
+    from draftsmith.data import load_distilled
+    from draftsmith.data.generate import generate_dataset
+
+    x = first_run / "first"
+    z = generate_dataset(_gen_cfg(tmp_path, "z", ["Other one?", "Second other?"]), tiny_target, progress=False)
+    assert main(["data", "merge", str(x), str(z), "--out", str(tmp_path / "m")]) == 0
+    assert main(["data", "merge", str(x), str(tmp_path / "m"), "--out", str(tmp_path / "xm")]) == 0
+    xm = load_distilled(tmp_path / "xm")
+    assert len(xm) == len(PROMPTS) + 2
+    assert len({tuple(r) for r in xm["input_ids"]}) == len(xm)
+    assert f"wrote {len(PROMPTS) + 2} rows" in capsys.readouterr().out.splitlines()[-1]
