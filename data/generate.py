@@ -64,6 +64,9 @@ DATASET_DIR = "dataset"
 PROVENANCE = "provenance.json"
 CHUNKS_DIR = "chunks"
 CAPTURE_DIR = "capture"
+# why a generated row was left out (provenance's malformed kinds)
+REASONING = "reasoning policy leaves nothing to learn"
+TOO_LONG = "a later turn past the target's context"
 # what generation writes into output_dir (magpie requests come first, from data/magpie.py)
 GENERATED = {DATASET_DIR, PROVENANCE, CHUNKS_DIR, CAPTURE_DIR, "run.json", "requests"}
 
@@ -409,10 +412,13 @@ def _finished_records(rows, done: dict[int, dict], stats) -> list[dict]:
     if missing:
         raise DataError(f"{len(missing)} rows were not generated (first: {missing[0].origin})")
     records = [done[r.row_id] for r in rows if "skipped" not in done[r.row_id]]
-    _count_skipped(stats, [f"{done[r.row_id]['origin']}: {done[r.row_id]['skipped']}" for r in rows
-                           if "skipped" in done[r.row_id]], "reasoning policy leaves nothing to learn")
+    skipped = [done[r.row_id] for r in rows if "skipped" in done[r.row_id]]
+    for kind in (REASONING, TOO_LONG):
+        _count_skipped(stats, [f"{s['origin']}: {s['skipped']}" for s in skipped
+                               if s.get("skipped_kind", REASONING) == kind], kind)
     if not records:
-        raise DataError("no rows left: every generated answer was skipped (see the reasoning policy)")
+        raise DataError("no rows left: every generated answer was skipped (see the reasoning policy and the "
+                        "target's context)")
     return records
 
 
@@ -446,7 +452,7 @@ def _answer_turns(engine: TextEngine, target, gen, todo: list[PromptRow], fmt: _
     the row's earlier turns and the answers the target gave them)."""
     turn = 0
     while True:
-        active = [r for r in todo if len(r.turns) > turn]
+        active = [r for r in todo if len(r.turns) > turn and r.row_id not in sink.closed]
         if not active:
             break
         reqs, masks = [], {}
@@ -459,8 +465,13 @@ def _answer_turns(engine: TextEngine, target, gen, todo: list[PromptRow], fmt: _
             masks[r.row_id] = pmask
             # top-k logits are wanted from the position that predicts the first learned token on
             learned = next((i for i, m in enumerate(pmask) if m), len(ids))
-            reqs.append(Request(r.row_id, ids, answer_room(target, len(ids), gen.max_new_tokens, r.origin),
-                                seed=_row_seed(gen.seed, r.row_id, turn), logits_from=max(learned - 1, 0)))
+            try:
+                room = answer_room(target, len(ids), gen.max_new_tokens, f"{r.origin} turn {turn + 1}")
+            except DataError as e:  # a later turn past the context: this row is left out, the set still finishes
+                sink.skip(r, str(e), TOO_LONG)
+                continue
+            reqs.append(Request(r.row_id, ids, room, seed=_row_seed(gen.seed, r.row_id, turn),
+                                logits_from=max(learned - 1, 0)))
         engine.run(reqs, lambda c, masks=masks: sink.finish(c, masks[c.key]), sink.count)
         turn += 1
     sink.chunks.flush()
@@ -482,9 +493,16 @@ class _Rows:
         self.tokens = 0
         self.t0 = time.perf_counter()
         self.limits = RowLimits.of(target)  # every engine's row is held to the target's vocabulary and context
+        self.closed: set[int] = set()  # rows skipped before their last turn
 
     def count(self, n: int) -> None:
         self.tokens += n
+
+    def skip(self, row: PromptRow, why: str, kind: str) -> None:
+        """Leave `row` out (recorded as skipped, with why, so a rerun does not try it again)."""
+        log.warning("%s; the row is skipped", why)
+        self.closed.add(row.row_id)
+        self._keep({"row_id": row.row_id, "origin": row.origin, "skipped": why, "skipped_kind": kind})
 
     def finish(self, c: Completion, prompt_mask: list[int]) -> None:
         row = self.by_id[c.key]

@@ -365,6 +365,16 @@ def load_hf_dataset(path: str, split: str = "train"):
         ) from None
 
 
+def content_key(obj: Any, seen: Counter) -> str:
+    """A row's key from what its line says, not where it stands: a line deleted or added between two runs changes no
+    other row's id (with line numbers, the rows after it took their neighbours' ids, and a rerun kept a deleted
+    row and lost another). The whole record counts, so a row keeps its id whichever fields a config reads of it
+    (regenerated or kept responses); the n-th repeat of the same record is told apart by n."""
+    content = sha256_text(json.dumps(obj, ensure_ascii=False, sort_keys=True, default=str))
+    seen[content] += 1
+    return f"content:{content}:{seen[content]}"
+
+
 def _select(items: list, source: SourceConfig) -> list:
     if source.limit is None or len(items) <= source.limit:
         return items
@@ -387,6 +397,7 @@ def _records_source(source: SourceConfig, report: MalformedReport, keep: bool = 
         label = source.id if source.type == "hub" else source.path
         where = lambda i: f"{label}[{i}]"  # noqa: E731
     rows = []
+    seen: Counter = Counter()
     for index, obj, error in records:
         origin = where(index)
         if error is not None:
@@ -410,7 +421,8 @@ def _records_source(source: SourceConfig, report: MalformedReport, keep: bool = 
         except _FieldError as e:
             report.add(origin, str(e))
             continue
-        key = str(obj.get(source.id_field)) if source.id_field and source.id_field in obj else str(index)
+        key = str(obj[source.id_field]) if source.id_field and source.id_field in obj else \
+            content_key(obj, seen)
         rows.append(PromptRow(make_row_id(source.name, key), source.name, domain, turns, origin, system,
                               responses if keep else None))
     return _select(rows, source)

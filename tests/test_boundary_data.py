@@ -364,3 +364,51 @@ def test_merging_a_set_with_a_merge_that_holds_it_keeps_one_of_each_row(tmp_path
     assert len(xm) == len(PROMPTS) + 2
     assert len({tuple(r) for r in xm["input_ids"]}) == len(xm)
     assert f"wrote {len(PROMPTS) + 2} rows" in capsys.readouterr().out.splitlines()[-1]
+
+
+# ---- finding 16: a row's id is its content, not its line -----------------------------------------------------
+
+def test_a_line_deleted_between_runs_neither_keeps_it_nor_loses_another(tmp_path, tiny_target):
+    """Finding 16: an interrupted run over prompts A..F, line A deleted, rerun: the set held A and lacked D (row
+    ids were line numbers). Ids come from the row's content, so the rerun reuses B, C and answers D..F."""
+    from draftsmith.data import load_distilled
+    from draftsmith.data.generate import generate_dataset
+
+    prompts = [f"Question {c}: what is {c}?" for c in "ABCDEF"]
+    cfg = _gen_cfg(tmp_path, "run", prompts, flush_every=1)
+
+    seen: list[dict] = []
+
+    def stop_after_three(rec):
+        seen.append(rec)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(cfg, tiny_target, progress=False, on_row=stop_after_three)
+    (tmp_path / "run.jsonl").write_text("".join(json.dumps({"q": q}) + "\n" for q in prompts[1:]))
+    out = generate_dataset(cfg, tiny_target, progress=False)
+    assert sorted(load_distilled(out)["prompt"]) == sorted(prompts[1:])
+
+
+# ---- finding 28: a row whose later turn no longer fits is skipped, the set finishes --------------------------
+
+def test_a_two_turn_row_whose_second_prompt_passes_the_context_is_skipped(tmp_path, tiny_target, caplog):
+    """Finding 28: a two-turn row whose second prompt no longer fit the context stopped the whole `data generate`,
+    and every rerun the same way. The row is skipped with a one-line warning and counted in provenance; the set
+    finishes, and a rerun does not try the row again."""
+    from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
+    from draftsmith.data.generate import generate_dataset, read_provenance
+
+    long_turn = " ".join(f"word{i}" for i in range(60))
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"turns": ["Say hi."]}) + "\n" + json.dumps({"turns": [long_turn, long_turn]}) + "\n")
+    n = len(tiny_target.tokenizer(long_turn, add_special_tokens=False).input_ids)
+    assert n < 500 < 2 * n  # the first turn fits, the second does not
+    cfg = DataConfig(sources=[SourceConfig(name="p", path=str(path), turns="turns", domain="chat")],
+                     output_dir=str(tmp_path / "out"),
+                     generation=GenerationConfig(max_new_tokens=6, batch_size=2, flush_every=1, max_prompt_tokens=500))
+    out = generate_dataset(cfg, tiny_target, progress=False)
+    counts = read_provenance(out)["counts"]
+    assert counts["rows"] == 1 and counts["malformed"]["kinds"]["a later turn past the target's context"] == 1
+    assert f"{path}:2 turn 2" in caplog.text
