@@ -8,6 +8,8 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+from draftsmith.config import MAX_BATCH, TOKENS, Range, ranged
+
 
 def register(subparsers) -> None:
     data = subparsers.add_parser("data", help="prompt sources and self-distilled datasets")
@@ -36,13 +38,13 @@ def register(subparsers) -> None:
 
     ins = sub.add_parser("inspect", help="counts per domain, token stats, one example with its loss mask")
     ins.add_argument("path", help="output_dir of `data generate`")
-    ins.add_argument("--row", type=int, default=0, help="which row to show, by index (default: %(default)s)")
-    ins.add_argument("--max-length", type=int, help="also show what a job with this max_length (tokens per row) "
+    ins.add_argument("--row", type=ranged(int, Range(ge=0, le=10**12)), default=0, help="which row to show, by index (default: %(default)s)")
+    ins.add_argument("--max-length", type=ranged(int, TOKENS), help="also show what a job with this max_length (tokens per row) "
                                                     "trains on: the learned tokens it keeps, the padding it adds "
                                                     "(default: not shown)")
-    ins.add_argument("--prompt-context", type=int, help="with --max-length: keeping at most this many prompt "
+    ins.add_argument("--prompt-context", type=ranged(int, Range(ge=2, le=TOKENS.le)), help="with --max-length: keeping at most this many prompt "
                                                         "tokens, as EAGLE's prompt_context does (default: all)")
-    ins.add_argument("--batch-size", type=int, default=8,
+    ins.add_argument("--batch-size", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=8,
                      help="with --max-length: in batches of this many rows (default: %(default)s)")
     ins.set_defaults(func=run_inspect)
 
