@@ -787,11 +787,48 @@ def load_distilled(path: str | Path, target=None):
             raise DataError(f"{path / PROVENANCE}: missing field 'target.fingerprint' (which target made the rows)")
         check_compatible(fp, target.fingerprint(), what=f"dataset {path}")
     try:
-        return datasets.load_from_disk(str(path / DATASET_DIR))
+        ds = datasets.load_from_disk(str(path / DATASET_DIR))
     except (OSError, ValueError) as e:  # pyarrow's errors for a torn or changed file are of these kinds
         first = str(e).splitlines()[0] if str(e) else ""
         raise DataError(f"{path / DATASET_DIR}: cannot be read, damaged or incomplete ({type(e).__name__}: "
                         f"{first})") from None
+    if target is not None:
+        check_columns(ds, path / DATASET_DIR, RowLimits.of(target))
+    return ds
+
+
+def check_columns(ds, where: Path, limits: RowLimits) -> None:
+    """A finished dataset's training columns against the target, whole columns at once (Arrow compute, not
+    row by row: a million rows take a second): `input_ids` token ids of its vocabulary and rows within its
+    context, `loss_mask` 0s and 1s as long as the ids; one line naming the folder and column otherwise. The
+    same rules as data/rows.py's check of one row, for the set a training job or `data capture` opens."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    missing = [c for c in ("input_ids", "loss_mask") if c not in ds.column_names]
+    if missing:
+        raise DataError(f"{where}: no column '{missing[0]}'")
+    table = ds.data.table
+    ids, mask = table.column("input_ids"), table.column("loss_mask")
+    if not (pa.types.is_list(ids.type) and pa.types.is_integer(ids.type.value_type)):
+        raise DataError(f"{where}: column 'input_ids' is {ids.type}, expected lists of token ids")
+    if not (pa.types.is_list(mask.type) and pa.types.is_integer(mask.type.value_type)):
+        raise DataError(f"{where}: column 'loss_mask' is {mask.type}, expected lists of 0s and 1s")
+    lengths = pc.list_value_length(ids)
+    if len(ids) and (pc.min(lengths).as_py() or 0) < 1:
+        raise DataError(f"{where}: column 'input_ids' has an empty row")
+    if len(ids) and not pc.all(pc.equal(lengths, pc.list_value_length(mask))).as_py():
+        raise DataError(f"{where}: column 'loss_mask' is not as long as 'input_ids' in every row")
+    for name, column, low, high in (("input_ids", ids, 0, limits.vocab_size), ("loss_mask", mask, 0, 2)):
+        values = pc.min_max(pc.list_flatten(column))
+        lo, hi = values["min"].as_py(), values["max"].as_py()
+        if lo is not None and (lo < low or (high is not None and hi >= high)):
+            bad = lo if lo < low else hi
+            raise DataError(f"{where}: column '{name}' holds {bad}, expected values in [{low}, {high})")
+    longest = pc.max(lengths).as_py()
+    if longest is not None and limits.context is not None and longest > limits.context:
+        raise DataError(f"{where}: column 'input_ids' has a row of {longest} tokens, more than the target's "
+                        f"context of {limits.context}")
 
 
 def load_data_config(path: str | Path | None, overrides: list[str] | None = None) -> DataConfig:

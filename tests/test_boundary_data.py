@@ -412,3 +412,42 @@ def test_a_two_turn_row_whose_second_prompt_passes_the_context_is_skipped(tmp_pa
     counts = read_provenance(out)["counts"]
     assert counts["rows"] == 1 and counts["malformed"]["kinds"]["a later turn past the target's context"] == 1
     assert f"{path}:2 turn 2" in caplog.text
+
+
+# -- a finished dataset a job opens (load_distilled): its columns checked against the target at once ----------
+
+def _dataset_folder(tmp_path, target, ids, mask) -> Path:
+    import datasets
+
+    from draftsmith.data.generate import DATASET_DIR, PROVENANCE
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    (folder / PROVENANCE).write_text(json.dumps({"target": {"fingerprint": target.fingerprint()}, "counts": {}}))
+    datasets.Dataset.from_dict({"row_id": list(range(len(ids))), "input_ids": ids, "loss_mask": mask}).save_to_disk(
+        str(folder / DATASET_DIR))
+    return folder
+
+
+@pytest.mark.parametrize("ids,mask,says", [
+    ([[1, 2, 99999]], [[0, 1, 1]], r"column 'input_ids' holds 99999, expected values in \[0, 320\)"),
+    ([[1, -5, 3]], [[0, 1, 1]], r"column 'input_ids' holds -5"),
+    ([[1, 2, 3]], [[0, 1]], r"column 'loss_mask' is not as long as 'input_ids'"),
+    ([[1, 2, 3]], [[0, 1, 7]], r"column 'loss_mask' holds 7, expected values in \[0, 2\)"),
+    ([[1] * 600], [[1] * 600], r"column 'input_ids' has a row of 600 tokens, more than the target's context of 512"),
+])
+def test_a_finished_dataset_the_target_cannot_hold_is_refused_when_a_job_opens_it(tiny_target, tmp_path, ids, mask,
+                                                                                    says):
+    from draftsmith.data.generate import load_distilled
+
+    folder = _dataset_folder(tmp_path, tiny_target, ids, mask)
+    with pytest.raises(DataError, match=rf"set/dataset: {says}"):
+        load_distilled(folder, tiny_target)
+    assert len(load_distilled(folder)) == 1  # without a target, nothing to check it against
+
+
+def test_a_finished_dataset_the_target_holds_opens(tiny_target, tmp_path):
+    from draftsmith.data.generate import load_distilled
+
+    folder = _dataset_folder(tmp_path, tiny_target, [[1, 2, 3], [4, 5]], [[0, 1, 1], [1, 1]])
+    assert load_distilled(folder, tiny_target)["input_ids"] == [[1, 2, 3], [4, 5]]
