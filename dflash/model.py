@@ -466,14 +466,7 @@ def read_config(path: str | Path, manifest: dict | None = None) -> DFlashConfig:
     """The one reader of a DFlash artifact's config.json: every field typed and in range, and, with the
     artifact's `manifest`, against the target it was made for (vocabulary size, tapped layers inside its depth),
     or a FieldError naming the file and the field."""
-    where = Path(path) / "config.json"
-    cfg = schema.read_doc(where)
-    target = (manifest or {}).get("target") or {}
-    vocab, depth = target.get("vocab_size"), (target.get("architecture") or {}).get("num_hidden_layers")
-    V = schema.get(cfg, "vocab_size", where, "int", lo=1, hi=schema.MAX_VOCAB)
-    if vocab is not None and V != vocab:
-        raise schema.FieldError(f"{where}: field 'vocab_size' is {V}, but the target's vocabulary has {vocab} tokens")
-    top = depth - 1 if isinstance(depth, int) and depth >= 1 else 1023
+    cfg, where, V, top = schema.head_config(path, manifest)
     fields = {"hidden_size": schema.get(cfg, "hidden_size", where, "int", lo=1, hi=schema.MAX_HIDDEN),
               "vocab_size": V, "target_layers": schema.get(cfg, "target_layers", where, "ints", lo=0, hi=top),
               "num_layers": schema.get(cfg, "num_layers", where, "int", lo=1, hi=16),

@@ -588,14 +588,7 @@ def read_config(path: str | Path, manifest: dict | None = None) -> EagleConfig:
     """The one reader of an EAGLE artifact's config.json: every field typed and in range, and, with the
     artifact's `manifest`, against the target it was made for (vocabulary size, feature layers inside its
     depth); the decoder layer's config must build. A FieldError names the file and the field."""
-    where = Path(path) / "config.json"
-    cfg = schema.read_doc(where)
-    target = (manifest or {}).get("target") or {}
-    vocab, depth = target.get("vocab_size"), (target.get("architecture") or {}).get("num_hidden_layers")
-    V = schema.get(cfg, "vocab_size", where, "int", lo=1, hi=schema.MAX_VOCAB)
-    if vocab is not None and V != vocab:
-        raise schema.FieldError(f"{where}: field 'vocab_size' is {V}, but the target's vocabulary has {vocab} tokens")
-    top = depth - 1 if isinstance(depth, int) and depth >= 1 else 1023
+    cfg, where, V, top = schema.head_config(path, manifest)
     versions = tuple(x for v in VARIANTS.values() for x in (v.number, v.name))
     fields = {"version": schema.get(cfg, "version", where, "str" if isinstance(cfg.get("version"), str) else "int",
                                     choices=versions),

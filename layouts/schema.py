@@ -127,6 +127,20 @@ def checksums(doc: dict, where: str | Path, field: str = "checksums") -> dict[st
     return sums
 
 
+def head_config(path: str | Path, manifest: dict | None) -> tuple[dict, Path, int, int]:
+    """A head's config.json read from an artifact folder, with what it shares with its target checked: the
+    document, its path, its `vocab_size` (the target's own, where the artifact's `manifest` records it) and the
+    deepest target layer it may tap (`num_hidden_layers - 1`, 1023 where the target's depth is not recorded)."""
+    where = Path(path) / "config.json"
+    cfg = read_doc(where)
+    target = (manifest or {}).get("target") or {}
+    vocab, depth = target.get("vocab_size"), (target.get("architecture") or {}).get("num_hidden_layers")
+    V = get(cfg, "vocab_size", where, "int", lo=1, hi=MAX_VOCAB)
+    if vocab is not None and V != vocab:
+        raise FieldError(f"{where}: field 'vocab_size' is {V}, but the target's vocabulary has {vocab} tokens")
+    return cfg, where, V, depth - 1 if isinstance(depth, int) and depth >= 1 else 1023
+
+
 def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int,
                        draft_vocab: int | None = None) -> list[str]:
     """The problems of a draft vocabulary's maps (EAGLE-3 §3.2; heads/vocab.py), one line each naming the tensor.

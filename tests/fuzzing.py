@@ -6,7 +6,8 @@ A test builds a valid document, draws `mutated_json(doc)` / `mutated_yaml(doc)` 
 number out of range or not finite, a key gone, a deep nesting, the bytes cut short or not UTF-8), writes
 it with `place` (a file, a dangling symlink or a folder in its place) and runs the reader under
 `refuses_cleanly`. `make test` runs `FUZZ` (a fixed, derandomised set of examples: a red CI is a real
-finding, never a roll of the dice); `FUZZ_LONG` is the longer random run, for tests marked slow.
+finding, never a roll of the dice); `FUZZ_LONG` is the longer random run, for tests marked slow (`RUNS`
+parametrises a test with both).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
@@ -28,6 +31,8 @@ _COMMON = dict(deadline=None, database=None,
                                       HealthCheck.data_too_large])
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, **_COMMON)
 FUZZ_LONG = settings(max_examples=int(os.environ.get("DRAFTSMITH_FUZZ_LONG_EXAMPLES", "1000")), **_COMMON)
+# a fuzz test run both ways: `@pytest.mark.parametrize("runs", RUNS)`, then `runs(given(...)(check))()`
+RUNS = [pytest.param(FUZZ, id="fixed"), pytest.param(FUZZ_LONG, id="long", marks=pytest.mark.slow)]
 
 DEEP = 100_000  # nesting depth of the deep-nesting mutation (past Python's recursion limit)
 

@@ -14,7 +14,7 @@ from hypothesis import given
 
 from draftsmith.errors import TargetError
 from draftsmith.targets import load_target
-from tests.fuzzing import FUZZ, FUZZ_LONG, PLACES, mutated_json, place, refuses_cleanly
+from tests.fuzzing import PLACES, RUNS, mutated_json, place, refuses_cleanly
 
 
 @pytest.fixture(scope="module")
@@ -71,24 +71,8 @@ def _fuzz_once(model_folder: Path, tmp: Path, data: bytes, how: str) -> None:
     refuses_cleanly(lambda: load_target(str(folder)), str(folder))
 
 
-def test_fuzz_a_mutated_model_config_loads_or_is_refused_in_one_line(model_folder, tmp_path):
+@pytest.mark.parametrize("runs", RUNS)
+def test_fuzz_a_mutated_model_config_loads_or_is_refused_in_one_line(model_folder, tmp_path, runs):
     valid = json.loads((model_folder / "config.json").read_text())
-
-    @FUZZ
-    @given(data=mutated_json(valid), how=PLACES)
-    def run(data, how):
-        _fuzz_once(model_folder, tmp_path, data, how)
-
-    run()
-
-
-@pytest.mark.slow
-def test_fuzz_long_a_mutated_model_config_loads_or_is_refused_in_one_line(model_folder, tmp_path):
-    valid = json.loads((model_folder / "config.json").read_text())
-
-    @FUZZ_LONG
-    @given(data=mutated_json(valid), how=PLACES)
-    def run(data, how):
-        _fuzz_once(model_folder, tmp_path, data, how)
-
-    run()
+    runs(given(data=mutated_json(valid), how=PLACES)(
+        lambda data, how: _fuzz_once(model_folder, tmp_path, data, how)))()

@@ -17,7 +17,7 @@ from hypothesis import given
 
 from draftsmith import config
 from draftsmith.config import ConfigError, Range, load_config
-from tests.fuzzing import FUZZ, FUZZ_LONG, mutated_yaml, place, refuses_cleanly
+from tests.fuzzing import RUNS, mutated_yaml, place, refuses_cleanly
 from tests.test_cli_help import parsers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,25 +242,10 @@ def _load_mutated(tmp_path: Path, data: bytes):
     refuses_cleanly(lambda: load_config(path), "preset.yaml")
 
 
+@pytest.mark.parametrize("runs", RUNS)
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_fuzz_a_mutated_preset_loads_or_is_refused_in_one_line(name, tmp_path):
-    @FUZZ
-    @given(data=mutated_yaml(PRESETS[name]))
-    def run(data):
-        _load_mutated(tmp_path, data)
-
-    run()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(PRESETS))
-def test_fuzz_long_a_mutated_preset_loads_or_is_refused_in_one_line(name, tmp_path):
-    @FUZZ_LONG
-    @given(data=mutated_yaml(PRESETS[name]))
-    def run(data):
-        _load_mutated(tmp_path, data)
-
-    run()
+def test_fuzz_a_mutated_preset_loads_or_is_refused_in_one_line(name, tmp_path, runs):
+    runs(given(data=mutated_yaml(PRESETS[name]))(lambda data: _load_mutated(tmp_path, data)))()
 
 
 @pytest.mark.parametrize("how", ["dangling_symlink", "directory"])

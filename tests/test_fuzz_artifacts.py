@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from fuzzing import FUZZ, FUZZ_LONG, PLACES, mutated_json, place, refuses_cleanly
 from hypothesis import given
 from hypothesis import strategies as st
 from test_boundary_artifacts import dflash_artifact, eagle3_artifact, medusa_artifact
 from tiny_models import make_target
 
 from draftsmith import artifact
+from tests.fuzzing import FUZZ, FUZZ_LONG, PLACES, mutated_json, place, refuses_cleanly
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@ row packs, and what a generation server answers. Each reads its input or refuses
 from __future__ import annotations
 
 import pytest
-from fuzzing import FUZZ, FUZZ_LONG, PLACES, mutated_doc, mutated_jsonl, place, refuses_cleanly
 from hypothesis import given
+
+from tests.fuzzing import FUZZ, FUZZ_LONG, PLACES, mutated_doc, mutated_jsonl, place, refuses_cleanly
 
 PROMPT_ROWS = [
     {"question_id": 1, "category": "math", "turns": ["What is 2 + 3?", "And then?"]},

@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from fuzzing import (
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.fuzzing import (
     FUZZ,
     FUZZ_LONG,
     PLACES,
@@ -23,8 +26,6 @@ from fuzzing import (
     place,
     refuses_cleanly,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 NOW = int(time.time()) - 600
 

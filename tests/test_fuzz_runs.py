@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 from _train_job import NextTokenJob
-from fuzzing import FUZZ, FUZZ_LONG, PLACES, mutated_json, mutated_jsonl, place, refuses_cleanly
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -25,6 +24,7 @@ from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
 from draftsmith.training.loggers import RunLogger
 from draftsmith.training.run_files import WRITTEN, read_log, read_state, read_written
+from tests.fuzzing import FUZZ, FUZZ_LONG, PLACES, RUNS, mutated_json, mutated_jsonl, place, refuses_cleanly
 
 
 @pytest.fixture(scope="module")
@@ -67,23 +67,10 @@ def _valid_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / name).read_text())
 
 
-def test_state_json_mutations_are_read_or_refused_in_one_line(checkpoint):
-    @FUZZ
-    @given(data=mutated_json(_valid_state(checkpoint)), how=PLACES)
-    def check(data, how):
-        _state_property(checkpoint, data, how)
-
-    check()
-
-
-@pytest.mark.slow
-def test_state_json_mutations_long(checkpoint):
-    @FUZZ_LONG
-    @given(data=mutated_json(_valid_state(checkpoint)), how=PLACES)
-    def check(data, how):
-        _state_property(checkpoint, data, how)
-
-    check()
+@pytest.mark.parametrize("runs", RUNS)
+def test_state_json_mutations_are_read_or_refused_in_one_line(checkpoint, runs):
+    runs(given(data=mutated_json(_valid_state(checkpoint)), how=PLACES)(
+        lambda data, how: _state_property(checkpoint, data, how)))()
 
 
 # --- the training log ---------------------------------------------------------------------------------------
