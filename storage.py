@@ -132,6 +132,8 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
     except IsADirectoryError:
         raise FileFormatError(f"{path}: a folder, not a JSON file") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FileFormatError(f"{path}: a symlink loop, not a JSON file") from None
         raise FileFormatError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     try:
         text = raw.decode("utf-8")

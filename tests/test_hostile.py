@@ -181,7 +181,8 @@ def test_merging_a_dataset_with_itself_is_refused(tiny_target, tmp_path, capsys)
     assert "given twice" in err and len(err.strip().splitlines()) == 1, err
     from draftsmith.data.generate import load_distilled
 
-    assert len(load_distilled(merge_datasets([x, y], tmp_path / "m"))) == 4
+    # y holds x's rows, content for content: a merge keeps one of each (#58 finding 3)
+    assert len(load_distilled(merge_datasets([x, y], tmp_path / "m"))) == 2
 
 
 # --- 4. one row dated in the future (or Infinity) cannot hide the other traffic -----------------------------
@@ -330,7 +331,7 @@ def test_a_server_that_ignores_max_tokens_is_refused(tiny_target, tmp_path):
                       "usage": {"completion_tokens": 50}})
 
     with fake_server(counted) as srv:
-        with pytest.raises(DataError, match="wrote 50 tokens for max_tokens 6"):
+        with pytest.raises(DataError, match=r"wrote 50 tokens \(usage\.completion_tokens\) for max_tokens 6"):
             generate_dataset(data_cfg(tmp_path, [f"{srv}/v1"], "text"), tiny_target, progress=False)
 
 
@@ -365,7 +366,7 @@ TREES = {
     "duplicates": ([[0]] * 200_000, "tree nodes, more than"),
     "listed twice": ([[0], [1], [0]], "is listed twice"),
     "not ints": ([[0], ["1"]], "is not a non-empty list of int ranks"),
-    "symlink loop": (None, "not a readable file"),
+    "symlink loop": (None, "a symlink loop, not a JSON file"),
 }
 
 
@@ -709,7 +710,7 @@ def test_a_prompts_folder_or_an_empty_prompt_is_named(tiny_target, tmp_path):
         evaluate(tiny_target, "ngram", prompts=[str(tmp_path / "prompts")], **kw)
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"turns": ["hello"]}) + "\n" + json.dumps({"turns": ["   "]}) + "\n")
-    with pytest.raises(ConfigError, match=r"prompt p\.jsonl:2: empty"):
+    with pytest.raises(DataError, match=r"p\.jsonl:2: empty prompt \(turns\[0\] is empty"):
         evaluate(tiny_target, "ngram", prompts=[str(p)], **kw)
 
 

@@ -127,9 +127,12 @@ def scenario(tiny_tokenizer, tmp_path_factory):
         "traffic": {"dir": str(traffic), "max_per_domain": 24, "eval_share": 0.25, "max_eval_per_domain": 4},
         "measure": {"baseline_prompts": [str(a_file)], "baseline_limit_per_domain": 4, "max_new_tokens": 16,
                     "k": 2},
-        "thresholds": {"alpha_floor": 0.2, "max_drop": 0.1, "min_domain_prompts": 1},
+        # v1 drafts domain B at α ≈ 0.03, the head retrained 60 steps on B's traffic at ≈ 0.2 (4 prompts of 16
+        # tokens): a floor of 0.1 is crossed with a margin of several accepted tokens on each side (30 steps and a
+        # floor of 0.2 hung on which rows the held-out split took: α 0.14 once row ids came from the rows' content)
+        "thresholds": {"alpha_floor": 0.1, "max_drop": 0.1, "min_domain_prompts": 1},
         "gate": {"min_gain": 0.02, "baseline_margin": 0.5},
-        "budget": {"max_steps": 30, "replay_fraction": 0.25,
+        "budget": {"max_steps": 60, "replay_fraction": 0.25,
                    "job_overrides": ["train.save_every=5", "train.lr=1e-2"]},
         "policy_alpha_floor": 0.3,
     }))
