@@ -81,7 +81,7 @@ def _shards(out_dir: Path) -> list[tuple[int, Path]]:
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one of ours
 _SHAPE = {"layers": "a list of layer indices", "topk": "an integer >= 0", "hidden_dtype": "a dtype name",
           "hidden_size": "an integer >= 1 or null", "last_hidden": "true or false", "logsumexp": "true or false",
-          "rows": "a list of [row_id, offset, length]"}
+          "rows": "a non-empty list of [row_id, offset, length] (a shard is written with at least one row)"}
 
 
 def _int(v: Any, lo: int = 0) -> bool:
@@ -127,7 +127,7 @@ def _shard_meta(path: Path) -> dict:
               "topk": _int, "hidden_dtype": lambda v: v in _DTYPE_NAMES.values(),
               "hidden_size": lambda v: v is None or _int(v, 1), "last_hidden": lambda v: isinstance(v, bool),
               "logsumexp": lambda v: isinstance(v, bool),
-              "rows": lambda v: isinstance(v, list) and all(isinstance(r, list) and len(r) == 3 and _int(r[0])
+              "rows": lambda v: isinstance(v, list) and v and all(isinstance(r, list) and len(r) == 3 and _int(r[0])
                                                             and _int(r[1]) and _int(r[2], 1) for r in v)}
     for key, check in checks.items():
         if key not in meta and key != "logsumexp":  # shards of older caches have no logsumexp

@@ -186,3 +186,14 @@ def test_a_shard_without_its_hidden_size_is_named(tmp_path):
     (folder / "shard-00000.safetensors").write_bytes(_shard_bytes(folder, json.dumps(meta)))
     with pytest.raises(DataError, match="shard-00000.safetensors: missing field 'hidden_size'"):
         _read_cache(folder)
+
+
+def test_a_shard_of_no_rows_is_not_taken_for_one_of_ours(tmp_path):
+    """Found by the long fuzz run: a shard whose metadata lists no rows (the writer never writes one) was neither
+    read nor set aside; now it is named, and a writer sets it aside to capture again."""
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "shard-00000.safetensors").write_bytes(_shard_bytes(folder, json.dumps({**_META, "rows": []})))
+    with pytest.raises(DataError, match="shard-00000.safetensors: field 'rows' must be a non-empty list"):
+        _read_cache(folder)
+    assert [p.name for p in ShardWriter(folder, [0], 3, torch.float32).skipped] == ["shard-00000.safetensors"]
