@@ -104,10 +104,10 @@ def load_manifest(path: str | Path, kind: str | None = None) -> dict:
         raise ArtifactError(f"{where}: not a draftsmith manifest (no 'kind' field)")
     schema.get(manifest, "kind", where, "str")
     if kind is not None and manifest.get("kind") != kind:
-        raise ArtifactError(f"{path}: artifact kind is '{manifest.get('kind')}', expected '{kind}'")
+        raise ArtifactError(f"{where}: artifact kind is '{manifest.get('kind')}', expected '{kind}'")
     version = schema.get(manifest, "format_version", where, "int", lo=0, default=0)
     if version > FORMAT_VERSION:
-        raise ArtifactError(f"{path}: format version {version} is newer than this draftsmith")
+        raise ArtifactError(f"{where}: format_version {version} is newer than this draftsmith's {FORMAT_VERSION}")
     schema.get(manifest, "target", where, "dict")
     schema.get(manifest, "target.vocab_size", where, "int", lo=1, null=True, default=None)
     for name in ("config", "data", "metrics", "eval"):
