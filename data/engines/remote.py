@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith import net
+from draftsmith.config import show
 from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
 from draftsmith.data.masks import encode_text
 from draftsmith.errors import DataError, FingerprintMismatch
@@ -101,7 +102,7 @@ def _listed_models(url: str, answer) -> list[str]:
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
         raise _Retry(f"{url}: not an OpenAI /models answer ({{\"data\": [{{\"id\": ...}}]}} expected, got "
-                     f"{str(answer)[:80]})")
+                     f"{show(answer)})")
     return [m["id"] for m in data]
 
 
@@ -243,9 +244,9 @@ class RemoteEngine(TextEngine):
             choice = answer["choices"][0]
             text, finish = choice["text"], choice.get("finish_reason")
         except (KeyError, IndexError, TypeError, AttributeError):
-            raise _Retry(f"{s.url}: an answer with no choices[0].text ({str(answer)[:120]})") from None
+            raise _Retry(f"{s.url}: an answer with no choices[0].text ({show(answer)})") from None
         if not isinstance(text, str):
-            raise _Retry(f"{s.url}: row {req.key}: choices[0].text is {str(text)[:40]}, not a string")
+            raise _Retry(f"{s.url}: row {req.key}: choices[0].text is {show(text)}, not a string")
         if answer.get("model") not in (None, s.model):
             raise _Mismatch(f"answered as model {answer.get('model')!r}, not {s.model!r}")
         usage = _usage(answer, f"{s.url}: row {req.key}")
@@ -393,8 +394,10 @@ class RemoteEngine(TextEngine):
 
     def _clean(self, text) -> str:
         """`text` as it may be logged, raised or written to provenance: without the API key or anything
-        spelled like a credential (a server may echo the request it failed, `Authorization` header and all)."""
-        return net.redact(str(text), [self.api_key] if self.api_key else [])
+        spelled like a credential (a server may echo the request it failed, `Authorization` header and all), and
+        on one line."""
+        text = net.redact(str(text), [self.api_key] if self.api_key else [])
+        return text.replace("\r", "\\r").replace("\n", "\\n")  # a server's text never breaks the one line
 
     def describe(self) -> dict:
         return {"model": self.model, "servers": [
