@@ -102,6 +102,13 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot serialise {type(obj).__name__} to JSON")
 
 
+def is_int(value: Any, lo: int | None = None, hi: int | None = None) -> bool:
+    """An integer as a JSON file spells one (never a bool, which Python counts as an int), in [lo, hi] where
+    given: what the readers of draftsmith's files check a count, an id or a size with."""
+    return (isinstance(value, int) and not isinstance(value, bool) and (lo is None or value >= lo)
+            and (hi is None or value <= hi))
+
+
 MAX_JSON_DEPTH = 64  # a manifest, report or policy nests under 10 deep; json.loads recurses once a level
 MAX_JSON_BYTES = 256 << 20  # a JSON file draftsmith reads is kB to a few MB (a tokenizer.json: tens of MB)
 

@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 
 from draftsmith.capture.forward import capture_forward, topk_with_logsumexp
 from draftsmith.errors import DataError
-from draftsmith.storage import _fsync_dir, atomic_write_json, read_json
+from draftsmith.storage import _fsync_dir, atomic_write_json, is_int, read_json
 from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,6 @@ _SHAPE = {"layers": "a list of layer indices", "topk": "an integer >= 0", "hidde
           "rows": "a non-empty list of [row_id, offset, length] (a shard is written with at least one row)"}
 
 
-def _int(v: Any, lo: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
 def _header(path: Path) -> dict:
     """A safetensors file's header, read without the library (whose errors name no file), and checked to
     describe the bytes that follow it: a shard cut short by a full disk or a bad copy fails here."""
@@ -107,7 +103,7 @@ def _header(path: Path) -> dict:
         raise DataError(f"{path}: not safetensors (its header is not an object)")
     ends = [t.get("data_offsets", [0, 0])[-1] if isinstance(t, dict) and isinstance(t.get("data_offsets"), list)
             and t["data_offsets"] else None for k, t in header.items() if k != "__metadata__"]
-    if any(not _int(e) for e in ends) or 8 + n + max(ends, default=0) != size:
+    if any(not is_int(e, 0) for e in ends) or 8 + n + max(ends, default=0) != size:
         raise DataError(f"{path}: torn ({size} bytes, its header describes {8 + n + max(ends, default=0)}): "
                         "not a whole safetensors file")
     return header
@@ -123,19 +119,19 @@ def _shard_meta(path: Path) -> dict:
         raise DataError(f"{path}: not a capture shard (no draftsmith metadata)") from None
     if not isinstance(meta, dict):
         raise DataError(f"{path}: not a capture shard (its metadata is not an object)")
-    checks = {"layers": lambda v: isinstance(v, list) and all(_int(i, -(2**31)) for i in v),
-              "topk": _int, "hidden_dtype": lambda v: v in _DTYPE_NAMES.values(),
-              "hidden_size": lambda v: v is None or _int(v, 1), "last_hidden": lambda v: isinstance(v, bool),
+    checks = {"layers": lambda v: isinstance(v, list) and all(is_int(i, -(2**31)) for i in v),
+              "topk": lambda v: is_int(v, 0), "hidden_dtype": lambda v: v in _DTYPE_NAMES.values(),
+              "hidden_size": lambda v: v is None or is_int(v, 1), "last_hidden": lambda v: isinstance(v, bool),
               "logsumexp": lambda v: isinstance(v, bool),
-              "rows": lambda v: isinstance(v, list) and v and all(isinstance(r, list) and len(r) == 3 and _int(r[0])
-                                                            and _int(r[1]) and _int(r[2], 1) for r in v)}
+              "rows": lambda v: isinstance(v, list) and v and all(isinstance(r, list) and len(r) == 3 and is_int(r[0], 0)
+                                                            and is_int(r[1], 0) and is_int(r[2], 1) for r in v)}
     for key, check in checks.items():
         if key not in meta and key != "logsumexp":  # shards of older caches have no logsumexp
             raise DataError(f"{path}: missing field '{key}'")
         if key in meta and not check(meta[key]):
             raise DataError(f"{path}: field '{key}' must be {_SHAPE[key]}, got {json.dumps(meta[key])[:40]}")
     lengths = {t["shape"][0] for k, t in header.items() if k != "__metadata__" and isinstance(t.get("shape"), list)
-               and t["shape"] and _int(t["shape"][0])}
+               and t["shape"] and is_int(t["shape"][0], 0)}
     if any(o + n > min(lengths, default=0) for _, o, n in meta["rows"]):
         raise DataError(f"{path}: field 'rows' points past its tensors' {min(lengths, default=0)} positions")
     return meta

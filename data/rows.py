@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith.errors import DataError
+from draftsmith.storage import is_int
 
 TEXT_FIELDS = ("source", "domain", "prompt", "response", "origin")
 MAX_ROW_ID = 1 << 63  # row ids are 60-bit hashes; the dataset stores them as int64
@@ -41,15 +42,11 @@ def _kind(value: Any) -> str:
     return json_kind(value)
 
 
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_row(rec: Any, where: str, limits: RowLimits) -> dict:
     """`rec` as read from `where` (a file and line), checked (module docstring); a DataError in one line otherwise."""
     if not isinstance(rec, dict):
         raise DataError(f"{where}: a row is not a JSON object (got {_kind(rec)})")
-    if not _whole(rec.get("row_id")) or not 0 <= rec["row_id"] < MAX_ROW_ID:
+    if not is_int(rec.get("row_id")) or not 0 <= rec["row_id"] < MAX_ROW_ID:
         raise DataError(f"{where}: field 'row_id' is {_kind(rec.get('row_id'))}, expected a whole number in [0, 2^63)")
     if "skipped" in rec:
         for name in ("origin", "skipped"):
@@ -61,7 +58,7 @@ def check_row(rec: Any, where: str, limits: RowLimits) -> dict:
             raise DataError(f"{where}: field '{name}' is {_kind(rec.get(name))}, expected text")
     if not isinstance(rec.get("stopped"), bool):
         raise DataError(f"{where}: field 'stopped' is {_kind(rec.get('stopped'))}, expected true or false")
-    if not _whole(rec.get("n_turns")) or rec["n_turns"] < 1:
+    if not is_int(rec.get("n_turns")) or rec["n_turns"] < 1:
         raise DataError(f"{where}: field 'n_turns' is {_kind(rec.get('n_turns'))}, expected a whole number >= 1")
     ids, mask = rec.get("input_ids"), rec.get("loss_mask")
     check_ids(ids, where, limits)
@@ -69,7 +66,7 @@ def check_row(rec: Any, where: str, limits: RowLimits) -> dict:
         raise DataError(f"{where}: field 'loss_mask' is not {len(ids)} 0s and 1s (one per input id)")
     replay = rec.get("replay")
     if replay is not None and (not isinstance(replay, list) or len(replay) != len(ids)
-                               or any(not _whole(r) or not -128 <= r < 128 for r in replay)):
+                               or any(not is_int(r) or not -128 <= r < 128 for r in replay)):
         raise DataError(f"{where}: field 'replay' is not {len(ids)} small whole numbers (one per input id)")
     check_learned(sum(mask), rec["n_turns"], where, limits)
     return rec
@@ -81,7 +78,7 @@ def check_ids(ids: Any, where: str, limits: RowLimits) -> None:
         raise DataError(f"{where}: field 'input_ids' is {_kind(ids)}, expected a non-empty list of token ids")
     top = limits.vocab_size
     for i, t in enumerate(ids):
-        if not _whole(t) or t < 0 or (top is not None and t >= top):
+        if not is_int(t) or t < 0 or (top is not None and t >= top):
             raise DataError(f"{where}: field 'input_ids'[{i}] is {_kind(t)}, not a token id of the target "
                             f"(whole numbers in [0, {top if top is not None else 'vocab_size'}))")
     if limits.context is not None and len(ids) > limits.context:
@@ -105,7 +102,7 @@ def pack_limits(header: dict, where: str, limits: RowLimits | None) -> RowLimits
     vocab = fp.get("vocab_size") if isinstance(fp, dict) else None
     most = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
     for name, value in (("run.fingerprint.vocab_size", vocab), ("run.sampling.max_new_tokens", most)):
-        if not _whole(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise DataError(f"{where}: field '{name}' is {_kind(value)}, expected a whole number >= 1")
     limits = limits or RowLimits()
     return RowLimits(limits.vocab_size or vocab, limits.context, limits.max_new_tokens or most)

@@ -44,7 +44,7 @@ from draftsmith.config import show
 from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec, side_by_side_entry
 from draftsmith.errors import ConfigError, DataError, MissingFile
 from draftsmith.formatting import fmt_num
-from draftsmith.storage import read_json
+from draftsmith.storage import is_int, read_json
 
 OFF = "off"
 
@@ -471,10 +471,6 @@ def load_policy(path: str | Path) -> dict:
 MAX_ROUTE_K = 64  # a chain longer than this never pays; a larger k is a typo
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def route_problem(route, where: str) -> str | None:
     """Why `route` (a policy's domain entry or default) is not "off" or {proposer, k, tree, tree_max_nodes}."""
     if route == OFF:
@@ -486,12 +482,12 @@ def route_problem(route, where: str) -> str | None:
     if route["proposer"].startswith("route:"):
         return f"{where}.proposer {route['proposer']!r}: routes do not nest"
     k, tree, nodes = route.get("k"), route.get("tree"), route.get("tree_max_nodes")
-    if k is not None and not (_int(k) and 1 <= k <= MAX_ROUTE_K):
+    if k is not None and not (is_int(k) and 1 <= k <= MAX_ROUTE_K):
         return f"{where}.k is {repr(k)[:20]}: an int in 1..{MAX_ROUTE_K} (or null)"
-    if tree is not None and not (isinstance(tree, list) and tree and all(_int(b) and 1 <= b <= MAX_ROUTE_K
+    if tree is not None and not (isinstance(tree, list) and tree and all(is_int(b) and 1 <= b <= MAX_ROUTE_K
                                                                          for b in tree) and len(tree) <= MAX_ROUTE_K):
         return f"{where}.tree is {str(tree)[:40]}: a non-empty list of branching factors in 1..{MAX_ROUTE_K} (or null)"
-    if nodes is not None and not (_int(nodes) and nodes >= 1):
+    if nodes is not None and not (is_int(nodes) and nodes >= 1):
         return f"{where}.tree_max_nodes is {repr(nodes)[:20]}: an int >= 1 (or null)"
     return None
 

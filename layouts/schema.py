@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.config import show
 from draftsmith.errors import ArtifactError, ConfigError, DraftsmithError
-from draftsmith.storage import MAX_JSON_BYTES, read_json
+from draftsmith.storage import MAX_JSON_BYTES, is_int, read_json
 
 MAX_VOCAB = 1 << 24  # a vocabulary size beyond any tokenizer (Gemma 3: 262,144): a typo or a hostile file
 MAX_HIDDEN = 1 << 16  # a hidden size beyond any model's
@@ -50,12 +50,8 @@ def _kind(value: Any) -> str:
 _MISSING = object()
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: Any) -> bool:
-    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
+    return is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
 
 def _range(lo: float | None, hi: float | None) -> str:
@@ -90,10 +86,10 @@ def get(doc: dict, name: str, where: str | Path, kind: str, *, lo: float | None 
         raise FieldError(f"{where}: missing field '{name}'")
     if value is None and null:
         return None
-    ok = {"int": _is_int, "number": _is_number, "bool": lambda v: isinstance(v, bool),
+    ok = {"int": is_int, "number": _is_number, "bool": lambda v: isinstance(v, bool),
           "str": lambda v: isinstance(v, str), "dict": lambda v: isinstance(v, dict),
           "list": lambda v: isinstance(v, list),
-          "ints": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+          "ints": lambda v: isinstance(v, list) and all(is_int(x) for x in v),
           "numbers": lambda v: isinstance(v, list) and all(_is_number(x) for x in v)}[kind]
     items = kind in ("ints", "numbers")
     inside = ok(value) and all((lo is None or x >= lo) and (hi is None or x <= hi)

@@ -39,7 +39,7 @@ from draftsmith import methods
 from draftsmith.config import show
 from draftsmith.errors import ConfigError
 from draftsmith.memory.serving import GIB, GPUS, activation_bytes, load_target_config, param_counts
-from draftsmith.storage import read_json
+from draftsmith.storage import is_int, read_json
 from draftsmith.targets.families import attention_dims, family, text_config
 
 OVERHEAD = 3 * GIB
@@ -65,16 +65,12 @@ MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")  # accelerate's mixed_precision 
 MAX_RANKS = 1 << 16
 
 
-def _int_in(value, lo: int, hi: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
-
-
 def read_accelerate(path: str | Path | None, ranks: int | None = None) -> Sharding:
     """The sharding an accelerate config file describes (None: one GPU, no sharding). The file is read by the
     bounded YAML loader (config.read_yaml: an alias bomb, a file that is not UTF-8 or not a mapping is one
     line), and every field the plan reads is checked (`_accelerate_fields`): one ConfigError naming the file
     and the field."""
-    if ranks is not None and not _int_in(ranks, 1, MAX_RANKS):
+    if ranks is not None and not is_int(ranks, 1, MAX_RANKS):
         raise ConfigError(f"--gpus {ranks}: expected an int in 1..{MAX_RANKS}")
     if path is None:
         return Sharding("replicate", ranks or 1)
@@ -94,7 +90,7 @@ def read_accelerate(path: str | Path | None, ranks: int | None = None) -> Shardi
         if stage is None and ds.get("deepspeed_config_file"):
             stage, bf16 = _deepspeed_file(path, ds["deepspeed_config_file"])
             mp = "bf16" if bf16 else mp
-        elif stage is not None and not _int_in(stage, 0, 3):
+        elif stage is not None and not is_int(stage, 0, 3):
             raise ConfigError(f"{path}: deepspeed_config.zero_stage is {show(stage)}: expected 0, 1, 2 or 3")
         stage = stage or 0
         return Sharding("zero3" if stage == 3 else "zero2" if stage == 2 else "replicate", n, mp)
@@ -106,7 +102,7 @@ def _accelerate_fields(cfg: dict, path: Path) -> tuple[int, str, str]:
     from accelerate.utils import DistributedType
 
     n = cfg.get("num_processes")
-    if n is not None and not _int_in(n, 1, MAX_RANKS):
+    if n is not None and not is_int(n, 1, MAX_RANKS):
         raise ConfigError(f"{path}: num_processes is {show(n)}: expected an int >= 1 (at most {MAX_RANKS})")
     mp = cfg.get("mixed_precision")
     mp = "no" if mp is False else mp  # YAML 1.1 reads a bare `no` as false
@@ -141,7 +137,7 @@ def _deepspeed_file(path: Path, name) -> tuple[int, bool]:
     if not isinstance(zero, dict):
         raise ConfigError(f"{ds_file}: zero_optimization is {show(zero)}: expected a mapping {{stage: ...}}")
     stage = zero.get("stage", 0)
-    if not _int_in(stage, 0, 3):
+    if not is_int(stage, 0, 3):
         raise ConfigError(f"{ds_file}: zero_optimization.stage is {show(stage)}: expected 0, 1, 2 or 3")
     if not isinstance(bf16, dict):
         raise ConfigError(f"{ds_file}: bf16 is {show(bf16)}: expected a mapping {{enabled: ...}}")

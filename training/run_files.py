@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import FileFormatError
-from draftsmith.storage import atomic_write_json, read_json, sha256_file
+from draftsmith.storage import atomic_write_json, is_int, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +33,12 @@ _SHA = re.compile(r"^[0-9a-f]{64}$")
 _U32 = 2**32
 
 
-def _int(v: Any, lo: int = 0, hi: int | None = None) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
 def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def _ints(v: Any, n: int, hi: int) -> bool:
-    return isinstance(v, list) and len(v) == n and all(_int(x, 0, hi) for x in v)
+    return isinstance(v, list) and len(v) == n and all(is_int(x, 0, hi) for x in v)
 
 
 def _rng_ok(r: Any) -> bool:
@@ -51,11 +47,11 @@ def _rng_ok(r: Any) -> bool:
     if not isinstance(r, dict) or not isinstance(r.get("python"), list) or not isinstance(r.get("numpy"), list):
         return False
     py, np_ = r["python"], r["numpy"]
-    if len(py) != 3 or not _int(py[0], 2, 3) or not _ints(py[1], 625, _U32 - 1) or py[1][-1] > 624:
+    if len(py) != 3 or not is_int(py[0], 2, 3) or not _ints(py[1], 625, _U32 - 1) or py[1][-1] > 624:
         return False
     if py[2] is not None and not (isinstance(py[2], float) and math.isfinite(py[2])):
         return False
-    return (len(np_) == 5 and np_[0] == "MT19937" and _ints(np_[1], 624, _U32 - 1) and _int(np_[2], 0, 624)
+    return (len(np_) == 5 and np_[0] == "MT19937" and _ints(np_[1], 624, _U32 - 1) and is_int(np_[2], 0, 624)
             and np_[3] in (0, 1) and _number(np_[4]) and math.isfinite(np_[4]))
 
 
@@ -70,25 +66,25 @@ def _optional_dict(v: Any) -> bool:
 
 # field -> (required, check, what a valid value is)
 _STATE = {
-    "step": (True, lambda v: _int(v), "an integer >= 0"),
-    "micro": (True, lambda v: _int(v), "an integer >= 0"),
-    "world_size": (True, lambda v: _int(v, 1), "an integer >= 1"),
-    "batch_size": (True, lambda v: _int(v, 1), "an integer >= 1"),
-    "nonfinite_total": (True, lambda v: _int(v), "an integer >= 0"),
-    "nonfinite_in_row": (True, lambda v: _int(v), "an integer >= 0"),
-    "tokens_total": (True, lambda v: _int(v), "an integer >= 0"),
+    "step": (True, lambda v: is_int(v, 0), "an integer >= 0"),
+    "micro": (True, lambda v: is_int(v, 0), "an integer >= 0"),
+    "world_size": (True, lambda v: is_int(v, 1), "an integer >= 1"),
+    "batch_size": (True, lambda v: is_int(v, 1), "an integer >= 1"),
+    "nonfinite_total": (True, lambda v: is_int(v, 0), "an integer >= 0"),
+    "nonfinite_in_row": (True, lambda v: is_int(v, 0), "an integer >= 0"),
+    "tokens_total": (True, lambda v: is_int(v, 0), "an integer >= 0"),
     "last_eval": (True, _scalars, "an object of metric -> number"),
     "last_train": (True, _scalars, "an object of metric -> number"),
     "rng": (True, lambda v: isinstance(v, list) and 0 < len(v) <= 65536 and all(_rng_ok(r) for r in v),
             "a list of per-rank python/numpy generator states"),
-    "micro_per_epoch": (False, lambda v: _int(v, 1), "an integer >= 1"),
-    "sampler_seed": (False, lambda v: _int(v, -(2**63), 2**64), "an integer"),
-    "empty_total": (False, lambda v: _int(v), "an integer >= 0"),
-    "updates_total": (False, lambda v: _int(v), "an integer >= 0"),
-    "length_group": (False, lambda v: _int(v, 1), "an integer >= 1"),
+    "micro_per_epoch": (False, lambda v: is_int(v, 1), "an integer >= 1"),
+    "sampler_seed": (False, lambda v: is_int(v, -(2**63), 2**64), "an integer"),
+    "empty_total": (False, lambda v: is_int(v, 0), "an integer >= 0"),
+    "updates_total": (False, lambda v: is_int(v, 0), "an integer >= 0"),
+    "length_group": (False, lambda v: is_int(v, 1), "an integer >= 1"),
     "train_seconds": (False, lambda v: v is None or (_number(v) and math.isfinite(v) and v >= 0),
                       "a number of seconds >= 0 or null"),
-    "data": (False, lambda v: v is None or (isinstance(v, dict) and set(v) == {"path", "rows"} and _int(v["rows"])
+    "data": (False, lambda v: v is None or (isinstance(v, dict) and set(v) == {"path", "rows"} and is_int(v["rows"], 0)
                                             and (v["path"] is None or isinstance(v["path"], str))),
              "null or {path, rows}"),
     "config": (False, _optional_dict, "an object"),
@@ -168,7 +164,7 @@ def log_records(text: str, where: str | os.PathLike, torn_tail: bool = True) -> 
             raise FileFormatError(f"{where}: line {n} is not a JSON object")
         if not isinstance(rec.get("type"), str):
             raise FileFormatError(f"{where}: line {n}: field 'type' must be a string, got {_shown(rec.get('type'))}")
-        if not _int(rec.get("step")):
+        if not is_int(rec.get("step"), 0):
             raise FileFormatError(f"{where}: line {n}: field 'step' must be an integer >= 0, got "
                                   f"{_shown(rec.get('step'))}")
         out.append(rec)
