@@ -72,14 +72,34 @@ def vllm_python() -> Path:
     return path
 
 
+def engine_path() -> Path:
+    """A folder that holds one thing, a link named `draftsmith` to this package: on the vLLM environment's
+    PYTHONPATH it makes the modules vLLM loads by import path (draftsmith.fleet: the traffic middleware, the
+    capture connector) importable there without installing draftsmith into it. Kept in the user's cache
+    folder, one per package location, so a checkout and an installed wheel each get their own."""
+    import hashlib
+
+    package = Path(__file__).resolve().parents[1]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    base = cache / "draftsmith" / "engine-path" / hashlib.sha256(str(package).encode()).hexdigest()[:12]
+    link = base / "draftsmith"
+    if not (link.is_symlink() and link.resolve() == package):
+        base.mkdir(parents=True, exist_ok=True)
+        tmp = base / f".draftsmith.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(package, target_is_directory=True)
+        os.replace(tmp, link)  # concurrent callers each swap in the same link
+    return base
+
+
 def vllm_env() -> dict[str, str]:
     """The environment a vLLM process runs in: its CPU KV cache (GB), threads, and Intel OpenMP preloaded where
     the vLLM environment has it (vLLM's CPU backend asks for it in LD_PRELOAD and warns that speculative decoding
-    loses much of its speed without it); the main environment's PYTHONPATH never leaks into vLLM's."""
+    loses much of its speed without it); its PYTHONPATH is engine_path() alone."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(engine_path())  # draftsmith.fleet only; the main environment's path never leaks in
     iomp = vllm_python().parent.parent / "lib" / "libiomp5.so"
     if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)

@@ -16,6 +16,8 @@
    method folder's references point into the folder itself; a reference to a later layer is declared in
    BY_NAME by the layer it reaches ("method folders" for any of METHODS), with its reason, and a declaration
    that no longer occurs is reported.
+5. `fleet/` runs inside the serving engine's process (vLLM loads it by import path, in vLLM's environment,
+   where draftsmith's dependencies are not installed): it imports no draftsmith module outside itself.
 
     python scripts/check_imports.py          # exit 1 with one line per violation, else one line of totals
 
@@ -35,6 +37,9 @@ PACKAGE = "draftsmith"
 SKIP = {"tests", "scripts", "bench", "configs", "docs", "build", "dist"}
 BOTTOM = "targets"  # rule 2
 BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage"}
+# rule 5: fleet/ runs inside the serving engine's process and environment (vLLM loads it by import path),
+# where draftsmith's dependencies are not installed: it imports no draftsmith module but its own
+ENGINE_SIDE = "fleet"
 
 # The layers, first to last: each name is a top-level module or folder of the package ("__init__" is the
 # package's own), whole: a module sits in its folder's layer, never in one of its own (a dotted name is
@@ -53,6 +58,7 @@ METHODS = _builtin_methods()
 
 LAYERS: list[tuple[str, ...]] = [
     ("__init__", "errors", "locks", "storage", "net", "formatting", "methods", "config"),  # the shared base
+    ("fleet",),  # runs inside the serving engine (rule 5): the traffic middleware, the capture connector
     ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
     # what the frozen target computes, kept: layer convention, forward capture, the cache on disk, offline
     # capture of a dataset, online capture in a training step (the verifier, the data engine and training read it)
@@ -298,6 +304,12 @@ def problems(g: dict[str, set[str]], allowed: dict[frozenset[str], str] = ALLOWE
                 continue
             found.append(f"{mod} imports {dep}: {BOTTOM}/ is the bottom layer and imports no other draftsmith "
                          "subpackage")
+    side = f"{PACKAGE}.{ENGINE_SIDE}"
+    for mod, deps in sorted(g.items()):
+        if mod == side or mod.startswith(side + "."):
+            found += [f"{mod} imports {dep}: {ENGINE_SIDE}/ runs in the serving engine's environment and imports "
+                      "no draftsmith module outside it" for dep in sorted(deps)
+                      if dep not in (PACKAGE, side) and not dep.startswith(side + ".")]
     return found
 
 
