@@ -84,7 +84,7 @@ _SHAPE = {"layers": "a list of layer indices", "topk": "an integer >= 0", "hidde
           "rows": "a non-empty list of [row_id, offset, length] (a shard is written with at least one row)"}
 
 
-def _header(path: Path) -> dict:
+def safetensors_header(path: Path) -> dict:
     """A safetensors file's header, read without the library (whose errors name no file), and checked to
     describe the bytes that follow it: a shard cut short by a full disk or a bad copy fails here."""
     try:
@@ -112,7 +112,7 @@ def _header(path: Path) -> dict:
 def _shard_meta(path: Path) -> dict:
     """A shard's own description (its safetensors metadata), validated: one line naming the shard and the
     field when it is torn, unreadable or not a shard of ours."""
-    header = _header(path)
+    header = safetensors_header(path)
     try:
         meta = json.loads((header.get("__metadata__") or {})["draftsmith"])
     except (KeyError, TypeError, ValueError, RecursionError):

@@ -71,7 +71,7 @@ TOO_LONG = "a later turn past the target's context"
 GENERATED = {DATASET_DIR, PROVENANCE, CHUNKS_DIR, CAPTURE_DIR, "run.json", "requests"}
 
 
-def _claim_output(out: Path) -> None:
+def claim_output(out: Path) -> None:
     """Refuse (one line, nothing touched) an output_dir that is a user's folder: generation writes `dataset/`,
     `provenance.json`, `chunks/` ... into it and replaces a `dataset/` there. Ours is: absent or empty, a
     draftsmith dataset, an interrupted generation (its run.json), or only what generation writes before
@@ -310,7 +310,7 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
         torch.set_num_threads(gen.threads)
     out = Path(config.output_dir).expanduser()
     finished = _finished_here(out, config, overwrite, grow)
-    _claim_output(out)  # before any work: a user's folder is not written into
+    claim_output(out)  # before any work: a user's folder is not written into
     target = target or load_target(config.target)
     t_start = time.time()
     if config.responses == "keep":
@@ -655,8 +655,9 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True, desc="generate")
 
 
-def _save(out: Path, records: list[dict], config: DataConfig, target, precision: dict, stats: dict,
-          timing: dict) -> None:
+def write_rows(out: Path, records: list[dict]) -> None:
+    """The finished rows as `out/dataset` (replaced whole: a reader sees the old set or the new one), in the
+    columns every job reads (load_distilled)."""
     import datasets
 
     columns = {c: [r[c] for r in records] for c in COLUMNS}
@@ -674,6 +675,11 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
     ds = datasets.Dataset.from_dict(columns, features=features)
     with atomic_dir(out / DATASET_DIR, overwrite=True) as tmp:
         ds.save_to_disk(str(tmp))
+
+
+def _save(out: Path, records: list[dict], config: DataConfig, target, precision: dict, stats: dict,
+          timing: dict) -> None:
+    write_rows(out, records)
     lengths = [len(r["input_ids"]) for r in records]
     learned = [sum(r["loss_mask"]) for r in records]
     provenance = {
@@ -737,7 +743,7 @@ def unpack_rows(pack: str | Path, out_dir: str | Path, limits: RowLimits | None 
 
     header, rows = read_pack(pack, limits)  # every row checked, against the target's limits where given
     out = Path(out_dir).expanduser()
-    _claim_output(out)
+    claim_output(out)
     key = header["run"]
     run_file = out / "run.json"
     if run_file.is_file():

@@ -15,26 +15,19 @@ streams where the cache lives on one and a plain copy where it lives in host mem
         "kv_connector_extra_config": {"capture_dir": "/data/captures", "max_gb": 500}}'
 
 vLLM's layer ids count the residual stream entering a layer (id i = the output of decoder layer i-1, id L =
-the last layer's output before the final norm); `draftsmith capture-layers` prints the ids a head needs.
+the last layer's output before the final norm); `draftsmith data serve-capture` prints the flags for a job.
 
-One file per request, `<capture_dir>/<engine request id>.safetensors`, written to a temporary name, synced
-and renamed (a file is whole or absent):
-    hidden_states  [N-1, n_layers, hidden]  the model's dtype; position t is the forward over token t
-    token_ids      [N] int64                 prompt + answer (the last token was sampled, never an input)
-    metadata["draftsmith"]: JSON {format, version, request_id, layers (vLLM ids), prompt_tokens, n_tokens,
-                                  hidden_size, dtype, sha256 (of both tensors' bytes), finished}
+One file per request, `<capture_dir>/<engine request id>.safetensors`, in the format of capture_file.py.
 Bounded: past `max_gb` in the folder (counted from what is there at start), new requests are not captured
 (one warning); a write that fails is logged and costs only its own file. Only tensor-parallel rank 0 writes.
 The engine request id is the API response's id plus a suffix vLLM adds (`cmpl-<id>-0-<8 hex>`,
-`chatcmpl-<id>-<8 hex>`), which is how draftsmith joins a capture to its logged request (capture/served.py).
+`chatcmpl-<id>-<8 hex>`), which is how draftsmith joins a capture to its logged request (data/served.py).
 
 This module runs inside vLLM's environment: standard library, torch, safetensors and vllm only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -43,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from vllm.config import get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -52,18 +44,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from draftsmith.fleet.capture_file import SUFFIX, write_capture
+
 log = logging.getLogger("draftsmith.fleet.vllm_capture")
-
-FORMAT, VERSION = "draftsmith.vllm_capture", 1
-SUFFIX = ".safetensors"
-
-
-def digest(hidden: torch.Tensor, token_ids: torch.Tensor) -> str:
-    """sha256 of the two tensors' bytes, in this order: what the reader recomputes to tell a damaged file."""
-    h = hashlib.sha256()
-    for t in (hidden, token_ids):
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 @dataclass
@@ -231,26 +214,13 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         return host, done
 
     def _write(self, save: PendingSave, host: torch.Tensor, event) -> None:
-        """Thread: wait for the copy, write the file under a temporary name, sync, rename."""
+        """Thread: wait for the copy, then write the file (capture_file.py: whole or absent)."""
         if event is not None:
             event.synchronize()
-        token_ids = torch.tensor(save.token_ids, dtype=torch.int64)
-        hidden = host.contiguous()
-        meta = {"format": FORMAT, "version": VERSION, "request_id": save.req_id, "layers": self.layers,
-                "prompt_tokens": save.prompt_tokens, "n_tokens": len(save.token_ids),
-                "hidden_size": self.hidden_size, "dtype": str(hidden.dtype).removeprefix("torch."),
-                "sha256": digest(hidden, token_ids)}
-        final = os.path.join(self.folder, save.req_id + SUFFIX)
-        tmp = os.path.join(self.folder, f".{save.req_id}.tmp-{os.getpid()}")
         try:
-            save_file({"hidden_states": hidden, "token_ids": token_ids}, tmp, metadata={"draftsmith": json.dumps(meta)})
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            write_capture(self.folder, save.req_id, host, save.token_ids, save.prompt_tokens, self.layers)
         except OSError as e:  # a full disk costs this request's capture, never the request
             log.error("draftsmith capture of %s not written: %s", save.req_id, e)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     def _room(self, nbytes: int) -> bool:
         with self._lock:
