@@ -31,6 +31,10 @@ job.
     train_memory  (job config, target config, activation bytes, learned) -> `memory.training.JobMemory`,
               for `draftsmith plan --config`; `learned`: the loss positions of the planned row (None: every
               one of its max_length tokens), for a method whose steps run on those positions alone
+    features  (job config, target) -> {layers, topk, last_hidden, logsumexp}: what the job reads of the frozen
+              target per token (capture/online.CaptureSource's arguments), i.e. what an offline capture cache
+              must hold for it; the fleet's served states are imported as one (data/served.py). None: the job
+              reads no capture, and cannot train from served states
     commands  (subparsers) -> None: adds the method's own subcommands to `draftsmith` (a job only this method
               has, e.g. Medusa-2's `medusa2-drift`); the CLI calls it after its own commands
 """
@@ -89,6 +93,7 @@ class Method:
     memory: Any = None  # None: `draftsmith plan` counts model.safetensors' parameters and no cache
     tensors: Any = None  # None: `draftsmith check` compares no tensor shapes
     train_memory: Any = None  # None: `draftsmith plan --config` cannot size its training job
+    features: Any = None  # None: no capture cache feeds its job (it cannot train from the fleet's states)
     default_config: str | None = None  # the shipped preset, by name, `draftsmith train NAME` uses without --config
     data_key: str = "data"  # the config key naming the self-distilled dataset (retrain and bench set it)
     output_key: str | None = "output"  # the config key naming the artifact folder; None: the job writes

@@ -170,13 +170,16 @@ def _fits(req: ServedRequest, target, needed: list[int]) -> str | None:
     return None
 
 
-def scan_captures(folder: str | Path, target, needed: list[int]) -> Scan:
-    """Every capture file of `folder` (vLLM ids `needed` present, fitting the target), sorted by name."""
+def scan_captures(folder: str | Path, target, needed: list[int], only: set[str] | None = None) -> Scan:
+    """Every capture file of `folder` (vLLM ids `needed` present, fitting the target), sorted by name; with
+    `only`, those of these response ids alone (told by the file's name, before it is read)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: no capture folder (the connector's capture_dir)")
     scan = Scan()
     for path in sorted(p for p in folder.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".")):
+        if only is not None and not any(i in only for i in response_ids(path.name[:-len(SUFFIX)])):
+            continue
         try:
             req = read_capture(path)
         except DataError as e:
@@ -240,11 +243,12 @@ def _record(req: ServedRequest, target, domain: str, eos: set[int]) -> dict:
 def import_served(folder: str | Path, target, out: str | Path, layers: list[int], *, topk: int = 0,
                   last_hidden: bool = False, logsumexp: bool = False, domains: dict[str, str] | None = None,
                   default_domain: str = "served", hidden_dtype: torch.dtype = torch.bfloat16,
-                  progress: bool = True) -> dict:
+                  only: set[str] | None = None, progress: bool = True) -> dict:
     """Captures of `folder` -> a dataset at `out` (load_distilled reads it) and its capture cache at
     `out/capture` holding `layers` (draftsmith ids) and, if asked, the post-norm state and top-k logits.
     `domains`: API response id -> domain (the traffic log's rows); a request it does not name gets
-    `default_domain`. Resumes into the same `out`. Returns the provenance written."""
+    `default_domain`. `only`: the response ids to take (None: every capture). Resumes into the same `out`.
+    Returns the provenance written."""
     from tqdm.auto import tqdm
 
     from draftsmith.data.generate import CAPTURE_DIR, PROVENANCE, claim_output, write_rows
@@ -254,7 +258,7 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
     out = Path(out)
     claim_output(out)
     needed = vllm_layer_ids(layers, target.num_layers)
-    scan = scan_captures(folder, target, needed)
+    scan = scan_captures(folder, target, needed, only)
     if not scan.requests:
         raise DataError(f"{folder}: no capture the target can use ({scan.skipped} skipped"
                         f"{'; first: ' + scan.bad[0] if scan.bad else ''})")

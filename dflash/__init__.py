@@ -16,6 +16,7 @@ METHOD = Method(
     memory="draftsmith.dflash.memory:shape",
     tensors="draftsmith.dflash.model:artifact_tensors",
     train_memory="draftsmith.dflash.memory:job_memory",
+    features="draftsmith.dflash.job:features",
     default_config="smollm2-135m/dflash",
     own_tree=True,  # its block's chain (what vLLM and SGLang serve), and the GPU-sized tree beside it
 )

@@ -91,6 +91,16 @@ def default_layers(num_layers: int, draft_layers: int) -> list[int]:
     return reference_layers(num_layers, 3 if draft_layers == 1 else draft_layers)
 
 
+def features(cfg: DFlashJobConfig, target) -> dict:
+    """What the job reads of the target per token (methods.Method.features): the tapped layers (resolved
+    draftsmith ids), and the post-norm last hidden for the KD loss."""
+    from draftsmith.capture.layers import resolve_layers
+
+    L = target.num_layers
+    return {"layers": resolve_layers(list(cfg.target_layers or default_layers(L, cfg.num_layers)), L), "topk": 0,
+            "last_hidden": cfg.loss == "kd", "logsumexp": False}
+
+
 def pick_mask_token(target, counts: torch.Tensor) -> int:
     """A row of the target's embedding that marks the slots to predict (DFlashJobConfig.mask_token_id): a row
     no token of the tokenizer maps to where the embedding is padded (Qwen3's), else the highest special token
@@ -118,7 +128,7 @@ class DFlashJob(Job):
         return self.cfg.data
 
     def __init__(self, cfg: DFlashJobConfig, target, dataset=None):
-        from draftsmith.capture.layers import resolve_layers, uncapturable_layers
+        from draftsmith.capture.layers import uncapturable_layers
         from draftsmith.capture.online import CaptureSource
 
         self.cfg, self.target = cfg, target
@@ -129,7 +139,8 @@ class DFlashJob(Job):
         self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
         self.pad_id = pad_token_id(target)
         L = target.num_layers
-        self.layers = resolve_layers(list(cfg.target_layers or default_layers(L, cfg.num_layers)), L)
+        needs = features(cfg, target)
+        self.layers = needs["layers"]
         if self.layers != sorted(set(self.layers)):
             raise ConfigError(f"target_layers: {cfg.target_layers} name a layer twice or out of order on this "
                               f"{L}-layer target (resolved {self.layers})")
@@ -152,8 +163,7 @@ class DFlashJob(Job):
             d2t, t2d, _ = draft_vocabulary(self.counts, cfg.draft_vocab_size)
             self.vocab = (d2t, t2d, draft_index(t2d))
         self.weights = position_weights(cfg.block_size, cfg.slot_gamma)
-        self.features = CaptureSource(target, layers=self.layers, last_hidden=cfg.loss == "kd",
-                                      cache_dir=cfg.capture_cache)
+        self.features = CaptureSource(target, cache_dir=cfg.capture_cache, **needs)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
 
     def announce(self) -> None:

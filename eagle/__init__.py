@@ -15,6 +15,7 @@ METHOD = Method(
     memory="draftsmith.eagle.memory:shape",
     tensors="draftsmith.eagle.model:artifact_tensors",
     train_memory="draftsmith.eagle.memory:job_memory",
+    features="draftsmith.eagle.job:features",
     default_config="smollm2-135m/eagle3",
     own_tree=True,
 )

@@ -118,6 +118,16 @@ class EagleJobConfig:
             raise ValueError(f"target_layers: {v.name} reads {v.feature_layers} layer(s), got {self.target_layers}")
 
 
+def features(cfg: EagleJobConfig, target) -> dict:
+    """What the job reads of the target per token (methods.Method.features): the feature layers (resolved
+    draftsmith ids, in the head's order), plus for a logits teacher the post-norm last hidden and the top-1."""
+    from draftsmith.capture.layers import resolve_layers
+
+    v, L = variant(cfg.version), target.num_layers
+    return {"layers": resolve_layers(list(cfg.target_layers or v.default_layers(L)), L), "logsumexp": False,
+            **v.capture()}
+
+
 class EagleJob(Job):
     kind = "eagle"
 
@@ -125,7 +135,7 @@ class EagleJob(Job):
         return self.cfg.data
 
     def __init__(self, cfg: EagleJobConfig, target, dataset=None):
-        from draftsmith.capture.layers import resolve_layers, uncapturable_layers
+        from draftsmith.capture.layers import uncapturable_layers
         from draftsmith.capture.online import CaptureSource
 
         check_architecture(target.config, cfg.draft_layer)
@@ -147,7 +157,8 @@ class EagleJob(Job):
         self.pad_id = pad_token_id(target)
         L = target.num_layers
         self.variant = v = variant(cfg.version)
-        self.layers = resolve_layers(list(cfg.target_layers or v.default_layers(L)), L)
+        needs = features(cfg, target)
+        self.layers = needs["layers"]
         if v.fuse_layers:  # the stacks capture fused layers as auxiliary outputs; EAGLE-1's last layer is their own
             lost = uncapturable_layers(self.layers, L)
             if cfg.exportable and lost:
@@ -165,8 +176,7 @@ class EagleJob(Job):
             self.d2t = self.t2d = None
         # the feature layers, plus for a logits teacher the post-norm last hidden and the top-1 (EAGLE-3);
         # a features teacher (EAGLE-1) reads the last layer's pre-norm output as both input and teacher
-        self.features = CaptureSource(target, layers=sorted(set(self.layers)), cache_dir=cfg.capture_cache,
-                                      **v.capture())
+        self.features = CaptureSource(target, cache_dir=cfg.capture_cache, **{**needs, "layers": sorted(set(self.layers))})
         self._teacher_w: torch.Tensor | None = None
 
     # --- the job protocol -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ METHOD = Method(
     reimport="draftsmith.medusa.export:reimport",
     tensors="draftsmith.medusa.model:artifact_tensors",
     train_memory="draftsmith.medusa.memory:job_memory",
+    features="draftsmith.medusa.job:features",
     default_config="smollm2-135m/medusa",
     own_tree=True,
     commands="draftsmith.medusa.commands:register",

@@ -52,6 +52,22 @@ log = logging.getLogger(__name__)
 @register_config("medusa")
 @validated
 @dataclass
+def _reads(cfg: MedusaJobConfig, teacher_from_cache: bool) -> dict:
+    """CaptureSource's arguments: the post-norm last hidden the heads read (not when Medusa-2's adapted target
+    gives it in the step), and top-k logits for the KD loss or Medusa-2's cached teacher."""
+    return {"layers": [], "topk": cfg.kd_topk if (cfg.kd_weight > 0 or teacher_from_cache) else 0,
+            "last_hidden": not teacher_from_cache, "logsumexp": False}
+
+
+def features(cfg: MedusaJobConfig, target) -> dict:
+    """What a Medusa-1 job reads of the frozen target per token (methods.Method.features). Medusa-2 trains the
+    target itself: its features change every step, so no capture, the fleet's included, stands for them."""
+    if cfg.medusa2.enabled:
+        raise ConfigError("medusa2.enabled: Medusa-2 adapts the target as it trains, so no captured states (the "
+                          "fleet's included) stand for its features: train it with the target")
+    return _reads(cfg, False)
+
+
 class MedusaJobConfig:
     target: str = "smollm2-135m"
     data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
@@ -118,9 +134,7 @@ class MedusaJob(Job):
         # Medusa-2 from a capture cache: the adapted target runs in the step (its features change every step),
         # the frozen original is not run at all: its cached top-k logits are the KL teacher
         teacher_from_cache = self.medusa2 and cfg.capture_cache is not None
-        self.features = CaptureSource(target, last_hidden=not teacher_from_cache,
-                                      topk=cfg.kd_topk if (cfg.kd_weight > 0 or teacher_from_cache) else 0,
-                                      cache_dir=cfg.capture_cache)
+        self.features = CaptureSource(target, cache_dir=cfg.capture_cache, **_reads(cfg, teacher_from_cache))
         self.draft_vocab, self.counts = None, None
         if cfg.draft_vocab_size is not None:
             self.counts = token_counts(self.train_set, target.vocab_size)
