@@ -1,5 +1,6 @@
 """Operator commands: `draftsmith plan` (memory), `draftsmith route build|compare` (per-domain routing),
-`draftsmith alpha` (production acceptance from a serving engine's metrics or request logs)."""
+`draftsmith alpha` (production acceptance from a serving engine's metrics or request logs, such as the fleet's
+traffic folder that fleet/middleware.py writes inside vLLM)."""
 
 from __future__ import annotations
 
@@ -80,9 +81,22 @@ def _register_route(subparsers) -> None:
 
 
 def _register_alpha(subparsers) -> None:
-    a = subparsers.add_parser("alpha", help="per-domain acceptance from a vLLM server's /metrics or request logs")
+    a = subparsers.add_parser(
+        "alpha", help="per-domain acceptance from a vLLM server's /metrics or request logs",
+        description="Per-domain acceptance (alpha, tau, per-position) from one of: a running vLLM server's /metrics "
+                    "URL or a Prometheus dump of it (spec-decode counters, one row per served model); or a folder "
+                    "/ .jsonl(.gz) of request logs whose rows carry per-request counters: vLLM's "
+                    "speculative_decoding (the traffic that draftsmith.fleet.middleware.TrafficLog logs with "
+                    "--per-request-spec-decode-metrics; a raw response's metrics.speculative_decoding too), a "
+                    "gateway's draft_tokens + accepted_tokens, or SGLang's spec_verify_ct + completion_tokens. "
+                    "Log rows are grouped by their domain field, else by --policy's classifier, else 'unknown'.")
     a.add_argument("source", help="a running server's /metrics URL (http://127.0.0.1:8000/metrics), a Prometheus "
-                                  "text dump of it, or a folder / .jsonl of request logs")
+                                  "text dump of it, or a folder / .jsonl of request logs (e.g. the fleet's "
+                                  "traffic folder, DRAFTSMITH_TRAFFIC_DIR)")
+    a.add_argument("--policy", default=None, metavar="FILE",
+                   help="request logs only: a routing policy (draftsmith route build) whose router classifies a "
+                        "row without a domain by its prompt (a chat's last user message) (default: none, such "
+                        "rows are 'unknown')")
     a.add_argument("--since", default=None, help="an earlier dump: report the window between the two (default: "
                                                  "none: the totals so far)")
     a.add_argument("--save", default=None, metavar="FILE",
@@ -192,7 +206,7 @@ def run_alpha(args) -> int:
         if not (math.isfinite(value) and 0 < value <= 1e6):
             raise ConfigError(f"{flag} {value}: expected a number in (0, 1e6]")
     table = production_alpha(args.source, args.since, mapping, save=args.save, timeout=args.timeout,
-                             max_bytes=int(args.max_mib * (1 << 20)))
+                             max_bytes=int(args.max_mib * (1 << 20)), policy=args.policy)
     print(render(table))
     if args.out:
         atomic_write_json(args.out, table)

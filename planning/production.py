@@ -18,10 +18,27 @@ Two sources, one output shape (the `domains` / `overall` rows of an evaluation r
    come with the drafted tokens they are divided by; a URL is read through net.py (a byte cap and a deadline). vLLM has no notion of a domain: `model_domains` maps a served model name (one per
    deployment, or a LoRA/adapter name per traffic class) to a domain; unmapped models keep their name.
 2. Request logs (a folder of *.jsonl / *.jsonl.gz read by planning/logs.py, the traffic format of
-   retrain/traffic.py) whose rows carry the
-   engine's per-request counters: `draft_tokens` + `accepted_tokens` (+ optional `drafts`), or SGLang's
-   `meta_info` style `spec_verify_ct` + `completion_tokens` (τ = completion_tokens / spec_verify_ct).
-   Rows are grouped by their `domain` field (else "unknown").
+   retrain/traffic.py) whose rows carry the engine's per-request counters, one of:
+   a. vLLM's own (`--per-request-spec-decode-metrics summary|detailed`): `speculative_decoding`, as the fleet's
+      traffic middleware logs it (fleet/middleware.py), or `metrics.speculative_decoding` of a raw response:
+      RequestSpecDecodeMetrics.to_dict() (vllm/v1/metrics/stats.py), a histogram h over the draft tokens j
+      accepted per verify step. The scheduler feeds it and the Prometheus counters of source 1 from the same
+      step (make_spec_decoding_stats, vllm/v1/core/sched/scheduler.py), so summed over requests
+          drafts = num_spec_steps = Σ h[j],   drafted = num_draft_tokens,   accepted = Σ j·h[j],
+          accepted at position i = Σ_{j>i} h[j]   (SpecDecodingStats.observe_draft counts positions 0..j-1)
+      are exactly the counters' deltas over the same requests. Checked as they enter: h a list of ints >= 0
+      of length num_spec_tokens + 1, Σh == num_spec_steps, Σj·h == num_accepted_draft_tokens, accepted <=
+      drafted <= k·steps, the two rates what the counts give, and with `detailed` per_step_accepted /
+      per_step_drafted of length num_spec_steps, summing to the totals, each step's accepted <= its drafted
+      <= k, and the accepted ones making up h;
+   b. a gateway's `draft_tokens` + `accepted_tokens` (+ optional `drafts`);
+   c. SGLang's `meta_info` style `spec_verify_ct` + `completion_tokens` (τ = completion_tokens / spec_verify_ct).
+   A row whose counters break a rule is one bad row (`file:line: field ...`), skipped and counted in
+   `malformed`; a row with none (a stream logged without `include_usage`, an error) is counted in
+   `uncounted`. Rows are grouped by their `domain` field, else by a routing policy's classifier applied to the
+   row's prompt (decoding/routing.py: the policy's router, the keywords of the prompt text or of a chat's last
+   user message), else "unknown". Per-position acceptance is given for a group only when every one of its
+   drafts was counted by position (source a); α and τ for every group.
 """
 
 from __future__ import annotations
@@ -33,8 +50,9 @@ from pathlib import Path
 
 from draftsmith import net
 from draftsmith.config import show
-from draftsmith.errors import DataError
+from draftsmith.errors import ConfigError, DataError
 from draftsmith.planning.logs import log_files, records
+from draftsmith.storage import is_int
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -170,6 +188,8 @@ def _table(groups: dict[str, dict], source: str) -> dict:
             tot[k] += g[k]
         for i, v in g["per_pos"].items():
             tot["per_pos"][i] += v
+    if any(g["drafts"] > 0 and not g["per_pos"] for g in groups.values()):
+        tot["per_pos"] = {}  # a group's drafts were not counted by position: over all drafts, no position's rate
     # SGLang's logs count no drafted tokens (τ only): their accepted tokens stay out of the overall α
     by_alpha = sum(g["accepted"] for g in groups.values() if g["draft_tokens"] > 0)
     by_tau = sum(g["accepted"] for g in groups.values() if g["drafts"] > 0)
@@ -221,16 +241,95 @@ def _count(meta: dict, key: str) -> float:
     return float(value)
 
 
-def _request_counters(row: dict) -> tuple[float, float, float] | None:
-    """(drafts, drafted tokens, accepted tokens) of one request log row, None for a request served without
-    speculation, or a ValueError naming the field that is not a count (module docstring, source 2)."""
+MAX_SPEC_TOKENS = 1024  # vLLM's num_speculative_tokens is a handful; a k past this is no engine's
+
+
+def _spec_int(sd: dict, key: str, where: str, lo: int = 0, hi: int | None = None) -> int:
+    value = sd.get(key)
+    if not is_int(value, lo, hi):
+        raise ValueError(f"{where}.{key} is {show(value)}, expected an int "
+                         + (f">= {lo}" if hi is None else f"in {lo}..{hi}"))
+    return value
+
+
+def _spec_steps(sd: dict, where: str, k: int, steps: int, totals: tuple[int, int], hist: list[int]) -> None:
+    """`detailed`'s per-step arrays (null or absent at `summary`, and when no step ran): one entry per verify
+    step, summing to the totals, each step's accepted <= its drafted <= k, the accepted ones making up `hist`."""
+    acc, dra = sd.get("per_step_accepted"), sd.get("per_step_drafted")
+    if acc is None and dra is None:
+        return
+    for key, value in (("per_step_accepted", acc), ("per_step_drafted", dra)):
+        if not (isinstance(value, list) and len(value) == steps and all(is_int(v, 0, k) for v in value)):
+            raise ValueError(f"{where}.{key} is {show(value)}, expected {steps} ints in 0..{k} (one per "
+                             "verify step, num_spec_steps)")
+    if sum(acc) != totals[1] or sum(dra) != totals[0]:
+        raise ValueError(f"{where}.per_step_accepted / per_step_drafted sum to {sum(acc)} / {sum(dra)}, not "
+                         f"num_accepted_draft_tokens {totals[1]} / num_draft_tokens {totals[0]}")
+    bad = next((i for i, (a, d) in enumerate(zip(acc, dra, strict=True)) if a > d), None)
+    if bad is not None:
+        raise ValueError(f"{where}.per_step_accepted[{bad}] is {acc[bad]} > per_step_drafted[{bad}] {dra[bad]}")
+    if any(acc.count(j) != h for j, h in enumerate(hist)):
+        raise ValueError(f"{where}.acceptance_histogram {show(hist)} is not the histogram of per_step_accepted")
+
+
+def _spec_decoding(sd, where: str) -> tuple[float, float, float, list[float]]:
+    """(drafts, drafted tokens, accepted tokens, accepted per position) of vLLM's per-request metrics, or a
+    ValueError naming the field that breaks a rule (module docstring, source 2a)."""
+    if not isinstance(sd, dict):
+        raise ValueError(f"{where} is {show(sd)}, expected vLLM's per-request metrics (a JSON object)")
+    k = _spec_int(sd, "num_spec_tokens", where, 1, MAX_SPEC_TOKENS)
+    steps, drafted = _spec_int(sd, "num_spec_steps", where), _spec_int(sd, "num_draft_tokens", where)
+    accepted = _spec_int(sd, "num_accepted_draft_tokens", where)
+    hist = sd.get("acceptance_histogram")
+    if not (isinstance(hist, list) and len(hist) == k + 1 and all(is_int(h, 0) for h in hist)):
+        raise ValueError(f"{where}.acceptance_histogram is {show(hist)}, expected {k + 1} ints >= 0 "
+                         "(num_spec_tokens + 1: steps that accepted 0..k draft tokens)")
+    if sum(hist) != steps:
+        raise ValueError(f"{where}.acceptance_histogram sums to {sum(hist)}, not num_spec_steps {steps}")
+    if sum(j * h for j, h in enumerate(hist)) != accepted:
+        raise ValueError(f"{where}.acceptance_histogram counts {sum(j * h for j, h in enumerate(hist))} accepted "
+                         f"tokens, not num_accepted_draft_tokens {accepted}")
+    if not accepted <= drafted <= k * steps:
+        raise ValueError(f"{where}.num_draft_tokens is {drafted}: expected num_accepted_draft_tokens {accepted} "
+                         f"<= it <= num_spec_tokens x num_spec_steps {k * steps}")
+    for key, want in (("mean_acceptance_length", 1.0 + accepted / steps if steps else 1.0),
+                      ("draft_acceptance_rate", accepted / drafted if drafted else 0.0)):
+        value = sd.get(key)
+        if value is not None and not (isinstance(value, int | float) and not isinstance(value, bool)
+                                      and math.isclose(value, want, rel_tol=1e-9, abs_tol=1e-12)):
+            raise ValueError(f"{where}.{key} is {show(value)}, but the counts give {want!r}")
+    _spec_steps(sd, where, k, steps, (drafted, accepted), hist)
+    return float(steps), float(drafted), float(accepted), [float(sum(hist[i + 1:])) for i in range(k)]
+
+
+def _vllm_metrics(row: dict) -> tuple[object, str] | None:
+    """vLLM's per-request metrics of a row and where they sit: logged (`speculative_decoding`) or a raw
+    response's (`metrics.speculative_decoding`); None where the row carries none."""
+    if row.get("speculative_decoding") is not None:
+        return row["speculative_decoding"], "speculative_decoding"
+    metrics = row.get("metrics")
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics is {show(metrics)}, expected a JSON object (a response's per-request metrics)")
+    sd = metrics.get("speculative_decoding")
+    return None if sd is None else (sd, "metrics.speculative_decoding")
+
+
+def _request_counters(row: dict) -> tuple[float, float, float, list[float] | None] | None:
+    """(drafts, drafted tokens, accepted tokens, accepted per position or None) of one request log row, None
+    for a request logged without counters, or a ValueError naming the field that breaks a rule (module
+    docstring, source 2)."""
+    found = _vllm_metrics(row)
+    if found is not None:
+        return _spec_decoding(*found)
     meta = row.get("meta_info") or row
     if not isinstance(meta, dict):
         raise ValueError(f"meta_info is {show(meta)}, expected a JSON object")
     if "draft_tokens" in meta and "accepted_tokens" in meta:
         drafted, accepted = _count(meta, "draft_tokens"), _count(meta, "accepted_tokens")
         drafts = _count(meta, "drafts") if meta.get("drafts") is not None else 0.0
-        return drafts, drafted, accepted  # more accepted than drafted: the group's check refuses the whole log
+        return drafts, drafted, accepted, None  # more accepted than drafted: the group's check refuses the log
     if "spec_verify_ct" in meta and "completion_tokens" in meta:
         # SGLang: completion tokens = verify steps + accepted drafts; drafted count is not reported,
         # so α is left to the engines that report it and only τ is exact
@@ -239,39 +338,84 @@ def _request_counters(row: dict) -> tuple[float, float, float] | None:
             raise ValueError(f"completion_tokens {completion:g} < spec_verify_ct {drafts:g}: every verify step "
                              "emits a token")
         drafted = _count(meta, "draft_tokens") if meta.get("draft_tokens") is not None else 0.0
-        return drafts, drafted, completion - drafts
+        return drafts, drafted, completion - drafts, None
     return None
 
 
-def log_alpha(folder: str | Path) -> dict:
-    """Per-domain α table from request logs carrying per-request speculative counters (module docstring). The
-    files are read by planning/logs.py (what cannot be read is named in `bad` and skipped); a row whose counters
-    are not counts is one more bad row, named."""
+def prompt_text(prompt) -> str | None:
+    """The text a router classifies: a completion prompt's text, or a chat's last user message (its text
+    parts joined); None for token ids or anything else (the row is then "unknown" to the keywords)."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        return None
+    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    content = users[-1].get("content") if users else None
+    if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}, {"type": "image_url"}]
+        content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else None
+
+
+def _classifier(policy: str | Path | None):
+    """(declared domain, prompt) -> domain: the declared one, else the routing policy's own classification
+    (RoutedProposer.classify: its router kind and keywords, decoding/routing.py), else "unknown"."""
+    if policy is None:
+        return lambda domain, prompt: domain or "unknown"
+    from draftsmith.decoding.routing import RoutedProposer, load_policy
+
+    router = RoutedProposer(load_policy(policy), {})  # classification only: no proposer is built
+    return lambda domain, prompt: router.classify(domain, prompt_text(prompt)) or "unknown"
+
+
+def _group() -> dict:
+    return {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": defaultdict(float), "requests": 0.0,
+            "pos_drafts": 0.0}
+
+
+def _add(g: dict, counted: tuple[float, float, float, list[float] | None]) -> None:
+    drafts, drafted, accepted, per_pos = counted
+    g["drafts"] += drafts
+    g["draft_tokens"] += drafted
+    g["accepted"] += accepted
+    g["requests"] += 1
+    if per_pos is not None:
+        g["pos_drafts"] += drafts
+        for i, v in enumerate(per_pos):
+            g["per_pos"][i] += v
+
+
+def log_alpha(folder: str | Path, policy: str | Path | None = None) -> dict:
+    """Per-domain α table from request logs carrying per-request speculative counters (module docstring,
+    source 2). The files are read by planning/logs.py (what cannot be read is named in `bad` and skipped); a
+    row whose counters break a rule is one more bad row, named. `policy`: a routing policy file whose
+    classifier gives a row without a `domain` its domain."""
+    classify = _classifier(policy)
     logs = log_files(folder, "request logs")
-    groups: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
-                                                   "per_pos": defaultdict(float), "requests": 0.0})
+    groups: dict[str, dict] = defaultdict(_group)
+    uncounted = 0
     for path, number, row, _ in records(logs):
         try:
             counted = _request_counters(row)
-            domain = row.get("domain") or "unknown"
-            if not isinstance(domain, str):
-                raise ValueError(f"domain is {show(domain)}, expected a string")
+            declared = row.get("domain")
+            if declared is not None and not isinstance(declared, str):
+                raise ValueError(f"domain is {show(declared)}, expected a string")
+            domain = classify(declared, row.get("prompt")) if counted is not None else None
         except ValueError as e:
             logs.reject(f"{path}:{number}", str(e))
             continue
         if counted is None:
-            continue  # a request served without speculation
-        g = groups[domain]
-        g["drafts"] += counted[0]
-        g["draft_tokens"] += counted[1]
-        g["accepted"] += counted[2]
-        g["requests"] += 1
+            uncounted += 1  # served without speculation, or logged without the engine's counters
+            continue
+        _add(groups[domain], counted)
     if not any(g["draft_tokens"] > 0 or g["drafts"] > 0 for g in groups.values()):
-        raise DataError(f"{folder}: no request carries speculative-decoding counters (draft_tokens + "
-                        f"accepted_tokens, or spec_verify_ct + completion_tokens; {logs.malformed} malformed"
-                        f"{logs.first_bad()})")
+        raise DataError(f"{folder}: no request carries speculative-decoding counters (speculative_decoding, "
+                        f"draft_tokens + accepted_tokens, or spec_verify_ct + completion_tokens; {uncounted} rows "
+                        f"without, {logs.malformed} malformed{logs.first_bad()})")
+    for g in groups.values():
+        if g["pos_drafts"] != g["drafts"]:
+            g["per_pos"] = defaultdict(float)  # some drafts were not counted by position: no per-position rate
     table = _table(groups, str(folder))
-    table["malformed"], table["bad"] = logs.malformed, logs.bad
+    table["malformed"], table["bad"], table["uncounted"] = logs.malformed, logs.bad, uncounted
     return table
 
 
@@ -301,17 +445,21 @@ def read_metrics(source: str | Path, timeout: float = 30.0, max_bytes: int | Non
 
 def production_alpha(path: str | Path, since: str | Path | None = None,
                      model_domains: dict[str, str] | None = None, save: str | Path | None = None,
-                     timeout: float = 30.0, max_bytes: int | None = None) -> dict:
+                     timeout: float = 30.0, max_bytes: int | None = None, policy: str | Path | None = None) -> dict:
     """A running server's /metrics URL or a Prometheus dump (a file), or request logs (a folder / a .jsonl
     file) -> the per-domain α table. `since`: an earlier dump (file or URL read now), the window between the
     two. `save`: keep the metrics text read (the `since` of the next check). `timeout`, `max_bytes`: the
-    bounds of each read (read_metrics)."""
+    bounds of each read (read_metrics). `policy`: a routing policy file classifying logged requests that
+    declare no domain (request logs only: /metrics counts per served model, mapped by `model_domains`)."""
     if not is_url(path):
         path = Path(path)
         if not path.exists():
             raise DataError(f"production metrics not found: {path}")
         if path.is_dir() or path.name.endswith((".jsonl", ".jsonl.gz")):
-            return log_alpha(path)
+            return log_alpha(path, policy)
+    if policy is not None:
+        raise ConfigError(f"routing policy {policy}: it classifies logged requests, and {net.safe_url(str(path))} "
+                          "is /metrics (counted per served model: map model names to domains instead)")
     text = read_metrics(path, timeout, max_bytes)
     earlier = read_metrics(since, timeout, max_bytes) if since else None
     table = vllm_alpha(text, earlier, model_domains, source=net.safe_url(str(path)),
@@ -333,4 +481,7 @@ def render(table: dict) -> str:
         pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"][:8])
         lines.append(f"| {d} | {r['n_prompts']} | {r['drafts']} | {r['proposed']} | {r['accepted']} | "
                      f"{f(r['alpha'])} | {f(r['tau'])} | {pos} |")
+    if table.get("uncounted") or table.get("malformed"):
+        lines += ["", f"Log rows without counters: {table.get('uncounted', 0)}; malformed rows skipped: "
+                      f"{table.get('malformed', 0)}" + (f" (first: {table['bad'][0]})" if table.get("bad") else "")]
     return "\n".join(lines) + "\n"
