@@ -61,6 +61,18 @@ def vllm_layer_ids(layers: list[int], num_layers: int) -> list[int]:
     return sorted({int(i) + 1 for i in layers} | {int(num_layers)})
 
 
+def serving_config(vllm_ids: list[int], capture_dir: str | Path, max_gb: float = 64.0) -> tuple[dict, dict]:
+    """vLLM's `--speculative-config` and `--kv-transfer-config` of a capture replica: the target serves as it
+    is (extract_hidden_states drafts nothing) and the connector writes the layers `vllm_ids` of every request it
+    serves into `capture_dir` (which draftsmith must be able to read: shared storage in a fleet)."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in vllm_ids]}}}
+    kv = {"kv_connector": "DraftsmithCaptureConnector", "kv_role": "kv_producer",
+          "kv_connector_module_path": "draftsmith.fleet.vllm_capture",
+          "kv_connector_extra_config": {"capture_dir": str(capture_dir), "max_gb": float(max_gb)}}
+    return spec, kv
+
+
 def response_ids(request_id: str) -> list[str]:
     """The API response ids an engine request id can belong to: vLLM appends `-<8 hex>` to the id it was given
     (`chatcmpl-<id>`), and a completions request's prompt index before that (`cmpl-<id>-<i>`)."""

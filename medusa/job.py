@@ -49,9 +49,6 @@ from draftsmith.training.job import Job, unwrap
 log = logging.getLogger(__name__)
 
 
-@register_config("medusa")
-@validated
-@dataclass
 def _reads(cfg: MedusaJobConfig, teacher_from_cache: bool) -> dict:
     """CaptureSource's arguments: the post-norm last hidden the heads read (not when Medusa-2's adapted target
     gives it in the step), and top-k logits for the KD loss or Medusa-2's cached teacher."""
@@ -68,6 +65,10 @@ def features(cfg: MedusaJobConfig, target) -> dict:
     return _reads(cfg, False)
 
 
+
+@register_config("medusa")
+@validated
+@dataclass
 class MedusaJobConfig:
     target: str = "smollm2-135m"
     data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
