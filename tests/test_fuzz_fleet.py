@@ -1,6 +1,7 @@
 """Fuzzing the fleet side's readers (tests/fuzzing.py): evaluation reports (and the policy built from them),
 routing policies, verify profiles, traffic logs (JSON lines and gzip, cut short too), request logs with
-per-request counters, Prometheus dumps, accelerate YAML and the registry's current.json. Each reads its input
+per-request counters (a gateway's, SGLang's, and vLLM's own as the fleet's traffic middleware logs them),
+Prometheus dumps, accelerate YAML and the registry's current.json. Each reads its input
 or refuses it in one line naming it; what a reader accepts, the code behind it runs on without a raw error."""
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ TRAFFIC = [{"prompt": "Write a python function.", "domain": "code", "timestamp":
 REQUESTS = [{"domain": "code", "draft_tokens": 40, "accepted_tokens": 20, "drafts": 10},
             {"domain": "math", "meta_info": {"spec_verify_ct": 10, "completion_tokens": 25}},
             {"domain": "chat", "prompt": "served without speculation"}]
+# the fleet's traffic log (fleet/middleware.py): vLLM's per-request counters, detailed and summary, and a raw
+# response's metrics.speculative_decoding
+SPEC = {"mean_acceptance_length": 2.5, "draft_acceptance_rate": 6 / 11, "acceptance_histogram": [1, 1, 1, 1],
+        "num_spec_steps": 4, "num_accepted_draft_tokens": 6, "num_draft_tokens": 11, "num_spec_tokens": 3,
+        "per_step_accepted": [3, 1, 0, 2], "per_step_drafted": [3, 3, 3, 2]}
+FLEET = [{"timestamp": "2026-01-01T00:00:00.000Z", "id": "cmpl-a", "request_id": "a", "endpoint": "completions",
+          "model": "m", "prompt": "def f():", "domain": "code", "response": " pass", "output_token_ids": [5, 6],
+          "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "finish_reason": "stop", "stream": False,
+          "status": 200, "speculative_decoding": SPEC},
+         {"endpoint": "chat.completions", "prompt": [{"role": "user", "content": "How many apples?"}],
+          "stream": True, "status": 200, "speculative_decoding": {**SPEC, "per_step_accepted": None,
+                                                                  "per_step_drafted": None}},
+         {"id": "chatcmpl-b", "choices": [], "metrics": {"speculative_decoding": SPEC}},
+         {"prompt": "no counters", "stream": True, "status": 200}]
 ACCELERATE = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED", "num_processes": 8,
               "mixed_precision": "bf16", "deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "none"}}
 POINTER = {"version": "v0001", "since": "2026-01-01T00:00:00Z", "reason": "initial version"}
@@ -169,6 +184,21 @@ def _requests(tmp_path, data: bytes, how: str) -> None:
         assert all(r["alpha"] is None or 0 <= r["alpha"] <= 1 for r in table["domains"].values()) and render(table)
 
 
+def _fleet_traffic(tmp_path, data: bytes, how: str) -> None:
+    from draftsmith.planning.production import log_alpha, render
+
+    folder = _folder(tmp_path)
+    place(folder / "traffic-20260101T000000000000Z-1.jsonl", data, how)
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps(POLICY))
+    table = refuses_cleanly(lambda: log_alpha(folder, policy), folder.name)
+    if table is not None:  # what the reader accepts is counts the table can be built on
+        for r in [*table["domains"].values(), table["overall"]]:
+            assert r["alpha"] is None or 0 <= r["alpha"] <= 1
+            assert all(0 <= p <= 1 for p in r["per_position_acceptance"])
+        assert all("\n" not in b and b.startswith(str(folder)) for b in table["bad"]) and render(table)
+
+
 def _prometheus(tmp_path, data: bytes, since: bytes, how: str) -> None:
     from draftsmith.planning.production import production_alpha, render
 
@@ -238,6 +268,12 @@ def test_fuzz_request_logs_with_counters(tmp_path, data, how):
 
 
 @FUZZ
+@given(mutated_jsonl(FLEET), PLACES)
+def test_fuzz_fleet_traffic_with_vllm_counters(tmp_path, data, how):
+    _fleet_traffic(tmp_path, data, how)
+
+
+@FUZZ
 @given(mutated_prometheus(), mutated_prometheus(), PLACES)
 def test_fuzz_prometheus_dump(tmp_path, data, since, how):
     _prometheus(tmp_path, data, since, how)
@@ -259,16 +295,17 @@ def test_fuzz_registry_current_pointer(tmp_path, data, how):
 @pytest.mark.slow
 @FUZZ_LONG
 @given(mutated_json(REPORT), mutated_json(HEADLINE), mutated_json(POLICY), mutated_json(PROFILE), mutated_jsonl(TRAFFIC),
-       mutated_jsonl(REQUESTS), mutated_prometheus(), mutated_yaml(ACCELERATE), mutated_json(POINTER), PLACES,
-       st.booleans(), st.floats(0.05, 1.0))
-def test_fuzz_fleet_readers_long(tmp_path, report, headline, policy, profile, traffic, requests, prom, acc, pointer, how, gz,
-                                 cut):
+       mutated_jsonl(REQUESTS), mutated_jsonl(FLEET), mutated_prometheus(), mutated_yaml(ACCELERATE), mutated_json(POINTER),
+       PLACES, st.booleans(), st.floats(0.05, 1.0))
+def test_fuzz_fleet_readers_long(tmp_path, report, headline, policy, profile, traffic, requests, fleet, prom, acc, pointer,
+                                 how, gz, cut):
     _report(tmp_path, report, how)
     _headline(tmp_path, headline, how)
     _policy(tmp_path, policy, how)
     _profile(tmp_path, profile, how)
     _traffic(tmp_path, traffic, how, gz, cut)
     _requests(tmp_path, requests, how)
+    _fleet_traffic(tmp_path, fleet, how)
     _prometheus(tmp_path, prom, prom, how)
     _accelerate(tmp_path, acc, how)
     _pointer(tmp_path, pointer, how)
