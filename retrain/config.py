@@ -47,6 +47,9 @@ class MeasureConfig:
     # check (the metrics it read are kept beside the registry)
     production_since: str | None = None
     production_model_domains: dict[str, str] = field(default_factory=dict)  # vLLM model_name -> domain
+    # with request logs as `production` (the fleet's traffic folder, fleet/middleware.py): a routing policy file
+    # whose router gives a logged request without a domain its domain, from its prompt (else "unknown")
+    production_policy: str | None = None
 
 
 @validated

@@ -64,7 +64,7 @@ def _production(m, kept: Path) -> dict:
     if since == "last":
         since, save = (kept if kept.is_file() else None), kept
     try:
-        prod = production_alpha(m.production, since, m.production_model_domains, save=save)
+        prod = production_alpha(m.production, since, m.production_model_domains, save=save, policy=m.production_policy)
         prod["since"] = str(since) if since else "server start"
         if prod.get("restarted"):  # told by process_start_time_seconds: the counts are those since the restart
             prod["since"] = "server start (restarted since the last check)"
@@ -72,7 +72,7 @@ def _production(m, kept: Path) -> dict:
         if not (m.production_since == "last" and since and "went down" in str(e)):
             raise
         log.warning("production: %s; reading the counters since the server started", e)
-        prod = production_alpha(m.production, None, m.production_model_domains, save=save)
+        prod = production_alpha(m.production, None, m.production_model_domains, save=save, policy=m.production_policy)
         prod["since"] = "server start (restarted since the last check)"
     return prod
 
