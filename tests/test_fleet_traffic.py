@@ -319,6 +319,12 @@ def test_a_policy_classifies_rows_without_a_domain(tmp_path):
     assert {d: r["n_prompts"] for d, r in table["domains"].items()} == {"code": 1, "math": 1, "chat": 1,
                                                                         "unknown": 1}
     assert table["uncounted"] == 1
+    # retraining's production check reads the same folder with the same policy
+    from draftsmith.retrain.config import MeasureConfig
+    from draftsmith.retrain.run import _production
+
+    m = MeasureConfig(production=str(tmp_path / "logs"), production_policy=str(tmp_path / "policy.json"))
+    assert _production(m, tmp_path / "kept.prom")["domains"] == table["domains"]
     with pytest.raises(ConfigError, match="is /metrics"):
         from draftsmith.planning.production import production_alpha
 
