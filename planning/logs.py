@@ -1,7 +1,9 @@
 """Request logs on disk: the `*.jsonl` / `*.jsonl.gz` files a serving gateway writes into a folder, read line
-by line as JSON objects. The one reader of that layout: retraining's traffic (retrain/traffic.py: prompts,
-domains, timestamps) and production acceptance from per-request counters (planning/production.py) both
-take their rows from `records`, and check the fields they read themselves.
+by line as JSON objects — among them the fleet's traffic folder, which fleet/middleware.py writes inside vLLM
+(`traffic-<time>-<pid>.jsonl`, with vLLM's per-request speculative-decoding counters). The one reader of that
+layout: retraining's traffic (retrain/traffic.py: prompts, domains, timestamps) and production acceptance from
+per-request counters (planning/production.py) both take their rows from `records`, and check the fields they
+read themselves.
 
 A log folder is written while it is read (a file rotated away, a writer killed half-way), so what cannot be
 read is named and skipped and the rest is used: a dangling symlink (`current.jsonl` pointing at a rotated
@@ -24,7 +26,7 @@ from draftsmith.errors import DataError
 from draftsmith.storage import json_depth
 
 MAX_NAMED = 20
-MAX_DEPTH = 32  # a log row nests 3 deep (a prompt's messages); a deeper line is a bad line, never a RecursionError
+MAX_DEPTH = 32  # a log row nests about 5 deep (a chat's content parts); a deeper line is a bad line, never a RecursionError
 PATTERNS = ("*.jsonl", "*.jsonl.gz")
 
 
