@@ -28,6 +28,10 @@ class TrafficConfig:
     eval_share: Annotated[float, Range(gt=0, lt=1)] = 0.5  # of the sampled rows, the share held out to measure α (never trained on)
     max_eval_per_domain: Annotated[int, Range(ge=1, le=10**7)] = 8
     seed: Annotated[int, SEED] = 0
+    # the folder a capture replica's KV connector writes (fleet/vllm_capture.py): the candidate trains on the
+    # hidden states the fleet computed while serving the traffic rows, joined by request id, instead of
+    # regenerating their answers and running the target over them (data/served.py); null = regenerate
+    captures: str | None = None
 
 
 @validated

@@ -34,6 +34,9 @@ class GateRule:
     min_gain: Annotated[float, FRACTION] = 0.02
     baseline_margin: Annotated[float, FRACTION] = 0.03
     require_lossless: bool = True
+    # the serving engine judges too: the candidate is exported for vLLM and `serve-check`ed (loads, decodes
+    # losslessly against vLLM alone) before it is promoted; needs vLLM's environment (make setup-vllm)
+    serve_check: bool = False
 
 
 @dataclass

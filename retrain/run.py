@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import re
 import shutil
@@ -29,10 +30,10 @@ from draftsmith import methods
 from draftsmith.artifact import load_manifest, now_iso, update_manifest
 from draftsmith.checks import inspect_artifact
 from draftsmith.config import load_config, to_dict
-from draftsmith.errors import ArtifactError, DraftsmithError
+from draftsmith.errors import ArtifactError, ConfigError, DataError, DraftsmithError
 from draftsmith.locks import LockHeld, RunLock
 from draftsmith.retrain.config import RetrainConfig
-from draftsmith.retrain.decide import domain_policy, gate, recorded_alpha, staleness
+from draftsmith.retrain.decide import Verdict, domain_policy, gate, recorded_alpha, staleness
 from draftsmith.retrain.registry import Registry
 from draftsmith.retrain.traffic import TrafficRow, read_traffic, write_prompt_file
 from draftsmith.storage import sha256_json
@@ -101,12 +102,17 @@ def split_traffic(rows: list[TrafficRow], eval_share: float, max_eval: int, seed
 
 
 def _train_candidate(cfg: RetrainConfig, target, work: Path, data_path: Path, warm_start: Path | None) -> Path:
-    """Train a candidate of the registry's kind with the job preset + a bounded budget."""
+    """Train a candidate of the registry's kind with the job preset + a bounded budget (from the data's own
+    capture cache when it has one: the fleet's states, data/served.py)."""
+    from draftsmith.data.generate import CAPTURE_DIR
+
     out = work / "candidate"
     method = methods.get(cfg.artifact_kind)
     overrides = [f"{method.data_key}={data_path}", f"train.max_steps={cfg.budget.max_steps}",
                  f"train.output_dir={work / 'train'}", "train.resume=auto", "evaluate.enabled=false",
                  f"target={cfg.target}", *cfg.budget.job_overrides]
+    if cfg.traffic.captures:
+        overrides.append(f"capture_cache={data_path / CAPTURE_DIR}")
     if method.output_key is not None:
         overrides.insert(1, f"{method.output_key}={out}")
     if warm_start is not None:
@@ -116,8 +122,111 @@ def _train_candidate(cfg: RetrainConfig, target, work: Path, data_path: Path, wa
     return train_method(method, cfg.job_config, overrides)
 
 
+def _job_needs(cfg: RetrainConfig, target) -> dict:
+    """What the registry's job reads of the target per token (methods.Method.features), from its preset."""
+    method = methods.get(cfg.artifact_kind)
+    if method.features is None:
+        raise ConfigError(f"traffic.captures: {cfg.artifact_kind} jobs read no captured states: set "
+                          "traffic.captures: null to retrain by regenerating the traffic's answers")
+    job_cfg = load_config(cfg.job_config, [f"target={cfg.target}", *cfg.budget.job_overrides],
+                          cls=methods.resolve(method.config))
+    return methods.resolve(method.features)(job_cfg, target)
+
+
+def _served_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None) -> Path:
+    """The candidate's data from the states the fleet computed while serving the training rows (data/served.py:
+    their captures, joined by response id; nothing of the target runs but its final norm and lm_head), with a
+    replay share of the current version's rows and their states."""
+    from draftsmith.data.generate import PROVENANCE
+    from draftsmith.data.served import import_served
+    from draftsmith.storage import read_json
+
+    out = work / "data_mixed"
+    if (out / PROVENANCE).is_file() and "replay" in read_json(out / PROVENANCE):
+        return out  # finished by an earlier run of this attempt
+    needs = _job_needs(cfg, target)
+    domains = {r.request_id: r.domain for r in train_rows if r.request_id}
+    if not domains:
+        raise DataError(f"traffic.captures: none of the {len(train_rows)} training rows of {cfg.traffic.dir} carries "
+                        "its response id ('id', which fleet/middleware.py logs): no capture can be joined to them")
+    # the top-k logits' logsumexp is kept whenever top-k is, as a capture by the target keeps it (the replay's)
+    prov = import_served(cfg.traffic.captures, target, out, needs["layers"], topk=needs["topk"],
+                         last_hidden=needs["last_hidden"], logsumexp=needs["logsumexp"] or needs["topk"] > 0,
+                         domains=domains,
+                         only=set(domains), hidden_dtype=target.dtype, progress=False)
+    log.info("served states: %d rows from %d captures (%d skipped)", prov["counts"]["rows"],
+             prov["served"]["requests"], prov["served"]["skipped"])
+    _replay_served(cfg, target, out, old_data, prov, needs)
+    return out
+
+
+def _replay_served(cfg: RetrainConfig, target, out: Path, old_data: str | None, prov: dict, needs: dict) -> None:
+    """Add a replay share of the current version's rows to the served set, their states copied from its capture
+    cache into the served set's (the job reads one cache). Rows whose states that cache lacks (a version trained
+    without one, or of what the job reads) are captured by the target: only they run it, and the record says
+    how many."""
+    from draftsmith.capture.cache import ShardWriter, capture_dataset
+    from draftsmith.data.generate import CAPTURE_DIR, PROVENANCE, load_distilled, write_rows
+    from draftsmith.storage import atomic_write_json
+
+    new = [dict(r) for r in load_distilled(out, target)]
+    frac, picked, missing = cfg.budget.replay_fraction, [], []
+    if frac > 0 and old_data and Path(old_data).is_dir():
+        old = load_distilled(old_data, target).shuffle(seed=cfg.traffic.seed)
+        picked = [dict(r) for r in old.select(range(min(int(round(len(new) * frac / (1 - frac))), len(old))))]
+    reader = _old_states(Path(old_data) / CAPTURE_DIR, target) if picked else None
+    if picked:
+        with ShardWriter(out / CAPTURE_DIR, needs["layers"], needs["topk"], target.dtype,
+                         fingerprint=target.fingerprint()) as writer:
+            missing = [r for r in picked if not (reader is not None and r["row_id"] in reader
+                                                 and _copy_states(reader, writer, r["row_id"]))]
+    if missing:
+        log.warning("replay: %d of %d rows of the current version have no states kept: the target captures them",
+                    len(missing), len(picked))
+        capture_dataset(target, missing, out / CAPTURE_DIR, needs["layers"], needs["topk"], hidden_dtype=target.dtype,
+                        last_hidden=needs["last_hidden"], progress=False)
+    if picked:
+        write_rows(out, new + picked)
+    prov["replay"] = {"from": old_data, "rows": len(picked), "fraction": frac, "captured_by_target": len(missing)}
+    atomic_write_json(out / PROVENANCE, prov)
+
+
+def _old_states(cache: Path, target):
+    """The current version's capture cache, if it is one of this target's (else None, said in a warning)."""
+    from draftsmith.capture.cache import ShardReader
+    from draftsmith.targets.fingerprint import check_compatible
+
+    if not cache.is_dir():
+        return None
+    try:
+        reader = ShardReader(cache)
+        check_compatible(reader.fingerprint or {}, target.fingerprint(), what=f"capture cache {cache}")
+    except DraftsmithError as e:
+        log.warning("replay: the current version's states are not used (%s)", e)
+        return None
+    return reader
+
+
+def _copy_states(reader, writer, row_id: int) -> bool:
+    """One row's states from a version's cache into the served one; False where the old cache lacks a layer or
+    the logits the job reads."""
+    t = reader.get(row_id)
+    layers = {i: t.get(f"layer.{i}") for i in writer.layers}
+    if any(v is None for v in layers.values()) or (writer.topk and "topk_values" not in t) or (
+            writer.has_last_hidden and "last_hidden" not in t) or (writer.has_logsumexp and "topk_logsumexp" not in t):
+        return False
+    k = writer.topk
+    writer.add(row_id, layers, t["topk_values"][:, :k] if k else None, t["topk_indices"][:, :k] if k else None,
+               t.get("last_hidden") if writer.has_last_hidden else None,
+               t.get("topk_logsumexp") if writer.has_logsumexp else None)
+    return True
+
+
 def _build_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None) -> Path:
-    """Self-distil the traffic prompts with the current target, then mix in a replay share of old data."""
+    """Self-distil the traffic prompts with the current target, then mix in a replay share of old data; with
+    `traffic.captures`, take the fleet's own answers and states instead (_served_data)."""
+    if cfg.traffic.captures:
+        return _served_data(cfg, target, work, train_rows, old_data)
     import datasets
 
     from draftsmith.data import generate_dataset, load_distilled
@@ -210,6 +319,8 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
     warm = a.path if (cfg.budget.warm_start and not a.hard) else None
     candidate = _train_candidate(cfg, target, a.work, data_path, warm)
     cand_traffic, cand_base, decision = _gate_candidate(cfg, record, target, a, candidate, cur_traffic)
+    if decision.yes and cfg.gate.serve_check:
+        decision = _serve_check(cfg, record, target, a, candidate)
     if not decision.yes:
         rejected = reg.base / "rejected" / a.attempt
         shutil.rmtree(rejected, ignore_errors=True)
@@ -225,6 +336,10 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
         "budget": asdict(cfg.budget), "gate": decision.reasons,
     }, data_path, "; ".join(decision.reasons))
     reg.write_policy(domain_policy(cand_traffic, cfg.policy_alpha_floor, version))
+    if (a.work / "export").is_dir():  # what the fleet serves next, checked in vLLM: kept beside the version
+        (reg.base / "exports").mkdir(exist_ok=True)
+        os.replace(a.work / "export", reg.base / "exports" / version)
+        record["export"] = str(reg.base / "exports" / version)
     shutil.rmtree(a.work, ignore_errors=True)
     record.update(outcome="promoted", version=version)
     return EXIT_OK
@@ -347,6 +462,26 @@ def _gate_candidate(cfg: RetrainConfig, record: dict, target, a: _Attempt, candi
     record.update(candidate_traffic=_summary(cand_traffic), candidate_baseline=_summary(cand_base),
                   current_baseline=_summary(cur_base) if cur_base else None, gate=decision.to_json())
     return cand_traffic, cand_base, decision
+
+
+def _serve_check(cfg: RetrainConfig, record: dict, target, a: _Attempt, candidate: Path):
+    """The serving engine's verdict on a candidate the gate passed (`gate.serve_check`): exported for vLLM and
+    run there on the held-out traffic, it must load and decode what vLLM alone decodes. Returns the decision."""
+    from draftsmith.export.api import export_artifact
+    from draftsmith.export.serve_check import serve_check
+
+    export = a.work / "export"
+    if not (export / "draftsmith.json").is_file():
+        export_artifact(candidate, "vllm", export, target, num_speculative_tokens=cfg.measure.k, overwrite=True)
+    report = serve_check(export, target, prompts=[str(a.held_file)], out=a.work / "serve-check", k=cfg.measure.k,
+                         max_new_tokens=cfg.measure.max_new_tokens, limit_per_domain=cfg.traffic.max_eval_per_domain,
+                         evaluate=False, card=False)
+    ok = bool(report.get("loaded") and report.get("lossless"))
+    record["serve_check"] = {k: report.get(k) for k in ("loaded", "error", "lossless", "n_prompts", "vllm")}
+    why = ("vLLM serves the candidate losslessly (serve-check)" if ok else
+           f"vLLM {'did not load' if not report.get('loaded') else 'decoded differently with'} the candidate "
+           f"(serve-check: {report.get('error') or 'first differing prompt ' + str(report.get('first_differing_prompt'))})")
+    return Verdict(ok, list(record["gate"]["reasons"]) + [why])
 
 
 def promote(reg: Registry, candidate: Path, lineage: dict, data_path: Path, reason: str) -> str:

@@ -4,7 +4,9 @@ Each `*.jsonl` (or `*.jsonl.gz`) line is one request:
     {"prompt": "..." | [{"role": "user", "content": "..."}, ...],
      "response": "...",            optional: what was served
      "domain": "code",             optional: else the router / "unknown"
-     "timestamp": "2026-11-20T10:00:00Z" | 1763632800}   optional: else the file's mtime
+     "timestamp": "2026-11-20T10:00:00Z" | 1763632800,   optional: else the file's mtime
+     "id": "cmpl-..."}             optional: the API response id (fleet/middleware.py logs it), which joins the
+                                   row to the hidden states a capture replica kept of it (data/served.py)
 Rows older than the window (relative to the newest row) are left out and counted (`outside_window`); malformed
 lines (not JSON, not UTF-8, no prompt, a field of the wrong type, a timestamp that is not a finite time or lies
 in the future) are counted, and the first few are named (`file:line: why`) in `TrafficSample.bad`; a partly
@@ -36,6 +38,7 @@ class TrafficRow:
     timestamp: float
     response: str | None = None
     messages: list[dict] | None = None
+    request_id: str | None = None  # the API response id
 
 
 @dataclass
@@ -134,8 +137,11 @@ def _row(obj: dict, mtime: float, now: float, classify) -> TrafficRow:
         raise ValueError(f"domain is {show(domain)}, expected a string")
     if response is not None and not isinstance(response, str):
         raise ValueError(f"response is {show(response)}, expected a string or null")
+    rid = obj.get("id")
+    if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= 200 and rid.isprintable()):
+        raise ValueError(f"id is {show(rid)}, expected the response id (text of at most 200 characters)")
     domain = domain or (classify(prompt) if classify else "unknown")
-    return TrafficRow(prompt, str(domain), _timestamp(obj.get("timestamp"), mtime, now), response, messages)
+    return TrafficRow(prompt, str(domain), _timestamp(obj.get("timestamp"), mtime, now), response, messages, rid)
 
 
 def read_traffic(folder: str | Path, window_days: float = 7.0, max_per_domain: int | None = None,

@@ -200,3 +200,85 @@ def test_scenario(scenario):
     assert code == EXIT_REJECTED and rec["outcome"] == "rejected_before"
     records = sorted((reg.base / "runs").glob("*.json"))
     assert len(records) >= 6 and all(json.loads(p.read_text())["exit_code"] in (0, 10) for p in records)
+
+
+def _served_traffic(target, root: Path) -> tuple[Path, Path]:
+    """Domain B's traffic as a fleet logs and captures it: a traffic log whose rows carry their response ids
+    (fleet/middleware.py) and, per request, the hidden states a capture replica's connector wrote (in vLLM's
+    layer numbering, from the target's own greedy answer: tests/test_vllm_fleet_capture.py does it with vLLM)."""
+    import torch
+    from test_served_capture import served_states
+
+    from draftsmith.data.served import vllm_layer_ids
+    from draftsmith.evaluation.domains import format_prompt
+    from draftsmith.fleet.capture_file import write_capture
+
+    traffic, captures = root / "served-traffic", root / "served-captures"
+    traffic.mkdir()
+    captures.mkdir()
+    tok, vids, now, rows = target.tokenizer, vllm_layer_ids([], target.num_layers), time.time(), []
+    for n, (line, w) in enumerate((line, w) for line in B_LINES for w in (1, 2, 3)):
+        prompt = format_prompt(tok, _prompt(line, w))  # as the fleet's chat endpoint templates it
+        out = target.model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0].tolist()
+        write_capture(str(captures), f"chatcmpl-t{n}-{n:08x}", served_states(target, out, vids), out, len(prompt), vids)
+        rows.append({"prompt": _prompt(line, w), "domain": "code", "id": f"chatcmpl-t{n}", "timestamp": now - n})
+    _write_jsonl(traffic / "traffic-1.jsonl", rows)
+    return traffic, captures
+
+
+def test_retraining_from_the_fleets_states_runs_no_layer_of_the_target(scenario, monkeypatch):
+    """`traffic.captures`: the candidate's rows and features come from what the fleet served and computed; from
+    the traffic log to the trained candidate, not one decoder layer of the target runs (its final norm and lm_head
+    give the post-norm state), and the candidate is promoted on α measured as before."""
+    import draftsmith.retrain.run as run
+    from draftsmith.targets.families import decoder_layers
+
+    import torch
+
+    from draftsmith.capture.cache import capture_dataset
+    from draftsmith.data.generate import load_distilled
+
+    root, retrain_yaml, v1, target = scenario
+    traffic, captures = _served_traffic(target, root)
+    # v1's rows with the states the fleet kept of them (a version trained from served states has them): the
+    # replay share reads them too
+    a_rows = [dict(r) for r in load_distilled(root / "data-a", target)]
+    capture_dataset(target, a_rows, root / "data-a" / "capture", [], 0, hidden_dtype=torch.float32, last_hidden=True,
+                    progress=False)
+    cfg = _cfg(retrain_yaml, f"registry={root / 'served-registry'}", f"traffic.dir={traffic}",
+               f"traffic.captures={captures}")
+    assert retrain_once(cfg, init=str(v1))[0] == EXIT_OK
+    calls = {"layers": 0, "watching": False}
+
+    def count():
+        calls["layers"] += calls["watching"]
+
+    def watched(fn):
+        def call(*a, **k):
+            calls["watching"] = True
+            try:
+                return fn(*a, **k)
+            finally:
+                calls["watching"] = False
+        return call
+
+    monkeypatch.setattr(run, "_build_data", watched(run._build_data))
+    monkeypatch.setattr(run, "_train_candidate", watched(run._train_candidate))
+    layer_cls = type(decoder_layers(target.model)[0])  # every instance, whichever loader built it
+    forward = layer_cls.forward
+
+    def counted(self, *a, **k):
+        count()
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(layer_cls, "forward", counted)
+    code, rec = retrain_once(cfg)
+    assert code == EXIT_OK and rec["outcome"] == "promoted", {k: rec.get(k) for k in ("outcome", "error", "gate", "stale")}
+    assert calls["layers"] == 0, f"{calls['layers']} decoder-layer forwards while the candidate was built and trained"
+    reg = Registry(root / "served-registry", Path(cfg.target).name, "medusa")
+    data = Path(reg.manifest(reg.current())["data"]["path"])
+    prov = json.loads((data / "provenance.json").read_text())
+    assert prov["served"]["captures"] == str(captures) and prov["counts"]["per_domain"] == {"code": prov["counts"]["rows"]}
+    assert (data / "capture" / "index.json").is_file()
+    assert prov["replay"]["rows"] > 0 and prov["replay"]["captured_by_target"] == 0
+    assert rec["candidate_traffic"]["domains"]["code"]["alpha"] >= cfg.thresholds.alpha_floor
