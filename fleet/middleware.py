@@ -39,7 +39,8 @@ event loop); a finished exchange goes into a bounded queue (full: the record is 
 waited for), and one background thread parses it and appends the line with one unbuffered write, so a
 reader sees whole lines. Every exception of the logging path is caught and counted (`counts`; a warning in
 vLLM's log at the 1st, 2nd, 4th, 8th ... of each kind). A process deletes only files it created itself
-(matching its own name pattern and pid); files of earlier processes stay for the operator's retention.
+(matching its own name pattern and pid); files of earlier processes stay for the operator's retention. The
+writer is a daemon thread: records still queued when the process exits are lost, never waited for.
 
 Runs inside vLLM's environment: the standard library only (scripts/check_imports.py, rule 5).
 """

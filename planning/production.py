@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from draftsmith import net
@@ -268,7 +268,8 @@ def _spec_steps(sd: dict, where: str, k: int, steps: int, totals: tuple[int, int
     bad = next((i for i, (a, d) in enumerate(zip(acc, dra, strict=True)) if a > d), None)
     if bad is not None:
         raise ValueError(f"{where}.per_step_accepted[{bad}] is {acc[bad]} > per_step_drafted[{bad}] {dra[bad]}")
-    if any(acc.count(j) != h for j, h in enumerate(hist)):
+    seen = Counter(acc)
+    if any(seen[j] != h for j, h in enumerate(hist)):
         raise ValueError(f"{where}.acceptance_histogram {show(hist)} is not the histogram of per_step_accepted")
 
 
@@ -299,7 +300,17 @@ def _spec_decoding(sd, where: str) -> tuple[float, float, float, list[float]]:
                                       and math.isclose(value, want, rel_tol=1e-9, abs_tol=1e-12)):
             raise ValueError(f"{where}.{key} is {show(value)}, but the counts give {want!r}")
     _spec_steps(sd, where, k, steps, (drafted, accepted), hist)
-    return float(steps), float(drafted), float(accepted), [float(sum(hist[i + 1:])) for i in range(k)]
+    return float(steps), float(drafted), float(accepted), _positions(hist)
+
+
+def _positions(hist: list[int]) -> list[float]:
+    """Accepted at position i = Σ_{j>i} h[j]: a step that accepted j draft tokens accepted positions 0..j-1
+    (vLLM's SpecDecodingStats.observe_draft); suffix sums, one pass."""
+    out, above = [], 0
+    for h in reversed(hist[1:]):
+        above += h
+        out.append(float(above))
+    return out[::-1]
 
 
 def _vllm_metrics(row: dict) -> tuple[object, str] | None:

@@ -189,7 +189,7 @@ def _fleet_traffic(tmp_path, data: bytes, how: str) -> None:
 
     folder = _folder(tmp_path)
     place(folder / "traffic-20260101T000000000000Z-1.jsonl", data, how)
-    policy = tmp_path / "policy.json"
+    policy = tmp_path / "fleet-policy.json"  # never placed by a mutation (the long run shares tmp_path)
     policy.write_text(json.dumps(POLICY))
     table = refuses_cleanly(lambda: log_alpha(folder, policy), folder.name)
     if table is not None:  # what the reader accepts is counts the table can be built on
