@@ -296,9 +296,7 @@ class GenerationConfig:
             check_tree(self.tree, "generation.tree")
         if self.backend not in ("engine", "openai"):
             raise ValueError(f"generation.backend must be engine or openai, got {self.backend!r}")
-        if self.backend == "openai":
-            if not self.base_urls:
-                raise ValueError("generation.backend openai needs base_urls (one or more server addresses)")
+        if self.backend == "openai":  # no base_urls is refused by DataConfig (capture.backend vllm starts its own)
             bad = [u for u in self.base_urls if not re.match(r"https?://[^/\s]+", u)]
             if bad:
                 raise ValueError(f"generation.base_urls: {bad[0]!r} is not an http(s) address")
@@ -354,6 +352,7 @@ class DataConfig:
             raise ValueError(f"reasoning must be keep, drop or mask, got {self.reasoning!r}")
         if self.responses not in ("regenerate", "keep"):
             raise ValueError(f"responses must be regenerate or keep, got {self.responses!r}")
+        self._check_servers()
         if self.responses == "keep":
             bare = [s.name for s in self.sources if not s.has_responses]
             if bare:
@@ -368,6 +367,25 @@ class DataConfig:
             for f in forbidden:
                 if p == f or f in p.parents:
                     raise ValueError(f"sources.{s.name}: {s.path} is held-out eval data ({f}); it may not be trained on")
+
+    def _check_servers(self) -> None:
+        """Who writes and who captures: servers need addresses, except the capture replica draftsmith starts
+        itself (capture.backend vllm with no base_urls); capture by vLLM needs servers that write the answers,
+        and, in a fleet, the folder its connector writes into."""
+        gen, cc = self.generation, self.capture
+        if gen.backend == "openai" and not gen.base_urls and cc.backend != "vllm":
+            raise ValueError("generation.backend openai needs base_urls (one or more server addresses)")
+        if cc.backend != "vllm":
+            return
+        if gen.backend != "openai":
+            raise ValueError("capture.backend vllm takes the features from the servers that write the answers: it "
+                             "needs generation.backend: openai")
+        if self.responses == "keep":
+            raise ValueError("capture.backend vllm captures what the servers write; responses: keep writes nothing "
+                             "(use capture.backend: target)")
+        if gen.base_urls and not cc.served_dir:
+            raise ValueError("capture.backend vllm with generation.base_urls needs capture.served_dir (the "
+                             "connector's capture_dir, readable here)")
 
     def source_chat(self, name: str) -> SourceChat:
         """The chat-template arguments and reasoning policy of source `name` (its own over the defaults)."""
