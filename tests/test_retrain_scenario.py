@@ -44,12 +44,12 @@ def _prompt(line: str, words: int = 3) -> str:
     return " ".join(line.split(" ")[:words])
 
 
-def _learned_target(tokenizer, folder: Path):
-    """A 2-layer Llama trained to reproduce A_LINES and B_LINES after their first words."""
+def _learned_target(tokenizer, folder: Path, layers: int = 2, hidden: int = 64):
+    """A Llama (2 layers, hidden 64 unless told) trained to reproduce A_LINES and B_LINES after their first words."""
     import torch
     from tiny_models import make_target
 
-    target = make_target(tokenizer, seed=5)
+    target = make_target(tokenizer, seed=5, layers=layers, hidden=hidden)
     model = target.model
     model.train().requires_grad_(True)
     # chat-formatted, as the data pipeline and the evaluator will present prompts: user = the first
@@ -230,13 +230,12 @@ def test_retraining_from_the_fleets_states_runs_no_layer_of_the_target(scenario,
     """`traffic.captures`: the candidate's rows and features come from what the fleet served and computed; from
     the traffic log to the trained candidate, not one decoder layer of the target runs (its final norm and lm_head
     give the post-norm state), and the candidate is promoted on α measured as before."""
-    import draftsmith.retrain.run as run
-    from draftsmith.targets.families import decoder_layers
-
     import torch
 
+    import draftsmith.retrain.run as run
     from draftsmith.capture.cache import capture_dataset
     from draftsmith.data.generate import load_distilled
+    from draftsmith.targets.families import decoder_layers
 
     root, retrain_yaml, v1, target = scenario
     traffic, captures = _served_traffic(target, root)
