@@ -1,6 +1,6 @@
 """Retraining from what the fleet served against re-running the target on the same traffic, on smollm2-135m.
 
-    python scripts/fleet_retrain.py --out runs/fleet-retrain            # then bench/results/fleet-retrain-*/
+    python scripts/fleet_retrain.py --out bench/results/fleet-retrain-smollm2-135m
 
 1. The fleet (vLLM's CPU build, measured, not timed): the traffic prompts (two domains: `math`, gsm8k's training
    questions; `general`, self-instruct's seed tasks) go as chat completions to a capture replica (`vllm serve`
@@ -266,7 +266,8 @@ def render(r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", nargs="?", default="all", choices=["all", "path"])
+    # fleet: stage 1 only (vLLM's measurements, no timing: it may run beside other work); all: every stage
+    p.add_argument("stage", nargs="?", default="all", choices=["all", "fleet", "path"])
     p.add_argument("name", nargs="?")
     p.add_argument("run", nargs="?")
     p.add_argument("--out", type=Path, default=Path("runs/fleet-retrain"))
@@ -285,6 +286,8 @@ def main() -> None:
 
     a.out.mkdir(parents=True, exist_ok=True)
     before = fleet(a, load_target(a.target))
+    if a.stage == "fleet":
+        return print(json.dumps({d: r["alpha"] for d, r in before["domains"].items()}))
     runs = timed_runs(a)
     cands = candidates(a, runs)
     served = next(r for r in runs if r["name"] == "served")
