@@ -20,15 +20,28 @@ their loss masks come from `tokenize_conversation` (verified by decoding back).
 With `capture.enabled` the batched engine also keeps chosen layer outputs / top-k logits for every position
 and they are written with `capture.cache.ShardWriter` to `output_dir/capture/`; the rows any other
 engine writes are read by the target once afterwards (capture/offline.py).
+
+`capture.backend: vllm`: the servers that write the answers are vLLM capture replicas (extract_hidden_states and
+draftsmith's KV connector, fleet/vllm_capture.py), one file per request in `capture.served_dir`. Every request
+names its row and turn (`X-Request-Id`, data/engines/remote.py); after generation each row takes the capture of
+its last turn's request, whose tokens must be the row's input_ids, and the target runs only its final norm and
+lm_head over it (data/served.py). A row with no such capture is captured by the target, counted and named in
+provenance.json. With no `generation.base_urls` the caller hands `generate_dataset` a `replica` to start on this
+machine: starting vLLM is export/'s (export/vllm_server.py, a later layer than data/), so data/ takes the
+starter as an argument and export/capture_replica.py passes the one built on VllmServer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +51,26 @@ from draftsmith.config import load_config, to_dict
 from draftsmith.data.config import DataConfig
 from draftsmith.data.engines import CaptureSpec, Completion, Request, TextEngine, engine_for
 from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
+from draftsmith.data.output import (  # noqa: F401  (re-exported: the names every reader of a dataset folder imports)
+    CAPTURE_DIR,
+    CHUNKS_DIR,
+    COLUMNS,
+    DATASET_DIR,
+    GENERATED,
+    PROVENANCE,
+    SERVED_DIR,
+    claim_output,
+    write_rows,
+)
 from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.reasoning import drop_thinking, thinking_tokens
 from draftsmith.data.rows import RowLimits, check_row
 from draftsmith.data.sources import PromptRow, load_prompts
 from draftsmith.errors import DataError, FileFormatError
 from draftsmith.storage import (
-    atomic_dir,
     atomic_write_json,
     atomic_write_text,
-    check_replaceable,
     jsonl_records,
-    output_kind,
     read_json,
     sha256_json,
 )
@@ -58,40 +79,12 @@ from draftsmith.targets.context import answer_room, context_window
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ["row_id", "source", "domain", "prompt", "response", "input_ids", "loss_mask", "origin", "stopped",
-           "n_turns"]
-DATASET_DIR = "dataset"
-PROVENANCE = "provenance.json"
-CHUNKS_DIR = "chunks"
-CAPTURE_DIR = "capture"
 # why a generated row was left out (provenance's malformed kinds)
 REASONING = "reasoning policy leaves nothing to learn"
 TOO_LONG = "a later turn past the target's context"
-# what generation writes into output_dir (magpie requests come first, from data/magpie.py)
-GENERATED = {DATASET_DIR, PROVENANCE, CHUNKS_DIR, CAPTURE_DIR, "run.json", "requests"}
-
-
-def claim_output(out: Path) -> None:
-    """Refuse (one line, nothing touched) an output_dir that is a user's folder: generation writes `dataset/`,
-    `provenance.json`, `chunks/` ... into it and replaces a `dataset/` there. Ours is: absent or empty, a
-    draftsmith dataset, an interrupted generation (its run.json), or only what generation writes before
-    run.json (magpie requests, chunks, capture shards)."""
-    if not out.is_dir():
-        check_replaceable(out, "dataset")  # a file or a symlink is refused; an absent folder passes
-        return
-    # a writer's lock inside the folder (locks.py) is no content of its own
-    names = {p.name for p in out.iterdir() if not (p.name.startswith(".") and p.name.endswith(".lock"))}
-    if not names or output_kind(out) == "dataset":
-        return
-    try:
-        run = read_json(out / "run.json") if "run.json" in names else None
-    except (OSError, ValueError):
-        run = None
-    if isinstance(run, dict) and {"fingerprint", "sampling"} <= set(run) and not names - GENERATED:
-        return
-    if not names & {DATASET_DIR, PROVENANCE, "run.json"} and not names - GENERATED:
-        return
-    check_replaceable(out, "dataset")
+# starts a capture replica of the target (its HF folder) whose connector keeps vLLM's layer ids (the list) in the
+# folder, for as long as the block runs; yields its OpenAI API root (.../v1) and the name it serves the target under
+Replica = Callable[[Any, list[int], Path], AbstractContextManager[tuple[str, str]]]
 
 
 def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | None = None) -> dict[str, Any]:
@@ -239,7 +232,7 @@ def prepare_prompts(config: DataConfig, target, progress: bool = False) -> tuple
 
 def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
                      overwrite: bool = False, grow: bool = False, grow_from: str | Path | None = None,
-                     resume_from: str | Path | None = None) -> Path:
+                     resume_from: str | Path | None = None, replica: Replica | None = None) -> Path:
     """Generate (or finish generating) the self-distilled dataset of `config`; returns `output_dir`.
 
     `on_row(record)` is called after each finished row (tests use it to simulate a crash).
@@ -251,6 +244,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     copy grows: the base set stays as it is for the heads and benchmarks that name it (`copy_base_set`).
     With `resume_from` the rows of a pack (data/pack.py) are first put into output_dir, as if an earlier run there
     had written them: only the prompts the pack does not answer are generated.
+    With `replica` (`capture.backend: vllm` and no `generation.base_urls`) the capture replica it starts writes
+    the answers and their features, and is stopped at the end or on an error (export/capture_replica.py).
     One run writes an output_dir at a time: a second is refused while the first runs (locks.py).
     """
     from draftsmith.locks import output_lock
@@ -263,7 +258,8 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
             target = target or load_target(config.target)
             unpack_rows(resume_from, Path(config.output_dir).expanduser(),
                         RowLimits.of(target, config.generation.max_new_tokens))
-        return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite, grow=grow)
+        return _generate_dataset(config, target, progress=progress, on_row=on_row, overwrite=overwrite, grow=grow,
+                                 replica=replica)
 
 
 def same_folder(a: str | Path, b: str | Path) -> bool:
@@ -304,7 +300,7 @@ def copy_base_set(base: Path, out: Path) -> None:
 
 
 def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True, on_row=None,
-                      overwrite: bool = False, grow: bool = False) -> Path:
+                      overwrite: bool = False, grow: bool = False, replica: Replica | None = None) -> Path:
     gen = config.generation
     if gen.threads:
         torch.set_num_threads(gen.threads)
@@ -315,10 +311,31 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     t_start = time.time()
     if config.responses == "keep":
         return _keep_dataset(config, target, out, progress, t_start)
+    served = config.capture.enabled and config.capture.backend == "vllm"
+    with _servers(config, target, out, replica) as gen:
+        records, stats, timing, engine = _write_rows(config, gen, target, out, progress, on_row, grow, finished)
+        if served:  # while the replica still runs: its connector writes a file just after each answer
+            writer, found = _wait_served(config, out, engine.target, records)
+    target = engine.target
+    if served:
+        timing["capture"] = _join_served(config, out, target, records, writer, found)
+    elif config.capture.enabled and not engine.captures:  # the target reads the written rows once (capture/offline.py)
+        from draftsmith.capture.offline import capture_rows
+
+        timing["capture"] = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
+    timing["wall_seconds"] = round(time.time() - t_start, 2)
+    _save(out, records, config, target, engine.precision, stats, timing)
+    return out
+
+
+def _write_rows(config: DataConfig, gen, target, out: Path, progress: bool, on_row, grow: bool, finished: bool
+                ) -> tuple[list[dict], dict, dict, TextEngine]:
+    """Answer every prompt not answered yet with the engine `gen` names (resuming from the chunks); returns the
+    finished records, the prompts' stats, the timing and the engine."""
     capture = None
     # a row whose thinking is dropped is not the text the target wrote: the target reads it afterwards instead
     dropping = any(config.source_chat(s.name).reasoning == "drop" for s in config.sources)
-    if config.capture.enabled and not dropping:
+    if config.capture.enabled and not dropping and config.capture.backend == "target":
         capture = CaptureSpec(list(config.capture.layers), config.capture.topk, config.capture.last_hidden)
     engine = engine_for(gen, target, chat_mode=resolve_mode(target.tokenizer, config.chat.mode), capture=capture)
     target = engine.target  # locally: the target in the generation dtype
@@ -347,19 +364,68 @@ def _generate_dataset(config: DataConfig, target=None, *, progress: bool = True,
     seconds = time.perf_counter() - t0
     if writer is not None:
         writer.close()
-
     records = kept + (_finished_records(rows, done, stats) if rows or not kept else [])
     timing = {"generated_rows": len(todo), "resumed_rows": resumed, "generated_tokens": sink.tokens,
               "seconds": round(seconds, 2), "tokens_per_s": round(sink.tokens / seconds, 2) if seconds > 0 else None}
     if engine.report_as is not None:
         timing[engine.report_as] = engine.describe()
-    if config.capture.enabled and not engine.captures:  # the target reads the written rows once (capture/offline.py)
-        from draftsmith.capture.offline import capture_rows
+    return records, stats, timing, engine
 
-        timing["capture"] = capture_rows(target, records, out / CAPTURE_DIR, config.capture, progress=progress)
-    timing["wall_seconds"] = round(time.time() - t_start, 2)
-    _save(out, records, config, target, engine.precision, stats, timing)
-    return out
+
+def served_dir(config: DataConfig) -> Path:
+    """capture.backend vllm: the folder the replicas' connector writes into (`capture.served_dir`, else
+    `<output_dir>/served`, where the replica draftsmith starts writes)."""
+    return Path(config.capture.served_dir or Path(config.output_dir) / SERVED_DIR).expanduser()
+
+
+@contextlib.contextmanager
+def _servers(config: DataConfig, target, out: Path, replica: Replica | None):
+    """The generation settings the rows are written with: as configured, or, for capture.backend vllm with no
+    base_urls, pointed at the capture replica `replica` starts here (stopped when the block ends, on an error too)."""
+    gen = config.generation
+    if gen.backend != "openai" or gen.base_urls:
+        yield gen
+        return
+    if replica is None:  # DataConfig allows no base_urls only with capture.backend vllm
+        raise DataError("capture.backend vllm with no generation.base_urls: give the capture replicas' addresses "
+                        "(`draftsmith data serve-capture` prints their vllm serve line), or generate through "
+                        "draftsmith.export.capture_replica.generate_with_local_replica, which starts one here")
+    from draftsmith.capture.layers import resolve_layers
+    from draftsmith.data.served import vllm_layer_ids
+
+    folder = served_dir(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = vllm_layer_ids(resolve_layers(list(config.capture.layers), target.num_layers), target.num_layers)
+    with replica(target, ids, folder) as (url, name):
+        yield dataclasses.replace(gen, base_urls=[url], served_model=name)
+
+
+def _wait_served(config: DataConfig, out: Path, target, records: list[dict]):
+    """The capture cache (its hidden states stored in float32 where capture.dtype says so, else bf16) and the
+    replicas' files of the rows it does not hold yet, waited for at most capture.served_wait seconds."""
+    from draftsmith.capture.cache import ShardWriter
+    from draftsmith.data.engines.remote import request_key
+    from draftsmith.data.served import wait_for_captures
+
+    cc = config.capture
+    hidden = torch.float32 if cc.dtype == "float32" else torch.bfloat16
+    writer = ShardWriter(out / CAPTURE_DIR, list(cc.layers), cc.topk, hidden, fingerprint=target.fingerprint())
+    keys = {request_key(r["row_id"], r["n_turns"] - 1) for r in records if int(r["row_id"]) not in writer}
+    return writer, wait_for_captures(served_dir(config), keys, cc.served_wait)
+
+
+def _join_served(config: DataConfig, out: Path, target, records: list[dict], writer, found: dict) -> dict:
+    """Each row's features from its capture (data/served.join_captures); the rows without one are captured by
+    the target here, one forward each (counted in the stats provenance.json keeps)."""
+    from draftsmith.data.served import join_captures
+
+    t0 = time.perf_counter()
+    with writer:
+        stats, fallback = join_captures(records, served_dir(config), target, config.capture, writer, found)
+        _backfill_capture(target, config, writer, fallback)
+    stats["seconds"] = round(time.perf_counter() - t0, 2)
+    stats["dir"] = str(out / CAPTURE_DIR)
+    return stats
 
 
 def _finished_here(out: Path, config: DataConfig, overwrite: bool, grow: bool) -> bool:
@@ -653,28 +719,6 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True, desc="generate")
-
-
-def write_rows(out: Path, records: list[dict]) -> None:
-    """The finished rows as `out/dataset` (replaced whole: a reader sees the old set or the new one), in the
-    columns every job reads (load_distilled)."""
-    import datasets
-
-    columns = {c: [r[c] for r in records] for c in COLUMNS}
-    extra = {}
-    if records and all("replay" in r for r in records):  # on-policy rollouts (data/engines/rollout.py)
-        columns["replay"] = [r["replay"] for r in records]
-        extra["replay"] = datasets.Sequence(datasets.Value("int8"))
-    features = datasets.Features({
-        "row_id": datasets.Value("int64"), "source": datasets.Value("string"), "domain": datasets.Value("string"),
-        "prompt": datasets.Value("string"), "response": datasets.Value("string"),
-        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
-        "origin": datasets.Value("string"), "stopped": datasets.Value("bool"), "n_turns": datasets.Value("int32"),
-        **extra,
-    })
-    ds = datasets.Dataset.from_dict(columns, features=features)
-    with atomic_dir(out / DATASET_DIR, overwrite=True) as tmp:
-        ds.save_to_disk(str(tmp))
 
 
 def _save(out: Path, records: list[dict], config: DataConfig, target, precision: dict, stats: dict,

@@ -263,7 +263,7 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
     Returns the provenance written."""
     from tqdm.auto import tqdm
 
-    from draftsmith.data.generate import CAPTURE_DIR, PROVENANCE, claim_output, write_rows
+    from draftsmith.data.output import CAPTURE_DIR, PROVENANCE, claim_output, write_rows
     from draftsmith.data.rows import RowLimits, check_row
 
     t0 = time.time()
@@ -303,3 +303,86 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
     if scan.skipped:
         log.warning("import served: %d capture(s) skipped; first: %s", scan.skipped, scan.bad[0])
     return prov
+
+
+# a capture replica's file for one of generation's requests (data/engines/remote.py names them): vLLM's
+# `cmpl-<X-Request-Id>-<prompt index>-<8 hex>`, the id being `ds-<row>-t<turn>-<12 hex>`
+_GENERATED = re.compile(r"^cmpl-(ds-[A-Za-z0-9._:]+-t\d+)-[0-9a-f]{12}-\d+-[0-9a-f]{8}" + re.escape(SUFFIX) + "$")
+
+
+def captures_by_turn(folder: str | Path) -> dict[str, list[Path]]:
+    """The capture files of `folder` that answer generation's requests, by the row and turn they answer
+    (remote.request_key): a retried request leaves several. Told by name alone; nothing is read."""
+    out: dict[str, list[Path]] = {}
+    folder = Path(folder)
+    if not folder.is_dir():
+        return out
+    for path in sorted(folder.iterdir()):
+        m = _GENERATED.match(path.name)
+        if m:
+            out.setdefault(m[1], []).append(path)
+    return out
+
+
+def wait_for_captures(folder: str | Path, keys: set[str], seconds: float, poll: float = 0.2) -> dict[str, list[Path]]:
+    """`captures_by_turn(folder)`, once every key of `keys` has a file or `seconds` (in all) have passed: the
+    connector writes a request's file just after its answer went out."""
+    end = time.monotonic() + seconds
+    while True:
+        found = captures_by_turn(folder)
+        if keys <= set(found) or time.monotonic() >= end:
+            return found
+        time.sleep(poll)
+
+
+def _row_capture(rec: dict, paths: list[Path], target, needed: list[int], bad: list[str]) -> ServedRequest | str:
+    """The capture among `paths` whose tokens are the row's input_ids (prompt of its last turn + answer), or why
+    none is: a file that cannot be used is named in `bad` (the first MAX_NAMED)."""
+    if not paths:
+        return "missing"
+    for path in paths:
+        try:
+            req = read_capture(path)
+        except DataError as e:
+            why = str(e)
+        else:
+            why = _fits(req, target, needed)
+            if why is None and req.token_ids == list(rec["input_ids"]):
+                return req
+            why = f"{path}: {why or 'its tokens are not those of the row'}"
+        if len(bad) < MAX_NAMED:
+            bad.append(why)
+    return "differs"
+
+
+def join_captures(records: list[dict], folder: str | Path, target, cc, writer: ShardWriter,
+                  found: dict[str, list[Path]]) -> tuple[dict, list[dict]]:
+    """Each row not yet in `writer` takes the features of its last turn's capture in `found`
+    (captures_by_turn): `cc`'s layers (draftsmith ids, -1 included), top-k with its logsumexp, the post-norm
+    state. Returns the counts and the rows no capture fits (missing, or other tokens), which the caller has the
+    target capture: counted and named here, never silent."""
+    from draftsmith.capture.layers import resolve_layers
+    from draftsmith.data.engines.remote import request_key
+
+    resolved = resolve_layers(list(cc.layers), target.num_layers)
+    needed = vllm_layer_ids(resolved, target.num_layers)
+    todo = [r for r in records if int(r["row_id"]) not in writer]
+    fallback, named, why, bad = [], [], Counter(), []
+    for rec in todo:
+        got = _row_capture(rec, found.get(request_key(rec["row_id"], rec["n_turns"] - 1), []), target, needed, bad)
+        if isinstance(got, str):
+            fallback.append(rec)
+            why[got] += 1
+            if len(named) < MAX_NAMED:
+                named.append(f"{rec['origin']}: {got}")
+            continue
+        f = features(got, target, resolved, cc.topk, cc.last_hidden, logsumexp=bool(cc.topk))
+        writer.add(int(rec["row_id"]), {i: f["layers"][j] for i, j in zip(cc.layers, resolved)},
+                   f.get("topk_values"), f.get("topk_indices"), f.get("last_hidden"), f.get("logsumexp"))
+    stats = {"backend": "vllm", "served_dir": str(folder), "rows": len(records),
+             "cached_rows": len(records) - len(todo), "from_vllm": len(todo) - len(fallback),
+             "from_target": len(fallback), "fallback": dict(why), "fallback_rows": named, "bad": bad}
+    if fallback:
+        log.warning("capture.backend vllm: %d of %d rows had no capture of their tokens in %s (%s); the target "
+                    "captures them (first: %s)", len(fallback), len(todo), folder, dict(why), fallback[0]["origin"])
+    return stats, fallback

@@ -28,6 +28,10 @@ A server serving another model is refused, never written from:
 A response's tokens are the ones the server returns (`token_ids`) where it does; otherwise its text is
 tokenized with the target's tokenizer and the end-of-turn token appended when it stopped (`finish_reason:
 stop`), exactly as the chat template ends an assistant turn.
+
+Every request carries an `X-Request-Id` header naming its row and turn, with a part of its own (a retried row
+sends a new id): `ds-<row>-t<turn>-<12 hex>`. vLLM takes it as the request's id, so a capture replica's file for
+it is `cmpl-ds-<row>-t<turn>-<12 hex>-0-<8 hex>.safetensors` (`capture.backend: vllm`, data/served.py joins them).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,12 +82,26 @@ class _Server:
     stats: dict[str, int] = field(default_factory=dict)
 
 
-def _http(url: str, body: dict | None, timeout: float, api_key: str | None) -> dict:
+def request_key(key, turn: int) -> str:
+    """What every request id of row `key`'s turn `turn` starts with (`ds-<row>-t<turn>`): characters a vLLM request
+    id and a file name keep, without '-' inside the row's part so that the id splits back."""
+    return f"ds-{re.sub(r'[^A-Za-z0-9._:]', '_', str(key))[:80]}-t{int(turn)}"
+
+
+def request_id(key, turn: int) -> str:
+    """A new id for one request (one try) of row `key`'s turn `turn`: request_key and 12 hex of its own."""
+    return f"{request_key(key, turn)}-{uuid.uuid4().hex[:12]}"
+
+
+def _http(url: str, body: dict | None, timeout: float, api_key: str | None, rid: str | None = None) -> dict:
     """One request through the one client (net.py): answered within `timeout` seconds in all, at most
     net.ANSWER_MAX_BYTES long, JSON nested at most net.MAX_DEPTH deep; _Retry / _Refused on failure. A redirect
     is refused, never followed: a followed one would carry the API key (`Authorization`) to whatever origin
-    the server names, and turn the POST into a GET. Every message is redacted (net.redact)."""
+    the server names, and turn the POST into a GET. Every message is redacted (net.redact). `rid`: the
+    request's X-Request-Id."""
     headers = {"Content-Type": "application/json"}
+    if rid:
+        headers["X-Request-Id"] = rid
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     data = None if body is None else json.dumps(body).encode()
@@ -172,6 +192,10 @@ class RemoteEngine(TextEngine):
                         for u in gen.base_urls]
         self.model: str | None = gen.served_model
         self.checked = False
+        # answers handed over per key: a row's turns are asked one after another, so it is the turn being asked
+        self.answered: dict = {}
+        if not self.servers:
+            raise DataError("generation.base_urls: no server to send the rows to")
 
     # ------------------------------------------------------------------------------------ identity
 
@@ -239,7 +263,8 @@ class RemoteEngine(TextEngine):
                 f"{len(again) - len(req.prompt_ids):+d} tokens, e.g. a BOS); use generation.prompt_as: token_ids")
 
     def _complete(self, s: _Server, req: Request) -> Completion:
-        answer = _http(f"{s.url}/completions", self._body(req, s.model), self.gen.request_timeout, self.api_key)
+        answer = _http(f"{s.url}/completions", self._body(req, s.model), self.gen.request_timeout, self.api_key,
+                       request_id(req.key, self.answered.get(req.key, 0)))
         try:
             choice = answer["choices"][0]
             text, finish = choice["text"], choice.get("finish_reason")
@@ -383,6 +408,7 @@ class RemoteEngine(TextEngine):
             if isinstance(got, Completion):
                 pending -= 1
                 s.rows += 1
+                self.answered[got.key] = self.answered.get(got.key, 0) + 1
                 generated += len(got.tokens)
                 if on_tokens is not None:
                     on_tokens(len(got.tokens))
