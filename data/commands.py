@@ -1,4 +1,5 @@
-"""`draftsmith data ...` subcommands: generate a self-distilled dataset, inspect one, take a domain subset."""
+"""`draftsmith data ...` subcommands: generate a self-distilled dataset, inspect one, take a domain subset, and print
+the `vllm serve` line of a capture replica (`serve-capture`, for `capture.backend: vllm`)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def register(subparsers) -> None:
     pk.add_argument("--out", required=True, help="the pack to write, e.g. rows.jsonl.xz (its manifest goes beside it)")
     pk.set_defaults(func=run_pack)
 
+    _register_serve_capture(sub)
+
 
 def run_generate(args: argparse.Namespace) -> int:
     from draftsmith.data.generate import generate_dataset, load_data_config, read_provenance
@@ -86,6 +89,60 @@ def run_generate(args: argparse.Namespace) -> int:
           f"duplicates: {c['duplicates_dropped']}; eval overlap dropped: {c['overlap'].get('overlapping', 0)}")
     print(f"  generated {t['generated_tokens']} tokens in {t['seconds']} s = {t['tokens_per_s']} tok/s "
           f"({t['resumed_rows']} rows resumed from an earlier run)")
+    return 0
+
+
+def _register_serve_capture(sub) -> None:
+    sc = sub.add_parser("serve-capture", help="print the `vllm serve` line of a capture replica for a data preset "
+                                              "with capture.backend: vllm (start one per node, list them in "
+                                              "generation.base_urls)")
+    sc.add_argument("--config", required=True, help="the data preset (its target and capture section)")
+    sc.add_argument("--num-layers", type=ranged(int, Range(ge=1, le=4096)), default=None,
+                    help="the target's decoder layers (default: read from the target, which is loaded)")
+    sc.add_argument("--model", default=None, help="what vllm serve is given (default: the target's folder)")
+    sc.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. capture.served_dir=/data/cap")
+    sc.set_defaults(func=run_serve_capture)
+
+
+def serve_capture_line(config, num_layers: int, model: str) -> str:
+    """The shell lines that start one capture replica for `config` (capture.backend vllm): vLLM's
+    extract_hidden_states keeping the layers capture.layers needs, and draftsmith's connector writing them into
+    the served folder; `vllm serve` must import draftsmith.fleet, from this package on its PYTHONPATH."""
+    import shlex
+
+    from draftsmith.capture.layers import resolve_layers
+    from draftsmith.data.generate import served_dir
+    from draftsmith.data.served import serving_config, vllm_layer_ids
+
+    ids = vllm_layer_ids(resolve_layers(list(config.capture.layers), num_layers), num_layers)
+    spec, kv = serving_config(ids, served_dir(config).resolve())
+    package = Path(__file__).resolve().parents[1]
+    return "\n".join([
+        f"# capture replica: layers {list(config.capture.layers)} (draftsmith ids) kept as vLLM ids {ids} in "
+        f"{served_dir(config)}, a folder draftsmith must read (shared storage in a fleet)",
+        f"# vLLM's python must import draftsmith.fleet: a folder holding this package ({package}) under the name "
+        "draftsmith on its PYTHONPATH",
+        f"vllm serve {shlex.quote(model)} --port 8000 \\",
+        f"    --speculative-config {shlex.quote(json.dumps(spec))} \\",
+        f"    --kv-transfer-config {shlex.quote(json.dumps(kv))}",
+        "# then: generation.base_urls: [http://NODE:8000/v1, ...] and capture.served_dir: the same folder"])
+
+
+def run_serve_capture(args: argparse.Namespace) -> int:
+    from draftsmith.data.generate import load_data_config
+    from draftsmith.errors import ConfigError
+
+    config = load_data_config(args.config, args.overrides)
+    if config.capture.backend != "vllm":
+        raise ConfigError(f"{args.config}: capture.backend is {config.capture.backend}, a capture replica serves "
+                          "capture.backend: vllm")
+    model, layers = args.model or config.target, args.num_layers
+    if layers is None:
+        from draftsmith.targets import load_target
+
+        target = load_target(config.target)
+        model, layers = args.model or str(target.folder or config.target), target.num_layers
+    print(serve_capture_line(config, layers, model))
     return 0
 
 
