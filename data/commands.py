@@ -89,6 +89,10 @@ def run_generate(args: argparse.Namespace) -> int:
           f"duplicates: {c['duplicates_dropped']}; eval overlap dropped: {c['overlap'].get('overlapping', 0)}")
     print(f"  generated {t['generated_tokens']} tokens in {t['seconds']} s = {t['tokens_per_s']} tok/s "
           f"({t['resumed_rows']} rows resumed from an earlier run)")
+    cap = t.get("capture") or {}
+    if cap.get("backend") == "vllm":
+        print(f"  capture by vLLM: {cap['from_vllm']} rows from {cap['served_dir']}, {cap['from_target']} captured by "
+              f"the target {json.dumps(cap['fallback'])}, {cap['cached_rows']} already stored")
     return 0
 
 
