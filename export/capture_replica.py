@@ -43,8 +43,11 @@ def local_replica(dtype: str = "float32", log: str | Path | None = None, timeout
                             speculative_config=spec, served_name=target.name, dtype=dtype,
                             max_model_len=context_window(target) or 4096,
                             extra=("--kv-transfer-config", json.dumps(kv)))
-        with server.start(timeout):
+        server.start(timeout)  # not `with server.start()`: its __enter__ would start a second server
+        try:
             yield server.base_url, server.served_name
+        finally:
+            server.stop()
 
     return start
 
