@@ -212,10 +212,12 @@ def row_id(token_ids: list[int]) -> int:
 
 @torch.no_grad()
 def features(req: ServedRequest, target, layers: list[int], topk: int = 0, last_hidden: bool = False,
-             logsumexp: bool = False, chunk: int = 512) -> dict:
+             logsumexp: bool = False, chunk: int = 512, logits_from: int = 0) -> dict:
     """ShardWriter.add's arguments for one request: the job's layers (draftsmith ids) at vLLM id i+1, and
     from the last layer's output the post-norm state and the top-k logits (final norm + lm_head, in chunks of
-    `chunk` positions); the answer's last position is zeros (module docstring)."""
+    `chunk` positions); the answer's last position is zeros (module docstring). Top-k rows before
+    `logits_from` are zeros, as the target's own capture leaves them (capture/cache.py): no loss reads a
+    position before the one that predicts the first learned token, and the lm_head is most of the cost."""
     from draftsmith.capture.forward import topk_logits, topk_with_logsumexp
     from draftsmith.targets.families import final_norm, lm_head
 
@@ -231,15 +233,19 @@ def features(req: ServedRequest, target, layers: list[int], topk: int = 0, last_
     if last_hidden:
         out["last_hidden"] = pad(norm)
     if topk:
-        head = lm_head(model)
+        head, start = lm_head(model), min(max(int(logits_from), 0), norm.shape[0])
         parts = []
-        for s in range(0, norm.shape[0], chunk):
+        for s in range(start, norm.shape[0], chunk):
             logits = head(norm[s:s + chunk].to(target.device, target.dtype))
             parts.append(topk_with_logsumexp(logits, topk) if logsumexp else (*topk_logits(logits, topk), None))
-        out["topk_values"] = pad(torch.cat([p[0].cpu() for p in parts]))
-        out["topk_indices"] = pad(torch.cat([p[1].cpu() for p in parts]))
+        skipped = lambda t: torch.cat([t.new_zeros(start, *t.shape[1:]), t])  # noqa: E731
+        n = norm.shape[0] - start
+        values = torch.cat([p[0].cpu() for p in parts]) if parts else torch.zeros(n, topk)
+        out["topk_values"] = pad(skipped(values))
+        out["topk_indices"] = pad(skipped(torch.cat([p[1].cpu() for p in parts]) if parts else
+                                          torch.zeros(n, topk, dtype=torch.long)))
         if logsumexp:
-            out["logsumexp"] = pad(torch.cat([p[2].cpu() for p in parts]))
+            out["logsumexp"] = pad(skipped(torch.cat([p[2].cpu() for p in parts]) if parts else torch.zeros(n)))
     return out
 
 
@@ -285,7 +291,7 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
                 continue  # the same tokens served twice: one row
             records[rec["row_id"]] = rec
             if rec["row_id"] not in writer:
-                f = features(req, target, layers, topk, last_hidden, logsumexp)
+                f = features(req, target, layers, topk, last_hidden, logsumexp, logits_from=req.prompt_tokens - 1)
                 writer.add(rec["row_id"], f["layers"], f.get("topk_values"), f.get("topk_indices"),
                            f.get("last_hidden"), f.get("logsumexp"))
     rows = list(records.values())

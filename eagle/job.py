@@ -191,6 +191,28 @@ class EagleJob(Job):
     def setup(self, accelerator) -> None:
         self.target.model = self.features.placed_target(accelerator)  # the embedding and lm_head come from it
 
+    def warm_start_weights(self, weights: dict, module) -> dict:
+        """A warm start keeps this job's draft vocabulary, counted on its own training rows: the version it starts
+        from drafted the tokens of its own data, and loading its d2t would leave a new domain's tokens undraftable
+        (a retrained head stuck at the old domain's vocabulary). The lm_head row of a token in both vocabularies
+        moves to the token's new place; a token new to the vocabulary keeps the row it was built with (the
+        target's lm_head row)."""
+        if not self.variant.draft_vocab or "d2t" not in weights or "lm_head.weight" not in weights:
+            return weights
+        old_ids = torch.arange(weights["d2t"].numel()) + weights["d2t"].long().cpu()
+        new_ids = torch.arange(module.d2t.numel()) + module.d2t.long().cpu()
+        if torch.equal(old_ids, new_ids):
+            return weights
+        where = {int(t): i for i, t in enumerate(old_ids.tolist())}
+        lm = module.lm_head.weight.detach().cpu().clone()
+        kept = [(j, where[t]) for j, t in enumerate(new_ids.tolist()) if t in where]
+        if kept:
+            rows, src = zip(*kept, strict=True)
+            lm[list(rows)] = weights["lm_head.weight"][list(src)].to(lm.dtype)
+        log.info("warm start: the draft vocabulary of this job's rows (%d tokens; %d new, their lm_head rows from "
+                 "the target's)", len(new_ids), len(new_ids) - len(kept))
+        return {**weights, "lm_head.weight": lm, "d2t": module.d2t.detach().cpu(), "t2d": module.t2d.detach().cpu()}
+
     def train_rows(self):
         return self.train_set
 

@@ -522,3 +522,40 @@ def test_presets_load():
     for p in presets:
         cfg = load_config(p)
         assert isinstance(cfg, EagleJobConfig), p
+
+
+def test_a_warm_start_keeps_the_draft_vocabulary_of_its_own_rows(target4, tmp_path):
+    """Retraining after a domain shift warm-starts from the current head, whose draft vocabulary was counted on the
+    old domain's rows: the new head keeps the vocabulary of its own rows (the new domain's tokens draftable), the
+    lm_head row of a token in both moves to its new place, a new token starts from the target's lm_head row.
+    (Before, the old d2t was loaded over the new one: the retrained head could never draft a new token.)"""
+    from safetensors.torch import load_file
+
+    from draftsmith.targets.families import lm_head
+
+    def rows(lo: int, hi: int, seed: int) -> list[dict]:
+        g = torch.Generator().manual_seed(seed)
+        return [{"input_ids": torch.randint(lo, hi, (20,), generator=g).tolist(), "loss_mask": [0] * 4 + [1] * 16,
+                 "row_id": seed * 100 + i} for i in range(16)]
+
+    first = job_config(tmp_path / "v1", "eagle3", steps=4)
+    first.draft_vocab_size = 40
+    v1 = train(EagleJob(first, target4, rows(3, 60, 1)), first.train).artifact
+    cfg = job_config(tmp_path / "v2", "eagle3", steps=1)
+    cfg.draft_vocab_size = 40
+    cfg.train.lr, cfg.train.warmup_steps, cfg.train.warm_start = 1e-12, 0, str(v1)
+    job = EagleJob(cfg, target4, rows(40, 120, 2))
+    v2 = train(job, cfg.train).artifact
+    old, new = load_file(str(Path(v1) / "model.safetensors")), load_file(str(Path(v2) / "model.safetensors"))
+    assert torch.equal(new["d2t"], job.d2t) and not torch.equal(new["d2t"], old["d2t"])
+    ids = lambda w: (torch.arange(w["d2t"].numel()) + w["d2t"]).tolist()  # noqa: E731
+    old_at = {t: i for i, t in enumerate(ids(old))}
+    target_rows = lm_head(target4.model).weight.detach()
+    shared = 0
+    for j, t in enumerate(ids(new)):
+        if t in old_at:
+            shared += 1
+            torch.testing.assert_close(new["lm_head.weight"][j], old["lm_head.weight"][old_at[t]], atol=1e-6, rtol=0)
+        else:
+            torch.testing.assert_close(new["lm_head.weight"][j], target_rows[t], atol=1e-6, rtol=0)
+    assert 0 < shared < len(ids(new))

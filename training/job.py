@@ -137,6 +137,11 @@ class Job:
         """The part of the module an artifact's weights belong to (Medusa-2: its heads)."""
         return module
 
+    def warm_start_weights(self, weights: dict, module: nn.Module) -> dict:
+        """The weights a warm start loads into `module` (the part warm_start_module gave), made to fit what this
+        job built (EAGLE-3: its own draft vocabulary); as they are by default."""
+        return weights
+
     def artifact_dest(self, default: Path) -> Path:
         """Where the artifact goes (default: <train.output_dir>/artifact)."""
         return default

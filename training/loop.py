@@ -312,6 +312,7 @@ class Trainer:
         _, weights = load_artifact(self.cfg.warm_start, kind=self.job.kind, target=self.job.target)
         # the part of the module an artifact's weights belong to (Medusa-2: its heads, not the adapted target)
         module = self.job.warm_start_module(module)
+        weights = self.job.warm_start_weights(weights, module)
         missing, unexpected = module.load_state_dict(weights, strict=False)
         # a tied weight (an LM head sharing the embedding) is saved once: it is loaded through its twin
         state = module.state_dict()
