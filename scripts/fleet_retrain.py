@@ -8,14 +8,16 @@
    keeps their hidden states. The held-out prompts (the eval test split's gsm8k and alpaca) go to a replica
    serving v1 — the shipped head zoo/smollm2-135m/eagle3-broad — with per-request metrics: α per domain
    before, as vLLM counts it.
-2. The two ways to a candidate, each in its own process (wall time, peak RSS), alternating, --repeats each:
+2. Three ways to a candidate, each in its own process (wall time, peak RSS), in rotating order, --repeats each:
      served  the captures of the traffic (joined to the traffic log by response id) imported into a dataset and
              capture cache (data/served.py: the target's final norm and lm_head run, no decoder layer), then
-             training;
-     regen   the same prompts answered by the target (draftsmith's engine, greedy, capturing the layers while it
-             writes: the cheapest way to re-run the target), then the same training.
+             training from that cache;
+     online  what `draftsmith retrain` does without `traffic.captures`: the same prompts answered by the target
+             (draftsmith's batched engine, greedy), then training with the target run in every step;
+     regen   the cheapest way to re-run the target: answered by the engine capturing the layers while it writes,
+             then training from that cache.
    Training: EAGLE-3 from the shipped preset, warm-started from v1, --steps steps of batch 8.
-3. τ and α of both candidates on the held-out prompts (draftsmith's evaluator, chain of 4).
+3. τ and α of the three candidates on the held-out prompts (draftsmith's evaluator, chain of 4).
 4. The served candidate exported and served by vLLM with per-request metrics on the held-out prompts: α per
    domain after, as vLLM counts it.
 Outputs in --out: report.json, report.md. A stage whose output is complete is not run again.
@@ -120,8 +122,12 @@ def fleet(a, target) -> dict:
     return production_alpha(out / "traffic-v1")
 
 
+WAYS = ("served", "online", "regen")
+
+
 def train_overrides(a, run: Path, data: Path) -> list[str]:
-    return [f"target={a.target}", f"data={data}", f"capture_cache={data / 'capture'}", f"output={run / 'candidate'}",
+    cache = [f"capture_cache={data / 'capture'}"] if (data / "capture").is_dir() else []  # else: online
+    return [f"target={a.target}", f"data={data}", *cache, f"output={run / 'candidate'}",
             f"train.output_dir={run / 'train'}", f"train.max_steps={a.steps}", f"train.warm_start={V1}",
             "train.resume=never", "train.progress=false", "evaluate.enabled=false", "train.save_every=0"]
 
@@ -138,7 +144,7 @@ def path_served(a, run: Path, target) -> dict:
     return {"data_seconds": time.perf_counter() - t0}
 
 
-def path_regen(a, run: Path, target) -> dict:
+def path_regen(a, run: Path, target, capture: bool = True) -> dict:
     import dataclasses
 
     from draftsmith.data import generate_dataset
@@ -148,9 +154,10 @@ def path_regen(a, run: Path, target) -> dict:
     prompts = run / "traffic.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [r["prompt"]], "category": r["domain"]}) + "\n"
                                for r in traffic_prompts(a.traffic)))
-    preset = load_data_config(str(ROOT / "configs" / "smollm2-135m" / "data.yaml"), [
-        f"generation.max_new_tokens={a.max_new}", "capture.enabled=true", f"capture.layers={LAYERS}",
-        "capture.topk=1", "capture.last_hidden=true", "capture.dtype=float32"])
+    cap = ["capture.enabled=true", f"capture.layers={LAYERS}", "capture.topk=1", "capture.last_hidden=true",
+           "capture.dtype=float32"] if capture else ["capture.enabled=false"]
+    preset = load_data_config(str(ROOT / "configs" / "smollm2-135m" / "data.yaml"),
+                              [f"generation.max_new_tokens={a.max_new}", *cap])
     source = SourceConfig(name="traffic", type="jsonl", path=str(prompts), turns="turns", domain="traffic",
                           domain_rules=[DomainRule("category", f"^{d}$", d) for d in ("math", "general")])
     t0 = time.perf_counter()
@@ -168,7 +175,10 @@ def one_path(a) -> None:
     t0 = time.perf_counter()
     target = load_target(a.target)
     timing = {"load_seconds": time.perf_counter() - t0}
-    timing.update((path_served if a.name == "served" else path_regen)(a, run, target))
+    if a.name == "served":
+        timing.update(path_served(a, run, target))
+    else:
+        timing.update(path_regen(a, run, target, capture=a.name == "regen"))
     t1 = time.perf_counter()
     train_method("eagle", str(PRESET), train_overrides(a, run, run / "data"))
     timing["train_seconds"] = time.perf_counter() - t1
@@ -178,8 +188,9 @@ def one_path(a) -> None:
 
 
 def timed_runs(a) -> list[dict]:
-    """Stage 2: served and regen alternating (served, regen, regen, served, ...), each a fresh process."""
-    order = [n for r in range(a.repeats) for n in (("served", "regen") if r % 2 == 0 else ("regen", "served"))]
+    """Stage 2: the ways in rotating order (served, online, regen; online, regen, served; ...), each a fresh
+    process."""
+    order = [WAYS[(r + i) % len(WAYS)] for r in range(a.repeats) for i in range(len(WAYS))]
     out = []
     for i, name in enumerate(order):
         run = a.out / "runs" / f"{i:02d}-{name}"
@@ -202,7 +213,7 @@ def candidates(a, runs: list[dict]) -> dict:
     held.write_text("".join(json.dumps({"turns": [r["prompt"]], "category": r["domain"]}) + "\n"
                             for r in held_prompts(a.held)))
     target, out = load_target(a.target), {}
-    for name in ("served", "regen"):
+    for name in WAYS:
         run = Path(next(r["run"] for r in runs if r["name"] == name))
         rep = evaluate(target, f"eagle:{run / 'candidate'}", prompts=[str(held)], max_new_tokens=64, k=4,
                        cost_model=False, repeats=1, remeasure=0)
@@ -235,12 +246,13 @@ def _median(xs: list[float]) -> float:
 
 def summary(runs: list[dict]) -> dict:
     out = {}
-    for name in ("served", "regen"):
+    for name in WAYS:
         mine = [r for r in runs if r["name"] == name]
         out[name] = {k: _median([r[k] for r in mine]) for k in ("seconds", "data_seconds", "train_seconds",
                                                                  "load_seconds", "peak_rss_gb")}
-    out["speedup"] = out["regen"]["seconds"] / out["served"]["seconds"]
-    out["data_speedup"] = out["regen"]["data_seconds"] / out["served"]["data_seconds"]
+    for base in ("online", "regen"):
+        out[f"speedup_vs_{base}"] = out[base]["seconds"] / out["served"]["seconds"]
+        out[f"data_speedup_vs_{base}"] = out[base]["data_seconds"] / out["served"]["data_seconds"]
     return out
 
 
@@ -251,12 +263,16 @@ def render(r: dict) -> str:
              f"{r['config']['max_new']} tokens; training: EAGLE-3 preset, {r['config']['steps']} steps, warm start "
              f"from v1; {r['config']['repeats']} runs of each way, alternating (medians).", "",
              "| way | wall s | data s | train s | peak RSS GB | candidate τ | α |", "|---|---|---|---|---|---|---|"]
-    for name, label in (("served", "served states (data/served.py)"), ("regen", "re-run the target")):
+    for name, label in (("served", "the fleet's states (data/served.py)"),
+                        ("online", "re-run the target: regenerate, target in every step (retrain today)"),
+                        ("regen", "re-run the target: regenerate capturing, train from the cache")):
         lines.append(f"| {label} | {s[name]['seconds']:.0f} | {s[name]['data_seconds']:.0f} | "
                      f"{s[name]['train_seconds']:.0f} | {s[name]['peak_rss_gb']:.2f} | {c[name]['tau']:.3f} | "
                      f"{c[name]['alpha']:.3f} |")
-    lines += ["", f"Speedup {s['speedup']:.2f}x (data stage {s['data_speedup']:.1f}x); τ served / regen "
-              f"{c['served']['tau'] / c['regen']['tau']:.3f}.", "",
+    lines += ["", f"Served states against retraining today: {s['speedup_vs_online']:.2f}x (data stage "
+              f"{s['data_speedup_vs_online']:.1f}x); against the cheapest re-run: {s['speedup_vs_regen']:.2f}x (data "
+              f"stage {s['data_speedup_vs_regen']:.1f}x). τ served / online {c['served']['tau'] / c['online']['tau']:.3f}, "
+              f"served / regen {c['served']['tau'] / c['regen']['tau']:.3f}.", "",
               "| domain | vLLM α v1 (before) | vLLM α v2 (after) |", "|---|---|---|"]
     for d in sorted(r["vllm_before"]["domains"]):
         b, a_ = r["vllm_before"]["domains"][d]["alpha"], r["vllm_after"]["domains"].get(d, {}).get("alpha")

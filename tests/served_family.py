@@ -18,6 +18,23 @@ KINDS = ("eagle3", "eagle31", "eagle1", "medusa", "draft", "dflash")  # what dra
 DRAFT_VOCAB = 128  # of the tiny targets' 320 tokens: the reduced vocabularies (EAGLE-3's, DFlash's "dflash-vocab")
 
 
+def require_vllm() -> Path:
+    """The vLLM environment's python; the test is skipped without one, unless DRAFTSMITH_REQUIRE_VLLM=1 (set by
+    `make test-vllm`) makes that a failure."""
+    import os
+
+    import pytest
+
+    from draftsmith.export.serve_check import ServeCheckError, vllm_python
+
+    try:
+        return vllm_python()
+    except ServeCheckError as e:
+        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
 def _train_cfg(tmp: Path, name: str, steps: int):
     from draftsmith.training.config import TrainConfig
 

@@ -13,11 +13,10 @@ One server start (~40 s on 2 cores), stopped by generate_dataset itself.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from served_family import PROMPTS, build_tiny_family
+from served_family import PROMPTS, build_tiny_family, require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -26,14 +25,8 @@ TOPK = 4
 
 
 def _vllm_or_skip():
-    from draftsmith.export.serve_check import ServeCheckError, vllm_python
 
-    try:
-        vllm_python()
-    except ServeCheckError as e:
-        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    require_vllm()
 
 
 def test_a_local_capture_replica_writes_the_rows_and_a_cache_equal_to_draftsmiths_own(tiny_tokenizer, tmp_path):

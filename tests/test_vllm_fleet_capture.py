@@ -13,11 +13,10 @@ One server for the module, stopped at its end; every request is bounded in count
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from served_family import DRAFT_VOCAB, PROMPTS, _train_cfg, build_tiny_family
+from served_family import DRAFT_VOCAB, PROMPTS, _train_cfg, build_tiny_family, require_vllm
 from test_served_capture import served_states
 
 pytestmark = pytest.mark.vllm
@@ -29,16 +28,10 @@ LAYERS = [0, 1, 2]  # EAGLE-3's three feature layers on the 4-layer tiny target 
 @pytest.fixture(scope="module")
 def replica(tiny_tokenizer, tmp_path_factory):
     from draftsmith.data.served import serving_config, vllm_layer_ids
-    from draftsmith.export.serve_check import ServeCheckError, vllm_python
     from draftsmith.export.vllm_server import VllmServer
     from draftsmith.targets import load_target
 
-    try:
-        vllm_python()
-    except ServeCheckError as e:
-        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    require_vllm()
     tmp = tmp_path_factory.mktemp("vllm-capture")
     folder = build_tiny_family("llama", tiny_tokenizer, tmp / "llama", hidden=128, layers=4)
     target = load_target(str(folder))

@@ -14,11 +14,11 @@ Servers on 127.0.0.1, every request bounded in count, length and time; each serv
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import yaml
+from served_family import require_vllm
 from test_retrain_scenario import A_LINES, B_LINES, _learned_target, _prompt
 
 pytestmark = pytest.mark.vllm
@@ -36,15 +36,9 @@ def fleet(tiny_tokenizer, tmp_path_factory):
     """The learned target, v1 trained on domain A (its rows' states kept, as a version trained from served states
     keeps them), v1's vLLM export and the retraining configuration."""
     from draftsmith.export.api import export_artifact
-    from draftsmith.export.serve_check import ServeCheckError, vllm_python
     from draftsmith.runner.train import train_method
 
-    try:
-        vllm_python()
-    except ServeCheckError as e:
-        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    require_vllm()
     root = tmp_path_factory.mktemp("fleet-loop")
     target = _learned_target(tiny_tokenizer, root / "target", layers=4, hidden=128)
     data_yaml, job_yaml = _configs(root, str(target.folder))
@@ -142,7 +136,7 @@ def _retrain_yaml(fleet, traffic: Path, captures: Path) -> Path:
         # domain A is kept by replaying v1's rows (with the states kept of them) beside B's served rows: the gate
         # allows the tiny head some loss on A for what it gains on B
         "gate": {"min_gain": 0.02, "baseline_margin": 0.4, "serve_check": True},
-        "budget": {"max_steps": 200, "replay_fraction": 0.5, "job_overrides": ["train.save_every=50"]},
+        "budget": {"max_steps": 600, "replay_fraction": 0.5, "job_overrides": ["train.save_every=100"]},
         "policy_alpha_floor": 0.1}))
     return path
 

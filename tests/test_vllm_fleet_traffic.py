@@ -14,12 +14,11 @@ One server for the module; every request bounded in count, length and time.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 
 import pytest
-from served_family import K, TinyFamily
+from served_family import K, TinyFamily, require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -31,15 +30,10 @@ USER = [("code", "def add(a, b):"), ("code", "for i in range(10):"), ("chat", "W
 
 @pytest.fixture(scope="module")
 def served(tiny_tokenizer, tmp_path_factory):
-    from draftsmith.export.serve_check import ServeCheckError, speculative_config, vllm_python
+    from draftsmith.export.serve_check import speculative_config
     from draftsmith.export.vllm_server import VllmServer
 
-    try:
-        vllm_python()
-    except ServeCheckError as e:
-        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    require_vllm()
     tmp = tmp_path_factory.mktemp("vllm-traffic")
     fam = TinyFamily("llama", tiny_tokenizer, tmp, kinds=["eagle3"])
     spec = speculative_config(fam.export("eagle3").out, K)

@@ -12,11 +12,10 @@ One server for the module, stopped at its end; every request is bounded in count
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-from served_family import PROMPTS, K, TinyFamily
+from served_family import PROMPTS, K, TinyFamily, require_vllm
 from tiny_models import assert_same_rows
 
 pytestmark = pytest.mark.vllm
@@ -26,15 +25,10 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def served(tiny_tokenizer, tmp_path_factory):
-    from draftsmith.export.serve_check import ServeCheckError, speculative_config, vllm_python
+    from draftsmith.export.serve_check import speculative_config
     from draftsmith.export.vllm_server import VllmServer
 
-    try:
-        vllm_python()
-    except ServeCheckError as e:
-        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    require_vllm()
     tmp = tmp_path_factory.mktemp("vllm-server")
     fam = TinyFamily("llama", tiny_tokenizer, tmp, kinds=["eagle3"])
     export = fam.export("eagle3").out

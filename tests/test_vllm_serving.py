@@ -14,11 +14,10 @@ skip, unless DRAFTSMITH_REQUIRE_VLLM=1 (set by `make test-vllm`) makes that a fa
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-from served_family import TinyFamily
+from served_family import TinyFamily, require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -26,14 +25,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_env():
-    from draftsmith.export.serve_check import ServeCheckError, vllm_python
-
-    try:
-        return vllm_python()
-    except ServeCheckError as e:
-        if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+    return require_vllm()
 
 
 _FAMILIES: dict[str, TinyFamily] = {}
