@@ -118,6 +118,25 @@ class EagleJobConfig:
             raise ValueError(f"target_layers: {v.name} reads {v.feature_layers} layer(s), got {self.target_layers}")
 
 
+VOCAB_MARGIN = 0.01  # a warm start keeps its draft vocabulary unless the rows' own covers this much more
+
+
+def _warm_start_vocabulary(path: str | None, vocab_size: int) -> torch.Tensor | None:
+    """The t2d of the head a warm start loads, or None (no warm start, no draft vocabulary, not readable: the
+    loop's warm start reads the artifact again, checked, and refuses it in one line)."""
+    file = Path(path or "") / "model.safetensors"
+    if not path or not file.is_file():
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            prior = f.get_tensor("t2d") if "t2d" in f.keys() else None
+    except (OSError, SafetensorError):
+        return None
+    return prior.bool() if prior is not None and prior.shape == (vocab_size,) else None
+
+
 def features(cfg: EagleJobConfig, target) -> dict:
     """What the job reads of the target per token (methods.Method.features): the feature layers (resolved
     draftsmith ids, in the head's order), plus for a logits teacher the post-norm last hidden and the top-1."""
@@ -171,7 +190,7 @@ class EagleJob(Job):
         # draft vocabulary from the training split's target-written tokens
         self.counts = token_counts(self.train_set, target.vocab_size)
         if v.draft_vocab:
-            self.d2t, self.t2d, _ = draft_vocabulary(self.counts, cfg.draft_vocab_size)
+            self.d2t, self.t2d = self._draft_vocab(cfg)
         else:
             self.d2t = self.t2d = None
         # the feature layers, plus for a logits teacher the post-norm last hidden and the top-1 (EAGLE-3);
@@ -190,6 +209,28 @@ class EagleJob(Job):
 
     def setup(self, accelerator) -> None:
         self.target.model = self.features.placed_target(accelerator)  # the embedding and lm_head come from it
+
+    def _draft_vocab(self, cfg: EagleJobConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d2t, t2d): the top tokens of the training rows. With a warm start, the vocabulary of the head it
+        starts from is kept while it covers this job's learned tokens within VOCAB_MARGIN of what the rows' own
+        vocabulary would (a retraining set is small; the earlier head's vocabulary was counted on more data); when
+        it does not (the traffic moved to another domain), the rows' own vocabulary is taken, the earlier one a
+        prior for the slots they leave (half a count a token)."""
+        from draftsmith.heads.vocab import vocab_coverage
+
+        prior = _warm_start_vocabulary(cfg.train.warm_start, self.counts.numel())
+        if prior is None:
+            return draft_vocabulary(self.counts, cfg.draft_vocab_size)[:2]
+        d2t, t2d, _ = draft_vocabulary(self.counts.float() + 0.5 * prior.float(), cfg.draft_vocab_size)
+        own, kept = vocab_coverage(self.counts, t2d), vocab_coverage(self.counts, prior)
+        if int(prior.sum()) == d2t.numel() and kept >= own - VOCAB_MARGIN:
+            ids = prior.nonzero().flatten()
+            log.info("warm start: keeps its draft vocabulary (it covers %.2f%% of the learned tokens, the rows' own "
+                     "would cover %.2f%%)", 100 * kept, 100 * own)
+            return ids - torch.arange(ids.numel()), prior.clone()
+        log.info("warm start: the rows' own draft vocabulary (%.2f%% of the learned tokens, the earlier one %.2f%%)",
+                 100 * own, 100 * kept)
+        return d2t, t2d
 
     def warm_start_weights(self, weights: dict, module) -> dict:
         """A warm start keeps this job's draft vocabulary, counted on its own training rows: the version it starts

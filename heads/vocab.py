@@ -37,8 +37,9 @@ def build_draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, to
     V = counts.numel()
     if not 1 <= size <= V:
         raise ConfigError(f"draft vocabulary size must be in 1..{V}, got {size}")
-    # stable sort on -count keeps ascending ids among equal counts
-    order = torch.sort(-counts.long(), stable=True).indices[:size]
+    # stable sort on -count keeps ascending ids among equal counts (in float64: a count may carry a prior's
+    # fraction, eagle/job.py, and every integer count is exact there)
+    order = torch.sort(-counts.double(), stable=True).indices[:size]
     chosen = torch.sort(order).values
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[chosen] = True

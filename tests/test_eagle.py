@@ -559,3 +559,9 @@ def test_a_warm_start_keeps_the_draft_vocabulary_of_its_own_rows(target4, tmp_pa
         else:
             torch.testing.assert_close(new["lm_head.weight"][j], target_rows[t], atol=1e-6, rtol=0)
     assert 0 < shared < len(ids(new))
+    # few new tokens: the slots they leave go to the earlier head's vocabulary (its tokens as a prior)
+    cfg3 = job_config(tmp_path / "v3", "eagle3", steps=1)
+    cfg3.draft_vocab_size, cfg3.train.warm_start = 40, str(v1)
+    few = EagleJob(cfg3, target4, rows(40, 50, 3))
+    chosen = set((torch.arange(40) + few.d2t).tolist())
+    assert set(range(40, 50)) <= chosen and chosen - set(range(40, 50)) <= set(ids(old))
