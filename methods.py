@@ -53,6 +53,7 @@ BUILTIN = (
     "draftsmith.medusa",
     "draftsmith.eagle",
     "draftsmith.dflash",
+    "draftsmith.dspark",
 )
 
 

@@ -220,6 +220,9 @@ class Proposer(ABC):
     assistant_model = None
     routes: bool = False  # picks a route per request: call `route` before each (decoding/routing.py)
     tracks_branches: bool = False  # counts whose branch was accepted: `branch_stats` (decoding/multi.py)
+    # estimates each drafted token's acceptance: `acceptance_estimates` (DSpark's confidence head), which the
+    # evaluator reports as a calibration (decoding/calibration.py)
+    estimates_acceptance: bool = False
 
     @property
     def needs_features(self) -> bool:
@@ -275,12 +278,17 @@ class Proposer(ABC):
         return self.name
 
     def reset_stats(self) -> None:
-        """Start counting `branch_stats` afresh (`tracks_branches` proposers)."""
+        """Start counting `branch_stats` / `acceptance_estimates` afresh."""
         return None
 
     def branch_stats(self) -> dict[str, dict]:
         """Per branch: proposed, accepted, wins, steps since `reset_stats` (`tracks_branches` proposers)."""
         return {}
+
+    def acceptance_estimates(self) -> tuple[list[float], list[int]]:
+        """(estimate, accepted 0/1) of every drafted token the verifier judged since `reset_stats`
+        (`estimates_acceptance` proposers)."""
+        return [], []
 
 
 def draft_dtype(setting: str | torch.dtype, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:

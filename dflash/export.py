@@ -25,13 +25,15 @@ the block the draft was trained on); SGLang reads `block_size` from config.json.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from draftsmith import artifact
-from draftsmith.dflash.model import DFlashConfig, DFlashDraft, buildable, read_config
+from draftsmith.dflash.model import DFlashConfig, buildable, module_of, read_config
 from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.layouts import schema
 from draftsmith.layouts.common import state_dtype
@@ -97,37 +99,39 @@ def layout_config(config: DFlashConfig, dtype: torch.dtype, num_target_layers: i
 
 
 def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int | None = None,
-           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
-    """`Method.export` of DFlash drafts (layouts/heads.py does the rest)."""
+           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None, backbone=None):
+    """`Method.export` of DFlash drafts (layouts/heads.py does the rest); `backbone`: a method on DFlash's backbone
+    (DSpark) exports through this with its own `Backbone` (kind, config reader, layout, formats, serve text)."""
     from draftsmith.layouts.heads import HeadExport, export_heads
 
+    bb = backbone or DFLASH
     artifact_dir = Path(artifact_dir)
-    manifest, state = artifact.load_artifact(artifact_dir, kind="dflash", target=target)
-    config = read_config(artifact_dir, manifest)
+    manifest, state = artifact.load_artifact(artifact_dir, kind=bb.kind, target=target)
+    config = bb.read(artifact_dir, manifest)
     arch = (manifest["target"].get("architecture") or {})
     n_target = arch.get("num_hidden_layers") or (target.num_layers if target is not None else None)
     if n_target is None:
         raise ConfigError(f"{artifact_dir}: the manifest names no target depth and no target was given")
     k = config.block_size - 1
     if num_speculative_tokens is not None and num_speculative_tokens != k:
-        raise ConfigError(f"num_speculative_tokens: a DFlash draft of block {config.block_size} drafts {k} tokens "
-                          f"per forward (the block it was trained on), got {num_speculative_tokens}")
+        raise ConfigError(f"num_speculative_tokens: a {bb.title} draft of block {config.block_size} drafts {k} "
+                          f"tokens per forward (the block it was trained on), got {num_speculative_tokens}")
     max_pos = arch.get("max_position_embeddings") or (
         getattr(target.text_config, "max_position_embeddings", 0) if target is not None else 0)
 
     def write(tmp: Path, fmt: str, target, target_ref: str, out: Path, k: int) -> str:
         target_arch = list(getattr(target.config, "architectures", None) or []) if target is not None else []
         save_file(artifact.contiguous_state(state), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        atomic_write_json(tmp / "config.json", layout_config(config, state_dtype(state), n_target, max_pos or 0,
-                                                             target_ref, target_arch))
+        atomic_write_json(tmp / "config.json", bb.layout(config, state_dtype(state), n_target, max_pos or 0,
+                                                         target_ref, target_arch))
         return target_ref
 
-    formats, unsupported = STACK_FORMATS, {s: f"{artifact_dir}: {why}" for s, why in UNSUPPORTED.items()}
-    if config.reduced_vocab:
-        formats = {k: v for k, v in STACK_FORMATS.items() if k != "sglang"}
+    formats, unsupported = bb.formats, {s: f"{artifact_dir}: {why}" for s, why in bb.unsupported.items()}
+    if config.reduced_vocab and "sglang" in formats:
+        formats = {k: v for k, v in formats.items() if k != "sglang"}
         unsupported = {**unsupported, "sglang": sglang_refusal(artifact_dir, config)}
-    plan = HeadExport("dflash", "a DFlash block drafter", formats, manifest, write, serve,
-                      guard={"dflash": {"block_size": config.block_size}}, unsupported=unsupported)
+    plan = HeadExport(bb.kind, bb.what, formats, manifest, write, bb.serve,
+                      guard={bb.kind: {"block_size": config.block_size}}, unsupported=unsupported)
     return export_heads(plan, artifact_dir, stack, out, target, k, verify, overwrite=overwrite, verifier=verifier)
 
 
@@ -138,6 +142,25 @@ def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
                 f"`num_speculative_tokens` = block size - 1: the anchor and {k} mask slots, the block the draft was "
                 "trained on. The target must implement vLLM's EAGLE-3 interface (it hands out the tapped layers).\n")
     return f"{sglang_serve(target_ref, 'DFLASH', out)}\n\nSGLang reads the block size ({k + 1}) from config.json.\n"
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """How a method on DFlash's backbone exports: its artifact kind, title, config reader, layout writer, formats
+    per stack, refusals, and serve.md's text."""
+
+    kind: str
+    title: str
+    what: str
+    read: Callable
+    layout: Callable
+    formats: dict
+    unsupported: dict
+    serve: Callable
+
+
+DFLASH = Backbone("dflash", "DFlash", "a DFlash block drafter", read_config, layout_config, STACK_FORMATS, UNSUPPORTED,
+                  serve)
 
 
 def vllm_block_problem(export_dir: Path, k: int) -> str | None:
@@ -156,7 +179,7 @@ SERVING = Serving(vllm={FORMAT: VllmServe("dflash", check=vllm_block_problem, pa
 
 
 # --- verification --------------------------------------------------------------------------------------
-def config_from_layout(config: dict, where: Path) -> DFlashConfig:
+def config_from_layout(config: dict, where: Path, make=DFlashConfig, extra=None) -> DFlashConfig:
     """A written config.json -> the DFlashConfig it describes (the draft draftsmith would build from it), every
     field typed and in range, or a FieldError naming the file and the field."""
     f = Path(where) / "config.json"
@@ -177,25 +200,29 @@ def config_from_layout(config: dict, where: Path) -> DFlashConfig:
               "layer_config": layer,
               "draft_vocab_size": schema.get(config, "draft_vocab_size", f, "int", lo=1, hi=V - 1, null=True,
                                              default=None)}
-    return buildable(DFlashConfig, fields, f)
+    if extra is not None:
+        extra(config, f, fields)
+    return buildable(make, fields, f)
 
 
 LAYER_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "max_position_embeddings")
 
 
-def read_layout_config(out: str | Path) -> tuple[dict, DFlashConfig]:
-    """The one reader of a DFlash export's config.json: the file and the draft it describes (`config_from_layout`)."""
+def read_layout_config(out: str | Path, make=DFlashConfig, extra=None) -> tuple[dict, DFlashConfig]:
+    """The one reader of a DFlash export's config.json: the file and the draft it describes (`config_from_layout`;
+    `make`/`extra`: a method on this backbone, as for `read_config`)."""
     config = schema.read_doc(Path(out) / "config.json")
     schema.get(config, "num_target_layers", Path(out) / "config.json", "int", lo=1, hi=1024, null=True, default=None)
-    return config, config_from_layout(config, Path(out))
+    return config, config_from_layout(config, Path(out), make, extra)
 
 
-def verify_layout(out: Path, target=None) -> list[str]:
-    config, cfg = read_layout_config(out)
+def verify_layout(out: Path, target=None, read=read_layout_config, architectures=("DFlashDraftModel",),
+                  title: str = "DFlash") -> list[str]:
+    config, cfg = read(out)
     problems = []
-    if config.get("architectures") != ["DFlashDraftModel"]:
-        problems.append(f"architectures {config.get('architectures')} != ['DFlashDraftModel'] (vLLM's registry name)")
+    if config.get("architectures") != list(architectures):
+        problems.append(f"architectures {config.get('architectures')} != {list(architectures)} (vLLM's registry name)")
     vocab = guard_vocab_size(out)
     if vocab is not None and cfg.vocab_size != vocab:
         problems.append(f"config vocab_size {cfg.vocab_size} != target vocab_size {vocab}")
@@ -208,14 +235,14 @@ def verify_layout(out: Path, target=None) -> list[str]:
         problems.append("max_position_embeddings below the target's: vLLM would index RoPE past the draft's table")
     check(out, problems)
     with torch.device("meta"):
-        spec_module = DFlashDraft(cfg)
+        spec_module = module_of(cfg)(cfg)
     dt = read_header(out / "model.safetensors")
     st = (dt.get("fc.weight") or next(iter(dt.values())))[1]  # the weights' dtype (d2t / t2d keep their own)
     spec = {k: (tuple(v.shape), {torch.long: "I64", torch.bool: "BOOL"}.get(v.dtype, st))
             for k, v in spec_module.state_dict().items()}
     problems += compare(dt, spec)
     check(out, problems)
-    checks = [f"{len(spec)} tensors match the DFlash layout (names, shapes, dtype); no embed_tokens"
+    checks = [f"{len(spec)} tensors match the {title} layout (names, shapes, dtype); no embed_tokens"
               + (f", an own lm_head over {cfg.draft_vocab_size} tokens" if cfg.reduced_vocab else " or lm_head"),
               f"dflash_config: taps {cfg.target_layers} (output-of-layer ids, ascending), mask token "
               f"{cfg.mask_token_id}, block {cfg.block_size}"]
@@ -226,17 +253,17 @@ def verify_layout(out: Path, target=None) -> list[str]:
     return checks
 
 
-def reload_check(out: Path, artifact_state: dict[str, torch.Tensor] | None = None) -> str:
-    """The export loads back into draftsmith's own DFlash module, strictly, tensor for tensor."""
-    cfg = read_layout_config(out)[1]
-    draft = DFlashDraft(cfg)
+def reload_check(out: Path, read=read_layout_config, title: str = "DFlash") -> str:
+    """The export loads back into draftsmith's own module, strictly, tensor for tensor."""
+    cfg = read(out)[1]
+    draft = module_of(cfg)(cfg)
     tensors = read_tensors(out / "model.safetensors")
     missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                  for k, v in tensors.items()}, strict=False)
     if missing or unexpected:
-        raise VerificationError(f"{out}/model.safetensors: does not load into a DFlash draft (missing {missing[:3]}, "
+        raise VerificationError(f"{out}/model.safetensors: does not load into a {title} draft (missing {missing[:3]}, "
                                 f"unexpected {unexpected[:3]})")
-    return "reloads strictly into draftsmith's DFlash draft"
+    return f"reloads strictly into draftsmith's {title} draft"
 
 
 @register_verifier(FORMAT)
@@ -252,7 +279,7 @@ def reimport(export_dir: Path, guard: dict):
     if guard.get("format") not in (None, FORMAT) or not (export_dir / "config.json").is_file():
         return None
     config = schema.read_doc(export_dir / "config.json")
-    if "dflash_config" not in config:
+    if "dflash_config" not in config or "markov_rank" in config:  # a DSpark export is dspark/export.py's
         return None
     cfg = read_layout_config(export_dir)[1]
     state = read_tensors(export_dir / "model.safetensors")

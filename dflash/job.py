@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 
@@ -121,6 +121,18 @@ def pick_mask_token(target, counts: torch.Tensor) -> int:
     return i
 
 
+@dataclass
+class Blocks:
+    """What `DFlashJob.blocks` hands a loss."""
+
+    out: Any  # the module's output over the learned slots
+    labels: torch.Tensor  # [n] target ids
+    slots: torch.Tensor  # [n] slot index j of each
+    valid: torch.Tensor  # bool [B, n_anchors, bs]: which slots are the rows of `out`
+    teacher: torch.Tensor | None  # [n, V'] the target's logits there (loss: kd)
+    vocab: tuple[torch.Tensor, torch.Tensor] | None  # (d2t, target id -> draft id) of a reduced vocabulary
+
+
 class DFlashJob(Job):
     kind = "dflash"
 
@@ -171,10 +183,16 @@ class DFlashJob(Job):
                  self.cfg.block_size, self.layers, self.mask_id, self.cfg.slot_gamma,
                  f"own, {self.cfg.draft_vocab_size} tokens" if self.vocab else "the target's")
 
+    module_class = DFlashDraft  # a method on this backbone (DSpark) trains its subclass
+
+    def draft_fields(self) -> dict:
+        """Config fields of `module_class` beyond DFlash's (none here)."""
+        return {}
+
     def build_module(self) -> DFlashDraft:
-        return DFlashDraft.from_target(self.target.model, self.layers, self.cfg.num_layers, self.cfg.block_size,
-                                       self.mask_id, self.cfg.init_std,
-                                       draft_vocab=self.vocab[:2] if self.vocab else None)
+        return self.module_class.from_target(self.target.model, self.layers, self.cfg.num_layers, self.cfg.block_size,
+                                             self.mask_id, self.cfg.init_std,
+                                             draft_vocab=self.vocab[:2] if self.vocab else None, **self.draft_fields())
 
     def setup(self, accelerator) -> None:
         self.target.model = self.features.placed_target(accelerator)  # the embedding and lm_head come from it
@@ -196,6 +214,14 @@ class DFlashJob(Job):
         return int(batch["loss_mask"][:, 2:].sum())
 
     def loss(self, module, batch):
+        blocks = self.blocks(module, batch)
+        return dflash_loss(blocks.out, blocks.labels, blocks.slots, self.weights, blocks.teacher, blocks.vocab,
+                           blocks=blocks.valid)
+
+    def blocks(self, module, batch) -> Blocks:
+        """One step's blocks: random anchors per row, the module's forward over their learned slots (`out`: what
+        `module(..., select=valid)` returns, DFlash's logits [n_valid, V]), their labels and slots, the KD teacher
+        and the reduced vocabulary's maps."""
         draft = unwrap(module)
         draft.attach_target(self.target.model)
         feats = self.features(batch)
@@ -206,7 +232,7 @@ class DFlashJob(Job):
         x = torch.cat([feats[f"layer.{i}"] for i in self.layers], dim=-1)
         labels, valid = block_targets(ids, lmask, anchors, bs)
         slots = torch.arange(bs, device=ids.device).expand_as(valid)[valid]
-        logits = module(ids, x, anchors, select=valid)  # [n_valid, V]
+        out = module(ids, x, anchors, select=valid)
         teacher = None
         if self.cfg.loss == "kd":  # slot j is verified by the target's distribution at a+j-1
             pos = (anchors.clamp(min=0)[..., None] + torch.arange(bs, device=ids.device) - 1).clamp(min=0)
@@ -214,7 +240,7 @@ class DFlashJob(Job):
             with torch.no_grad():
                 teacher = draft.target_logits(feats["last_hidden"][rows[valid], pos[valid]])
         vocab = (draft.d2t, self.vocab[2]) if draft.config.reduced_vocab else None
-        return dflash_loss(logits, labels[valid], slots, self.weights, teacher, vocab, blocks=valid)
+        return Blocks(out, labels[valid], slots, valid, teacher, vocab)
 
     def row_generators(self, batch) -> list[torch.Generator] | torch.Generator:
         """A row's anchors are drawn from (seed, row id, epoch) (`Job.epoch`, set by the loop), so they do not
@@ -231,12 +257,12 @@ class DFlashJob(Job):
         reduced = draft.config.reduced_vocab
         # of the vocabulary the draft holds, on this job's training tokens
         coverage = vocab_coverage(self.counts, draft.t2d.cpu()) if reduced else 1.0
-        config = {**asdict(draft.config), "architecture": "dflash", "embeddings": "target",
+        config = {**asdict(draft.config), "architecture": self.kind, "embeddings": "target",
                   "lm_head": "draft" if reduced else "target", "draft_vocab_coverage": coverage,
                   "feature_convention": "pre-norm decoder layer outputs (capture/layers.py)",
                   "gamma": self.cfg.slot_gamma}
         manifest = artifact.make_manifest(
-            "dflash", self.target.fingerprint(), to_dict(self.cfg),
+            self.kind, self.target.fingerprint(), to_dict(self.cfg),
             data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set),
                   "target_written_tokens": int(self.counts.sum()), "draft_vocab_coverage": coverage},
             metrics=metrics,

@@ -219,7 +219,10 @@ class Rotary(nn.Module):
 
 
 class DFlashDraft(nn.Module):
-    """The DFlash drafter (see the module docstring)."""
+    """The DFlash drafter (see the module docstring). A method built on this backbone (DSpark) subclasses it with
+    its own `config_class`."""
+
+    config_class = DFlashConfig
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -241,19 +244,20 @@ class DFlashDraft(nn.Module):
     @classmethod
     def from_target(cls, target_model, target_layers: list[int], num_layers: int, block_size: int,
                     mask_token_id: int, init_std: float = 0.02,
-                    draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None) -> DFlashDraft:
+                    draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None, **extra) -> DFlashDraft:
         """A fresh draft for `target_model`; with `draft_vocab` = (d2t, t2d) (heads.vocab.draft_vocabulary) an own
         lm_head over those tokens, started as the target's rows of them (the draft then starts out reading its
-        outputs the way the shared head would)."""
+        outputs the way the shared head would). `extra`: fields of a subclass's `config_class`."""
         tc = text_config(target_model.config)
-        config = DFlashConfig(tc.hidden_size, tc.vocab_size, list(target_layers), num_layers, block_size,
-                              mask_token_id, layer_config_dict(target_model.config),
-                              int(draft_vocab[0].numel()) if draft_vocab is not None else None)
+        config = cls.config_class(tc.hidden_size, tc.vocab_size, list(target_layers), num_layers, block_size,
+                                  mask_token_id, layer_config_dict(target_model.config),
+                                  int(draft_vocab[0].numel()) if draft_vocab is not None else None, **extra)
         draft = cls(config)
         with torch.no_grad():  # the reference's init: normal(0, std) projections, unit norms
             for m in draft.modules():
                 if isinstance(m, nn.Linear):
                     m.weight.normal_(0.0, init_std)
+            draft.init_own()
             if draft_vocab is not None:
                 d2t, t2d = draft_vocab
                 check_draft_vocab(d2t, t2d)
@@ -263,6 +267,9 @@ class DFlashDraft(nn.Module):
                 draft.lm_head.weight.copy_(w[t2d.to(w.device)].to(draft.lm_head.weight))
         draft.attach_target(target_model)
         return draft
+
+    def init_own(self) -> None:
+        """Initialise what a subclass adds to the backbone (after the backbone's init); nothing here."""
 
     def attach_target(self, target_model) -> None:
         object.__setattr__(self, "_embed", whole(embeddings(target_model)))
@@ -281,12 +288,16 @@ class DFlashDraft(nn.Module):
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """[.., H] block outputs -> [.., V] through the final norm and the target's frozen lm_head, or [.., N]
         through the draft's own lm_head over its reduced vocabulary (`to_target_ids` maps their argmax)."""
+        return self.head_logits(self.norm(z))
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """`logits` of states already through the final norm."""
         if self.config.reduced_vocab:
-            return self.lm_head(self.norm(z))
+            return self.lm_head(h)
         if self._head is None:
             raise ConfigError("this DFlash draft has no target lm_head: call attach_target(target_model) first")
         w = self._head.weight
-        return rows_linear(self.norm(z).to(w.dtype), w)
+        return rows_linear(h.to(w.dtype), w)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids of `logits`' vocabulary -> target ids (target_id = draft_id + d2t[draft_id]; identity without a
@@ -449,12 +460,14 @@ def chain_tau(blocks: torch.Tensor, right: torch.Tensor) -> float | None:
     return 1.0 + float(run.float().mean())
 
 
-def load_dflash(path: str | Path, target=None) -> tuple[DFlashDraft, dict]:
-    """Draft and manifest of a DFlash artifact; with `target` (fingerprint checked) attached to it and moved
-    to its device / dtype."""
+def load_dflash(path: str | Path, target=None, kind: str = "dflash", reader=None) -> tuple[DFlashDraft, dict]:
+    """Draft and manifest of a DFlash artifact (or of a method on its backbone: `kind`, and `reader`, its
+    config reader, e.g. DSpark's); with `target` (fingerprint checked) attached to it and moved to its device /
+    dtype."""
     path = Path(path)
-    manifest, state = artifact.load_artifact(path, kind="dflash", target=target)
-    draft = DFlashDraft(read_config(path, manifest))
+    manifest, state = artifact.load_artifact(path, kind=kind, target=target)
+    config = (reader or read_config)(path, manifest)
+    draft = module_of(config)(config)
     artifact.load_strict(draft, state, path)
     if target is not None:
         draft.to(device=target.device, dtype=target.dtype)
@@ -462,10 +475,20 @@ def load_dflash(path: str | Path, target=None) -> tuple[DFlashDraft, dict]:
     return draft.eval().requires_grad_(False), manifest
 
 
-def read_config(path: str | Path, manifest: dict | None = None) -> DFlashConfig:
+def module_of(config: DFlashConfig) -> type[DFlashDraft]:
+    """The module class a config builds: DFlash's, or the subclass whose `config_class` it is (DSpark)."""
+    def walk(cls):
+        yield cls
+        for sub in cls.__subclasses__():
+            yield from walk(sub)
+    return next(c for c in walk(DFlashDraft) if c.config_class is type(config))
+
+
+def read_config(path: str | Path, manifest: dict | None = None, make=DFlashConfig, extra=None) -> DFlashConfig:
     """The one reader of a DFlash artifact's config.json: every field typed and in range, and, with the
     artifact's `manifest`, against the target it was made for (vocabulary size, tapped layers inside its depth),
-    or a FieldError naming the file and the field."""
+    or a FieldError naming the file and the field. A method on this backbone passes its config class (`make`)
+    and `extra(cfg, where, fields)`, which reads its own fields into `fields`."""
     cfg, where, V, top = schema.head_config(path, manifest)
     fields = {"hidden_size": schema.get(cfg, "hidden_size", where, "int", lo=1, hi=schema.MAX_HIDDEN),
               "vocab_size": V, "target_layers": schema.get(cfg, "target_layers", where, "ints", lo=0, hi=top),
@@ -481,7 +504,9 @@ def read_config(path: str | Path, manifest: dict | None = None) -> DFlashConfig:
     if fields["layer_config"]["hidden_size"] != fields["hidden_size"]:
         raise schema.FieldError(f"{where}: field 'layer_config.hidden_size' is {fields['layer_config']['hidden_size']}, "
                                 f"but 'hidden_size' is {fields['hidden_size']}")
-    return buildable(DFlashConfig, fields, where)
+    if extra is not None:
+        extra(cfg, where, fields)
+    return buildable(make, fields, where)
 
 
 def buildable(make, fields: dict, where: Path) -> DFlashConfig:
@@ -490,7 +515,7 @@ def buildable(make, fields: dict, where: Path) -> DFlashConfig:
     try:
         config = make(**fields)
         with torch.device("meta"):
-            DFlashDraft(config)
+            module_of(config)(config)
     except Exception as e:  # transformers and huggingface_hub raise their own validation error types
         first = (str(e).splitlines() or [""])[0][:200]
         raise schema.FieldError(f"{where}: not a DFlash config ({type(e).__name__}: {first})") from None
@@ -502,10 +527,10 @@ LAYER_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
               "max_position_embeddings")
 
 
-def artifact_tensors(path: str | Path) -> tuple[dict, dict, list[str]]:
+def artifact_tensors(path: str | Path, reader=None) -> tuple[dict, dict, list[str]]:
     """`Method.tensors`: name -> (shape, dtype or "") of the draft `config.json` describes, built on the meta
     device."""
-    config = read_config(path, artifact.load_manifest(path))
+    config = (reader or read_config)(path, artifact.load_manifest(path))
     with torch.device("meta"):
-        module = DFlashDraft(config)
+        module = module_of(config)(config)
     return schema.module_spec(module), {}, []

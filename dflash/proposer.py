@@ -106,6 +106,11 @@ class DFlashProposer(Proposer):
     def block_logits(self, context: torch.Tensor) -> torch.Tensor:
         """[B-1, V] logits of slots 1..B-1 of the block anchored at the pending token ([B-1, N] over a reduced
         draft vocabulary: `draft.to_target_ids` maps their ids)."""
+        return self.draft.logits(self.block_states(context))
+
+    @torch.no_grad()
+    def block_states(self, context: torch.Tensor) -> torch.Tensor:
+        """[B-1, H] outputs z of slots 1..B-1 of the block anchored at the pending token (one forward)."""
         self._enter_committed()
         n = context.numel()
         if self.cache is None or self.n_done != n - 1:
@@ -116,7 +121,7 @@ class DFlashProposer(Proposer):
         ids[0, 0] = context[-1]
         positions = torch.arange(n - 1, n - 1 + bs, device=self._device)[None]
         z = self.draft.run_blocks(ids, positions, self.cache, None)  # every context key precedes the anchor
-        return self.draft.logits(z[0, 1:])
+        return z[0, 1:]
 
     def propose(self, context: torch.Tensor, spec: TreeSpec, sampling, generator) -> Proposal:
         device = context.device

@@ -1,0 +1,96 @@
+"""Training a DSpark drafter: DFlash's job (anchors, blocks, capture, reduced vocabulary, single- and multi-process
+through the one loop) with DSpark's heads and loss.
+
+    loss = λ_base · L_block(b) + L_block(l) + λ_conf · BCE(c, [argmax l_j = x_{a+j}])
+
+L_block is DFlash's position-weighted block objective (dflash_loss: CE against the target's token, or its
+distribution with `loss: kd`), once on the backbone's base logits b (they keep their own meaning: vLLM's
+top-k path picks its candidates by them, `dspark_draft_topk`) and once on the Markov-corrected logits l, which
+are what the proposer drafts from. The Markov head is teacher-forced with the target's tokens (dspark/model.py
+says why that is the case that counts). The confidence head learns, per learned slot, whether the corrected
+argmax is the target's token there; its BCE does not reach the backbone or the Markov head (their outputs are
+detached for it), so asking for calibration never trades away acceptance.
+
+Logged: the corrected logits' `acc`, `slot{j}/acc` and `tau` (what the chain accepts), the base logits' as
+`base/...`, and `conf/bce`, `conf/ece` (calibration of the confidence on the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import torch
+
+from draftsmith.config import Range, register_config, validated
+from draftsmith.decoding.calibration import expected_calibration_error
+from draftsmith.dflash.job import DFlashJob, DFlashJobConfig
+from draftsmith.dflash.model import dflash_loss
+from draftsmith.dspark.model import DSparkDraft, confidence_loss
+from draftsmith.training.job import unwrap
+
+
+@register_config("dspark")
+@validated
+@dataclass
+class DSparkJobConfig(DFlashJobConfig):
+    output: str = "runs/dspark/smollm2-135m"
+    markov_rank: Annotated[int, Range(ge=1, le=4096)] = 64  # the transition bias's rank r (V·r + N·r parameters)
+    confidence_head: bool = True  # train the acceptance estimate (vLLM's enable_confidence_head)
+    confidence_with_markov: bool = True  # it reads [norm(z_j); e_j]; false: norm(z_j) alone
+    base_loss_weight: Annotated[float, Range(ge=0, le=100)] = 1.0  # λ_base: the backbone's own block objective
+    confidence_loss_weight: Annotated[float, Range(ge=0, le=100)] = 1.0  # λ_conf
+    # the confidence head's learning rate / the run's: one linear unit from zero, whose logit must travel to
+    # log(α/(1-α)) while Adam moves each weight about lr a step
+    confidence_lr_scale: Annotated[float, Range(gt=0, le=1000)] = 10.0
+
+
+def features(cfg: DSparkJobConfig, target) -> dict:
+    """`Method.features`: what DFlash's job reads (the same backbone)."""
+    from draftsmith.dflash.job import features as dflash_features
+
+    return dflash_features(cfg, target)
+
+
+class DSparkJob(DFlashJob):
+    kind = "dspark"
+    module_class = DSparkDraft
+
+    def announce(self) -> None:
+        super().announce()
+        import logging
+
+        logging.getLogger(__name__).info("DSpark: Markov rank %d, confidence head %s", self.cfg.markov_rank,
+                                         "on" if self.cfg.confidence_head else "off")
+
+    def draft_fields(self) -> dict:
+        return {"markov_rank": self.cfg.markov_rank, "confidence_head": self.cfg.confidence_head,
+                "confidence_with_markov": self.cfg.confidence_with_markov}
+
+    def lr_scale(self, name: str) -> float:
+        return self.cfg.confidence_lr_scale if "confidence_head." in name else 1.0
+
+    def loss(self, module, batch):
+        b = self.blocks(module, batch)
+        base, logits, conf = b.out
+        main, metrics = dflash_loss(logits, b.labels, b.slots, self.weights, b.teacher, b.vocab, blocks=b.valid)
+        total = main
+        if self.cfg.base_loss_weight > 0:
+            base_loss, base_metrics = dflash_loss(base, b.labels, b.slots, self.weights, b.teacher, b.vocab,
+                                                  blocks=b.valid)
+            total = total + self.cfg.base_loss_weight * base_loss
+            metrics.update({f"base/{k}": v for k, v in base_metrics.items() if k in ("ce", "acc", "tau")})
+        if conf is not None:
+            draft = unwrap(module)
+            with torch.no_grad():
+                accepted = draft.to_target_ids(logits.argmax(-1)) == b.labels
+            bce = confidence_loss(conf, accepted)
+            if self.cfg.confidence_loss_weight > 0:
+                total = total + self.cfg.confidence_loss_weight * bce
+            with torch.no_grad():
+                p = torch.sigmoid(conf.float())
+                ece = expected_calibration_error(p, accepted)
+            metrics.update({"conf/bce": float(bce.detach()), "conf/mean": float(p.mean()) if p.numel() else 0.0})
+            if ece is not None:
+                metrics["conf/ece"] = ece
+        return total, metrics
