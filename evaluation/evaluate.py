@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.decoding import cost
+from draftsmith.decoding import calibration, cost
 from draftsmith.decoding.budget import VerifyCost
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.decoding.factory import build_proposer
@@ -347,7 +347,8 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
                   dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos), entries,
                   assistant=prop.assistant_model if cfg.hf_reference else None, turns=turns, turns_cut=turns_cut,
                   left_out=left_out)
-    if cfg.prune_tree and not spec.is_chain:
+    # a chain whose proposer estimates each token's acceptance (DSpark's confidence) is cut like a scored tree
+    if cfg.prune_tree and (not spec.is_chain or prop.estimates_acceptance):
         _cut_trees(setup)
     if cfg.prune_tree:
         _add_gpu_trees(setup, spec, drafts_in)
@@ -519,13 +520,12 @@ def _decode_one(setup: Setup, runs: dict, timed: list[str], i: int, turn: int, c
     routed_as = _route(setup, row.domain, "\n".join(row.turns[: turn + 1]) if row.turns else row.text)
     # turn 1 keeps the seed a single-turn run gives its row; a later turn one of its own
     seed = cfg.seed + i + turn * len(setup.rows)
-    measured, branches, rounds = _measure(setup, runs, timed, n, ids, seed)
+    measured, own_stats, rounds = _measure(setup, runs, timed, n, ids, seed)
     out = {name: _median_run(measured[name], cfg.repeats) for name in timed}
     for name in runs:
         if untimed(name):  # decoded for its acceptance only: its speed is not what it reports
             out[name] = runs[name](ids, seed, cfg.max_new_tokens)[0]
-    if branches is not None:
-        out["branches"] = branches
+    out.update(own_stats)
     rec = _record(setup, row, ids, out, routed_as, eos, pad)
     rec["source"] = conv.source(turn)
     rec["turn"] = turn + 1
@@ -568,11 +568,11 @@ def _runners(setup: Setup, eos: list[int], pad) -> dict:
 def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int], seed: int):
     """Prompt i's rounds: every timed run once per round, in an order rotated by prompt and round, until each
     run has `repeats` quiet measurements or `remeasure` more rounds are spent. Returns each run's
-    measurements (result, seconds, other processes' CPU share), the proposer's branch statistics of its first
-    run (where it keeps them), and the number of rounds."""
+    measurements (result, seconds, other processes' CPU share), the proposer's own statistics of its first run
+    (`proposer_stats`), and the number of rounds."""
     cfg, prop = setup.cfg, setup.prop
     measured: dict[str, list] = {name: [] for name in timed}
-    branches = None
+    branches: dict | None = None
     rounds = 0
     while True:
         shift = (i + rounds) % len(timed)
@@ -582,13 +582,13 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
             with CpuShare() as share:
                 result, seconds = runs[name](ids, seed, cfg.max_new_tokens)
             measured[name].append((result, seconds, share.others))
-            if name == "spec" and prop.tracks_branches and branches is None:
-                branches = prop.branch_stats()
+            if name == "spec" and branches is None:
+                branches = proposer_stats(prop)
         rounds += 1
         if setup.busy:  # busy mode: one round, and timing resumes only if every run of it was read as quiet
             if not all(sh is not None and not cost.contended(sh) for sh in _latest_shares(measured, timed, 1)):
                 setup.busy_prompts += 1  # this round gave acceptance and losslessness, not a speedup
-                return measured, branches, rounds
+                return measured, branches or {}, rounds
             log.info("the machine is quiet again: timing from prompt %d on", i + 1)
             setup.busy = False
         elif rounds >= 2 and cfg.remeasure and all(sh is not None and cost.contended(sh)
@@ -598,10 +598,21 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
                         "round per prompt (acceptance and losslessness; speedups not measured) until a round is "
                         "quiet", i + 1)
             setup.busy, setup.busy_prompts = True, setup.busy_prompts + 1
-            return measured, branches, rounds
+            return measured, branches or {}, rounds
         short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
         if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
-            return measured, branches, rounds
+            return measured, branches or {}, rounds
+
+
+def proposer_stats(prop) -> dict:
+    """What a proposer counts of its own run since `reset_stats`: whose branch of a merged tree was accepted
+    (`branches`), its acceptance estimates against what was accepted (`calibration`: two lists)."""
+    out: dict = {}
+    if prop.tracks_branches:
+        out["branches"] = prop.branch_stats()
+    if prop.estimates_acceptance:
+        out["calibration"] = [list(x) for x in prop.acceptance_estimates()]
+    return out
 
 
 def _latest_shares(measured: dict, timed: list[str], rounds: int) -> list[float | None]:
@@ -677,6 +688,8 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
         rec["routed_as"] = routed_as
     if prop.tracks_branches:
         rec["branches"] = out["branches"]
+    if prop.estimates_acceptance:
+        rec["calibration"] = out["calibration"]
     if setup.compared:
         rec["compare"] = {e.name[4:]: (out[e.name].stats, same(out[e.name])) for e in setup.compared}
         rec["self_consistent"] = _all_or_none([rec["self_consistent"]] + [consistent(out[e.name]) for e in setup.compared])
@@ -726,6 +739,9 @@ def aggregate(recs: list[dict], depth: int, by_turn: bool = True) -> dict:
         out["routes"] = counts
     if recs and "branches" in recs[0]:
         out["branches"] = _sum_branches([r["branches"] for r in recs])
+    if recs and "calibration" in recs[0]:
+        out["calibration"] = calibration.summary([p for r in recs for p in r["calibration"][0]],
+                                                 [a for r in recs for a in r["calibration"][1]])
     def beside(pairs: list[tuple], key: str | None) -> dict:  # another entry's (stats, lossless) per prompt
         c = GenerationStats()
         for st, _ in pairs:

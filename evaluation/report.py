@@ -18,7 +18,7 @@ FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position
 V_BELOW_ONE = 0.9
 
 
-PLOTS = ("acceptance_per_position.png", "domains.png", "verify_cost.png")
+PLOTS = ("acceptance_per_position.png", "domains.png", "verify_cost.png", "calibration.png")
 
 
 def _contention_line(share: float | None, what: str) -> list[str]:
@@ -128,6 +128,21 @@ def _branches(doms: list[tuple[str, dict]]) -> list[str]:
         for name, b in d.get("branches", {}).items():
             lines.append(f"| {n} | {name} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
                          f"{b['wins']} ({_fmt(b['win_rate'])}) |")
+    return lines
+
+
+def _calibration(doms: list[tuple[str, dict]]) -> list[str]:
+    """The proposer's acceptance estimates against the verifier's decisions (DSpark's confidence head)."""
+    if not any("calibration" in d for _, d in doms):
+        return []
+    lines = ["", "## Calibration of the acceptance estimates (calibration.png)", "",
+             "Pairs: every accepted drafted token and the first rejected one of each step (decoding/calibration.py).",
+             "", "| domain | pairs | mean estimate | accepted | ECE (10 bins) |", "|---|---|---|---|---|"]
+    for n, d in doms:
+        c = d.get("calibration")
+        if c:
+            lines.append(f"| {n} | {c['n']} | {_fmt(c.get('mean_estimate'))} | {_fmt(c.get('accepted'))} | "
+                         f"{_fmt(c['ece'])} |")
     return lines
 
 
@@ -278,7 +293,8 @@ def render_markdown(report: dict) -> str:
     """report.md: the header, the per-domain table, then each section the report has data for."""
     s = report["settings"]
     doms = list(report["domains"].items()) + [("overall", report["overall"])]
-    lines = [*_header(report), *_domain_table(report), *_routes(doms), *_branches(doms), *_gpu_tree(doms, s),
+    lines = [*_header(report), *_domain_table(report), *_routes(doms), *_branches(doms), *_calibration(doms),
+             *_gpu_tree(doms, s),
              *_turns(doms, s),
              *_side_by_side(report, doms), *_adaptive(doms, s), *_policy(report), *_cost_model(report),
              *_references_and_memory(report)]
@@ -342,7 +358,30 @@ def write_plots(report: dict, out: Path) -> list[Path]:
         paths.append(out / "verify_cost.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
+    if report["overall"].get("calibration", {}).get("bins"):
+        paths.append(reliability_plot(report["overall"]["calibration"], out / "calibration.png", plt))
     return paths
+
+
+def reliability_plot(cal: dict, path: Path, plt) -> Path:
+    """The reliability diagram: per bin of the estimates, the accepted fraction against the mean estimate (the
+    diagonal is a calibrated estimate), the bins' sizes beneath."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(5, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    bins = cal["bins"]
+    mids = [(b["lo"] + b["hi"]) / 2 for b in bins]
+    top.plot([0, 1], [0, 1], color="k", linestyle="--", linewidth=0.8, label="calibrated")
+    top.plot([b["mean_estimate"] for b in bins], [b["accepted"] for b in bins], marker="o", label="measured")
+    top.set_ylabel("accepted fraction")
+    top.set_title(f"Acceptance estimates: ECE {cal['ece']:.3f} over {cal['n']} tokens")
+    top.legend(fontsize=8)
+    bottom.bar(mids, [b["n"] for b in bins], width=0.09)
+    bottom.set_xlabel("estimated P(accepted)")
+    bottom.set_ylabel("tokens")
+    bottom.set_xlim(0, 1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_report(report: dict, out_dir: str | Path) -> Path:

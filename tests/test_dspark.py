@@ -208,6 +208,29 @@ def test_export_for_vllm_verifies_reloads_and_is_refused_elsewhere(trained, targ
             export_artifact(result.artifact, stack, tmp_path / stack, target4)
 
 
+def test_evaluation_reports_calibration_beside_the_gpu_sized_tree(trained, target4, tmp_path):
+    """`--tree auto`: the block's chain cut by the confidence (the verifier's cost model), the GPU-sized tree
+    beside it, both lossless against HF generate; the report holds the confidence's calibration per domain and
+    overall, in report.md and as a reliability plot."""
+    from draftsmith.evaluation.evaluate import evaluate
+    from draftsmith.evaluation.report import write_report
+
+    _, result, _ = trained
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"category": "qa", "turns": [t]}) + "\n"
+                               for t in ["What is a fox?", "Name three colors."]))
+    report = evaluate(target4, f"dspark:{result.artifact}", prompts=[str(prompts)], max_new_tokens=12,
+                      tree_from_proposer=True, cost_context=16, cost_k_max=4, cost_repeats=1, limit_per_domain=2)
+    assert report["settings"]["tree"] == [1] * (BS - 1) and report["settings"]["prune_tree"] is True
+    assert report["overall"]["lossless"] is True and report["overall"]["gpu_tree"]["lossless"] is True
+    cal = report["overall"]["calibration"]
+    assert cal["n"] > 0 and 0 <= cal["ece"] <= 1 and sum(b["n"] for b in cal["bins"]) == cal["n"]
+    assert report["domains"]["qa"]["calibration"]["n"] == cal["n"]
+    write_report(report, tmp_path / "out")
+    assert "## Calibration of the acceptance estimates" in (tmp_path / "out" / "report.md").read_text()
+    assert (tmp_path / "out" / "calibration.png").stat().st_size > 0
+
+
 def test_memory_plan_counts_the_heads(trained, tmp_path):
     """`draftsmith plan`: the draft's parameters (the heads' included) and its layers' KV cache; the preset's
     training memory is DFlash's plus the Markov head's V·r + N·r parameters and the confidence's H + r + 1."""
