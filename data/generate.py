@@ -342,6 +342,7 @@ def _write_rows(config: DataConfig, gen, target, out: Path, progress: bool, on_r
     rows, stats, fmt = prepare_prompts(config, target, progress)
     fp = target.fingerprint()
     done = _resume(out, _generation_key(config, fp, engine.precision), RowLimits.of(target, gen.max_new_tokens))
+    _adopt_legacy_rows(rows, done)
     kept: list[dict] = []
     if grow and finished:
         kept, rows = _grown_rows(out, config, target, rows, done, stats)
@@ -502,6 +503,22 @@ def _resume(out: Path, key: dict[str, Any], limits: RowLimits | None = None) -> 
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_file, key)
     return _read_chunks(out / CHUNKS_DIR, limits)
+
+
+def _adopt_legacy_rows(rows: list[PromptRow], done: dict[int, dict]) -> int:
+    """Rows written before content keys (a pack or chunks whose id-less rows are keyed by line number) stand for
+    the prompt rows they answered: each row with no record under its id takes the record under its former id
+    (`PromptRow.legacy_id`) where that record answered the very same prompt of the same source, re-keyed in `done`.
+    A line that moved or changed since holds another prompt there and is generated again. Returns how many."""
+    adopted = 0
+    for row in rows:
+        rec = done.get(row.legacy_id) if row.legacy_id is not None and row.row_id not in done else None
+        if rec is not None and rec.get("source") == row.source and rec.get("prompt") == row.prompt:
+            done[row.row_id] = {**rec, "row_id": row.row_id}
+            adopted += 1
+    if adopted:
+        log.info("%d rows written under their former (line-number) ids answer the same prompts: resumed", adopted)
+    return adopted
 
 
 def _shard_writer(target, config: DataConfig, out: Path, fp: dict, resumed: list[dict]):

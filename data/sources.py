@@ -43,6 +43,9 @@ class PromptRow:
     origin: str  # "path:line" (or "path[index]" for HF datasets) — where to look when something is wrong
     system: str | None = None
     responses: list[str] | None = None  # the dataset's own assistant turns (ShareGPT / messages rows)
+    # a row keyed by its content: the id its line number gave it before content keys (row packs and chunks written
+    # then hold it; data/generate.py adopts such a row where it answered this very prompt)
+    legacy_id: int | None = None
 
     @property
     def prompt(self) -> str:
@@ -421,10 +424,10 @@ def _records_source(source: SourceConfig, report: MalformedReport, keep: bool = 
         except _FieldError as e:
             report.add(origin, str(e))
             continue
-        key = str(obj[source.id_field]) if source.id_field and source.id_field in obj else \
-            content_key(obj, seen)
+        keyed = bool(source.id_field) and source.id_field in obj
+        key = str(obj[source.id_field]) if keyed else content_key(obj, seen)
         rows.append(PromptRow(make_row_id(source.name, key), source.name, domain, turns, origin, system,
-                              responses if keep else None))
+                              responses if keep else None, None if keyed else make_row_id(source.name, str(index))))
     return _select(rows, source)
 
 
