@@ -454,6 +454,12 @@ class Trainer:
         bad = False
         acc.step = 0  # windows always start on a boundary (also after resume)
         used = 0  # micro-batches of this step that had learned tokens on every rank
+        # the scheduled lr before any backward: under DeepSpeed accelerate steps the engine inside the last
+        # micro-batch's backward, so an lr set at the update would reach only the next step (step 0 would run at
+        # the optimizer's constructed lr: no warmup, no per-group scale)
+        f = lr_factor(self.step, self.total_steps, self.warmup, cfg.schedule, cfg.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["base_lr"] * f
         for _ in range(cfg.grad_accum):
             batch = next(batches)
             with acc.accumulate(self.model):
@@ -505,9 +511,6 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.window.skipped += 1
             return bad
-        f = lr_factor(self.step, self.total_steps, self.warmup, cfg.schedule, cfg.min_lr_ratio)
-        for g in self.optimizer.param_groups:
-            g["lr"] = g["base_lr"] * f
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.window.grad_norm += norm
