@@ -1,4 +1,4 @@
-"""The user's path, run by the multi-process tests: the one runner (`run("medusa" | "eagle" | "dflash", cfg)`) on a tiny target folder and a
+"""The user's path, run by the multi-process tests: the one runner (`run("medusa" | "eagle" | "dflash" | "dspark", cfg)`) on a tiny target folder and a
 tiny self-distilled dataset, as `accelerate launch scripts/train.py medusa` runs them (under torchrun here).
 
     python tests/_dist_job.py prepare --root DIR                      # target folder + dataset (once)
@@ -124,6 +124,14 @@ def train(a: argparse.Namespace) -> None:
                               eval_fraction=0.2, max_length=32, train=tcfg)
         cfg.evaluate.enabled = False
         run_job("dflash", cfg)
+    elif a.job == "dspark":  # DFlash's backbone, plus the Markov head, the confidence head and its own lr scale
+        from draftsmith.dspark.job import DSparkJobConfig
+
+        cfg = DSparkJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
+                              num_layers=1, block_size=4, target_layers=[0, 1, 2], anchors_per_row=4, markov_rank=8,
+                              eval_fraction=0.2, max_length=32, train=tcfg)
+        cfg.evaluate.enabled = False
+        run_job("dspark", cfg)
     else:
         from draftsmith.eagle.job import EagleJobConfig
 
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", choices=["prepare", "train"])
     p.add_argument("--root", type=Path, required=True)
     p.add_argument("--out", type=Path)
-    p.add_argument("--job", choices=["medusa", "eagle3", "dflash"], default="medusa")
+    p.add_argument("--job", choices=["medusa", "eagle3", "dflash", "dspark"], default="medusa")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=1)

@@ -268,3 +268,23 @@ def test_a_reduced_vocabulary_draft_decodes_losslessly_and_exports(trained_vocab
     if not tree:
         res = export_artifact(result.artifact, "vllm", tmp_path / "vllm", target4)
         assert json.loads((res.out / "config.json").read_text())["draft_vocab_size"] == 96
+
+
+@pytest.mark.parametrize("field,value,says", [("markov_rank", 0, "markov_rank"), ("markov_rank", "64", "markov_rank"),
+                                              ("confidence_head", "yes", "confidence_head")])
+def test_a_bad_head_field_is_one_line_naming_the_file_and_field(trained, target4, tmp_path, field, value, says):
+    """The boundary: DSpark's own config fields are read by the one reader like DFlash's (draftsmith check,
+    load and export all go through it)."""
+    import shutil
+
+    from draftsmith.errors import DraftsmithError
+
+    _, result, _ = trained
+    art = shutil.copytree(result.artifact, tmp_path / "bad")
+    cfg = json.loads((art / "config.json").read_text())
+    cfg[field] = value
+    (art / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftsmithError) as e:
+        load_dspark(art, target4)
+    msg = str(e.value)
+    assert "\n" not in msg and "config.json" in msg and says in msg, msg

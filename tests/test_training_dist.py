@@ -128,7 +128,7 @@ def test_each_rank_loads_its_target_once_on_its_own_device(root, tmp_path):
 def one_process(root, tmp_path_factory):
     """The reference: 1 process, 4 rows x grad_accum 2 per step, 6 steps, both heads."""
     out = {}
-    for job in ("medusa", "eagle3", "dflash"):
+    for job in ("medusa", "eagle3", "dflash", "dspark"):
         o = tmp_path_factory.mktemp(f"one-{job}")
         launch(1, root, o, "--job", job, "--steps", "6", "--grad-accum", "2")
         out[job] = train_losses(o)
@@ -178,7 +178,7 @@ def check_rank0_writes(recs: dict) -> None:
     assert not others, others
 
 
-@pytest.mark.parametrize("job", ["medusa", "eagle3", "dflash"])
+@pytest.mark.parametrize("job", ["medusa", "eagle3", "dflash", "dspark"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_two_ranks_reach_the_one_process_losses(root, one_process, tmp_path, preset, job):
     recs, _ = launch(2, root, tmp_path / job, "--job", job, "--steps", "6", env=env_for(preset))
