@@ -27,6 +27,7 @@ from draftsmith.decoding.calibration import expected_calibration_error
 from draftsmith.dflash.job import DFlashJob, DFlashJobConfig
 from draftsmith.dflash.model import dflash_loss
 from draftsmith.dspark.model import DSparkDraft, confidence_loss
+from draftsmith.errors import ConfigError
 from draftsmith.training.job import unwrap
 
 
@@ -66,6 +67,25 @@ class DSparkJob(DFlashJob):
     def draft_fields(self) -> dict:
         return {"markov_rank": self.cfg.markov_rank, "confidence_head": self.cfg.confidence_head,
                 "confidence_with_markov": self.cfg.confidence_with_markov}
+
+    warm_start_kinds = ("dflash",)
+
+    def warm_start_weights(self, weights: dict, module) -> dict:
+        """A warm start from a DFlash drafter (`train.warm_start: DFLASH_ARTIFACT`) takes its backbone, block, taps
+        and mask token as they are, and keeps this draft's fresh heads (a zero Markov bias and a confidence of 1/2:
+        it starts drafting what the DFlash drafter drafts); anything else is refused in one line."""
+        if any(k.startswith("markov_head.") for k in weights):
+            return weights  # a DSpark artifact: every weight
+        from draftsmith.dflash.model import read_config
+
+        src = read_config(self.cfg.train.warm_start)
+        mine = unwrap(module).config
+        for name in ("block_size", "target_layers", "mask_token_id", "num_layers", "draft_vocab_size"):
+            if getattr(src, name) != getattr(mine, name):
+                raise ConfigError(f"train.warm_start {self.cfg.train.warm_start}: config.json field '{name}' is "
+                                  f"{getattr(src, name)!r}, this DSpark job builds {getattr(mine, name)!r}")
+        own = module.state_dict()
+        return {**weights, **{k: v for k, v in own.items() if k.startswith(("markov_head.", "confidence_head."))}}
 
     def lr_scale(self, name: str) -> float:
         return self.cfg.confidence_lr_scale if "confidence_head." in name else 1.0

@@ -288,3 +288,29 @@ def test_a_bad_head_field_is_one_line_naming_the_file_and_field(trained, target4
         load_dspark(art, target4)
     msg = str(e.value)
     assert "\n" not in msg and "config.json" in msg and says in msg, msg
+
+
+def test_a_warm_start_from_a_dflash_drafter_drafts_what_it_drafts(target4, tmp_path):
+    """`train.warm_start: DFLASH_ARTIFACT`: the backbone loads as it is and the heads start harmless, so the
+    warm-started DSpark's first chain is the DFlash drafter's; a DFlash drafter of another block is refused."""
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.decoding.generate import speculative_generate
+    from draftsmith.dflash.job import DFlashJob, DFlashJobConfig
+    from draftsmith.errors import ConfigError
+
+    rows = distilled_rows(target4)
+    d = job_config(tmp_path / "d", steps=20)
+    dcfg = DFlashJobConfig(**{k: getattr(d, k) for k in DFlashJobConfig.__dataclass_fields__})
+    dflash = train(DFlashJob(dcfg, target4, rows), dcfg.train).artifact
+    cfg = job_config(tmp_path / "s", steps=1)
+    cfg.train.warm_start, cfg.train.lr = str(dflash), 1e-12  # one step that moves nothing measurable
+    dspark = train(DSparkJob(cfg, target4, rows), cfg.train).artifact
+    prompts = [r["input_ids"][:4] for r in rows[:3]]
+    outs = [speculative_generate(target4, build_proposer(spec, target4), prompts, 12, k=BS - 1, eos_ids=[])
+            for spec in (f"dflash:{dflash}", f"dspark:{dspark}")]
+    assert outs[0].tokens == outs[1].tokens and outs[0].stats.accepted == outs[1].stats.accepted
+    other = job_config(tmp_path / "o", steps=1)
+    other.block_size = BS + 1
+    other.train.warm_start = str(dflash)
+    with pytest.raises(ConfigError, match="block_size"):
+        train(DSparkJob(other, target4, rows), other.train)

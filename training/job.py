@@ -133,6 +133,9 @@ class Job:
             return None
         return int(mask[:, 1:].sum())
 
+    # artifact kinds besides its own whose weights a warm start takes (DSpark: DFlash's, the backbone it extends)
+    warm_start_kinds: tuple[str, ...] = ()
+
     def warm_start_module(self, module: nn.Module) -> nn.Module:
         """The part of the module an artifact's weights belong to (Medusa-2: its heads)."""
         return module

@@ -307,9 +307,12 @@ class Trainer:
                 ds[key] = value
 
     def _warm_start(self, module: nn.Module) -> None:
-        from draftsmith.artifact import load_artifact
+        from draftsmith.artifact import load_artifact, load_manifest
 
-        _, weights = load_artifact(self.cfg.warm_start, kind=self.job.kind, target=self.job.target)
+        kind = self.job.kind
+        if self.job.warm_start_kinds and load_manifest(self.cfg.warm_start).get("kind") in self.job.warm_start_kinds:
+            kind = load_manifest(self.cfg.warm_start)["kind"]
+        _, weights = load_artifact(self.cfg.warm_start, kind=kind, target=self.job.target)
         # the part of the module an artifact's weights belong to (Medusa-2: its heads, not the adapted target)
         module = self.job.warm_start_module(module)
         weights = self.job.warm_start_weights(weights, module)
