@@ -67,6 +67,36 @@ def trace_writes(under: Path) -> list[str]:
     return seen
 
 
+def job_config(a: argparse.Namespace, tcfg):
+    """(method, job config) of the --job the test launches, on the prepared tiny target and dataset."""
+    root = a.root
+    if a.job == "medusa":
+        from draftsmith.medusa.job import MedusaJobConfig
+
+        return "medusa", MedusaJobConfig(
+            target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"), num_heads=2,
+            num_layers=1, eval_fraction=0.2, calibration_rows=4, tree_budget=6, tree_max_rank=3, max_length=32,
+            train=tcfg)
+    if a.job == "dflash":
+        from draftsmith.dflash.job import DFlashJobConfig
+
+        return "dflash", DFlashJobConfig(
+            target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"), num_layers=2,
+            block_size=4, target_layers=[0, 1, 2], anchors_per_row=4, eval_fraction=0.2, max_length=32, train=tcfg)
+    if a.job == "dspark":  # DFlash's backbone, plus the Markov head, the confidence head and its own lr scale
+        from draftsmith.dspark.job import DSparkJobConfig
+
+        return "dspark", DSparkJobConfig(
+            target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"), num_layers=1,
+            block_size=4, target_layers=[0, 1, 2], anchors_per_row=4, markov_rank=8, eval_fraction=0.2,
+            max_length=32, train=tcfg)
+    from draftsmith.eagle.job import EagleJobConfig
+
+    return "eagle", EagleJobConfig(
+        target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"), version="eagle3",
+        ttt_steps=2, draft_vocab_size=64, eval_fraction=0.2, max_length=32, train=tcfg)
+
+
 def train(a: argparse.Namespace) -> None:
     writes = trace_writes(a.out)
     import draftsmith.targets as targets
@@ -107,39 +137,9 @@ def train(a: argparse.Namespace) -> None:
                        save_every=a.save_every, keep_last=3, warmup_steps=0, schedule="constant", log_every=1,
                        eval_every=0, eval_batches=1, output_dir=str(a.out / "run"), progress=False,
                        mixed_precision="no", max_grad_norm=None)
-    root = a.root
-    if a.job == "medusa":
-        from draftsmith.medusa.job import MedusaJobConfig
-
-        cfg = MedusaJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
-                              num_heads=2, num_layers=1, eval_fraction=0.2, calibration_rows=4, tree_budget=6,
-                              tree_max_rank=3, max_length=32, train=tcfg)
-        cfg.evaluate.enabled = False
-        run_job("medusa", cfg)
-    elif a.job == "dflash":
-        from draftsmith.dflash.job import DFlashJobConfig
-
-        cfg = DFlashJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
-                              num_layers=2, block_size=4, target_layers=[0, 1, 2], anchors_per_row=4,
-                              eval_fraction=0.2, max_length=32, train=tcfg)
-        cfg.evaluate.enabled = False
-        run_job("dflash", cfg)
-    elif a.job == "dspark":  # DFlash's backbone, plus the Markov head, the confidence head and its own lr scale
-        from draftsmith.dspark.job import DSparkJobConfig
-
-        cfg = DSparkJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
-                              num_layers=1, block_size=4, target_layers=[0, 1, 2], anchors_per_row=4, markov_rank=8,
-                              eval_fraction=0.2, max_length=32, train=tcfg)
-        cfg.evaluate.enabled = False
-        run_job("dspark", cfg)
-    else:
-        from draftsmith.eagle.job import EagleJobConfig
-
-        cfg = EagleJobConfig(target=str(root / "target"), data=str(root / "data"), output=str(a.out / "artifact"),
-                             version="eagle3", ttt_steps=2, draft_vocab_size=64, eval_fraction=0.2, max_length=32,
-                             train=tcfg)
-        cfg.evaluate.enabled = False
-        run_job("eagle", cfg)
+    method, cfg = job_config(a, tcfg)
+    cfg.evaluate.enabled = False
+    run_job(method, cfg)
 
     tr = seen["trainer"]
     target = loaded[0]
