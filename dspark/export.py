@@ -16,9 +16,14 @@ the target's lm_head too. The speculators format (`speculators_model_type: dspar
 with `aux_hidden_state_layer_ids` (= these ids + 1); vLLM converts it to this config, so one layout serves both
 readers.
 
-vLLM 0.32 drafts DSpark only in its GPU model runner (v1/worker/gpu/spec_decode/dspark/); its CPU build refuses
-the method (`Unknown speculative decoding method: dspark`). export/vllm_dspark.py loads an export through
-vLLM's own model class on a CPU and compares what it computes with draftsmith's.
+vLLM 0.32 drafts DSpark only in its V2 model runner (v1/worker/gpu/spec_decode/dspark/, which needs Triton); its CPU
+build refuses the method when the config is validated ("Model Runner V1 does not support: dspark speculative
+decoding"). dspark/vllm_reference.py, run in vLLM's environment, loads an export through vLLM's own loader
+(`load_dspark_model`: `Qwen3DSparkForCausalLM.load_weights`, the target's embedding shared) on a CPU and computes
+what vLLM's speculator computes, which tests/test_vllm_dspark.py compares with draftsmith's.
+
+`num_speculative_tokens` must be given: without it vLLM drafts `block_size` tokens for DSpark (its
+`sample_from_anchor: true` convention), one slot past the block this layout was trained on.
 """
 
 from __future__ import annotations
@@ -71,8 +76,9 @@ def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
             f"`num_speculative_tokens` = block size - 1 ({k}): the anchor and {k} mask slots, drafted in one parallel "
             "pass and corrected left to right by the Markov head. With the confidence head, vLLM's "
             "`enable_adaptive_verification` sizes each request's verification by it. vLLM drafts DSpark in its GPU "
-            "model runner only (its CPU build refuses the method). The target must hand out the tapped layers "
-            "(vLLM's EAGLE-3 interface).\n")
+            "model runner only (its CPU build refuses the method). Always pass `num_speculative_tokens`: without it "
+            f"vLLM drafts block_size ({k + 1}) tokens, one past the trained block. The target must hand out the tapped "
+            "layers (vLLM's EAGLE-3 interface).\n")
 
 
 BACKBONE = backbone.Backbone("dspark", "DSpark", "a DSpark block drafter", read_dspark_config, layout_config,
