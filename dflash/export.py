@@ -163,12 +163,12 @@ DFLASH = Backbone("dflash", "DFlash", "a DFlash block drafter", read_config, lay
                   serve)
 
 
-def vllm_block_problem(export_dir: Path, k: int) -> str | None:
+def vllm_block_problem(export_dir: Path, k: int, read=None, title: str = "DFlash") -> str | None:
     """vLLM serves a DFlash block of `block_size` as `block_size - 1` speculative tokens: any other k is another
-    block than the one the draft was trained on."""
-    block = read_layout_config(export_dir)[1].block_size
+    block than the one the draft was trained on (`read`/`title`: a method on this backbone's reader and name)."""
+    block = (read or read_layout_config)(export_dir)[1].block_size
     if k != block - 1:
-        return (f"{export_dir / 'config.json'}: a DFlash draft of block {block} serves {block - 1} speculative tokens "
+        return (f"{export_dir / 'config.json'}: a {title} draft of block {block} serves {block - 1} speculative tokens "
                 f"(the block it was trained on), got k {k}")
     return None
 

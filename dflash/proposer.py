@@ -152,16 +152,22 @@ class DFlashProposer(Proposer):
                     score.append(s + lp)
                     nxt.append((len(tok) - 1, s + lp))
             frontier = sorted(nxt, key=lambda x: -x[1])[:budget]
-        keep: list[int] = []
-        index: dict[int, int] = {}
-        for i in sorted(sorted(range(len(tok)), key=lambda i: (-score[i], i))[:budget]):
-            if parent[i] < 0 or parent[i] in index:  # creation order: a parent is decided before its children
-                index[i] = len(keep)
-                keep.append(i)
-        return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
-                        torch.tensor([index[parent[i]] if parent[i] >= 0 else -1 for i in keep], dtype=torch.long,
-                                     device=device),
-                        scores=torch.tensor([score[i] for i in keep], dtype=torch.float32).exp())
+        return best_nodes(tok, parent, score, budget, device)
+
+
+def best_nodes(tok: list[int], parent: list[int], score: list[float], budget: int, device) -> Proposal:
+    """The `budget` nodes of highest log path probability `score` (ties: creation order) as a proposal, closed
+    under ancestors (a child's value never exceeds its parent's); scores = path probabilities."""
+    keep: list[int] = []
+    index: dict[int, int] = {}
+    for i in sorted(sorted(range(len(tok)), key=lambda i: (-score[i], i))[:budget]):
+        if parent[i] < 0 or parent[i] in index:  # creation order: a parent is decided before its children
+            index[i] = len(keep)
+            keep.append(i)
+    return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
+                    torch.tensor([index[parent[i]] if parent[i] >= 0 else -1 for i in keep], dtype=torch.long,
+                                 device=device),
+                    scores=torch.tensor([score[i] for i in keep], dtype=torch.float32).exp())
 
 
 def build_proposer(target, path: str, **opts):

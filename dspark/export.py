@@ -93,11 +93,7 @@ def export(artifact_dir, stack, out, target=None, num_speculative_tokens=None, v
 
 
 def vllm_block_problem(export_dir: Path, k: int) -> str | None:
-    block = read_layout_config(export_dir)[1].block_size
-    if k != block - 1:
-        return (f"{export_dir / 'config.json'}: a DSpark draft of block {block} serves {block - 1} speculative tokens "
-                f"(the block it was trained on), got k {k}")
-    return None
+    return backbone.vllm_block_problem(export_dir, k, read=read_layout_config, title="DSpark")
 
 
 # `Method.serving`: what serve-check would run; vLLM 0.32's CPU build refuses the method (see the docstring)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.decoding.proposer import AcceptResult, Proposal, TreeSpec
-from draftsmith.dflash.proposer import DFlashProposer
+from draftsmith.dflash.proposer import DFlashProposer, best_nodes
 from draftsmith.dspark.model import DSparkDraft, load_dspark
 
 
@@ -101,16 +101,7 @@ class DSparkProposer(DFlashProposer):
                     score.append(s + lp)
                     nxt.append((len(tok) - 1, s + lp, t))
             frontier = sorted(nxt, key=lambda x: -x[1])[:budget]
-        keep: list[int] = []
-        index: dict[int, int] = {}
-        for i in sorted(sorted(range(len(tok)), key=lambda i: (-score[i], i))[:budget]):
-            if parent[i] < 0 or parent[i] in index:  # creation order: a parent is decided before its children
-                index[i] = len(keep)
-                keep.append(i)
-        return Proposal(torch.tensor([tok[i] for i in keep], dtype=torch.long, device=device),
-                        torch.tensor([index[parent[i]] if parent[i] >= 0 else -1 for i in keep], dtype=torch.long,
-                                     device=device),
-                        scores=torch.tensor([score[i] for i in keep], dtype=torch.float32).exp())
+        return best_nodes(tok, parent, score, budget, device)
 
     # --- calibration --------------------------------------------------------------------------------
     def accept(self, result: AcceptResult) -> None:

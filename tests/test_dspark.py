@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_dflash import hf_greedy
 from tiny_models import distilled_rows, make_target  # noqa: E402
 
 from draftsmith.decoding.calibration import expected_calibration_error, reliability, summary
@@ -112,17 +113,6 @@ def test_artifact_holds_the_heads_under_vllms_names(trained, target4):
     assert float(draft.markov_head.markov_w2.weight.abs().sum()) > 0  # it learned a bias
 
 
-def hf_greedy(target, prompts, n):
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            g = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False)
-        out.append(g[0, len(p):].tolist())
-    return out
-
-
 def decode(target, artifact, rows, tree: bool = False, cost=None, **opts):
     """Greedy speculative decoding of the first rows' 4-token prompts (and a 1-token one), 16 new tokens, checked
     equal to transformers' generate (an implementation independent of ours)."""
@@ -169,7 +159,37 @@ def test_calibration_pairs_are_the_accepted_tokens_and_the_first_rejected(traine
     assert prop.acceptance_estimates() == ([], [])
 
 
-def test_sampling_and_a_bf16_draft(trained, target4):
+def test_sampling_keeps_the_targets_distribution(trained, target4):
+    """Temperature 1: the first token comes from the prefill, the second from a DSpark step (its chain drafted
+    after the first); the pairs' joint distribution must be the target's own p(a) p(b | a), computed exactly
+    from the target (chi-square, p = 0.001), with the draft's chain accepted on some draws."""
+    from test_decoding import chi_square_ok
+
+    from draftsmith.decoding.factory import build_proposer
+    from draftsmith.decoding.generate import speculative_generate
+
+    _, result, rows = trained
+    prompt = rows[0]["input_ids"][:4]
+    n = 500
+    # 3 new tokens: the prefill's, then a step that may draft 1 (the budget leaves room for one more)
+    res = speculative_generate(target4, build_proposer(f"dspark:{result.artifact}", target4), [prompt] * n, 3,
+                               k=BS - 1, temperature=1.0, seed=5, eos_ids=[])
+    assert res.stats.accepted > 0
+    with torch.no_grad():
+        p0 = torch.softmax(target4.model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        firsts = torch.arange(target4.vocab_size)
+        ctx = torch.cat([torch.tensor(prompt).expand(len(firsts), -1), firsts[:, None]], 1)
+        p1 = torch.softmax(target4.model(ctx).logits[:, -1].float(), -1)
+    joint = p0[:, None] * p1
+    counts: dict = {}
+    for a, b, *_ in res.tokens:
+        counts[(a, b)] = counts.get((a, b), 0) + 1
+    expected = {(a, b): float(joint[a, b]) for a, b in (joint > 1e-9).nonzero().tolist()}
+    ok, stat, crit = chi_square_ok(counts, expected, n)
+    assert ok, f"chi2 {stat:.1f} >= {crit:.1f}"
+
+
+def test_a_bf16_draft_stays_lossless(trained, target4):
     from draftsmith.decoding.factory import build_proposer
     from draftsmith.decoding.generate import speculative_generate
 
@@ -177,10 +197,8 @@ def test_sampling_and_a_bf16_draft(trained, target4):
     proposer = build_proposer(f"dspark:{result.artifact}", target4)
     assert proposer.use_dtype(torch.bfloat16)
     prompts = [r["input_ids"][:4] for r in rows[:2]]
-    fast = speculative_generate(target4, proposer, prompts, 12, k=BS - 1, eos_ids=[])
-    assert fast.tokens == hf_greedy(target4, prompts, 12)
-    sampled = speculative_generate(target4, proposer, prompts, 12, k=BS - 1, temperature=1.0, seed=3, eos_ids=[])
-    assert all(len(t) == 12 for t in sampled.tokens)
+    assert speculative_generate(target4, proposer, prompts, 12, k=BS - 1, eos_ids=[]).tokens == \
+        hf_greedy(target4, prompts, 12)
 
 
 def test_export_for_vllm_verifies_reloads_and_is_refused_elsewhere(trained, target4, tmp_path):
