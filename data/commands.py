@@ -49,13 +49,17 @@ def register(subparsers) -> None:
                      help="with --max-length: in batches of this many rows (default: %(default)s)")
     ins.set_defaults(func=run_inspect)
 
-    sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains")
+    sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains, or a stable "
+                                        "fraction of every domain's rows")
     sel.add_argument("path", help="output_dir of `data generate`")
     sel.add_argument("--out", required=True, help="the new dataset folder")
     sel.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith dataset")
     group = sel.add_mutually_exclusive_group(required=True)
     group.add_argument("--domains", nargs="+", help="keep these domains")
     group.add_argument("--exclude", nargs="+", help="keep every domain but these")
+    group.add_argument("--fraction", type=ranged(float, Range(gt=0, lt=1)),
+                       help="keep the rows whose row id falls in this share of the id space (row_id %% 1000 < "
+                            "1000·F): about F of every domain, the same rows on every machine")
     sel.set_defaults(func=run_subset)
 
     mer = sub.add_parser("merge", help="one dataset folder with the rows of several (same target): a mix of "
@@ -214,9 +218,11 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None = None,
-                   exclude: list[str] | None = None, overwrite: bool = False) -> Path:
-    """Copy the rows of `domains` (or of every domain not in `exclude`) into a new dataset folder whose
-    provenance records the parent and the filter. Unknown domain names are an error, not an empty set."""
+                   exclude: list[str] | None = None, overwrite: bool = False, fraction: float | None = None) -> Path:
+    """Copy the rows of `domains` (or of every domain not in `exclude`, or with `fraction` F the rows whose
+    row id, a stable hash of source and row key, has row_id % 1000 < 1000·F: about F of every domain) into a new
+    dataset folder whose provenance records the parent and the filter. Unknown domain names are an error, not an
+    empty set."""
     from draftsmith.data.generate import (
         DATASET_DIR,
         PROVENANCE,
@@ -239,11 +245,13 @@ def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None 
     if asked - present:
         raise DataError(f"{path}: no rows of domain(s) {sorted(asked - present)}; it has {sorted(present)}")
     keep = asked if domains else present - asked
-    sub = ds.filter(lambda r: r["domain"] in keep)
+    cut = round(1000 * fraction) if fraction is not None else None
+    sub = ds.filter(lambda r: r["row_id"] % 1000 < cut) if cut is not None else ds.filter(lambda r: r["domain"] in keep)
+    keep = set(sub["domain"]) if cut is not None else keep
     if len(sub) == 0:
         raise DataError(f"{path}: the filter leaves no rows")
     prov = {**prov, "subset": {"parent": str(path), "domains": sorted(keep), "rows": len(sub),
-                               "parent_rows": len(ds)}}
+                               "parent_rows": len(ds), **({"rule": f"row_id % 1000 < {cut}"} if cut else {})}}
     prov.setdefault("counts", {})["rows"] = len(sub)
     prov["counts"]["per_domain"] = dict(Counter(sub["domain"]))
     with atomic_dir(out, overwrite=overwrite, kind="dataset") as tmp:
@@ -253,7 +261,7 @@ def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None 
 
 
 def run_subset(args: argparse.Namespace) -> int:
-    out = subset_dataset(args.path, args.out, args.domains, args.exclude, args.overwrite)
+    out = subset_dataset(args.path, args.out, args.domains, args.exclude, args.overwrite, args.fraction)
     from draftsmith.data.generate import read_provenance
 
     s = read_provenance(out)["subset"]

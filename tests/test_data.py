@@ -697,6 +697,12 @@ def test_subset_by_domain(tmp_path, tiny_target):
     assert set(rest["domain"]) == {"general"} and len(rest) == 2
     with pytest.raises(DataError, match="no rows of domain"):
         subset_dataset(out, tmp_path / "x", domains=["code"])
+    # a stable fraction: the rows whose id falls in the first half of the id space, the same on every run
+    full = load_distilled(out)
+    half = subset_dataset(out, tmp_path / "half", fraction=0.5)
+    kept = sorted(load_distilled(half)["row_id"])
+    assert kept == sorted(r for r in full["row_id"] if r % 1000 < 500)
+    assert json.loads((half / "provenance.json").read_text())["subset"]["rule"] == "row_id % 1000 < 500"
 
 
 def test_the_kv_store_is_freed_when_the_run_returns(tiny_target):
