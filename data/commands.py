@@ -49,18 +49,7 @@ def register(subparsers) -> None:
                      help="with --max-length: in batches of this many rows (default: %(default)s)")
     ins.set_defaults(func=run_inspect)
 
-    sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains, or a stable "
-                                        "fraction of every domain's rows")
-    sel.add_argument("path", help="output_dir of `data generate`")
-    sel.add_argument("--out", required=True, help="the new dataset folder")
-    sel.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith dataset")
-    group = sel.add_mutually_exclusive_group(required=True)
-    group.add_argument("--domains", nargs="+", help="keep these domains")
-    group.add_argument("--exclude", nargs="+", help="keep every domain but these")
-    group.add_argument("--fraction", type=ranged(float, Range(gt=0, lt=1)),
-                       help="keep the rows whose row id falls in this share of the id space (row_id %% 1000 < "
-                            "1000·F): about F of every domain, the same rows on every machine")
-    sel.set_defaults(func=run_subset)
+    _register_subset(sub)
 
     mer = sub.add_parser("merge", help="one dataset folder with the rows of several (same target): a mix of "
                                        "sources, or new rollouts next to earlier rows")
@@ -76,6 +65,21 @@ def register(subparsers) -> None:
     pk.set_defaults(func=run_pack)
 
     _register_serve_capture(sub)
+
+
+def _register_subset(sub) -> None:
+    sel = sub.add_parser("subset", help="a new dataset folder with only the rows of some domains, or a stable "
+                                        "fraction of every domain's rows")
+    sel.add_argument("path", help="output_dir of `data generate`")
+    sel.add_argument("--out", required=True, help="the new dataset folder")
+    sel.add_argument("--overwrite", action="store_true", help="replace --out even if it is not a draftsmith dataset")
+    group = sel.add_mutually_exclusive_group(required=True)
+    group.add_argument("--domains", nargs="+", help="keep these domains")
+    group.add_argument("--exclude", nargs="+", help="keep every domain but these")
+    group.add_argument("--fraction", type=ranged(float, Range(gt=0, lt=1)),
+                       help="keep the rows whose row id falls in this share of the id space (row_id %% 1000 < "
+                            "1000·F): about F of every domain, the same rows on every machine")
+    sel.set_defaults(func=run_subset)
 
 
 def run_generate(args: argparse.Namespace) -> int:
