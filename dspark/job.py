@@ -17,6 +17,7 @@ Logged: the corrected logits' `acc`, `slot{j}/acc` and `tau` (what the chain acc
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -29,6 +30,8 @@ from draftsmith.dflash.model import dflash_loss
 from draftsmith.dspark.model import DSparkDraft, confidence_loss
 from draftsmith.errors import ConfigError
 from draftsmith.training.job import unwrap
+
+log = logging.getLogger(__name__)
 
 
 @register_config("dspark")
@@ -59,9 +62,7 @@ class DSparkJob(DFlashJob):
 
     def announce(self) -> None:
         super().announce()
-        import logging
-
-        logging.getLogger(__name__).info("DSpark: Markov rank %d, confidence head %s", self.cfg.markov_rank,
+        log.info("DSpark: Markov rank %d, confidence head %s", self.cfg.markov_rank,
                                          "on" if self.cfg.confidence_head else "off")
 
     def draft_fields(self) -> dict:
@@ -104,7 +105,8 @@ class DSparkJob(DFlashJob):
             draft = unwrap(module)
             with torch.no_grad():
                 accepted = draft.to_target_ids(logits.argmax(-1)) == b.labels
-            bce = confidence_loss(conf, accepted)
+            # no learned slot in the batch: a zero with a graph, not the NaN an empty mean would be
+            bce = confidence_loss(conf, accepted) if conf.numel() else conf.sum() * 0.0
             if self.cfg.confidence_loss_weight > 0:
                 total = total + self.cfg.confidence_loss_weight * bce
             with torch.no_grad():
