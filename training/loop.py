@@ -310,8 +310,9 @@ class Trainer:
         from draftsmith.artifact import load_artifact, load_manifest
 
         kind = self.job.kind
-        if self.job.warm_start_kinds and load_manifest(self.cfg.warm_start).get("kind") in self.job.warm_start_kinds:
-            kind = load_manifest(self.cfg.warm_start)["kind"]
+        if self.job.warm_start_kinds:  # another kind whose weights this job takes (DSpark: a DFlash drafter's)
+            found = load_manifest(self.cfg.warm_start).get("kind")
+            kind = found if found in self.job.warm_start_kinds else kind
         _, weights = load_artifact(self.cfg.warm_start, kind=kind, target=self.job.target)
         # the part of the module an artifact's weights belong to (Medusa-2: its heads, not the adapted target)
         module = self.job.warm_start_module(module)
