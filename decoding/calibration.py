@@ -34,7 +34,11 @@ def reliability(estimates: torch.Tensor, accepted: torch.Tensor, bins: int = 10)
 
 def expected_calibration_error(estimates: torch.Tensor, accepted: torch.Tensor, bins: int = 10) -> float | None:
     """ECE of estimates [n] against accepted [n] (0/1); None without pairs."""
-    table = reliability(estimates, accepted, bins)
+    return table_ece(reliability(estimates, accepted, bins))
+
+
+def table_ece(table: list[dict]) -> float | None:
+    """ECE of a `reliability` table: its bins' gaps weighted by their sizes; None for an empty table."""
     total = sum(r["n"] for r in table)
     if not total:
         return None
@@ -46,5 +50,6 @@ def summary(estimates: list[float], accepted: list[int], bins: int = 10) -> dict
     if not estimates:
         return {"n": 0, "ece": None, "bins": []}
     p, y = torch.tensor(estimates), torch.tensor(accepted, dtype=torch.float32)
-    return {"n": len(estimates), "ece": expected_calibration_error(p, y, bins), "mean_estimate": float(p.mean()),
-            "accepted": float(y.mean()), "bins": reliability(p, y, bins)}
+    table = reliability(p, y, bins)
+    return {"n": len(estimates), "ece": table_ece(table), "mean_estimate": float(p.mean()), "accepted": float(y.mean()),
+            "bins": table}

@@ -572,7 +572,7 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
     (`proposer_stats`), and the number of rounds."""
     cfg, prop = setup.cfg, setup.prop
     measured: dict[str, list] = {name: [] for name in timed}
-    branches: dict | None = None
+    own: dict | None = None
     rounds = 0
     while True:
         shift = (i + rounds) % len(timed)
@@ -582,13 +582,13 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
             with CpuShare() as share:
                 result, seconds = runs[name](ids, seed, cfg.max_new_tokens)
             measured[name].append((result, seconds, share.others))
-            if name == "spec" and branches is None:
-                branches = proposer_stats(prop)
+            if name == "spec" and own is None:
+                own = proposer_stats(prop)
         rounds += 1
         if setup.busy:  # busy mode: one round, and timing resumes only if every run of it was read as quiet
             if not all(sh is not None and not cost.contended(sh) for sh in _latest_shares(measured, timed, 1)):
                 setup.busy_prompts += 1  # this round gave acceptance and losslessness, not a speedup
-                return measured, branches or {}, rounds
+                return measured, own or {}, rounds
             log.info("the machine is quiet again: timing from prompt %d on", i + 1)
             setup.busy = False
         elif rounds >= 2 and cfg.remeasure and all(sh is not None and cost.contended(sh)
@@ -598,10 +598,10 @@ def _measure(setup: Setup, runs: dict, timed: list[str], i: int, ids: list[int],
                         "round per prompt (acceptance and losslessness; speedups not measured) until a round is "
                         "quiet", i + 1)
             setup.busy, setup.busy_prompts = True, setup.busy_prompts + 1
-            return measured, branches or {}, rounds
+            return measured, own or {}, rounds
         short = [n for n in timed if _quiet_count(measured[n]) < cfg.repeats]
         if rounds >= cfg.repeats and (not short or rounds >= cfg.repeats + cfg.remeasure):
-            return measured, branches or {}, rounds
+            return measured, own or {}, rounds
 
 
 def proposer_stats(prop) -> dict:
