@@ -172,6 +172,16 @@ def test_every_method_and_export_on_every_family(family, tiny_tokenizer, tmp_pat
     _lossless(target, f"dflash:{dflash}", rows, plain)
     _export_all(dflash, target, tmp_path, ["vllm", "sglang"], consumer="vllm")
 
+    # DSpark on the same backbone: the Markov head and the confidence head over this family's vocabulary
+    from draftsmith.dspark.job import DSparkJob, DSparkJobConfig
+
+    scfg = DSparkJobConfig(target=str(folder), data="in-memory", output=str(tmp_path / "dspark"), block_size=4,
+                           anchors_per_row=8, max_length=64, markov_rank=8, train=_train_cfg(tmp_path, "dspark"),
+                           evaluate=no_eval)
+    dspark = Path(train(DSparkJob(scfg, target, rows), scfg.train).artifact)
+    _lossless(target, f"dspark:{dspark}", rows, plain)
+    _export_all(dspark, target, tmp_path, ["vllm"], consumer="vllm")
+
     # a distilled draft of the target's own family
     dcfg = DistillConfig()
     dcfg.target, dcfg.train = str(folder), _train_cfg(tmp_path, "distill")
