@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.artifact import MANIFEST
+from draftsmith import lazy
 from draftsmith.errors import ArtifactError
-from draftsmith.layouts.inspect import REQUIRED_FIELDS, inspect_artifact
-from draftsmith.layouts.schema import read_doc
 
-__all__ = ["REQUIRED_FIELDS", "inspect_artifact", "read_fingerprint", "structure_problems"]
+# inspect_artifact and REQUIRED_FIELDS (layouts/inspect.py) are imported on first use: registering `check` on
+# the command line must not load torch (lazy.py)
+__getattr__ = lazy.names(__name__, {"inspect_artifact": "draftsmith.layouts.inspect",
+                                    "REQUIRED_FIELDS": "draftsmith.layouts.inspect"})
+__all__ = ["read_fingerprint", "structure_problems"]
 
 
 def register(subparsers) -> None:
@@ -32,6 +34,8 @@ FINGERPRINT_FILES = ["manifest.json", "draftsmith.json", "provenance.json"]
 
 def read_fingerprint(path: Path) -> tuple[dict, str]:
     """The target fingerprint recorded in an artifact, export or dataset directory."""
+    from draftsmith.layouts.schema import read_doc
+
     for name in FINGERPRINT_FILES:
         f = path / name
         if f.is_file():
@@ -47,9 +51,11 @@ def read_fingerprint(path: Path) -> tuple[dict, str]:
 def structure_problems(path: Path, target=None) -> tuple[list[str], list[str]]:
     """(problems, checks) of an artifact (`inspect_artifact`) or an export (the verification that
     `export` runs, checksums included); a dataset has no weights to check here."""
+    from draftsmith.artifact import MANIFEST
     from draftsmith.errors import DraftsmithError
     from draftsmith.export.api import verify_export
     from draftsmith.layouts.common import GUARD
+    from draftsmith.layouts.inspect import inspect_artifact
 
     if (path / GUARD).is_file():
         try:

@@ -47,6 +47,8 @@ from typing import Any
 
 from draftsmith.errors import ConfigError
 
+STACKS = ("vllm", "sglang", "trtllm", "hf")  # the serving stacks an export is written for (`export --to`)
+
 # The folders that declare the built-in methods (each has `METHOD` in its __init__.py), in CLI order.
 BUILTIN = (
     "draftsmith.distill",

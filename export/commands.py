@@ -6,7 +6,7 @@ or another tool's in a layout a method reads back, into a draftsmith artifact)."
 from __future__ import annotations
 
 from draftsmith.config import DRAFT_TOKENS, MAX_BATCH, ROWS, SECONDS, TOKENS, Range, ranged
-from draftsmith.layouts.common import STACKS
+from draftsmith.methods import STACKS
 
 
 def register(subparsers) -> None:

@@ -22,9 +22,9 @@ from draftsmith import __version__
 from draftsmith.artifact import now_iso
 from draftsmith.errors import ArtifactError
 from draftsmith.layouts import schema
+from draftsmith.methods import STACKS
 from draftsmith.storage import atomic_write_json, atomic_write_text, weight_checksums
 
-STACKS = ("vllm", "sglang", "trtllm", "hf")  # the serving stacks an export is written for (`--to`)
 GUARD = "draftsmith.json"
 SERVE = "serve.md"
 

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "draftsmith"
 SKIP = {"tests", "scripts", "bench", "configs", "docs", "build", "dist", "runs"}  # runs/: the presets' git-ignored output
 BOTTOM = "targets"  # rule 2
-BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage"}
+BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage", "draftsmith.lazy"}
 # rule 5: fleet/ runs inside the serving engine's process and environment (vLLM loads it by import path),
 # where draftsmith's dependencies are not installed: it imports no draftsmith module but its own
 ENGINE_SIDE = "fleet"
@@ -61,7 +61,7 @@ METHODS = _builtin_methods()
 BUILDS_ON = {"dspark": "dflash"}  # DSpark = DFlash's block drafter + a Markov head + a confidence head
 
 LAYERS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "locks", "storage", "net", "formatting", "methods", "config"),  # the shared base
+    ("__init__", "errors", "locks", "storage", "net", "formatting", "lazy", "methods", "config"),  # the shared base
     ("fleet",),  # runs inside the serving engine (rule 5): the traffic middleware, the capture connector
     ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
     # what the frozen target computes, kept: layer convention, forward capture, the cache on disk, offline

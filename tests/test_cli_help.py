@@ -124,3 +124,28 @@ def test_a_command_without_a_stage_is_caught():
     commands.add_parser("new-job", help="a job nobody placed in a stage")
     assert cli.unstaged(parser) == ["new-job"]
     assert "in no stage:\n    new-job" in parser.format_help()  # still listed, after every stage
+
+
+def _loads_heavy(argv: list[str]) -> tuple[str, str]:
+    """(what the command printed, the heavy packages its process had imported by then): `draftsmith ARGV` in
+    a fresh interpreter, as a user's shell runs it."""
+    import subprocess
+    import sys
+
+    code = (f"import sys\nfrom draftsmith.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print('HEAVY=' + ','.join(m for m in ('torch', 'transformers', 'safetensors', 'accelerate') "
+            "if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    heavy = run.stdout.rsplit("HEAVY=", 1)[-1].strip()
+    return run.stdout + run.stderr, heavy
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["evaluate", "--help"], ["train", "eagle", "--help"],
+                                  ["retrain", "--help"], ["alpha", "--no-such-flag"], ["export", "--to", "nowhere"]])
+def test_help_and_argument_errors_load_no_torch(argv):
+    """`draftsmith --help`, a command's --help and an argument error answer without importing torch or
+    transformers (seconds of start-up a user waits for a help text): the packages import their names lazily
+    (lazy.py) and the command modules import heavy code in their handlers."""
+    out, heavy = _loads_heavy(argv)
+    assert "usage:" in out, out[-2000:]
+    assert heavy == "", f"draftsmith {' '.join(argv)} imported {heavy}"
