@@ -17,8 +17,9 @@ Two sources, one output shape (the `domains` / `overall` rows of an evaluation r
    Every counter is checked as it enters: a count is finite and >= 0, positions are 0..k-1, accepted tokens
    come with the drafted tokens they are divided by; a URL is read through net.py (a byte cap and a deadline). vLLM has no notion of a domain: `model_domains` maps a served model name (one per
    deployment, or a LoRA/adapter name per traffic class) to a domain; unmapped models keep their name.
-2. Request logs (a folder of *.jsonl / *.jsonl.gz read by planning/logs.py, the traffic format of
-   retrain/traffic.py) whose rows carry the engine's per-request counters, one of:
+2. Request logs (a folder of *.jsonl / *.jsonl.gz read by planning/logs.py, each line checked once as the
+   traffic line of fleet/traffic_record.py, the reader retraining uses too) whose rows carry the engine's
+   per-request counters, one of:
    a. vLLM's own (`--per-request-spec-decode-metrics summary|detailed`): `speculative_decoding`, as the fleet's
       traffic middleware logs it (fleet/middleware.py), or `metrics.speculative_decoding` of a raw response:
       RequestSpecDecodeMetrics.to_dict() (vllm/v1/metrics/stats.py), a histogram h over the draft tokens j
@@ -31,14 +32,20 @@ Two sources, one output shape (the `domains` / `overall` rows of an evaluation r
       drafted <= k·steps, the two rates what the counts give, and with `detailed` per_step_accepted /
       per_step_drafted of length num_spec_steps, summing to the totals, each step's accepted <= its drafted
       <= k, and the accepted ones making up h;
-   b. a gateway's `draft_tokens` + `accepted_tokens` (+ optional `drafts`);
-   c. SGLang's `meta_info` style `spec_verify_ct` + `completion_tokens` (τ = completion_tokens / spec_verify_ct).
-   A row whose counters break a rule is one bad row (`file:line: field ...`), skipped and counted in
-   `malformed`; a row with none (a stream logged without `include_usage`, an error) is counted in
-   `uncounted`. Rows are grouped by their `domain` field, else by a routing policy's classifier applied to the
-   row's prompt (decoding/routing.py: the policy's router, the keywords of the prompt text or of a chat's last
-   user message), else "unknown". Per-position acceptance is given for a group only when every one of its
-   drafts was counted by position (source a); α and τ for every group.
+   b. a gateway's `draft_tokens` + `accepted_tokens` (+ optional `drafts`): α, and τ only with `drafts`;
+   c. SGLang's `meta_info` style `spec_verify_ct` + `completion_tokens` (τ = completion_tokens / spec_verify_ct):
+      τ, and α only with `draft_tokens`.
+   Each row counts in its own terms: α sums the accepted and drafted tokens of the rows that count drafted
+   tokens, τ the accepted tokens and verify steps of the rows that count steps, each group keeping the two sums
+   apart (`alpha_requests`, `tau_requests`; `note` says so where the rows differ), so a τ-only row's accepted
+   tokens never inflate α. A row whose counters break a rule (more accepted than drafted included) is one bad
+   row (`file:line: field ...`), skipped and counted in `malformed`; a row with none (a stream logged without
+   `include_usage`) is counted in `uncounted`, a refused request (status != 200, an error) in `refused`, a row
+   holding text UTF-8 cannot encode in `unencodable`. Rows are grouped by their `domain` field, else by a
+   routing policy's classifier applied to the row's text (decoding/routing.py: the policy's router, the
+   keywords of the prompt text or of a chat's last user message), else "unknown"; the `max_domains` largest
+   groups by requests keep their name, the rest are "other" (`merged_domains`). Per-position acceptance is given
+   for a group only when every one of its drafts was counted by position (source a).
 """
 
 from __future__ import annotations
@@ -46,12 +53,14 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith import net
 from draftsmith.config import show
 from draftsmith.errors import ConfigError, DataError
-from draftsmith.planning.logs import log_files, records
+from draftsmith.fleet.traffic_record import TrafficRecord
+from draftsmith.planning.logs import MAX_DOMAINS, cap_domains, log_files, traffic
 from draftsmith.storage import is_int
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$')
@@ -64,8 +73,10 @@ def parse_prometheus(text: str, source: str = "metrics") -> list[tuple[str, dict
     """(name, labels, value) for every sample line of a Prometheus text exposition (comments skipped); a bad
     line is one DataError naming `source` (the file or URL) and the line."""
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
+    # lines end at "\n" alone (the format's rule): str.splitlines would also split inside a label value holding
+    # a carriage return or U+2028, both legal there
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.strip(" \t\r")
         if not line or line.startswith("#"):
             continue
         m = _SAMPLE.match(line)
@@ -88,55 +99,96 @@ def _counter(name: str) -> str:
 
 START = "process_start_time_seconds"  # prometheus_client's process collector: when the server process started
 REQUIRED = {"num_accepted_tokens": "num_draft_tokens", "num_accepted_tokens_per_pos": "num_drafts"}
+MAX_POSITION_DIGITS = 6  # vLLM labels draft positions 0..k-1: a handful
 
 
-def _vllm_counts(text: str, label: str, source: str = "vllm metrics") -> tuple[dict[str, dict], dict]:
-    """Per model (`label`): the speculative-decoding counters of one dump, checked as they enter; and the
-    dump's process start times ({labels: seconds}), which tell a restart between two dumps."""
-    counts: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
-                                                   "per_pos": defaultdict(float), "requests": 0.0, "seen": set()})
-    starts: dict = {}
-    for name, labels, value in parse_prometheus(text, source):
+def _new_counts() -> dict:
+    return {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": defaultdict(float), "requests": 0.0,
+            "seen": set()}
+
+
+def _process(labels: dict[str, str], starts: dict[tuple, float]) -> tuple | None:
+    """The process a counter sample belongs to: the start-time sample whose labels (pid="...") the counter's own
+    labels carry, the most specific one; None where none or several fit (counters summed over processes, as
+    Prometheus' multiprocess mode exposes a multi-API-server vLLM's). One unlabelled start time (one server
+    process) owns every counter."""
+    fits = [p for p in starts if all(labels.get(k) == v for k, v in p)]
+    most = max((len(p) for p in fits), default=-1)
+    best = [p for p in fits if len(p) == most]
+    return best[0] if len(best) == 1 else None
+
+
+def _position(labels: dict[str, str], name: str, model: str, source: str) -> int:
+    pos = labels.get("position", "")
+    if not (pos.isascii() and pos.isdigit() and len(pos) <= MAX_POSITION_DIGITS):
+        raise DataError(f"{source}: {name} of model {model!r}: position={pos!r} is not a draft position "
+                        "(an int >= 0); refused")
+    return int(pos)
+
+
+def _vllm_counts(text: str, label: str, source: str = "vllm metrics") -> tuple[dict[tuple, dict], dict]:
+    """Per (process, model `label`): the speculative-decoding counters of one dump, checked as they enter; and the
+    dump's process start times ({labels: seconds}), which tell a restart between two dumps (`_process`: the
+    process a counter belongs to, None where the counters are summed over processes).
+
+    A sample is one series (its name and labels); a series seen twice is refused, never summed: a position label
+    is read by its integer value, so `position="0"` and `position="00"` are one series."""
+    samples = parse_prometheus(text, source)
+    starts: dict[tuple, float] = {}
+    for name, labels, value in samples:
         if name == START:
-            starts[tuple(sorted(labels.items()))] = value
-            continue
-        if name.endswith("_created"):
-            continue
+            key = tuple(sorted(labels.items()))
+            if key in starts:
+                raise DataError(f"{source}: {START}{_shown(key)} appears twice: which process started when is "
+                                "unknown; refused")
+            starts[key] = value
+    counts: dict[tuple, dict] = defaultdict(_new_counts)
+    series: dict[tuple, str] = {}
+    for name, labels, value in samples:
         base = _counter(name)
+        if name == START or name.endswith("_created") or not (base == "vllm:request_success"
+                                                             or base.startswith(PREFIX)):
+            continue
         model = labels.get(label, "")
-        if (base == "vllm:request_success" or base.startswith(PREFIX)) and not (math.isfinite(value) and value >= 0):
+        if not (math.isfinite(value) and value >= 0):
             raise DataError(f"{source}: {name} of model {model!r} is {value}, not a count (a NaN is never read as 0)")
-        if base == "vllm:request_success":
-            counts[model]["requests"] += value
-            continue
-        if not base.startswith(PREFIX):
-            continue
-        key = base[len(PREFIX):]
-        c = counts[model]
+        key = base[len(PREFIX):] if base.startswith(PREFIX) else "requests"
+        pos = _position(labels, name, model, source) if key == "num_accepted_tokens_per_pos" else None
+        one = (base, tuple(sorted((k, v) for k, v in labels.items() if k != "position")), pos)
+        if one in series:
+            said = f"position={labels.get('position')!r} is position {pos} again (position={series[one]!r} before)"
+            raise DataError(f"{source}: {name} of model {model!r}: " + (said if pos is not None else
+                            f"the series{_shown(one[1])} appears twice") + " in one series; refused, never summed")
+        series[one] = labels.get("position", "")
+        c = counts[(_process(labels, starts), model)]
         c["seen"].add(key)
-        if key == "num_drafts":
+        if key == "requests":
+            c["requests"] += value
+        elif key == "num_drafts":
             c["drafts"] += value
         elif key == "num_draft_tokens":
             c["draft_tokens"] += value
         elif key == "num_accepted_tokens":
             c["accepted"] += value
-        elif key == "num_accepted_tokens_per_pos":
-            pos = labels.get("position", "")
-            if not (pos.isascii() and pos.isdigit() and len(pos) <= 6):  # vLLM labels draft positions 0..k-1
-                raise DataError(f"{source}: {name} of model {model!r}: position={pos!r} is not a draft position "
-                                "(an int >= 0); refused")
-            c["per_pos"][int(pos)] += value
-    for model, c in sorted(counts.items()):
+        elif pos is not None:
+            c["per_pos"][pos] += value
+    for (proc, model), c in sorted(counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        where = repr(model) if not proc else f"{model!r} of process {_shown(proc)}"
         # a counter missing beside the one it divides: summed as 0, it would make α or a position's rate
         # anything (accepted tokens over no drafted tokens)
         for have, need in REQUIRED.items():
             if have in c["seen"] and need not in c["seen"]:
-                raise DataError(f"{source}: {model!r}: {PREFIX}{have}_total but no {PREFIX}{need}_total, "
+                raise DataError(f"{source}: {where}: {PREFIX}{have}_total but no {PREFIX}{need}_total, "
                                 "what it is divided by: its acceptance cannot be counted; refused")
         if sorted(c["per_pos"]) != list(range(len(c["per_pos"]))):
-            raise DataError(f"{source}: {model!r}: per-position counters at positions {sorted(c['per_pos'])[:10]}: "
+            raise DataError(f"{source}: {where}: per-position counters at positions {sorted(c['per_pos'])[:10]}: "
                             "vLLM counts every position 0..k-1, some are missing; refused")
     return counts, starts
+
+
+def _shown(labels: tuple) -> str:
+    """A process (or series) by its labels, as /metrics writes them: {pid="101"}."""
+    return "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""
 
 
 def _row(drafts: float, draft_tokens: float, accepted: float, per_pos: dict[int, float], requests: float,
@@ -202,36 +254,85 @@ def vllm_alpha(text: str, since: str | None = None, model_domains: dict[str, str
                label: str = "model_name", source: str = "vllm metrics", since_source: str | None = None) -> dict:
     """Per-domain α table from a vLLM /metrics dump (minus an earlier dump `since`, if given).
 
-    A restart between the two dumps (`process_start_time_seconds` differs) restarted every counter from 0:
-    subtracting the earlier values would mix two processes (and, once the new counts pass the old ones,
-    silently). The after-dump alone is then the window's count (all of it happened after the earlier dump,
-    since the restart did); what the old process counted between the earlier dump and its end is lost, which
-    the table says (`restarted`). Counters that went down with no start time to tell why are refused."""
+    The counters are cumulative per server process, and each process's start time
+    (`process_start_time_seconds`, one per process — by its labels, pid="..." — where a multi-API-server vLLM
+    runs several) tells what happened to it between the dumps (`_baselines`): a process in both with the same
+    start counts its difference, one that restarted counts since its restart (what it counted before its end
+    is lost, which the table says: `restarted`), a new one counts all it has. Counters that went down with no
+    start time to tell why are refused."""
     now, started = _vllm_counts(text, label, source)
     before, started_before = (_vllm_counts(since, label, since_source or f"{source} (--since)") if since
                               else ({}, {}))
-    restarted = None
-    if started and started_before and started != started_before:
-        restarted = (f"the server restarted between the dumps ({START} {min(started_before.values()):.0f} -> "
-                     f"{min(started.values()):.0f}): the counts are those since the restart")
-        before = {}
+    now, baselines, note = _baselines(now, before, started, started_before) if since else (now, {}, None)
     groups: dict[str, dict] = defaultdict(lambda: {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0,
                                                    "per_pos": defaultdict(float), "requests": 0.0})
-    for model, c in now.items():
-        b = before.get(model)
+    for (proc, model), c in now.items():
+        b = baselines.get((proc, model))
         g = groups[(model_domains or {}).get(model, model)]
         for k in ("drafts", "draft_tokens", "accepted", "requests"):
             delta = c[k] - (b[k] if b else 0.0)
             if delta < 0:
                 raise DataError(f"{source}: counter {k} of model {model!r} went down since the earlier dump "
-                                "(the server restarted): use a dump taken after the restart")
+                                + ("(the server restarted): use a dump taken after the restart"
+                                   if not (started and started_before) else "though its process did not restart "
+                                   f"({START} unchanged): dumps of different servers?"))
             g[k] += delta
         for i, v in c["per_pos"].items():
             g["per_pos"][i] += v - (b["per_pos"].get(i, 0.0) if b else 0.0)
     table = _table(groups, source)
-    if restarted:
-        table["restarted"] = restarted
+    if note:
+        table["restarted"] = note
     return table
+
+
+def _by_model(counts: dict[tuple, dict]) -> dict[tuple, dict]:
+    """The groups of a dump summed over processes: {(None, model): counts}."""
+    out: dict[tuple, dict] = defaultdict(_new_counts)
+    for (_, model), c in counts.items():
+        o = out[(None, model)]
+        for k in ("drafts", "draft_tokens", "accepted", "requests"):
+            o[k] += c[k]
+        for i, v in c["per_pos"].items():
+            o["per_pos"][i] += v
+    return out
+
+
+def _baselines(now: dict, before: dict, started: dict, started_before: dict) -> tuple[dict, dict, str | None]:
+    """The later dump's (process, model) groups, what to subtract from each, and what the table must say.
+
+    - every counter of both dumps belongs to one process (`_process`): process by process, a process with the
+      same start time in both is subtracted, one that restarted or is new is not (its counts since it started
+      all fall in the window); one gone from the later dump lost what it counted after the earlier one;
+    - counters summed over processes, each process with its start time: when every process of the earlier dump
+      is in the later one with the same start (only new ones came), the sums' difference is exact (a new
+      process started from 0 inside the window); else the dumps cannot be matched per process and the later
+      dump alone is the count (what the server counted since its processes started), and the table says so;
+    - no start times (either dump): the sums' difference; a counter that went down is refused by the caller."""
+    if not started or not started_before:
+        return _by_model(now), _by_model(before), None
+    if all(p is not None for p, _ in now) and all(p is not None for p, _ in before):
+        kept = {p for p, t in started.items() if started_before.get(p) == t}
+        restarted = sorted(p for p in started if p in started_before and p not in kept)
+        gone = sorted(p for p in started_before if p not in started)
+        note = None
+        if restarted == [()] and not gone:  # one unlabelled server process
+            note = (f"the server restarted between the dumps ({START} {started_before[()]:.0f} -> "
+                    f"{started[()]:.0f}): the counts are those since the restart")
+        elif restarted or gone:
+            note = "; ".join(
+                [f"process {_shown(p)} restarted between the dumps ({START} {started_before[p]:.0f} -> "
+                 f"{started[p]:.0f}): its counts are those since its restart" for p in restarted]
+                + [f"process {_shown(p) or '(unlabelled)'} is gone from the later dump: what it counted after the "
+                   "earlier one is lost" for p in gone])
+        return now, {k: c for k, c in before.items() if k[0] in kept}, note
+    if started_before.items() <= started.items():
+        return _by_model(now), _by_model(before), None
+    changed = sorted(p for p in started_before if started.get(p) != started_before[p])
+    what = ", ".join(f"{_shown(p) or '(unlabelled)'} " + ("restarted" if p in started else "is gone")
+                     for p in changed[:4])
+    return _by_model(now), {}, (f"the dumps cannot be matched per process (their counters are summed over "
+                                f"processes; process {what}): the counts are the later dump's, since its "
+                                "processes started")
 
 
 def _count(meta: dict, key: str) -> float:
@@ -313,12 +414,12 @@ def _positions(hist: list[int]) -> list[float]:
     return out[::-1]
 
 
-def _vllm_metrics(row: dict) -> tuple[object, str] | None:
+def _vllm_metrics(record: TrafficRecord) -> tuple[object, str] | None:
     """vLLM's per-request metrics of a row and where they sit: logged (`speculative_decoding`) or a raw
     response's (`metrics.speculative_decoding`); None where the row carries none."""
-    if row.get("speculative_decoding") is not None:
-        return row["speculative_decoding"], "speculative_decoding"
-    metrics = row.get("metrics")
+    if record.speculative_decoding is not None:
+        return record.speculative_decoding, "speculative_decoding"
+    metrics = record.extra.get("metrics")
     if metrics is None:
         return None
     if not isinstance(metrics, dict):
@@ -327,106 +428,169 @@ def _vllm_metrics(row: dict) -> tuple[object, str] | None:
     return None if sd is None else (sd, "metrics.speculative_decoding")
 
 
-def _request_counters(row: dict) -> tuple[float, float, float, list[float] | None] | None:
-    """(drafts, drafted tokens, accepted tokens, accepted per position or None) of one request log row, None
-    for a request logged without counters, or a ValueError naming the field that breaks a rule (module
-    docstring, source 2)."""
-    found = _vllm_metrics(row)
+@dataclass(frozen=True)
+class Counted:
+    """One request's counters, each in its own terms: `drafts` (verify steps that carried a draft, τ's divisor)
+    and `drafted` (drafted tokens, α's divisor) are None where the engine does not count them, never 0."""
+
+    drafts: float | None
+    drafted: float | None
+    accepted: float
+    per_pos: list[float] | None = None  # accepted per draft position, over `drafts` (vLLM's only)
+
+
+def _gateway(meta: dict) -> Counted:
+    """A gateway's draft_tokens + accepted_tokens (+ drafts): α, and τ where the drafts are counted."""
+    drafted, accepted = _count(meta, "draft_tokens"), _count(meta, "accepted_tokens")
+    if accepted > drafted:
+        raise ValueError(f"accepted_tokens {accepted:g} > draft_tokens {drafted:g}: more accepted than drafted")
+    drafts = _count(meta, "drafts") if meta.get("drafts") is not None else None
+    if drafts == 0 and accepted > 0:
+        raise ValueError(f"accepted_tokens {accepted:g} in drafts 0: no draft, nothing to accept")
+    return Counted(drafts, drafted, accepted)
+
+
+def _sglang(meta: dict) -> Counted:
+    """SGLang's spec_verify_ct + completion_tokens: completion tokens = verify steps + accepted drafts, so τ
+    is exact; α only where the drafted tokens are counted too."""
+    drafts, completion = _count(meta, "spec_verify_ct"), _count(meta, "completion_tokens")
+    if completion < drafts:
+        raise ValueError(f"completion_tokens {completion:g} < spec_verify_ct {drafts:g}: every verify step "
+                         "emits a token")
+    drafted = _count(meta, "draft_tokens") if meta.get("draft_tokens") is not None else None
+    if drafted is not None and completion - drafts > drafted:
+        raise ValueError(f"completion_tokens {completion:g} - spec_verify_ct {drafts:g} accepted > draft_tokens "
+                         f"{drafted:g}: more accepted than drafted")
+    return Counted(drafts, drafted, completion - drafts)
+
+
+def _request_counters(record: TrafficRecord) -> Counted | None:
+    """One request log row's counters, None for a request logged without any, or a ValueError naming the field
+    that breaks a rule (module docstring, source 2)."""
+    found = _vllm_metrics(record)
     if found is not None:
-        return _spec_decoding(*found)
-    meta = row.get("meta_info") or row
+        steps, drafted, accepted, per_pos = _spec_decoding(*found)
+        return Counted(steps, drafted, accepted, per_pos)
+    meta = record.extra.get("meta_info") or record.extra
     if not isinstance(meta, dict):
         raise ValueError(f"meta_info is {show(meta)}, expected a JSON object")
     if "draft_tokens" in meta and "accepted_tokens" in meta:
-        drafted, accepted = _count(meta, "draft_tokens"), _count(meta, "accepted_tokens")
-        drafts = _count(meta, "drafts") if meta.get("drafts") is not None else 0.0
-        return drafts, drafted, accepted, None  # more accepted than drafted: the group's check refuses the log
+        return _gateway(meta)
     if "spec_verify_ct" in meta and "completion_tokens" in meta:
-        # SGLang: completion tokens = verify steps + accepted drafts; drafted count is not reported,
-        # so α is left to the engines that report it and only τ is exact
-        drafts, completion = _count(meta, "spec_verify_ct"), _count(meta, "completion_tokens")
-        if completion < drafts:
-            raise ValueError(f"completion_tokens {completion:g} < spec_verify_ct {drafts:g}: every verify step "
-                             "emits a token")
-        drafted = _count(meta, "draft_tokens") if meta.get("draft_tokens") is not None else 0.0
-        return drafts, drafted, completion - drafts, None
+        return _sglang(meta)
     return None
 
 
-def prompt_text(prompt) -> str | None:
-    """The text a router classifies: a completion prompt's text, or a chat's last user message (its text
-    parts joined); None for token ids or anything else (the row is then "unknown" to the keywords)."""
-    if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, list):
-        return None
-    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-    content = users[-1].get("content") if users else None
-    if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}, {"type": "image_url"}]
-        content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return content if isinstance(content, str) else None
-
-
 def _classifier(policy: str | Path | None):
-    """(declared domain, prompt) -> domain: the declared one, else the routing policy's own classification
-    (RoutedProposer.classify: its router kind and keywords, decoding/routing.py), else "unknown"."""
+    """(declared domain, the row's text) -> domain: the declared one, else the routing policy's own
+    classification of the text (RoutedProposer.classify: its router kind and keywords, decoding/routing.py; the
+    text is fleet/traffic_record.py's: a completion prompt, or a chat's last user message), else "unknown"."""
     if policy is None:
-        return lambda domain, prompt: domain or "unknown"
+        return lambda domain, text: domain or "unknown"
     from draftsmith.decoding.routing import RoutedProposer, load_policy
 
     router = RoutedProposer(load_policy(policy), {})  # classification only: no proposer is built
-    return lambda domain, prompt: router.classify(domain, prompt_text(prompt)) or "unknown"
+    return lambda domain, text: router.classify(domain, text) or "unknown"
+
+
+SUMS = ("requests", "alpha_requests", "draft_tokens", "accepted_alpha", "tau_requests", "drafts", "accepted_tau",
+        "accepted", "pos_drafts")
 
 
 def _group() -> dict:
-    return {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": defaultdict(float), "requests": 0.0,
-            "pos_drafts": 0.0}
+    """A domain's sums, kept per counter kind: α's (rows counting drafted tokens) and τ's (rows counting verify
+    steps) apart, so no row's accepted tokens are divided by another kind's divisor."""
+    return {**dict.fromkeys(SUMS, 0.0), "per_pos": defaultdict(float)}
 
 
-def _add(g: dict, counted: tuple[float, float, float, list[float] | None]) -> None:
-    drafts, drafted, accepted, per_pos = counted
-    g["drafts"] += drafts
-    g["draft_tokens"] += drafted
-    g["accepted"] += accepted
+def _add(g: dict, c: Counted) -> None:
     g["requests"] += 1
-    if per_pos is not None:
-        g["pos_drafts"] += drafts
-        for i, v in enumerate(per_pos):
-            g["per_pos"][i] += v
+    g["accepted"] += c.accepted
+    if c.drafted is not None:
+        g["alpha_requests"] += 1
+        g["draft_tokens"] += c.drafted
+        g["accepted_alpha"] += c.accepted
+    if c.drafts is not None:
+        g["tau_requests"] += 1
+        g["drafts"] += c.drafts
+        g["accepted_tau"] += c.accepted
+        if c.per_pos is not None:
+            g["pos_drafts"] += c.drafts
+            for i, v in enumerate(c.per_pos):
+                g["per_pos"][i] += v
 
 
-def log_alpha(folder: str | Path, policy: str | Path | None = None) -> dict:
+def _merge(groups: dict[str, dict], max_domains: int | None) -> tuple[dict[str, dict], int]:
+    """The groups under cap_domains' names (planning/logs.py: the largest by requests keep theirs, the rest
+    are one "other"), and how many names were folded."""
+    names = cap_domains(Counter({d: g["requests"] for d, g in groups.items()}), max_domains)
+    merged: dict[str, dict] = defaultdict(_group)
+    for d, g in groups.items():
+        m = merged[names[d]]
+        for k in SUMS:
+            m[k] += g[k]
+        for i, v in g["per_pos"].items():
+            m["per_pos"][i] += v
+    return dict(merged), sum(1 for d, n in names.items() if d != n)
+
+
+def _log_row(g: dict) -> dict:
+    """One table row: α over the rows that count drafted tokens, τ over those that count verify steps, a
+    per-position rate only when every draft was counted by position."""
+    per_pos = g["per_pos"] if g["drafts"] and g["pos_drafts"] == g["drafts"] else {}
+    return {**_row(g["drafts"], g["draft_tokens"], g["accepted"], per_pos, g["requests"], g["accepted_alpha"],
+                   g["accepted_tau"]),
+            "alpha_requests": int(g["alpha_requests"]), "tau_requests": int(g["tau_requests"])}
+
+
+def _mixed(total: dict) -> str | None:
+    """What was combined, where the rows do not all count both divisors (module docstring, source 2)."""
+    n, a, t = (int(total[k]) for k in ("requests", "alpha_requests", "tau_requests"))
+    if a == n and t == n:
+        return None
+    return (f"alpha from the {a} requests that count drafted tokens, tau from the {t} that count verify steps, "
+            f"of {n} counted: each rate over its own rows, never one kind's accepted tokens over another's divisor")
+
+
+def log_alpha(folder: str | Path, policy: str | Path | None = None, max_domains: int | None = MAX_DOMAINS) -> dict:
     """Per-domain α table from request logs carrying per-request speculative counters (module docstring,
-    source 2). The files are read by planning/logs.py (what cannot be read is named in `bad` and skipped); a
-    row whose counters break a rule is one more bad row, named. `policy`: a routing policy file whose
-    classifier gives a row without a `domain` its domain."""
+    source 2). The files are read and each row checked by planning/logs.py (what cannot be read is named in
+    `bad` and skipped; refused and unencodable rows are counted, never used); a row whose counters break a rule
+    is one more bad row, named. `policy`: a routing policy file whose classifier gives a row without a
+    `domain` its domain. `max_domains`: the largest domains by requests keep their name, the rest are "other"."""
     classify = _classifier(policy)
     logs = log_files(folder, "request logs")
     groups: dict[str, dict] = defaultdict(_group)
     uncounted = 0
-    for path, number, row, _ in records(logs):
+    for path, number, record, _ in traffic(logs):
         try:
-            counted = _request_counters(row)
-            declared = row.get("domain")
-            if declared is not None and not isinstance(declared, str):
-                raise ValueError(f"domain is {show(declared)}, expected a string")
-            domain = classify(declared, row.get("prompt")) if counted is not None else None
+            counted = _request_counters(record)
         except ValueError as e:
             logs.reject(f"{path}:{number}", str(e))
             continue
         if counted is None:
             uncounted += 1  # served without speculation, or logged without the engine's counters
             continue
-        _add(groups[domain], counted)
+        _add(groups[classify(record.domain, record.text)], counted)
     if not any(g["draft_tokens"] > 0 or g["drafts"] > 0 for g in groups.values()):
         raise DataError(f"{folder}: no request carries speculative-decoding counters (speculative_decoding, "
                         f"draft_tokens + accepted_tokens, or spec_verify_ct + completion_tokens; {uncounted} rows "
-                        f"without, {logs.malformed} malformed{logs.first_bad()})")
+                        f"without, {logs.refused} refused, {logs.malformed} malformed{logs.first_bad()})")
+    groups, merged = _merge(groups, max_domains)
+    total = _group()
     for g in groups.values():
-        if g["pos_drafts"] != g["drafts"]:
-            g["per_pos"] = defaultdict(float)  # some drafts were not counted by position: no per-position rate
-    table = _table(groups, str(folder))
-    table["malformed"], table["bad"], table["uncounted"] = logs.malformed, logs.bad, uncounted
+        for k in SUMS:
+            total[k] += g[k]
+        for i, v in g["per_pos"].items():
+            total["per_pos"][i] += v
+    table = {"kind": "production_alpha", "source": str(folder),
+             "domains": {d: _log_row(g) for d, g in sorted(groups.items()) if g["draft_tokens"] > 0 or g["drafts"] > 0},
+             "overall": _log_row(total)}
+    note = _mixed(total)
+    if note:
+        table["note"] = note
+    table.update(malformed=logs.malformed, bad=logs.bad, uncounted=uncounted, refused=logs.refused,
+                 unencodable=logs.unencodable, merged_domains=merged)
     return table
 
 
@@ -456,18 +620,20 @@ def read_metrics(source: str | Path, timeout: float = 30.0, max_bytes: int | Non
 
 def production_alpha(path: str | Path, since: str | Path | None = None,
                      model_domains: dict[str, str] | None = None, save: str | Path | None = None,
-                     timeout: float = 30.0, max_bytes: int | None = None, policy: str | Path | None = None) -> dict:
+                     timeout: float = 30.0, max_bytes: int | None = None, policy: str | Path | None = None,
+                     max_domains: int | None = MAX_DOMAINS) -> dict:
     """A running server's /metrics URL or a Prometheus dump (a file), or request logs (a folder / a .jsonl
     file) -> the per-domain α table. `since`: an earlier dump (file or URL read now), the window between the
     two. `save`: keep the metrics text read (the `since` of the next check). `timeout`, `max_bytes`: the
     bounds of each read (read_metrics). `policy`: a routing policy file classifying logged requests that
-    declare no domain (request logs only: /metrics counts per served model, mapped by `model_domains`)."""
+    declare no domain (request logs only: /metrics counts per served model, mapped by `model_domains`).
+    `max_domains`: request logs only, the domains named in the table (the largest; the rest are "other")."""
     if not is_url(path):
         path = Path(path)
         if not path.exists():
             raise DataError(f"production metrics not found: {path}")
         if path.is_dir() or path.name.endswith((".jsonl", ".jsonl.gz")):
-            return log_alpha(path, policy)
+            return log_alpha(path, policy, max_domains)
     if policy is not None:
         raise ConfigError(f"routing policy {policy}: it classifies logged requests, and {net.safe_url(str(path))} "
                           "is /metrics (counted per served model: map model names to domains instead)")
