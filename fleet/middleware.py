@@ -2,23 +2,31 @@
 completion request, with vLLM's per-request speculative-decoding counters, for draftsmith to read back as
 acceptance per domain (planning/production.py) and as retraining's recent traffic (retrain/traffic.py).
 
-    DRAFTSMITH_TRAFFIC_DIR=/data/traffic vllm serve MODEL --speculative-config '{...}' \
+    DRAFTSMITH_TRAFFIC_DIR=/data/traffic vllm serve MODEL --speculative-config '{...}' \\
         --per-request-spec-decode-metrics detailed --middleware draftsmith.fleet.middleware.TrafficLog
 
 vLLM adds a middleware class with `app.add_middleware(cls)` (entrypoints/serve/middleware/register.py): no
-constructor arguments, so it is configured by environment variables, read once at start (a bad value stops the
-server there, never a request):
+constructor arguments, so it is configured by environment variables, read once at start (a bad value, or a
+folder that is a file, a symbolic link or not writable, stops the server there with one ValueError line
+naming the variable, never a request):
 
-    DRAFTSMITH_TRAFFIC_DIR              the folder (required; created)
+    DRAFTSMITH_TRAFFIC_DIR              the folder (required; created; never a link, and no file in it is
+                                        opened through one)
     DRAFTSMITH_TRAFFIC_MAX_FILE_BYTES   a file is closed and a new one opened past this (default 64 MiB)
     DRAFTSMITH_TRAFFIC_MAX_FILES        files of this process kept; its oldest is deleted past it (default 100)
     DRAFTSMITH_TRAFFIC_QUEUE            records waiting for the writer thread (default 1024)
+    DRAFTSMITH_TRAFFIC_QUEUE_BYTES      bytes the logging path may hold at once: the bodies kept by requests in
+                                        flight and by records waiting for the writer (default 32 MiB)
     DRAFTSMITH_TRAFFIC_MAX_BODY_BYTES   a request or a response longer than this is passed on, not logged
-                                        (default 8 MiB)
+                                        (default 4 MiB; at most QUEUE_BYTES)
+    DRAFTSMITH_TRAFFIC_SHUTDOWN_S       how long shutdown waits for queued records to be written (default 5)
     DRAFTSMITH_TRAFFIC_DOMAIN_HEADER    the header a client names its domain in (default X-Draftsmith-Domain)
+    DRAFTSMITH_TRAFFIC_TEST_STALL_S     for tests only: the writer sleeps this long before each record (a
+                                        stalled disk); never set it in production
 
 Logged: POST /v1/completions and /v1/chat/completions. One line per request, in
-`<dir>/traffic-<UTC time>-<pid>.jsonl` (each API server process writes its own files):
+`<dir>/traffic-<UTC time>-<pid>.jsonl` (each API server process writes its own files); the line is a
+fleet/traffic_record.py TrafficRecord, the one definition its readers share:
     {"timestamp": ISO UTC (arrival), "id": the response id, "request_id": X-Request-Id, "endpoint",
      "model", "prompt": the completion prompt (text or token ids) or the chat messages, "domain": the body's
      own `domain` field, else the domain header, else absent, "response": the answer text (a list for n > 1),
@@ -29,30 +37,55 @@ for one prompt with n == 1, and in a stream only on its final usage chunk, which
 client asks `stream_options: {"include_usage": true}` or the server runs with `--enable-force-include-usage`:
 a stream without it is logged without counters (the reader counts such rows as `uncounted`).
 
-The request never waits for the log and never fails because of it: the request's and the response's bytes
-pass through unchanged (vLLM accepts the unknown `domain` field: its request models allow extra fields); the
-one thing added is an `X-Request-Id` header (a uuid4 hex) where the client sent none and no body
-`request_id`, so that the id vLLM builds the engine's request id from (`cmpl-<id>-0-<8 hex>`,
-`chatcmpl-<id>-<8 hex>`) is set here — the response `id` logged is what fleet/vllm_capture.py's files,
-named by engine request id, are joined on. Bodies are kept as bytes up to the cap (nothing is parsed on the
-event loop); a finished exchange goes into a bounded queue (full: the record is dropped and counted, never
-waited for), and one background thread parses it and appends the line with one unbuffered write, so a
-reader sees whole lines. Every exception of the logging path is caught and counted (`counts`; a warning in
-vLLM's log at the 1st, 2nd, 4th, 8th ... of each kind). A process deletes only files it created itself
-(matching its own name pattern and pid); files of earlier processes stay for the operator's retention. The
-writer is a daemon thread: records still queued when the process exits are lost, never waited for.
+A guest in the server (docs: DESIGN "A guest in the user's server"). The request never waits for the log and
+never fails because of it: the request's and the response's bytes pass through unchanged (vLLM accepts the
+unknown `domain` field: its request models allow extra fields); the one thing added is an `X-Request-Id` header
+(a uuid4 hex) where the client sent none and no body `request_id`, so that the id vLLM builds the engine's
+request id from (`cmpl-<id>-0-<8 hex>`, `chatcmpl-<id>-<8 hex>`) is set here — the response `id` logged is
+what fleet/vllm_capture.py's files, named by engine request id, are joined on. Bodies are kept as bytes up to
+the cap (nothing is parsed on the event loop), and every kept byte is reserved in one budget of QUEUE_BYTES
+shared by the requests in flight and the records queued, so memory is bounded in bytes, not in requests: a
+request that finds the budget spent stops keeping (its bytes pass on all the same) and is counted. One
+background thread parses each finished exchange and appends its line with unbuffered writes, so a reader sees
+whole lines; the bytes are released when the line is written.
+
+Every exchange of a logged endpoint is counted exactly once (`TrafficLog.counts`, Counts.OUTCOMES; a warning in
+vLLM's log at the 1st, 2nd, 4th, 8th ... of each kind other than written):
+    written             its whole line is on disk
+    dropped_queue_full  QUEUE records were already waiting
+    dropped_bytes       the byte budget was spent while its bodies were being kept
+    over_cap            a body passed MAX_BODY_BYTES
+    incomplete          the response ended before its last body message (the app raised, the client left)
+    errors              the logging path failed on it (a body that is not JSON, a status that is no int)
+    lost                the write failed (a full disk, an I/O error): a partly written line is taken back
+                        (truncated; where that fails, ended by a newline of its own, no record in it; where that
+                        fails too, the file is closed and the next record opens a new one), never glued onto
+    lost_at_shutdown    still queued (or in a stalled write) when shutdown's time ran out, or arrived after
+so the lines on disk are exactly the records counted written. Before each record the writer checks that its
+file is still the one the folder names (fstat against the name's stat: a file deleted or moved away by the
+operator's rotation) and opens a new one when not; files and the folder are opened without following links
+(O_NOFOLLOW, O_EXCL). A process deletes only files it created itself (matching its own name pattern and pid);
+files of earlier processes stay for the operator's retention.
+
+Shutdown: the server's ASGI lifespan.shutdown (Starlette passes the lifespan scope through its middleware) and,
+where no lifespan runs, `atexit` write what is queued within SHUTDOWN_S and count the rest `lost_at_shutdown`;
+the writer is a daemon thread, so a stalled disk never holds the process's exit longer than that.
 
 Runs inside vLLM's environment: the standard library only (scripts/check_imports.py, rule 5).
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import datetime as dt
+import errno
 import json
 import logging
+import math
 import os
-import queue
 import re
+import stat
 import threading
 import time
 import uuid
@@ -64,6 +97,11 @@ log = logging.getLogger("draftsmith.fleet.middleware")
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
 NAME = re.compile(r"^traffic-\d{8}T\d{12}Z-(?P<pid>\d+)(?:-\d+)?\.jsonl$")
 ENV = "DRAFTSMITH_TRAFFIC_"
+# what a kept chunk costs besides its bytes: the bytes object's header and its slot in the list, so a stream of
+# many small events is charged what it holds
+CHUNK_COST = 48
+FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _env_int(env, name: str, default: int, lo: int, hi: int) -> int:
@@ -75,6 +113,19 @@ def _env_int(env, name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
+def _env_seconds(env, name: str, default: float, hi: float) -> float:
+    raw = env.get(ENV + name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= hi):
+        raise ValueError(f"TrafficLog: {ENV}{name}={raw[:40]!r}, expected seconds in 0..{hi:g}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the middleware is configured with (module docstring: the environment variables)."""
@@ -83,8 +134,17 @@ class Settings:
     max_file_bytes: int = 64 << 20
     max_files: int = 100
     queue_size: int = 1024
-    max_body_bytes: int = 8 << 20
+    queue_bytes: int = 32 << 20
+    # a body is kept whole or not at all: 4 MiB holds a 1M-token prompt's text, and 8 such exchanges fit the budget
+    max_body_bytes: int = 4 << 20
     domain_header: str = "X-Draftsmith-Domain"
+    shutdown_s: float = 5.0
+    test_stall_s: float = 0.0  # tests only (module docstring)
+
+    def __post_init__(self):
+        if self.max_body_bytes > self.queue_bytes:
+            raise ValueError(f"TrafficLog: {ENV}MAX_BODY_BYTES={self.max_body_bytes} is over {ENV}QUEUE_BYTES="
+                             f"{self.queue_bytes}: no body could ever be kept")
 
     @classmethod
     def from_env(cls, env=None) -> Settings:
@@ -98,33 +158,16 @@ class Settings:
         return cls(folder, _env_int(env, "MAX_FILE_BYTES", cls.max_file_bytes, 1, 1 << 40),
                    _env_int(env, "MAX_FILES", cls.max_files, 1, 1 << 20),
                    _env_int(env, "QUEUE", cls.queue_size, 1, 1 << 20),
-                   _env_int(env, "MAX_BODY_BYTES", cls.max_body_bytes, 1, 1 << 34), header)
-
-
-class Counts:
-    """What the logging path did, by kind; read from both the event loop and the writer thread."""
-
-    KINDS = ("written", "dropped_queue_full", "over_cap", "incomplete", "errors")
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.values = dict.fromkeys(self.KINDS, 0)
-
-    def add(self, kind: str, what: str = "") -> None:
-        with self._lock:
-            self.values[kind] += 1
-            n = self.values[kind]
-        if kind != "written" and n & (n - 1) == 0:  # 1, 2, 4, 8 ...: seen in the log, never a flood
-            log.warning("draftsmith traffic log: %s %d times%s", kind, n, f" (latest: {what[:200]})" if what else "")
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.values)
+                   _env_int(env, "QUEUE_BYTES", cls.queue_bytes, 1 << 10, 1 << 40),
+                   _env_int(env, "MAX_BODY_BYTES", cls.max_body_bytes, 1, 1 << 40), header,
+                   _env_seconds(env, "SHUTDOWN_S", cls.shutdown_s, 600.0),
+                   _env_seconds(env, "TEST_STALL_S", cls.test_stall_s, 3600.0))
 
 
 @dataclass
 class Exchange:
-    """One request and its response as they passed through: bytes kept up to the cap, nothing parsed."""
+    """One request and its response as they passed through: bytes kept up to the cap and within the budget,
+    nothing parsed."""
 
     endpoint: str
     arrived: float
@@ -136,19 +179,78 @@ class Exchange:
     event_stream: bool = False
     finished: bool = False
     over: bool = False  # a body passed the cap: passed on, not logged
-    off: bool = False  # the logging path failed for this exchange: passed on, not logged
-    sizes: list[int] = field(default_factory=lambda: [0, 0])  # request, response bytes kept
+    unkept: bool = False  # the byte budget was spent: passed on, not logged
+    sizes: list[int] = field(default_factory=lambda: [0, 0])  # request, response bytes seen
+    held: int = 0  # bytes reserved for it in the budget (Counts)
+    outcome: str | None = None  # set once, by Counts.settle
 
-    def keep(self, side: int, chunk: bytes, cap: int) -> None:
-        if self.over or not chunk:
+    @property
+    def keeping(self) -> bool:
+        return not (self.over or self.unkept or self.outcome)
+
+    def keep(self, side: int, chunk: bytes, cap: int, counts: Counts) -> None:
+        if not chunk or not self.keeping:
             return
         self.sizes[side] += len(chunk)
         if self.sizes[side] > cap:
             self.over = True
-            self.request.clear()
-            self.response.clear()
+            counts.free(self)
+        elif not counts.reserve(self, len(chunk) + CHUNK_COST):
+            self.unkept = True
+            counts.free(self)
         else:
             (self.request if side == 0 else self.response).append(chunk)
+
+
+class Counts:
+    """Every exchange's one outcome (module docstring), and the byte budget its kept bodies are reserved in;
+    used from the event loop and the writer thread."""
+
+    OUTCOMES = ("written", "dropped_queue_full", "dropped_bytes", "over_cap", "incomplete", "errors", "lost",
+                "lost_at_shutdown")
+
+    def __init__(self, budget: int):
+        self._lock = threading.Lock()
+        self.values = dict.fromkeys(self.OUTCOMES, 0)
+        self.values["reopened"] = 0  # not an outcome: the traffic file was gone and a new one was opened
+        self.budget, self.held = budget, 0
+
+    def reserve(self, x: Exchange, n: int) -> bool:
+        with self._lock:
+            if self.held + n > self.budget:
+                return False
+            self.held += n
+            x.held += n
+        return True
+
+    def free(self, x: Exchange) -> None:
+        """Release what `x` holds and forget its bodies."""
+        with self._lock:
+            self.held -= x.held
+            x.held = 0
+        x.request, x.response = [], []
+
+    def settle(self, x: Exchange, kind: str, what: str = "") -> bool:
+        """Count `x` as `kind` and release its bytes; False when it was counted already (its one outcome
+        stands)."""
+        with self._lock:
+            if x.outcome is not None:
+                return False
+            x.outcome = kind
+        self.free(x)
+        self.add(kind, what)
+        return True
+
+    def add(self, kind: str, what: str = "") -> None:
+        with self._lock:
+            self.values[kind] += 1
+            n = self.values[kind]
+        if kind != "written" and n & (n - 1) == 0:  # 1, 2, 4, 8 ...: seen in the log, never a flood
+            log.warning("draftsmith traffic log: %s %d times%s", kind, n, f" (latest: {what[:200]})" if what else "")
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.values, "bytes_held": self.held}
 
 
 def _choice_text(choice: dict, chat: bool, stream: bool):
@@ -246,90 +348,249 @@ def _line(rec: dict) -> bytes:
         return (json.dumps(rec, separators=(",", ":")) + "\n").encode()
 
 
+def _open_folder(folder: str) -> int:
+    """The traffic folder opened as a directory, without following a link (created when missing); a folder
+    that is a file, a link or not writable is one ValueError line naming the variable."""
+    where = f"TrafficLog: {ENV}DIR={folder}"
+    try:
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            os.makedirs(folder, exist_ok=True)
+            st = os.lstat(folder)
+        if stat.S_ISLNK(st.st_mode):
+            raise ValueError(f"{where} is a symbolic link: name the folder itself (no link is followed)")
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{where} is not a folder")
+        fd = os.open(folder, FOLDER_FLAGS)
+    except OSError as e:
+        raise ValueError(f"{where}: {e.strerror or type(e).__name__}") from None
+    probe = f".draftsmith-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # root writes past a folder's mode bits
+    try:
+        os.close(os.open(probe, FILE_FLAGS, 0o600, dir_fd=fd))
+        os.unlink(probe, dir_fd=fd)
+    except OSError as e:
+        os.close(fd)
+        raise ValueError(f"{where} is not writable by this process ({e.strerror or type(e).__name__})") from None
+    return fd
+
+
 class Writer:
-    """A background thread that turns queued exchanges into lines: one unbuffered write per line, a new file
-    past `max_file_bytes`, at most `max_files` of this process's own files kept."""
+    """A background thread that turns queued exchanges into lines: unbuffered writes of whole lines (a torn one
+    is taken back), a new file past `max_file_bytes` or when the current one was deleted or moved away, at most
+    `max_files` of this process's own files kept. `os_write` and `os_ftruncate` are the seam the fault-injection
+    tests replace (a partial write, a full disk, a stalled disk)."""
 
     def __init__(self, settings: Settings, counts: Counts):
         self.settings, self.counts = settings, counts
-        os.makedirs(settings.folder, exist_ok=True)
-        self.queue: queue.Queue[Exchange | None] = queue.Queue(maxsize=settings.queue_size)
+        self.os_write = os.write
+        self.os_ftruncate = os.ftruncate
+        self.dir_fd: int | None = _open_folder(settings.folder)
         self.fd: int | None = None
-        self.size = 0
+        self.name = ""  # the current file, in the folder
+        self.size = 0  # bytes of whole lines in it
         self.mine: deque[str] = deque()  # the files this process created, oldest first
+        self._cond = threading.Condition()
+        self._queue: deque[Exchange] = deque()
+        self._current: Exchange | None = None
+        self._closed = False
+        self._closing = threading.Lock()
+        # a daemon thread: a stalled disk never holds the process's exit; close() (lifespan shutdown, atexit)
+        # writes what is queued within shutdown_s
         self.thread = threading.Thread(target=self._run, name="draftsmith-traffic-log", daemon=True)
         self.thread.start()
+        atexit.register(self.close)
 
     def submit(self, x: Exchange) -> None:
-        try:
-            self.queue.put_nowait(x)
-        except queue.Full:
-            self.counts.add("dropped_queue_full", f"queue of {self.settings.queue_size} full")
+        with self._cond:
+            if self._closed:
+                kind, what = "lost_at_shutdown", "a request finished after shutdown"
+            elif len(self._queue) >= self.settings.queue_size:
+                kind, what = "dropped_queue_full", f"queue of {self.settings.queue_size} full"
+            else:
+                self._queue.append(x)
+                self._cond.notify()
+                return
+        self.counts.settle(x, kind, what)
 
     def _run(self) -> None:
         while True:
-            x = self.queue.get()
-            try:
-                if x is None:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
                     return
-                self._write(_line(record(x)))
-                self.counts.add("written")
-            except Exception as e:  # noqa: BLE001 - a bad exchange or a full disk costs its own line only
-                self.counts.add("errors", f"{type(e).__name__}: {e}")
+                x = self._current = self._queue.popleft()
+            try:
+                self._one(x)
+            except Exception as e:  # noqa: BLE001 - costs this record only, never the thread
+                self.counts.settle(x, "errors", f"{type(e).__name__}: {e}")
             finally:
-                self.queue.task_done()
+                with self._cond:
+                    self._current = None
+                    self._cond.notify_all()
 
-    def _write(self, line: bytes) -> None:
-        if self.fd is None or (self.size and self.size + len(line) > self.settings.max_file_bytes):
-            self._rotate()
+    def _one(self, x: Exchange) -> None:
+        if self.settings.test_stall_s:
+            time.sleep(self.settings.test_stall_s)
+        try:
+            line = _line(record(x))
+        except Exception as e:  # noqa: BLE001 - a body that is not JSON, too deep, ...: its own line only
+            self.counts.settle(x, "errors", f"{type(e).__name__}: {e}")
+            return
+        if x.outcome is not None:  # shutdown gave up on it meanwhile
+            return
+        try:
+            start = self._write(line)
+        except Exception as e:  # noqa: BLE001 - a full disk, an I/O error: counted, the next record tries again
+            self.counts.settle(x, "lost", f"{type(e).__name__}: {e}")
+            return
+        if not self.counts.settle(x, "written"):  # shutdown counted it lost while the write hung: take it back
+            self._take_back(start)
+
+    def _write(self, line: bytes) -> int:
+        """Append `line` whole, or raise with nothing of it left glued to the file; its offset."""
+        self._ready(len(line))
+        start, done = self.size, 0
         view = memoryview(line)
-        while view:
-            view = view[os.write(self.fd, view):]
-        self.size += len(line)
+        try:
+            while done < len(line):
+                n = self.os_write(self.fd, view[done:])
+                if not n or n < 0:
+                    raise OSError(errno.EIO, f"a write of {len(line) - done} bytes wrote {n}")
+                done += n
+        except Exception:
+            if done and self._tear(start, done, len(line)):
+                return start
+            raise
+        self.size = start + len(line)
+        return start
+
+    def _tear(self, start: int, done: int, total: int) -> bool:
+        """A line cut short at `done` of `total` bytes: taken back (truncated), else ended by a newline of its own
+        (a line that is no record), else the file closed so the next record opens a new one. True when the
+        newline made the line whole after all (only its newline was missing): then it is a written record."""
+        try:
+            self.os_ftruncate(self.fd, start)
+            self.size = start
+            return False
+        except OSError:
+            pass
+        try:
+            if self.os_write(self.fd, b"\n") == 1:
+                self.size = start + done + 1
+                return done == total - 1
+        except OSError:
+            pass
+        self._close_file()
+        return False
+
+    def _take_back(self, start: int) -> None:
+        try:
+            self.os_ftruncate(self.fd, start)
+            self.size = start
+        except OSError as e:
+            log.warning("draftsmith traffic log: a line written after shutdown gave it up stays (%s)", e)
+
+    def _ready(self, n: int) -> None:
+        """An open file that the folder still names, with room for `n` more bytes."""
+        if self.fd is not None and not self._still_named():
+            self.counts.add("reopened", f"{self.name} was deleted or moved away")
+            self._close_file()
+        if self.fd is None or (self.size and self.size + n > self.settings.max_file_bytes):
+            self._rotate()
+
+    def _still_named(self) -> bool:
+        """Whether the folder path and the file name in it still name what we hold open (inode, and a link
+        count above 0): the operator may delete or rotate either."""
+        try:
+            own, there = os.fstat(self.fd), os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+            folder, named = os.fstat(self.dir_fd), os.stat(self.settings.folder, follow_symlinks=False)
+        except OSError:
+            return False
+        return (own.st_nlink > 0 and (own.st_dev, own.st_ino) == (there.st_dev, there.st_ino)
+                and (folder.st_dev, folder.st_ino) == (named.st_dev, named.st_ino))
+
+    def _close_file(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
 
     def _rotate(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._close_file()
+        try:
+            folder, named = os.fstat(self.dir_fd), os.stat(self.settings.folder, follow_symlinks=False)
+            same = (folder.st_dev, folder.st_ino) == (named.st_dev, named.st_ino)
+        except (OSError, TypeError):  # TypeError: no folder open (opening it again failed last time)
+            same = False
+        if not same:  # the folder was deleted or replaced: open it again (made again when missing)
+            if self.dir_fd is not None:
+                os.close(self.dir_fd)
+                self.dir_fd = None
+            self.dir_fd = _open_folder(self.settings.folder)
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         for n in range(1000):
             name = f"traffic-{stamp}Z-{os.getpid()}" + (f"-{n}" if n else "") + ".jsonl"
-            path = os.path.join(self.settings.folder, name)
             try:
-                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                self.fd = os.open(name, FILE_FLAGS, 0o644, dir_fd=self.dir_fd)
                 break
             except FileExistsError:
                 continue
         if self.fd is None:
-            raise OSError(f"no free file name for {stamp} in {self.settings.folder}")
-        self.size = 0
-        self.mine.append(path)
+            raise OSError(errno.EEXIST, f"no free file name for {stamp} in {self.settings.folder}")
+        self.name, self.size = name, 0
+        self.mine.append(name)
         while len(self.mine) > self.settings.max_files:
             old = self.mine.popleft()
-            m = NAME.match(os.path.basename(old))
+            m = NAME.match(old)
             if m and int(m["pid"]) == os.getpid():  # only a file of ours, by its own name pattern
                 try:
-                    os.unlink(old)
+                    os.unlink(old, dir_fd=self.dir_fd)
                 except FileNotFoundError:
                     pass
 
     def drain(self, timeout: float = 10.0) -> bool:
-        """Wait until every queued exchange is written (tests, shutdown); False if the time ran out."""
+        """Wait until every queued exchange is settled (tests, shutdown); False if the time ran out."""
         end = time.monotonic() + timeout
-        while self.queue.unfinished_tasks and time.monotonic() < end:
-            time.sleep(0.005)
-        return not self.queue.unfinished_tasks
+        with self._cond:
+            while self._queue or self._current is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Take no more records, write what is queued within `timeout` (settings.shutdown_s), count the rest
+        `lost_at_shutdown`. Idempotent; lifespan shutdown and atexit both call it."""
+        with self._closing:
+            if not self._closed:
+                self._close(self.settings.shutdown_s if timeout is None else timeout)
+
+    def _close(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self.drain(timeout)
-        try:
-            self.queue.put(None, timeout=timeout)
-        except queue.Full:
-            return
-        self.thread.join(timeout)
-        if self.fd is not None and not self.thread.is_alive():
-            os.close(self.fd)
-            self.fd = None
+        with self._cond:
+            left = [*self._queue, *([self._current] if self._current is not None else [])]
+            self._queue.clear()
+            self._cond.notify_all()
+        for x in left:
+            self.counts.settle(x, "lost_at_shutdown", f"not written within {timeout:g} s of shutdown")
+        self.thread.join(max(0.0, end - time.monotonic()))
+        if not self.thread.is_alive():
+            self._close_file()
+            if self.dir_fd is not None:
+                os.close(self.dir_fd)
+                self.dir_fd = None
+        atexit.unregister(self.close)
+        if left:
+            log.warning("draftsmith traffic log: closed; %s", self.counts.snapshot())
 
 
 def _header(scope: dict, name: bytes) -> bytes | None:
@@ -345,48 +606,66 @@ class TrafficLog:
     def __init__(self, app, settings: Settings | None = None):
         self.app = app
         self.settings = settings or Settings.from_env()
-        self.counts = Counts()
+        self.counts = Counts(self.settings.queue_bytes)
         self.writer = Writer(self.settings, self.counts)
         self._domain_header = self.settings.domain_header.lower().encode()
 
     async def __call__(self, scope, receive, send):
+        if scope.get("type") == "lifespan":
+            return await self.app(scope, self._until_shutdown(receive), send)
         endpoint = (ENDPOINTS.get(scope.get("path"))
                     if scope.get("type") == "http" and scope.get("method") == "POST" else None)
         if endpoint is None:
             return await self.app(scope, receive, send)
         x = Exchange(endpoint, time.time(), None, None)
-        pending: deque = deque()
-        await self._read_request(receive, x, pending)
         try:
-            scope = self._with_request_id(scope, x)
-        except Exception as e:  # noqa: BLE001 - the request goes on as it came
-            self._failed(x, e)
-
-        async def replay():
-            return pending.popleft() if pending else await receive()
-
-        async def tap(message):
+            pending: deque = deque()
+            await self._read_request(receive, x, pending)
             try:
-                self._observe(x, message)
-            except Exception as e:  # noqa: BLE001 - the response goes on as it came
+                scope = self._with_request_id(scope, x)
+            except Exception as e:  # noqa: BLE001 - the request goes on as it came
                 self._failed(x, e)
-            await send(message)
 
-        try:
+            async def replay():
+                return pending.popleft() if pending else await receive()
+
+            async def tap(message):
+                try:
+                    self._observe(x, message)
+                except Exception as e:  # noqa: BLE001 - the response goes on as it came
+                    self._failed(x, e)
+                await send(message)
+
             await self.app(scope, replay, tap)
         finally:
             self._submit(x)
 
+    def _until_shutdown(self, receive):
+        """The lifespan's receive: at lifespan.shutdown (every request has ended) the writer writes what is
+        queued, within shutdown_s and off the event loop, before the app's own shutdown goes on."""
+
+        async def wrapped():
+            message = await receive()
+            if message.get("type") == "lifespan.shutdown":
+                try:
+                    await asyncio.to_thread(self.writer.close)
+                except Exception as e:  # noqa: BLE001 - the server's shutdown goes on
+                    log.warning("draftsmith traffic log: closing failed: %s: %s", type(e).__name__, e)
+            return message
+
+        return wrapped
+
     async def _read_request(self, receive, x: Exchange, pending: deque) -> None:
-        """The request's messages up to its end (or the cap), kept to be replayed to the app unchanged: the
-        app reads the whole body before it answers anyway, and the id header must be decided before it starts."""
+        """The request's messages up to its end (or until it is no longer kept), kept to be replayed to the
+        app unchanged: the app reads the whole body before it answers anyway, and the id header must be
+        decided before it starts."""
         while True:
             message = await receive()
             pending.append(message)
             if message.get("type") != "http.request":
                 return
-            x.keep(0, message.get("body") or b"", self.settings.max_body_bytes)
-            if x.over or not message.get("more_body"):
+            x.keep(0, message.get("body") or b"", self.settings.max_body_bytes, self.counts)
+            if not x.keeping or not message.get("more_body"):
                 return
 
     def _with_request_id(self, scope: dict, x: Exchange) -> dict:
@@ -395,34 +674,37 @@ class TrafficLog:
         if given is not None:
             x.request_id = given.decode("latin-1")
             return scope
-        if x.over or b'"request_id"' in b"".join(x.request):
+        if not x.keeping or b'"request_id"' in b"".join(x.request):
             return scope  # the body may name its own id, which vLLM takes when no header overrides it
         x.request_id = uuid.uuid4().hex
         return {**scope, "headers": [*scope.get("headers", []), (b"x-request-id", x.request_id.encode())]}
 
     def _observe(self, x: Exchange, message: dict) -> None:
+        if x.outcome is not None:
+            return
         if message.get("type") == "http.response.start":
             x.status = int(message.get("status", 0))
             content_type = _header(message, b"content-type") or b""
             x.event_stream = content_type.split(b";")[0].strip().lower() == b"text/event-stream"
         elif message.get("type") == "http.response.body":
-            x.keep(1, message.get("body") or b"", self.settings.max_body_bytes)
+            x.keep(1, message.get("body") or b"", self.settings.max_body_bytes, self.counts)
             if not message.get("more_body"):
                 x.finished = True
 
     def _failed(self, x: Exchange, e: Exception) -> None:
-        x.off = True
-        self.counts.add("errors", f"{type(e).__name__}: {e}")
+        self.counts.settle(x, "errors", f"{type(e).__name__}: {e}")
 
     def _submit(self, x: Exchange) -> None:
         try:
-            if x.off:
+            if x.outcome is not None:
                 return
             if x.over:
-                self.counts.add("over_cap", f"a body over {self.settings.max_body_bytes} bytes")
+                self.counts.settle(x, "over_cap", f"a body over {self.settings.max_body_bytes} bytes")
+            elif x.unkept:
+                self.counts.settle(x, "dropped_bytes", f"the {self.settings.queue_bytes}-byte budget was spent")
             elif not x.finished:
-                self.counts.add("incomplete", "the response ended before its last body message")
+                self.counts.settle(x, "incomplete", "the response ended before its last body message")
             else:
                 self.writer.submit(x)
         except Exception as e:  # noqa: BLE001
-            self.counts.add("errors", f"{type(e).__name__}: {e}")
+            self.counts.settle(x, "errors", f"{type(e).__name__}: {e}")
