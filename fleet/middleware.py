@@ -92,6 +92,8 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+from draftsmith.fleet.traffic_record import TrafficRecord
+
 log = logging.getLogger("draftsmith.fleet.middleware")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
@@ -315,28 +317,26 @@ def _events(body: bytes) -> list[dict]:
 
 
 def record(x: Exchange) -> dict:
-    """The JSON line of one finished exchange (module docstring); run on the writer thread."""
+    """The JSON line of one finished exchange, built as the TrafficRecord its readers parse it back into
+    (fleet/traffic_record.py; module docstring); run on the writer thread."""
     body = json.loads(b"".join(x.request)) if x.request else {}
     body = body if isinstance(body, dict) else {}
     chat = x.endpoint == "chat.completions"
-    rec: dict = {"timestamp": dt.datetime.fromtimestamp(x.arrived, dt.timezone.utc).isoformat(timespec="milliseconds")
-                 .replace("+00:00", "Z"), "id": None, "request_id": x.request_id, "endpoint": x.endpoint,
-                 "model": body.get("model"), "prompt": body.get("messages" if chat else "prompt")}
     domain = body.get("domain")
     if not (isinstance(domain, str) and domain.strip()) and x.header_domain:
-        domain = x.header_domain.decode("utf-8", "replace").strip()
-    if isinstance(domain, str) and domain.strip():
-        rec["domain"] = domain.strip()
+        domain = x.header_domain.decode("utf-8", "replace")
     response = b"".join(x.response)
     if x.event_stream:
         chunks = _events(response)
     else:
         parsed = json.loads(response) if response.strip() else {}
         chunks = [parsed] if isinstance(parsed, dict) else []
-    rec.update(_answers(chunks, chat, x.event_stream))
-    rec["stream"] = bool(body.get("stream"))
-    rec["status"] = x.status
-    return rec
+    stamp = dt.datetime.fromtimestamp(x.arrived, dt.timezone.utc).isoformat(timespec="milliseconds")
+    return TrafficRecord(timestamp=stamp.replace("+00:00", "Z"), request_id=x.request_id, endpoint=x.endpoint,
+                         model=body.get("model"), prompt=body.get("messages" if chat else "prompt"),
+                         domain=domain.strip() or None if isinstance(domain, str) else None,
+                         stream=bool(body.get("stream")), status=x.status,
+                         **_answers(chunks, chat, x.event_stream)).to_json()
 
 
 def _line(rec: dict) -> bytes:

@@ -164,6 +164,24 @@ def test_bytes_pass_through_unchanged_and_the_answer_is_logged(traffic, path, bo
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", row["timestamp"])
 
 
+def test_the_written_line_is_the_traffic_record_its_readers_parse(traffic):
+    """Writer and readers share fleet/traffic_record.py: every line the middleware writes has the schema's
+    fields only (the ALWAYS ones on every line) and parses back into the record it was built from."""
+    from draftsmith.fleet.traffic_record import ALWAYS, SCHEMA, parse_record
+
+    t = traffic()
+    for path, body in REQUESTS:
+        run(call(t, path, {**body, "domain": "  geo "}, [(b"x-draftsmith-domain", b"ignored")]))
+    run(call(t, "/v1/completions", {"model": "m", "prompt": "x"}, [(b"x-draftsmith-domain", b" code ")]))
+    t.writer.drain()
+    logged = rows(Path(t.settings.folder))
+    assert len(logged) == len(REQUESTS) + 1
+    for row in logged:
+        assert set(ALWAYS) <= set(row) <= set(SCHEMA), row
+        assert parse_record(row).to_json() == row
+    assert [r["domain"] for r in logged] == ["geo"] * len(REQUESTS) + ["code"]
+
+
 def test_a_stream_without_include_usage_is_logged_without_counters(traffic):
     t = traffic()
     run(call(t, "/v1/chat/completions", {"model": "m", "messages": [], "stream": True}))
