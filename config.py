@@ -235,6 +235,9 @@ def ranged(tp: type, bounds: Range):
 
 
 MAX_YAML_NODES = 1_000_000  # a preset is a few hundred nodes; aliases may not expand a file past this
+# a preset nests 3-4 levels; the composer, the alias check and every reader of the values recurse once a level,
+# so a document past this would end in a RecursionError (100,000 `[` are 100 KB)
+MAX_YAML_DEPTH = 64
 MAX_MESSAGE_VALUE = 120  # characters of a value an error message shows
 
 
@@ -267,8 +270,50 @@ def _expanded_size(node, sizes: dict[int, int], open_: set[int]) -> int:
     return n
 
 
+def yaml_depth(text: str, limit: int = MAX_YAML_DEPTH) -> int:
+    """How deep the YAML document `text` nests (mappings and sequences, block or flow style), counted on
+    PyYAML's event stream — its parser is a loop over a stack of states, never recursive — before anything is
+    composed; a yaml.YAMLError as soon as it passes `limit`. An alias counts as deep as the node it names, so a
+    chain of anchors, each one level inside the one before, is as deep as it expands."""
+    depth = deepest = 0
+    heights: dict[str, int] = {}  # anchor -> the levels of the node it names (0: a scalar)
+    anchored: list[list] = []  # the open anchored collections: [anchor, level, the deepest level inside it]
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionEndEvent):
+            if anchored and anchored[-1][1] == depth:
+                anchor, level, inside = anchored.pop()
+                heights[anchor] = inside - level + 1
+                if anchored:
+                    anchored[-1][2] = max(anchored[-1][2], inside)
+            depth -= 1
+            continue
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            reach = depth
+            if event.anchor is not None:
+                anchored.append([event.anchor, depth, depth])
+        elif isinstance(event, yaml.AliasEvent):
+            reach = depth + heights.get(event.anchor, 0)  # an anchor still open is a cycle: _BoundedLoader's
+        elif isinstance(event, yaml.ScalarEvent):
+            reach = depth
+            if event.anchor is not None:
+                heights[event.anchor] = 0
+        else:
+            continue
+        if anchored:
+            anchored[-1][2] = max(anchored[-1][2], reach)
+        deepest = max(deepest, reach)
+        if reach > limit:
+            raise yaml.YAMLError(f"nested deeper than {limit} levels (line {event.start_mark.line + 1}"
+                                 f"{', through aliases' if isinstance(event, yaml.AliasEvent) else ''})")
+    return deepest
+
+
 def safe_load(text: str) -> Any:
-    """yaml.safe_load with alias expansion bounded (`_BoundedLoader`)."""
+    """yaml.safe_load with nesting (`yaml_depth`, counted before composing) and alias expansion
+    (`_BoundedLoader`) bounded: the one reader of every outside YAML — config files, presets, command-line
+    overrides, accelerate files."""
+    yaml_depth(text)
     return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
