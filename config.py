@@ -147,7 +147,8 @@ def _num(x: float) -> str:
 
 
 class OutOfRange(ConfigError, ValueError):
-    """A config field's value is out of its Range: `field` names it (`tree[2]`), `problem` says how."""
+    """A config field's value is out of its Range, or a string of it holds a NUL byte: `field` names it
+    (`tree[2]`), `problem` says how."""
 
     def __init__(self, cls: type, field: str, problem: str):
         super().__init__(f"{cls.__name__}.{field}: {problem}")
@@ -175,7 +176,9 @@ def validated(cls: type[T]) -> type[T]:
 
 
 def check_fields(obj: Any) -> None:
-    """Every ranged field of a config dataclass instance, its items and values included; OutOfRange if not."""
+    """Every ranged field of a config dataclass instance, its items and values included; and no string of any
+    field holding a NUL byte (`check_strings`); OutOfRange if not."""
+    check_strings(obj)
     for name, bounds in field_ranges(type(obj)).items():
         value = getattr(obj, name)
         items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
@@ -190,6 +193,22 @@ def check_fields(obj: Any) -> None:
                 bounds.check(item, where)
             except ConfigError as e:
                 raise OutOfRange(type(obj), where, str(e).split(": ", 1)[1]) from None
+
+
+def check_strings(obj: Any) -> None:
+    """No string of a config (a path, a name, a list's item, a mapping's key or value) holds a NUL byte: every
+    path-valued field is a string, and the OS refuses the byte far from the key that brought it (`embedded null
+    byte` from the first open or mkdir of `output_dir`), so it is refused here, by the field's name. No config
+    string is text that could need the byte."""
+    names = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else list(vars(obj))
+    for name in names:
+        value = getattr(obj, name, None)
+        items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple)
+                 else [(None, value)])
+        for key, item in items:
+            where = name if key is None else f"{name}.{key}" if isinstance(value, dict) else f"{name}[{key}]"
+            if any(isinstance(s, str | Path) and "\0" in str(s) for s in (key, item)):
+                raise OutOfRange(type(obj), where, "holds a NUL byte (\\0), which no path or name can hold")
 
 
 @functools.cache  # read once per class: every construction checks its fields
