@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import types
 import typing
@@ -27,6 +28,7 @@ import yaml
 from draftsmith.errors import ConfigError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 CONFIG_KINDS: dict[str, type] = {}
 
@@ -524,18 +526,33 @@ def preset_names() -> list[str]:
 
 
 def preset_path(ref: str | Path) -> Path:
-    """A preset as a user names it: a YAML file's path, relative to the working directory, or else a preset
-    shipped with the package by name — `smollm2-135m/eagle3`, `smollm2-135m/eagle3.yaml` or
-    `configs/smollm2-135m/eagle3.yaml` — so that an installed draftsmith runs from any folder. A file of that
-    path in the working directory comes first (a checkout, or a user's own copy of a preset)."""
+    """A preset as a user names it: a YAML file's path, relative to the working directory, or a preset shipped
+    with the package by name — `smollm2-135m/eagle3`, `smollm2-135m/eagle3.yaml` or
+    `configs/smollm2-135m/eagle3.yaml` — so that an installed draftsmith runs from any folder.
+
+    One rule for every spelling: a file in the working directory comes first (a checkout, or the user's own copy
+    of a preset, which is what they edited), the name as given and then with `.yaml` added, and only then the
+    shipped preset, tried the same two ways; so `NAME` and `NAME.yaml` read the same file. Where a file here
+    shadows a shipped preset of the same name, a warning names the file read."""
     path = Path(ref).expanduser()
-    if path.is_file() or path.is_absolute():
+    if path.is_absolute():
         return path
+    local = next((p for p in _spellings(path) if p.is_file()), None)
     rel = Path(*path.parts[1:]) if path.parts[:1] == ("configs",) and len(path.parts) > 1 else path
-    for candidate in (PRESETS / rel, PRESETS / rel.parent / f"{rel.name}.yaml"):
-        if candidate.is_file() and candidate.resolve().is_relative_to(PRESETS.resolve()):
-            return candidate
-    return path
+    shipped = next((p for p in _spellings(rel, PRESETS)
+                    if p.is_file() and p.resolve().is_relative_to(PRESETS.resolve())), None)
+    if local is not None and shipped is not None and local.resolve() != shipped.resolve():
+        log.warning("config %s: reading the file %s, not the shipped preset %s of the same name", ref,
+                    local.resolve(), shipped)
+    return local or shipped or path
+
+
+def _spellings(path: Path, base: Path | None = None) -> list[Path]:
+    """`path` (under `base`, if given), then with `.yaml` added where it has no YAML suffix."""
+    here = base / path if base is not None else path
+    if not path.name or path.suffix in (".yaml", ".yml"):
+        return [here]
+    return [here, here.with_name(f"{path.name}.yaml")]
 
 
 def _not_found(ref: str | Path) -> ConfigError:
