@@ -451,6 +451,8 @@ def _cut_trees(setup: Setup) -> None:
     measured here before decoding, over every node count a tree of this run can have. A tree that is the
     same every step (Medusa's) is cut once, up front."""
     cfg, trees = setup.cfg, [e for e in setup.entries if e.kw.get("tree") is not None]
+    if not trees:  # every entry decodes a chain of --k (no --tree): nothing to cut, nothing to measure for it
+        return
     n_max = max(e.kw["tree"].capacity() for e in trees)
     log.info("measuring v(n), n = 0..%d tree nodes, to size the trees", n_max)
     setup.tree_cost = cost.measure_verify_cost(setup.target, cfg.cost_context, n_max, min(cfg.cost_repeats, 5),
@@ -459,6 +461,8 @@ def _cut_trees(setup: Setup) -> None:
     for e in trees:
         e.kw["cost"] = setup.verify_cost
         e.kw["tree"] = e.proposer.fit_tree(e.kw["tree"], setup.verify_cost)
+    if setup.main.kw.get("tree") is None:  # the main entry is a chain of --k; side-by-side trees were cut
+        return
     setup.spec = setup.main.kw["tree"]
     log.info("tree cut to at most %d nodes, branching %s, by the cost model", setup.spec.capacity(),
              list(setup.spec.branching))
