@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import reprlib
 from dataclasses import dataclass, field, fields
 
 MALFORMED, REFUSED, UNENCODABLE = "malformed", "refused", "unencodable"
 MAX_ID = 200  # the response id joins a row to its captured states (fleet/vllm_capture.py names files by it)
 MAX_DOMAIN = 200  # a domain is a label; a longer one is a client's payload, not a traffic class
-MAX_ERROR = 2000
+MAX_SHOWN = 120  # characters of a value an error line shows
 # written on every line, null when unknown; the other fields are left out of the line when absent
 ALWAYS = ("timestamp", "id", "request_id", "endpoint", "model", "prompt", "stream", "status")
 KEPT_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id")  # what a normalised chat message keeps besides its text
@@ -89,9 +90,12 @@ SCHEMA = ("timestamp", "id", "request_id", "endpoint", "model", "prompt", "domai
 
 
 def _show(value) -> str:
-    """A value in an error line: its type and a short repr, never the whole of a client's payload."""
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+    """A value in an error line (config.show's rule, kept here: fleet/ imports no draftsmith module): its repr
+    cut short, never walked whole."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxtuple, r.maxstring, r.maxother = 3, 8, 8, 8, MAX_SHOWN, 60
+    text = r.repr(value)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
 
 
 def refusal(status, error) -> str | None:

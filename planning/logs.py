@@ -1,15 +1,27 @@
 """Request logs on disk: the `*.jsonl` / `*.jsonl.gz` files a serving gateway writes into a folder, read line
 by line as JSON objects — among them the fleet's traffic folder, which fleet/middleware.py writes inside vLLM
 (`traffic-<time>-<pid>.jsonl`, with vLLM's per-request speculative-decoding counters). The one reader of that
-layout: retraining's traffic (retrain/traffic.py: prompts, domains, timestamps) and production acceptance from
-per-request counters (planning/production.py) both take their rows from `records`, and check the fields they
-read themselves.
+layout: every reader of traffic — production acceptance (planning/production.py), retraining's traffic and the
+held-out prompts evaluation measures on (retrain/traffic.py) — takes its rows from `traffic`, which checks
+each line once against the one definition of a traffic line (fleet/traffic_record.py): a refused request
+(a status other than 200, or an error) is counted in `refused`, a row holding text UTF-8 cannot encode (a
+lone surrogate) in `unencodable`, neither ever used; a field of the wrong type is a malformed row.
 
-A log folder is written while it is read (a file rotated away, a writer killed half-way), so what cannot be
-read is named and skipped and the rest is used: a dangling symlink (`current.jsonl` pointing at a rotated
-file), a folder with a log's name, a file that cannot be opened, a `.gz` cut short (its rows before the
-damage are kept), a line that is not UTF-8, not JSON or not a JSON object. Each counts once in
-`malformed`; the first MAX_NAMED are named in `bad` (`file: why` or `file:line: why`).
+A log folder is written while it is read (a file rotated away, a writer killed half-way), and what is in it
+came from clients, so what cannot be read is named and skipped and the rest is used: a dangling symlink
+(`current.jsonl` pointing at a rotated file), a folder with a log's name, a file that cannot be opened, a `.gz`
+cut short (its rows before the damage are kept), a line that is not UTF-8, not JSON or not a JSON object. Each
+counts once in `malformed`; the first MAX_NAMED are named in `bad` (`file: why` or `file:line: why`).
+
+Bounded by bytes, whatever a file holds: a line is read at most MAX_LINE_BYTES at a time before anything is
+decoded, and a longer one is skipped to its end in reads of at most CHUNK bytes without being held (one bad row); a `.gz`
+gives at most MAX_GZIP_RATIO times its own size (never less than MIN_GZIP_BYTES) before the rest of it is
+skipped as one bad file, so a gzip bomb (4 MB holding a 4 GiB line) costs bounded memory and time. A line
+that still cannot be held in memory is one bad row, and a file that fails is one bad file: no read error,
+MemoryError included, stops the scan of the others.
+
+Clients name domains: `cap_domains` keeps the MAX_DOMAINS largest by volume under their names and folds the
+rest into OTHER, so inventing thousands of one-row domains splits nothing into pieces too small to use.
 """
 
 from __future__ import annotations
@@ -17,17 +29,26 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DataError
+from draftsmith.fleet.traffic_record import MALFORMED, REFUSED, TrafficRecord, Unusable, parse_record
 from draftsmith.storage import json_depth
 
 MAX_NAMED = 20
 MAX_DEPTH = 32  # a log row nests about 5 deep (a chat's content parts); a deeper line is a bad line, never a RecursionError
 PATTERNS = ("*.jsonl", "*.jsonl.gz")
+# a middleware line holds a request and a response of at most 8 MiB each (fleet/middleware.py's body cap), escaped
+MAX_LINE_BYTES = 32 << 20
+CHUNK = 1 << 20  # an over-long line is skipped in reads of this size
+MAX_GZIP_RATIO = 100  # JSON logs compress 5-20x; a file giving more than this is a bomb, not a log
+MIN_GZIP_BYTES = 256 << 20  # a small .gz may always give this much (a short file of repeated prompts)
+MAX_DOMAINS = 32  # domains kept under their own name (cap_domains); the rest are OTHER
+OTHER = "other"
 
 
 @dataclass
@@ -38,12 +59,23 @@ class Logs:
     files: list[Path] = field(default_factory=list)
     malformed: int = 0
     bad: list[str] = field(default_factory=list)
+    refused: int = 0  # requests the server refused (status != 200, or an error): read, never used
+    unencodable: int = 0  # rows holding text UTF-8 cannot encode (a lone surrogate): dropped
 
     def reject(self, where: str | Path, why: str) -> None:
         """Count one entry that cannot be used, and name it while fewer than MAX_NAMED are named."""
         self.malformed += 1
         if len(self.bad) < MAX_NAMED:
             self.bad.append(f"{where}: {why}")
+
+    def skip(self, where: str, e: Unusable) -> None:
+        """Count a row fleet/traffic_record.py found unusable under its kind (a malformed one is named too)."""
+        if e.kind == MALFORMED:
+            self.reject(where, str(e))
+        elif e.kind == REFUSED:
+            self.refused += 1
+        else:
+            self.unencodable += 1
 
     def first_bad(self) -> str:
         return f"; first: {self.bad[0]}" if self.bad else ""
@@ -79,6 +111,39 @@ def _open(path: Path):
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
+class TooMuch(Exception):  # noqa: N818 - read as "a .gz gave too much"
+    """A .gz gave more bytes than its budget (module docstring): the rest of it is skipped."""
+
+
+def _lines(f, limit: int, budget: int | None) -> Iterator[bytes | None]:
+    """Every line of binary file `f` (its newline kept), None for one longer than `limit` bytes, skipped to its
+    end without being held; TooMuch once more than `budget` bytes were read (None: no budget)."""
+    read = 0
+    while True:
+        raw = f.readline(limit + 1)
+        read += len(raw)
+        if budget is not None and read > budget:
+            raise TooMuch(budget)
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):  # the rest of the over-long line, never held
+            raw = f.readline(min(CHUNK, limit))
+            read += len(raw)
+            if budget is not None and read > budget:
+                raise TooMuch(budget)
+        yield None
+
+
+def _budget(path: Path) -> int | None:
+    """The bytes a .gz may give (module docstring); None for a plain file (its bytes are on disk already)."""
+    if not path.name.endswith(".gz"):
+        return None
+    return max(MIN_GZIP_BYTES, MAX_GZIP_RATIO * path.stat().st_size)
+
+
 def parse_line(raw: bytes) -> dict:
     """One log line as a JSON object, or a ValueError saying in a few words why it is not one."""
     try:
@@ -99,11 +164,17 @@ def parse_line(raw: bytes) -> dict:
 def records(logs: Logs) -> Iterator[tuple[Path, int, dict[str, Any], float]]:
     """(file, line number, the line's JSON object, the file's modification time) for every line of every log
     file that is one; the others are rejected on `logs` (module docstring)."""
+    limit = MAX_LINE_BYTES
     for path in logs.files:
+        number = 0
         try:
             mtime = path.stat().st_mtime
+            budget = _budget(path)
             with _open(path) as f:
-                for number, raw in enumerate(f, 1):
+                for number, raw in enumerate(_lines(f, limit, budget), 1):
+                    if raw is None:
+                        logs.reject(f"{path}:{number}", f"a line longer than {limit} bytes, skipped")
+                        continue
                     if not raw.strip():
                         continue
                     try:
@@ -111,8 +182,35 @@ def records(logs: Logs) -> Iterator[tuple[Path, int, dict[str, Any], float]]:
                     except ValueError as e:
                         logs.reject(f"{path}:{number}", str(e))
                         continue
+                    except MemoryError:
+                        logs.reject(f"{path}:{number}", f"{len(raw)} bytes of JSON too large to hold in memory")
+                        continue
                     yield path, number, obj, mtime
-        except (EOFError, OSError, zlib.error) as e:  # a partly written .gz: its readable rows are kept
+        except TooMuch as e:
+            logs.reject(path, f"gives more than {e.args[0]} bytes decompressed ({MAX_GZIP_RATIO}x its own size, at "
+                              f"least {MIN_GZIP_BYTES}): not a log (a gzip bomb?), skipped after line {number}")
+        except (EOFError, OSError, zlib.error, MemoryError) as e:  # a partly written .gz: its readable rows are kept
             first = str(e).splitlines()[0] if str(e) else ""
             logs.reject(path, f"damaged or partly written, the rest of the file skipped ({type(e).__name__}: "
                               f"{first[:120]})")
+
+
+def traffic(logs: Logs) -> Iterator[tuple[Path, int, TrafficRecord, float]]:
+    """`records`, each checked once against the traffic line's definition (fleet/traffic_record.py): (file, line
+    number, the typed record, the file's modification time); refused, unencodable and malformed rows are counted
+    on `logs` and never given."""
+    for path, number, obj, mtime in records(logs):
+        try:
+            record = parse_record(obj)
+        except Unusable as e:
+            logs.skip(f"{path}:{number}", e)
+            continue
+        yield path, number, record, mtime
+
+
+def cap_domains(volume: Counter, max_domains: int | None = MAX_DOMAINS) -> dict[str, str]:
+    """Each domain's name in a table of at most `max_domains` named domains: the largest by `volume` (ties by
+    name) keep theirs, the rest become OTHER (None: every domain keeps its name)."""
+    ranked = sorted(volume, key=lambda d: (-volume[d], d))
+    keep = set(ranked if max_domains is None else ranked[:max_domains])
+    return {d: d if d in keep else OTHER for d in ranked}

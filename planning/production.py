@@ -575,7 +575,7 @@ def log_alpha(folder: str | Path, policy: str | Path | None = None, max_domains:
     if not any(g["draft_tokens"] > 0 or g["drafts"] > 0 for g in groups.values()):
         raise DataError(f"{folder}: no request carries speculative-decoding counters (speculative_decoding, "
                         f"draft_tokens + accepted_tokens, or spec_verify_ct + completion_tokens; {uncounted} rows "
-                        f"without, {logs.refused} refused, {logs.malformed} malformed{logs.first_bad()})")
+                        f"without, {logs.malformed} malformed, {logs.refused} refused{logs.first_bad()})")
     groups, merged = _merge(groups, max_domains)
     total = _group()
     for g in groups.values():

@@ -25,6 +25,9 @@ class TrafficConfig:
     dir: str = "runs/traffic"  # folder of *.jsonl request logs
     window_days: Annotated[float, Range(gt=0, le=3650)] = 7.0
     max_per_domain: Annotated[int, Range(ge=2, le=10**7)] = 64  # rows sampled per domain from the window
+    # domains kept under their own name, the largest by volume; the rest are one "other" (clients name
+    # domains: thousands of one-row domains would each go whole to the held-out share, leaving nothing to train)
+    max_domains: Annotated[int, Range(ge=1, le=10**6)] = 32
     eval_share: Annotated[float, Range(gt=0, lt=1)] = 0.5  # of the sampled rows, the share held out to measure α (never trained on)
     max_eval_per_domain: Annotated[int, Range(ge=1, le=10**7)] = 8
     seed: Annotated[int, SEED] = 0

@@ -195,9 +195,11 @@ def test_read_traffic_keeps_the_rows_before_a_gzip_cut_in_half(tmp_path):
 
 
 @pytest.mark.parametrize("row, says", [
-    ({"prompt": [{"role": "user", "content": 5}]}, "prompt: a message's content is 5"),
-    ({"prompt": [{"role": "user"}]}, "prompt: a message without content"),
-    ({"prompt": ["hi"]}, "prompt: a message is 'hi'"),
+    ({"prompt": [{"role": "user", "content": 5}]}, "prompt[0].content is 5, expected text, content parts or null"),
+    ({"prompt": [{"role": "user"}]}, "prompt: the last user message has no text"),
+    ({"prompt": [{"role": "user", "content": "hi"}, "hi"]}, "prompt is a list mixing messages, text and token ids"),
+    ({"prompt": ["hi"]}, "prompt is a batch of 1 prompts: no one text to train on"),
+    ({"prompt": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "prompt[0].content: a text part's"),
     ({"prompt": "hi", "domain": {"a": 1}}, "domain is {'a': 1}"),
     ({"prompt": "hi", "response": 7}, "response is 7"),
 ])
@@ -230,7 +232,9 @@ def test_alpha_over_request_logs_names_and_skips_what_it_cannot_read(tmp_path, c
 @pytest.mark.parametrize("row, says", [
     ({"draft_tokens": True, "accepted_tokens": 1}, "draft_tokens is True"),
     ({"draft_tokens": "40", "accepted_tokens": 1}, "draft_tokens is '40'"),
+    ({"draft_tokens": 4, "accepted_tokens": 9}, "accepted_tokens 9 > draft_tokens 4"),  # one request's own counts
     ({"spec_verify_ct": 10, "completion_tokens": 3}, "completion_tokens 3 < spec_verify_ct 10"),
+    ({"spec_verify_ct": 2, "completion_tokens": 9, "draft_tokens": 3}, "completion_tokens 9 - spec_verify_ct 2"),
 ])
 def test_a_request_log_row_with_counters_that_are_not_counts_is_named(tmp_path, row, says):
     from draftsmith.planning.production import log_alpha
