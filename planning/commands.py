@@ -97,6 +97,9 @@ def _register_alpha(subparsers) -> None:
                    help="request logs only: a routing policy (draftsmith route build) whose router classifies a "
                         "row without a domain by its prompt (a chat's last user message) (default: none, such "
                         "rows are 'unknown')")
+    a.add_argument("--max-domains", type=ranged(int, Range(ge=1, le=10**6)), default=32, metavar="N",
+                   help="request logs only: the N domains with the most requests keep their name, the rest are "
+                        "'other' (clients name domains; default: %(default)s)")
     a.add_argument("--since", default=None, help="an earlier dump: report the window between the two (default: "
                                                  "none: the totals so far)")
     a.add_argument("--save", default=None, metavar="FILE",
@@ -206,7 +209,8 @@ def run_alpha(args) -> int:
         if not (math.isfinite(value) and 0 < value <= 1e6):
             raise ConfigError(f"{flag} {value}: expected a number in (0, 1e6]")
     table = production_alpha(args.source, args.since, mapping, save=args.save, timeout=args.timeout,
-                             max_bytes=int(args.max_mib * (1 << 20)), policy=args.policy)
+                             max_bytes=int(args.max_mib * (1 << 20)), policy=args.policy,
+                             max_domains=args.max_domains)
     print(render(table))
     if args.out:
         atomic_write_json(args.out, table)

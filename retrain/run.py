@@ -386,9 +386,11 @@ def _open_attempt(cfg: RetrainConfig, reg: Registry, record: dict, target) -> _A
     fp = target.fingerprint()
     hard = differences(manifest["target"], fp)
     weights_changed = manifest["target"].get("weights_hash") not in (None, fp.get("weights_hash"))
-    sample = read_traffic(cfg.traffic.dir, cfg.traffic.window_days, cfg.traffic.max_per_domain, cfg.traffic.seed)
+    sample = read_traffic(cfg.traffic.dir, cfg.traffic.window_days, cfg.traffic.max_per_domain, cfg.traffic.seed,
+                          max_domains=cfg.traffic.max_domains)
     record["traffic"] = {"per_domain": sample.per_domain, "malformed": sample.malformed, "files": sample.files,
-                         "bad_rows": sample.bad, "outside_window": sample.outside_window}
+                         "bad_rows": sample.bad, "outside_window": sample.outside_window, "refused": sample.refused,
+                         "unencodable": sample.unencodable, "merged_domains": sample.merged_domains}
     if sample.malformed:
         log.warning("traffic: %d malformed rows or files skipped; first: %s", sample.malformed, sample.bad[0])
     held, train_rows = split_traffic(sample.rows, cfg.traffic.eval_share, cfg.traffic.max_eval_per_domain,
