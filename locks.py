@@ -11,6 +11,11 @@
 - `RunLock`: one retraining run per registry. Its file stays; it holds the owner's host, pid and start
   time (informational), emptied on a clean release, so a new owner that finds content knows it broke
   the lock of a run that died holding it.
+
+A lock file is opened without following a link (`nofollow.open_regular`): a symlink, hard link, FIFO, socket,
+device or folder in its place, a file of another user or one larger than any note, is not a lock draftsmith
+made. It is refused in one line naming it (OutputError), never written into, truncated or read, so a link
+planted on shared storage cannot make a run overwrite or copy the file it leads to.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError, OutputError
+from draftsmith.nofollow import open_regular
 
 
 class OutputBusy(OutputError):
@@ -37,17 +43,35 @@ class LockHeld(DraftsmithError):
     """Another live retraining run holds the registry's lock."""
 
 
+MAX_NOTE = 4096  # a note is a pid or a one-line JSON object: a larger file there is not a lock of ours
+
+
+def _open_lock(path: Path) -> int:
+    """Open the lock file `path` (created if absent) for reading and writing, only when it is a lock
+    draftsmith made: a regular file of this user with one name and at most a note's bytes; else OutputError,
+    one line."""
+    fd = open_regular(path, os.O_CREAT | os.O_RDWR, 0o644, what="lock file", owned=True, single=True)
+    if (size := os.fstat(fd).st_size) > MAX_NOTE:
+        os.close(fd)
+        raise OutputError(f"{path}: a file of {size} bytes, not a lock file draftsmith writes (a note is "
+                          f"under {MAX_NOTE}); refused, nothing written into it (remove it if it is yours)")
+    return fd
+
+
 def _try_flock(path: Path) -> tuple[int, bytes | None]:
-    """Open `path` (created if absent) and take its exclusive flock without waiting. Returns the open
+    """Open the lock file `path` (`_open_lock`) and take its exclusive flock without waiting. Returns the open
     fd holding the lock and None, or -1 and what the file holds (the holder's note) when another
     open file holds it."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fd = _open_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        note = os.read(fd, 4096)
+        note = os.pread(fd, MAX_NOTE, 0)
         os.close(fd)
         return -1, note
+    except BaseException:
+        os.close(fd)
+        raise
     return fd, None
 
 
@@ -81,8 +105,9 @@ def lock_path(folder: str | os.PathLike) -> Path:
 
 
 def _inode(path: Path) -> tuple[int, int] | None:
+    """The (device, inode) of `path` itself (a link is not followed to the file it names)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return None
     return st.st_dev, st.st_ino
@@ -172,10 +197,8 @@ def _acquire(path: Path, folder, what: str) -> int:
             owner = note.decode(errors="replace").strip()
             raise OutputBusy(f"{folder}: another process{f' (pid {owner})' if owner.isdigit() else ''} is writing "
                              f"this {what} now; wait for it to finish or choose another folder")
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
+        st = os.fstat(fd)
+        same = _inode(path) == (st.st_dev, st.st_ino)
         if same:  # not a file its previous holder unlinked while we waited for it
             _write_note(fd, str(os.getpid()))
             return fd
@@ -199,7 +222,7 @@ class RunLock:
             info = _read_note(note)
             who = f" (pid {info.get('pid')} on {info.get('host')})" if info else ""
             raise LockHeld(f"another retraining run holds {self.path}{who}")
-        self.broke_stale = _read_note(os.read(fd, 4096), keep_raw=True)
+        self.broke_stale = _stale_note(os.pread(fd, MAX_NOTE, 0))
         _write_note(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}))
         os.fsync(fd)
         self.fd = fd
@@ -219,13 +242,21 @@ class RunLock:
         self.release()
 
 
-def _read_note(note: bytes, keep_raw: bool = False) -> dict | None:
-    """A RunLock file's owner note, None when empty (released cleanly). A note that is not the JSON a run
-    writes is informational only: kept raw for the record when `keep_raw`, else ignored."""
-    if not note.strip():
-        return None
+def _read_note(note: bytes) -> dict | None:
+    """A RunLock file's owner note: the JSON object a run writes ({"host": str, "pid": int, "started":
+    float}), exactly those fields; None for anything else (empty: released cleanly)."""
     with contextlib.suppress(ValueError):
         info = json.loads(note)
-        if isinstance(info, dict):
+        if (isinstance(info, dict) and set(info) == {"host", "pid", "started"}
+                and isinstance(info["host"], str) and len(info["host"]) <= 255
+                and type(info["pid"]) is int and info["pid"] >= 1 and type(info["started"]) in (int, float)):
             return info
-    return {"raw": note.decode(errors="replace")} if keep_raw else None
+    return None
+
+
+def _stale_note(note: bytes) -> dict | None:
+    """What the run record keeps of a lock a run died holding: its note when it is a run's, else only that the
+    file held something else and how much (a torn note; never its bytes, which the record would copy)."""
+    if not note.strip():
+        return None
+    return _read_note(note) or {"unreadable_note_bytes": len(note)}

@@ -61,7 +61,8 @@ METHODS = _builtin_methods()
 BUILDS_ON = {"dspark": "dflash"}  # DSpark = DFlash's block drafter + a Markov head + a confidence head
 
 LAYERS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "locks", "storage", "net", "formatting", "lazy", "methods", "config"),  # the shared base
+    # the shared base
+    ("__init__", "errors", "nofollow", "locks", "storage", "net", "formatting", "lazy", "methods", "config"),
     ("fleet",),  # runs inside the serving engine (rule 5): the traffic middleware, the capture connector
     ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
     # what the frozen target computes, kept: layer convention, forward capture, the cache on disk, offline
