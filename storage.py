@@ -6,6 +6,11 @@ place, so a killed job leaves either the old file or the new one, never half of 
 folder (artifact, export, dataset) replaces an existing one only if that one is empty or a draftsmith output
 of the same kind (`check_replaceable`), and only after the new one is complete and verified (`atomic_dir`).
 Files get the mode the umask gives an ordinary open(), so a serving process of the group can read them.
+
+Nothing is written through a link (draftsmith runs from cron on shared storage, where another user may plant
+one): every file draftsmith writes is created anew (O_EXCL, O_NOFOLLOW) or opened by
+`nofollow.open_regular`, and a symlink, hard link, FIFO, socket, device or folder where a file of ours goes
+is refused in one line naming the path and what it is: never followed, truncated or read.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from draftsmith.nofollow import open_regular, refuse_unless_regular
+
 
 def cache_dir() -> Path:
     """Root of draftsmith's cache: `$DRAFTSMITH_CACHE`, else `~/.cache/draftsmith`."""
@@ -34,7 +41,7 @@ def cache_dir() -> Path:
 
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # a FIFO put in a folder's place is not waited on
         try:
             os.fsync(fd)
         finally:
@@ -65,9 +72,45 @@ def _make_parent(path: Path) -> None:
         raise OutputError(f"{path}: cannot be written, {blocker} is a file, not a folder") from None
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+@contextlib.contextmanager
+def open_output(path: str | os.PathLike, append: bool = False, encoding: str = "utf-8") -> Iterator[Any]:
+    """A text file draftsmith streams into (a server's log, a training log), never through a link: without
+    `append` a regular file of that name is replaced by a new one (created O_EXCL, so a link planted in
+    between is refused); with `append` it is extended. A symlink, hard link (a file of ours has one name),
+    FIFO, socket or folder there is one OutputError line."""
     path = Path(path)
     _make_parent(path)
+    if append:
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, what="output file", single=True)
+    else:
+        refuse_unless_regular(path, "output file", single=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        try:
+            fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what="output file")
+        except FileExistsError:
+            refuse_unless_regular(path, "output file")
+            raise
+    with os.fdopen(fd, "w", encoding=encoding) as f:
+        yield f
+
+
+def save_figure(fig, path: str | os.PathLike, **kwargs) -> None:
+    """A matplotlib figure written as `atomic_write_bytes` writes (savefig opens its path through links)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".") or "png", **kwargs)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a new temporary file renamed into place. The temporary file is created
+    O_CREAT|O_EXCL|O_NOFOLLOW (mkstemp's flags), and a `path` that is a symlink (or FIFO, socket, device,
+    folder) is refused in one line: the rename would replace the link itself, but a link there is not ours."""
+    path = Path(path)
+    _make_parent(path)
+    refuse_unless_regular(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
         _as_umask_allows(tmp)
@@ -259,7 +302,7 @@ def clean_stale(final: str | os.PathLike) -> list[Path]:
     tmp_prefix, old_prefix = f".{final.name}.tmp-", f".{final.name}.old-"
     for p in sorted(final.parent.iterdir()):
         for prefix in (tmp_prefix, old_prefix):
-            if not p.name.startswith(prefix):
+            if not p.name.startswith(prefix) or p.is_symlink():  # a link is not a folder `atomic_dir` left
                 continue
             pid = _sibling_pid(p.name, prefix)
             if pid is None or _pid_alive(pid):
@@ -287,6 +330,8 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | No
     is refused in one line instead of racing the first one's swap."""
     from draftsmith.locks import output_lock
 
+    if overwrite:  # without --overwrite a link is refused as any existing `final` is
+        _refuse_link_out(final)
     try:
         # the lock beside `final`: a lock inside it would be renamed away with the copy it replaces
         with output_lock(final, kind or "folder", inside=False), _atomic_dir(final, overwrite, kind, verify) as tmp:
@@ -294,6 +339,15 @@ def atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | No
     except Exception as e:  # OSError, or a writer's own error type carrying one (safetensors: "os error 28")
         raise_if_full(e, final)
         raise
+
+
+def _refuse_link_out(final: str | os.PathLike) -> None:
+    """A symlink at an output folder's path is not replaced, even with --overwrite: it is not ours."""
+    from draftsmith.errors import OutputError
+
+    if os.path.islink(final):
+        raise OutputError(f"{final} already exists and is a symlink (to {os.readlink(final)}); draftsmith "
+                          "does not replace a link, even with --overwrite: remove it or choose another path")
 
 
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # no space, over quota, over the file size limit
@@ -333,6 +387,8 @@ def _atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | N
     clean_stale(final)
 
     def allowed() -> None:
+        if overwrite:
+            _refuse_link_out(final)
         if kind is not None:
             check_replaceable(final, kind, overwrite)
         elif os.path.lexists(final) and not overwrite:
@@ -346,10 +402,9 @@ def _atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | N
         if verify is not None:
             verify(tmp)
         for sub, dirs, files in os.walk(tmp):  # safetensors writes 0600 whatever the umask
-            for d in dirs:
-                _as_umask_allows(os.path.join(sub, d), directory=True)
-            for f in files:
-                _as_umask_allows(os.path.join(sub, f))
+            for name, directory in [(d, True) for d in dirs] + [(f, False) for f in files]:
+                if not os.path.islink(p := os.path.join(sub, name)):  # chmod follows a link out of the folder
+                    _as_umask_allows(p, directory=directory)
         allowed()
         old = None
         if os.path.lexists(final):
