@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.storage import atomic_write_json, atomic_write_text
+from draftsmith.storage import atomic_write_json, atomic_write_text, save_figure
 
 FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "conditional_acceptance",
           "n_timed", "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "speedup", "fastest_plain",
@@ -327,7 +327,7 @@ def write_plots(report: dict, out: Path) -> list[Path]:
         ax.text(0.5, 0.5, "no draft token was verified", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     paths.append(out / "acceptance_per_position.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_figure(fig, paths[-1], dpi=110)
     plt.close(fig)
 
     names = list(report["domains"])
@@ -342,7 +342,7 @@ def write_plots(report: dict, out: Path) -> list[Path]:
         a.tick_params(axis="x", rotation=30, labelsize=8)
     fig.tight_layout()
     paths.append(out / "domains.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_figure(fig, paths[-1], dpi=110)
     plt.close(fig)
 
     v = report.get("cost_model", {}).get("v")
@@ -356,7 +356,7 @@ def write_plots(report: dict, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         paths.append(out / "verify_cost.png")
-        fig.savefig(paths[-1], dpi=110)
+        save_figure(fig, paths[-1], dpi=110)
         plt.close(fig)
     if report["overall"].get("calibration", {}).get("bins"):
         paths.append(reliability_plot(report["overall"]["calibration"], out / "calibration.png", plt))
@@ -379,7 +379,7 @@ def reliability_plot(cal: dict, path: Path, plt) -> Path:
     bottom.set_ylabel("tokens")
     bottom.set_xlim(0, 1)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.formatting import fmt_num
-from draftsmith.storage import atomic_write_json, atomic_write_text
+from draftsmith.storage import atomic_write_json, atomic_write_text, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,6 @@ def plot(summary: dict, path: Path) -> Path:
     a1.legend(fontsize=7)
     fig.suptitle(summary["proposer"], fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path

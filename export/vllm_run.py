@@ -169,7 +169,11 @@ if __name__ == "__main__":
         result = run(job)
     except Exception as e:  # a failure after loading (decoding, metrics): reported the same way
         result = {"loaded": None, "error": _last_error_line(e), "traceback": traceback.format_exc()[-4000:]}
-    with open(result_path + ".tmp", "w", encoding="utf-8") as f:
+    tmp = result_path + ".tmp"  # created anew (O_EXCL, O_NOFOLLOW): never written through a link left there
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w",
+                   encoding="utf-8") as f:
         json.dump(result, f)
     os.replace(result_path + ".tmp", result_path)
     # vLLM's engine core is a child process: leave without waiting on its atexit handlers

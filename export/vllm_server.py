@@ -26,6 +26,7 @@ from pathlib import Path
 
 from draftsmith import net
 from draftsmith.export.serve_check import ServeCheckError, vllm_env, vllm_python
+from draftsmith.storage import open_output
 
 
 def free_port() -> int:
@@ -60,7 +61,7 @@ class VllmServer:
     def start(self, timeout: float = 600.0) -> VllmServer:
         env = {**vllm_env(), **self.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "w", encoding="utf-8") as log:
+        with open_output(self.log_path) as log:  # never through a link planted at the log's name
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
         end = time.monotonic() + timeout

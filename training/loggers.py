@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.storage import atomic_write_text, open_output
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class RunLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _check_ours(self.path)
         # rewrite the file to the checkpointed prefix (drops lines logged after the checkpoint)
-        self.path.write_text(initial_text, encoding="utf-8")
+        atomic_write_text(self.path, initial_text)
         names = [n for n in loggers if n in TRACKERS]
         if not names:
             return
@@ -191,7 +192,7 @@ class RunLogger:
             return
         line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
         self.text += line
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open_output(self.path, append=True) as f:  # a link put there since the run began is refused
             f.write(line)
         if not self.trackers:
             return
