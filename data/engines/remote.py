@@ -188,6 +188,7 @@ class RemoteEngine(TextEngine):
         self.api_key = os.environ.get(gen.api_key_env) if gen.api_key_env else None
         if gen.api_key_env and not self.api_key:
             raise DataError(f"generation.api_key_env: the environment variable {gen.api_key_env} is not set")
+        net.hold_secret(self.api_key)  # every later line of this process is redacted of it, in every spelling
         self.servers = [_Server(u.rstrip("/") if u.rstrip("/").endswith("/v1") else u.rstrip("/") + "/v1")
                         for u in gen.base_urls]
         self.model: str | None = gen.served_model
