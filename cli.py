@@ -109,14 +109,16 @@ def setup_logging(verbose: bool) -> None:
 
 def run_entry_point(fn, verbose: bool = False) -> int:
     """Run `fn()` with draftsmith's logging and one-line error reporting (for scripts/*.py too)."""
+    from draftsmith import net
     from draftsmith.targets.device import tune_cpu_allocator
 
     setup_logging(verbose)
+    net.guard_logging("")  # every console line of this process, a library's too, redacted (net.redact)
     tune_cpu_allocator()  # CPU jobs reuse freed memory instead of page-faulting it in again (targets/device.py)
     try:
         return int(fn() or 0)
     except DraftsmithError as e:
-        print(f"draftsmith: error: {e}", file=sys.stderr)
+        print(f"draftsmith: error: {net.redact(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("draftsmith: interrupted", file=sys.stderr)
@@ -125,7 +127,8 @@ def run_entry_point(fn, verbose: bool = False) -> int:
         if os.environ.get("DRAFTSMITH_DEBUG"):
             raise
         first = str(e).splitlines()[0] if str(e) else ""
-        print(f"draftsmith: error: {type(e).__name__}: {first} (set DRAFTSMITH_DEBUG=1 for the traceback)",
+        print(f"draftsmith: error: {type(e).__name__}: {net.redact(first)} (set DRAFTSMITH_DEBUG=1 for the "
+              "traceback)",
               file=sys.stderr)
         return 1
 

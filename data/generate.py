@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from draftsmith import net
 from draftsmith.config import load_config, to_dict
 from draftsmith.data.config import DataConfig
 from draftsmith.data.engines import CaptureSpec, Completion, Request, TextEngine, engine_for
@@ -765,7 +766,8 @@ def _save(out: Path, records: list[dict], config: DataConfig, target, precision:
         "capture": (str(out / CAPTURE_DIR) if config.capture.enabled else None),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    atomic_write_json(out / PROVENANCE, provenance)
+    # the config's server URLs, the servers' own words in `timing`: outside text, written redacted (net.py)
+    atomic_write_json(out / PROVENANCE, net.redact_all(provenance))
 
 
 def _sums(records: list[dict], key: str) -> dict[str, int]:

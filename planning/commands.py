@@ -195,6 +195,7 @@ def run_route_compare(args) -> int:
 def run_alpha(args) -> int:
     import math
 
+    from draftsmith import net
     from draftsmith.errors import ConfigError
     from draftsmith.planning.production import production_alpha, render
     from draftsmith.storage import atomic_write_json
@@ -211,6 +212,7 @@ def run_alpha(args) -> int:
     table = production_alpha(args.source, args.since, mapping, save=args.save, timeout=args.timeout,
                              max_bytes=int(args.max_mib * (1 << 20)), policy=args.policy,
                              max_domains=args.max_domains)
+    table = net.redact_all(table)  # its source URL, the logs' lines: outside text, shown and written redacted
     print(render(table))
     if args.out:
         atomic_write_json(args.out, table)

@@ -26,7 +26,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from draftsmith import methods
+from draftsmith import methods, net
 from draftsmith.artifact import load_manifest, now_iso, update_manifest
 from draftsmith.checks import inspect_artifact
 from draftsmith.config import load_config, to_dict
@@ -516,5 +516,5 @@ def run_retrain(config_path: str | None, overrides: list[str], init: str | None 
         for reason in record["gate"]["reasons"]:
             print(f"  gate: {reason}")
     if record.get("error"):
-        print(f"  error: {record['error']}")
+        print(f"  error: {net.redact(record['error'])}")
     return code
