@@ -12,9 +12,17 @@ part of the target that runs here. The answer's last token was sampled, never an
 features, which no loss reads (nothing follows it).
 
 A capture folder is written while it is read: temporary files are not captures; a file that is torn, not ours,
-fails its checksum, or does not fit the target (vocabulary, context, hidden size, layers) is named and skipped
-(`bad`, the first few with why), and the rest is used. Rows are keyed by their token ids (the same request served
-twice is one row), so an import resumes into the same folder: the cache's shards skip rows already in them.
+named for another request than its metadata's, fails its checksum, or does not fit the target is named and
+skipped (`bad`, the first few with why), and the rest is used. What fits is told from the header first, before
+a byte of the tensors is read: the model that served it (its config against the target's fingerprint
+`config_hash`, naming the field that differs), hidden size, layers, the target's context; then, one file at a
+time, the checksum, finite states and token ids in the vocabulary. Rows are keyed by their token ids (the same
+request served twice is one row), so an import resumes into the same folder: the cache's shards skip rows
+already in them.
+
+A capture joins the traffic log's row whose response id its engine request id answers (response_id, parsed by
+the form of its endpoint). A response id answered by more than one capture (a client that sent one
+X-Request-Id with two requests) says nothing of which capture is which row: none of them is joined (`shared`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 from collections import Counter
@@ -31,8 +40,9 @@ from pathlib import Path
 import torch
 
 from draftsmith.capture.cache import ShardWriter, safetensors_header
+from draftsmith.config import show
 from draftsmith.errors import DataError
-from draftsmith.fleet.capture_file import FORMAT, SUFFIX, VERSION, digest
+from draftsmith.fleet.capture_file import FORMAT, SUFFIX, VERSION, digest, file_stem, request_id_of
 from draftsmith.storage import atomic_write_json, is_int
 
 log = logging.getLogger(__name__)
@@ -40,8 +50,13 @@ log = logging.getLogger(__name__)
 MAX_NAMED = 20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
-_ENGINE_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+_ST_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
+# vLLM's engine request id of an API request, by endpoint (vllm/entrypoints/openai/{completion,
+# chat_completion}/serving.py build `cmpl-<id>-<prompt index>` and `chatcmpl-<id>`;
+# v1/engine/input_processor.assign_request_id appends `-` and 8 random hex): the response id is the group, and
+# nothing else is taken off
+ENGINE_IDS = {"completions": re.compile(r"(cmpl-.+)-\d+-[0-9a-f]{8}", re.S),
+              "chat.completions": re.compile(r"(chatcmpl-.+)-[0-9a-f]{8}", re.S)}
 
 
 @dataclass
@@ -73,18 +88,40 @@ def serving_config(vllm_ids: list[int], capture_dir: str | Path, max_gb: float =
     return spec, kv
 
 
-def response_ids(request_id: str) -> list[str]:
-    """The API response ids an engine request id can belong to: vLLM appends `-<8 hex>` to the id it was given
-    (`chatcmpl-<id>`), and a completions request's prompt index before that (`cmpl-<id>-<i>`)."""
-    base = _ENGINE_SUFFIX.sub("", request_id)
-    out = [base]
-    head, _, tail = base.rpartition("-")
-    if head and tail.isdigit():
-        out.append(head)
-    return out
+def response_id(engine_id: str) -> str | None:
+    """The API response id (the traffic log's `id`) of a vLLM engine request id, parsed by the form of its
+    endpoint (ENGINE_IDS): `cmpl-<id>-<prompt index>-<8 hex>` answers `cmpl-<id>`, `chatcmpl-<id>-<8 hex>`
+    answers `chatcmpl-<id>` (a chat id `job-0` stays `job-0`). None for any other form (the samples of an
+    n > 1 request, `<i>_<id>`): such a capture joins no logged request."""
+    for form in ENGINE_IDS.values():
+        m = form.fullmatch(engine_id)
+        if m:
+            return m[1]
+    return None
+
+
+@dataclass
+class Expect:
+    """What a capture must agree on with the target (and the job), computed once for a whole folder."""
+
+    summary: dict  # the target's config summary (targets/fingerprint.py), whose hash is its config_hash
+    hidden_size: int
+    vocab_size: int
+    context: int | None
+    needed: list[int]  # vLLM layer ids the job reads
+
+    @classmethod
+    def of(cls, target, needed: list[int]) -> Expect:
+        from draftsmith.targets.context import context_window
+        from draftsmith.targets.fingerprint import config_summary
+
+        return cls(config_summary(target.model.config), int(target.hidden_size), int(target.vocab_size),
+                   context_window(target), [int(i) for i in needed])
 
 
 def _meta(path: Path, header: dict) -> dict:
+    from draftsmith.fleet.capture_file import MAX_ID
+
     try:
         meta = json.loads((header.get("__metadata__") or {})["draftsmith"])
     except (KeyError, TypeError, ValueError, RecursionError):
@@ -93,15 +130,17 @@ def _meta(path: Path, header: dict) -> dict:
         raise DataError(f"{path}: not a draftsmith capture (field 'format' is not {FORMAT!r})")
     if meta.get("version") != VERSION:
         raise DataError(f"{path}: field 'version' is {json.dumps(meta.get('version'))[:20]}, this draftsmith reads "
-                        f"version {VERSION}")
+                        f"version {VERSION} (earlier captures name no model: capture the traffic again)")
     checks = {
-        "request_id": lambda v: isinstance(v, str) and _REQUEST_ID.match(v) is not None,
+        "request_id": lambda v: isinstance(v, str) and 0 < len(v) <= MAX_ID,
         "layers": lambda v: isinstance(v, list) and 0 < len(v) <= 1024 and all(is_int(i, 0, 1 << 20) for i in v)
         and len(set(v)) == len(v),
         "n_tokens": lambda v: is_int(v, 2, 1 << 31),
         "prompt_tokens": lambda v: is_int(v, 1, 1 << 31),
         "hidden_size": lambda v: is_int(v, 1, 1 << 20),
         "dtype": lambda v: v in _DTYPES,
+        "model": lambda v: isinstance(v, dict) and isinstance(v.get("config"), dict)
+        and isinstance(v.get("name"), str),
         "sha256": lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
     }
     for key, check in checks.items():
@@ -111,11 +150,14 @@ def _meta(path: Path, header: dict) -> dict:
     if meta["prompt_tokens"] >= meta["n_tokens"]:
         raise DataError(f"{path}: field 'prompt_tokens' is {meta['prompt_tokens']} of {meta['n_tokens']} tokens: "
                         "no answer")
+    if file_stem(meta["request_id"]) + SUFFIX != path.name:
+        raise DataError(f"{path}: field 'request_id' is {show(meta['request_id'])}, whose capture is named "
+                        f"{show(file_stem(meta['request_id']) + SUFFIX)}: another request's file, refused")
     return meta
 
 
 def _check_tensors(path: Path, header: dict, meta: dict) -> None:
-    """The tensors the metadata describes, by name, dtype and shape, before a byte of them is loaded."""
+    """The tensors the metadata describes, by name, dtype, shape and bytes, before a byte of them is read."""
     want = {"hidden_states": (_ST_DTYPES[meta["dtype"]], [meta["n_tokens"] - 1, len(meta["layers"]), meta["hidden_size"]]),
             "token_ids": ("I64", [meta["n_tokens"]])}
     names = {k for k in header if k != "__metadata__"}
@@ -126,38 +168,102 @@ def _check_tensors(path: Path, header: dict, meta: dict) -> None:
         if not isinstance(got, dict) or got.get("dtype") != dtype or got.get("shape") != shape:
             raise DataError(f"{path}: tensor '{name}' is {got.get('dtype') if isinstance(got, dict) else got} "
                             f"{got.get('shape') if isinstance(got, dict) else ''}, its metadata says {dtype} {shape}")
+        offsets, size = got.get("data_offsets"), math.prod(shape) * _ST_BYTES[dtype]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o, 0) for o in offsets)
+                and offsets[1] - offsets[0] == size):
+            raise DataError(f"{path}: tensor '{name}' spans {show(offsets)}, its shape needs {size} bytes")
 
 
-def read_capture(path: str | Path) -> ServedRequest:
-    """One capture file, checked whole (module docstring): a DataError in one line naming the file and what
-    is wrong."""
-    from safetensors import SafetensorError, safe_open
+def _fits_header(path: Path, meta: dict, expect: Expect) -> None:
+    """The capture against the target from its metadata alone (nothing of its tensors read): the model that
+    served it, hidden size, the job's layers, the target's context."""
+    from draftsmith.storage import sha256_json
+    from draftsmith.targets.fingerprint import ARCH_FIELDS, summary_of
 
+    theirs = summary_of(meta["model"]["config"])
+    if sha256_json(theirs) != sha256_json(expect.summary):
+        key = next((k for k in ARCH_FIELDS if sha256_json(theirs.get(k)) != sha256_json(expect.summary.get(k))),
+                   "?")
+        raise DataError(f"{path}: field 'model.config.{key}' is {show(theirs.get(key))}, the target's is "
+                        f"{show(expect.summary.get(key))}: another model ({show(meta['model']['name'])}) "
+                        "served it")
+    if meta["hidden_size"] != expect.hidden_size:
+        raise DataError(f"{path}: field 'hidden_size' is {meta['hidden_size']}, the target's is "
+                        f"{expect.hidden_size}: another model served it")
+    missing = [i for i in expect.needed if i not in meta["layers"]]
+    if missing:
+        raise DataError(f"{path}: field 'layers' is {meta['layers']}: layers {meta['layers']} captured, the "
+                        f"job needs vLLM ids {missing} (serve with vllm_layer_ids)")
+    if expect.context is not None and meta["n_tokens"] > expect.context:
+        raise DataError(f"{path}: field 'n_tokens' is {meta['n_tokens']}: {meta['n_tokens']} tokens, past "
+                        f"the target's context of {expect.context}")
+
+
+def check_capture(path: str | Path, expect: Expect | None = None) -> dict:
+    """A capture file's metadata, checked from its header alone (module docstring) and, with `expect`, against
+    the target: a DataError in one line naming the file and the field."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: not a capture file (missing or not a regular file)")
+    if path.is_symlink() or not path.is_file():
+        raise DataError(f"{path}: not a capture file (missing, a link or not a regular file)")
     header = safetensors_header(path)
     meta = _meta(path, header)
     _check_tensors(path, header, meta)
+    if expect is not None:
+        _fits_header(path, meta, expect)
+    return meta
+
+
+def load_capture(path: str | Path, meta: dict, expect: Expect | None = None) -> ServedRequest:
+    """The tensors of a capture check_capture passed: checksum, finite states, token ids in the vocabulary."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             hidden, ids = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
-    except (OSError, SafetensorError) as e:
-        raise DataError(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    except (OSError, SafetensorError, MemoryError, RuntimeError) as e:  # RuntimeError: torch's allocator
+        first = (str(e).splitlines() or [""])[0][:120]
+        raise DataError(f"{path}: unreadable ({type(e).__name__}: {first})") from None
     if digest(hidden, ids) != meta["sha256"]:
         raise DataError(f"{path}: checksum mismatch (the file changed after vLLM wrote it): refused")
     if not torch.isfinite(hidden).all():
         raise DataError(f"{path}: tensor 'hidden_states' holds NaN or inf")
-    return ServedRequest(path, meta["request_id"], ids.tolist(), meta["prompt_tokens"], list(meta["layers"]), hidden)
+    token_ids = ids.tolist()
+    if expect is not None:
+        bad = next((t for t in token_ids if not 0 <= t < expect.vocab_size), None)
+        if bad is not None:
+            raise DataError(f"{path}: tensor 'token_ids' holds token id {bad}, outside the target's "
+                            f"vocabulary of {expect.vocab_size}")
+    return ServedRequest(path, meta["request_id"], token_ids, meta["prompt_tokens"], list(meta["layers"]),
+                         hidden)
+
+
+def read_capture(path: str | Path, target=None, needed: list[int] | None = None) -> ServedRequest:
+    """One capture file, checked whole (module docstring) and, given `target`, against it and the job's vLLM
+    layer ids `needed`, its header before any tensor is read: a DataError in one line naming the file and what
+    is wrong."""
+    expect = Expect.of(target, needed or []) if target is not None else None
+    return load_capture(path, check_capture(path, expect), expect)
+
+
+@dataclass
+class Capture:
+    """A capture whose header passed check_capture: nothing of its tensors read yet."""
+
+    path: Path
+    meta: dict
+    response_id: str | None
 
 
 @dataclass
 class Scan:
-    """The readable captures of a folder, and what could not be used (named, counted)."""
+    """The captures of a folder that fit the target, and what could not be used (named, counted)."""
 
-    requests: list[ServedRequest] = field(default_factory=list)
+    captures: list[Capture] = field(default_factory=list)
     skipped: int = 0
     bad: list[str] = field(default_factory=list)
+    shared: int = 0  # captures left out because another capture answers the same response id
+    shared_ids: list[str] = field(default_factory=list)  # the first MAX_NAMED such response ids
 
     def reject(self, why: str) -> None:
         self.skipped += 1
@@ -165,43 +271,46 @@ class Scan:
             self.bad.append(why)
 
 
-def _fits(req: ServedRequest, target, needed: list[int]) -> str | None:
-    from draftsmith.targets.context import context_window
-
-    missing = [i for i in needed if i not in req.layers]
-    if missing:
-        return f"layers {req.layers} captured, the job needs vLLM ids {missing} (serve with vllm_layer_ids)"
-    if req.hidden.shape[-1] != target.hidden_size:
-        return f"hidden size {req.hidden.shape[-1]}, the target's is {target.hidden_size}: another model served it"
-    bad = next((t for t in req.token_ids if not 0 <= t < target.vocab_size), None)
-    if bad is not None:
-        return f"token id {bad} outside the target's vocabulary of {target.vocab_size}"
-    ctx = context_window(target)
-    if ctx is not None and len(req.token_ids) > ctx:
-        return f"{len(req.token_ids)} tokens, past the target's context of {ctx}"
-    return None
+def _response_of_name(path: Path) -> str | None:
+    rid = request_id_of(path.name[:-len(SUFFIX)])
+    return response_id(rid) if rid is not None else None
 
 
-def scan_captures(folder: str | Path, target, needed: list[int], only: set[str] | None = None) -> Scan:
-    """Every capture file of `folder` (vLLM ids `needed` present, fitting the target), sorted by name; with
-    `only`, those of these response ids alone (told by the file's name, before it is read)."""
+def scan_captures(folder: str | Path, target, needed: list[int], only: set[str] | None = None,
+                  join: bool = False) -> Scan:
+    """Every capture file of `folder` whose header fits the target (vLLM ids `needed` present; nothing of a
+    file's tensors is read here), sorted by name; with `only`, those of these response ids alone (told by the
+    file's name where it holds the id, else by its header). With `join` (or `only`): a response id answered
+    by several captures (two requests sent with one client X-Request-Id, or one request of several prompts)
+    cannot tell which capture is which request, so none of them is used (counted in `shared`)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: no capture folder (the connector's capture_dir)")
-    scan = Scan()
+    expect = Expect.of(target, needed)
+    scan, answers, found = Scan(), Counter(), []
     for path in sorted(p for p in folder.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(".")):
-        if only is not None and not any(i in only for i in response_ids(path.name[:-len(SUFFIX)])):
-            continue
+        resp = _response_of_name(path)
+        if only is not None and resp is not None and resp not in only:
+            continue  # told by name: another request's
         try:
-            req = read_capture(path)
+            meta = check_capture(path, expect)
         except DataError as e:
-            scan.reject(str(e))
+            answers[resp] += resp is not None  # a broken file of a response id still tells it was answered
+            if only is None or resp is None or resp in only:
+                scan.reject(str(e))
             continue
-        why = _fits(req, target, needed)
-        if why:
-            scan.reject(f"{path}: {why}")
+        resp = response_id(meta["request_id"])
+        if only is not None and resp not in only:
             continue
-        scan.requests.append(req)
+        answers[resp] += resp is not None
+        found.append(Capture(path, meta, resp))
+    for cap in found:
+        if (join or only is not None) and cap.response_id is not None and answers[cap.response_id] > 1:
+            scan.shared += 1
+            if cap.response_id not in scan.shared_ids and len(scan.shared_ids) < MAX_NAMED:
+                scan.shared_ids.append(cap.response_id)
+        else:
+            scan.captures.append(cap)
     return scan
 
 
@@ -265,8 +374,10 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
     """Captures of `folder` -> a dataset at `out` (load_distilled reads it) and its capture cache at
     `out/capture` holding `layers` (draftsmith ids) and, if asked, the post-norm state and top-k logits.
     `domains`: API response id -> domain (the traffic log's rows); a request it does not name gets
-    `default_domain`. `only`: the response ids to take (None: every capture). Resumes into the same `out`.
-    Returns the provenance written."""
+    `default_domain`. `only`: the response ids to take (None: every capture). Joined to `domains` or `only`, a
+    response id several captures answer is none of theirs (scan_captures). Each file is read when its turn
+    comes (one capture's tensors in memory at a time); one that fails is named and skipped. Resumes into the
+    same `out`. Returns the provenance written."""
     from tqdm.auto import tqdm
 
     from draftsmith.data.output import CAPTURE_DIR, PROVENANCE, claim_output, write_rows
@@ -276,17 +387,25 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
     out = Path(out)
     claim_output(out)
     needed = vllm_layer_ids(layers, target.num_layers)
-    scan = scan_captures(folder, target, needed, only)
-    if not scan.requests:
-        raise DataError(f"{folder}: no capture the target can use ({scan.skipped} skipped"
-                        f"{'; first: ' + scan.bad[0] if scan.bad else ''})")
+    scan = scan_captures(folder, target, needed, only, join=domains is not None)
+    expect = Expect.of(target, needed)
+    if not scan.captures:
+        raise DataError(f"{folder}: no capture the target can use ({scan.skipped} skipped, {scan.shared} "
+                        f"sharing a response id{'; first: ' + scan.bad[0] if scan.bad else ''})")
     eos, limits = {int(e) for e in target.eos_token_ids}, RowLimits.of(target)
     records: dict[int, dict] = {}
+    loaded = 0
     writer = ShardWriter(out / CAPTURE_DIR, layers, topk, hidden_dtype, fingerprint=target.fingerprint())
     with writer:
-        for req in tqdm(scan.requests, desc="import served", unit="request", disable=not progress):
-            domain = next((domains[r] for r in response_ids(req.request_id) if r in (domains or {})), default_domain)
-            rec = check_row(_record(req, target, domain, eos), str(req.path), limits)
+        for cap in tqdm(scan.captures, desc="import served", unit="request", disable=not progress):
+            domain = (domains or {}).get(cap.response_id or "", default_domain)
+            try:
+                req = load_capture(cap.path, cap.meta, expect)
+                rec = check_row(_record(req, target, domain, eos), str(req.path), limits)
+            except DataError as e:
+                scan.reject(str(e))
+                continue
+            loaded += 1
             if rec["row_id"] in records:
                 continue  # the same tokens served twice: one row
             records[rec["row_id"]] = rec
@@ -294,12 +413,17 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
                 f = features(req, target, layers, topk, last_hidden, logsumexp, logits_from=req.prompt_tokens - 1)
                 writer.add(rec["row_id"], f["layers"], f.get("topk_values"), f.get("topk_indices"),
                            f.get("last_hidden"), f.get("logsumexp"))
+            del req
+    if not records:
+        raise DataError(f"{folder}: no capture the target can use ({scan.skipped} skipped"
+                        f"{'; first: ' + scan.bad[0] if scan.bad else ''})")
     rows = list(records.values())
     write_rows(out, rows)
     prov = {"target": {"name": target.name, "spec": target.spec, "fingerprint": target.fingerprint(),
                        "folder": str(target.folder) if target.folder else None},
-            "served": {"captures": str(folder), "requests": len(scan.requests), "skipped": scan.skipped,
-                       "bad": scan.bad, "vllm_layers": needed, "duplicates": len(scan.requests) - len(rows)},
+            "served": {"captures": str(folder), "requests": loaded, "skipped": scan.skipped, "bad": scan.bad,
+                       "shared": scan.shared, "shared_ids": scan.shared_ids, "vllm_layers": needed,
+                       "duplicates": loaded - len(rows)},
             "counts": {"rows": len(rows), "per_domain": dict(sorted(Counter(r["domain"] for r in rows).items())),
                        "tokens": sum(len(r["input_ids"]) for r in rows),
                        "loss_tokens": sum(sum(r["loss_mask"]) for r in rows)},
@@ -308,23 +432,28 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
     atomic_write_json(out / PROVENANCE, prov)
     if scan.skipped:
         log.warning("import served: %d capture(s) skipped; first: %s", scan.skipped, scan.bad[0])
+    if scan.shared:
+        log.warning("import served: %d capture(s) left out: their response ids are answered more than once "
+                    "(first: %s)", scan.shared, scan.shared_ids[0])
     return prov
 
 
-# a capture replica's file for one of generation's requests (data/engines/remote.py names them): vLLM's
-# `cmpl-<X-Request-Id>-<prompt index>-<8 hex>`, the id being `ds-<row>-t<turn>-<12 hex>`
-_GENERATED = re.compile(r"^cmpl-(ds-[A-Za-z0-9._:]+-t\d+)-[0-9a-f]{12}-\d+-[0-9a-f]{8}" + re.escape(SUFFIX) + "$")
+# a capture replica's request for one of generation's rows (data/engines/remote.py names them): vLLM's engine
+# id `cmpl-<X-Request-Id>-<prompt index>-<8 hex>`, the X-Request-Id being `ds-<row>-t<turn>-<12 hex>`
+_GENERATED = re.compile(r"cmpl-(ds-[A-Za-z0-9._:]+-t\d+)-[0-9a-f]{12}-\d+-[0-9a-f]{8}")
 
 
 def captures_by_turn(folder: str | Path) -> dict[str, list[Path]]:
     """The capture files of `folder` that answer generation's requests, by the row and turn they answer
-    (remote.request_key): a retried request leaves several. Told by name alone; nothing is read."""
+    (remote.request_key): a retried request leaves several. Told by name alone (the engine id it escapes);
+    nothing is read."""
     out: dict[str, list[Path]] = {}
     folder = Path(folder)
     if not folder.is_dir():
         return out
     for path in sorted(folder.iterdir()):
-        m = _GENERATED.match(path.name)
+        rid = request_id_of(path.name[:-len(SUFFIX)]) if path.name.endswith(SUFFIX) else None
+        m = _GENERATED.fullmatch(rid) if rid is not None else None
         if m:
             out.setdefault(m[1], []).append(path)
     return out
@@ -341,21 +470,20 @@ def wait_for_captures(folder: str | Path, keys: set[str], seconds: float, poll: 
         time.sleep(poll)
 
 
-def _row_capture(rec: dict, paths: list[Path], target, needed: list[int], bad: list[str]) -> ServedRequest | str:
+def _row_capture(rec: dict, paths: list[Path], expect: Expect, bad: list[str]) -> ServedRequest | str:
     """The capture among `paths` whose tokens are the row's input_ids (prompt of its last turn + answer), or why
     none is: a file that cannot be used is named in `bad` (the first MAX_NAMED)."""
     if not paths:
         return "missing"
     for path in paths:
         try:
-            req = read_capture(path)
+            req = load_capture(path, check_capture(path, expect), expect)
         except DataError as e:
             why = str(e)
         else:
-            why = _fits(req, target, needed)
-            if why is None and req.token_ids == list(rec["input_ids"]):
+            if req.token_ids == list(rec["input_ids"]):
                 return req
-            why = f"{path}: {why or 'its tokens are not those of the row'}"
+            why = f"{path}: its tokens are not those of the row"
         if len(bad) < MAX_NAMED:
             bad.append(why)
     return "differs"
@@ -371,11 +499,11 @@ def join_captures(records: list[dict], folder: str | Path, target, cc, writer: S
     from draftsmith.data.engines.remote import request_key
 
     resolved = resolve_layers(list(cc.layers), target.num_layers)
-    needed = vllm_layer_ids(resolved, target.num_layers)
+    expect = Expect.of(target, vllm_layer_ids(resolved, target.num_layers))
     todo = [r for r in records if int(r["row_id"]) not in writer]
     fallback, named, why, bad = [], [], Counter(), []
     for rec in todo:
-        got = _row_capture(rec, found.get(request_key(rec["row_id"], rec["n_turns"] - 1), []), target, needed, bad)
+        got = _row_capture(rec, found.get(request_key(rec["row_id"], rec["n_turns"] - 1), []), expect, bad)
         if isinstance(got, str):
             fallback.append(rec)
             why[got] += 1

@@ -17,11 +17,16 @@ streams where the cache lives on one and a plain copy where it lives in host mem
 vLLM's layer ids count the residual stream entering a layer (id i = the output of decoder layer i-1, id L =
 the last layer's output before the final norm); `draftsmith data serve-capture` prints the flags for a job.
 
-One file per request, `<capture_dir>/<engine request id>.safetensors`, in the format of capture_file.py.
-Bounded: past `max_gb` in the folder (counted from what is there at start), new requests are not captured
-(one warning); a write that fails is logged and costs only its own file. Only tensor-parallel rank 0 writes.
-The engine request id is the API response's id plus a suffix vLLM adds (`cmpl-<id>-0-<8 hex>`,
-`chatcmpl-<id>-<8 hex>`), which is how draftsmith joins a capture to its logged request (data/served.py).
+One file per request, `<capture_dir>/<engine request id, escaped>.safetensors`, in the format of
+capture_file.py (which escapes any id a client can send and records which model served it). Bounded: past
+`max_gb` in the folder (counted from what is there at start), new requests are not captured (one warning).
+A guest in the engine: whatever fails in copying or writing one request's states (a full disk, an id no file
+can be named for, a tensor that does not save) costs only that request's file, never the request or the
+engine: it is caught, counted by kind (`counts`) and logged once per kind. Only tensor-parallel rank 0 writes.
+The engine request id is the API response's id plus what vLLM adds (`cmpl-<id>-<prompt index>-<8 hex>`,
+`chatcmpl-<id>-<8 hex>`), which is how draftsmith joins a capture to its logged request (data/served.py);
+with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION set the random part is missing and a chat id would not split back
+exactly, so the connector refuses to start.
 
 This module runs inside vLLM's environment: standard library, torch, safetensors and vllm only.
 """
@@ -44,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from draftsmith.fleet.capture_file import SUFFIX, write_capture
+from draftsmith.fleet.capture_file import MAX_ID, SUFFIX, file_stem, model_identity, write_capture
 
 log = logging.getLogger("draftsmith.fleet.vllm_capture")
 
@@ -80,6 +85,10 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         if spec is None or spec.method != "extract_hidden_states":
             raise ValueError("DraftsmithCaptureConnector needs --speculative-config with method "
                              "extract_hidden_states (it stores the hidden states that method caches)")
+        if os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0").strip() not in ("", "0"):
+            raise ValueError("DraftsmithCaptureConnector: VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set: "
+                             "engine request ids lose the random suffix that tells a chat id from its "
+                             "response id (data/served.py)")
         extra = self._kv_transfer_config
         self.folder = str(extra.get_from_extra_config("capture_dir", "") or "")
         if not self.folder:
@@ -91,6 +100,9 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         self.max_bytes = int(max_gb * (1 << 30))
         self.layers = [int(i) for i in spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids]
         self.hidden_size = int(vllm_config.model_config.get_hidden_size())
+        # which model serves: its text config as vLLM loaded it (capture_file.model_identity)
+        self.model = model_identity(vllm_config.model_config.hf_text_config.to_dict(),
+                                    str(vllm_config.model_config.model))
         self.group = self._group(kv_cache_config)
         self.block_size = (kv_cache_config.kv_cache_groups[self.group].kv_cache_spec.block_size
                            if kv_cache_config is not None else vllm_config.cache_config.block_size)
@@ -108,6 +120,7 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         self._lock = threading.Lock()
         self._bytes = _folder_bytes(self.folder) if role == KVConnectorRole.WORKER else 0
         self._full_warned = False
+        self.counts: dict[str, int] = {}  # "written" and each kind of failure (never raised into the engine)
 
     @staticmethod
     def _group(kv_cache_config) -> int:
@@ -153,8 +166,11 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = list(request.all_token_ids)
         if len(tokens) < 2 or not block_ids:
             return False, None
+        if not isinstance(request.request_id, str) or not 0 < len(request.request_id) <= MAX_ID:
+            self._count("id_too_long", f"a request id of more than {MAX_ID} characters is not captured")
+            return False, None
         self._pending.append(PendingSave(request.request_id, tokens, int(request.num_prompt_tokens), list(block_ids)))
-        return True, {"draftsmith_capture": os.path.join(self.folder, request.request_id + SUFFIX)}
+        return True, {"draftsmith_capture": os.path.join(self.folder, file_stem(request.request_id) + SUFFIX)}
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         if not 0 <= self.group < len(block_ids):
@@ -213,14 +229,27 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         done.record(self._stream)
         return host, done
 
+    def _count(self, kind: str, detail: str) -> None:
+        """One more of `kind`; the first of each kind is logged (a failing disk would flood the log)."""
+        with self._lock:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            first = self.counts[kind] == 1
+        if first and kind != "written":
+            log.error("draftsmith capture: %s (%s; counted from now on, not logged again)", detail, kind)
+
     def _write(self, save: PendingSave, host: torch.Tensor, event) -> None:
-        """Thread: wait for the copy, then write the file (capture_file.py: whole or absent)."""
-        if event is not None:
-            event.synchronize()
+        """Thread: wait for the copy, then write the file (capture_file.py: whole or absent). Nothing it
+        raises reaches the engine: a full disk or any other failure costs this request's capture only."""
         try:
-            write_capture(self.folder, save.req_id, host, save.token_ids, save.prompt_tokens, self.layers)
-        except OSError as e:  # a full disk costs this request's capture, never the request
-            log.error("draftsmith capture of %s not written: %s", save.req_id, e)
+            if event is not None:
+                event.synchronize()
+            write_capture(self.folder, save.req_id, host, save.token_ids, save.prompt_tokens, self.layers,
+                          self.model)
+        except Exception as e:  # noqa: BLE001 - a guest in the engine's worker: counted, logged, never raised
+            self._count(f"not_written:{type(e).__name__}", f"capture of {save.req_id[:200]!r} not written: "
+                        f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+        else:
+            self._count("written", "")
 
     def _room(self, nbytes: int) -> bool:
         with self._lock:
@@ -233,6 +262,19 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
             self._bytes += nbytes
             return True
 
+    def _start(self, save: PendingSave) -> None:
+        """Copy one request's states out and hand them to a writer thread; a failure costs its capture."""
+        try:
+            host, event = self._copy(save)
+            future: Future = self._pool.submit(self._write, save, host, event)
+        except Exception as e:  # noqa: BLE001 - in the engine's step: counted and logged, never raised
+            self._count(f"not_copied:{type(e).__name__}", f"states of {save.req_id[:200]!r} not copied out: "
+                        f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+            return
+        if event is not None:
+            self._events[save.req_id] = event
+        future.add_done_callback(_log_failure(save.req_id))
+
     def get_finished(self, finished_req_ids: set[str]):
         """Copy out the states of requests that finished last step and start their writes; report as done
         (their blocks may be freed) those whose copy has completed."""
@@ -242,11 +284,7 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
             for save in meta.saves:
                 size = (len(save.token_ids) - 1) * len(self.layers) * self.hidden_size * self._cache.element_size()
                 if self._room(size):
-                    host, event = self._copy(save)
-                    if event is not None:
-                        self._events[save.req_id] = event
-                    future: Future = self._pool.submit(self._write, save, host, event)
-                    future.add_done_callback(_log_failure(save.req_id))
+                    self._start(save)
                 started.add(save.req_id)
         self._finished |= finished_req_ids | started
         done = set()
@@ -263,6 +301,6 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
 
 def _log_failure(req_id: str):
     def check(future: Future) -> None:
-        if future.exception() is not None:
+        if not future.cancelled() and future.exception() is not None:
             log.error("draftsmith capture of %s failed: %r", req_id, future.exception())
     return check

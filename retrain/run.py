@@ -133,10 +133,15 @@ def _job_needs(cfg: RetrainConfig, target) -> dict:
     return methods.resolve(method.features)(job_cfg, target)
 
 
-def _served_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None) -> Path:
+def _served_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None,
+                 held_rows: list[TrafficRow] = ()) -> Path:
     """The candidate's data from the states the fleet computed while serving the training rows (data/served.py:
     their captures, joined by response id; nothing of the target runs but its final norm and lm_head), with a
-    replay share of the current version's rows and their states."""
+    replay share of the current version's rows and their states. A response id on two rows of the sample (a
+    client that sent one X-Request-Id twice; `held_rows` counted too) names neither: no capture joins them, so
+    a held-out request's states never train the candidate through it (counted, `served.shared_in_traffic`)."""
+    from collections import Counter
+
     from draftsmith.data.generate import PROVENANCE
     from draftsmith.data.served import import_served
     from draftsmith.storage import read_json
@@ -145,17 +150,22 @@ def _served_data(cfg: RetrainConfig, target, work: Path, train_rows: list[Traffi
     if (out / PROVENANCE).is_file() and "replay" in read_json(out / PROVENANCE):
         return out  # finished by an earlier run of this attempt
     needs = _job_needs(cfg, target)
-    domains = {r.request_id: r.domain for r in train_rows if r.request_id}
+    logged = Counter(r.request_id for r in [*train_rows, *held_rows] if r.request_id)
+    shared = {rid for rid, n in logged.items() if n > 1}
+    domains = {r.request_id: r.domain for r in train_rows if r.request_id and r.request_id not in shared}
     if not domains:
         raise DataError(f"traffic.captures: none of the {len(train_rows)} training rows of {cfg.traffic.dir} carries "
-                        "its response id ('id', which fleet/middleware.py logs): no capture can be joined to them")
+                        f"a response id of its own ('id', which fleet/middleware.py logs; {len(shared)} "
+                        "shared by several rows): no capture can be joined to them")
     # the top-k logits' logsumexp is kept whenever top-k is, as a capture by the target keeps it (the replay's)
     prov = import_served(cfg.traffic.captures, target, out, needs["layers"], topk=needs["topk"],
                          last_hidden=needs["last_hidden"], logsumexp=needs["logsumexp"] or needs["topk"] > 0,
                          domains=domains,
                          only=set(domains), hidden_dtype=target.dtype, progress=False)
-    log.info("served states: %d rows from %d captures (%d skipped)", prov["counts"]["rows"],
-             prov["served"]["requests"], prov["served"]["skipped"])
+    prov["served"]["shared_in_traffic"] = sum(1 for r in train_rows if r.request_id in shared)
+    log.info("served states: %d rows from %d captures (%d skipped, %d sharing a response id; %d training "
+             "rows sharing one in the traffic)", prov["counts"]["rows"], prov["served"]["requests"],
+             prov["served"]["skipped"], prov["served"]["shared"], prov["served"]["shared_in_traffic"])
     _replay_served(cfg, target, out, old_data, prov, needs)
     return out
 
@@ -222,11 +232,12 @@ def _copy_states(reader, writer, row_id: int) -> bool:
     return True
 
 
-def _build_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None) -> Path:
+def _build_data(cfg: RetrainConfig, target, work: Path, train_rows: list[TrafficRow], old_data: str | None,
+                held_rows: list[TrafficRow] = ()) -> Path:
     """Self-distil the traffic prompts with the current target, then mix in a replay share of old data; with
     `traffic.captures`, take the fleet's own answers and states instead (_served_data)."""
     if cfg.traffic.captures:
-        return _served_data(cfg, target, work, train_rows, old_data)
+        return _served_data(cfg, target, work, train_rows, old_data, held_rows)
     import datasets
 
     from draftsmith.data import generate_dataset, load_distilled
@@ -315,7 +326,8 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
     if settled is not None:
         return settled
     record["attempt"] = a.attempt
-    data_path = _build_data(cfg, target, a.work, a.train_rows, (a.manifest.get("data") or {}).get("path"))
+    data_path = _build_data(cfg, target, a.work, a.train_rows, (a.manifest.get("data") or {}).get("path"),
+                            a.held_rows)
     warm = a.path if (cfg.budget.warm_start and not a.hard) else None
     candidate = _train_candidate(cfg, target, a.work, data_path, warm)
     cand_traffic, cand_base, decision = _gate_candidate(cfg, record, target, a, candidate, cur_traffic)
@@ -371,6 +383,7 @@ class _Attempt:
     weights_changed: bool
     held_file: Path  # the held-out traffic prompts, capped per domain
     train_rows: list[TrafficRow]
+    held_rows: list[TrafficRow]  # the held-out rows themselves (held_file holds their prompts)
     traffic_digest: str
     attempt: str
     work: Path  # registry/staging/<attempt>/: every stage of this attempt writes (and resumes) there
@@ -401,7 +414,7 @@ def _open_attempt(cfg: RetrainConfig, reg: Registry, record: dict, target) -> _A
     work.mkdir(parents=True, exist_ok=True)
     return _Attempt(current=current, path=path, manifest=manifest, hard=hard, weights_changed=weights_changed,
                     held_file=write_prompt_file(held, work / "traffic_eval.jsonl"), train_rows=train_rows,
-                    traffic_digest=traffic_digest, attempt=attempt, work=work)
+                    held_rows=held, traffic_digest=traffic_digest, attempt=attempt, work=work)
 
 
 def _judge(cfg: RetrainConfig, reg: Registry, record: dict, target, a: _Attempt) -> tuple[dict, object]:

@@ -38,7 +38,12 @@ CHECKED_FIELDS = ["vocab_size", "tokenizer_hash", "special_tokens", "chat_templa
 
 
 def config_summary(config) -> dict[str, Any]:
-    cfg = text_config(config).to_dict()
+    return summary_of(text_config(config).to_dict())
+
+
+def summary_of(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config_summary of a text config given as its dict: the form a fleet capture records the serving
+    model's config in (fleet/capture_file.model_identity): `sha256_json(summary_of(it))` is a config_hash."""
     out = {}
     for key in ARCH_FIELDS:
         if key in cfg and cfg[key] is not None:

@@ -24,7 +24,7 @@ import threading
 import pytest
 import torch
 from local_http import local_server
-from test_served_capture import served_states
+from test_served_capture import identity, served_states
 
 from draftsmith.capture.cache import ShardReader, capture_dataset
 from draftsmith.capture.config import CaptureConfig
@@ -67,7 +67,7 @@ def _replica_handler(target, folder, vids, spoil: list[str], seen: list[str]):
             if fate != "skip":
                 with lock:  # one forward at a time: served_states hooks the shared model's last layer
                     write_capture(str(folder), f"cmpl-{self.headers['X-Request-Id']}-0-{len(seen):08x}",
-                                  served_states(target, ids, vids), ids, len(prompt), vids)
+                                  served_states(target, ids, vids), ids, len(prompt), vids, identity(target))
 
         def _send(self, body):
             data = json.dumps(body).encode()

@@ -207,7 +207,7 @@ def _served_traffic(target, root: Path) -> tuple[Path, Path]:
     (fleet/middleware.py) and, per request, the hidden states a capture replica's connector wrote (in vLLM's
     layer numbering, from the target's own greedy answer: tests/test_vllm_fleet_capture.py does it with vLLM)."""
     import torch
-    from test_served_capture import served_states
+    from test_served_capture import identity, served_states
 
     from draftsmith.data.served import vllm_layer_ids
     from draftsmith.evaluation.domains import format_prompt
@@ -220,7 +220,8 @@ def _served_traffic(target, root: Path) -> tuple[Path, Path]:
     for n, (line, w) in enumerate((line, w) for line in B_LINES for w in (1, 2, 3)):
         prompt = format_prompt(tok, _prompt(line, w))  # as the fleet's chat endpoint templates it
         out = target.model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0].tolist()
-        write_capture(str(captures), f"chatcmpl-t{n}-{n:08x}", served_states(target, out, vids), out, len(prompt), vids)
+        write_capture(str(captures), f"chatcmpl-t{n}-{n:08x}", served_states(target, out, vids), out, len(prompt), vids,
+                      identity(target))
         rows.append({"prompt": _prompt(line, w), "domain": "code", "id": f"chatcmpl-t{n}", "timestamp": now - n})
     _write_jsonl(traffic / "traffic-1.jsonl", rows)
     return traffic, captures

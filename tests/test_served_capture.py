@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from draftsmith.capture.cache import ShardReader, capture_dataset
 from draftsmith.data.generate import load_distilled
-from draftsmith.data.served import import_served, read_capture, response_ids, scan_captures, vllm_layer_ids
+from draftsmith.data.served import import_served, read_capture, response_id, vllm_layer_ids
 from draftsmith.errors import DataError
-from draftsmith.fleet.capture_file import write_capture
+from draftsmith.fleet.capture_file import model_identity, write_capture
+from draftsmith.targets.families import text_config
 from tests.fuzzing import FUZZ, mutated_doc, refuses_cleanly
 
 
@@ -42,6 +43,11 @@ def served_states(target, ids: list[int], vllm_ids: list[int]) -> torch.Tensor:
     return torch.stack(cols, dim=1).float()
 
 
+def identity(target) -> dict:
+    """What the connector records of the model vLLM serves (fleet/capture_file.model_identity): its text config."""
+    return model_identity(text_config(target.model.config).to_dict(), str(target.folder))
+
+
 def _rows(target, n: int = 4, seed: int = 0) -> list[tuple[list[int], int]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -58,13 +64,13 @@ def _write(target, folder, rows, layers=(0, 1), prefix: str = "req") -> list[str
     paths = []
     for n, (ids, p) in enumerate(rows):
         paths.append(write_capture(str(folder), f"cmpl-{prefix}{n}-0-{n:08x}", served_states(target, ids, vids), ids, p,
-                                   vids))
+                                   vids, identity(target)))
     return paths
 
 
-def test_response_ids_strip_what_vllm_appends():
-    assert response_ids("cmpl-abc-0-1f2e3d4c") == ["cmpl-abc-0", "cmpl-abc"]
-    assert response_ids("chatcmpl-abc-1f2e3d4c") == ["chatcmpl-abc"]
+def test_response_id_strips_what_vllm_appends():
+    assert response_id("cmpl-abc-0-1f2e3d4c") == "cmpl-abc"
+    assert response_id("chatcmpl-abc-1f2e3d4c") == "chatcmpl-abc"
     assert vllm_layer_ids([1, 14, 26], 30) == [2, 15, 27, 30]
 
 
@@ -119,17 +125,18 @@ def test_damaged_foreign_or_unfitting_captures_are_named_and_skipped(tiny_target
     ids[-1] = tiny_target.vocab_size + 5
     vids = vllm_layer_ids([0, 1], 2)
     write_capture(str(folder), vocab.split("/")[-1][:-12], served_states(tiny_target, ids[:-1] + [3], vids), ids, p,
-                  vids)
+                  vids, identity(tiny_target))
     write_capture(str(folder), layers.split("/")[-1][:-12], served_states(tiny_target, ids[:-1] + [3], [1]),
-                  ids[:-1] + [3], p, [1])
+                  ids[:-1] + [3], p, [1], identity(tiny_target))
     (folder / ".cmpl-x-0-0.tmp-9").write_bytes(b"half")  # a write in flight is not a capture
-    scan = scan_captures(folder, tiny_target, vids)
-    assert [r.path.name for r in scan.requests] == [good.split("/")[-1]] and scan.skipped == 4
-    why = "\n".join(scan.bad)
+    prov = import_served(folder, tiny_target, tmp_path / "ok", [0, 1], progress=False)
+    assert prov["counts"]["rows"] == 1 and prov["served"]["skipped"] == 4
+    assert [r["origin"] for r in load_distilled(tmp_path / "ok", tiny_target)] == [f"served:{good.split('/')[-1][:-12]}"]
+    why = "\n".join(prov["served"]["bad"])
     for name, reason in ((flipped, "checksum mismatch"), (cut, "torn"), (vocab, "outside the target's vocabulary"),
                          (layers, "layers [1] captured")):
         assert f"{name}: " in why and reason in why, (name, why)
-    with pytest.raises(DataError, match="hidden size 64, the target's is") as e:
+    with pytest.raises(DataError, match="field 'model.config.hidden_size' is 64, the target's is 96") as e:
         import_served(folder, _wider(tiny_target), tmp_path / "data", [0, 1], progress=False)
     assert "\n" not in str(e.value) and str(folder) in str(e.value)
 
@@ -141,8 +148,9 @@ def _wider(target):
     return make_target(target.tokenizer, seed=3, hidden=96)
 
 
-_META = {"format": "draftsmith.vllm_capture", "version": 1, "request_id": "cmpl-a-0-00000000", "layers": [1, 2],
-         "prompt_tokens": 3, "n_tokens": 6, "hidden_size": 4, "dtype": "float32", "sha256": "0" * 64}
+_META = {"format": "draftsmith.vllm_capture", "version": 2, "request_id": "cmpl-a-0-00000000", "layers": [1, 2],
+         "prompt_tokens": 3, "n_tokens": 6, "hidden_size": 4, "dtype": "float32",
+         "model": {"name": "m", "config": {"model_type": "llama", "hidden_size": 4}}, "sha256": "0" * 64}
 
 
 @FUZZ

@@ -77,13 +77,14 @@ def _complete(server, ids: list[int]) -> dict:
 
 
 def _by_response(replica) -> dict:
-    from draftsmith.data.served import read_capture, response_ids
+    from draftsmith.data.served import read_capture, response_id, vllm_layer_ids
 
     out = {}
+    target = replica["target"]
     for path in sorted(replica["captures"].glob("*.safetensors")):
-        req = read_capture(path)
-        for rid in response_ids(req.request_id):
-            out[rid] = req
+        # read against the target: the model vLLM served is the target (its config as vLLM loaded it)
+        req = read_capture(path, target, vllm_layer_ids(LAYERS, target.num_layers))
+        out[response_id(req.request_id)] = req
     return out
 
 
@@ -137,3 +138,34 @@ def test_an_eagle3_head_trained_from_the_vllm_capture_matches_one_from_draftsmit
     key = next(k for k in sorted(served) if k.startswith("eval/") and k.endswith("acc"))
     print(f"held-out {key}: from vLLM's capture {served[key]:.4f}, from draftsmith's {own[key]:.4f}")
     assert abs(served[key] - own[key]) <= 0.01
+
+
+def test_a_client_id_no_file_name_can_hold_is_captured_under_its_escaped_name(replica):
+    """Last in the module: its extra capture is not one of the fixture's prompts. A client's X-Request-Id with a
+    '/', a space, '+', '=' and non-ASCII reaches vLLM's engine id whole; the connector writes it under its escaped
+    name, and the capture joins the response it answers."""
+    import time
+
+    from draftsmith import net
+    from draftsmith.data.served import response_id
+    from draftsmith.fleet.capture_file import SUFFIX, file_stem
+
+    server, ids = replica["server"], replica["prompts"][0]
+    client_id = "tenant/a b+c=d-caf\u00e9-0"
+    body = json.dumps({"model": server.served_name, "prompt": ids, "max_tokens": 4, "temperature": 0.0}).encode()
+    answer = net.request(f"{server.base_url}/completions", body, deadline=120.0, max_bytes=net.ANSWER_MAX_BYTES,
+                         headers={"Content-Type": "application/json",
+                                  "X-Request-Id": client_id.encode("utf-8").decode("latin-1")}).json()
+    end, found = time.monotonic() + 60, []
+    while not found and time.monotonic() < end:
+        found = [p for p in replica["captures"].glob(f"{file_stem('cmpl-')}*{SUFFIX}")
+                 if response_id(read_capture_id(p)) == answer["id"]]
+        time.sleep(0.2)
+    assert len(found) == 1, answer["id"]
+    assert "/" not in found[0].name and read_capture_id(found[0]).startswith(answer["id"] + "-0-")
+
+
+def read_capture_id(path) -> str:
+    from draftsmith.data.served import check_capture
+
+    return check_capture(path)["request_id"]
