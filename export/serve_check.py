@@ -151,7 +151,7 @@ def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
     if not result_path.is_file():
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         raise ServeCheckError(f"vLLM run '{name}' gave no result within {timeout:.0f} s (log {log_path}: {tail[0][:300]})")
-    result = read_result(result_path, log_path)
+    result = read_result(result_path, log_path, len(job.get("prompts") or []))
     if result.get("error") and (ENGINE_WRAPPER in result["error"] or "failed to be inspected" in result["error"]):
         # the engine core failed in its own process: its log holds the cause, the runner only vLLM's wrapper
         cause = root_cause(log_path)
@@ -165,9 +165,12 @@ def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
 RESULT_MAX_BYTES = 256 << 20  # the outputs of every prompt, twice, as token ids: a few MB on the largest sets
 
 
-def read_result(path: Path, log_path: Path) -> dict:
+def read_result(path: Path, log_path: Path, prompts: int | None = None) -> dict:
     """The one reader of a vLLM result file (export/vllm_run.py writes it): every field serve-check reads,
-    typed, or a ServeCheckError naming the file, the field and the engine's log."""
+    typed, or a ServeCheckError naming the file, the field and the engine's log. `prompts`: how many prompts the
+    job gave vLLM (None: a stored result read without its job); a loaded engine must have decoded exactly one
+    output per prompt, one at a time and batched, and there must be at least one: two empty lists compare equal,
+    and a check that compared nothing would pass as lossless (and the retrain gate promote on it)."""
     try:
         result = schema.read_doc(path, max_bytes=RESULT_MAX_BYTES)
         schema.get(result, "loaded", path, "bool", null=True)
@@ -186,6 +189,11 @@ def read_result(path: Path, log_path: Path) -> dict:
                 schema.get(result, f"{run}.tokens_per_s", path, "number", lo=0, null=True)
             schema.get(result, "batched.batch", path, "int", lo=1)
             _token_lists(result, "batched.outputs", path)
+            for name, outputs in (("outputs", result["outputs"]), ("batched.outputs", result["batched"]["outputs"])):
+                if prompts is not None and (len(outputs) != prompts or prompts < 1):
+                    raise schema.FieldError(f"{path}: field '{name}' holds {len(outputs)} outputs for {prompts} "
+                                            f"prompt{'' if prompts == 1 else 's'}: vLLM must decode one output per "
+                                            "prompt, else there is nothing to judge; refused")
     except schema.FieldError as e:
         raise ServeCheckError(f"{e} (vLLM log {log_path})") from None
     return result
@@ -313,6 +321,8 @@ def _job(export_dir, target, prompts: list[str] | None, out, k: int, max_new_tok
     files = list(prompts or [str(p) for p in default_prompt_files()])
     rows = load_prompts(files, limit_per_domain, seed)
     ids = [format_prompt(target.tokenizer, r.text) for r in rows]
+    if not ids:
+        raise ConfigError(f"serve-check: no prompt in {', '.join(files)}: vLLM would decode nothing to compare")
     # beside the export, never in it: the export folder uploads as is, and the check's files are no part of it
     out = Path(out) if out is not None else Path("runs/serve-check") / (export_dir.name if export_dir else "ngram")
     if export_dir is not None and out.resolve().is_relative_to(export_dir.resolve()):
