@@ -45,7 +45,7 @@ from draftsmith.formatting import fmt_num
 from draftsmith.layouts import schema
 from draftsmith.layouts.common import read_guard
 from draftsmith.layouts.serving import VllmServe
-from draftsmith.storage import atomic_write_json, atomic_write_text, read_json
+from draftsmith.storage import atomic_write_json, atomic_write_text, open_output, read_json
 
 RUNNER = Path(__file__).with_name("vllm_run.py")
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
@@ -135,7 +135,7 @@ def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
     atomic_write_json(job_path, job)
     result_path.unlink(missing_ok=True)
     env = vllm_env()
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open_output(log_path) as log:  # never through a link planted at the log's name
         proc = subprocess.Popen([str(python), str(RUNNER), str(job_path), str(result_path)], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:

@@ -10,6 +10,10 @@
         policy.json              per-domain enable/disable, read by the serving layer
         .lock                    held while a run trains (see locks.py RunLock)
 
+Every file here is the registry's own: a symlink (or FIFO, socket, folder) in the place of current.json,
+policy.json, a run record or the lock is refused in one line, never followed, read or written through, and a
+version folder that is a symlink is not a version (publish renames real folders in).
+
 A version's manifest carries its lineage (`parent`, the data it was trained on, its metrics, the target
 fingerprint). A version is published by renaming a finished artifact directory into versions/ and only
 then switching `current`: a run killed at any point leaves `current` on a complete version.
@@ -24,10 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith import net
 from draftsmith.artifact import load_manifest, now_iso, update_manifest, verify_weights
 from draftsmith.config import show
-from draftsmith.errors import ArtifactError
+from draftsmith.errors import ArtifactError, OutputError
+from draftsmith.nofollow import refuse_unless_regular
 from draftsmith.storage import atomic_write_json, read_json
 
 _VERSION = re.compile(r"^v(\d{4,})$")
@@ -35,7 +39,12 @@ _VERSION = re.compile(r"^v(\d{4,})$")
 
 def _pointer_version(pointer: Path) -> str:
     """The version current.json names, checked: a JSON object whose `version` is a version folder's name
-    (`v0001`), never a path to follow (`../../etc`); else one ArtifactError naming the file and the field."""
+    (`v0001`), never a path to follow (`../../etc`); else one ArtifactError naming the file and the field.
+    A current.json that is a symlink (or no regular file) is not read: the registry writes it as a file."""
+    try:
+        refuse_unless_regular(pointer, "registry pointer")
+    except OutputError as e:
+        raise ArtifactError(str(e)) from None
     try:
         doc = read_json(pointer)
     except ValueError as e:  # storage's FileFormatError: not UTF-8 or not JSON, the file named
@@ -76,7 +85,8 @@ class Registry:
         return path
 
     def versions(self) -> list[str]:
-        names = [p.name for p in (self.base / "versions").iterdir() if _VERSION.match(p.name) and p.is_dir()]
+        names = [p.name for p in (self.base / "versions").iterdir()  # a link: not a version published here
+                 if _VERSION.match(p.name) and p.is_dir() and not p.is_symlink()]
         return sorted(names, key=lambda n: int(_VERSION.match(n).group(1)))
 
     def path(self, version: str) -> Path:
@@ -84,22 +94,31 @@ class Registry:
 
     def current(self) -> str | None:
         pointer = self.base / "current.json"
-        if not pointer.is_file():
+        if not os.path.lexists(pointer):
             return None
         version = _pointer_version(pointer)
-        if not (self.path(version) / "manifest.json").is_file():
+        if not self._complete(version):
             raise ArtifactError(f"{pointer}: current points at missing version {version} (no "
                                 f"{self.path(version) / 'manifest.json'})")
         return version
+
+    def _complete(self, version: str) -> bool:
+        """Whether `version` is a published version folder with its manifest; a symlink in versions/ is
+        refused in one line (publish renames folders in: a link there was put by someone else)."""
+        folder = self.path(version)
+        if folder.is_symlink():
+            raise ArtifactError(f"{folder}: a symlink (to {os.readlink(folder)}), not a version this registry "
+                                "published; refused")
+        return (folder / "manifest.json").is_file()
 
     def current_path(self) -> Path | None:
         version = self.current()
         return None if version is None else self.path(version)
 
     def next_version(self) -> str:
-        existing = self.versions()
-        n = int(_VERSION.match(existing[-1]).group(1)) + 1 if existing else 1
-        return f"v{n:04d}"
+        """The version after every name in versions/, whatever it is (a planted link is not renamed over)."""
+        taken = [int(m.group(1)) for p in (self.base / "versions").iterdir() if (m := _VERSION.match(p.name))]
+        return f"v{max(taken, default=0) + 1:04d}"
 
     def publish(self, candidate: Path, lineage: dict) -> str:
         """Move a finished artifact directory into versions/ (atomic rename) with its lineage recorded."""
@@ -111,7 +130,7 @@ class Registry:
         return version
 
     def set_current(self, version: str, reason: str) -> None:
-        if not (self.path(version) / "manifest.json").is_file():
+        if not self._complete(version):
             raise ArtifactError(f"cannot point current at {version}: not a complete version")
         atomic_write_json(self.base / "current.json", {"version": version, "since": now_iso(), "reason": reason})
 
@@ -141,8 +160,7 @@ class Registry:
     def write_run_record(self, record: dict) -> Path:
         stamp = record.get("started", now_iso()).replace(":", "").replace("+", "_")
         path = self.base / "runs" / f"{stamp}-{os.getpid()}-{time.time_ns() % 10**9:09d}.json"  # unique per run
-        # its config (a /metrics URL and its key), its error (a server's words): outside text, redacted
-        atomic_write_json(path, net.redact_all(record))
+        atomic_write_json(path, record)
         return path
 
     def write_policy(self, policy: dict) -> Path:
