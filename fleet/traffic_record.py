@@ -108,23 +108,26 @@ def refusal(status, error) -> str | None:
 
 
 def _unencodable(obj: dict) -> str | None:
-    """The first top-level field holding a string UTF-8 cannot encode (a lone surrogate), or None. Iterative:
-    a line is depth-checked before it is parsed, but this never recurses either way."""
+    """The first top-level field holding a string UTF-8 cannot encode (a lone surrogate), or None. A walk over
+    iterators: it holds one per level of nesting, never a copy of a long list, and never recurses."""
+    end = object()
     for key, value in obj.items():
-        stack = [key, value]
+        stack = [iter((key, value))]
         while stack:
-            item = stack.pop()
-            if isinstance(item, str):
+            item = next(stack[-1], end)
+            if item is end:
+                stack.pop()
+            elif isinstance(item, str):
                 if not item.isascii():
                     try:
                         item.encode("utf-8")
                     except UnicodeEncodeError as e:
                         return f"{key} holds text UTF-8 cannot encode (U+{ord(item[e.start]):04X}, a lone surrogate)"
             elif isinstance(item, dict):
-                stack.extend(item.keys())
-                stack.extend(item.values())
+                stack.append(iter(item.keys()))
+                stack.append(iter(item.values()))
             elif isinstance(item, list):
-                stack.extend(item)
+                stack.append(iter(item))
     return None
 
 

@@ -205,6 +205,9 @@ def traffic(logs: Logs) -> Iterator[tuple[Path, int, TrafficRecord, float]]:
         except Unusable as e:
             logs.skip(f"{path}:{number}", e)
             continue
+        except MemoryError:
+            logs.reject(f"{path}:{number}", "a row too large to check in memory")
+            continue
         yield path, number, record, mtime
 
 

@@ -200,3 +200,33 @@ def test_the_readers_count_a_hostile_file_alike(tmp_path):
     assert (sample.refused, sample.unencodable, sample.malformed) == (1, 1, 2)
     assert (table["refused"], table["unencodable"], table["malformed"]) == (1, 1, 2)
     assert len(sample.rows) == table["overall"]["n_prompts"] == 2
+
+
+MEMORY_PROBE = """
+import json, resource, sys
+from draftsmith.planning.production import log_alpha
+from draftsmith.retrain.traffic import read_traffic
+
+size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) << 10
+resource.setrlimit(resource.RLIMIT_AS, (size + (160 << 20), resource.RLIM_INFINITY))
+sample, table = read_traffic(sys.argv[1]), log_alpha(sys.argv[1])
+print(json.dumps([sorted(r.prompt for r in sample.rows), sample.bad, table["malformed"]]))
+"""
+
+
+def test_a_line_under_the_cap_too_large_for_memory_is_one_bad_row(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "t"
+    folder.mkdir()
+    huge = b'{"prompt": "x", "draft_tokens": 1, "accepted_tokens": 1, "ids": [' + b"0," * (15 << 20) + b"0]}\n"
+    assert len(huge) < getattr(logs_module, "MAX_LINE_BYTES", 32 << 20)  # under the line cap: parsed, 15M list items under 160 MiB
+    good = [json.dumps(_good(i)).encode() + b"\n" for i in range(2)]
+    (folder / "a.jsonl").write_bytes(good[0] + huge + good[1])
+    run = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(folder)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]  # no MemoryError escaped
+    prompts, bad, malformed = json.loads(run.stdout)
+    assert prompts == ["question 0", "question 1"] and malformed == 1
+    assert bad == [f"{folder / 'a.jsonl'}:2: {len(huge)} bytes of JSON too large to hold in memory"], bad
