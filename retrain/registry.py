@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith import net
 from draftsmith.artifact import load_manifest, now_iso, update_manifest, verify_weights
 from draftsmith.config import show
 from draftsmith.errors import ArtifactError, OutputError
@@ -160,7 +161,8 @@ class Registry:
     def write_run_record(self, record: dict) -> Path:
         stamp = record.get("started", now_iso()).replace(":", "").replace("+", "_")
         path = self.base / "runs" / f"{stamp}-{os.getpid()}-{time.time_ns() % 10**9:09d}.json"  # unique per run
-        atomic_write_json(path, record)
+        # its config (a /metrics URL and its key), its error (a server's words): outside text, redacted
+        atomic_write_json(path, net.redact_all(record))
         return path
 
     def write_policy(self, policy: dict) -> Path:
