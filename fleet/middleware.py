@@ -68,8 +68,10 @@ operator's rotation) and opens a new one when not; files and the folder are open
 files of earlier processes stay for the operator's retention.
 
 Shutdown: the server's ASGI lifespan.shutdown (Starlette passes the lifespan scope through its middleware) and,
-where no lifespan runs, `atexit` write what is queued within SHUTDOWN_S and count the rest `lost_at_shutdown`;
-the writer is a daemon thread, so a stalled disk never holds the process's exit longer than that.
+where no lifespan runs, `atexit` write what is queued within SHUTDOWN_S, count the rest `lost_at_shutdown` and
+log one summary line of the counts; the writer is a daemon thread, so a stalled disk never holds the process's
+exit longer than that. The module's logger has a level of its own (WARNING): vLLM's API server runs with the
+root logger at ERROR, under which the warnings would never reach its log.
 
 Runs inside vLLM's environment: the standard library only (scripts/check_imports.py, rule 5).
 """
@@ -95,6 +97,11 @@ from dataclasses import dataclass, field
 from draftsmith.fleet.traffic_record import TrafficRecord
 
 log = logging.getLogger("draftsmith.fleet.middleware")
+if log.level == logging.NOTSET:
+    # a level of its own, so the warnings reach vLLM's log: vLLM's API server sets the root logger to ERROR (its
+    # model_hosting_container_standards dependency does), which a library logger would inherit and stay silent
+    # under; an operator who configured this logger keeps their level
+    log.setLevel(logging.WARNING)
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
 NAME = re.compile(r"^traffic-\d{8}T\d{12}Z-(?P<pid>\d+)(?:-\d+)?\.jsonl$")
@@ -589,8 +596,7 @@ class Writer:
                 os.close(self.dir_fd)
                 self.dir_fd = None
         atexit.unregister(self.close)
-        if left:
-            log.warning("draftsmith traffic log: closed; %s", self.counts.snapshot())
+        log.warning("draftsmith traffic log: closed; %s", self.counts.snapshot())  # the operator's one summary
 
 
 def _header(scope: dict, name: bytes) -> bytes | None:

@@ -406,6 +406,30 @@ def test_records_queued_at_exit_are_written_by_atexit(tmp_path):
     assert [r["prompt"] for r in on_disk(folder)] == [f"p{i}" for i in range(15)]
 
 
+def test_warnings_reach_the_log_when_the_host_sets_the_root_logger_to_error(guest):
+    """vLLM's API server runs with the root logger at ERROR (its model_hosting_container_standards dependency
+    sets it so): the middleware's warnings — a drop, a loss, the shutdown summary — must still be emitted
+    (before: none of them ever reached vLLM's log)."""
+    import logging
+
+    seen: list[str] = []
+    catcher = logging.Handler()
+    catcher.emit = lambda record: seen.append(record.getMessage())
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    root.addHandler(catcher)
+    try:
+        t = guest(max_body_bytes=64, queue_bytes=1024)
+        run(call(t, "/v1/completions", {**BODY, "prompt": "y" * 200}))
+        t.writer.close(1.0)
+    finally:
+        root.removeHandler(catcher)
+        root.setLevel(level)
+    assert any("over_cap 1 times" in m for m in seen), seen
+    assert any("closed;" in m and "'over_cap': 1" in m for m in seen), seen
+
+
 # --- the folder --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["file", "symlink", "dangling_symlink", "unwritable", "under_a_file"])
 def test_a_traffic_dir_that_is_no_writable_folder_is_one_line_naming_the_variable(tmp_path, how):
