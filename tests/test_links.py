@@ -291,8 +291,8 @@ def test_run_records_and_the_policy_are_not_written_through_links(tmp_path):
 
 
 def test_a_report_plot_that_is_a_symlink_is_not_drawn_into_its_victim(tiny_target, tmp_path):
-    from draftsmith.evaluation.evaluate import evaluate
-    from draftsmith.evaluation.report import write_report
+    # the package's names (lazy.py): importing the submodule first would bind `evaluate` to the module
+    from draftsmith.evaluation import evaluate, write_report
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"category": "chat", "turns": ["Say hi."]}) + "\n")
