@@ -34,7 +34,7 @@ COMMAND_MODULES = [
 STAGES: list[tuple[str, str, tuple[str, ...]]] = [
     ("targets", "the frozen models drafters are made for", ("targets",)),
     ("data", "prompts -> the target's own answers, a self-distilled dataset", ("data",)),
-    ("train", "a drafter on a frozen target; each method's own jobs", ("train",)),
+    ("train", "a drafter on a frozen target; each method's own jobs", ("train", "trust")),
     ("evaluate", "acceptance, tau, speedup and losslessness per domain", ("evaluate",)),
     ("export / serve", "an artifact in a serving stack's layout, run there", ("export", "serve-check", "import-export")),
     ("plan / route", "memory per GPU, routing per domain, production acceptance", ("plan", "route", "alpha")),

@@ -1,7 +1,10 @@
 """`draftsmith train METHOD --config PATH [key=value ...]`: run any registered method's training job
 (methods.py) through the one runner (runner/train.py). A method may declare a one-word alias of the same
 job (`Method.command`: `draftsmith distill` is `draftsmith train draft`), with the same arguments and the same
-output; `train METHOD` is the documented form."""
+output; `train METHOD` is the documented form.
+
+`draftsmith trust RUN`: a run's checkpoints resume in full only when its record of them is signed with this
+user's key (training/trust.py); this signs a run folder received whole, after showing what it accepts."""
 
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ def register(subparsers) -> None:
             own = subparsers.add_parser(m.command[0], help=f"alias of `train {m.name}`: {m.summary}")
             _add_job_arguments(own, m.default_config or "the method's preset")
             own.set_defaults(func=run, job=m.name)
+    t = subparsers.add_parser("trust", help="accept a run folder received whole (a colleague's, a download) "
+                              "as yours: its checkpoints then resume in full, pickles included")
+    t.add_argument("run", help="the run's train.output_dir (its checkpoints/ are listed, checked and signed)")
+    t.set_defaults(func=run_trust)
 
 
 def run(args) -> int:
@@ -52,4 +59,14 @@ def run(args) -> int:
         print(f"train_seconds: {out.train_seconds:.1f}")
         if out.eval is not None:
             print("eval: " + json.dumps(out.eval, default=str)[:2000])
+    return 0
+
+
+def run_trust(args) -> int:
+    """Print what is accepted (each checkpoint and its state.json sha256), then sign the run's record of
+    exactly that with this user's key (training/checkpoint.py trust_run)."""
+    from draftsmith.training.checkpoint import trust_run
+
+    for line in trust_run(args.run):
+        print(line)
     return 0

@@ -32,6 +32,14 @@ def _isolated_cache(tmp_path_factory, monkeypatch, request):
         monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture(autouse=True)
+def _isolated_config(tmp_path_factory, monkeypatch):
+    """Keep every test (and the training subprocesses it starts, which inherit the environment) off the
+    user's real ~/.config/draftsmith: the key that signs checkpoint records (training/trust.py) is one for the
+    session."""
+    monkeypatch.setenv("DRAFTSMITH_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "config"))
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()

@@ -105,8 +105,9 @@ def test_log_jsonl_mutations_long(tmp_path, data, how):
 @given(data=mutated_json({"states": {"ab" * 32: "step-00000002", "cd" * 32: "step-00000004"}}), how=PLACES)
 def test_written_json_mutations_are_read_or_refused_in_one_line(tmp_path, data, how):
     place(tmp_path / "checkpoints" / WRITTEN, data, how)
-    states = refuses_cleanly(lambda: read_written(tmp_path / "checkpoints"), WRITTEN)
-    assert states is None or all(len(k) == 64 and isinstance(v, str) for k, v in states.items())
+    written = refuses_cleanly(lambda: read_written(tmp_path / "checkpoints"), WRITTEN)
+    assert written is None or all(len(k) == 64 and isinstance(v, str) for k, v in written.listed.items())
+    assert written is None or written.vouched == {}  # unsigned, whatever it holds: it vouches for nothing
 
 
 # --- the capture cache: shards cut short or with mutated metadata, index.json mutated ------------------------

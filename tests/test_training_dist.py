@@ -253,13 +253,17 @@ def test_zero3_medusa_survives_a_killed_rank_and_refuses_another_world_size(root
     assert train_losses(killed) == pytest.approx(one_process["medusa"], rel=LOSS_RTOL)
 
 
-def test_a_tampered_shard_index_is_refused_before_it_is_unpickled(root, tmp_path):
+def test_a_tampered_shard_index_is_refused_before_it_is_unpickled(tmp_path):
+    from test_trust import _sharded_checkpoint
+
     from draftsmith.errors import TrainingError
+    from draftsmith.training.run_files import record_written
     from draftsmith.training.sharded import load_sharded
 
-    ck = tmp_path / "ck"
-    (ck / "shards").mkdir(parents=True)
+    out = tmp_path / "run"  # a checkpoint this user's signed record vouches for, its index changed since
+    ck = _sharded_checkpoint(out / "checkpoints" / ".step-00000004.tmp-x", tmp_path / "PWNED")
+    record_written(ck.parent, ck / "state.json", "step-00000004")
+    ck = ck.rename(out / "checkpoints" / "step-00000004")
     (ck / "shards" / ".metadata").write_bytes(b"not what was written")
-    (ck / "state.json").write_text(json.dumps({"metadata_sha256": "0" * 64}))
-    with pytest.raises(TrainingError, match="sha256 mismatch"):
-        load_sharded(ck, None, None)
+    with pytest.raises(TrainingError, match=r"\.metadata: sha256 differs"):
+        load_sharded(ck, None, None, out)

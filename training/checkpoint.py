@@ -17,10 +17,14 @@ as pickles (`random_states_<rank>.pkl`, `sampler.bin`, `custom_checkpoint_<i>.pk
 objects with `weights_only=False`, i.e. arbitrary code on load. Here nothing is a pickle: tensors go to
 safetensors, everything else to JSON, so no `torch.load` is ever called.
 
-Trust: a run resumes only from its own checkpoints (`trust_problem`): a `step-N` folder of its own
-`checkpoints/` (symlinks and `..` resolved), or a copy whose state.json sha256 `checkpoints/.written.json` (the
-record of every checkpoint this run wrote, training/run_files.py) holds. Nothing here is a pickle, but a sharded
-checkpoint's engine files are (training/sharded.py): those are loaded only when that record names them.
+Trust (`judge`): `checkpoints/.written.json` (training/run_files.py) records the state.json sha256 of every
+checkpoint the run wrote, signed with a key only this user holds (training/trust.py): a run folder received
+whole brings its record along, and a record that verifies with no key of this user's vouches for nothing. A
+checkpoint the signed record vouches for resumes in full; a sharded one's engine files are pickles
+(training/sharded.py), and they are loaded only then (`vouched_state`, checked again by each loader). Any
+other `step-N` folder of the run's own `checkpoints/` resumes from its safetensors and JSON only, with one
+warning, and a sharded one (nothing else to resume from) is refused; `draftsmith trust RUN` (`trust_run`)
+shows what it accepts and signs it.
 
 Atomicity: rank 0 writes into `.step-00000100.tmp-<random>` and renames it to `step-00000100` only after
 every file is fsynced; `state.json` is written last. `list_checkpoints` only returns `step-N` dirs with a
@@ -32,11 +36,14 @@ flipped bit) is not resumed from: `resume: auto` falls back to the newest intact
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import random
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,12 +62,15 @@ from draftsmith.storage import (
     sha256_file,
     weight_checksums,
 )
+from draftsmith.training import trust
 from draftsmith.training.run_files import (
     log_records,
     read_log_text,
     read_state,
     read_written,
     record_written,
+    state_problem,
+    write_written,
     written_path,
 )
 
@@ -117,32 +127,123 @@ def checkpoint_problems(path: str | Path) -> list[str]:
 PICKLED = ("shards", "deepspeed")  # DCP's and DeepSpeed's folders in a sharded checkpoint: they hold pickles
 
 
-def holds_pickles(path: str | Path) -> bool:
-    return any((Path(path) / name).is_dir() for name in PICKLED)
+@dataclass(frozen=True)
+class Verdict:
+    """What a run may read of a checkpoint (`judge`)."""
+
+    problem: str | None = None  # why it may not be resumed at all (one line)
+    pickled: bool = False  # its engine state comes from its pickles: this user's signed record vouches for it
+    unvouched: str | None = None  # why no signed record vouches for it: read from safetensors and JSON only
 
 
-def trust_problem(path: str | Path, output_dir: str | Path) -> str | None:
-    """Why this run may not resume from `path` (one line), or None. A run resumes from its own checkpoints:
-    a folder in its own `checkpoints/` (symlinks and `..` resolved), or one whose state.json this run's
-    `checkpoints/.written.json` recorded (a copy it made elsewhere). A checkpoint holding pickles needs the
-    record in every case: its own state.json vouches for nothing, whoever wrote the folder wrote that too."""
-    path, root = Path(path), checkpoints_root(output_dir)
-    inside = path.resolve().parent == root.resolve()
-    if inside and not holds_pickles(path):
-        return None  # safetensors and JSON only: nothing in it can run code
+def _vouched(path: Path, root: Path) -> tuple[bool, str]:
+    """Whether this user's signed record of the run (`root`/.written.json) lists the checkpoint's state.json,
+    and why not."""
     try:
         written = read_written(root)
     except FileFormatError as e:
-        return f"{path}: cannot be trusted, {e}"
+        return False, str(e)
+    if written.problem:
+        return False, f"{written.path} vouches for nothing: {written.problem}"
     state = path / "state.json"
-    if state.is_file() and sha256_file(state) in written:
+    if state.is_file() and sha256_file(state) in written.listed:
+        return True, ""
+    if not os.path.lexists(written.path):
+        return False, f"there is no {written.path}"
+    return False, f"{written.path} does not list it"
+
+
+def _declared_format(path: Path) -> str | None:
+    """'sharded' / 'deepspeed' when state.json says the engine state is in pickles, None for a full checkpoint
+    (or an unreadable state.json, which checkpoint_problems names)."""
+    try:
+        return read_state(path / "state.json").get("format")
+    except FileFormatError:
         return None
-    if not inside:
-        return (f"train.resume: {path} is not a checkpoint of this run's output folder {output_dir} (resolved: "
-                f"{path.resolve()}), nor one {written_path(root)} records: draftsmith resumes only from checkpoints "
-                "it wrote there; set train.output_dir to the run that wrote it")
-    return (f"{path} holds pickles (shards/ or deepspeed/) that this run did not write ({written_path(root)} does "
-            "not record it): they are never loaded; delete it, or set train.resume=never")
+
+
+def judge(path: str | Path, output_dir: str | Path) -> Verdict:
+    """What this run may read of the checkpoint at `path`. Whoever wrote a folder wrote its state.json too,
+    and whoever sent a run folder sent its `.written.json`: only a record signed with this user's key vouches
+    (training/trust.py). A checkpoint it vouches for is read whole, its pickles included when its (vouched)
+    state.json says it is sharded, never because a folder of that name is there. Any other checkpoint of the
+    run's own `checkpoints/` (symlinks and `..` resolved) is read from its safetensors and JSON only; a
+    sharded one has nothing else to resume from and is refused, and so is one outside the run that no signed
+    record lists."""
+    path, root = Path(path), checkpoints_root(output_dir)
+    vouched, why = _vouched(path, root)
+    if vouched:
+        return Verdict(pickled=_declared_format(path) is not None)
+    if path.resolve().parent != root.resolve():
+        return Verdict(f"train.resume: {path} is not a checkpoint of this run's output folder {output_dir} "
+                       f"(resolved: {path.resolve()}), nor one {written_path(root)} records and this user "
+                       f"signed ({why}): draftsmith resumes only from checkpoints it wrote there; set "
+                       "train.output_dir to the run that wrote it")
+    fmt = _declared_format(path)
+    if fmt is not None:
+        return Verdict(f"{path} holds pickles ({fmt}: shards/ or deepspeed/) that no record signed by this "
+                       f"user vouches for ({why}): they are never loaded, and it has no safetensors weights "
+                       f"to resume from instead; if you checked it, `draftsmith trust {output_dir}` accepts "
+                       "it, else delete it or set train.resume=never")
+    return Verdict(unvouched=why)
+
+
+def trust_problem(path: str | Path, output_dir: str | Path) -> str | None:
+    """Why this run may not resume from `path` (one line), or None (`judge`)."""
+    return judge(path, output_dir).problem
+
+
+def vouched_state(path: str | Path, output_dir: str | Path) -> dict:
+    """The state.json of a checkpoint whose pickles are about to be loaded, read once: the sha256 of these
+    very bytes listed by this user's signed record of the run in `output_dir`, every file it lists intact,
+    and every file in its pickled folders one it lists (DCP and DeepSpeed read whatever their folder holds).
+    Anything else is a TrainingError naming the file, and nothing of the checkpoint is unpickled. Called by
+    each loader of pickles (training/sharded.py), whatever decided to call it."""
+    path = Path(path)
+    state_file = path / "state.json"
+    never = "its checkpoint's pickles are never loaded"
+    try:
+        if not stat.S_ISREG(os.stat(state_file).st_mode):
+            raise TrainingError(f"{state_file}: not a regular file; {never}")
+        raw = state_file.read_bytes()
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise TrainingError(f"{state_file}: cannot be read ({why}); {never}") from None
+    try:
+        written = read_written(checkpoints_root(output_dir))
+    except FileFormatError as e:
+        raise TrainingError(f"{path}: its pickles are never loaded, {e}") from None
+    if written.problem or hashlib.sha256(raw).hexdigest() not in written.listed:
+        why = (f"{written.path} vouches for nothing: {written.problem}" if written.problem
+               else f"{written.path} does not list its state.json")
+        raise TrainingError(f"{path}: its pickles are never loaded, {why}; `draftsmith trust {output_dir}` "
+                            "accepts it if you checked it")
+    try:
+        state = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise TrainingError(f"{state_file}: not valid JSON; {never}") from None
+    problem = state_problem(state, state_file)
+    if problem:
+        raise TrainingError(problem)
+    sums = state.get("checksums") or {}
+    problems = checksum_problems(path, sums, str(state_file)) if sums else [f"{state_file}: no checksums"]
+    problems += [f"{path / rel}: not a file this checkpoint wrote ({state_file} does not list it)"
+                 for rel in _files_under(path, PICKLED) if rel not in sums]
+    if problems:
+        raise TrainingError(f"{problems[0]}; these files are pickles and are only loaded when they are the "
+                            "ones this code wrote")
+    return state
+
+
+def _files_under(path: Path, folders: tuple[str, ...]) -> list[str]:
+    """Every entry but a real folder (files, links, FIFOs) under `path`/folder, relative to `path`, no link
+    followed."""
+    found = []
+    for name in folders:
+        for top, dirs, files in os.walk(path / name):
+            found += [Path(top, n).relative_to(path).as_posix() for n in files]
+            found += [Path(top, n).relative_to(path).as_posix() for n in dirs if os.path.islink(Path(top, n))]
+    return sorted(found)
 
 
 def latest_intact(output_dir: str | Path) -> Path | None:
@@ -338,9 +439,19 @@ def read_rng_and_log(path: Path, state: dict) -> tuple[list[dict], list[dict[str
     return state["rng"], rng_tensors, text.splitlines(keepends=True)
 
 
-def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """'never' -> None; 'auto' -> newest complete checkpoint or None; else that path (must be complete, and a
-    checkpoint of this run: `trust_problem`)."""
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run resumes from (`plan_resume`)."""
+
+    path: Path
+    pickled: bool  # its module and optimizer come from its engine's pickles (training/sharded.py)
+
+
+def plan_resume(resume: str, output_dir: str | Path) -> Resume | None:
+    """'never' -> None; 'auto' -> the newest complete checkpoint this run may resume from, or None; else that
+    path (complete, and one this run may resume from: `judge`). A checkpoint no record signed by this user
+    vouches for (a run folder received whole) is resumed from its safetensors and JSON only, with one warning
+    saying so."""
     if resume == "never":
         return None
     if resume == "auto":
@@ -349,21 +460,78 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
         if ckpts and found is None:
             newest = ckpts[-1]
             why = trust_problem(newest, output_dir) or next(iter(checkpoint_problems(newest)), "damaged")
-            raise TrainingError(f"no checkpoint under {checkpoints_root(output_dir)} can be resumed (the newest: "
-                                f"{why}); restore one, or set train.resume=never to start over")
-        if found is not None and found != ckpts[-1]:
-            log.warning("resuming from %s, the newest intact checkpoint (newer ones are damaged)", found)
-        return found
-    path = Path(resume).expanduser()
-    problem = trust_problem(path, output_dir)  # first: nothing of a folder of unknown origin is read
-    if problem:
-        raise TrainingError(problem)
-    if not (path / "state.json").is_file():
-        raise TrainingError(f"train.resume: {path} is not a complete checkpoint directory")
-    problems = checkpoint_problems(path)
-    if problems:
-        raise TrainingError(f"train.resume: checkpoint {path} is damaged: {problems[0]}")
-    return path
+            raise TrainingError(f"no checkpoint under {checkpoints_root(output_dir)} can be resumed (the "
+                                f"newest: {why}); restore one, or set train.resume=never to start over")
+        if found is None:
+            return None
+        if found != ckpts[-1]:
+            log.warning("resuming from %s, the newest intact checkpoint (newer ones are damaged or not this "
+                        "run's)", found)
+        path, verdict = found, judge(found, output_dir)  # intact and allowed: latest_intact checked both
+    else:
+        path = Path(resume).expanduser()
+        verdict = judge(path, output_dir)  # first: nothing of a folder of unknown origin is read
+        if verdict.problem:
+            raise TrainingError(verdict.problem)
+        if not (path / "state.json").is_file():
+            raise TrainingError(f"train.resume: {path} is not a complete checkpoint directory")
+        problems = checkpoint_problems(path)
+        if problems:
+            raise TrainingError(f"train.resume: checkpoint {path} is damaged: {problems[0]}")
+    if verdict.unvouched:
+        log.warning("resuming %s weights-only (its safetensors and JSON state: weights, optimizer, RNG, data "
+                    "position; nothing pickled): no record signed by this user vouches for it (%s); if it is "
+                    "yours, `draftsmith trust %s` signs it with this user's key", path, verdict.unvouched,
+                    output_dir)
+    return Resume(path, verdict.pickled)
+
+
+def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
+    """The path `plan_resume` resumes from, or None."""
+    plan = plan_resume(resume, output_dir)
+    return plan.path if plan is not None else None
+
+
+def trust_run(output_dir: str | Path) -> list[str]:
+    """`draftsmith trust RUN`: accept the intact checkpoints of the run in `output_dir` as this user's and
+    sign the run's record of exactly those with this user's key (training/trust.py), so they resume in full,
+    pickles included. Returns the lines saying what was accepted (each checkpoint and its state.json sha256)
+    and what was not (a damaged one, a link out of the folder). A copy elsewhere that the old record listed is
+    no longer vouched for: only what is shown is signed."""
+    from draftsmith.locks import output_lock
+
+    out = Path(output_dir)
+    root = checkpoints_root(out)
+    if not list_checkpoints(out):
+        raise TrainingError(f"{out}: no checkpoints under {root} to trust (give its train.output_dir)")
+    with output_lock(out, "training output"):  # not while a training writes checkpoints there
+        return _sign_checkpoints(root, list_checkpoints(out))
+
+
+def _sign_checkpoints(root: Path, found: list[Path]) -> list[str]:
+    states: dict[str, str] = {}
+    lines = [f"{root}: accepting, with this user's key {trust.key_path()}:"]
+    for path in found:
+        if path.is_symlink() or path.resolve().parent != root.resolve():
+            lines.append(f"  {path.name}  not accepted: a link to {path.resolve()}, not this run's")
+            continue
+        sha = sha256_file(path / "state.json")  # the bytes checked are the bytes signed
+        problem = next(iter(checkpoint_problems(path)), None)
+        if problem is None and sha256_file(path / "state.json") != sha:
+            problem = f"{path / 'state.json'} changed while it was checked"
+        if problem is not None:
+            lines.append(f"  {path.name}  not accepted: damaged ({problem})")
+            continue
+        fmt = _declared_format(path)
+        what = f"holds pickles ({fmt}), loaded on resume" if fmt else "safetensors and JSON"
+        states[sha] = path.name
+        lines.append(f"  {path.name}  state.json sha256 {sha}  {what}")
+    if not states:
+        raise TrainingError(f"{root}: none of its {len(found)} checkpoints can be accepted "
+                            f"({lines[-1].strip()})")
+    plural = "s" if len(states) > 1 else ""
+    lines.append(f"signed {write_written(root, states)} ({len(states)} checkpoint{plural})")
+    return lines
 
 
 def read_log(path: str | Path) -> list[dict]:

@@ -188,6 +188,10 @@ class Trainer:
         check_replaceable(self.artifact_dest(), "artifact",
                           hint="set the job's output (or train.output_dir) to another path, or delete it")
         if self.main:
+            if self.cfg.save_every > 0:  # the key that signs its checkpoint records: a bad one stops it here
+                from draftsmith.training.trust import load_key
+
+                load_key(create=True)
             _make_folder(self.out)
             ckpt.clean_temp(self.out)
             clean_stale(self.artifact_dest())  # what a run killed while saving its artifact left beside it
@@ -195,9 +199,11 @@ class Trainer:
 
     def _read_resume(self) -> None:
         """The checkpoint this run resumes (`train.resume`), if any: its meta only when it is sharded (every rank
-        reads its own slices once the module is prepared)."""
-        self.resume_path = ckpt.resolve_resume(self.cfg.resume, self.out)
-        self.sharded_resume = self.resume_path is not None and sharded.is_sharded(self.resume_path)
+        reads its own slices once the module is prepared), which only a checkpoint this user's signed record
+        vouches for can be (checkpoint.plan_resume)."""
+        plan = ckpt.plan_resume(self.cfg.resume, self.out)
+        self.resume_path = plan.path if plan is not None else None
+        self.sharded_resume = plan is not None and plan.pickled
         self.loaded = None
         if self.resume_path is not None:
             self.loaded = sharded.load_meta(self.resume_path) if self.sharded_resume \
@@ -252,10 +258,11 @@ class Trainer:
         # this run's optimizer settings: a resumed optimizer's param groups carry the checkpoint's
         self.fresh_groups = [{k: g[k] for k in ("base_lr", "betas", "eps", "weight_decay")}
                              for g in self.optimizer.param_groups]
-        if self.sharded_resume and sharded.is_deepspeed(self.resume_path):  # each rank its own ZeRO partition
-            sharded.load_deepspeed(self.resume_path, self.model, self.world)
+        declared = self.loaded.state.get("format") if self.sharded_resume else None  # its vouched state.json
+        if declared == sharded.DS_FORMAT:  # each rank its own ZeRO partition
+            sharded.load_deepspeed(self.resume_path, self.model, self.world, self.out)
         elif self.sharded_resume:  # every rank reads the slices it owns now (any world size)
-            sharded.load_sharded(self.resume_path, self.model, self.optimizer)
+            sharded.load_sharded(self.resume_path, self.model, self.optimizer, self.out)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
 
     def _start_counters(self) -> None:

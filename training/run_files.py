@@ -10,7 +10,10 @@ TypeError or ValueError from a hostile or corrupted file.
 `.written.json` is what makes resuming safe: DCP's `shards/.metadata` and DeepSpeed's `.pt` partitions are
 pickles (training/sharded.py), and a checkpoint's own `state.json` can record any sha256 its author likes. The
 run records the sha256 of each `state.json` it writes in its own output folder, outside the checkpoint, before
-the checkpoint gets its name; a checkpoint holding pickles is loaded only when that record names it.
+the checkpoint gets its name; a checkpoint holding pickles is loaded only when that record names it. And since
+a run folder received whole brings its record along, the record is signed with this user's key
+(training/trust.py): one that does not verify (another user's, an edited one, one from before records were
+signed) vouches for nothing.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import logging
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import FileFormatError
 from draftsmith.storage import atomic_write_json, is_int, read_json, sha256_file
+from draftsmith.training import trust
 
 log = logging.getLogger(__name__)
 
@@ -191,32 +196,64 @@ def read_log(path: str | os.PathLike) -> list[dict]:
 
 # ---- the record of the checkpoints this run wrote -------------------------------------------------------
 
+@dataclass(frozen=True)
+class Written:
+    """A run's `.written.json` as read: the checkpoints it lists and, when it does not verify with this user's
+    key, why (then it vouches for none of them)."""
+
+    path: Path
+    listed: dict[str, str]  # sha256 of a state.json -> the checkpoint name it was written as
+    problem: str | None = None
+
+    @property
+    def vouched(self) -> dict[str, str]:
+        """What this user's signature vouches for: every listed checkpoint, or none."""
+        return {} if self.problem else self.listed
+
+
 def written_path(checkpoints_root: str | os.PathLike) -> Path:
     return Path(checkpoints_root) / WRITTEN
 
 
-def read_written(checkpoints_root: str | os.PathLike) -> dict[str, str]:
-    """sha256 of a state.json -> the checkpoint name it was written as, for every checkpoint this run wrote
-    (empty when it wrote none yet). A record that is not ours is one line naming it."""
+def read_written(checkpoints_root: str | os.PathLike) -> Written:
+    """The record of the checkpoints a run wrote (none listed when it wrote none yet), checked against this
+    user's key (`Written.problem`). A record that is not in its schema is one line naming it
+    (FileFormatError); a key file that is not this user's private file, one line naming that (ConfigError)."""
     path = written_path(checkpoints_root)
     if not os.path.lexists(path):
-        return {}
+        return Written(path, {})
     data = _read(path)
     states = data.get("states") if isinstance(data, dict) else None
     if not isinstance(states, dict) or not all(isinstance(k, str) and _SHA.match(k) and isinstance(v, str)
                                                for k, v in states.items()):
-        raise FileFormatError(f"{path}: field 'states' must be an object of state.json sha256 -> checkpoint name")
-    return states
+        raise FileFormatError(f"{path}: field 'states' must be an object of state.json sha256 -> checkpoint "
+                              "name")
+    why = trust.signature_problem({"states": states}, data.get("mac"), data.get("key_id"), trust.load_key())
+    return Written(path, states, why)
 
 
 def record_written(checkpoints_root: str | os.PathLike, state_json: str | os.PathLike, name: str) -> None:
     """Record that this run wrote the checkpoint whose state.json is `state_json` (called before the checkpoint
-    is renamed to `name`, so a checkpoint under its name is always on record). An unreadable record is started
-    over: it only ever grants trust to what this run writes."""
+    is renamed to `name`, so a checkpoint under its name is always on record), signed with this user's key.
+    A record that is unreadable or not this user's is started over: signing its lines would vouch for what
+    another wrote."""
     try:
-        states = read_written(checkpoints_root)
+        written = read_written(checkpoints_root)
+        states = dict(written.vouched)
+        if written.problem and written.listed:
+            log.warning("%s vouches for nothing (%s); starting it over with this run's own checkpoints only",
+                        written.path, written.problem)
     except FileFormatError as e:
         log.warning("%s; starting it over", e)
         states = {}
     states[sha256_file(state_json)] = name
-    atomic_write_json(written_path(checkpoints_root), {"states": states})
+    write_written(checkpoints_root, states)
+
+
+def write_written(checkpoints_root: str | os.PathLike, states: dict[str, str]) -> Path:
+    """Write the record listing exactly `states`, signed with this user's key (made on its first use)."""
+    key = trust.load_key(create=True)
+    content = {"states": states}
+    path = written_path(checkpoints_root)
+    atomic_write_json(path, {**content, **trust.sign(content, key)})
+    return path

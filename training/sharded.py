@@ -17,12 +17,14 @@ PICKLE. Two files are Python pickles, read by their engines with `pickle.load` /
 pickle-free reader: DCP's `.metadata` and DeepSpeed's `.pt` partitions (ZeRO's optimizer state holds Python
 objects: loss scaler, fragment maps). So before anything is unpickled, every file's sha256 must be the one
 `state.json` recorded when this code wrote it (`load_sharded`, `load_deepspeed`): a file that is not is
-refused. And since whoever writes a folder writes its state.json too, that state.json must itself be one this
-run wrote: rank 0 records its sha256 in the output folder's `checkpoints/.written.json` before the checkpoint
-gets its name (training/run_files.py), and a checkpoint holding pickles is resumed only when that record names
-it (checkpoint.trust_problem, checked by resolve_resume before anything of the folder is read). A sharded
-checkpoint of unknown origin is never loaded; the final artifact is always one consolidated safetensors folder
-(rank 0).
+refused, and so is a file in `shards/` or `deepspeed/` it does not list. And since whoever writes a folder
+writes its state.json too, that state.json must itself be one this run wrote: rank 0 records its sha256 in the
+output folder's `checkpoints/.written.json` before the checkpoint gets its name, signed with this user's key
+(training/run_files.py, training/trust.py), and a checkpoint's pickles are loaded only when a record that
+verifies names it and its state.json says it is sharded (checkpoint.judge before anything of the folder is
+read, checkpoint.vouched_state again in each loader here), never because a folder of that name is there. A
+sharded checkpoint of unknown origin is never loaded (`draftsmith trust RUN` accepts one the user checked);
+the final artifact is always one consolidated safetensors folder (rank 0).
 
 World size. DCP reshards on load: a checkpoint written by 2 ranks loads into 1 process (or 4), since every
 slice is keyed by its offset in the full tensor; the loop translates the data position the same way
@@ -46,22 +48,19 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.errors import TrainingError
-from draftsmith.storage import atomic_write_json, atomic_write_text, read_json, sha256_file
-from draftsmith.training.checkpoint import PICKLED, checkpoint_name, checkpoints_root, holds_pickles, prune
+from draftsmith.storage import atomic_write_json, atomic_write_text, sha256_file
+from draftsmith.training.checkpoint import (
+    PICKLED,
+    checkpoint_name,
+    checkpoints_root,
+    prune,
+    vouched_state,
+)
 from draftsmith.training.run_files import read_state, record_written
 
 SHARDS, DS_TAG = PICKLED  # DCP's and DeepSpeed's checkpoint folders inside step-N
 FORMAT = "sharded"
 DS_FORMAT = "deepspeed"
-
-
-def is_sharded(path: str | Path) -> bool:
-    """A checkpoint whose module and optimizer state are written per rank (FSDP shards or DeepSpeed ZeRO)."""
-    return holds_pickles(path)
-
-
-def is_deepspeed(path: str | Path) -> bool:
-    return (Path(path) / DS_TAG).is_dir()
 
 
 def _broadcast_str(value: str | None) -> str:
@@ -141,43 +140,33 @@ def save_deepspeed(accelerator, output_dir: str | Path, step: int, engine, state
     return final
 
 
-def _verified(path: Path) -> None:
-    """Every file state.json lists has the sha256 recorded when it was written: checked before anything is
-    unpickled (DCP's .metadata, DeepSpeed's .pt files)."""
-    from draftsmith.storage import checksum_problems
-
-    sums = read_json(path / "state.json").get("checksums")
-    problems = checksum_problems(path, sums, "state.json") if sums else [f"{path / 'state.json'}: no checksums"]
-    if problems:
-        raise TrainingError(f"{problems[0]}; these files are pickles and are only loaded when they are the ones "
-                            "this code wrote")
-
-
-def load_deepspeed(path: str | Path, engine, world: int) -> None:
-    """Load a DeepSpeed checkpoint into a prepared engine: same world size only (ZeRO partitions are cut for
-    it), after every file's sha256 matched."""
+def load_deepspeed(path: str | Path, engine, world: int, output_dir: str | Path) -> None:
+    """Load a DeepSpeed checkpoint into a prepared engine: one this user's signed record of the run in
+    `output_dir` vouches for, every file intact (checkpoint.vouched_state), and of the same world size only
+    (ZeRO partitions are cut for it)."""
     path = Path(path)
-    written = read_state(path / "state.json")["world_size"]
+    written = vouched_state(path, output_dir)["world_size"]
     if written != world:
         raise TrainingError(f"checkpoint {path} holds DeepSpeed ZeRO partitions of {written} ranks; this run has "
                             f"{world}: resume with {written} processes (DeepSpeed reshards only through its "
                             "universal-checkpoint conversion), or set train.resume=never")
-    _verified(path)
     load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_module_strict=True,
                                           load_optimizer_states=True, load_lr_scheduler_states=False)
     if load_path is None:
         raise TrainingError(f"{path / DS_TAG}: DeepSpeed found no checkpoint to load there")
 
 
-def load_sharded(path: str | Path, model, optimizer) -> None:
+def load_sharded(path: str | Path, model, optimizer, output_dir: str | Path) -> None:
     """Load a sharded checkpoint into a prepared `model` / `optimizer`, whatever this run's world size
-    (every rank reads the slices it owns now). Checks `.metadata`'s sha256 before DCP unpickles it."""
+    (every rank reads the slices it owns now): one this user's signed record of the run in `output_dir`
+    vouches for, every file intact (checkpoint.vouched_state), `.metadata`'s sha256 checked before DCP
+    unpickles it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
     meta = path / SHARDS / ".metadata"
-    want = read_json(path / "state.json").get("metadata_sha256")
+    want = vouched_state(path, output_dir).get("metadata_sha256")
     if not meta.is_file() or want is None or sha256_file(meta) != want:
         raise TrainingError(f"{meta}: missing or not the file this checkpoint recorded (sha256 mismatch); "
                             "it is a pickle and is only loaded when it is")
