@@ -149,3 +149,17 @@ def test_help_and_argument_errors_load_no_torch(argv):
     out, heavy = _loads_heavy(argv)
     assert "usage:" in out, out[-2000:]
     assert heavy == "", f"draftsmith {' '.join(argv)} imported {heavy}"
+
+
+def test_a_lazy_name_shared_with_its_submodule_stays_the_name():
+    """`draftsmith.evaluation.evaluate` is the function even after its submodule evaluation/evaluate.py was
+    imported first (the import system sets the package's attribute to the submodule; the eager `__init__`
+    this replaced reset it to the function), and so is `draftsmith.targets.fingerprint`."""
+    import subprocess
+    import sys
+
+    code = ("import draftsmith.evaluation.evaluate, draftsmith.targets.fingerprint\n"
+            "from draftsmith.evaluation import evaluate\nfrom draftsmith.targets import fingerprint\n"
+            "print(callable(evaluate) and evaluate.__name__, callable(fingerprint) and fingerprint.__name__)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.stdout.split() == ["evaluate", "fingerprint"], run.stdout + run.stderr[-2000:]
