@@ -368,7 +368,7 @@ def test_shutdown_counts_what_it_could_not_write_in_time_as_lost_at_shutdown(gue
     """A disk stalled past DRAFTSMITH_TRAFFIC_SHUTDOWN_S: shutdown returns on time, and what it could not
     write is counted `lost_at_shutdown` — the record stuck in the stalled write too, which is taken back if
     the write completes after all. A request after shutdown is counted the same."""
-    t = guest(_lifespan_app, shutdown_s=0.5)
+    t = guest(_lifespan_app, shutdown_s=1.0)
     disk = Disk({3: "stall"})
     t.writer.os_write = disk
     start = time.monotonic()
@@ -397,7 +397,7 @@ def test_records_queued_at_exit_are_written_by_atexit(tmp_path):
         "    asyncio.run(call(t, '/v1/completions', {'model': 'm', 'prompt': f'p{i}'}))\n"
         "print(t.counts.snapshot()['written'])\n"
     )
-    env = {**os.environ, "DRAFTSMITH_TRAFFIC_DIR": str(folder), "DRAFTSMITH_TRAFFIC_TEST_STALL_S": "0.05",
+    env = {**os.environ, "DRAFTSMITH_TRAFFIC_DIR": str(folder), "DRAFTSMITH_TRAFFIC_TEST_STALL_S": "0.1",
            "DRAFTSMITH_TRAFFIC_SHUTDOWN_S": "20"}
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)

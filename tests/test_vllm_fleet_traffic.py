@@ -130,6 +130,89 @@ def _logged(folder, n: int, timeout: float = 20.0) -> list[dict]:
         time.sleep(0.2)
 
 
+def _rss(pid: int) -> int:
+    """A process's resident memory in bytes (/proc)."""
+    for line in open(f"/proc/{pid}/status", encoding="ascii"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+# first in the module: its server is gone before the module's shared one starts (one vLLM at a time)
+def test_a_stalled_writer_keeps_the_api_server_within_its_byte_budget(tiny_tokenizer, tmp_path):
+    """The writer stalled (DRAFTSMITH_TRAFFIC_TEST_STALL_S) while 48 requests with 3 MiB bodies flow, 4 at a
+    time: the API server's RSS stays within 64 MiB of its baseline, every client gets its answer and none
+    waits for the stalled writer; shutdown (SIGTERM: uvicorn's lifespan) gives up on the queued records
+    within DRAFTSMITH_TRAFFIC_SHUTDOWN_S, and every request is counted once. (Before: the queue was bounded by
+    count only, and kept every body.)"""
+    import ast
+    import os
+    import signal
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tiny_models import build_tiny_family
+
+    from draftsmith import net
+    from draftsmith.export.vllm_server import VllmServer
+
+    require_vllm()
+    folder = build_tiny_family("llama", tiny_tokenizer, tmp_path / "llama", hidden=128, layers=4)
+    log = tmp_path / "server.log"
+    n, pad = 48, "x" * (3 << 20)
+    server = VllmServer(folder, log, served_name="tiny", max_model_len=256,
+                        extra=("--middleware", "draftsmith.fleet.middleware.TrafficLog"),
+                        env={"DRAFTSMITH_TRAFFIC_DIR": str(tmp_path / "traffic"), "DRAFTSMITH_TRAFFIC_TEST_STALL_S": "600",
+                             "DRAFTSMITH_TRAFFIC_SHUTDOWN_S": "1"})
+
+    def post(i: int, padding: str = pad) -> float:
+        body = {"model": "tiny", "prompt": f"Hello {i}", "max_tokens": 4, "temperature": 0.0, "padding": padding}
+        start = time.monotonic()
+        answer = net.request(f"{server.base_url}/completions", json.dumps(body).encode(), deadline=120.0,
+                             max_bytes=net.ANSWER_MAX_BYTES, headers={"Content-Type": "application/json"})
+        assert answer.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        return time.monotonic() - start
+
+    with server:
+        pid = server.proc.pid
+        small = [post(i, "") for i in range(4)]  # warm: the first request's one-time costs are no baseline
+        # and the server's own cost of large bodies (parsed by vLLM, answered): bodies over the 4 MiB cap, which
+        # the middleware passes on without keeping a byte
+        with ThreadPoolExecutor(4) as pool:
+            over = list(pool.map(post, range(8), ["x" * (5 << 20)] * 8))
+        baseline = _rss(pid)
+        peak, done = [baseline], threading.Event()
+
+        def watch():
+            while not done.wait(0.05):
+                peak.append(_rss(pid))
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        with ThreadPoolExecutor(4) as pool:
+            took = list(pool.map(post, range(n)))
+        done.set()
+        watcher.join()
+        grew = max(peak) - baseline
+        print(f"API server RSS {baseline / 2**20:.0f} MiB, grew {grew / 2**20:.1f} MiB at most; latency small "
+              f"{max(small):.2f} s, large median {sorted(took)[n // 2]:.2f} s, max {max(took):.2f} s")
+        assert grew < 64 << 20, f"the API server grew by {grew / 2**20:.0f} MiB behind a stalled traffic writer"
+        assert max(took) < 30.0  # the writer sleeps 600 s per record: a request that waited for it would show
+        os.kill(pid, signal.SIGTERM)
+        server.proc.wait(timeout=120)
+    text = log.read_text(errors="replace").splitlines()
+    closed = [line for line in text if "draftsmith traffic log: closed;" in line]
+    assert closed, f"no shutdown summary in {log}: " + " | ".join(
+        line[:200] for line in text if "draftsmith" in line or "shutdown" in line.lower())[-3000:]
+    counts = ast.literal_eval(closed[-1].split("closed; ", 1)[1])
+    print(counts)
+    assert counts["written"] == 0 and counts["dropped_bytes"] > 0 and counts["lost_at_shutdown"] > 0
+    outcomes = ("written", "dropped_queue_full", "dropped_bytes", "over_cap", "incomplete", "errors", "lost",
+                "lost_at_shutdown")
+    assert counts["over_cap"] == len(over) and counts["bytes_held"] == 0
+    assert sum(counts[k] for k in outcomes) == n + len(small) + len(over)
+
+
 def test_per_request_counters_match_metrics_and_the_log_is_what_the_client_got(served, tmp_path):
     from draftsmith.cli import main as cli
     from draftsmith.planning.production import read_metrics
