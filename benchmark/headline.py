@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from draftsmith.formatting import fmt_num
+from draftsmith.formatting import fmt_num, md_cell, md_row
 
 BEGIN = re.compile(r"<!-- headline: (?P<path>\S+) -->\n")
 END = "<!-- /headline -->"
@@ -159,7 +159,7 @@ def render(report: dict, path: str) -> str:
     entries = _entries(report)
     for i, (label, e, _, _) in enumerate(entries):
         tau_gpu = ((o if i == 0 else e).get("gpu_tree") or {}).get("tau")  # side-by-side trees have their own
-        lines.append(f"| {label} | {fmt_num(e['tokens_per_s'], '.1f')} | **{fmt_num(e['speedup'], '.2f')}** | {fmt_num(e['speedup_vs_plain'], '.2f')} "
+        lines.append(f"| {md_cell(label)} | {fmt_num(e['tokens_per_s'], '.1f')} | **{fmt_num(e['speedup'], '.2f')}** | {fmt_num(e['speedup_vs_plain'], '.2f')} "
                      f"| {fmt_num(e['speedup_vs_hf_generate'], '.2f')} | {fmt_num(e['alpha'], '.3f')} | {fmt_num(e['tau'], '.2f')} | {fmt_num(tau_gpu, '.2f')} "
                      f"| {'yes' if e['lossless'] else ('no' if e['lossless'] is False else '–')} |")
     if gpu:
@@ -167,14 +167,15 @@ def render(report: dict, path: str) -> str:
                       f"nodes (branching {gpu.get('tree')}), what a GPU verifies in about one step."]
     domains = list(report["domains"])
     lines += ["", "Per domain, speedup (τ):", "",
-              "| decoding | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+              md_row("decoding", *domains), "|---|" + "---|" * len(domains)]
     for _, _, per, short in entries:
-        lines.append(f"| {short} | "
+        lines.append(f"| {md_cell(short)} | "
                      + " | ".join(f"{fmt_num(per[d]['speedup'], '.2f')} ({fmt_num(per[d]['tau'], '.2f')})" for d in domains) + " |")
     invalid = c.get("invalid") or []
     if invalid:
         lines += ["", f"Left out of the speeds ({len(invalid)}): "
-                  + "; ".join(f"{i['prompt']} {i['entry']}: {i['reason']}" for i in invalid[:6])
+                  + "; ".join(f"{md_cell(i['prompt'])} {md_cell(i['entry'])}: {md_cell(i['reason'])}"
+                              for i in invalid[:6])
                   + (" ..." if len(invalid) > 6 else "")]
     return "\n".join(lines) + "\n"
 

@@ -43,7 +43,7 @@ import torch
 from draftsmith.config import show
 from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec, side_by_side_entry
 from draftsmith.errors import ConfigError, DataError, MissingFile
-from draftsmith.formatting import fmt_num
+from draftsmith.formatting import fmt_num, md_cell
 from draftsmith.storage import is_int, read_json
 
 OFF = "off"
@@ -686,7 +686,7 @@ def compare_table(routed: dict, singles: list[dict] | None = None, noise: float 
         names = list(first)
         lookup = lambda dom, i: (routed["domains"][dom].get("compare") or {}).get(names[i], {}).get("speedup")  # noqa: E731
     headers = [short_name(n) for n in names]
-    lines = ["| domain | routed (route) | " + " | ".join(h.replace("|", "/") for h in headers) +
+    lines = ["| domain | routed (route) | " + " | ".join(md_cell(h) for h in headers) +
              " | best choice | routed / best | |", "|" + "---|" * (len(names) + 5)]
     out = {}
     for dom, d in sorted(routed["domains"].items()):
@@ -699,6 +699,8 @@ def compare_table(routed: dict, singles: list[dict] | None = None, noise: float 
         route = short_name(d.get("route", "?"))
         out[dom] = {"routed": r, "route": route, "best": best_v, "best_choice": best_n, "ratio": ratio,
                     "verdict": verdict}
-        lines.append(f"| {dom} | {fmt_num(r, '.2f')} ({route}) | " + " | ".join(fmt_num(v, '.2f') for v in single) +
-                     f" | {best_n} {fmt_num(best_v, '.2f')} | {fmt_num(ratio, '.2f')} | {verdict} |")
+        lines.append(f"| {md_cell(dom)} | {fmt_num(r, '.2f')} ({md_cell(route)}) | "
+                     + " | ".join(fmt_num(v, '.2f') for v in single)
+                     + f" | {md_cell(best_n)} {fmt_num(best_v, '.2f')} | {fmt_num(ratio, '.2f')} "
+                     + f"| {verdict} |")
     return "\n".join(lines) + "\n", out

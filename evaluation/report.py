@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftsmith.formatting import md_cell, md_row
 from draftsmith.storage import atomic_write_json, atomic_write_text, save_figure
 
 FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "conditional_acceptance",
@@ -41,7 +42,8 @@ def _decode_contention(c: dict | None) -> list[str]:
         return []
     lines = [f"**Speedups are not valid: {c['note']}.**", ""]
     for item in (c.get("invalid") or [])[:20]:
-        lines.append(f"- {item['prompt']} ({item['domain']}), {item['entry']}: {item['reason']}")
+        lines.append(f"- {md_cell(item['prompt'])} ({md_cell(item['domain'])}), {md_cell(item['entry'])}: "
+                     f"{md_cell(item['reason'])}")
     if len(c.get("invalid") or []) > 20:
         lines.append(f"- ... {len(c['invalid']) - 20} more in report.json")
     return lines + [""]
@@ -66,15 +68,15 @@ def _fmt(v) -> str:
         return f"{v:.3f}"
     if isinstance(v, list):
         return "[" + ", ".join(_fmt(x) for x in v[:8]) + (", …" if len(v) > 8 else "") + "]"
-    return str(v)
+    return md_cell(v)  # text (a route, a reason, a proposer's name) may come from outside: escaped
 
 
 def _header(report: dict) -> list[str]:
     """Where the report comes from: proposer, target, command, settings, machine, contention."""
     s = report["settings"]
     return [
-        f"# Evaluation: {report['proposer']} on {report['target']['name']}", "",
-        f"- date: {report['date']}", f"- command: `{report['command']}`",
+        f"# Evaluation: {md_cell(report['proposer'])} on {md_cell(report['target']['name'])}", "",
+        f"- date: {report['date']}", f"- command: `{md_cell(report['command'])}`",
         f"- settings: max_new_tokens={s['max_new_tokens']}, k={s['k']}, tree={s['tree']}, "
         f"temperature={s['temperature']}, top_p={s['top_p']}, top_k={s['top_k']}, "
         f"limit_per_domain={s['limit_per_domain']}"
@@ -99,7 +101,7 @@ def _domain_table(report: dict) -> list[str]:
         "(an independent implementation); self_consistent: it equals our own plain decoding's.", "",
     ]
     names = list(report["domains"]) + ["overall"]
-    lines.append("| field | " + " | ".join(names) + " |")
+    lines.append(md_row("field", *names))
     lines.append("|---|" + "---|" * len(names))
     for f in FIELDS:
         vals = [(report["domains"].get(n) or report["overall"]).get(f) if n != "overall" else report["overall"].get(f)
@@ -114,7 +116,7 @@ def _routes(doms: list[tuple[str, dict]]) -> list[str]:
     lines = ["", "## Routes (routing policy)", "", "| domain | route | requests per route |", "|---|---|---|"]
     for n, d in doms:
         routes = ", ".join(f"{k}: {v}" for k, v in d.get("routes", {}).items())
-        lines.append(f"| {n} | {d.get('route', '–')} | {routes} |")
+        lines.append(f"| {n} | {_fmt(d.get('route'))} | {_fmt(routes)} |")
     return lines
 
 
@@ -126,7 +128,7 @@ def _branches(doms: list[tuple[str, dict]]) -> list[str]:
              "|---|---|---|---|---|---|"]
     for n, d in doms:
         for name, b in d.get("branches", {}).items():
-            lines.append(f"| {n} | {name} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
+            lines.append(f"| {n} | {_fmt(name)} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
                          f"{b['wins']} ({_fmt(b['win_rate'])}) |")
     return lines
 
@@ -182,8 +184,8 @@ def _turns(doms: list[tuple[str, dict]], s: dict) -> list[str]:
                              f"{_fmt(t['tau'])} | {_fmt(t.get('gpu_tree_tau'))} | {_fmt(t['speedup'])} | "
                              f"{_fmt(t['lossless'])} |")
     for c in cut[:20]:
-        lines.append(f"- {c['prompt']} ({c['domain']}): measured on {c['measured']} of its {c['turns']} turns: "
-                     f"{c['reason']}")
+        lines.append(f"- {md_cell(c['prompt'])} ({md_cell(c['domain'])}): measured on {c['measured']} of "
+                     f"its {c['turns']} turns: {md_cell(c['reason'])}")
     if len(cut) > 20:
         lines.append(f"- ... {len(cut) - 20} more in report.json (settings.turns_cut)")
     return lines
@@ -195,7 +197,7 @@ def _side_by_side(report: dict, doms: list[tuple[str, dict]]) -> list[str]:
         return []
     names = list(next(d["compare"] for _, d in doms if "compare" in d))
     lines = ["", "## Side by side (same prompts, same run): speedup (α)", "",
-             f"| domain | {report['proposer']} | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+             md_row("domain", report["proposer"], *names), "|---|---|" + "---|" * len(names)]
     for n, d in doms:
         cells = [f"{_fmt(c['speedup'])} ({_fmt(c['alpha'])}){'' if c['lossless'] is not False else ' NOT LOSSLESS'}"
                  for c in (d.get("compare") or {}).values()]
@@ -205,7 +207,7 @@ def _side_by_side(report: dict, doms: list[tuple[str, dict]]) -> list[str]:
               "positions before it were accepted and a token there was tried (n-α):", "",
               "| proposer | τ | nodes per step | n-α by position |", "|---|---|---|---|"]
     for name, c in [(report["proposer"], ov)] + list((ov.get("compare") or {}).items()):
-        lines.append(f"| {name} | {_fmt(c['tau'])} | {_fmt(c.get('verified_nodes_per_step'))} | "
+        lines.append(f"| {_fmt(name)} | {_fmt(c['tau'])} | {_fmt(c.get('verified_nodes_per_step'))} | "
                      f"{_fmt(c.get('conditional_acceptance'))} |")
     return lines + _side_by_side_gpu_trees(report, doms, names)
 
@@ -218,7 +220,7 @@ def _side_by_side_gpu_trees(report: dict, doms: list[tuple[str, dict]], names: l
     own = any("gpu_tree" in d for _, d in doms)
     cols = ([report["proposer"]] if own else []) + has
     lines = ["", "τ with each proposer's GPU-sized tree (uncut; decoded once per prompt for its acceptance, its "
-             "speed here is not a result):", "", "| domain | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+             "speed here is not a result):", "", md_row("domain", *cols), "|---|" + "---|" * len(cols)]
     for n, d in doms:
         cells = ([d.get("gpu_tree")] if own else []) + [(d.get("compare") or {}).get(c, {}).get("gpu_tree")
                                                        for c in has]
@@ -247,8 +249,8 @@ def _policy(report: dict) -> list[str]:
     lines = ["", "## Policy", "", "| domain | enable | measured | predicted | recommended k | reason |",
              "|---|---|---|---|---|---|"]
     for n, p in report.get("policy", {}).items():
-        lines.append(f"| {n} | {_fmt(p['enable'])} | {_fmt(p['measured_speedup'])} | {_fmt(p['predicted_speedup'])} "
-                     f"| {_fmt(p.get('recommended_k'))} | {p['reason']} |")
+        lines.append(md_row(n, _fmt(p["enable"]), _fmt(p["measured_speedup"]), _fmt(p["predicted_speedup"]),
+                            _fmt(p.get("recommended_k")), p["reason"]))
     return lines
 
 
@@ -276,7 +278,8 @@ def _cost_model(report: dict) -> list[str]:
                   "| v(n) | " + " | ".join(f"{x:.2f}" for x in vt.values()) + " |"]
         lines += _contention_line(cm.get("v_tree_other_cpu_share"), "v(n)")
     if report.get("recommended_k"):
-        lines += ["", "recommended k: " + ", ".join(f"{n} {r['k']} (predicted speedup {r['predicted_speedup']:.2f})"
+        lines += ["", "recommended k: " + ", ".join(f"{md_cell(n)} {r['k']} (predicted speedup "
+                                                   f"{r['predicted_speedup']:.2f})"
                                                    for n, r in report["recommended_k"].items())]
     return lines
 
@@ -284,7 +287,8 @@ def _cost_model(report: dict) -> list[str]:
 def _references_and_memory(report: dict) -> list[str]:
     lines = ["", "## References (same run)", ""]
     for name, r in report.get("references", {}).items():
-        lines.append(f"- {name}: {_fmt(r) if not isinstance(r, dict) else ', '.join(f'{k}={_fmt(v)}' for k, v in r.items())}")
+        shown = _fmt(r) if not isinstance(r, dict) else ", ".join(f"{k}={_fmt(v)}" for k, v in r.items())
+        lines.append(f"- {_fmt(name)}: {shown}")
     mem = report.get("memory", {})
     return lines + ["", "## Memory", "", ", ".join(f"{k} = {v:.0f}" for k, v in mem.items()), ""]
 
@@ -292,7 +296,8 @@ def _references_and_memory(report: dict) -> list[str]:
 def render_markdown(report: dict) -> str:
     """report.md: the header, the per-domain table, then each section the report has data for."""
     s = report["settings"]
-    doms = list(report["domains"].items()) + [("overall", report["overall"])]
+    # a domain's name comes from the prompt files (their category): escaped once, for every section's rows
+    doms = [(md_cell(n), d) for n, d in list(report["domains"].items()) + [("overall", report["overall"])]]
     lines = [*_header(report), *_domain_table(report), *_routes(doms), *_branches(doms), *_calibration(doms),
              *_gpu_tree(doms, s),
              *_turns(doms, s),

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from draftsmith.evaluation.config import EvalConfig
-from draftsmith.formatting import fmt_num
+from draftsmith.formatting import fmt_num, md_cell
 from draftsmith.storage import atomic_write_json, atomic_write_text, save_figure
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,16 @@ def summarize(runs: dict[str, dict], proposer: str, command: str | None) -> dict
 
 def render(summary: dict) -> str:
     temps = summary["temperatures"]
-    lines = [f"# Temperature sweep: {summary['proposer']} on {summary['target']}", "",
-             f"- date: {summary['date']}", f"- command: `{summary['command']}`", "",
+    lines = [f"# Temperature sweep: {md_cell(summary['proposer'])} on {md_cell(summary['target'])}", "",
+             f"- date: {summary['date']}", f"- command: `{md_cell(summary['command'])}`", "",
              "| domain | " + " | ".join(f"T={t}: α / τ / speedup" for t in temps) +
              f" | Δα (T={temps[-1]} vs T={temps[0]}) | Δτ |",
              "|---|" + "---|" * (len(temps) + 2)]
     for d, row in summary["domains"].items():
         cells = [f"{fmt_num(row[t]['alpha'])} / {fmt_num(row[t]['tau'])} / {fmt_num(row[t]['speedup'])}" for t in temps]
         last = row[temps[-1]]
-        lines.append(f"| {d} | " + " | ".join(cells) + f" | {fmt_num(last['alpha_change'])} | {fmt_num(last['tau_change'])} |")
+        lines.append(f"| {md_cell(d)} | " + " | ".join(cells)
+                     + f" | {fmt_num(last['alpha_change'])} | {fmt_num(last['tau_change'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from draftsmith.config import show
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.export.vllm import formats as vllm_formats
-from draftsmith.formatting import fmt_num
+from draftsmith.formatting import fmt_num, md_cell
 from draftsmith.layouts import schema
 from draftsmith.layouts.common import read_guard
 from draftsmith.layouts.serving import VllmServe
@@ -375,14 +375,16 @@ def _speed(r: dict) -> dict:
 
 def render(r: dict, heading: str = "#") -> str:
     lines = [f"{heading} Served by vLLM {r.get('vllm_version') or ''}".rstrip(), "",
-             f"`{json.dumps(r['speculative_config'])}` on `{r['target']}`, {r['n_prompts']} prompts, greedy, "
+             f"`{md_cell(json.dumps(r['speculative_config']))}` on `{md_cell(r['target'])}`, "
+             f"{r['n_prompts']} prompts, greedy, "
              f"up to {r['max_new_tokens']} new tokens, chain of {r['k']}.", ""]
     if not r["loaded"]:
-        return "\n".join(lines + [f"**Not loaded.** vLLM: `{r['error']}`", ""])
+        return "\n".join(lines + [f"**Not loaded.** vLLM: `{md_cell(r['error'])}`", ""])
     v, d = r["vllm"], r.get("draftsmith") or {}
     lines += [f"- loaded: yes; output identical to vLLM without speculation: "
               f"{'yes' if r['lossless'] else 'NO'} (one at a time and batched)"]
-    lines += [f"- vLLM run with a fix of its CPU kernels: {p}" for p in r.get("vllm_patches") or []] + [""]
+    lines += [f"- vLLM run with a fix of its CPU kernels: {md_cell(p)}"
+              for p in r.get("vllm_patches") or []] + [""]
     ppa_v = " / ".join(fmt_num(x) for x in v["per_position_acceptance"])
     lines += ["| decoder | per-position acceptance | α | τ |", "|---|---|---|---|",
               f"| vLLM (its spec-decode counters) | {ppa_v} | {fmt_num(v['alpha'])} | {fmt_num(v['tau'])} |"]

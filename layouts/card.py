@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from draftsmith.formatting import md_cell
 from draftsmith.storage import atomic_write_text
 
 CARD = "README.md"
@@ -43,7 +44,8 @@ def card_text(manifest: dict, what: str, tag: str, stack: str, fmt: str, verifie
     data = manifest.get("data") or {}
     if data:
         lines += ["## Training data", ""]
-        lines += [f"- {k.replace('_', ' ')}: {v}" for k, v in data.items() if isinstance(v, int | float | str)]
+        lines += [f"- {md_cell(k.replace('_', ' '))}: {md_cell(v)}" for k, v in data.items()
+                  if isinstance(v, int | float | str)]
         lines.append("")
     ev = manifest.get("eval") or {}
     domains = ev.get("domains") or {}
@@ -55,7 +57,7 @@ def card_text(manifest: dict, what: str, tag: str, stack: str, fmt: str, verifie
         rows = list(domains.items()) + ([("overall", ev["overall"])] if ev.get("overall") else [])
         for name, r in rows:
             lossless = r.get("lossless")
-            lines.append(f"| {name} | {r.get('n_prompts', '—')} | {_num(r.get('alpha'), '.3f')} | "
+            lines.append(f"| {md_cell(name)} | {r.get('n_prompts', '—')} | {_num(r.get('alpha'), '.3f')} | "
                          f"{_num(r.get('tau'), '.2f')} | {'yes' if lossless else ('no' if lossless is False else '—')} |")
         lines.append("")
     else:

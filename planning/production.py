@@ -60,6 +60,7 @@ from draftsmith import net
 from draftsmith.config import show
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.fleet.traffic_record import TrafficRecord
+from draftsmith.formatting import fmt_num, md_cell, md_row
 from draftsmith.planning.logs import MAX_DOMAINS, cap_domains, log_files, traffic
 from draftsmith.storage import is_int
 
@@ -649,16 +650,18 @@ def production_alpha(path: str | Path, since: str | Path | None = None,
 
 
 def render(table: dict) -> str:
-    f = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = [f"# Production acceptance ({table['source']})", "",
+    """The table as Markdown. Domains, model names, the source and the logs' bad lines are outside text: each
+    goes through formatting.md_cell, so none can forge a row."""
+    lines = [f"# Production acceptance ({md_cell(table['source'])})", "",
              "| domain | requests | drafts | drafted | accepted | α | τ | per-position |", "|---|---|---|---|---|---|---|---|"]
     if table.get("restarted"):
-        lines[1:1] = ["", f"Note: {table['restarted']}."]
+        lines[1:1] = ["", f"Note: {md_cell(table['restarted'])}."]
     for d, r in list(table["domains"].items()) + [("overall", table["overall"])]:
         pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"][:8])
-        lines.append(f"| {d} | {r['n_prompts']} | {r['drafts']} | {r['proposed']} | {r['accepted']} | "
-                     f"{f(r['alpha'])} | {f(r['tau'])} | {pos} |")
+        lines.append(md_row(d, r["n_prompts"], r["drafts"], r["proposed"], r["accepted"], fmt_num(r["alpha"]),
+                            fmt_num(r["tau"]), pos))
     if table.get("uncounted") or table.get("malformed"):
         lines += ["", f"Log rows without counters: {table.get('uncounted', 0)}; malformed rows skipped: "
-                      f"{table.get('malformed', 0)}" + (f" (first: {table['bad'][0]})" if table.get("bad") else "")]
+                      f"{table.get('malformed', 0)}" + (f" (first: {md_cell(table['bad'][0])})" if table.get("bad")
+                                                        else "")]
     return "\n".join(lines) + "\n"
