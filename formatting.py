@@ -20,8 +20,8 @@ def fmt_num(v, spec: str = ".3f") -> str:
 
 # printable ASCII that means nothing to a Markdown table: the common case, returned as it is
 _PLAIN = re.compile(r"[ !-;=-\[\]-{}~]*")
-# `|` ends a cell and `\` escapes the next character (a cell ending in `\` would swallow the `|` after it); `<`
-# opens HTML (`<!--` hides every row after it); a line break ends the row
+# `|` ends a cell and `\` escapes the next character (a cell ending in `\` would swallow the `|` after it);
+# `<` opens HTML (`<!--` hides every row after it); a line break ends the row
 _MARKDOWN = {"|": "\\|", "\\": "\\\\", "<": "&lt;", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 # controls (NUL, ESC, ...), format characters (the bidi overrides U+202A-U+202E and isolates U+2066-U+2069,
 # zero-width ones), line and paragraph separators, lone surrogates: shown as escapes, never written raw
@@ -37,10 +37,10 @@ def _escape(ch: str) -> str:
 
 
 def md_cell(value) -> str:
-    """`value` as the text of one Markdown table cell (or any inline Markdown: a heading, a list item): None as
-    `–`, anything else as its str with every character that could end the cell or the row, open HTML, or reorder
-    or hide what is shown escaped visibly (`\\|`, `\\n`, `\\u202e`). Markdown's own emphasis and code spans are
-    left alone: they cannot cross a cell."""
+    """`value` as the text of one Markdown table cell (or any inline Markdown: a heading, a list item): None
+    as `–`, anything else as its str with every character that could end the cell or the row, open HTML, or
+    reorder or hide what is shown escaped visibly (`\\|`, `\\n`, `\\u202e`). Markdown's own emphasis and code
+    spans are left alone: they cannot cross a cell."""
     if value is None:
         return "–"
     text = value if isinstance(value, str) else str(value)
