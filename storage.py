@@ -156,6 +156,48 @@ MAX_JSON_DEPTH = 64  # a manifest, report or policy nests under 10 deep; json.lo
 MAX_JSON_BYTES = 256 << 20  # a JSON file draftsmith reads is kB to a few MB (a tokenizer.json: tens of MB)
 
 
+# Reading lines of a file nobody here wrote (request logs, prompt files): bounded by bytes whatever it holds. A
+# line is read at most `limit` bytes at a time before anything decodes it, and a longer one is skipped to its end
+# in reads of at most LINE_CHUNK bytes without being held; a `.gz` gives at most MAX_GZIP_RATIO times its own size
+# (never less than MIN_GZIP_BYTES), so a gzip bomb (4 MB holding a 4 GiB line) costs bounded memory and time.
+LINE_CHUNK = 1 << 20
+MAX_GZIP_RATIO = 100  # JSON lines compress 5-20x; a file giving more than this is a bomb, not data
+MIN_GZIP_BYTES = 256 << 20  # a small .gz may always give this much (a short file of repeated prompts)
+
+
+class TooMuch(Exception):  # noqa: N818 - read as "a .gz gave too much"
+    """A .gz gave more bytes than its budget (gzip_budget): the rest of it is skipped."""
+
+
+def bounded_lines(f, limit: int, budget: int | None = None) -> Iterator[bytes | None]:
+    """Every line of binary file `f` (its newline kept), None for one longer than `limit` bytes, skipped to its
+    end without being held; TooMuch once more than `budget` bytes were read (None: no budget)."""
+    read = 0
+    while True:
+        raw = f.readline(limit + 1)
+        read += len(raw)
+        if budget is not None and read > budget:
+            raise TooMuch(budget)
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):  # the rest of the over-long line, never held
+            raw = f.readline(min(LINE_CHUNK, limit))
+            read += len(raw)
+            if budget is not None and read > budget:
+                raise TooMuch(budget)
+        yield None
+
+
+def gzip_budget(path: str | os.PathLike) -> int | None:
+    """The bytes a .gz may give (bounded_lines); None for a plain file (its bytes are on disk already)."""
+    if not str(path).endswith(".gz"):
+        return None
+    return max(MIN_GZIP_BYTES, MAX_GZIP_RATIO * os.stat(path).st_size)
+
+
 def json_depth(text: str) -> int:
     """How deep `text`'s arrays and objects nest (brackets inside strings do not count), in linear time and
     without recursion: what is counted before json.loads, which would hit the recursion limit."""

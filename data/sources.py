@@ -27,7 +27,7 @@ from typing import Any
 
 from draftsmith.data.config import DataConfig, SourceConfig
 from draftsmith.errors import DataError
-from draftsmith.storage import data_path, open_data, sha256_text
+from draftsmith.storage import TooMuch, bounded_lines, data_path, gzip_budget, open_data, sha256_text
 
 log = logging.getLogger(__name__)
 
@@ -264,11 +264,15 @@ def _domain(row: Any, source: SourceConfig) -> str:
 # --------------------------------------------------------------------------------------------- readers
 
 
+MAX_LINE_BYTES = 16 << 20  # one prompt or chat line: a whole book is a few MB
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, parsed object or None, error) for every non-blank line of a prompt file: the one reader
     of prompt lines (training sources, eval sets, the overlap check, evaluation's prompts). A line that is
     not UTF-8 is an error of its own (decoding it with replacement characters would store mangled text), and so
-    is a line nested past what the parser can read. `.gz` files are read decompressed; a file cut short or damaged
+    is a line nested past what the parser can read, and a line past MAX_LINE_BYTES (skipped without being held;
+    a `.gz` gives at most storage.gzip_budget). `.gz` files are read decompressed; a file cut short or damaged
     ends with an error at the line where it breaks. The caller decides whether an error skips the line or stops."""
     try:
         f = open_data(path)
@@ -276,15 +280,23 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
         raise DataError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     with f:
         lineno = 0
+        lines = bounded_lines(f, MAX_LINE_BYTES, gzip_budget(path))
         while True:
             try:
-                raw = f.readline()
+                raw = next(lines, b"")
             except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
                 yield lineno + 1, None, f"the file is cut short or damaged here ({type(e).__name__}: {e})"
                 return
-            if not raw:
+            except TooMuch as e:
+                yield lineno + 1, None, (f"the file gives more than {e.args[0]} bytes decompressed (a gzip bomb?); "
+                                         "the rest of it is skipped")
+                return
+            if raw == b"":
                 return
             lineno += 1
+            if raw is None:  # skipped to its end without being held
+                yield lineno, None, f"the line is longer than {MAX_LINE_BYTES} bytes"
+                continue
             error, obj = _parse_line(raw)
             if error is not None or obj is not _BLANK:
                 yield lineno, obj, error

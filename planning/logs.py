@@ -14,7 +14,7 @@ cut short (its rows before the damage are kept), a line that is not UTF-8, not J
 counts once in `malformed`; the first MAX_NAMED are named in `bad` (`file: why` or `file:line: why`).
 
 Bounded by bytes, whatever a file holds: a line is read at most MAX_LINE_BYTES at a time before anything is
-decoded, and a longer one is skipped to its end in reads of at most CHUNK bytes without being held (one bad row); a `.gz`
+decoded, and a longer one is skipped to its end without being held (one bad row; storage.bounded_lines); a `.gz`
 gives at most MAX_GZIP_RATIO times its own size (never less than MIN_GZIP_BYTES) before the rest of it is
 skipped as one bad file, so a gzip bomb (4 MB holding a 4 GiB line) costs bounded memory and time. A line
 that still cannot be held in memory is one bad row, and a file that fails is one bad file: no read error,
@@ -37,16 +37,13 @@ from typing import Any
 
 from draftsmith.errors import DataError
 from draftsmith.fleet.traffic_record import MALFORMED, REFUSED, TrafficRecord, Unusable, parse_record
-from draftsmith.storage import json_depth
+from draftsmith.storage import MAX_GZIP_RATIO, MIN_GZIP_BYTES, TooMuch, bounded_lines, gzip_budget, json_depth
 
 MAX_NAMED = 20
 MAX_DEPTH = 32  # a log row nests about 5 deep (a chat's content parts); a deeper line is a bad line, never a RecursionError
 PATTERNS = ("*.jsonl", "*.jsonl.gz")
 # a middleware line holds a request and a response of at most 8 MiB each (fleet/middleware.py's body cap), escaped
 MAX_LINE_BYTES = 32 << 20
-CHUNK = 1 << 20  # an over-long line is skipped in reads of this size
-MAX_GZIP_RATIO = 100  # JSON logs compress 5-20x; a file giving more than this is a bomb, not a log
-MIN_GZIP_BYTES = 256 << 20  # a small .gz may always give this much (a short file of repeated prompts)
 MAX_DOMAINS = 32  # domains kept under their own name (cap_domains); the rest are OTHER
 OTHER = "other"
 
@@ -96,11 +93,21 @@ def log_files(source: str | Path, what: str = "request logs") -> Logs:
         entries = sorted({p for pattern in PATTERNS for p in source.glob(pattern)})
     else:
         entries = [source] if source.is_file() else []
+    seen: dict[tuple[int, int], Path] = {}  # a file under two names (`current.jsonl` linked to the live file)
     for path in entries:
-        if path.is_file():
-            logs.files.append(path)
-        else:
+        if not path.is_file():
             logs.reject(path, _not_a_file(path))
+            continue
+        try:
+            st = path.stat()
+        except OSError as e:
+            logs.reject(path, f"cannot be read ({e.strerror or type(e).__name__}), skipped")
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key in seen:  # read once: counting its rows twice would double its domain's requests
+            continue
+        seen[key] = path
+        logs.files.append(path)
     if not logs.files:
         raise DataError(f"no {what} ({', '.join(PATTERNS)}) in {source}{logs.first_bad()}")
     return logs
@@ -109,39 +116,6 @@ def log_files(source: str | Path, what: str = "request logs") -> Logs:
 def _open(path: Path):
     """Bytes, line by line: a line that is not UTF-8 is one bad row, not the end of the file."""
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
-
-
-class TooMuch(Exception):  # noqa: N818 - read as "a .gz gave too much"
-    """A .gz gave more bytes than its budget (module docstring): the rest of it is skipped."""
-
-
-def _lines(f, limit: int, budget: int | None) -> Iterator[bytes | None]:
-    """Every line of binary file `f` (its newline kept), None for one longer than `limit` bytes, skipped to its
-    end without being held; TooMuch once more than `budget` bytes were read (None: no budget)."""
-    read = 0
-    while True:
-        raw = f.readline(limit + 1)
-        read += len(raw)
-        if budget is not None and read > budget:
-            raise TooMuch(budget)
-        if not raw:
-            return
-        if len(raw) <= limit or raw.endswith(b"\n"):
-            yield raw
-            continue
-        while raw and not raw.endswith(b"\n"):  # the rest of the over-long line, never held
-            raw = f.readline(min(CHUNK, limit))
-            read += len(raw)
-            if budget is not None and read > budget:
-                raise TooMuch(budget)
-        yield None
-
-
-def _budget(path: Path) -> int | None:
-    """The bytes a .gz may give (module docstring); None for a plain file (its bytes are on disk already)."""
-    if not path.name.endswith(".gz"):
-        return None
-    return max(MIN_GZIP_BYTES, MAX_GZIP_RATIO * path.stat().st_size)
 
 
 def parse_line(raw: bytes) -> dict:
@@ -169,9 +143,9 @@ def records(logs: Logs) -> Iterator[tuple[Path, int, dict[str, Any], float]]:
         number = 0
         try:
             mtime = path.stat().st_mtime
-            budget = _budget(path)
+            budget = gzip_budget(path)
             with _open(path) as f:
-                for number, raw in enumerate(_lines(f, limit, budget), 1):
+                for number, raw in enumerate(bounded_lines(f, limit, budget), 1):
                     if raw is None:
                         logs.reject(f"{path}:{number}", f"a line longer than {limit} bytes, skipped")
                         continue

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith import storage
 from draftsmith.cli import main
 from draftsmith.planning import logs as logs_module
 from draftsmith.planning.production import log_alpha
@@ -150,7 +151,7 @@ def _bomb(path: Path, line_bytes: int, good_rows: int = 1) -> Path:
 
 def test_a_gzip_bomb_is_skipped_after_its_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(logs_module, "MAX_LINE_BYTES", 1 << 20, raising=False)
-    monkeypatch.setattr(logs_module, "MIN_GZIP_BYTES", 4 << 20, raising=False)
+    monkeypatch.setattr(storage, "MIN_GZIP_BYTES", 4 << 20)
     folder = tmp_path / "t"
     folder.mkdir()
     bomb = _bomb(folder / "b.jsonl.gz", 200 << 20)  # ~200 KB on disk, 200 MiB inside
@@ -230,3 +231,37 @@ def test_a_line_under_the_cap_too_large_for_memory_is_one_bad_row(tmp_path):
     prompts, bad, malformed = json.loads(run.stdout)
     assert prompts == ["question 0", "question 1"] and malformed == 1
     assert bad == [f"{folder / 'a.jsonl'}:2: {len(huge)} bytes of JSON too large to hold in memory"], bad
+
+
+def test_a_log_under_two_names_is_read_once(tmp_path):
+    """A gateway's `current.jsonl` linked to the live file: the folder holds one file under two names, and its
+    rows are counted once (read twice, its domain's requests doubled)."""
+    folder = _write(tmp_path / "t" / "traffic-1.jsonl", [_good(0), _good(1)]).parent
+    (folder / "current.jsonl").symlink_to("traffic-1.jsonl")
+    assert log_alpha(folder)["domains"]["chat"]["n_prompts"] == 2
+    assert len(read_traffic(folder).rows) == 2
+
+
+def test_a_prompt_file_line_or_gzip_past_its_cap_costs_bounded_memory(tmp_path, monkeypatch):
+    """The prompt files' reader (data/sources.iter_jsonl: training sources, eval sets, held-out traffic) is
+    bounded by bytes like the logs': an over-long line is one error read without being held, a gzip bomb stops
+    at its budget."""
+    from draftsmith.data import sources
+
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 64 << 10)
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b" * (1 << 20)}) + "\n"
+                 + json.dumps({"prompt": "c"}) + "\n")
+    tracemalloc.start()
+    try:
+        got = list(sources.iter_jsonl(f))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(n, o, e) for n, o, e in got if e is None] == [(1, {"prompt": "a"}, None), (3, {"prompt": "c"}, None)]
+    assert [(n, e) for n, _, e in got if e] == [(2, f"the line is longer than {64 << 10} bytes")]
+    assert peak < 8 * (64 << 10), peak
+    monkeypatch.setattr(storage, "MIN_GZIP_BYTES", 2 << 20)
+    bomb = _bomb(tmp_path / "b.jsonl.gz", 50 << 20)
+    got = list(sources.iter_jsonl(bomb))
+    assert got[0][2] is None and "gzip bomb" in got[-1][2], got[-1]
