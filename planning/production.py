@@ -13,7 +13,10 @@ Two sources, one output shape (the `domains` / `overall` rows of an evaluation r
    and finished requests in vllm:request_success_total. α = accepted / draft tokens, τ = 1 + accepted /
    drafts (vLLM's own "mean acceptance length"), per-position acceptance = accepted_per_pos[i] / drafts.
    The counters are cumulative since the server started: give an earlier dump as `since` to get the window
-   between the two (across a restart, told by `process_start_time_seconds`, the counts since the restart).
+   between the two. Each server process's start time (`process_start_time_seconds`, one per process by its
+   labels where a multi-API-server vLLM runs several) tells a restart from a scale-out: a process that kept its
+   start counts its difference, one that restarted its counts since, a new one all it has (`vllm_alpha`). A
+   counter series appears once: position="0" and "00" are one series, refused, never summed.
    Every counter is checked as it enters: a count is finite and >= 0, positions are 0..k-1, accepted tokens
    come with the drafted tokens they are divided by; a URL is read through net.py (a byte cap and a deadline). vLLM has no notion of a domain: `model_domains` maps a served model name (one per
    deployment, or a LoRA/adapter name per traffic class) to a domain; unmapped models keep their name.
