@@ -89,7 +89,7 @@ class Budget:
 @dataclass
 class BenchConfig:
     target: str = "smollm2-135m"
-    out: str = "bench/results"  # results go to <out>/<date>[-quick]/
+    out: str = "results"  # results go to <out>/<date>[-quick]/
     benchmarks_md: str = "BENCHMARKS.md"  # the generated block of this target/budget is replaced there
     data: DataStage = field(default_factory=lambda: DataStage(config="configs/smollm2-135m/data.yaml"))
     artifacts: list[ArtifactStage] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """The headline numbers of README.md and BENCHMARKS.md, rendered from one committed evaluation report.
 
-    draftsmith bench headline bench/results/headline-smollm2-135m/report.json
+    draftsmith bench headline results/headline-smollm2-135m/report.json
     draftsmith bench headline --write
 
 Each file holds the headline between `<!-- headline: REPORT -->` and `<!-- /headline -->`. `--write` renders
@@ -24,8 +24,8 @@ DOCS = ("README.md", "BENCHMARKS.md")
 
 # how a proposer spec of the headline run reads in the table; anything else is shown as its spec
 LABELS = {
-    "route:bench/results/broad-dev-smollm2-135m/policy.json": "the broad EAGLE-3 head's tree merged with prompt "
-        "lookup (the policy the dev split chose, `route:bench/results/broad-dev-smollm2-135m/policy.json`)",
+    "route:results/broad-dev-smollm2-135m/policy.json": "the broad EAGLE-3 head's tree merged with prompt "
+        "lookup (the policy the dev split chose, `route:results/broad-dev-smollm2-135m/policy.json`)",
     "eagle:zoo/smollm2-135m/eagle3-broad": "EAGLE-3, the shipped head `eagle:zoo/smollm2-135m/eagle3-broad`",
     "eagle:zoo/smollm2-135m/eagle3": "EAGLE-3 trained on the default set (`zoo/smollm2-135m/eagle3`, since "
         "replaced by the broad head; in git history)",
@@ -34,7 +34,7 @@ LABELS = {
     "ngram": "n-gram lookup",
 }
 # the per-domain table's row names where the label up to its first comma does not make one
-SHORT = {"route:bench/results/broad-dev-smollm2-135m/policy.json": "EAGLE-3 (broad) merged with lookup",
+SHORT = {"route:results/broad-dev-smollm2-135m/policy.json": "EAGLE-3 (broad) merged with lookup",
          "eagle:zoo/smollm2-135m/eagle3-broad": "EAGLE-3 (broad)",
          "eagle:zoo/smollm2-135m/eagle3": "EAGLE-3 (default set)"}
 

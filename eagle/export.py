@@ -573,7 +573,7 @@ for _fmt in (SPECULATORS, MIDLAYER, VLLM_EAGLE1, EAGLE1):
     _make_verifier(_fmt)
 
 # `Method.serving`: what export/'s drivers ask of EAGLE heads. The refusal was measured in vLLM 0.32.0 by
-# scripts/vllm_families.py (bench/results/vllm-families/report.json): Gemma3ForCausalLM does not implement vLLM's
+# scripts/vllm_families.py (results/vllm-families/report.json): Gemma3ForCausalLM does not implement vLLM's
 # SupportsEagle3, so it cannot hand its aux hidden states out
 SERVING = Serving(
     vllm={fmt: VllmServe(method) for fmt, method in VLLM_METHOD.items()},

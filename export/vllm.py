@@ -3,7 +3,7 @@ registry) and the warning an export for vLLM carries where the measured vLLM ref
 layout; and how vLLM serves each export format, for `draftsmith serve-check`.
 
 Each refusal was measured by loading a tiny random target of each family with each kind of head in the real
-vLLM (scripts/vllm_families.py; its committed report is bench/results/vllm-families/report.json, and
+vLLM (scripts/vllm_families.py; its committed report is results/vllm-families/report.json, and
 tests/test_vllm_families.py keeps the methods' tables equal to it). Exporting such a head still works (another
 stack, or a later vLLM, may serve it); the export warns.
 """

@@ -5,7 +5,7 @@
 A function's length is its lines from `def` to its last line (`end_lineno - lineno + 1`, as
 scripts/layout_stats.py counts it): docstring, comments and blank lines included, decorators not; a method
 and a function nested in another count alone, and inside the function that holds them too. Package code is
-every file check_imports.py reads as the package (all but tests/, scripts/, bench/, configs/, docs/,
+every file check_imports.py reads as the package (all but tests/, scripts/, results/, configs/, docs/,
 build/, dist/ and hidden folders). A test reads as one scenario top to bottom and a measurement script
 as one recipe, so they may run longer, but not without bound. An algorithm that needs more than 60 lines
 is read in pieces with names.

@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "draftsmith"
-SKIP = {"tests", "scripts", "bench", "configs", "docs", "build", "dist", "runs"}  # runs/: the presets' git-ignored output
+SKIP = {"tests", "scripts", "results", "configs", "docs", "build", "dist", "runs"}  # runs/: the presets' git-ignored output
 BOTTOM = "targets"  # rule 2
 BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage", "draftsmith.lazy"}
 # rule 5: fleet/ runs inside the serving engine's process and environment (vLLM loads it by import path),

@@ -2,7 +2,7 @@
 its held-out metrics at the end of training, and its test-split τ from the evaluate reports (its own shape and the
 GPU-sized tree); written as summary.json and printed as BENCHMARKS.md's table.
 
-    python scripts/dspark_sweep_summary.py --runs runs/dspark/sweep --results bench/results/dspark-smollm2-135m
+    python scripts/dspark_sweep_summary.py --runs runs/dspark/sweep --results results/dspark-smollm2-135m
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Retraining from what the fleet served against re-running the target on the same traffic, on smollm2-135m.
 
-    python scripts/fleet_retrain.py --out bench/results/fleet-retrain-smollm2-135m
+    python scripts/fleet_retrain.py --out results/fleet-retrain-smollm2-135m
 
 1. The fleet (vLLM's CPU build, measured, not timed): the traffic prompts (two domains: `math`, gsm8k's training
    questions; `general`, self-instruct's seed tasks) go as chat completions to a capture replica (`vllm serve`

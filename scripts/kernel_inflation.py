@@ -3,7 +3,7 @@ before the measured plan (one row through `F.linear`, 2-8 rows through `W @ xᵀ
 load (targets/gemm.py), interleaved prompt by prompt and repeated, same tokens out.
 
     python scripts/kernel_inflation.py [--split dev] [--limit-per-domain 3] [--max-new-tokens 96] [--repeats 3] \\
-        --json bench/results/kernel-inflation-smollm2-135m/report.json
+        --json results/kernel-inflation-smollm2-135m/report.json
 
 Every earlier speedup measured against the slow plain step is overstated by at most the printed ratio (a
 speculative run's verify forwards already took the fast product). The report keeps the command, machine, date,

@@ -2,7 +2,7 @@
 head, next to rounds of plain self-distillation on the same prompts, both warm-started from one head.
 
     python scripts/onpolicy_rounds.py --start runs/curve/eagle3-a600/rows536 --data runs/b31/data \\
-        --prompts bench/results/onpolicy-smollm2-135m/round1.yaml,bench/results/onpolicy-smollm2-135m/round2.yaml \\
+        --prompts results/onpolicy-smollm2-135m/round1.yaml,results/onpolicy-smollm2-135m/round2.yaml \\
         --steps 150 --replay-weight 2 --out runs/onpolicy
 
 Each round r of a lever takes the round's prompts (a data preset) and

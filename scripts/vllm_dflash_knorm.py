@@ -8,7 +8,7 @@ the defect hides; tests/served_family.py), exports it for vLLM and runs `draftsm
 fix and with vLLM exactly as installed. Each run: loaded, lossless against vLLM's own output without
 speculation, vLLM's per-position acceptance beside draftsmith's on the same weights and prompts.
 
-    .venv/bin/python scripts/vllm_dflash_knorm.py --out bench/results/vllm-dflash-knorm   # needs `make setup-vllm`
+    .venv/bin/python scripts/vllm_dflash_knorm.py --out results/vllm-dflash-knorm   # needs `make setup-vllm`
 """
 
 from __future__ import annotations

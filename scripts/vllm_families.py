@@ -7,7 +7,7 @@ acceptance), exported for vLLM and run by `draftsmith serve-check` (export/serve
 error, greedy output identical to vLLM's without speculation, vLLM's per-position acceptance beside
 draftsmith's. vLLM's n-gram lookup is the control (nothing of ours loaded: it tells whether vLLM runs the target).
 
-    .venv/bin/python scripts/vllm_families.py --out bench/results/vllm-families   # needs `make setup-vllm`
+    .venv/bin/python scripts/vllm_families.py --out results/vllm-families   # needs `make setup-vllm`
 
 Writes report.json (a row per family and kind, written after each, so an interrupted run resumes where it
 stopped) and report.md. The methods' measured vLLM refusals (`Method.serving.vllm_refuses`, the warning at
@@ -99,7 +99,7 @@ def render(report: dict) -> str:
 KIND_NAMES = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "medusa": "Medusa", "draft": "draft model",
               "ngram": "n-gram (vLLM's own)"}
 DOCS = ROOT / "docs" / "your-model.md"
-BEGIN, END = "<!-- vllm-families: bench/results/vllm-families/report.json -->", "<!-- /vllm-families -->"
+BEGIN, END = "<!-- vllm-families: results/vllm-families/report.json -->", "<!-- /vllm-families -->"
 
 
 def docs_table(report: dict) -> str:
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.storage import atomic_write_json, atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/vllm-families")
+    ap.add_argument("--out", default="results/vllm-families")
     ap.add_argument("--families", nargs="+", default=list(FAMILY_NAMES))
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--steps", type=int, default=20, help="training steps per artifact")

@@ -336,7 +336,7 @@ def test_a_shipped_report_reads_cleanly():
     from draftsmith.decoding.routing import read_report
 
     root = Path(__file__).resolve().parents[1]
-    results = sorted((root / "bench" / "results").glob("*/report.json"))
+    results = sorted((root / "results").glob("*/report.json"))
     shipped = [p for p in results if "proposer" in json.loads(p.read_text())]
     assert len(shipped) >= 5  # the evaluation reports among the results (the data stage writes its own kind)
     for path in shipped:
@@ -368,7 +368,7 @@ def test_the_serving_policy_turns_off_a_domain_whose_alpha_was_not_measured():
 # --- bench headline: a report read by the same reader, plus the fields the block prints -----------------------
 def test_bench_headline_names_the_report_and_the_field_it_lacks(tmp_path, capsys):
     root = Path(__file__).resolve().parents[1]
-    doc = json.loads((root / "bench" / "results" / "headline-smollm2-135m" / "report.json").read_text())
+    doc = json.loads((root / "results" / "headline-smollm2-135m" / "report.json").read_text())
     assert main(["bench", "headline", str(write(tmp_path / "ok.json", doc))]) == 0
     capsys.readouterr()
     name = next(iter(doc["settings"]["compare_settings"]))

@@ -88,7 +88,7 @@ def test_headline_job_prints_the_block_its_report_renders(capsys):
 
     from draftsmith.benchmark import headline
 
-    path = "bench/results/headline-smollm2-135m/report.json"
+    path = "results/headline-smollm2-135m/report.json"
     report = json.loads((Path(headline.ROOT) / path).read_text())
     assert main(["bench", "headline", str(Path(headline.ROOT) / path)]) == 0
     assert headline.render(report, str(Path(headline.ROOT) / path)) in capsys.readouterr().out
@@ -103,7 +103,7 @@ def test_every_job_is_a_subcommand():
 
     root = Path(__file__).resolve().parents[1]
     own = sorted(str(f.relative_to(root)) for f in root.rglob("*.py")
-                 if f.relative_to(root).parts[0] not in {"tests", "scripts", "build", "bench", "runs"}
+                 if f.relative_to(root).parts[0] not in {"tests", "scripts", "build", "results", "runs"}
                  and not f.relative_to(root).parts[0].startswith(".")
                  and '__name__ == "__main__"' in f.read_text(encoding="utf-8"))
     assert own == ["cli.py", "dspark/vllm_reference.py", "export/vllm_run.py"]

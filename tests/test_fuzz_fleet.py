@@ -111,7 +111,7 @@ def mutated_prometheus(draw, lines: list[str] = PROM) -> bytes:
     return _damage(draw, ("\n".join(lines) + "\n").encode())
 
 
-HEADLINE = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "headline-smollm2-135m" /
+HEADLINE = json.loads((Path(__file__).resolve().parents[1] / "results" / "headline-smollm2-135m" /
                        "report.json").read_text())
 
 

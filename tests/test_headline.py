@@ -39,8 +39,8 @@ def test_render_states_source_validity_and_both_baselines(tiny_target, tmp_path)
                                for t in ("What is 2 + 3?", "Count to five.")))
     report = evaluate(tiny_target, "ngram", prompts=[str(prompts)], max_new_tokens=6, k=2, cost_model=False,
                       compare=["ngram@chain=1"], command="draftsmith evaluate --proposer ngram")
-    block = headline.render(report, "bench/results/x/report.json")
-    assert block.startswith("From [bench/results/x/report.json](bench/results/x/report.json)")
+    block = headline.render(report, "results/x/report.json")
+    assert block.startswith("From [results/x/report.json](results/x/report.json)")
     assert "`draftsmith evaluate --proposer ngram`" in block and "HF `generate` (stock kernels)" in block
     assert f"speeds from the {report['overall']['n_timed']} of 2 prompts timed validly" in block
     assert "| n-gram lookup, chain of 2 |" in block and "| n-gram lookup, chain of 1 |" in block
@@ -50,3 +50,32 @@ def test_render_states_source_validity_and_both_baselines(tiny_target, tmp_path)
     assert headline.rewrite(doc, tmp_path) == 1
     text = doc.read_text()
     assert "stale numbers" not in text and text.startswith("intro\n") and text.endswith("<!-- /headline -->\nend\n")
+
+
+def test_committed_results_live_in_results_and_every_name_of_one_exists():
+    """The committed results are one flat folder, results/ (benchmark/ is the code that writes them): every
+    `results/NAME` a doc, preset, script, module or kept report names is there, and nothing names the folder they
+    were kept in before (results/ inside a bench/ folder, whose name read like the code's)."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    assert (ROOT / "results").is_dir() and not (ROOT / "bench").exists()
+    old, missing = [], set()
+    for name in files:
+        path = ROOT / name
+        if path.suffix in (".gz", ".png", ".safetensors") or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if "bench/" + "results" in text:
+            old.append(name)
+        if name.startswith("tests/"):  # tests name folders of their own making
+            continue
+        for ref in re.finditer(r"(?<![\w/.<-])results/([\w.-]*\w)", text):
+            destination = text.endswith(("--out ", "--json "), 0, ref.start())  # where a command would write one
+            if not destination and not (ROOT / "results" / ref[1]).exists():
+                missing.add(f"{name}: {ref[0]}")
+    assert old == [], f"files naming the former results folder: {old}"
+    assert sorted(missing) == []

@@ -1,7 +1,7 @@
 """What draftsmith says vLLM serves is what was measured in the real vLLM.
 
 scripts/vllm_families.py loads a tiny random target of every family with every kind of export in vLLM and keeps
-its report (bench/results/vllm-families/report.json). The family table of docs/your-model.md is rendered from it,
+its report (results/vllm-families/report.json). The family table of docs/your-model.md is rendered from it,
 and the methods' measured vLLM refusals (`Method.serving`, read by export/vllm.py: the warning an export for vLLM
 carries) are exactly the refusals it measured.
 An export of a refused family and kind warns, in its checks and its log.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REPORT = ROOT / "bench" / "results" / "vllm-families" / "report.json"
+REPORT = ROOT / "results" / "vllm-families" / "report.json"
 
 
 def _script():

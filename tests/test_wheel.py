@@ -49,10 +49,10 @@ def test_the_wheel_carries_what_the_package_reads_at_run_time(wheel):
                    "draftsmith/zoo/smollm2-135m/eagle3-broad/model.safetensors", "draftsmith/cli.py"):
         assert needed in names, f"{wheel.name} lacks {needed}"
     # what only the checkout needs stays out of every user's install
-    assert not [n for n in names if n.startswith(("draftsmith/tests/", "draftsmith/bench/", "draftsmith/scripts/"))]
+    assert not [n for n in names if n.startswith(("draftsmith/tests/", "draftsmith/results/", "draftsmith/scripts/"))]
     # every subpackage of the tree is in the wheel (pyproject.toml lists them one by one)
     tree = {"draftsmith/" + p.parent.relative_to(ROOT).as_posix() + "/__init__.py" for p in ROOT.glob("*/**/__init__.py")
-            if p.relative_to(ROOT).parts[0] not in {"tests", "scripts", "bench", "build", "runs", "docs"}
+            if p.relative_to(ROOT).parts[0] not in {"tests", "scripts", "results", "build", "runs", "docs"}
             and not p.relative_to(ROOT).parts[0].startswith(".")}
     assert tree - names == set(), f"subpackages missing from pyproject.toml's package list: {sorted(tree - names)}"
 
