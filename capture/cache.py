@@ -342,8 +342,8 @@ class ShardReader:
             for row_id, o, n in meta["rows"]:
                 self._rows[int(row_id)] = (idx, o, n)
         self.index = {k: first[k] for k in ("layers", "topk", "hidden_size", "hidden_dtype", "last_hidden")}
-        self.index["logsumexp"] = all(meta.get("logsumexp", False) for _, _, meta in whole) if whole \
-            else bool(first.get("logsumexp"))
+        self.index["logsumexp"] = (all(meta.get("logsumexp", False) for _, _, meta in whole) if whole
+            else bool(first.get("logsumexp")))
         self.index["fingerprint"] = index.get("fingerprint") if index is not None else None
         self.layers: list[int] = self.index["layers"]
         self.topk: int = self.index["topk"]

@@ -113,8 +113,8 @@ class CaptureSource:
             if stored < o + n:
                 raise DataError(f"capture cache row {row_id} has {stored} tokens, the batch needs {o + n}: "
                                 "the cache was made from other data")
-            for k in keys + (["topk_values", "topk_indices"] if self.topk else []) + \
-                    (["topk_logsumexp"] if self.logsumexp else []):
+            for k in (keys + (["topk_values", "topk_indices"] if self.topk else []) +
+                    (["topk_logsumexp"] if self.logsumexp else [])):
                 t = row[k][o : o + n]
                 if k in ("topk_values", "topk_indices"):
                     t = t[:, : self.topk]

@@ -268,8 +268,8 @@ class SequenceVerifier:
         assert self.context is not None, "call begin() first"
         cache_len = self.context.numel() - 1
         t0 = time.perf_counter()
-        proposal = self.proposer.propose(self.context, spec, self.sampling, self.generator) if spec.depth else \
-            Proposal.empty(self.device)
+        proposal = (self.proposer.propose(self.context, spec, self.sampling, self.generator) if spec.depth else
+            Proposal.empty(self.device))
         sync(self.device)
         t1 = time.perf_counter()
         self.stats.proposer_time += t1 - t0

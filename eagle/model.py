@@ -398,8 +398,8 @@ class EagleHead(nn.Module):
         ones are appended); allowed: bool [q, len(kv)+q] or [B, q, len(kv)+q]. Returns a [B, q, H].
         """
         mask = additive_mask(allowed, feature.dtype)
-        pe = self.rotary(feature, positions) if self._rope_type is None else \
-            self.rotary(feature, positions, self._rope_type)
+        pe = (self.rotary(feature, positions) if self._rope_type is None else
+            self.rotary(feature, positions, self._rope_type))
         if self.config.variant.attention_input == "fc":  # EAGLE-1: u = fc([e(x_{t+1}); f_t]) through the layer
             x = self.fc(torch.cat([emb, feature], dim=-1))
             out = self.layer(hidden_states=x, attention_mask=mask, position_ids=positions, past_key_values=kv,

@@ -58,8 +58,8 @@ def load_target_config(spec: str | Path):
 
     path = Path(str(spec)).expanduser()
     if path.is_file() and path.name.endswith(".json"):
-        return AutoConfig.from_pretrained(path.parent) if path.name == "config.json" else \
-            AutoConfig.for_model(**json.loads(path.read_text()))
+        return (AutoConfig.from_pretrained(path.parent) if path.name == "config.json" else
+            AutoConfig.for_model(**json.loads(path.read_text())))
     if path.is_dir() and (path / "config.json").is_file():
         return AutoConfig.from_pretrained(path)
     from draftsmith.targets.embedded import EMBEDDED

@@ -472,8 +472,8 @@ def _gate_candidate(cfg: RetrainConfig, record: dict, target, a: _Attempt, candi
     cand_base = _measure(target, cfg.artifact_kind, candidate, baseline, cfg.measure.baseline_limit_per_domain, cfg)
     cur_base = {} if a.hard else _measure(target, cfg.artifact_kind, a.path, baseline,
                                           cfg.measure.baseline_limit_per_domain, cfg)
-    decision = gate(cur_traffic, cand_traffic, cur_base, cand_base, cfg.gate) if not a.hard else \
-        gate({"overall": {"alpha": 0.0}}, cand_traffic, {"overall": {"alpha": 0.0}}, cand_base, cfg.gate)
+    decision = (gate(cur_traffic, cand_traffic, cur_base, cand_base, cfg.gate) if not a.hard else
+        gate({"overall": {"alpha": 0.0}}, cand_traffic, {"overall": {"alpha": 0.0}}, cand_base, cfg.gate))
     record.update(candidate_traffic=_summary(cand_traffic), candidate_baseline=_summary(cand_base),
                   current_baseline=_summary(cur_base) if cur_base else None, gate=decision.to_json())
     return cand_traffic, cand_base, decision

@@ -160,8 +160,8 @@ def inactive_params(model: nn.Module) -> int:
 def unwrap(model) -> nn.Module:
     """The causal LM inside a PEFT / DDP wrapper."""
     for _ in range(4):
-        inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else \
-            getattr(model, "module", None)
+        inner = (model.get_base_model() if callable(getattr(model, "get_base_model", None)) else
+            getattr(model, "module", None))
         if not isinstance(inner, nn.Module) or inner is model:
             break
         model = inner

@@ -98,8 +98,8 @@ def inference_copy(model, dtype: torch.dtype, fp32_logits: bool = True):
     if current == dtype:
         return model
     head = model.get_output_embeddings()
-    keep_head = fp32_logits and current == torch.float32 and dtype in (torch.bfloat16, torch.float16) \
-        and isinstance(head, nn.Linear)
+    keep_head = (fp32_logits and current == torch.float32 and dtype in (torch.bfloat16, torch.float16)
+        and isinstance(head, nn.Linear))
     out = cast_parameters(copy.deepcopy(model), dtype)
     if keep_head:
         out.set_output_embeddings(Float32Logits(head.weight, head.bias))

@@ -68,8 +68,8 @@ def _check_kind(path: Path, kind: str) -> None:
 
     if not os.path.lexists(path):
         return
-    found = "a symlink" if path.is_symlink() else "a folder" if path.is_dir() else "a file" if path.is_file() \
-        else "not a regular file"
+    found = ("a symlink" if path.is_symlink() else "a folder" if path.is_dir() else "a file" if path.is_file()
+        else "not a regular file")
     if found != f"a {kind}":
         raise OutputError(f"{path}: is {found}, where the run writes its {path.name} {kind}: set train.output_dir "
                           "to another folder, or move it")

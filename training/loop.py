@@ -206,8 +206,8 @@ class Trainer:
         self.sharded_resume = plan is not None and plan.pickled
         self.loaded = None
         if self.resume_path is not None:
-            self.loaded = sharded.load_meta(self.resume_path) if self.sharded_resume \
-                else ckpt.load_checkpoint(self.resume_path)
+            self.loaded = (sharded.load_meta(self.resume_path) if self.sharded_resume
+                else ckpt.load_checkpoint(self.resume_path))
 
     def _build_module(self) -> nn.Module:
         """The job's module, seeded alike on every rank, with the checkpoint's or a warm start's weights."""
