@@ -25,8 +25,8 @@ import argparse
 
 from draftsmith.config import MAX_BATCH, REPEATS, ROWS, TOKENS, Range, ranged
 
-JOBS_HELP = "a single timing job (engine, capture, remote, eagle-step, train-step, baseline, gemm, llamacpp, " \
-            "headline); without one, the whole bench, and the words are key=value overrides of its config"
+JOBS_HELP = ("a single timing job (engine, capture, remote, eagle-step, train-step, baseline, gemm, llamacpp, "
+            "headline); without one, the whole bench, and the words are key=value overrides of its config")
 
 
 class _JobOrOverride:

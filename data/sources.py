@@ -336,8 +336,8 @@ def load_hub_dataset(source: SourceConfig):
         return datasets.load_dataset(source.id, name=source.config, split=source.split, revision=source.revision)
     except Exception as e:  # datasets raises many types for network, cache and missing-split failures
         msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        where = f"{source.id}" + (f" (config {source.config})" if source.config else "") + \
-            (f" at revision {source.revision}" if source.revision else "") + f", split {source.split}"
+        where = (f"{source.id}" + (f" (config {source.config})" if source.config else "") +
+            (f" at revision {source.revision}" if source.revision else "") + f", split {source.split}")
         raise DataError(f"source '{source.name}': cannot load hub dataset {where}: {msg}") from None
 
 

@@ -319,8 +319,8 @@ class DistillJob(Job):
 
     def loss(self, module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         on_policy = 0.0
-        if module.training and self.cfg.on_policy.fraction > 0 and \
-                float(torch.rand(())) < self.cfg.on_policy.fraction:  # torch RNG: checkpointed by the loop
+        if (module.training and self.cfg.on_policy.fraction > 0 and
+                float(torch.rand(())) < self.cfg.on_policy.fraction):  # torch RNG: checkpointed by the loop
             batch = self.on_policy_batch(module, batch)
             on_policy = 1.0
         # position t predicts token t+1; only positions whose next token is learned go through the

@@ -38,8 +38,8 @@ def test_split(results: Path) -> dict:
             out.setdefault(key, {})["chain" if shape.startswith("chain") else "own"] = c["tau"]
             if c.get("gpu_tree"):
                 out[key]["gpu"] = c["gpu_tree"]["tau"]
-            out[key]["lossless"] = out[key].get("lossless", True) and c.get("lossless") and \
-                (c.get("gpu_tree") or {}).get("lossless", True)
+            out[key]["lossless"] = (out[key].get("lossless", True) and c.get("lossless") and
+                (c.get("gpu_tree") or {}).get("lossless", True))
             out[key].setdefault("report", str(rep))
     return out
 

@@ -234,8 +234,8 @@ def long_passage_rows(t0_dir: Path, shipped: set[str]) -> list[dict]:
     """Summaries (`summarization`) and answers from passages (`rag`) of 150-700 words from the P3 templates'
     rows that train/t0_prompts.jsonl.gz does not ship."""
     def domain_of(template: str) -> str | None:
-        return "summarization" if re.search(SUMMARY_TEMPLATES, template) else \
-            "rag" if re.search(RAG_TEMPLATES, template) else None
+        return ("summarization" if re.search(SUMMARY_TEMPLATES, template) else
+            "rag" if re.search(RAG_TEMPLATES, template) else None)
 
     return _t0_rows(t0_dir, domain_of, LONG_WORDS, shipped)
 

@@ -493,8 +493,8 @@ def run_budgeted(model, train_loader, val_loader, cfg: PeerConfig, horizon: int,
     Eagle3 = mods["eagle3"].Eagle3DraftModel
     train_kw, val_kw = Eagle3.get_trainer_kwargs(loss_fn=cfg.loss, loss_implementation="eager",
                                                  ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.step_decay)
-    with tempfile.TemporaryDirectory(prefix="speculators-peer-") as work, cpu_patches(cfg.progress), \
-            collected_metrics() as records, warnings.catch_warnings():
+    with (tempfile.TemporaryDirectory(prefix="speculators-peer-") as work, cpu_patches(cfg.progress),
+          collected_metrics() as records, warnings.catch_warnings()):
         warnings.filterwarnings("ignore", message=".*pin_memory.*")
         warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported.*")
         tcfg = mods["trainer"].TrainerConfig(

@@ -118,8 +118,8 @@ def _audit(out: Path, events: list[str]):
     def hook(name, args):
         if name == "open" and args and isinstance(args[0], str | bytes | os.PathLike):
             path, mode, flags = (list(args) + [None, None])[:3]
-            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
-                (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+            writing = ((isinstance(mode, str) and any(c in mode for c in "wax+")) or
+                (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
             if writing and os.path.abspath(os.fsdecode(path)).startswith(root):
                 events.append(f"open:{os.fsdecode(path)}")
         elif name in ("os.mkdir", "os.rename", "os.replace", "os.remove", "shutil.rmtree") and args:

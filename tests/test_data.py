@@ -609,8 +609,8 @@ def test_a_set_grows_keeping_every_row_and_its_capture(tmp_path, tiny_target):
     counts = json.loads((out / "provenance.json").read_text())["counts"]
     assert counts["rows"] == len(after) and counts["per_source"] == {"more": 3, "p": len(PROMPTS)}
     assert counts["grown"]["kept_rows"] == len(before) and counts["grown"]["new_rows"] == len(new)
-    assert sum(counts["loss_tokens_per_domain"].values()) == counts["loss_tokens"] == \
-        sum(counts["loss_tokens_per_source"].values()) == sum(sum(r["loss_mask"]) for r in after)
+    assert (sum(counts["loss_tokens_per_domain"].values()) == counts["loss_tokens"] ==
+        sum(counts["loss_tokens_per_source"].values()) == sum(sum(r["loss_mask"]) for r in after))
 
 
 def test_grow_from_copies_the_base_set_and_leaves_it_as_it_was(tmp_path, tiny_target):

@@ -119,8 +119,8 @@ def test_topk_tail_bucket_penalises_student_mass_outside_support():
     top = L.topk_divergence(s, values, indices, "forward_kl", teacher_logsumexp=lse).item()
     assert top <= L.divergence(s, t, "forward_kl").item() + 1e-6
     # renormalised mode ignores student mass outside the support: identical top-k logits -> 0
-    assert L.topk_divergence(bad.scatter(-1, indices, values), values, indices, "tvd", tail="renormalize").item() \
-        == pytest.approx(0.0, abs=1e-6)
+    assert (L.topk_divergence(bad.scatter(-1, indices, values), values, indices, "tvd", tail="renormalize").item()
+        == pytest.approx(0.0, abs=1e-6))
 
 
 def test_distill_loss_mixing_and_grad():

@@ -197,8 +197,8 @@ def test_a_bf16_draft_stays_lossless(trained, target4):
     proposer = build_proposer(f"dspark:{result.artifact}", target4)
     assert proposer.use_dtype(torch.bfloat16)
     prompts = [r["input_ids"][:4] for r in rows[:2]]
-    assert speculative_generate(target4, proposer, prompts, 12, k=BS - 1, eos_ids=[]).tokens == \
-        hf_greedy(target4, prompts, 12)
+    assert (speculative_generate(target4, proposer, prompts, 12, k=BS - 1, eos_ids=[]).tokens ==
+        hf_greedy(target4, prompts, 12))
 
 
 def test_export_for_vllm_verifies_reloads_and_is_refused_elsewhere(trained, target4, tmp_path):

@@ -22,8 +22,8 @@ def test_published_headline_equals_its_committed_report(doc):
         report_path = ROOT / path
         assert report_path.is_file(), f"{doc}: the headline's report {path} is not committed"
         report = json.loads(report_path.read_text(encoding="utf-8"))
-        assert text[start:end] == headline.render(report, path), \
-            f"{doc}: the headline block differs from {path}; rerun draftsmith bench headline --write"
+        assert text[start:end] == headline.render(report, path), (
+            f"{doc}: the headline block differs from {path}; rerun draftsmith bench headline --write")
         for key in ("command", "date", "machine"):
             assert report.get(key), f"{path}: no {key}"
         assert report["settings"]["split"] == "test"  # headline numbers come from the split nothing chose on

@@ -306,8 +306,8 @@ BAD_CHOICES = {
 @pytest.mark.parametrize("case", sorted(BAD_CHOICES))
 def test_a_server_answering_bad_ids_or_text_is_retried_then_dropped(tiny_target, tmp_path, case):
     choice, expect = BAD_CHOICES[case]
-    with fake_server(openai_answer("tiny", lambda req: choice)) as bad, \
-            fake_server(openai_answer("tiny", _good)) as good:
+    with (fake_server(openai_answer("tiny", lambda req: choice)) as bad,
+          fake_server(openai_answer("tiny", _good)) as good):
         with pytest.raises(DataError, match=f"every server failed.*{expect}") as e:
             generate_dataset(data_cfg(tmp_path, [f"{bad}/v1"], "alone"), tiny_target, progress=False)
         assert "\n" not in str(e.value)

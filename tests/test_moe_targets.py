@@ -137,8 +137,8 @@ def test_plan_counts_every_expert_as_weights_and_the_routed_ones_as_compute(name
     assert p["weights_bytes"]["target"] == 2 * n_total and p["params"]["target_active"] == n_active
     rep = size_report(cfg, context=1)
     assert rep["non_embedding_params"] == n_total - 2 * embedding
-    assert rep["flops_per_token"] == 2 * (n_active - 2 * embedding) + 2 * embedding + 2 * cfg.num_hidden_layers * \
-        cfg.num_attention_heads * cfg.head_dim
+    assert (rep["flops_per_token"] == 2 * (n_active - 2 * embedding) + 2 * embedding + 2 * cfg.num_hidden_layers *
+        cfg.num_attention_heads * cfg.head_dim)
     # a token's MLP workspace is that of its routed experts (and shared ones): Qwen3-MoE 8 x 768, gpt-oss 4 x 2880,
     # DeepSeek-V3 8 x 2048 + 1 x 2048 (as wide as its dense layers' 18,432)
     assert mlp_width(cfg) == {"Q": 8 * 768, "g": 4 * 2880, "D": 9 * 2048}[name[0]]

@@ -80,8 +80,8 @@ def test_plan_fits_the_named_gpus(name, kind):
     double = plan_config(folder / f"{kind}.yaml", folder / "target-config.json", acc, "H100-80GB",
                          overrides=[f"train.batch_size={2 * p['batch_size']}"])
     assert double["bytes"]["activations"] > 1.9 * b["activations"] - 2 * 2**30
-    assert {k: v for k, v in double["bytes"].items() if k != "activations"} == \
-        {k: v for k, v in b.items() if k != "activations"}
+    assert ({k: v for k, v in double["bytes"].items() if k != "activations"} ==
+        {k: v for k, v in b.items() if k != "activations"})
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -191,8 +191,8 @@ def test_trackers_resume_into_one_run(tmp_path, monkeypatch):
     while time.time() < deadline:  # a checkpoint, and a step logged after it
         if proc.poll() is not None:
             pytest.fail(f"training subprocess ended early: {proc.stderr.read().decode()[-2000:]}")
-        if (out / "checkpoints" / "step-00000004" / "state.json").exists() and '"step": 5' in \
-                (out / "log.jsonl").read_text():
+        if ((out / "checkpoints" / "step-00000004" / "state.json").exists() and '"step": 5' in
+                (out / "log.jsonl").read_text()):
             break
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)

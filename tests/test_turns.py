@@ -104,8 +104,8 @@ def test_turns_first_is_the_single_turn_evaluation(tiny_target, chat_files):
     assert first["settings"]["turns"] == "first" and "turns" not in first["overall"]
     ones = [r for r in every["prompts"] if r["turn"] == 1]
     for a, b in zip(first["prompts"], ones):  # turn 1 is decoded exactly as a single-turn run decodes it
-        assert (a["prompt_tokens"], a["new_tokens"], a["alpha"], a["tau"]) == \
-            (b["prompt_tokens"], b["new_tokens"], b["alpha"], b["tau"])
+        assert ((a["prompt_tokens"], a["new_tokens"], a["alpha"], a["tau"]) ==
+            (b["prompt_tokens"], b["new_tokens"], b["alpha"], b["tau"]))
     assert first["domains"]["code"]["tau"] == every["domains"]["code"]["tau"]
     with pytest.raises(ValueError, match="turns must be one of all, first"):
         _evaluate(tiny_target, chat_files, turns="last")

@@ -46,8 +46,8 @@ def test_the_docs_table_is_the_report(report):
     mod = _script()
     text = (ROOT / "docs" / "your-model.md").read_text()
     block = text.split(mod.BEGIN, 1)[1].split(mod.END, 1)[0]
-    assert block.strip() == mod.docs_table(report).strip(), \
-        "docs/your-model.md's vLLM table differs from the report: python scripts/vllm_families.py --write-docs"
+    assert block.strip() == mod.docs_table(report).strip(), (
+        "docs/your-model.md's vLLM table differs from the report: python scripts/vllm_families.py --write-docs")
 
 
 def test_export_warns_exactly_where_the_measured_vllm_refuses(report):

@@ -40,8 +40,8 @@ def tiny(request, tiny_tokenizer, tmp_path_factory):
 
 def _assert_served(report: dict, kind: str) -> None:
     assert report["loaded"], f"{kind}: vLLM did not load the export: {report['error']}"
-    assert report["lossless"], f"{kind}: vLLM's speculative output differs from its own plain output " \
-                               f"(prompt {report['first_differing_prompt']})"
+    assert report["lossless"], (f"{kind}: vLLM's speculative output differs from its own plain output "
+                                f"(prompt {report['first_differing_prompt']})")
     v, d = report["vllm"], report["draftsmith"]
     assert v["num_drafts"] > 0, f"{kind}: vLLM counted no draft"
     assert d["lossless"], f"{kind}: draftsmith's own decoding is not lossless"
