@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     for method in methods.all_methods():  # a method's own jobs come with its folder (Method.commands)
         if method.commands is not None:
             method.get("commands")(subparsers)
-    by_methods = (set(subparsers.choices) - registered) | {m.command[0] for m in methods.all_methods() if m.command}
+    by_methods = (set(subparsers.choices) - registered) | {m.alias for m in methods.all_methods() if m.alias}
     subparsers.stage_of = {name: stage for stage, _, names in STAGES for name in names}
     subparsers.stage_of.update({name: METHOD_STAGE for name in subparsers.choices if name in by_methods})
     return parser

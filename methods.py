@@ -7,9 +7,9 @@ exported for each serving stack and sized for `draftsmith plan`. `BUILTIN` names
 adding a method is a folder plus one line there (and the folder in pyproject.toml's package list, for the
 wheel), or a `register(Method(...))` call, which is how a test or a plugin adds one without touching any file.
 
-References are `"module:attribute"` strings (or the objects themselves), imported on first use: listing
-the methods imports none of their code, and decoding with a head imports its proposer, not its training
-job.
+References (`Ref[X]`) are `"module:attribute"` strings naming an X, or the X itself (a method a test or a
+plugin registers in code), imported on first use: listing the methods imports none of their code, and decoding
+with a head imports its proposer, not its training job. Each is one of:
 
     config    the job's config dataclass (registered with `@register_config`, so `kind: NAME` presets load)
     job       its `training.job.Job` class (cfg, target, rows=None): the one runner (`runner.train.run`)
@@ -37,15 +37,27 @@ job.
               reads no capture, and cannot train from served states
     commands  (subparsers) -> None: adds the method's own subcommands to `draftsmith` (a job only this method
               has, e.g. Medusa-2's `medusa2-drift`); the CLI calls it after its own commands
+
+Besides its name, a method may answer to one `alias` (the draft method's `distill`): `draftsmith ALIAS` is
+`draftsmith train NAME` with the same arguments, and wherever a method is named (an artifact kind, a proposer
+`ALIAS:PATH`, a bench preset's job) the alias finds it. `train NAME` stays the documented form.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from draftsmith.errors import ConfigError
+
+if TYPE_CHECKING:
+    import argparse
+
+T = TypeVar("T")
+Ref = str | T  # "package.module:attr" naming a T, imported on first use (`resolve`), or the T itself
+Fn = Callable[..., object]  # a function of the method's: its arguments and result are in the module docstring
 
 STACKS = ("vllm", "sglang", "trtllm", "hf")  # the serving stacks an export is written for (`export --to`)
 
@@ -86,27 +98,30 @@ def resolve(ref: Any) -> Any:
 class Method:
     name: str  # artifact kind, proposer prefix, `draftsmith train NAME`
     summary: str  # one line for `draftsmith train --help`
-    config: Any  # references (module docstring)
-    job: Any  # its `training.job.Job` class: the one runner trains it
-    load: Any
-    proposer: Any
-    export: Any = None  # None: no serving stack takes it (`draftsmith export` says so)
-    reimport: Any = None  # None: `import_export` reads none of its exports back
-    serving: Any = None  # None: serve-check runs none of its exports, and no vLLM refusal is known
-    memory: Any = None  # None: `draftsmith plan` counts model.safetensors' parameters and no cache
-    tensors: Any = None  # None: `draftsmith check` compares no tensor shapes
-    train_memory: Any = None  # None: `draftsmith plan --config` cannot size its training job
-    features: Any = None  # None: no capture cache feeds its job (it cannot train from the fleet's states)
+    # references (module docstring: what each is called with)
+    config: Ref[type]  # its job's config dataclass
+    job: Ref[type]  # its `training.job.Job` class: the one runner trains it
+    load: Ref[Fn]
+    proposer: Ref[Fn]
+    export: Ref[Fn] | None = None  # None: no serving stack takes it (`draftsmith export` says so)
+    reimport: Ref[Fn] | None = None  # None: `import_export` reads none of its exports back
+    # a `layouts.serving.Serving`; None: serve-check runs none of its exports, and no vLLM refusal is known
+    serving: Ref[object] | None = None
+    memory: Ref[Fn] | None = None  # None: `draftsmith plan` counts model.safetensors' parameters and no cache
+    tensors: Ref[Fn] | None = None  # None: `draftsmith check` compares no tensor shapes
+    train_memory: Ref[Fn] | None = None  # None: `draftsmith plan --config` cannot size its training job
+    features: Ref[Fn] | None = None  # None: no capture cache feeds its job (it cannot train from the fleet's states)
+    # register(subparsers): jobs only it has, which the CLI adds beside the others; None: it has none
+    commands: Ref[Callable[[argparse._SubParsersAction], None]] | None = None
+    # plain settings
+    alias: str | None = None  # its other name (module docstring): `draftsmith ALIAS` is `train NAME`
     default_config: str | None = None  # the shipped preset, by name, `draftsmith train NAME` uses without --config
     data_key: str = "data"  # the config key naming the self-distilled dataset (retrain and bench set it)
     output_key: str | None = "output"  # the config key naming the artifact folder; None: the job writes
     #                                    <train.output_dir>/artifact
-    command: tuple[str, ...] = ()  # a one-word alias of `train NAME` (`distill` for `train draft`)
-    aliases: tuple[str, ...] = ()  # other names bench presets may give its job (`distill` for `draft`)
     # its proposer has a shape of its own (a head's tree, DFlash's block chain): the end-of-training evaluation
     # decodes that shape and the proposer's GPU-sized one, not a chain of k
     own_tree: bool = False
-    commands: Any = None  # register(subparsers): subcommands of its own, which the CLI adds beside the others
 
     def get(self, what: str) -> Any:
         """The object a reference field names, imported on first use."""
@@ -114,10 +129,6 @@ class Method:
         if ref is None:
             raise ConfigError(f"method '{self.name}' declares no {what}")
         return resolve(ref)
-
-    @property
-    def cli(self) -> tuple[str, ...]:
-        return ("train", self.name)  # the documented form, whatever alias the method declares
 
 
 _METHODS: dict[str, Method] = {}
@@ -157,15 +168,13 @@ def names() -> list[str]:
 
 
 def get(name: str, what: str = "artifact kind") -> Method:
-    """The method called `name` (or one of its aliases); a one-line error naming the known ones."""
-    for m in all_methods():
-        if name == m.name or name in m.aliases:
-            return m
-    raise ConfigError(f"unknown {what} '{name}' (known: {', '.join(names())})")
+    """The method called `name` (or so aliased); a one-line error naming the known ones."""
+    method = find(name)
+    if method is None:
+        raise ConfigError(f"unknown {what} '{name}' (known: {', '.join(names())})")
+    return method
 
 
 def find(name: str) -> Method | None:
-    for m in all_methods():
-        if name == m.name or name in m.aliases:
-            return m
-    return None
+    """The method called `name` (or so aliased), None when there is none."""
+    return next((m for m in all_methods() if name in (m.name, m.alias)), None)

@@ -230,7 +230,7 @@ class Bench:
         if steps is not None:
             common.append(f"train.max_steps={steps}")
         method = methods.get(a.job)
-        argv = [*_draftsmith(), *method.cli, "--config", a.config, f"{method.data_key}={self.data_path()}"]
+        argv = [*_draftsmith(), "train", method.name, "--config", a.config, f"{method.data_key}={self.data_path()}"]
         if method.output_key is not None:  # the job writes where it is told
             argv.append(f"{method.output_key}={out}")
             marker = out / "manifest.json"

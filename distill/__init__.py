@@ -17,6 +17,5 @@ METHOD = Method(
     default_config="smollm2-135m/distill",
     data_key="data.path",
     output_key=None,
-    command=("distill",),
-    aliases=("distill",),
+    alias="distill",
 )

@@ -1,6 +1,6 @@
 """`draftsmith train METHOD --config PATH [key=value ...]`: run any registered method's training job
 (methods.py) through the one runner (runner/train.py). A method may declare a one-word alias of the same
-job (`Method.command`: `draftsmith distill` is `draftsmith train draft`), with the same arguments and the same
+job (`Method.alias`: `draftsmith distill` is `draftsmith train draft`), with the same arguments and the same
 output; `train METHOD` is the documented form.
 
 `draftsmith trust RUN`: a run's checkpoints resume in full only when its record of them is signed with this
@@ -31,9 +31,9 @@ def register(subparsers) -> None:
                    help="; ".join(f"{m.name}: {m.summary}" for m in known))
     _add_job_arguments(p, "the method's own: " + ", ".join(f"{m.name} {m.default_config}" for m in known))
     p.set_defaults(func=run)
-    for m in known:  # a method's declared alias (one word: a top-level command) runs `train NAME` as it is
-        if len(m.command) == 1:
-            own = subparsers.add_parser(m.command[0], help=f"alias of `train {m.name}`: {m.summary}")
+    for m in known:  # a method's declared alias (a top-level command) runs `train NAME` as it is
+        if m.alias:
+            own = subparsers.add_parser(m.alias, help=f"alias of `train {m.name}`: {m.summary}")
             _add_job_arguments(own, m.default_config or "the method's preset")
             own.set_defaults(func=run, job=m.name)
     t = subparsers.add_parser("trust", help="accept a run folder received whole (a colleague's, a download) "

@@ -294,3 +294,23 @@ def test_every_reference_of_the_builtin_methods_resolves():
         for what in fields:
             if getattr(method, what) is not None:
                 assert callable(method.get(what)), (method.name, what)
+
+
+def test_a_method_declares_its_other_name_once_and_types_its_references():
+    """A method's other name is one field, `alias`: `draftsmith distill` runs `train draft`, and a bench preset's
+    job or an artifact kind may say `distill` (once two fields, `command` and `aliases`, besides `cli` and
+    `commands`). Every reference is typed `Ref[what it resolves to]`: no field is `Any`."""
+    import dataclasses
+
+    from draftsmith.cli import build_parser
+
+    fields = {f.name: f.type for f in dataclasses.fields(methods.Method)}
+    assert not {"command", "aliases", "cli"} & (set(fields) | set(vars(methods.Method)))
+    refs = ("config", "job", "load", "proposer", "export", "reimport", "serving", "memory", "tensors",
+            "train_memory", "features", "commands")
+    assert [n for n in refs if not fields[n].startswith("Ref[")] == []
+    assert [n for n, tp in fields.items() if "Any" in tp] == []
+    draft = methods.get("distill")
+    assert (draft.name, draft.alias) == ("draft", "distill") and methods.find("distill") is draft
+    assert build_parser().parse_args(["distill", "--config", "x.yaml"]).job == "draft"
+    assert [m.name for m in methods.all_methods() if m.alias] == ["draft"]
