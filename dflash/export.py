@@ -37,7 +37,7 @@ from draftsmith.dflash.model import DFlashConfig, buildable, module_of, read_con
 from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.layouts import schema
 from draftsmith.layouts.common import state_dtype
-from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, vllm_serve
+from draftsmith.layouts.serving import Serving, VllmPatch, VllmServe, sglang_serve, vllm_serve
 from draftsmith.layouts.verify import (
     VerificationError,
     check,
@@ -173,9 +173,11 @@ def vllm_block_problem(export_dir: Path, k: int, read=None, title: str = "DFlash
     return None
 
 
-# `Method.serving`: vLLM 0.32's CPU build normalises the context keys of all draft layers with the first layer's
-# k_norm (export/vllm_run.py PATCHES), so serve-check applies its measured fix there
-SERVING = Serving(vllm={FORMAT: VllmServe("dflash", check=vllm_block_problem, patches=("dflash-context-knorm",))})
+# vLLM 0.32's CPU build normalises the context keys of all draft layers with the first layer's k_norm, so
+# serve-check applies the measured fix in dflash/vllm_patches.py (DSpark, on this backbone, names it too)
+CONTEXT_KNORM = VllmPatch("dflash-context-knorm", Path(__file__).with_name("vllm_patches.py"))
+# `Method.serving`
+SERVING = Serving(vllm={FORMAT: VllmServe("dflash", check=vllm_block_problem, patches=(CONTEXT_KNORM,))})
 
 
 # --- verification --------------------------------------------------------------------------------------

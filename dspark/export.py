@@ -97,7 +97,8 @@ def vllm_block_problem(export_dir: Path, k: int) -> str | None:
 
 
 # `Method.serving`: what serve-check would run; vLLM 0.32's CPU build refuses the method (see the docstring)
-SERVING = Serving(vllm={FORMAT: VllmServe("dspark", check=vllm_block_problem, patches=("dflash-context-knorm",))})
+SERVING = Serving(vllm={FORMAT: VllmServe("dspark", check=vllm_block_problem,
+                                          patches=(backbone.CONTEXT_KNORM,))})
 
 
 @register_verifier(FORMAT)

@@ -50,9 +50,9 @@ from draftsmith.storage import atomic_write_json, atomic_write_text, open_output
 RUNNER = Path(__file__).with_name("vllm_run.py")
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 # How vLLM serves each export format (its speculative method, a chain length it would serve otherwise than trained,
-# the fixes of vLLM's CPU kernels the runner applies: export/vllm_run.py PATCHES, each a measured defect, applied
-# only on the CPU platform; the report lists what was applied) is each method's own: `Method.serving`, read
-# through export/vllm.py
+# the fixes of vLLM's CPU kernels the runner applies: a file of the method's folder the runner loads by path,
+# each a measured defect, applied only on the CPU platform; the report lists what was applied) is each
+# method's own: `Method.serving`, read through export/vllm.py
 TOLERANCE = 0.03  # per-position acceptance, vLLM vs draftsmith, absolute (float32 vs float32 kernels differ)
 
 
@@ -279,7 +279,8 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
         plain = run_vllm({**job, "speculative_config": None}, out, "vllm-plain", timeout)
     if not plain.get("loaded"):
         raise ServeCheckError(f"vLLM did not run the target {target.folder} itself: {plain.get('error')}")
-    fixes = list(vllm_serving(export_dir).patches) if patches and export_dir is not None else []
+    fixes = ([{"name": p.name, "file": str(p.file.resolve())} for p in vllm_serving(export_dir).patches]
+             if patches and export_dir is not None else [])
     spec_run = run_vllm({**job, "speculative_config": spec, "patches": fixes}, out, "vllm-spec", timeout)
     report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
               "k": k, "n_prompts": len(job["prompts"]), "max_new_tokens": max_new_tokens, "prompt_files": files,

@@ -12,8 +12,9 @@ and reads RESULT.json back; nothing else crosses between them. The job:
     speculative_config     vLLM's dict ({"method": "eagle3", "model": EXPORT, "num_speculative_tokens": 4}) or null
     prompts                token ids per prompt (chat-templated by draftsmith, so both engines read the same ids)
     max_new_tokens, max_model_len, batch (the prompts decoded together for the batched timing), seed
-    patches                names of PATCHES to apply to vLLM's code first (each a measured CPU-kernel defect;
-                           the result lists what was applied)
+    patches                fixes of vLLM's code to apply first, each {"name", "file"}: an entry of the
+                           PATCHES table of a method folder's vllm_patches.py, loaded by path (each a measured
+                           CPU-kernel defect; the result lists what was applied)
 
 The result: loaded (and vLLM's own last error line when not), greedy outputs (token ids) of the prompts
 decoded one at a time, the spec-decode counters of that one-at-a-time pass (so per-position acceptance is
@@ -25,6 +26,7 @@ vLLM starts its engine core in a spawned process, so everything runs under the `
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -69,31 +71,29 @@ def _last_error_line(exc: BaseException) -> str:
     return " | ".join(lines[:3])[:600] if lines else type(exc).__name__
 
 
-def _patch_dflash_context_knorm() -> str | None:
-    """vLLM 0.32's DFlash drafter normalises the context keys of all its layers in one `rms_norm` call with
-    the layers' k_norm weights stacked [L, head_dim], a kernel feature that picks the weight row by the
-    outermost index; the CPU kernel applies row 0 to every layer, so the keys of layers 1..L-1 are normalised
-    with layer 0's weight (measured: exact for layer 0, off for the others). Same kernel, one layer at a time.
-    Returns what was patched, or None where nothing needed it (not the CPU platform)."""
-    import torch
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.models import qwen3_dflash
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
-
-    def normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(all_k)
-        for i in range(all_k.shape[0]):
-            ops.rms_norm(out[i], all_k[i], self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
-        return out
-
-    qwen3_dflash.DFlashQwen3Model._normalize_context_k = normalize_context_k
-    return "qwen3_dflash.DFlashQwen3Model._normalize_context_k: per-layer k_norm (CPU kernel takes row 0 only)"
-
-
-PATCHES = {"dflash-context-knorm": _patch_dflash_context_knorm}
+def apply_patches(patches: list[dict]) -> list[str]:
+    """Apply fixes of vLLM's own code before the engine starts: each `{"name", "file"}` is an entry of the
+    PATCHES table of a file in a method's folder (its serving entry names both: `layouts.serving.VllmPatch`),
+    loaded here by path, since this script cannot import draftsmith. Returns what each patch says it replaced,
+    leaving out the ones that found nothing to do."""
+    applied, loaded = [], {}
+    for patch in patches:
+        path = patch["file"]
+        if path not in loaded:
+            spec = importlib.util.spec_from_file_location(f"_vllm_patches_{len(loaded)}", path)
+            if spec is None or spec.loader is None:
+                raise ValueError(f"{path}: not a python file the runner can load patches from")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            loaded[path] = getattr(module, "PATCHES", {})
+        table = loaded[path]
+        if patch["name"] not in table:
+            have = ", ".join(table)
+            raise ValueError(f"{path}: no patch {patch['name']!r} in its PATCHES (it has: {have})")
+        what = table[patch["name"]]()
+        if what:
+            applied.append(what)
+    return applied
 
 
 def run(job: dict) -> dict:
@@ -103,7 +103,7 @@ def run(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     result: dict = {"vllm_version": __version__, "speculative_config": job.get("speculative_config")}
-    applied = [what for what in (PATCHES[name]() for name in job.get("patches") or []) if what]
+    applied = apply_patches(job.get("patches") or [])
     if applied:
         result["patches"] = applied
     t0 = time.perf_counter()

@@ -17,20 +17,32 @@ from draftsmith.layouts.common import fenced
 
 
 @dataclass(frozen=True)
+class VllmPatch:
+    """A fix of vLLM's own code for one method's drafter: the entry `name` of the PATCHES table in `file`, a
+    module of the method's folder (e.g. dflash/vllm_patches.py) that imports the standard library, torch
+    and vllm only (scripts/check_imports.py rule 5). serve-check's runner, which cannot import draftsmith,
+    gets the pair in its job and loads the file by path in vLLM's environment."""
+
+    name: str
+    file: Path
+
+
+@dataclass(frozen=True)
 class VllmServe:
     """How vLLM serves one export format.
 
     method: vLLM's speculative method (`speculative_config["method"]`).
     check(export_dir, k) -> why vLLM would serve a chain of k otherwise than the drafter was trained, or None.
-    patches: the fixes of vLLM's CPU kernels export/vllm_run.py applies for this format (its PATCHES), each a
-    measured defect; `draftsmith serve-check` lists what it applied.
+    patches: the fixes of vLLM's CPU kernels serve-check's runner (export/vllm_run.py) applies for this
+    format, each a measured defect kept in the method's folder; `draftsmith serve-check` lists what it
+    applied.
     proposer(export_dir) -> the proposer spec draftsmith decodes the export with; None: the export is read back
     into an artifact first (`import_export`) and decoded as one.
     """
 
     method: str
     check: Callable[[Path, int], str | None] | None = None
-    patches: tuple[str, ...] = ()
+    patches: tuple[VllmPatch, ...] = ()
     proposer: Callable[[Path], str] | None = None
 
 

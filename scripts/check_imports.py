@@ -17,8 +17,10 @@
    method folder's references point into the folder itself; a reference to a later layer is declared in
    BY_NAME by the layer it reaches ("method folders" for any of METHODS), with its reason, and a declaration
    that no longer occurs is reported.
-5. `fleet/` runs inside the serving engine's process (vLLM loads it by import path, in vLLM's environment,
-   where draftsmith's dependencies are not installed): it imports no draftsmith module outside itself.
+5. what runs in the serving engine's environment, where draftsmith's dependencies are not installed, imports
+   no draftsmith module: `fleet/` (vLLM loads it by import path, inside its own process) none outside itself;
+   ENGINE_SCRIPTS (serve-check's runner) and each method folder's ENGINE_PATCHES module (the fixes of vLLM's
+   code its serving entry names, which the runner loads by path) none at all.
 
     python scripts/check_imports.py          # exit 1 with one line per violation, else one line of totals
 
@@ -43,6 +45,10 @@ BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage", "d
 ENGINE_SIDE = "fleet"
 
 # The layers, first to last: each name is a top-level module or folder of the package ("__init__" is the
+# rule 5, the files run there by path: serve-check's runner (a script of vLLM's environment), and in each
+# method folder the module of its fixes of vLLM's code (`layouts.serving.VllmPatch`), which that runner loads
+ENGINE_SCRIPTS = {"export.vllm_run"}
+ENGINE_PATCHES = "vllm_patches"
 # package's own), whole: a module sits in its folder's layer, never in one of its own (a dotted name is
 # refused). Names in one layer may import each other, except the method folders (rule 3).
 def _builtin_methods() -> set[str]:
@@ -309,9 +315,24 @@ def problems(g: dict[str, set[str]], allowed: dict[frozenset[str], str] = ALLOWE
                 continue
             found.append(f"{mod} imports {dep}: {BOTTOM}/ is the bottom layer and imports no other draftsmith "
                          "subpackage")
-    side = f"{PACKAGE}.{ENGINE_SIDE}"
+    return found + engine_problems(g)
+
+
+def engine_side(module: str, methods: set[str] | None = None) -> bool:
+    """Whether `module` runs in the serving engine's environment (rule 5)."""
+    methods = METHODS if methods is None else methods
+    rel = module.removeprefix(PACKAGE + ".")
+    return (top(module) == ENGINE_SIDE or rel in ENGINE_SCRIPTS
+            or rel in {f"{m}.{ENGINE_PATCHES}" for m in methods})
+
+
+def engine_problems(g: dict[str, set[str]], methods: set[str] | None = None) -> list[str]:
+    """Rule 5: one line per draftsmith import of a module that runs in the serving engine's environment."""
+    side, found = f"{PACKAGE}.{ENGINE_SIDE}", []
     for mod, deps in sorted(g.items()):
-        if mod == side or mod.startswith(side + "."):
+        if not engine_side(mod, methods):
+            continue
+        if top(mod) == ENGINE_SIDE:
             found += [f"{mod} imports {dep}: {ENGINE_SIDE}/ runs in the serving engine's environment and imports "
                       "no draftsmith module outside it" for dep in sorted(deps)
                       if dep not in (PACKAGE, side) and not dep.startswith(side + ".")]
@@ -319,6 +340,9 @@ def problems(g: dict[str, set[str]], allowed: dict[frozenset[str], str] = ALLOWE
 
 
 def main() -> int:
+        else:
+            found += [f"{mod} imports {dep}: it runs in the serving engine's environment (loaded by path "
+                      "there) and imports no draftsmith module" for dep in sorted(deps)]
     g = graph()
     refs = references()
     found = problems(g) + reference_problems(refs)

@@ -1,7 +1,7 @@
 """vLLM's CPU build against its own DFlash drafter's multi-layer context keys, measured.
 
 vLLM 0.32 normalises the context keys of all draft layers in one `rms_norm` call with the layers' k_norm weights
-stacked; on the CPU build the kernel takes layer 0's weight for every layer (export/vllm_run.py's
+stacked; on the CPU build the kernel takes layer 0's weight for every layer (dflash/vllm_patches.py's
 `dflash-context-knorm` fix runs the same kernel one layer at a time). This script trains a two-layer DFlash draft
 on a tiny random Llama (rows it wrote), scales each layer's k_norm differently (training leaves them near 1, where
 the defect hides; tests/served_family.py), exports it for vLLM and runs `draftsmith serve-check` twice: with the

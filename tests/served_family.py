@@ -64,7 +64,7 @@ def _zero_fc_bias(art: Path, target) -> Path:
 def _distinct_k_norms(art: Path, target) -> Path:
     """The same DFlash draft with each layer's k_norm weight scaled by its own factor: a few steps of training
     leave them all near 1, where a kernel applying one layer's norm to every layer's keys (vLLM's CPU build,
-    export/vllm_run.py) would go unnoticed. Saved as an artifact of its own, decoded by vLLM and draftsmith."""
+    dflash/vllm_patches.py) would go unnoticed. Saved as an artifact of its own, decoded by vLLM and draftsmith."""
     from draftsmith import artifact
 
     manifest, state = artifact.load_artifact(art, kind="dflash", target=target)
@@ -131,7 +131,7 @@ class TinyFamily:
 
     def _dflash(self, name: str, rows, steps: int, **options) -> Path:
         """A DFlash draft of two layers: vLLM's multi-layer context path (its CPU kernel needed a fix,
-        export/vllm_run.py), with distinct k_norms."""
+        dflash/vllm_patches.py), with distinct k_norms."""
         from draftsmith.dflash.job import DFlashJob, DFlashJobConfig
         from draftsmith.evaluation.after_training import EvalAfterTraining
         from draftsmith.training import train

@@ -413,3 +413,56 @@ def test_a_reduced_vocabulary_draft_exports_for_vllm_and_is_refused_for_sglang(t
     save_file(bad, str(res.out / "model.safetensors"))
     with pytest.raises(Exception, match="d2t"):
         verify_export(res.out, target4)
+
+
+def test_each_vllm_patch_lives_in_its_method_folder_and_the_runner_names_none():
+    """A fix of vLLM's own code for one method's drafter is that method's: its serving entry names the patch
+    and the file that holds it (a module of its folder the runner loads by path in vLLM's environment, held
+    by scripts/check_imports.py to no draftsmith import); export/vllm_run.py holds no patch and names no
+    method."""
+    import ast
+
+    from repo_scripts import ROOT, load_script
+
+    from draftsmith import methods
+    from draftsmith.layouts.serving import VllmPatch
+
+    checker = load_script("check_imports")
+    named = []
+    for method in methods.all_methods():
+        if method.serving is None:
+            continue
+        for fmt, entry in method.get("serving").vllm.items():
+            for patch in entry.patches:
+                assert isinstance(patch, VllmPatch), (method.name, fmt, patch)
+                rel = patch.file.resolve().relative_to(ROOT)
+                assert rel.parts[0] in checker.METHODS and len(rel.parts) == 2, rel
+                assert checker.engine_side(checker.module_name(ROOT / rel)), rel
+                tree = ast.parse(patch.file.read_text(encoding="utf-8"))
+                table = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                             and any(getattr(t, "id", None) == "PATCHES" for t in n.targets))
+                assert patch.name in [ast.literal_eval(k) for k in table.keys], (rel, patch.name)
+                named.append((method.name, patch.name))
+    assert ("dflash", "dflash-context-knorm") in named and ("dspark", "dflash-context-knorm") in named
+    runner = ast.parse((ROOT / "export" / "vllm_run.py").read_text(encoding="utf-8"))
+    code = ast.unparse(runner.body[1:])  # less its docstring, whose job example names vLLM's method "eagle3"
+    assert "PATCHES =" not in code and not any(m in code for m in checker.METHODS), "export/ names a method"
+
+
+def test_the_vllm_runner_applies_the_patches_it_is_given_by_file(tmp_path):
+    """The runner loads each patch file by path (it cannot import draftsmith) and calls the named entry of its
+    PATCHES; a name the file does not hold is one line naming the file and the names it has."""
+    import importlib.util
+
+    from repo_scripts import ROOT
+
+    spec = importlib.util.spec_from_file_location("vllm_run_under_test", ROOT / "export" / "vllm_run.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    fix = tmp_path / "vllm_patches.py"
+    fix.write_text('PATCHES = {"fix-a": lambda: "patched a", "not-here": lambda: None}\n')
+    given = [{"name": "fix-a", "file": str(fix)}, {"name": "not-here", "file": str(fix)}]
+    assert runner.apply_patches(given) == ["patched a"]
+    with pytest.raises(ValueError) as e:
+        runner.apply_patches([{"name": "fix-b", "file": str(fix)}])
+    assert str(e.value) == f"{fix}: no patch 'fix-b' in its PATCHES (it has: fix-a, not-here)"

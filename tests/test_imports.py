@@ -104,3 +104,34 @@ def test_the_checker_finds_a_misplaced_import_by_name(tmp_path):
     declared = {("draftsmith.data.rows", "evaluation"): "why", ("draftsmith.x", "method folders"): "why"}
     assert checker.reference_problems(refs, layers, declared=declared, methods={"medusa"}) == [
         found[1], "BY_NAME declares a reference that no longer occurs: draftsmith.x -> method folders"]
+
+
+def test_the_checker_holds_every_engine_side_file_to_no_draftsmith_import(tmp_path):
+    """What runs in the serving engine's environment (fleet/, the serve-check runner export/vllm_run.py, a
+    method folder's vllm_patches.py that the runner loads by path) imports no draftsmith module: draftsmith's
+    dependencies are not installed there. fleet/ may import itself; a method's own modules elsewhere may
+    import what their layer allows."""
+    checker = _checker()
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "errors.py").write_text("")
+    for pkg in ("fleet", "export", "dflash"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "fleet" / "record.py").write_text("import json\n")
+    (tmp_path / "fleet" / "middleware.py").write_text("from draftsmith.fleet import record\n"
+                                                      "from draftsmith.errors import X\n")
+    (tmp_path / "export" / "vllm_run.py").write_text("def f():\n    from draftsmith.errors import X\n")
+    (tmp_path / "export" / "api.py").write_text("from draftsmith.errors import X\n")
+    patches = "import torch\nfrom draftsmith.dflash import model\n"
+    (tmp_path / "dflash" / "vllm_patches.py").write_text(patches)
+    (tmp_path / "dflash" / "model.py").write_text("from draftsmith.errors import X\n")
+    assert checker.engine_problems(checker.graph(tmp_path), methods={"dflash"}) == [
+        "draftsmith.dflash.vllm_patches imports draftsmith.dflash.model: it runs in the serving engine's "
+        "environment (loaded by path there) and imports no draftsmith module",
+        "draftsmith.export.vllm_run imports draftsmith.errors: it runs in the serving engine's environment "
+        "(loaded by path there) and imports no draftsmith module",
+        "draftsmith.fleet.middleware imports draftsmith.errors: fleet/ runs in the serving engine's "
+        "environment and imports no draftsmith module outside it",
+    ]
+    assert checker.engine_side("draftsmith.dflash.vllm_patches", methods={"dflash"})
+    assert not checker.engine_side("draftsmith.dflash.model", methods={"dflash"})

@@ -16,7 +16,7 @@ vocabulary (`draft_vocab_size`), trained as tests/test_dspark.py trains them, on
 
 The target is test_dspark's with hidden 128: head_dim 32, the smallest head vLLM's CPU attention runs. The draft has
 one layer, as test_dspark's: vLLM's CPU kernel that normalises every layer's context keys with layer 0's k_norm
-(export/vllm_run.py, `dflash-context-knorm`) does not show here; on a two-layer DSpark draft with distinct k_norms
+(dflash/vllm_patches.py, `dflash-context-knorm`) does not show here; on a two-layer DSpark draft with distinct k_norms
 it moves layer 1's context keys by up to 1.64 and the block's states by 0.078 (measured with this script).
 Two trainings, two reference runs and one refused engine start: 70-110 s on 2 cores.
 """
