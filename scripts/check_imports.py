@@ -336,13 +336,13 @@ def engine_problems(g: dict[str, set[str]], methods: set[str] | None = None) -> 
             found += [f"{mod} imports {dep}: {ENGINE_SIDE}/ runs in the serving engine's environment and imports "
                       "no draftsmith module outside it" for dep in sorted(deps)
                       if dep not in (PACKAGE, side) and not dep.startswith(side + ".")]
+        else:
+            found += [f"{mod} imports {dep}: it runs in the serving engine's environment (loaded by path "
+                      "there) and imports no draftsmith module" for dep in sorted(deps)]
     return found
 
 
 def main() -> int:
-        else:
-            found += [f"{mod} imports {dep}: it runs in the serving engine's environment (loaded by path "
-                      "there) and imports no draftsmith module" for dep in sorted(deps)]
     g = graph()
     refs = references()
     found = problems(g) + reference_problems(refs)
