@@ -43,12 +43,12 @@ BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage", "d
 # rule 5: fleet/ runs inside the serving engine's process and environment (vLLM loads it by import path),
 # where draftsmith's dependencies are not installed: it imports no draftsmith module but its own
 ENGINE_SIDE = "fleet"
-
-# The layers, first to last: each name is a top-level module or folder of the package ("__init__" is the
 # rule 5, the files run there by path: serve-check's runner (a script of vLLM's environment), and in each
 # method folder the module of its fixes of vLLM's code (`layouts.serving.VllmPatch`), which that runner loads
 ENGINE_SCRIPTS = {"export.vllm_run"}
 ENGINE_PATCHES = "vllm_patches"
+
+# The layers, first to last: each name is a top-level module or folder of the package ("__init__" is the
 # package's own), whole: a module sits in its folder's layer, never in one of its own (a dotted name is
 # refused). Names in one layer may import each other, except the method folders (rule 3).
 def _builtin_methods() -> set[str]:
