@@ -1,21 +1,35 @@
-"""How a report's table writes a measured value, so every report reads alike: `–` where nothing was
-measured, `yes`/`NO` for a check (a failed one stands out), a format spec for a number; and how outside text
-(a domain or category from a prompt file, a model name from /metrics, a proposer's path) enters Markdown: one
-cell escaper, `md_cell`, that every Markdown table writer uses, so no text can forge a row or a column."""
+"""How a report's table writes a measured value, so every report reads alike (evaluate's report.md and
+printed line, alpha's table, the model card, the sweep, serve-check, the benchmark tables): one formatter,
+`fmt_num` — `–` where nothing was measured, `yes`/`NO` for a check (a failed one stands out), a count whole, a
+format spec for any other number, a list as its first values; and how outside text (a domain or category from
+a prompt file, a model name from /metrics, a proposer's path) enters Markdown: one cell escaper, `md_cell`,
+that every Markdown table writer uses, so no text can forge a row or a column."""
 
 from __future__ import annotations
 
 import re
 import unicodedata
 
+NO_VALUE = "–"  # what a table writes where nothing was measured (an en dash, in every table)
+LIST_SHOWN = 8  # values of a list a cell shows before "…"
+
 
 def fmt_num(v, spec: str = ".3f") -> str:
-    """`v` written with `spec` (".3f", ".1f", ...); None or anything not a number as `–`; a bool as yes/NO."""
+    """`v` as a table cell: a float written with `spec` (".3f", ".2f", ...), an int whole (a count: prompts,
+    tokens, k), a bool as yes/NO, None as `–`, a list as its first LIST_SHOWN values (`[0.812, 0.600, …]`), and
+    anything else (a route, a proposer's name) as text through `md_cell`."""
+    if v is None:
+        return NO_VALUE
     if isinstance(v, bool):
         return "yes" if v else "NO"
-    if isinstance(v, int | float):
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
         return format(v, spec)
-    return "–"
+    if isinstance(v, list | tuple):
+        more = ", …" if len(v) > LIST_SHOWN else ""
+        return "[" + ", ".join(fmt_num(x, spec) for x in v[:LIST_SHOWN]) + more + "]"
+    return md_cell(v)
 
 
 # printable ASCII that means nothing to a Markdown table: the common case, returned as it is
@@ -42,7 +56,7 @@ def md_cell(value) -> str:
     reorder or hide what is shown escaped visibly (`\\|`, `\\n`, `\\u202e`). Markdown's own emphasis and code
     spans are left alone: they cannot cross a cell."""
     if value is None:
-        return "–"
+        return NO_VALUE
     text = value if isinstance(value, str) else str(value)
     return text if _PLAIN.fullmatch(text) else "".join(_escape(ch) for ch in text)
 

@@ -18,6 +18,8 @@ import argparse
 import shlex
 import sys
 
+from draftsmith.formatting import fmt_num
+
 FLAGS = {  # flag -> (EvalConfig field, type), in the order `--help` lists them
     "--target": ("target", str), "--proposer": ("proposer", str), "--split": ("split", str),
     "--limit-per-domain": ("limit_per_domain", int), "--turns": ("turns", str),
@@ -141,10 +143,10 @@ def _run(args, cfg) -> int:
 def summary_line(report: dict) -> str:
     """The printed result; when other processes used the CPU during the run it says its speedups are not valid."""
     o = report["overall"]
-    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
-    line = (f"overall: alpha {fmt(o['alpha'])}, tau {fmt(o['tau'])}, {fmt(o['tokens_per_s'])} tok/s vs "
-            f"{fmt(o['baseline_tokens_per_s'])} plain, speedup {fmt(o['speedup'])}"
-            + (f" ({fmt(o['speedup_vs_hf_generate'])} vs HF generate)" if o.get("speedup_vs_hf_generate") else "")
+    line = (f"overall: alpha {fmt_num(o['alpha'])}, tau {fmt_num(o['tau'])}, {fmt_num(o['tokens_per_s'])} tok/s "
+            f"vs {fmt_num(o['baseline_tokens_per_s'])} plain, speedup {fmt_num(o['speedup'])}"
+            + (f" ({fmt_num(o['speedup_vs_hf_generate'])} vs HF generate)" if o.get("speedup_vs_hf_generate")
+               else "")
             + f", lossless {o['lossless']}"
             + ("" if o.get("timing_valid", True) else f" (speedups from {o.get('n_timed')} of {o['n_prompts']} prompts)"))
     busy = report.get("contention") or {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.formatting import md_cell, md_row
+from draftsmith.formatting import fmt_num, md_cell, md_row
 from draftsmith.storage import atomic_write_json, atomic_write_text, save_figure
 
 FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "conditional_acceptance",
@@ -59,18 +59,6 @@ def _kernel_lines(k: dict | None) -> list[str]:
     return [f"- few-row kernels ({k.get('plan')} plan, {k.get('threads')} threads): W @ xᵀ for {rows or 'no rows'}"]
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    if isinstance(v, float):
-        return f"{v:.3f}"
-    if isinstance(v, list):
-        return "[" + ", ".join(_fmt(x) for x in v[:8]) + (", …" if len(v) > 8 else "") + "]"
-    return md_cell(v)  # text (a route, a reason, a proposer's name) may come from outside: escaped
-
-
 def _header(report: dict) -> list[str]:
     """Where the report comes from: proposer, target, command, settings, machine, contention."""
     s = report["settings"]
@@ -106,7 +94,7 @@ def _domain_table(report: dict) -> list[str]:
     for f in FIELDS:
         vals = [(report["domains"].get(n) or report["overall"]).get(f) if n != "overall" else report["overall"].get(f)
                 for n in names]
-        lines.append(f"| {f} | " + " | ".join(_fmt(v) for v in vals) + " |")
+        lines.append(f"| {f} | " + " | ".join(fmt_num(v) for v in vals) + " |")
     return lines
 
 
@@ -116,7 +104,7 @@ def _routes(doms: list[tuple[str, dict]]) -> list[str]:
     lines = ["", "## Routes (routing policy)", "", "| domain | route | requests per route |", "|---|---|---|"]
     for n, d in doms:
         routes = ", ".join(f"{k}: {v}" for k, v in d.get("routes", {}).items())
-        lines.append(f"| {n} | {_fmt(d.get('route'))} | {_fmt(routes)} |")
+        lines.append(f"| {n} | {fmt_num(d.get('route'))} | {fmt_num(routes)} |")
     return lines
 
 
@@ -128,8 +116,8 @@ def _branches(doms: list[tuple[str, dict]]) -> list[str]:
              "|---|---|---|---|---|---|"]
     for n, d in doms:
         for name, b in d.get("branches", {}).items():
-            lines.append(f"| {n} | {_fmt(name)} | {b['proposed']} | {b['accepted']} | {_fmt(b['alpha'])} | "
-                         f"{b['wins']} ({_fmt(b['win_rate'])}) |")
+            lines.append(f"| {n} | {fmt_num(name)} | {b['proposed']} | {b['accepted']} | "
+                         f"{fmt_num(b['alpha'])} | {b['wins']} ({fmt_num(b['win_rate'])}) |")
     return lines
 
 
@@ -143,8 +131,8 @@ def _calibration(doms: list[tuple[str, dict]]) -> list[str]:
     for n, d in doms:
         c = d.get("calibration")
         if c:
-            lines.append(f"| {n} | {c['n']} | {_fmt(c.get('mean_estimate'))} | {_fmt(c.get('accepted'))} | "
-                         f"{_fmt(c['ece'])} |")
+            lines.append(f"| {n} | {c['n']} | {fmt_num(c.get('mean_estimate'))} | "
+                         f"{fmt_num(c.get('accepted'))} | {fmt_num(c['ece'])} |")
     return lines
 
 
@@ -161,8 +149,8 @@ def _gpu_tree(doms: list[tuple[str, dict]], s: dict) -> list[str]:
     for n, d in doms:
         if "gpu_tree" in d:
             x = d["gpu_tree"]
-            lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(x['tau'])} | {_fmt(x['alpha'])} | "
-                         f"{_fmt(x['verified_nodes_per_step'])} | {_fmt(x['lossless'])} |")
+            lines.append(f"| {n} | {fmt_num(d['tau'])} | {fmt_num(x['tau'])} | {fmt_num(x['alpha'])} | "
+                         f"{fmt_num(x['verified_nodes_per_step'])} | {fmt_num(x['lossless'])} |")
     return lines
 
 
@@ -180,15 +168,21 @@ def _turns(doms: list[tuple[str, dict]], s: dict) -> list[str]:
     for n, d in doms:
         for which, t in (d.get("turns") or {}).items():
             if t:
-                lines.append(f"| {n} | {which} | {t['n_prompts']} | {t['mean_prompt_tokens']:.0f} | {_fmt(t['alpha'])} | "
-                             f"{_fmt(t['tau'])} | {_fmt(t.get('gpu_tree_tau'))} | {_fmt(t['speedup'])} | "
-                             f"{_fmt(t['lossless'])} |")
+                lines.append(f"| {n} | {which} | {t['n_prompts']} | {t['mean_prompt_tokens']:.0f} | "
+                             f"{fmt_num(t['alpha'])} | {fmt_num(t['tau'])} | "
+                             f"{fmt_num(t.get('gpu_tree_tau'))} | {fmt_num(t['speedup'])} | "
+                             f"{fmt_num(t['lossless'])} |")
     for c in cut[:20]:
         lines.append(f"- {md_cell(c['prompt'])} ({md_cell(c['domain'])}): measured on {c['measured']} of "
                      f"its {c['turns']} turns: {md_cell(c['reason'])}")
     if len(cut) > 20:
         lines.append(f"- ... {len(cut) - 20} more in report.json (settings.turns_cut)")
     return lines
+
+
+def _not_lossless(r: dict) -> str:
+    """What follows a side-by-side run's number when its output was not the reference's."""
+    return "" if r["lossless"] is not False else " NOT LOSSLESS"
 
 
 def _side_by_side(report: dict, doms: list[tuple[str, dict]]) -> list[str]:
@@ -199,16 +193,16 @@ def _side_by_side(report: dict, doms: list[tuple[str, dict]]) -> list[str]:
     lines = ["", "## Side by side (same prompts, same run): speedup (α)", "",
              md_row("domain", report["proposer"], *names), "|---|---|" + "---|" * len(names)]
     for n, d in doms:
-        cells = [f"{_fmt(c['speedup'])} ({_fmt(c['alpha'])}){'' if c['lossless'] is not False else ' NOT LOSSLESS'}"
+        cells = [f"{fmt_num(c['speedup'])} ({fmt_num(c['alpha'])}){_not_lossless(c)}"
                  for c in (d.get("compare") or {}).values()]
-        lines.append(f"| {n} | {_fmt(d['speedup'])} ({_fmt(d['alpha'])}) | " + " | ".join(cells) + " |")
+        lines.append(f"| {n} | {fmt_num(d['speedup'])} ({fmt_num(d['alpha'])}) | " + " | ".join(cells) + " |")
     ov = report["overall"]
     lines += ["", "Overall: τ, verified nodes per step, and the acceptance at each draft position given the "
               "positions before it were accepted and a token there was tried (n-α):", "",
               "| proposer | τ | nodes per step | n-α by position |", "|---|---|---|---|"]
     for name, c in [(report["proposer"], ov)] + list((ov.get("compare") or {}).items()):
-        lines.append(f"| {_fmt(name)} | {_fmt(c['tau'])} | {_fmt(c.get('verified_nodes_per_step'))} | "
-                     f"{_fmt(c.get('conditional_acceptance'))} |")
+        lines.append(f"| {fmt_num(name)} | {fmt_num(c['tau'])} | {fmt_num(c.get('verified_nodes_per_step'))} "
+                     f"| {fmt_num(c.get('conditional_acceptance'))} |")
     return lines + _side_by_side_gpu_trees(report, doms, names)
 
 
@@ -224,9 +218,8 @@ def _side_by_side_gpu_trees(report: dict, doms: list[tuple[str, dict]], names: l
     for n, d in doms:
         cells = ([d.get("gpu_tree")] if own else []) + [(d.get("compare") or {}).get(c, {}).get("gpu_tree")
                                                        for c in has]
-        lines.append(f"| {n} | " + " | ".join(
-            "–" if x is None else f"{_fmt(x['tau'])}{'' if x['lossless'] is not False else ' NOT LOSSLESS'}"
-            for x in cells) + " |")
+        shown = (fmt_num(None) if x is None else fmt_num(x["tau"]) + _not_lossless(x) for x in cells)
+        lines.append(f"| {n} | " + " | ".join(shown) + " |")
     return lines
 
 
@@ -239,9 +232,9 @@ def _adaptive(doms: list[tuple[str, dict]], s: dict) -> list[str]:
     for n, d in doms:
         a = d.get("adaptive")
         if a:
-            lines.append(f"| {n} | {_fmt(d['tau'])} | {_fmt(d['speedup'])} | {_fmt(a['tau'])} | "
-                         f"{_fmt(a['speedup'])} | {_fmt(a['mean_k'])} | {_fmt(a['plain_step_share'])} | "
-                         f"{_fmt(a['lossless'])} |")
+            lines.append(f"| {n} | {fmt_num(d['tau'])} | {fmt_num(d['speedup'])} | {fmt_num(a['tau'])} | "
+                         f"{fmt_num(a['speedup'])} | {fmt_num(a['mean_k'])} | "
+                         f"{fmt_num(a['plain_step_share'])} | {fmt_num(a['lossless'])} |")
     return lines
 
 
@@ -249,8 +242,8 @@ def _policy(report: dict) -> list[str]:
     lines = ["", "## Policy", "", "| domain | enable | measured | predicted | recommended k | reason |",
              "|---|---|---|---|---|---|"]
     for n, p in report.get("policy", {}).items():
-        lines.append(md_row(n, _fmt(p["enable"]), _fmt(p["measured_speedup"]), _fmt(p["predicted_speedup"]),
-                            _fmt(p.get("recommended_k")), p["reason"]))
+        lines.append(md_row(n, fmt_num(p["enable"]), fmt_num(p["measured_speedup"]),
+                            fmt_num(p["predicted_speedup"]), fmt_num(p.get("recommended_k")), p["reason"]))
     return lines
 
 
@@ -287,8 +280,8 @@ def _cost_model(report: dict) -> list[str]:
 def _references_and_memory(report: dict) -> list[str]:
     lines = ["", "## References (same run)", ""]
     for name, r in report.get("references", {}).items():
-        shown = _fmt(r) if not isinstance(r, dict) else ", ".join(f"{k}={_fmt(v)}" for k, v in r.items())
-        lines.append(f"- {_fmt(name)}: {shown}")
+        shown = ", ".join(f"{k}={fmt_num(v)}" for k, v in r.items()) if isinstance(r, dict) else fmt_num(r)
+        lines.append(f"- {fmt_num(name)}: {shown}")
     mem = report.get("memory", {})
     return lines + ["", "## Memory", "", ", ".join(f"{k} = {v:.0f}" for k, v in mem.items()), ""]
 

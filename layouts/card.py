@@ -12,15 +12,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from draftsmith.formatting import md_cell
+from draftsmith.formatting import fmt_num, md_cell
 from draftsmith.storage import atomic_write_text
 
 CARD = "README.md"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _num(v, fmt: str) -> str:
-    return format(v, fmt) if isinstance(v, int | float) else "—"
 
 
 def card_text(manifest: dict, what: str, tag: str, stack: str, fmt: str, verifier: str, serve_body: str) -> str:
@@ -56,9 +52,8 @@ def card_text(manifest: dict, what: str, tag: str, stack: str, fmt: str, verifie
                   "", "| domain | prompts | α | τ | lossless |", "|---|---|---|---|---|"]
         rows = list(domains.items()) + ([("overall", ev["overall"])] if ev.get("overall") else [])
         for name, r in rows:
-            lossless = r.get("lossless")
-            lines.append(f"| {md_cell(name)} | {r.get('n_prompts', '—')} | {_num(r.get('alpha'), '.3f')} | "
-                         f"{_num(r.get('tau'), '.2f')} | {'yes' if lossless else ('no' if lossless is False else '—')} |")
+            lines.append(f"| {md_cell(name)} | {fmt_num(r.get('n_prompts'))} | {fmt_num(r.get('alpha'))} | "
+                         f"{fmt_num(r.get('tau'), '.2f')} | {fmt_num(r.get('lossless'))} |")
         lines.append("")
     else:
         lines += ["Not evaluated by draftsmith (no evaluation in the artifact's manifest).", ""]

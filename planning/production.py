@@ -660,9 +660,8 @@ def render(table: dict) -> str:
     if table.get("restarted"):
         lines[1:1] = ["", f"Note: {md_cell(table['restarted'])}."]
     for d, r in list(table["domains"].items()) + [("overall", table["overall"])]:
-        pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"][:8])
         lines.append(md_row(d, r["n_prompts"], r["drafts"], r["proposed"], r["accepted"], fmt_num(r["alpha"]),
-                            fmt_num(r["tau"]), pos))
+                            fmt_num(r["tau"]), fmt_num(r["per_position_acceptance"], ".2f")))
     if table.get("uncounted") or table.get("malformed"):
         lines += ["", f"Log rows without counters: {table.get('uncounted', 0)}; malformed rows skipped: "
                       f"{table.get('malformed', 0)}" + (f" (first: {md_cell(table['bad'][0])})" if table.get("bad")
