@@ -18,9 +18,9 @@ readers.
 
 vLLM 0.32 drafts DSpark only in its V2 model runner (v1/worker/gpu/spec_decode/dspark/, which needs Triton); its CPU
 build refuses the method when the config is validated ("Model Runner V1 does not support: dspark speculative
-decoding"). dspark/vllm_reference.py, run in vLLM's environment, loads an export through vLLM's own loader
-(`load_dspark_model`: `Qwen3DSparkForCausalLM.load_weights`, the target's embedding shared) on a CPU and computes
-what vLLM's speculator computes, which tests/test_vllm_dspark.py compares with draftsmith's.
+decoding"). tests/vllm_scripts/dspark_reference.py, run in vLLM's environment, loads an export through vLLM's
+own loader (`load_dspark_model`: `Qwen3DSparkForCausalLM.load_weights`, the target's embedding shared) on a
+CPU and computes what vLLM's speculator computes, which tests/test_vllm_dspark.py compares with draftsmith's.
 
 `num_speculative_tokens` must be given: without it vLLM drafts `block_size` tokens for DSpark (its
 `sample_from_anchor: true` convention), one slot past the block this layout was trained on.

@@ -97,8 +97,7 @@ def test_headline_job_prints_the_block_its_report_renders(capsys):
 
 def test_every_job_is_a_subcommand():
     """One kind of entry point: no module of the package has a command line of its own. cli.py is the command
-    line; export/vllm_run.py and dspark/vllm_reference.py are not draftsmith's (vLLM's environment runs them,
-    importing vLLM only)."""
+    line; export/vllm_run.py is not draftsmith's (vLLM's environment runs it, importing vLLM only)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -106,4 +105,4 @@ def test_every_job_is_a_subcommand():
                  if f.relative_to(root).parts[0] not in {"tests", "scripts", "build", "results", "runs"}
                  and not f.relative_to(root).parts[0].startswith(".")
                  and '__name__ == "__main__"' in f.read_text(encoding="utf-8"))
-    assert own == ["cli.py", "dspark/vllm_reference.py", "export/vllm_run.py"]
+    assert own == ["cli.py", "export/vllm_run.py"]

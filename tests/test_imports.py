@@ -135,3 +135,24 @@ def test_the_checker_holds_every_engine_side_file_to_no_draftsmith_import(tmp_pa
     ]
     assert checker.engine_side("draftsmith.dflash.vllm_patches", methods={"dflash"})
     assert not checker.engine_side("draftsmith.dflash.model", methods={"dflash"})
+
+
+def test_every_module_of_a_method_folder_serves_the_method():
+    """A method folder is what the method ships: each of its modules is reached from its registration
+    (METHOD's references and what they import, by name or by import) or is a fix of vLLM's code its serving
+    entry names (rule 5). A helper only a test runs (a script for vLLM's environment, a reference) belongs
+    under tests/."""
+    checker = _checker()
+    g, refs = checker.graph(), checker.references()
+    for method in sorted(checker.METHODS):
+        folder = f"draftsmith.{method}"
+        reached, todo = set(), [folder]
+        while todo:
+            mod = todo.pop()
+            if mod in reached:
+                continue
+            reached.add(mod)
+            todo += [m for m in g.get(mod, set()) | refs.get(mod, set()) if m.startswith(folder + ".")]
+        own = {m for m in g if m.startswith(folder + ".")}
+        stray = sorted(m for m in own - reached if not checker.engine_side(m))
+        assert stray == [], f"{method}/ holds modules its method never reaches: {stray}"

