@@ -13,10 +13,11 @@ naming the variable, never a request):
     DRAFTSMITH_TRAFFIC_DIR              the folder (required; created; never a link, and no file in it is
                                         opened through one)
     DRAFTSMITH_TRAFFIC_MAX_FILE_BYTES   a file is closed and a new one opened past this (default 64 MiB)
-    DRAFTSMITH_TRAFFIC_MAX_FILES        files of this process kept; its oldest is deleted past it (default 100)
+    DRAFTSMITH_TRAFFIC_MAX_FILES        files of this process kept; its oldest is deleted past it (default
+                                        100)
     DRAFTSMITH_TRAFFIC_QUEUE            records waiting for the writer thread (default 1024)
-    DRAFTSMITH_TRAFFIC_QUEUE_BYTES      bytes the logging path may hold at once: the bodies kept by requests in
-                                        flight and by records waiting for the writer (default 32 MiB)
+    DRAFTSMITH_TRAFFIC_QUEUE_BYTES      bytes the logging path may hold at once: the bodies kept by requests
+                                        in flight and by records waiting for the writer (default 32 MiB)
     DRAFTSMITH_TRAFFIC_MAX_BODY_BYTES   a request or a response longer than this is passed on, not logged
                                         (default 4 MiB; at most QUEUE_BYTES)
     DRAFTSMITH_TRAFFIC_SHUTDOWN_S       how long shutdown waits for queued records to be written (default 5)
@@ -32,25 +33,25 @@ fleet/traffic_record.py TrafficRecord, the one definition its readers share:
      own `domain` field, else the domain header, else absent, "response": the answer text (a list for n > 1),
      "output_token_ids" (with `return_token_ids`), "usage", "finish_reason", "stream", "status",
      "speculative_decoding": vLLM's `metrics.speculative_decoding`, verbatim, "error" (vLLM's message)}
-vLLM reports `metrics.speculative_decoding` only with `--per-request-spec-decode-metrics summary|detailed`, only
-for one prompt with n == 1, and in a stream only on its final usage chunk, which vLLM sends only when the
+vLLM reports `metrics.speculative_decoding` only with `--per-request-spec-decode-metrics summary|detailed`,
+only for one prompt with n == 1, and in a stream only on its final usage chunk, which vLLM sends only when the
 client asks `stream_options: {"include_usage": true}` or the server runs with `--enable-force-include-usage`:
 a stream without it is logged without counters (the reader counts such rows as `uncounted`).
 
 A guest in the server (docs: DESIGN "A guest in the user's server"). The request never waits for the log and
 never fails because of it: the request's and the response's bytes pass through unchanged (vLLM accepts the
-unknown `domain` field: its request models allow extra fields); the one thing added is an `X-Request-Id` header
-(a uuid4 hex) where the client sent none and no body `request_id`, so that the id vLLM builds the engine's
-request id from (`cmpl-<id>-0-<8 hex>`, `chatcmpl-<id>-<8 hex>`) is set here — the response `id` logged is
-what fleet/vllm_capture.py's files, named by engine request id, are joined on. Bodies are kept as bytes up to
-the cap (nothing is parsed on the event loop), and every kept byte is reserved in one budget of QUEUE_BYTES
-shared by the requests in flight and the records queued, so memory is bounded in bytes, not in requests: a
-request that finds the budget spent stops keeping (its bytes pass on all the same) and is counted. One
-background thread parses each finished exchange and appends its line with unbuffered writes, so a reader sees
-whole lines; the bytes are released when the line is written.
+unknown `domain` field: its request models allow extra fields); the one thing added is an `X-Request-Id`
+header (a uuid4 hex) where the client sent none and no body `request_id`, so that the id vLLM builds the
+engine's request id from (`cmpl-<id>-0-<8 hex>`, `chatcmpl-<id>-<8 hex>`) is set here — the response `id`
+logged is what fleet/vllm_capture.py's files, named by engine request id, are joined on. Bodies are kept as
+bytes up to the cap (nothing is parsed on the event loop), and every kept byte is reserved in one budget of
+QUEUE_BYTES shared by the requests in flight and the records queued, so memory is bounded in bytes, not in
+requests: a request that finds the budget spent stops keeping (its bytes pass on all the same) and is counted.
+One background thread parses each finished exchange and appends its line with unbuffered writes, so a reader
+sees whole lines; the bytes are released when the line is written.
 
-Every exchange of a logged endpoint is counted exactly once (`TrafficLog.counts`, Counts.OUTCOMES; a warning in
-vLLM's log at the 1st, 2nd, 4th, 8th ... of each kind other than written):
+Every exchange of a logged endpoint is counted exactly once (`TrafficLog.counts`, Counts.OUTCOMES; a warning
+in vLLM's log at the 1st, 2nd, 4th, 8th ... of each kind other than written):
     written             its whole line is on disk
     dropped_queue_full  QUEUE records were already waiting
     dropped_bytes       the byte budget was spent while its bodies were being kept
@@ -58,8 +59,9 @@ vLLM's log at the 1st, 2nd, 4th, 8th ... of each kind other than written):
     incomplete          the response ended before its last body message (the app raised, the client left)
     errors              the logging path failed on it (a body that is not JSON, a status that is no int)
     lost                the write failed (a full disk, an I/O error): a partly written line is taken back
-                        (truncated; where that fails, ended by a newline of its own, no record in it; where that
-                        fails too, the file is closed and the next record opens a new one), never glued onto
+                        (truncated; where that fails, ended by a newline of its own, no record in it; where
+                        that fails too, the file is closed and the next record opens a new one), never glued
+                        onto
     lost_at_shutdown    still queued (or in a stalled write) when shutdown's time ran out, or arrived after
 so the lines on disk are exactly the records counted written. Before each record the writer checks that its
 file is still the one the folder names (fstat against the name's stat: a file deleted or moved away by the
@@ -67,11 +69,11 @@ operator's rotation) and opens a new one when not; files and the folder are open
 (O_NOFOLLOW, O_EXCL). A process deletes only files it created itself (matching its own name pattern and pid);
 files of earlier processes stay for the operator's retention.
 
-Shutdown: the server's ASGI lifespan.shutdown (Starlette passes the lifespan scope through its middleware) and,
-where no lifespan runs, `atexit` write what is queued within SHUTDOWN_S, count the rest `lost_at_shutdown` and
-log one summary line of the counts; the writer is a daemon thread, so a stalled disk never holds the process's
-exit longer than that. The module's logger has a level of its own (WARNING): vLLM's API server runs with the
-root logger at ERROR, under which the warnings would never reach its log.
+Shutdown: the server's ASGI lifespan.shutdown (Starlette passes the lifespan scope through its middleware)
+and, where no lifespan runs, `atexit` write what is queued within SHUTDOWN_S, count the rest
+`lost_at_shutdown` and log one summary line of the counts; the writer is a daemon thread, so a stalled disk
+never holds the process's exit longer than that. The module's logger has a level of its own (WARNING): vLLM's
+API server runs with the root logger at ERROR, under which the warnings would never reach its log.
 
 Runs inside vLLM's environment: the standard library only (scripts/check_imports.py, rule 5).
 """
@@ -98,16 +100,16 @@ from draftsmith.fleet.traffic_record import TrafficRecord
 
 log = logging.getLogger("draftsmith.fleet.middleware")
 if log.level == logging.NOTSET:
-    # a level of its own, so the warnings reach vLLM's log: vLLM's API server sets the root logger to ERROR (its
-    # model_hosting_container_standards dependency does), which a library logger would inherit and stay silent
-    # under; an operator who configured this logger keeps their level
+    # a level of its own, so the warnings reach vLLM's log: vLLM's API server sets the root logger to ERROR
+    # (its model_hosting_container_standards dependency does), which a library logger would inherit and stay
+    # silent under; an operator who configured this logger keeps their level
     log.setLevel(logging.WARNING)
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
 NAME = re.compile(r"^traffic-\d{8}T\d{12}Z-(?P<pid>\d+)(?:-\d+)?\.jsonl$")
 ENV = "DRAFTSMITH_TRAFFIC_"
-# what a kept chunk costs besides its bytes: the bytes object's header and its slot in the list, so a stream of
-# many small events is charged what it holds
+# what a kept chunk costs besides its bytes: the bytes object's header and its slot in the list, so a stream
+# of many small events is charged what it holds
 CHUNK_COST = 48
 FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -144,7 +146,7 @@ class Settings:
     max_files: int = 100
     queue_size: int = 1024
     queue_bytes: int = 32 << 20
-    # a body is kept whole or not at all: 4 MiB holds a 1M-token prompt's text, and 8 such exchanges fit the budget
+    # a body is kept whole or not at all: 4 MiB holds a 1M-token prompt's text; 8 such bodies fit the budget
     max_body_bytes: int = 4 << 20
     domain_header: str = "X-Draftsmith-Domain"
     shutdown_s: float = 5.0
@@ -152,8 +154,8 @@ class Settings:
 
     def __post_init__(self):
         if self.max_body_bytes > self.queue_bytes:
-            raise ValueError(f"TrafficLog: {ENV}MAX_BODY_BYTES={self.max_body_bytes} is over {ENV}QUEUE_BYTES="
-                             f"{self.queue_bytes}: no body could ever be kept")
+            raise ValueError(f"TrafficLog: {ENV}MAX_BODY_BYTES={self.max_body_bytes} is over "
+                             f"{ENV}QUEUE_BYTES={self.queue_bytes}: no body could ever be kept")
 
     @classmethod
     def from_env(cls, env=None) -> Settings:
@@ -255,7 +257,8 @@ class Counts:
             self.values[kind] += 1
             n = self.values[kind]
         if kind != "written" and n & (n - 1) == 0:  # 1, 2, 4, 8 ...: seen in the log, never a flood
-            log.warning("draftsmith traffic log: %s %d times%s", kind, n, f" (latest: {what[:200]})" if what else "")
+            latest = f" (latest: {what[:200]})" if what else ""
+            log.warning("draftsmith traffic log: %s %d times%s", kind, n, latest)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -285,7 +288,8 @@ def _answers(chunks: list[dict], chat: bool, stream: bool) -> dict:
             out["speculative_decoding"] = metrics["speculative_decoding"]
         if chunk.get("error") is not None:  # vLLM's error body, or an error event in a stream
             err = chunk["error"]
-            out["error"] = str(err.get("message") if isinstance(err, dict) else chunk.get("message", err))[:2000]
+            message = err.get("message") if isinstance(err, dict) else chunk.get("message", err)
+            out["error"] = str(message)[:2000]
         for choice in chunk.get("choices") or []:
             i = choice.get("index", 0)
             text = _choice_text(choice, chat, stream)
@@ -378,15 +382,16 @@ def _open_folder(folder: str) -> int:
         os.unlink(probe, dir_fd=fd)
     except OSError as e:
         os.close(fd)
-        raise ValueError(f"{where} is not writable by this process ({e.strerror or type(e).__name__})") from None
+        why = e.strerror or type(e).__name__
+        raise ValueError(f"{where} is not writable by this process ({why})") from None
     return fd
 
 
 class Writer:
-    """A background thread that turns queued exchanges into lines: unbuffered writes of whole lines (a torn one
-    is taken back), a new file past `max_file_bytes` or when the current one was deleted or moved away, at most
-    `max_files` of this process's own files kept. `os_write` and `os_ftruncate` are the seam the fault-injection
-    tests replace (a partial write, a full disk, a stalled disk)."""
+    """A background thread that turns queued exchanges into lines: unbuffered writes of whole lines (a torn
+    one is taken back), a new file past `max_file_bytes` or when the current one was deleted or moved away, at
+    most `max_files` of this process's own files kept. `os_write` and `os_ftruncate` are the seam the
+    fault-injection tests replace (a partial write, a full disk, a stalled disk)."""
 
     def __init__(self, settings: Settings, counts: Counts):
         self.settings, self.counts = settings, counts
@@ -449,11 +454,11 @@ class Writer:
             return
         try:
             start = self._write(line)
-        except Exception as e:  # noqa: BLE001 - a full disk, an I/O error: counted, the next record tries again
+        except Exception as e:  # noqa: BLE001 - a full disk, an I/O error: counted; the next record tries
             self.counts.settle(x, "lost", f"{type(e).__name__}: {e}")
             return
-        if not self.counts.settle(x, "written"):  # shutdown counted it lost while the write hung: take it back
-            self._take_back(start)
+        if not self.counts.settle(x, "written"):
+            self._take_back(start)  # shutdown counted it lost while the write hung
 
     def _write(self, line: bytes) -> int:
         """Append `line` whole, or raise with nothing of it left glued to the file; its offset."""
@@ -474,8 +479,8 @@ class Writer:
         return start
 
     def _tear(self, start: int, done: int, total: int) -> bool:
-        """A line cut short at `done` of `total` bytes: taken back (truncated), else ended by a newline of its own
-        (a line that is no record), else the file closed so the next record opens a new one. True when the
+        """A line cut short at `done` of `total` bytes: taken back (truncated), else ended by a newline of its
+        own (a line that is no record), else the file closed so the next record opens a new one. True when the
         newline made the line whole after all (only its newline was missing): then it is a written record."""
         try:
             self.os_ftruncate(self.fd, start)
@@ -596,7 +601,7 @@ class Writer:
                 os.close(self.dir_fd)
                 self.dir_fd = None
         atexit.unregister(self.close)
-        log.warning("draftsmith traffic log: closed; %s", self.counts.snapshot())  # the operator's one summary
+        log.warning("draftsmith traffic log: closed; %s", self.counts.snapshot())  # the operator's summary
 
 
 def _header(scope: dict, name: bytes) -> bytes | None:
@@ -607,7 +612,8 @@ def _header(scope: dict, name: bytes) -> bytes | None:
 
 
 class TrafficLog:
-    """The ASGI middleware (module docstring). `vllm serve --middleware draftsmith.fleet.middleware.TrafficLog`."""
+    """The ASGI middleware (module docstring):
+    `vllm serve --middleware draftsmith.fleet.middleware.TrafficLog`."""
 
     def __init__(self, app, settings: Settings | None = None):
         self.app = app
@@ -707,7 +713,8 @@ class TrafficLog:
             if x.over:
                 self.counts.settle(x, "over_cap", f"a body over {self.settings.max_body_bytes} bytes")
             elif x.unkept:
-                self.counts.settle(x, "dropped_bytes", f"the {self.settings.queue_bytes}-byte budget was spent")
+                spent = f"the {self.settings.queue_bytes}-byte budget was spent"
+                self.counts.settle(x, "dropped_bytes", spent)
             elif not x.finished:
                 self.counts.settle(x, "incomplete", "the response ended before its last body message")
             else:

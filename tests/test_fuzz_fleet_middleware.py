@@ -1,11 +1,11 @@
 """The traffic middleware as a guest in vLLM's API server (fleet/middleware.py), with the faults injected.
 
 Each fault goes through the writer's narrow seam (`Writer.os_write`, `Writer.os_ftruncate`: a partial write, a
-full disk, a stalled disk) or through the file system itself (the traffic file deleted or moved away, a link in
-place of the folder or of a file, a shutdown with records queued), never through a mock of the code under test.
-One invariant is checked after every one: the records counted `written` are exactly the complete lines on disk,
-and every one of them parses as JSON. The bytes the logging path holds are measured with tracemalloc, queued
-and in flight. The last test fuzzes the middleware as a plain ASGI app (hypothesis, tests/fuzzing.py's
+full disk, a stalled disk) or through the file system itself (the traffic file deleted or moved away, a link
+in place of the folder or of a file, a shutdown with records queued), never through a mock of the code under
+test. One invariant is checked after every one: the records counted `written` are exactly the complete lines
+on disk, and every one of them parses as JSON. The bytes the logging path holds are measured with tracemalloc,
+queued and in flight. The last test fuzzes the middleware as a plain ASGI app (hypothesis, tests/fuzzing.py's
 settings): hostile bodies and headers, streams cut short, clients that go away, apps that raise — the client
 sees exactly what the app sent, the middleware raises nothing of its own, and the counts add up.
 """
@@ -79,7 +79,7 @@ def guest(tmp_path):
 class Disk:
     """The writer's os_write seam: the real write, with the faults a disk gives at the Nth call (1-based) —
     "partial" (half the bytes, then the call returns), "short_of_newline" (all but the last byte), "enospc"
-    (nothing written, ENOSPC), "stall" (waits for `gate`; key "every": each call); `delay` slows every call."""
+    (nothing written, ENOSPC), "stall" (waits for `gate`; key "every": each call); `delay` slows each call."""
 
     def __init__(self, faults: dict[int, str] | None = None, delay: float = 0.0):
         self.faults, self.delay, self.calls = dict(faults or {}), delay, 0
@@ -112,11 +112,11 @@ def _requests(t: TrafficLog, n: int, tag: str = "p") -> None:
         assert out[-1]["type"] == "http.response.body" and out[0]["status"] == 200
 
 
-# --- bytes, not items ------------------------------------------------------------------------------------------------
+# --- bytes, not items -------------------------------------------------------------------------------------
 async def _big_request(app, size: int, chunk: int = 64 << 10) -> list[dict]:
-    """One POST of a JSON body of about `size` bytes, its chunks made as the app asks for them (the caller holds
-    none of them): the messages the client got."""
-    parts = [b'{"model":"m","prompt":"'] + [b"x" * min(chunk, size - i) for i in range(0, size, chunk)] + [b'"}']
+    """One POST of a JSON body of about `size` bytes, its chunks made as the app asks for them (the caller
+    holds none of them): the messages the client got."""
+    parts = [b'{"model":"m","prompt":"', *(b"x" * min(chunk, size - i) for i in range(0, size, chunk)), b'"}']
     parts.reverse()
     out: list[dict] = []
 
@@ -173,7 +173,8 @@ def test_bodies_held_by_exchanges_in_flight_count_against_the_byte_budget(guest)
             pass
         arrived.append(1)
         await gate.wait()
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": b'{"id":"cmpl-1","choices":[]}'})
 
     t = guest(thrifty, queue_bytes=budget, max_body_bytes=256 << 10)
@@ -205,8 +206,10 @@ def test_bodies_held_by_exchanges_in_flight_count_against_the_byte_budget(guest)
 def test_the_byte_budget_is_configured_by_environment(tmp_path):
     s = Settings.from_env({"DRAFTSMITH_TRAFFIC_DIR": str(tmp_path)})
     assert s.queue_bytes <= 64 << 20 and s.max_body_bytes <= s.queue_bytes and s.shutdown_s > 0
-    s = Settings.from_env({"DRAFTSMITH_TRAFFIC_DIR": str(tmp_path), "DRAFTSMITH_TRAFFIC_QUEUE_BYTES": "2097152",
-                           "DRAFTSMITH_TRAFFIC_MAX_BODY_BYTES": "65536", "DRAFTSMITH_TRAFFIC_SHUTDOWN_S": "0.5"})
+    s = Settings.from_env({"DRAFTSMITH_TRAFFIC_DIR": str(tmp_path),
+                           "DRAFTSMITH_TRAFFIC_QUEUE_BYTES": "2097152",
+                           "DRAFTSMITH_TRAFFIC_MAX_BODY_BYTES": "65536",
+                           "DRAFTSMITH_TRAFFIC_SHUTDOWN_S": "0.5"})
     assert (s.queue_bytes, s.max_body_bytes, s.shutdown_s) == (2 << 20, 64 << 10, 0.5)
     with pytest.raises(ValueError, match=r"^TrafficLog: DRAFTSMITH_TRAFFIC_MAX_BODY_BYTES=.*QUEUE_BYTES"):
         Settings.from_env({"DRAFTSMITH_TRAFFIC_DIR": str(tmp_path), "DRAFTSMITH_TRAFFIC_QUEUE_BYTES": "1024",
@@ -216,10 +219,11 @@ def test_the_byte_budget_is_configured_by_environment(tmp_path):
             Settings.from_env({"DRAFTSMITH_TRAFFIC_DIR": str(tmp_path), f"DRAFTSMITH_TRAFFIC_{name}": value})
 
 
-# --- the writer never loses a record it counted ---------------------------------------------------------------------
+# --- the writer never loses a record it counted ------------------------------------------------------------
 def test_a_partial_write_then_a_full_disk_costs_one_record_counted_lost(guest):
     """The 3rd line is half written, then the disk is full: the half line is taken back, the record counted
-    `lost`, and the next record starts a line of its own (before: glued onto the torn one, counted written)."""
+    `lost`, and the next record starts a line of its own (before: glued onto the torn one, counted
+    written)."""
     t = guest()
     t.writer.os_write = Disk({3: "partial", 4: "enospc"})
     _requests(t, 6)
@@ -322,7 +326,7 @@ def test_a_stalled_disk_never_holds_a_request(guest):
     assert len(on_disk(Path(t.settings.folder))) == counts["written"]
 
 
-# --- shutdown ----------------------------------------------------------------------------------------------------------
+# --- shutdown ---------------------------------------------------------------------------------------------
 async def _lifespan_app(scope, receive, send):
     """vllm_like, plus the ASGI lifespan protocol (startup, shutdown) as Starlette's router answers it."""
     if scope["type"] != "lifespan":
@@ -361,7 +365,8 @@ def test_lifespan_shutdown_writes_what_is_queued(guest):
     sent = run(_serve(t, 10))
     assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
     counts = t.counts.snapshot()  # no drain: shutdown itself must have written them
-    assert counts["written"] == 10 == len(on_disk(Path(t.settings.folder))) and counts["lost_at_shutdown"] == 0
+    assert counts["written"] == 10 == len(on_disk(Path(t.settings.folder)))
+    assert counts["lost_at_shutdown"] == 0
 
 
 def test_shutdown_counts_what_it_could_not_write_in_time_as_lost_at_shutdown(guest):
@@ -430,7 +435,7 @@ def test_warnings_reach_the_log_when_the_host_sets_the_root_logger_to_error(gues
     assert any("closed;" in m and "'over_cap': 1" in m for m in seen), seen
 
 
-# --- the folder --------------------------------------------------------------------------------------------------------
+# --- the folder -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["file", "symlink", "dangling_symlink", "unwritable", "under_a_file"])
 def test_a_traffic_dir_that_is_no_writable_folder_is_one_line_naming_the_variable(tmp_path, how):
     real = tmp_path / "real"
@@ -456,14 +461,15 @@ def test_a_traffic_dir_that_is_no_writable_folder_is_one_line_naming_the_variabl
     assert real.is_dir() and list(real.iterdir()) == []  # nothing written through a link
 
 
-# --- fuzz: the middleware as a plain ASGI app ---------------------------------------------------------------------
+# --- fuzz: the middleware as a plain ASGI app --------------------------------------------------------------
 class Boom(Exception):
     pass
 
 
 BODIES = {
     "json": json.dumps(BODY).encode(),
-    "chat": json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "domain": "d"}).encode(),
+    "chat": json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                        "domain": "d"}).encode(),
     "not_json": b"model=m&prompt=hello",
     "huge": b'{"prompt":"' + b"y" * 9000 + b'"}',
     "deep": b'{"prompt":' + b"[" * 1500 + b"]" * 1500 + b"}",
@@ -475,10 +481,11 @@ BODIES = {
 }
 ANSWERS = ["json", "stream", "cut_short", "raise_before", "raise_after_start", "raise_after_end", "surrogate",
            "not_json", "status_500", "no_read", "huge"]
-HEADERS = st.lists(st.tuples(st.sampled_from([b"x-request-id", b"X-Request-Id", b"x-draftsmith-domain",
-                                              b"content-type", b"user-agent"]),
-                             st.one_of(st.binary(max_size=12), st.sampled_from(["é中".encode(), b"\xff\x00",
-                                                                                 "ключ".encode()]))), max_size=4)
+HEADER_NAMES = st.sampled_from([b"x-request-id", b"X-Request-Id", b"x-draftsmith-domain", b"content-type",
+                                b"user-agent"])
+HEADER_VALUES = st.one_of(st.binary(max_size=12),
+                          st.sampled_from(["é中".encode(), b"\xff\x00", "ключ".encode()]))
+HEADERS = st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=4)
 
 
 @st.composite
@@ -521,12 +528,14 @@ def _hostile_app(case: dict, log: dict):
         status = 500 if case["answer"] == "status_500" else 200
         await out({"type": "http.response.start", "status": status, "headers": [(b"content-type", kind)]})
         if case["answer"] == "raise_after_start":
-            await out({"type": "http.response.body", "body": b'data: {"id":"x","choices":[]}\n\n', "more_body": True})
+            event = b'data: {"id":"x","choices":[]}\n\n'
+            await out({"type": "http.response.body", "body": event, "more_body": True})
             raise Boom("after start")
         if stream:
             for w in ["a", "b\ud800", "c"]:
                 event = json.dumps({"id": "cmpl-s", "choices": [{"index": 0, "text": w}]}).encode()
-                await out({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})
+                body = b"data: " + event + b"\n\n"
+                await out({"type": "http.response.body", "body": body, "more_body": True})
             if case["answer"] == "cut_short":
                 return
             await out({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
@@ -547,7 +556,8 @@ async def _client(t: TrafficLog, case: dict) -> tuple[list, list, BaseException 
     the middleware raised)."""
     raw = BODIES[case["body"]]
     parts = [raw[i:i + case["chunk"]] for i in range(0, len(raw), case["chunk"])] or [b""]
-    offered = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
+    offered = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
+               for i, p in enumerate(parts)]
     if case["disconnect_after"] is not None and case["disconnect_after"] < len(offered):
         offered = offered[:case["disconnect_after"]] + [{"type": "http.disconnect"}]
     queue = list(offered)
@@ -591,7 +601,8 @@ def _fuzz_check(folder: Path, cases: list[dict]) -> None:
             current.update(case)
             offered, got, raised = run(_client(t, case))
             # the client got exactly the messages the app sent (the same objects), up to a send that failed
-            assert len(got) <= len(log["sent"]) and all(a is b for a, b in zip(got, log["sent"], strict=False))
+            assert len(got) <= len(log["sent"])
+            assert all(a is b for a, b in zip(got, log["sent"], strict=False))
             if case["send_fails_after"] is None:
                 assert len(got) == len(log["sent"])
             # the app received exactly what the client offered, in order

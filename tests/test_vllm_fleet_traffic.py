@@ -141,8 +141,8 @@ def _rss(pid: int) -> int:
 # first in the module: its server is gone before the module's shared one starts (one vLLM at a time)
 def test_a_stalled_writer_keeps_the_api_server_within_its_byte_budget(tiny_tokenizer, tmp_path):
     """The writer stalled (DRAFTSMITH_TRAFFIC_TEST_STALL_S) while 96 requests with 3 MiB bodies flow, 4 at a
-    time: the API server's RSS stays within 64 MiB of its baseline (its own peak while bodies over the cap, which
-    the middleware does not keep, are in flight), every client gets its answer and none
+    time: the API server's RSS stays within 64 MiB of its baseline (its own peak while bodies over the cap,
+    which the middleware does not keep, are in flight), every client gets its answer and none
     waits for the stalled writer; shutdown (SIGTERM: uvicorn's lifespan) gives up on the queued records
     within DRAFTSMITH_TRAFFIC_SHUTDOWN_S, and every request is counted once. (Before: the queue was bounded by
     count only, and kept every body.)"""
@@ -163,11 +163,12 @@ def test_a_stalled_writer_keeps_the_api_server_within_its_byte_budget(tiny_token
     n, pad = 96, "x" * (3 << 20)
     server = VllmServer(folder, log, served_name="tiny", max_model_len=256,
                         extra=("--middleware", "draftsmith.fleet.middleware.TrafficLog"),
-                        env={"DRAFTSMITH_TRAFFIC_DIR": str(tmp_path / "traffic"), "DRAFTSMITH_TRAFFIC_TEST_STALL_S": "600",
-                             "DRAFTSMITH_TRAFFIC_SHUTDOWN_S": "1"})
+                        env={"DRAFTSMITH_TRAFFIC_DIR": str(tmp_path / "traffic"),
+                             "DRAFTSMITH_TRAFFIC_TEST_STALL_S": "600", "DRAFTSMITH_TRAFFIC_SHUTDOWN_S": "1"})
 
     def post(i: int, padding: str = pad) -> float:
-        body = {"model": "tiny", "prompt": f"Hello {i}", "max_tokens": 4, "temperature": 0.0, "padding": padding}
+        body = {"model": "tiny", "prompt": f"Hello {i}", "max_tokens": 4, "temperature": 0.0,
+                "padding": padding}
         start = time.monotonic()
         answer = net.request(f"{server.base_url}/completions", json.dumps(body).encode(), deadline=120.0,
                              max_bytes=net.ANSWER_MAX_BYTES, headers={"Content-Type": "application/json"})
@@ -199,9 +200,9 @@ def test_a_stalled_writer_keeps_the_api_server_within_its_byte_budget(tiny_token
         baseline, over = peak_rss(["x" * (5 << 20)] * 12)
         peak, took = peak_rss([pad] * n)
         grew = peak - baseline
-        print(f"API server RSS {baseline / 2**20:.0f} MiB, grew {grew / 2**20:.1f} MiB at most; latency small "
-              f"{max(small):.2f} s, large median {sorted(took)[n // 2]:.2f} s, max {max(took):.2f} s")
-        assert grew < 64 << 20, f"the API server grew by {grew / 2**20:.0f} MiB behind a stalled traffic writer"
+        print(f"API server RSS {baseline / 2**20:.0f} MiB, grew {grew / 2**20:.1f} MiB at most; latency "
+              f"small {max(small):.2f} s, large median {sorted(took)[n // 2]:.2f} s, max {max(took):.2f} s")
+        assert grew < 64 << 20, f"the API server grew by {grew / 2**20:.0f} MiB behind a stalled writer"
         assert max(took) < 30.0  # the writer sleeps 600 s per record: a request that waited for it would show
         os.kill(pid, signal.SIGTERM)
         server.proc.wait(timeout=120)
