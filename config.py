@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
-from draftsmith.errors import ConfigError
+from draftsmith.errors import MAX_SHOWN, ConfigError, json_kind, show
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -259,7 +259,6 @@ MAX_YAML_NODES = 1_000_000  # a preset is a few hundred nodes; aliases may not e
 # a preset nests 3-4 levels; the composer, the alias check and every reader of the values recurse once a level,
 # so a document past this would end in a RecursionError (100,000 `[` are 100 KB)
 MAX_YAML_DEPTH = 64
-MAX_MESSAGE_VALUE = 120  # characters of a value an error message shows
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -338,17 +337,6 @@ def safe_load(text: str) -> Any:
     return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
-def show(value: Any) -> str:
-    """A value for an error message: its repr cut to MAX_MESSAGE_VALUE characters, never walked whole (a
-    nested list from YAML aliases would print hundreds of MB)."""
-    import reprlib
-
-    r = reprlib.Repr()
-    r.maxlevel, r.maxlist, r.maxdict, r.maxtuple, r.maxstring, r.maxother = 3, 8, 8, 8, MAX_MESSAGE_VALUE, 60
-    text = r.repr(value)
-    return text if len(text) <= MAX_MESSAGE_VALUE else text[:MAX_MESSAGE_VALUE] + "..."
-
-
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -371,7 +359,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {json_kind(value)}")
         return from_dict(tp, value, where)
     if origin in (list, tuple, typing.Sequence, dict):
         return _coerce_container(tp, origin, value, where)
@@ -404,11 +392,11 @@ def _coerce_container(tp: Any, origin: Any, value: Any, where: str) -> Any:
     """A list, tuple or sequence, item by item; a dict, key and value by key and value."""
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+            raise ConfigError(f"{where}: expected a mapping, got {json_kind(value)}")
         key_tp, val_tp = get_args(tp) or (Any, Any)
         return {_coerce(key_tp, k, where): _coerce(val_tp, v, f"{where}.{k}") for k, v in value.items()}
     if not isinstance(value, list | tuple):
-        raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        raise ConfigError(f"{where}: expected a list, got {json_kind(value)}")
     item_tps = get_args(tp) or (Any,)
     if origin is tuple and Ellipsis not in item_tps:  # tuple[float, float]: exactly two
         if len(value) != len(item_tps):
@@ -469,7 +457,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{where or cls.__name__}: {e}") from None
     except ValueError as e:  # __post_init__ range checks (their values cut: a message is one short line)
-        text = str(e) if len(str(e)) <= 4 * MAX_MESSAGE_VALUE else str(e)[:4 * MAX_MESSAGE_VALUE] + "..."
+        text = str(e) if len(str(e)) <= 4 * MAX_SHOWN else str(e)[:4 * MAX_SHOWN] + "..."
         raise ConfigError(f"{where + ': ' if where else ''}{text}") from None
 
 
@@ -501,7 +489,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         return key.split("."), safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text[:MAX_MESSAGE_VALUE]}': not a YAML value ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"override '{text[:MAX_SHOWN]}': not a YAML value "
+                          f"({str(e).splitlines()[0]})") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -83,7 +83,7 @@ def _field(report: dict, dotted: str):
 def headline_problem(report: dict) -> str | None:
     """The first field the headline block prints that `report` (already read by `read_report`, its numbers
     checked) lacks or holds in another type, or None."""
-    from draftsmith.config import show
+    from draftsmith.errors import show
 
     for dotted, kind in PRINTED:
         value = _field(report, dotted)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from draftsmith.data.reasoning import DEFAULT_TAGS, POLICIES, answer_start, drop_thinking, thinking_end
-from draftsmith.errors import DataError
+from draftsmith.errors import DataError, show
 
 Message = dict[str, str]
 
@@ -283,7 +283,7 @@ def tokenize_conversation(tokenizer, messages: list[Message], *, mode: str = "au
         raise DataError("empty conversation")
     for m in messages:
         if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise DataError(f"bad message {str(m)[:80]}: needs role system/user/assistant and text content")
+            raise DataError(f"bad message {show(m)}: needs role system/user/assistant and text content")
     if reasoning not in POLICIES:
         raise DataError(f"reasoning must be keep, drop or mask, got {reasoning!r}")
     if reasoning == "drop":

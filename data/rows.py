@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from draftsmith.errors import DataError
+from draftsmith.errors import DataError, json_kind
 from draftsmith.storage import is_int
 
 TEXT_FIELDS = ("source", "domain", "prompt", "response", "origin")
@@ -36,30 +36,27 @@ class RowLimits:
         return cls(int(target.vocab_size), context_window(target), max_new_tokens)
 
 
-def _kind(value: Any) -> str:
-    from draftsmith.data.sources import json_kind
-
-    return json_kind(value)
-
-
 def check_row(rec: Any, where: str, limits: RowLimits) -> dict:
     """`rec` as read from `where` (a file and line), checked (module docstring); a DataError in one line otherwise."""
     if not isinstance(rec, dict):
-        raise DataError(f"{where}: a row is not a JSON object (got {_kind(rec)})")
+        raise DataError(f"{where}: a row is not a JSON object (got {json_kind(rec)})")
     if not is_int(rec.get("row_id")) or not 0 <= rec["row_id"] < MAX_ROW_ID:
-        raise DataError(f"{where}: field 'row_id' is {_kind(rec.get('row_id'))}, expected a whole number in [0, 2^63)")
+        raise DataError(f"{where}: field 'row_id' is {json_kind(rec.get('row_id'))}, expected a whole number in "
+                        "[0, 2^63)")
     if "skipped" in rec:
         for name in ("origin", "skipped"):
             if not isinstance(rec.get(name), str):
-                raise DataError(f"{where}: field '{name}' is {_kind(rec.get(name))}, expected text")
+                raise DataError(f"{where}: field '{name}' is {json_kind(rec.get(name))}, expected text")
         return rec
     for name in TEXT_FIELDS:
         if not isinstance(rec.get(name), str):
-            raise DataError(f"{where}: field '{name}' is {_kind(rec.get(name))}, expected text")
+            raise DataError(f"{where}: field '{name}' is {json_kind(rec.get(name))}, expected text")
     if not isinstance(rec.get("stopped"), bool):
-        raise DataError(f"{where}: field 'stopped' is {_kind(rec.get('stopped'))}, expected true or false")
+        raise DataError(f"{where}: field 'stopped' is {json_kind(rec.get('stopped'))}, expected true or "
+                        "false")
     if not is_int(rec.get("n_turns")) or rec["n_turns"] < 1:
-        raise DataError(f"{where}: field 'n_turns' is {_kind(rec.get('n_turns'))}, expected a whole number >= 1")
+        raise DataError(f"{where}: field 'n_turns' is {json_kind(rec.get('n_turns'))}, expected a whole "
+                        "number >= 1")
     ids, mask = rec.get("input_ids"), rec.get("loss_mask")
     check_ids(ids, where, limits)
     if not isinstance(mask, list) or len(mask) != len(ids) or any(type(m) is not int or m not in (0, 1) for m in mask):
@@ -75,12 +72,13 @@ def check_row(rec: Any, where: str, limits: RowLimits) -> dict:
 def check_ids(ids: Any, where: str, limits: RowLimits) -> None:
     """`input_ids`: a non-empty list of token ids of the target, no longer than its context."""
     if not isinstance(ids, list) or not ids:
-        raise DataError(f"{where}: field 'input_ids' is {_kind(ids)}, expected a non-empty list of token ids")
+        raise DataError(f"{where}: field 'input_ids' is {json_kind(ids)}, expected a non-empty list of token "
+                        "ids")
     top = limits.vocab_size
     for i, t in enumerate(ids):
         if not is_int(t) or t < 0 or (top is not None and t >= top):
-            raise DataError(f"{where}: field 'input_ids'[{i}] is {_kind(t)}, not a token id of the target "
-                            f"(whole numbers in [0, {top if top is not None else 'vocab_size'}))")
+            raise DataError(f"{where}: field 'input_ids'[{i}] is {json_kind(t)}, not a token id of the "
+                            f"target (whole numbers in [0, {top if top is not None else 'vocab_size'}))")
     if limits.context is not None and len(ids) > limits.context:
         raise DataError(f"{where}: field 'input_ids' holds {len(ids)} tokens, more than the target's context of "
                         f"{limits.context} positions")
@@ -103,6 +101,6 @@ def pack_limits(header: dict, where: str, limits: RowLimits | None) -> RowLimits
     most = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
     for name, value in (("run.fingerprint.vocab_size", vocab), ("run.sampling.max_new_tokens", most)):
         if not is_int(value) or value < 1:
-            raise DataError(f"{where}: field '{name}' is {_kind(value)}, expected a whole number >= 1")
+            raise DataError(f"{where}: field '{name}' is {json_kind(value)}, expected a whole number >= 1")
     limits = limits or RowLimits()
     return RowLimits(limits.vocab_size or vocab, limits.context, limits.max_new_tokens or most)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.data.config import DataConfig, SourceConfig
-from draftsmith.errors import DataError
+from draftsmith.errors import DataError, json_kind
 from draftsmith.storage import TooMuch, bounded_lines, data_path, gzip_budget, open_data, sha256_text
 
 log = logging.getLogger(__name__)
@@ -111,17 +111,6 @@ def get_field(row: Any, path: str) -> Any:
 
 class _FieldError(Exception):
     pass
-
-
-def json_kind(value: Any) -> str:
-    """A value's type as the JSON it was read from spells it (`null`, not `NoneType`): what errors name."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return f"a number ({value!r})"
-    return {str: "text", list: "list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def _text(value: Any, what: str) -> str:

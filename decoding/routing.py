@@ -40,9 +40,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.config import show
 from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec, side_by_side_entry
-from draftsmith.errors import ConfigError, DataError, MissingFile
+from draftsmith.errors import ConfigError, DataError, MissingFile, show
 from draftsmith.formatting import fmt_num, md_cell
 from draftsmith.storage import is_int, read_json
 
@@ -476,19 +475,19 @@ def route_problem(route, where: str) -> str | None:
     if route == OFF:
         return None
     if not isinstance(route, dict):
-        return f"{where} is {repr(route)[:40]}: give \"off\" or a route {{proposer, k, tree}}"
+        return f"{where} is {show(route)}: give \"off\" or a route {{proposer, k, tree}}"
     if not isinstance(route.get("proposer"), str) or not route["proposer"].strip():
         return f"{where}.proposer missing (a proposer spec such as ngram or medusa:PATH)"
     if route["proposer"].startswith("route:"):
         return f"{where}.proposer {route['proposer']!r}: routes do not nest"
     k, tree, nodes = route.get("k"), route.get("tree"), route.get("tree_max_nodes")
     if k is not None and not (is_int(k) and 1 <= k <= MAX_ROUTE_K):
-        return f"{where}.k is {repr(k)[:20]}: an int in 1..{MAX_ROUTE_K} (or null)"
+        return f"{where}.k is {show(k)}: an int in 1..{MAX_ROUTE_K} (or null)"
     if tree is not None and not (isinstance(tree, list) and tree and all(is_int(b) and 1 <= b <= MAX_ROUTE_K
                                                                          for b in tree) and len(tree) <= MAX_ROUTE_K):
-        return f"{where}.tree is {str(tree)[:40]}: a non-empty list of branching factors in 1..{MAX_ROUTE_K} (or null)"
+        return f"{where}.tree is {show(tree)}: a non-empty list of branching factors in 1..{MAX_ROUTE_K} (or null)"
     if nodes is not None and not (is_int(nodes) and nodes >= 1):
-        return f"{where}.tree_max_nodes is {repr(nodes)[:20]}: an int >= 1 (or null)"
+        return f"{where}.tree_max_nodes is {show(nodes)}: an int >= 1 (or null)"
     return None
 
 
@@ -503,7 +502,7 @@ def policy_problem(policy: dict) -> str | None:
         return problem
     router = policy.get("router") or {}
     if not isinstance(router, dict) or router.get("kind", "declared") not in ("declared", "keyword"):
-        return f"router.kind is {str(router.get('kind') if isinstance(router, dict) else router)[:20]!r}: declared or keyword"
+        return f"router.kind is {show(router.get('kind') if isinstance(router, dict) else router)}: declared or keyword"
     keywords = router.get("keywords")
     if keywords is not None and not (isinstance(keywords, dict) and all(
             isinstance(ks, list) and all(isinstance(k, str) and k for k in ks) for ks in keywords.values())):

@@ -22,9 +22,8 @@ from draftsmith.data.sources import (
     extract_conversation,
     extract_turns,
     iter_jsonl,
-    json_kind,
 )
-from draftsmith.errors import DataError
+from draftsmith.errors import DataError, json_kind
 from draftsmith.storage import data_path, data_stem, shared_data_dir
 
 # the four first sets, then what a chat target is asked beyond them: translation, summaries of long passages,

@@ -38,8 +38,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from draftsmith.config import show
-from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.errors import ConfigError, DraftsmithError, show
 from draftsmith.export.vllm import formats as vllm_formats
 from draftsmith.formatting import fmt_num, md_cell
 from draftsmith.layouts import schema

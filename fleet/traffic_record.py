@@ -145,17 +145,17 @@ def _seconds(value) -> float | None:
         try:
             parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:
-            raise ValueError(f"unreadable timestamp {value[:80]!r}") from None
+            raise ValueError(f"unreadable timestamp {_show(value)}") from None
         try:
             value = parsed.timestamp()
         except (OverflowError, OSError, ValueError):  # year 1 in local time lies before the epoch's range
-            raise ValueError(f"timestamp {value[:80]!r} is not a finite time") from None
+            raise ValueError(f"timestamp {_show(value)} is not a finite time") from None
     try:
         seconds = float(value)
     except OverflowError:
         seconds = math.inf
     if not math.isfinite(seconds):
-        raise ValueError(f"timestamp {str(value)[:80]} is not a finite time")
+        raise ValueError(f"timestamp {_show(value)} is not a finite time")
     return seconds
 
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.config import show
-from draftsmith.errors import ArtifactError, ConfigError, DraftsmithError
+from draftsmith.errors import ArtifactError, ConfigError, DraftsmithError, json_kind, show
 from draftsmith.storage import MAX_JSON_BYTES, is_int, read_json
 
 MAX_VOCAB = 1 << 24  # a vocabulary size beyond any tokenizer (Gemma 3: 262,144): a typo or a hostile file
@@ -39,12 +38,8 @@ def read_doc(path: str | Path, max_bytes: int = MAX_JSON_BYTES) -> dict:
     except DraftsmithError as e:
         raise FieldError(str(e)) from None
     if not isinstance(doc, dict):
-        raise FieldError(f"{path}: {_kind(doc)} at the top, expected a JSON object")
+        raise FieldError(f"{path}: {json_kind(doc)} at the top, expected a JSON object")
     return doc
-
-
-def _kind(value: Any) -> str:
-    return {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
 
 
 _MISSING = object()

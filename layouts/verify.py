@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import ArtifactError
+from draftsmith.errors import ArtifactError, show
 from draftsmith.layouts.common import GUARD, read_guard
 from draftsmith.layouts.schema import vocab_map_problems  # noqa: F401 (the one reader of d2t / t2d; exporters import it here)
 from draftsmith.storage import checksum_problems
@@ -91,13 +91,13 @@ def check_layout(path: Path, header: dict) -> int:
             raise VerificationError(f"{where}: its header entry is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in ST_ITEMSIZE:
-            raise VerificationError(f"{where}: unknown dtype {str(dtype)[:20]!r}")
+            raise VerificationError(f"{where}: unknown dtype {show(dtype)}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
-            raise VerificationError(f"{where}: shape {str(shape)[:60]} is not a list of sizes >= 0")
+            raise VerificationError(f"{where}: shape {show(shape)} is not a list of sizes >= 0")
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
-            raise VerificationError(f"{where}: data_offsets {str(offsets)[:60]} is not [begin, end]")
+            raise VerificationError(f"{where}: data_offsets {show(offsets)} is not [begin, end]")
         numel = 1
         for d in shape:
             numel *= d

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith import artifact
-from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.errors import ConfigError, DraftsmithError, show
 from draftsmith.heads.vocab import check_draft_vocab
 from draftsmith.layouts import schema
 from draftsmith.targets.families import text_config
@@ -341,7 +341,7 @@ def tree_problem(paths, num_heads: int, vocab: int, where: str, noun: str = "art
     for i, p in enumerate(paths):
         if (not isinstance(p, list | tuple) or not p
                 or not all(isinstance(r, int) and not isinstance(r, bool) for r in p)):
-            return f"{where}: path {i} ({str(p)[:40]}) is not a non-empty list of int ranks"
+            return f"{where}: path {i} ({show(p)}) is not a non-empty list of int ranks"
         t = tuple(p)
         bad = next((r for r in t if not 0 <= r < top), None)
         if bad is not None:

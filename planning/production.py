@@ -60,8 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith import net
-from draftsmith.config import show
-from draftsmith.errors import ConfigError, DataError
+from draftsmith.errors import ConfigError, DataError, show
 from draftsmith.fleet.traffic_record import TrafficRecord
 from draftsmith.formatting import fmt_num, md_cell, md_row
 from draftsmith.planning.logs import MAX_DOMAINS, cap_domains, log_files, traffic
@@ -85,7 +84,7 @@ def parse_prometheus(text: str, source: str = "metrics") -> list[tuple[str, dict
             continue
         m = _SAMPLE.match(line)
         if m is None:
-            raise DataError(f"{source} line {n}: not a Prometheus sample: {line[:80]!r}")
+            raise DataError(f"{source} line {n}: not a Prometheus sample: {show(line)}")
         labels = {k: re.sub(r'\\(.)', lambda e: "\n" if e[1] == "n" else e[1], v)
                   for k, v in _LABEL.findall(m["labels"] or "")}
         try:

@@ -122,9 +122,8 @@ def recorded_alpha(manifest: dict, where: str) -> dict[str, float]:
     """{domain: α} a version recorded on traffic when it was promoted (its manifest's `traffic_eval`), each
     row checked as an evaluation report's domain row (decoding/routing.py's `domain_problem`: α finite, in
     [0, 1]); a domain whose α was not measured is left out. A bad field is one DataError naming `where`."""
-    from draftsmith.config import show
     from draftsmith.decoding.routing import domain_problem
-    from draftsmith.errors import DataError
+    from draftsmith.errors import DataError, show
 
     recorded = manifest.get("traffic_eval") or {}
     domains = recorded.get("domains") or {} if isinstance(recorded, dict) else None

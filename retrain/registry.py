@@ -30,8 +30,7 @@ from pathlib import Path
 
 from draftsmith import net
 from draftsmith.artifact import load_manifest, now_iso, update_manifest, verify_weights
-from draftsmith.config import show
-from draftsmith.errors import ArtifactError, OutputError
+from draftsmith.errors import ArtifactError, OutputError, show
 from draftsmith.nofollow import refuse_unless_regular
 from draftsmith.storage import atomic_write_json, read_json
 

@@ -34,8 +34,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.config import show
-from draftsmith.errors import ConfigError, DataError
+from draftsmith.errors import ConfigError, DataError, show
 from draftsmith.fleet.traffic_record import TrafficRecord
 from draftsmith.planning.logs import MAX_DOMAINS, cap_domains, log_files, traffic
 
@@ -81,7 +80,7 @@ def _timestamp(record: TrafficRecord, fallback: float, now: float) -> float:
     otherwise hide every other row."""
     ts = fallback if record.seconds is None else record.seconds
     if ts > now + FUTURE_SKEW_S:
-        what = "the file's modification time" if record.seconds is None else f"timestamp {str(record.timestamp)[:80]}"
+        what = "the file's modification time" if record.seconds is None else f"timestamp {show(record.timestamp)}"
         raise ValueError(f"{what} is in the future ({(ts - now) / 86400:.1f} days ahead of this machine's clock)")
     return ts
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.errors import TargetError
+from draftsmith.errors import TargetError, json_kind, show
 from draftsmith.storage import atomic_dir, atomic_write_json, cache_dir, sha256_text
 from draftsmith.targets.device import select_device, select_dtype
 from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED
@@ -132,22 +132,18 @@ def check_model_config(folder: Path) -> dict:
     except DraftsmithError as e:
         raise TargetError(str(e)) from None
     if not isinstance(doc, dict):
-        raise TargetError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+        raise TargetError(f"{path}: expected a JSON object, got {json_kind(doc)}")
     if not isinstance(doc.get("model_type"), str) or not doc["model_type"]:
-        raise TargetError(f"{path}: model_type is {_shown(doc.get('model_type'))}, expected a model type name")
+        raise TargetError(f"{path}: model_type is {show(doc.get('model_type'))}, expected a model type name")
     sections = [("", doc)] + ([("text_config.", doc["text_config"])] if isinstance(doc.get("text_config"), dict)
                               else [])
     for prefix, section in sections:
         for name, bound in SIZE_FIELDS.items():
             value = section.get(name)
             if value is not None and (type(value) is not int or not 1 <= value <= bound):
-                raise TargetError(f"{path}: {prefix}{name} is {_shown(value)}, expected an integer in 1..{bound}")
+                raise TargetError(f"{path}: {prefix}{name} is {show(value)}, expected an integer in "
+                                  f"1..{bound}")
     return doc
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def _from_folder(folder: str | Path, device, dtype, trust_remote_code: bool, **kw):

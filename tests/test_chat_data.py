@@ -284,7 +284,7 @@ def test_a_response_field_keeps_single_turn_answers(tmp_path, tiny_target):
     assert [(r.turns, r.responses) for r in loaded.rows] == [(["Add the numbers.\n\n2 and 3"], ["5"]),
                                                              (["Name a fruit."], ["An apple."])]
     reasons = [why for _, why in loaded.malformed.items]
-    assert reasons == ["missing field 'output' (response)", "field 'output' (response) is not text (got list)",
+    assert reasons == ["missing field 'output' (response)", "field 'output' (response) is not text (got a list)",
                        "field 'output' (response) is empty"]
     out = generate_dataset(_cfg(tmp_path, [src], responses="keep", name="kept"), tiny_target, progress=False)
     ds = load_distilled(out, tiny_target)

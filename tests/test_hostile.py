@@ -531,7 +531,7 @@ def test_alpha_from_logs_skips_non_finite_rows(tmp_path):
     ({"proposer": "ngram", "k": "abc"}, r"domains\.code\.k is 'abc'"),
     ({"proposer": "ngram", "k": True}, r"domains\.code\.k is True"),
     ({"proposer": "ngram", "tree": [0]}, r"domains\.code\.tree is \[0\]: a non-empty list"),
-    ({"proposer": "ngram", "tree": "4,2"}, r"domains\.code\.tree is 4,2"),
+    ({"proposer": "ngram", "tree": "4,2"}, r"domains\.code\.tree is '4,2'"),
     ({"k": 4}, r"domains\.code\.proposer missing"),
     (7, r"domains\.code is 7: give \"off\" or a route"),
     ({"proposer": "ngram", "tree_max_nodes": 0}, r"domains\.code\.tree_max_nodes is 0"),

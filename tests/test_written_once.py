@@ -9,7 +9,10 @@ other table wrote "–", a count came out "12.000" from the table formatter, a l
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHES = ("–", "—")
@@ -85,3 +88,79 @@ def test_no_module_but_formatting_defines_a_value_formatter():
                     for r in ast.walk(node)):
                 found.append(f"{rel}:{node.lineno} {node.name}")
     assert not found, f"value formatters besides formatting.fmt_num: {found}"
+
+
+@pytest.mark.parametrize("value,named", [
+    (None, "null"), (True, "a boolean"), (3, "a number (3)"), ("x", "text"), ([1], "a list"), ({}, "an object"),
+])
+def test_one_namer_of_a_json_value_type(tmp_path, value, named):
+    """An artifact's JSON (layouts/schema.read_doc), a dataset row (data/rows.check_row) and a model folder's
+    config.json (targets/loading) name a value of the wrong type with the same words: errors.json_kind's."""
+    from draftsmith.data.rows import RowLimits, check_row
+    from draftsmith.errors import DataError, DraftsmithError, json_kind
+    from draftsmith.layouts.schema import read_doc
+    from draftsmith.targets.loading import check_model_config
+
+    assert json_kind(value) == named
+    if isinstance(value, dict):
+        return
+    with pytest.raises(DataError) as e:
+        check_row(value, "rows.jsonl:1", RowLimits())
+    assert f"rows.jsonl:1: a row is not a JSON object (got {named})" in str(e.value)
+    doc = tmp_path / "doc.json"
+    doc.write_text(json.dumps(value))
+    with pytest.raises(DraftsmithError) as e:
+        read_doc(doc)
+    assert f"{doc}: {named} at the top, expected a JSON object" in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps(value))
+    with pytest.raises(DraftsmithError) as e:
+        check_model_config(tmp_path)
+    assert f"expected a JSON object, got {named}" in str(e.value)
+
+
+LONG = ["x" * 50] * 20  # a value whose repr is ~1,100 characters
+
+
+def test_one_shortener_of_a_value_for_an_error_line(tmp_path):
+    """A config field, a model folder's config.json and a training log's record show a bad value the same way,
+    errors.show's: its repr, cut to one length with one ellipsis."""
+    from draftsmith.config import from_dict
+    from draftsmith.errors import DraftsmithError, show
+    from draftsmith.targets.loading import check_model_config
+    from draftsmith.training.config import TrainConfig
+    from draftsmith.training.run_files import log_records
+
+    shown = show(LONG)
+    assert shown.endswith("...") and len(shown) < 200
+    with pytest.raises(DraftsmithError) as e:
+        from_dict(TrainConfig, {"output_dir": LONG}, "train")
+    assert f"train.output_dir: expected a string, got {shown}" in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": LONG}))
+    with pytest.raises(DraftsmithError) as e:
+        check_model_config(tmp_path)
+    assert f"model_type is {shown}, expected" in str(e.value)
+    with pytest.raises(DraftsmithError) as e:
+        log_records(json.dumps({"type": LONG, "step": 0}) + "\n", "train_log.jsonl")
+    assert f"field 'type' must be a string, got {shown}" in str(e.value)
+
+
+def test_values_cut_inline_are_shown_by_the_one_shortener(tmp_path):
+    """A value once cut in place (`str(x)[:60]`, `repr(x)[:40]`: walked whole first, cut at 20, 40, 60 or 80)
+    is shown by errors.show too: a tensor's shape in a safetensors header, a Medusa tree's path, a Prometheus
+    line, a traffic record's timestamp."""
+    from draftsmith.errors import DraftsmithError, show
+    from draftsmith.fleet.traffic_record import _show
+    from draftsmith.layouts.verify import check_layout
+    from draftsmith.medusa.model import tree_problem
+    from draftsmith.planning.production import parse_prometheus
+
+    shown = show(LONG)
+    with pytest.raises(DraftsmithError) as e:
+        check_layout(tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": LONG, "data_offsets": [0, 4]}})
+    assert f"shape {shown} is not a list of sizes" in str(e.value)
+    assert f"path 0 ({shown}) is not" in tree_problem([LONG], 2, 10, "tree.json")
+    line = "x" * 300
+    with pytest.raises(DraftsmithError) as e:
+        parse_prometheus(line + "\n", "metrics.prom")
+    assert f"not a Prometheus sample: {show(line)}" in str(e.value)
+    assert _show(LONG) == shown  # fleet/ keeps its own copy of the rule (it imports no draftsmith module)

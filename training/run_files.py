@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.errors import FileFormatError
+from draftsmith.errors import FileFormatError, show
 from draftsmith.storage import atomic_write_json, is_int, read_json, sha256_file
 from draftsmith.training import trust
 
@@ -116,7 +116,7 @@ def state_problem(state: Any, where: str | os.PathLike) -> str | None:
         return f"{where}: missing field '{missing[0]}'{more}"
     for key, (_, check, want) in _STATE.items():
         if key in state and not check(state[key]):
-            return f"{where}: field '{key}' must be {want}, got {_shown(state[key])}"
+            return f"{where}: field '{key}' must be {want}, got {show(state[key])}"
     return None
 
 
@@ -142,11 +142,6 @@ def _read(path: str | os.PathLike) -> Any:
         raise FileFormatError(f"{path}: not valid JSON (nested too deep)") from None
 
 
-def _shown(v: Any) -> str:
-    text = json.dumps(v, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 # ---- the training log ------------------------------------------------------------------------------
 
 def log_records(text: str, where: str | os.PathLike, torn_tail: bool = True) -> list[dict]:
@@ -168,10 +163,11 @@ def log_records(text: str, where: str | os.PathLike, torn_tail: bool = True) -> 
         if not isinstance(rec, dict):
             raise FileFormatError(f"{where}: line {n} is not a JSON object")
         if not isinstance(rec.get("type"), str):
-            raise FileFormatError(f"{where}: line {n}: field 'type' must be a string, got {_shown(rec.get('type'))}")
+            raise FileFormatError(f"{where}: line {n}: field 'type' must be a string, got "
+                                  f"{show(rec.get('type'))}")
         if not is_int(rec.get("step"), 0):
             raise FileFormatError(f"{where}: line {n}: field 'step' must be an integer >= 0, got "
-                                  f"{_shown(rec.get('step'))}")
+                                  f"{show(rec.get('step'))}")
         out.append(rec)
     return out
 

@@ -48,10 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith import net
-from draftsmith.config import show
 from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
 from draftsmith.data.masks import encode_text
-from draftsmith.errors import DataError, FingerprintMismatch
+from draftsmith.errors import DataError, FingerprintMismatch, show
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ def _token_ids(ids, vocab_size: int, what: str) -> list[int]:
         raise _Retry(f"{what} is not a list ({type(ids).__name__})")
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise _Retry(f"{what}[{i}] = {repr(t)[:40]} is not a token id of the target (ints in [0, {vocab_size}))")
+            raise _Retry(f"{what}[{i}] = {show(t)} is not a token id of the target (ints in [0, {vocab_size}))")
     return ids
 
 
@@ -144,14 +143,14 @@ def _usage(answer: dict, what: str) -> dict[str, int]:
     if usage is None:
         return {}
     if not isinstance(usage, dict):
-        raise _Retry(f"{what}: usage is not an object ({str(usage)[:60]})")
+        raise _Retry(f"{what}: usage is not an object ({show(usage)})")
     out = {}
     for name in ("prompt_tokens", "completion_tokens"):
         value = usage.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise _Retry(f"{what}: usage.{name} is {repr(value)[:40]}, not a whole number of tokens")
+            raise _Retry(f"{what}: usage.{name} is {show(value)}, not a whole number of tokens")
         out[name] = value
     return out
 
