@@ -21,9 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith import __version__, methods
+from draftsmith.checksums import verify_checksums, weight_checksums
 from draftsmith.errors import ArtifactError
 from draftsmith.layouts import schema
-from draftsmith.storage import atomic_dir, atomic_write_json, verify_checksums, weight_checksums
+from draftsmith.outputs import atomic_dir, atomic_write_json
 from draftsmith.targets.fingerprint import check_compatible
 
 FORMAT_VERSION = 1

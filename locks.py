@@ -5,7 +5,7 @@
   dataset, export, artifact or evaluation folder is refused in one line while the first runs, whatever
   spelling of the folder it was given (a symlink, `..`, another case): the lock is `.draftsmith.lock`
   inside the folder it guards, plus `.<name>.lock` beside the folder's resolved path (the one lock of a
-  folder that does not exist yet, or is replaced whole by `storage.atomic_dir`). Held for the whole write
+  folder that does not exist yet, or is replaced whole by `outputs.atomic_dir`). Held for the whole write
   and removed when the writer finishes (a lock file a killed writer left is taken over, then removed). A
   process that already holds a folder's lock may take it again (a dataset run saving into its own folder).
 - `RunLock`: one retraining run per registry. Its file stays; it holds the owner's host, pid and start
@@ -99,7 +99,7 @@ def _resolved(folder: str | os.PathLike) -> Path:
 
 def lock_path(folder: str | os.PathLike) -> Path:
     """The lock beside `folder` (in its parent), named after its resolved path: the lock of a folder that is
-    replaced whole (storage.atomic_dir renames a new copy onto it) or that does not exist yet."""
+    replaced whole (outputs.atomic_dir renames a new copy onto it) or that does not exist yet."""
     folder = _resolved(folder)
     return folder.parent / f".{folder.name}.lock"
 

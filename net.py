@@ -40,7 +40,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from draftsmith.errors import DataError
-from draftsmith.storage import json_depth
+from draftsmith.reading import json_depth
 
 METRICS_MAX_BYTES = 64 << 20  # a /metrics page of vLLM is tens of KiB; a thousand LoRA adapters stay far below
 ANSWER_MAX_BYTES = 16 << 20  # one completion, with token ids and logprobs, is at most a few MiB

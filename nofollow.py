@@ -5,7 +5,7 @@ exports into folders others can write. A symlink, hard link, FIFO, socket or dev
 puts a lock, a record, a log or a report would make a plain open() write, truncate or read the file it leads
 to (or block on a FIFO). Every writer that opens an existing name goes through `open_regular`, which refuses
 anything but a regular file in one line naming the path and what it is; `refuse_unless_regular` is the same
-look for a writer that replaces the name by a rename (storage's atomic writers).
+look for a writer that replaces the name by a rename (outputs.py's atomic writers).
 """
 
 from __future__ import annotations

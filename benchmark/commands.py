@@ -251,7 +251,7 @@ def run_train_step(args) -> int:
 
 def run_baseline(args) -> int:
     from draftsmith.evaluation.baseline import check_plain_step, describe
-    from draftsmith.storage import atomic_write_json
+    from draftsmith.outputs import atomic_write_json
     from draftsmith.targets import load_target
 
     target = load_target(args.target)
@@ -273,7 +273,7 @@ def run_gemm(args) -> int:
 def run_llamacpp(args) -> int:
     from draftsmith.benchmark.llamacpp import describe
     from draftsmith.benchmark.llamacpp import run as llamacpp
-    from draftsmith.storage import atomic_write_json
+    from draftsmith.outputs import atomic_write_json
     from draftsmith.targets import load_target
 
     r = llamacpp(load_target(args.target), args.limit_per_domain, args.max_new_tokens, split=args.split)

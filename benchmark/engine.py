@@ -27,7 +27,8 @@ from draftsmith.data.engines.hf import HFEngine
 from draftsmith.data.masks import tokenize_conversation
 from draftsmith.decoding.cost import CpuShare
 from draftsmith.errors import ConfigError
-from draftsmith.storage import atomic_write_json, open_data, shared_data_dir
+from draftsmith.outputs import atomic_write_json
+from draftsmith.paths import open_data, shared_data_dir
 from draftsmith.targets import load_target
 from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.precision import inference_copy

@@ -120,7 +120,7 @@ def run(configs: list[str], sets: dict[str, list[str]] | None = None, batches: i
             for name in jobs}
     print(json.dumps(result, indent=1))
     if out is not None:
-        from draftsmith.storage import atomic_write_text
+        from draftsmith.outputs import atomic_write_text
 
         atomic_write_text(Path(out) / "report.json", json.dumps(result, indent=1) + "\n")
     return result

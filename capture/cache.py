@@ -46,7 +46,8 @@ from safetensors.torch import save_file
 
 from draftsmith.capture.forward import capture_forward, topk_with_logsumexp
 from draftsmith.errors import DataError
-from draftsmith.storage import _fsync_dir, atomic_write_json, is_int, read_json
+from draftsmith.outputs import atomic_write_json, fsync_dir
+from draftsmith.reading import is_int, read_json
 from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,7 @@ class ShardWriter:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        _fsync_dir(self.out_dir)
+        fsync_dir(self.out_dir)
         for row_id, o, n in rows:
             self.rows[row_id] = (idx, o, n)
         self._next_shard = idx + 1

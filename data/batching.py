@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.storage import sha256_text
+from draftsmith.checksums import sha256_text
 
 
 def _row_ids(rows) -> list | None:

@@ -236,7 +236,7 @@ def subset_dataset(path: str | Path, out: str | Path, domains: list[str] | None 
         same_folder,
     )
     from draftsmith.errors import DataError
-    from draftsmith.storage import atomic_dir, atomic_write_json, check_replaceable
+    from draftsmith.outputs import atomic_dir, atomic_write_json, check_replaceable
 
     path, out = Path(path), Path(out)
     if same_folder(out, path) or inside(path, out):
@@ -277,7 +277,7 @@ def merged_row_id(provenance: dict, row_id: int) -> int:
     """The id a row of a merge's later dataset takes: a hash of that dataset's creation record and the row's
     own id, 60 bits like the ids generation gives (data/sources.py). Two datasets that answered the same
     prompt (rollouts of two rounds) keep distinct rows; the same dataset merged twice repeats ids (refused)."""
-    from draftsmith.storage import sha256_json
+    from draftsmith.checksums import sha256_json
 
     return int(sha256_json(["merge", provenance.get("created"), provenance.get("counts", {}).get("tokens"),
                             int(row_id)])[:15], 16)
@@ -286,8 +286,8 @@ def merged_row_id(provenance: dict, row_id: int) -> int:
 def refuse_repeats(paths: list[Path], provs: list[dict]) -> None:
     """The same dataset given twice (the same folder by another spelling, through a symlink, or a copy: the
     same creation record) is refused: merged, its rows would each be written twice under new ids."""
+    from draftsmith.checksums import sha256_json
     from draftsmith.errors import DataError
-    from draftsmith.storage import sha256_json
 
     seen: dict = {}
     for p, prov in zip(paths, provs):
@@ -321,7 +321,7 @@ def merge_datasets(paths: list[str | Path], out: str | Path, overwrite: bool = F
         same_folder,
     )
     from draftsmith.errors import DataError
-    from draftsmith.storage import atomic_dir, atomic_write_json, check_replaceable
+    from draftsmith.outputs import atomic_dir, atomic_write_json, check_replaceable
     from draftsmith.targets import check_compatible
 
     paths, out = [Path(p) for p in paths], Path(out)
@@ -365,7 +365,7 @@ def one_of_each(ds):
     """The rows of `ds` without repeats, and how many were dropped: a row is its content (ids, loss mask and rollout
     marks), so a dataset merged with a merge that already holds it contributes each row once, while a rollout of a
     prompt that marks where drafts were rejected stays beside the same text without marks."""
-    from draftsmith.storage import sha256_json
+    from draftsmith.checksums import sha256_json
 
     seen: set[str] = set()
     keep = []

@@ -28,7 +28,7 @@ from draftsmith.config import (
 )
 from draftsmith.data.hub_sets import apply_hub_set
 from draftsmith.data.reasoning import DEFAULT_TAGS, POLICIES
-from draftsmith.storage import data_path
+from draftsmith.paths import data_path
 from draftsmith.targets.context import MAX_NEW_TOKENS
 
 

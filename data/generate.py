@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from draftsmith import net
+from draftsmith.checksums import sha256_json
 from draftsmith.config import load_config, to_dict
 from draftsmith.data.config import DataConfig
 from draftsmith.data.engines import CaptureSpec, Completion, Request, TextEngine, engine_for
@@ -68,13 +69,8 @@ from draftsmith.data.reasoning import drop_thinking, thinking_tokens
 from draftsmith.data.rows import RowLimits, check_row
 from draftsmith.data.sources import PromptRow, load_prompts
 from draftsmith.errors import DataError, FileFormatError
-from draftsmith.storage import (
-    atomic_write_json,
-    atomic_write_text,
-    jsonl_records,
-    read_json,
-    sha256_json,
-)
+from draftsmith.outputs import atomic_write_json, atomic_write_text
+from draftsmith.reading import jsonl_records, read_json
 from draftsmith.targets import check_compatible, gemm, load_target
 from draftsmith.targets.context import answer_room, context_window
 
@@ -908,7 +904,8 @@ def capture_dataset_dir(config, target=None, *, progress: bool = True, on_batch=
     """`draftsmith data capture`: capture every row of the finished dataset in `config.output_dir` into its
     `capture/` folder, checked against the target's fingerprint; records the run in provenance.json."""
     from draftsmith.capture.offline import capture_rows
-    from draftsmith.storage import atomic_write_json, read_json
+    from draftsmith.outputs import atomic_write_json
+    from draftsmith.reading import read_json
     from draftsmith.targets import load_target
 
     if config.generation.threads:

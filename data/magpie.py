@@ -24,13 +24,15 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from draftsmith.checksums import sha256_json
 from draftsmith.data.config import DataConfig, SourceConfig
 from draftsmith.data.engines.base import Request
 from draftsmith.data.engines.continuous import ContinuousBatcher
 from draftsmith.data.masks import build_messages, resolve_mode
 from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import DataError
-from draftsmith.storage import atomic_write_text, jsonl_records, sha256_json
+from draftsmith.outputs import atomic_write_text
+from draftsmith.reading import jsonl_records
 from draftsmith.targets.families import pad_token_id
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.storage import atomic_dir, check_replaceable, output_kind, read_json
+from draftsmith.outputs import atomic_dir, check_replaceable, output_kind
+from draftsmith.reading import read_json
 
 COLUMNS = ["row_id", "source", "domain", "prompt", "response", "input_ids", "loss_mask", "origin", "stopped",
            "n_turns"]

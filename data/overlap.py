@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from draftsmith.data.config import EvalSetConfig
 from draftsmith.data.sources import PromptRow, _FieldError, extract_turns, iter_jsonl, normalize_text
 from draftsmith.errors import DataError
-from draftsmith.storage import data_path
+from draftsmith.paths import data_path
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from draftsmith.checksums import sha256_file
 from draftsmith.data.rows import RowLimits, check_row, pack_limits
 from draftsmith.errors import DataError, FileFormatError
-from draftsmith.storage import atomic_write_bytes, atomic_write_json, jsonl_records, read_json, sha256_file
+from draftsmith.outputs import atomic_write_bytes, atomic_write_json
+from draftsmith.reading import jsonl_records, read_json
 
 PACK_KIND = "draftsmith-rows"
 PACK_VERSION = 1
@@ -52,7 +54,7 @@ def write_pack(pack: str | Path, key: dict, requests: dict[str, dict], rows: dic
     if not rows:
         raise DataError(f"{pack}: no finished rows to pack")
     header = {"kind": PACK_KIND, "version": PACK_VERSION, "run": key, "requests": requests, "rows": len(rows)}
-    # ensure_ascii=False keeps text small; readers split records at "\n" alone (storage.jsonl_records)
+    # ensure_ascii=False keeps text small; readers split records at "\n" alone (reading.jsonl_records)
     lines = [json.dumps(header, ensure_ascii=False)]
     lines += [json.dumps(rows[i], ensure_ascii=False) for i in sorted(rows)]
     atomic_write_bytes(pack, lzma.compress(("\n".join(lines) + "\n").encode("utf-8"), preset=level))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith.errors import DataError, json_kind
-from draftsmith.storage import is_int
+from draftsmith.reading import is_int
 
 TEXT_FIELDS = ("source", "domain", "prompt", "response", "origin")
 MAX_ROW_ID = 1 << 63  # row ids are 60-bit hashes; the dataset stores them as int64

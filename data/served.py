@@ -43,7 +43,8 @@ from draftsmith.capture.cache import ShardWriter, safetensors_header
 from draftsmith.config import show
 from draftsmith.errors import DataError
 from draftsmith.fleet.capture_file import FORMAT, SUFFIX, VERSION, digest, file_stem, request_id_of
-from draftsmith.storage import atomic_write_json, is_int
+from draftsmith.outputs import atomic_write_json
+from draftsmith.reading import is_int
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def _check_tensors(path: Path, header: dict, meta: dict) -> None:
 def _fits_header(path: Path, meta: dict, expect: Expect) -> None:
     """The capture against the target from its metadata alone (nothing of its tensors read): the model that
     served it, hidden size, the job's layers, the target's context."""
-    from draftsmith.storage import sha256_json
+    from draftsmith.checksums import sha256_json
     from draftsmith.targets.fingerprint import ARCH_FIELDS, summary_of
 
     theirs = summary_of(meta["model"]["config"])

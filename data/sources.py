@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.checksums import sha256_text
 from draftsmith.data.config import DataConfig, SourceConfig
 from draftsmith.errors import DataError, json_kind
-from draftsmith.storage import TooMuch, bounded_lines, data_path, gzip_budget, open_data, sha256_text
+from draftsmith.paths import data_path, open_data
+from draftsmith.reading import TooMuch, bounded_lines, gzip_budget
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +263,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     of prompt lines (training sources, eval sets, the overlap check, evaluation's prompts). A line that is
     not UTF-8 is an error of its own (decoding it with replacement characters would store mangled text), and so
     is a line nested past what the parser can read, and a line past MAX_LINE_BYTES (skipped without being held;
-    a `.gz` gives at most storage.gzip_budget). `.gz` files are read decompressed; a file cut short or damaged
+    a `.gz` gives at most reading.gzip_budget). `.gz` files are read decompressed; a file cut short or damaged
     ends with an error at the line where it breaks. The caller decides whether an error skips the line or stops."""
     try:
         f = open_data(path)

@@ -43,7 +43,7 @@ import torch
 from draftsmith.decoding.proposer import Proposal, Proposer, TargetFeatures, TreeSpec, side_by_side_entry
 from draftsmith.errors import ConfigError, DataError, MissingFile, show
 from draftsmith.formatting import fmt_num, md_cell
-from draftsmith.storage import is_int, read_json
+from draftsmith.reading import is_int, read_json
 
 OFF = "off"
 
@@ -213,7 +213,7 @@ def profile_problem(spec: Any) -> str | None:
 
 
 def read_json_file(path: str | Path, error: type[Exception] = DataError) -> Any:
-    """A JSON file read from outside (a report, a policy, a profile): storage.read_json, a missing file an
+    """A JSON file read from outside (a report, a policy, a profile): reading.read_json, a missing file an
     `error` of the caller's kind (a policy is configuration, a report data)."""
     try:
         return read_json(path)
@@ -445,7 +445,7 @@ def _compared(report: dict) -> list[dict]:
 
 
 def write_policy(policy: dict, path: str | Path) -> Path:
-    from draftsmith.storage import atomic_write_json
+    from draftsmith.outputs import atomic_write_json
 
     path = Path(path)
     atomic_write_json(path, policy)

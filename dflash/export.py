@@ -48,7 +48,7 @@ from draftsmith.layouts.verify import (
     register_verifier,
     vocab_map_problems,
 )
-from draftsmith.storage import atomic_write_json
+from draftsmith.outputs import atomic_write_json
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import full_attention_rope, rope_fields
 

@@ -46,7 +46,8 @@ from draftsmith.layouts.verify import (
     run_verifier,
     st_dtype,
 )
-from draftsmith.storage import atomic_dir, atomic_write_json, read_json
+from draftsmith.outputs import atomic_dir, atomic_write_json
+from draftsmith.reading import read_json
 from draftsmith.targets.families import pad_token_id
 from draftsmith.targets.fingerprint import check_compatible, tokenizer_hash
 

@@ -60,7 +60,7 @@ from draftsmith.layouts.verify import (
     st_dtype,
     vocab_map_problems,
 )
-from draftsmith.storage import atomic_write_json
+from draftsmith.outputs import atomic_write_json
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import attention_dims, full_attention_rope, rope_fields
 

@@ -24,7 +24,7 @@ from draftsmith.data.sources import (
     iter_jsonl,
 )
 from draftsmith.errors import DataError, json_kind
-from draftsmith.storage import data_path, data_stem, shared_data_dir
+from draftsmith.paths import data_path, data_stem, shared_data_dir
 
 # the four first sets, then what a chat target is asked beyond them: translation, summaries of long passages,
 # answers from long passages (RAG) and two-turn conversations (MT-bench; every row carries its `domain`)

@@ -13,7 +13,7 @@ from draftsmith.targets.context import check_fits, context_window
 
 def check_prompt_files(files: list[str]) -> None:
     """No --prompts entry is a folder (load_prompts names a missing file)."""
-    from draftsmith.storage import data_path
+    from draftsmith.paths import data_path
 
     for f in files:
         if Path(f).is_dir() or data_path(f).is_dir():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.formatting import fmt_num, md_cell, md_row
-from draftsmith.storage import atomic_write_json, atomic_write_text, save_figure
+from draftsmith.outputs import atomic_write_json, atomic_write_text, save_figure
 
 FIELDS = ["n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance", "conditional_acceptance",
           "n_timed", "tokens_per_s", "baseline_tokens_per_s", "hf_generate_tokens_per_s", "speedup", "fastest_plain",
@@ -385,7 +385,7 @@ def reliability_plot(cal: dict, path: Path, plt) -> Path:
 def write_report(report: dict, out_dir: str | Path) -> Path:
     """Write report.json, report.md and the plots into `out_dir` (created if needed)."""
     from draftsmith.errors import OutputError
-    from draftsmith.storage import output_kind
+    from draftsmith.outputs import output_kind
 
     out = Path(out_dir)
     mine = [n for n in ("report.json", "report.md", *PLOTS) if (out / n).exists()]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.formatting import fmt_num, md_cell
-from draftsmith.storage import atomic_write_json, atomic_write_text, save_figure
+from draftsmith.outputs import atomic_write_json, atomic_write_text, save_figure
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.layouts.common import GUARD, ExportResult, check_stack, read_guard
 from draftsmith.layouts.inspect import inspect_artifact
 from draftsmith.layouts.verify import VERIFIERS, VerificationError, run_verifier
-from draftsmith.storage import check_replaceable
+from draftsmith.outputs import check_replaceable
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,7 @@ def run(args) -> int:
 
             raise ConfigError(f"--serve-check runs vLLM: export with --to vllm (got --to {args.to})")
         from draftsmith.export.serve_check import serve_check
-        from draftsmith.storage import read_json
+        from draftsmith.reading import read_json
 
         k = read_json(result.out / "draftsmith.json")["num_speculative_tokens"]
         return _print_check(serve_check(result.out, target, args.prompts, k=k))

@@ -44,7 +44,8 @@ from draftsmith.formatting import fmt_num, md_cell
 from draftsmith.layouts import schema
 from draftsmith.layouts.common import read_guard
 from draftsmith.layouts.serving import VllmServe
-from draftsmith.storage import atomic_write_json, atomic_write_text, open_output, read_json
+from draftsmith.outputs import atomic_write_json, atomic_write_text, open_output
+from draftsmith.reading import read_json
 
 RUNNER = Path(__file__).with_name("vllm_run.py")
 VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"

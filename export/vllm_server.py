@@ -26,7 +26,7 @@ from pathlib import Path
 
 from draftsmith import net
 from draftsmith.export.serve_check import ServeCheckError, vllm_env, vllm_python
-from draftsmith.storage import open_output
+from draftsmith.outputs import open_output
 
 
 def free_port() -> int:

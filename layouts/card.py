@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from draftsmith.formatting import fmt_num, md_cell
-from draftsmith.storage import atomic_write_text
+from draftsmith.outputs import atomic_write_text
 
 CARD = "README.md"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -20,10 +20,11 @@ import torch
 
 from draftsmith import __version__
 from draftsmith.artifact import now_iso
+from draftsmith.checksums import weight_checksums
 from draftsmith.errors import ArtifactError
 from draftsmith.layouts import schema
 from draftsmith.methods import STACKS
-from draftsmith.storage import atomic_write_json, atomic_write_text, weight_checksums
+from draftsmith.outputs import atomic_write_json, atomic_write_text
 
 GUARD = "draftsmith.json"
 SERVE = "serve.md"

@@ -21,7 +21,7 @@ from draftsmith.layouts.common import (
     write_serve,
 )
 from draftsmith.layouts.verify import run_verifier
-from draftsmith.storage import atomic_dir, check_replaceable
+from draftsmith.outputs import atomic_dir, check_replaceable
 from draftsmith.targets.fingerprint import check_compatible
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from draftsmith import methods
 from draftsmith.artifact import MANIFEST, WEIGHTS, load_manifest, target_vocab, vocab_problems
+from draftsmith.checksums import checksum_problems
 from draftsmith.errors import ArtifactError, DraftsmithError
 from draftsmith.layouts.verify import VerificationError, compare, nonfinite_tensors, read_header, read_tensors
-from draftsmith.storage import checksum_problems
 
 REQUIRED_FIELDS = ("kind", "format_version", "target", "config", "created")
 

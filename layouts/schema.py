@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from draftsmith.errors import ArtifactError, ConfigError, DraftsmithError, json_kind, show
-from draftsmith.storage import MAX_JSON_BYTES, is_int, read_json
+from draftsmith.reading import MAX_JSON_BYTES, is_int, read_json
 
 MAX_VOCAB = 1 << 24  # a vocabulary size beyond any tokenizer (Gemma 3: 262,144): a typo or a hostile file
 MAX_HIDDEN = 1 << 16  # a hidden size beyond any model's
@@ -31,7 +31,7 @@ class FieldError(ArtifactError, ConfigError):
 
 
 def read_doc(path: str | Path, max_bytes: int = MAX_JSON_BYTES) -> dict:
-    """A JSON object from `path` (storage.read_json: missing, a folder, over `max_bytes`, not UTF-8, nested too
+    """A JSON object from `path` (reading.read_json: missing, a folder, over `max_bytes`, not UTF-8, nested too
     deep, not JSON), or a FieldError naming it; also when it is not an object."""
     try:
         doc = read_json(path, max_bytes)

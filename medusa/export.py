@@ -44,7 +44,7 @@ from draftsmith.layouts.verify import (
     register_verifier,
     st_dtype,
 )
-from draftsmith.storage import atomic_write_json
+from draftsmith.outputs import atomic_write_json
 from draftsmith.targets.device import dtype_name
 from draftsmith.targets.families import lm_head
 

@@ -41,7 +41,7 @@ from draftsmith.medusa.model import (
     medusa_loss,
     rank_accuracies,
 )
-from draftsmith.storage import atomic_write_json
+from draftsmith.outputs import atomic_write_json
 from draftsmith.targets.families import family, pad_token_id
 from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
 from draftsmith.training.job import Job, unwrap

@@ -39,7 +39,7 @@ from draftsmith import methods
 from draftsmith.config import show
 from draftsmith.errors import ConfigError
 from draftsmith.memory.serving import GIB, GPUS, activation_bytes, load_target_config, param_counts
-from draftsmith.storage import is_int, read_json
+from draftsmith.reading import is_int, read_json
 from draftsmith.targets.families import attention_dims, family, text_config
 
 OVERHEAD = 3 * GIB

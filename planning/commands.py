@@ -183,7 +183,7 @@ def run_route_compare(args) -> int:
     from pathlib import Path
 
     from draftsmith.decoding.routing import compare_table, read_report
-    from draftsmith.storage import atomic_write_text
+    from draftsmith.outputs import atomic_write_text
 
     md, _ = compare_table(read_report(args.routed), [read_report(p) for p in args.reports] if args.reports else None)
     print(md)
@@ -197,8 +197,8 @@ def run_alpha(args) -> int:
 
     from draftsmith import net
     from draftsmith.errors import ConfigError
+    from draftsmith.outputs import atomic_write_json
     from draftsmith.planning.production import production_alpha, render
-    from draftsmith.storage import atomic_write_json
 
     mapping = {}
     for item in args.model_domain:

@@ -14,7 +14,7 @@ cut short (its rows before the damage are kept), a line that is not UTF-8, not J
 counts once in `malformed`; the first MAX_NAMED are named in `bad` (`file: why` or `file:line: why`).
 
 Bounded by bytes, whatever a file holds: a line is read at most MAX_LINE_BYTES at a time before anything is
-decoded, and a longer one is skipped to its end without being held (one bad row; storage.bounded_lines); a `.gz`
+decoded, and a longer one is skipped to its end without being held (one bad row; reading.bounded_lines); a `.gz`
 gives at most MAX_GZIP_RATIO times its own size (never less than MIN_GZIP_BYTES) before the rest of it is
 skipped as one bad file, so a gzip bomb (4 MB holding a 4 GiB line) costs bounded memory and time. A line
 that still cannot be held in memory is one bad row, and a file that fails is one bad file: no read error,
@@ -37,7 +37,7 @@ from typing import Any
 
 from draftsmith.errors import DataError
 from draftsmith.fleet.traffic_record import MALFORMED, REFUSED, TrafficRecord, Unusable, parse_record
-from draftsmith.storage import MAX_GZIP_RATIO, MIN_GZIP_BYTES, TooMuch, bounded_lines, gzip_budget, json_depth
+from draftsmith.reading import MAX_GZIP_RATIO, MIN_GZIP_BYTES, TooMuch, bounded_lines, gzip_budget, json_depth
 
 MAX_NAMED = 20
 MAX_DEPTH = 32  # a log row nests about 5 deep (a chat's content parts); a deeper line is a bad line, never a RecursionError

@@ -64,7 +64,7 @@ from draftsmith.errors import ConfigError, DataError, show
 from draftsmith.fleet.traffic_record import TrafficRecord
 from draftsmith.formatting import fmt_num, md_cell, md_row
 from draftsmith.planning.logs import MAX_DOMAINS, cap_domains, log_files, traffic
-from draftsmith.storage import is_int
+from draftsmith.reading import is_int
 
 _SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -645,7 +645,7 @@ def production_alpha(path: str | Path, since: str | Path | None = None,
     table = vllm_alpha(text, earlier, model_domains, source=net.safe_url(str(path)),
                        since_source=net.safe_url(str(since)) if since else None)
     if save:
-        from draftsmith.storage import atomic_write_text
+        from draftsmith.outputs import atomic_write_text
 
         atomic_write_text(save, text)
     return table

@@ -32,7 +32,8 @@ from draftsmith import net
 from draftsmith.artifact import load_manifest, now_iso, update_manifest, verify_weights
 from draftsmith.errors import ArtifactError, OutputError, show
 from draftsmith.nofollow import refuse_unless_regular
-from draftsmith.storage import atomic_write_json, read_json
+from draftsmith.outputs import atomic_write_json
+from draftsmith.reading import read_json
 
 _VERSION = re.compile(r"^v(\d{4,})$")
 
@@ -47,7 +48,7 @@ def _pointer_version(pointer: Path) -> str:
         raise ArtifactError(str(e)) from None
     try:
         doc = read_json(pointer)
-    except ValueError as e:  # storage's FileFormatError: not UTF-8 or not JSON, the file named
+    except ValueError as e:  # reading's FileFormatError: not UTF-8 or not JSON, the file named
         raise ArtifactError(str(e)) from None
     except (OSError, RecursionError) as e:
         raise ArtifactError(f"{pointer}: cannot be read ({type(e).__name__})") from None

@@ -29,6 +29,7 @@ from pathlib import Path
 from draftsmith import methods, net
 from draftsmith.artifact import load_manifest, now_iso, update_manifest
 from draftsmith.checks import inspect_artifact
+from draftsmith.checksums import sha256_json
 from draftsmith.config import load_config, to_dict
 from draftsmith.errors import ArtifactError, ConfigError, DataError, DraftsmithError
 from draftsmith.locks import LockHeld, RunLock
@@ -36,7 +37,6 @@ from draftsmith.retrain.config import RetrainConfig
 from draftsmith.retrain.decide import Verdict, domain_policy, gate, recorded_alpha, staleness
 from draftsmith.retrain.registry import Registry
 from draftsmith.retrain.traffic import TrafficRow, read_traffic, write_prompt_file
-from draftsmith.storage import sha256_json
 from draftsmith.targets.fingerprint import differences
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def _served_data(cfg: RetrainConfig, target, work: Path, train_rows: list[Traffi
 
     from draftsmith.data.generate import PROVENANCE
     from draftsmith.data.served import import_served
-    from draftsmith.storage import read_json
+    from draftsmith.reading import read_json
 
     out = work / "data_mixed"
     if (out / PROVENANCE).is_file() and "replay" in read_json(out / PROVENANCE):
@@ -177,7 +177,7 @@ def _replay_served(cfg: RetrainConfig, target, out: Path, old_data: str | None, 
     how many."""
     from draftsmith.capture.cache import ShardWriter, capture_dataset
     from draftsmith.data.generate import CAPTURE_DIR, PROVENANCE, load_distilled, write_rows
-    from draftsmith.storage import atomic_write_json
+    from draftsmith.outputs import atomic_write_json
 
     new = [dict(r) for r in load_distilled(out, target)]
     frac, picked, missing = cfg.budget.replay_fraction, [], []
@@ -272,7 +272,8 @@ def _build_data(cfg: RetrainConfig, target, work: Path, train_rows: list[Traffic
                 mixed = datasets.concatenate_datasets([new, old.cast(new.features)])
     mixed_dir = work / "data_mixed"
     if not (mixed_dir / "provenance.json").is_file():
-        from draftsmith.storage import atomic_dir, atomic_write_json, read_json
+        from draftsmith.outputs import atomic_dir, atomic_write_json
+        from draftsmith.reading import read_json
 
         prov = read_json(fresh / "provenance.json")
         prov["replay"] = {"from": old_data, "rows": len(mixed) - len(new), "fraction": cfg.budget.replay_fraction}

@@ -181,7 +181,7 @@ def write_prompt_file(rows: list[TrafficRow], path: str | Path) -> Path:
     left out with a warning, never written: the evaluator would refuse the whole file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from draftsmith.storage import open_output
+    from draftsmith.outputs import open_output
 
     written = left_out = 0
     with open_output(path) as f:  # never through a link planted at the file's name

@@ -2,8 +2,8 @@
 
 1. no import cycle between files: every `import` / `from ... import` of a draftsmith module counts, at module
    level and inside functions alike (a function-level import is a dependency all the same, only a later one);
-2. `targets/` is the bottom layer: it imports no other draftsmith subpackage (the package root's
-   `errors`, `storage` and `__init__` only), so a target loads without training, decoding or export;
+2. `targets/` is the bottom layer: it imports no other draftsmith subpackage (the package root's `errors`,
+   `lazy`, file modules and `__init__` only), so a target loads without training, decoding or export;
 3. the folders are layers in the order the data flows (LAYERS, drawn in docs/architecture.md): a module
    imports only its own layer and the layers before it, and the method folders (METHODS) never import
    one another, so a method is one folder that can be added or removed alone, except a method declared in
@@ -39,7 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "draftsmith"
 SKIP = {"tests", "scripts", "results", "configs", "docs", "build", "dist", "runs"}  # runs/: the presets' git-ignored output
 BOTTOM = "targets"  # rule 2
-BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.storage", "draftsmith.lazy"}
+# targets/ reads and writes its cache and the target's files with the base's file modules
+BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.lazy", "draftsmith.outputs",
+                     "draftsmith.reading", "draftsmith.checksums", "draftsmith.paths"}
 # rule 5: fleet/ runs inside the serving engine's process and environment (vLLM loads it by import path),
 # where draftsmith's dependencies are not installed: it imports no draftsmith module but its own
 ENGINE_SIDE = "fleet"
@@ -67,8 +69,10 @@ METHODS = _builtin_methods()
 BUILDS_ON = {"dspark": "dflash"}  # DSpark = DFlash's block drafter + a Markov head + a confidence head
 
 LAYERS: list[tuple[str, ...]] = [
-    # the shared base
-    ("__init__", "errors", "nofollow", "locks", "storage", "net", "formatting", "lazy", "methods", "config"),
+    # the shared base; its file modules: atomic writes and output folders (outputs), the readers' shared rules
+    # and caps (reading), sha256 and weight checksums (checksums), where files are found (paths)
+    ("__init__", "errors", "nofollow", "reading", "locks", "outputs", "checksums", "paths", "net", "formatting",
+     "lazy", "methods", "config"),
     ("fleet",),  # runs inside the serving engine (rule 5): the traffic middleware, the capture connector
     ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
     # what the frozen target computes, kept: layer convention, forward capture, the cache on disk, offline

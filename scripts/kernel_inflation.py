@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{tps['measured']:.2f} tok/s: {report['measured_over_earlier']:.2f}x"
           + (f" (other processes used {100 * share.others:.0f}% of the CPU: not a valid timing)" if share.busy else ""))
     if a.json:
-        from draftsmith.storage import atomic_write_json
+        from draftsmith.outputs import atomic_write_json
 
         atomic_write_json(a.json, report)
     return 0

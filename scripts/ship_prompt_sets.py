@@ -38,7 +38,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from draftsmith.storage import sha256_file
+from draftsmith.checksums import sha256_file
 
 TRAIN = {
     "gsm8k_train.jsonl": ("grade-school math word problems: question, answer",

@@ -157,7 +157,7 @@ class PeerConfig:
 
 def like_artifact(path: str | Path) -> dict:
     """PeerConfig fields from the manifest of one of our EAGLE-3 artifacts (its training settings)."""
-    from draftsmith.storage import read_json
+    from draftsmith.reading import read_json
 
     manifest = read_json(Path(path) / "manifest.json")
     cfg, train = manifest.get("config") or {}, (manifest.get("config") or {}).get("train") or {}
@@ -530,7 +530,7 @@ def run_budgeted(model, train_loader, val_loader, cfg: PeerConfig, horizon: int,
 
 def provenance(path: str | Path) -> dict:
     """Who trained an EAGLE artifact and how long: trainer label, steps, tokens, seconds (where recorded)."""
-    from draftsmith.storage import read_json
+    from draftsmith.reading import read_json
 
     manifest = read_json(Path(path) / "manifest.json")
     by, metrics = manifest.get("trained_by") or {}, manifest.get("metrics") or {}

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from served_family import TinyFamily
     from tiny_models import build_tiny_tokenizer
 
-    from draftsmith.storage import atomic_write_json, atomic_write_text
+    from draftsmith.outputs import atomic_write_json, atomic_write_text
 
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from served_family import PROMPTS, K, TinyFamily
     from tiny_models import FAMILY_NAMES, build_tiny_tokenizer
 
-    from draftsmith.storage import atomic_write_json, atomic_write_text
+    from draftsmith.outputs import atomic_write_json, atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/vllm-families")

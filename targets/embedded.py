@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.errors import TargetError
-from draftsmith.storage import cache_dir
+from draftsmith.paths import cache_dir
 
 
 def _package_dir(module: str) -> Path | None:

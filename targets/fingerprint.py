@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from draftsmith.checksums import sha256_json, sha256_text
 from draftsmith.errors import FingerprintMismatch
-from draftsmith.storage import sha256_json, sha256_text
 from draftsmith.targets.families import text_config
 
 # Fields of a HF config that define the computation. Names, dtypes and bookkeeping are left out so that

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from draftsmith.checksums import sha256_text
 from draftsmith.errors import TargetError, json_kind, show
-from draftsmith.storage import atomic_dir, atomic_write_json, cache_dir, sha256_text
+from draftsmith.outputs import atomic_dir, atomic_write_json
+from draftsmith.paths import cache_dir
 from draftsmith.targets.device import select_device, select_dtype
 from draftsmith.targets.embedded import DEFAULT_TARGET, EMBEDDED
 from draftsmith.targets.families import pad_token_id, text_config
@@ -120,11 +122,11 @@ SIZE_FIELDS = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "intermediate_size
 
 
 def check_model_config(folder: Path) -> dict:
-    """A local model folder's config.json, read from outside: a JSON object (storage.read_json) whose
+    """A local model folder's config.json, read from outside: a JSON object (reading.read_json) whose
     `model_type` is a name and whose sizes (SIZE_FIELDS, also in a `text_config` section) are positive
     integers in range; a TargetError naming the file and field otherwise."""
     from draftsmith.errors import DraftsmithError
-    from draftsmith.storage import read_json
+    from draftsmith.reading import read_json
 
     path = folder / "config.json"
     try:

@@ -27,7 +27,7 @@ def prepare(root: Path, n: int = 40, prompt_len: int = 6, new: int = 10) -> None
     import datasets
 
     from draftsmith.data.generate import DATASET_DIR, PROVENANCE
-    from draftsmith.storage import atomic_write_json
+    from draftsmith.outputs import atomic_write_json
 
     tok = build_tiny_tokenizer()
     target = make_target(tok, seed=0, layers=4, folder=root / "target")  # EAGLE-3 fuses 3 distinct capturable layers

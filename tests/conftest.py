@@ -76,7 +76,7 @@ def real_target():
 
 
 def pytest_report_header(config):
-    from draftsmith.storage import shared_data_dir
+    from draftsmith.paths import shared_data_dir
 
     root = shared_data_dir()
     if root.is_dir():

@@ -187,7 +187,7 @@ def test_serve_check_fails_when_vllm_did_not_decode_one_output_per_prompt(tiny_t
 
 # --- 5. alpha --save onto a folder --------------------------------------------------------------------------
 def test_alpha_save_onto_a_folder_is_one_line_and_a_link_there_is_not_followed(tmp_path, capsys):
-    """`--save DIR`: a raw IsADirectoryError before; storage's atomic writer refuses the folder (and a link)
+    """`--save DIR`: a raw IsADirectoryError before; outputs' atomic writer refuses the folder (and a link)
     at the kept file's name in one line, nothing written into or through it."""
     from draftsmith.cli import main
 

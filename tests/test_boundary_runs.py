@@ -17,8 +17,8 @@ import torch
 from _train_job import NextTokenJob
 from safetensors.torch import save_file
 
+from draftsmith.checksums import sha256_file
 from draftsmith.errors import DataError, DraftsmithError, OutputError, TrainingError
-from draftsmith.storage import sha256_file
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
 

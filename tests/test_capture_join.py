@@ -190,7 +190,7 @@ def test_retraining_joins_no_capture_to_a_response_id_a_held_out_row_shares(tiny
 def test_a_capture_of_another_model_is_refused_naming_the_field(tiny_target, tmp_path):
     from tiny_models import build_tiny_llama
 
-    from draftsmith.storage import sha256_json
+    from draftsmith.checksums import sha256_json
     from draftsmith.targets.fingerprint import summary_of
 
     # comparable: the identity a capture records hashes to the target fingerprint's config_hash

@@ -30,7 +30,7 @@ from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import stdlib_code_rows
 from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import ConfigError, DataError, FingerprintMismatch
-from draftsmith.storage import data_path, shared_data_dir
+from draftsmith.paths import data_path, shared_data_dir
 
 SHARED = shared_data_dir()
 TRAIN = SHARED / "train"

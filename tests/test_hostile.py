@@ -130,8 +130,8 @@ def _copy(src: Path, dst: Path) -> Path:
 
 @pytest.mark.parametrize("name", ["../../../../etc/hostname", "/etc/hostname", "link/hostname"])
 def test_a_manifest_naming_a_file_outside_its_folder_is_damaged(tiny_target, medusa, tmp_path, capsys, name):
+    from draftsmith.checksums import sha256_file
     from draftsmith.cli import main
-    from draftsmith.storage import sha256_file
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -267,8 +267,8 @@ def _wrong_size(header: dict) -> None:
                                            (_wrong_size, "needs")])
 def test_check_refuses_tensors_whose_data_offsets_overlap_or_misfit(tiny_target, medusa, tmp_path, capsys, damage,
                                                                     expect):
+    from draftsmith.checksums import weight_checksums
     from draftsmith.cli import main
-    from draftsmith.storage import weight_checksums
 
     art = _copy(medusa, tmp_path / "m")
     weights = art / "model.safetensors"
@@ -721,7 +721,7 @@ from pathlib import Path
 import torch
 from draftsmith.artifact import make_manifest, save_artifact
 from draftsmith.errors import DraftsmithError
-from draftsmith.storage import atomic_write_json
+from draftsmith.outputs import atomic_write_json
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk with ENOSPC
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 out = Path(sys.argv[1])

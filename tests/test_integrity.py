@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from test_export import make_draft_artifact, make_medusa_artifact
 
 from draftsmith import artifact
+from draftsmith.checksums import sha256_file, weight_checksums
 from draftsmith.errors import (
     ArtifactError,
     ConfigError,
@@ -28,7 +29,7 @@ from draftsmith.errors import (
 )
 from draftsmith.export.api import export_artifact, import_export, verify_export
 from draftsmith.layouts.verify import VerificationError
-from draftsmith.storage import atomic_dir, sha256_file, weight_checksums
+from draftsmith.outputs import atomic_dir
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
 
@@ -371,7 +372,7 @@ def test_a_held_lock_has_its_own_exit_code(tmp_path, monkeypatch, capsys):
 
 
 def test_files_for_a_serving_process_follow_the_umask(tiny_target, medusa, tmp_path):
-    from draftsmith.storage import atomic_write_json
+    from draftsmith.outputs import atomic_write_json
 
     old = os.umask(0o022)
     try:

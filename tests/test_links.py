@@ -3,7 +3,7 @@ puts a lock, a record, a report or a pointer is refused in one line naming the p
 file it leads to keeps its bytes (never followed, truncated, read or copied into a record).
 
 The real entry points are driven: locks.output_lock (what `draftsmith evaluate`, train and data hold),
-RunLock (what `draftsmith retrain` holds), storage's writers, the registry's pointer and records, and
+RunLock (what `draftsmith retrain` holds), outputs.py's writers, the registry's pointer and records, and
 `draftsmith evaluate` itself through cli.main (it takes its lock before it loads anything).
 """
 
@@ -219,10 +219,10 @@ def _target_name(target: str) -> str:
     return load_target(target).name
 
 
-# --- storage's writers and the registry's files -------------------------------------------------------------
+# --- outputs.py's writers and the registry's files ----------------------------------------------------------
 @pytest.mark.parametrize("name", ["report.json", "manifest.json", "current.json", "report.md"])
 def test_an_atomic_write_onto_a_symlink_is_refused_and_its_victim_kept(tmp_path, name):
-    from draftsmith.storage import atomic_write_json
+    from draftsmith.outputs import atomic_write_json
 
     victim, out = _victim(tmp_path), tmp_path / "out"
     out.mkdir()
@@ -236,7 +236,7 @@ def test_an_atomic_write_onto_a_symlink_is_refused_and_its_victim_kept(tmp_path,
 
 @pytest.mark.parametrize("how", ["fifo", "socket", "folder"])
 def test_an_atomic_write_onto_what_is_no_file_is_one_line(tmp_path, how):
-    from draftsmith.storage import atomic_write_bytes
+    from draftsmith.outputs import atomic_write_bytes
 
     path = tmp_path / "report.json"
     _place(path, how, _victim(tmp_path))
@@ -309,7 +309,7 @@ def test_a_report_plot_that_is_a_symlink_is_not_drawn_into_its_victim(tiny_targe
 @pytest.mark.parametrize("append", [False, True])
 @pytest.mark.parametrize("how", ["symlink", "hardlink", "fifo"])
 def test_a_streamed_output_is_not_opened_through_a_link(tmp_path, how, append):
-    from draftsmith.storage import open_output
+    from draftsmith.outputs import open_output
 
     victim, log = _victim(tmp_path), tmp_path / "serve.log"
     _place(log, how, victim)
@@ -320,7 +320,7 @@ def test_a_streamed_output_is_not_opened_through_a_link(tmp_path, how, append):
 
 
 def test_a_streamed_output_replaces_or_extends_a_plain_file_of_ours(tmp_path):
-    from draftsmith.storage import open_output
+    from draftsmith.outputs import open_output
 
     log = tmp_path / "serve.log"
     log.write_text("old\n")
@@ -356,7 +356,7 @@ def test_a_traffic_prompt_file_is_not_written_through_a_link(tmp_path):
 
 # --- atomic_dir: the folder swap ----------------------------------------------------------------------------
 def test_atomic_dir_with_overwrite_refuses_a_symlinked_output_and_keeps_its_target(tmp_path):
-    from draftsmith.storage import atomic_dir
+    from draftsmith.outputs import atomic_dir
 
     target, link = tmp_path / "mine", tmp_path / "out"
     target.mkdir()
@@ -371,7 +371,7 @@ def test_atomic_dir_with_overwrite_refuses_a_symlinked_output_and_keeps_its_targ
 
 
 def test_atomic_dir_gives_no_mode_to_a_file_a_link_in_the_new_folder_leads_to(tmp_path):
-    from draftsmith.storage import atomic_dir
+    from draftsmith.outputs import atomic_dir
 
     victim = _victim(tmp_path)
     victim.chmod(0o600)
@@ -381,7 +381,7 @@ def test_atomic_dir_gives_no_mode_to_a_file_a_link_in_the_new_folder_leads_to(tm
 
 
 def test_clean_stale_does_not_put_a_planted_link_in_place_of_the_output(tmp_path):
-    from draftsmith.storage import clean_stale
+    from draftsmith.outputs import clean_stale
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

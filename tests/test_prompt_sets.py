@@ -16,7 +16,7 @@ from draftsmith.data.overlap import find_overlap, load_eval_texts
 from draftsmith.data.sources import load_prompts
 from draftsmith.evaluation.domains import SPLITS, default_prompt_files
 from draftsmith.evaluation.domains import load_prompts as load_eval_prompts
-from draftsmith.storage import open_data
+from draftsmith.paths import open_data
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = ROOT / "prompts"

@@ -14,8 +14,8 @@ from draftsmith.data.generate import load_data_config
 from draftsmith.evaluation import evaluate
 from draftsmith.export import export_artifact
 from draftsmith.medusa.job import MedusaJobConfig
+from draftsmith.paths import shared_data_dir
 from draftsmith.runner.train import run
-from draftsmith.storage import shared_data_dir
 
 pytestmark = pytest.mark.real
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import storage
+from draftsmith import reading
 from draftsmith.cli import main
 from draftsmith.planning import logs as logs_module
 from draftsmith.planning.production import log_alpha
@@ -151,7 +151,7 @@ def _bomb(path: Path, line_bytes: int, good_rows: int = 1) -> Path:
 
 def test_a_gzip_bomb_is_skipped_after_its_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(logs_module, "MAX_LINE_BYTES", 1 << 20, raising=False)
-    monkeypatch.setattr(storage, "MIN_GZIP_BYTES", 4 << 20)
+    monkeypatch.setattr(reading, "MIN_GZIP_BYTES", 4 << 20)
     folder = tmp_path / "t"
     folder.mkdir()
     bomb = _bomb(folder / "b.jsonl.gz", 200 << 20)  # ~200 KB on disk, 200 MiB inside
@@ -261,7 +261,7 @@ def test_a_prompt_file_line_or_gzip_past_its_cap_costs_bounded_memory(tmp_path, 
     assert [(n, o, e) for n, o, e in got if e is None] == [(1, {"prompt": "a"}, None), (3, {"prompt": "c"}, None)]
     assert [(n, e) for n, _, e in got if e] == [(2, f"the line is longer than {64 << 10} bytes")]
     assert peak < 8 * (64 << 10), peak
-    monkeypatch.setattr(storage, "MIN_GZIP_BYTES", 2 << 20)
+    monkeypatch.setattr(reading, "MIN_GZIP_BYTES", 2 << 20)
     bomb = _bomb(tmp_path / "b.jsonl.gz", 50 << 20)
     got = list(sources.iter_jsonl(bomb))
     assert got[0][2] is None and "gzip bomb" in got[-1][2], got[-1]

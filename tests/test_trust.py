@@ -18,8 +18,8 @@ import pytest
 from _train_job import NextTokenJob
 from safetensors.torch import save_file
 
+from draftsmith.checksums import sha256_file
 from draftsmith.errors import ConfigError, DraftsmithError, TrainingError
-from draftsmith.storage import sha256_file
 from draftsmith.training import TrainConfig, train
 from draftsmith.training import checkpoint as ckpt
 from draftsmith.training.run_files import record_written

@@ -52,16 +52,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.checksums import checksum_problems, sha256_file, weight_checksums
 from draftsmith.errors import FileFormatError, TrainingError
-from draftsmith.storage import (
-    atomic_dir,
-    atomic_write_json,
-    atomic_write_text,
-    checksum_problems,
-    read_json,
-    sha256_file,
-    weight_checksums,
-)
+from draftsmith.outputs import atomic_dir, atomic_write_json, atomic_write_text
+from draftsmith.reading import read_json
 from draftsmith.training import trust
 from draftsmith.training.run_files import (
     log_records,

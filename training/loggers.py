@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.storage import atomic_write_text, open_output
+from draftsmith.outputs import atomic_write_text, open_output
 
 log = logging.getLogger(__name__)
 

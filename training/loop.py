@@ -181,7 +181,7 @@ class Trainer:
         self._start_counters()
 
     def _prepare_output(self) -> None:
-        from draftsmith.storage import check_replaceable, clean_stale
+        from draftsmith.outputs import check_replaceable, clean_stale
 
         # before any work, on every rank (read-only: all of them stop with the same line, none waits at a
         # barrier): a folder that is not an artifact is not where this run's artifact will go

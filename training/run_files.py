@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.checksums import sha256_file
 from draftsmith.errors import FileFormatError, show
-from draftsmith.storage import atomic_write_json, is_int, read_json, sha256_file
+from draftsmith.outputs import atomic_write_json
+from draftsmith.reading import is_int, read_json
 from draftsmith.training import trust
 
 log = logging.getLogger(__name__)

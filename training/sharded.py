@@ -47,8 +47,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from draftsmith.checksums import sha256_file
 from draftsmith.errors import TrainingError
-from draftsmith.storage import atomic_write_json, atomic_write_text, sha256_file
+from draftsmith.outputs import atomic_write_json, atomic_write_text
 from draftsmith.training.checkpoint import (
     PICKLED,
     checkpoint_name,

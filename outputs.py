@@ -1,11 +1,11 @@
-"""Atomic file and directory writes, output folders that are replaced only when they are ours, weight
-checksums, hashing, and the cache location.
+"""What draftsmith writes: files written atomically, and output folders replaced only when they are ours.
 
 Every file draftsmith writes goes to a temporary name in the same directory first and is renamed into
 place, so a killed job leaves either the old file or the new one, never half of one. A user-facing output
 folder (artifact, export, dataset) replaces an existing one only if that one is empty or a draftsmith output
 of the same kind (`check_replaceable`), and only after the new one is complete and verified (`atomic_dir`).
-Files get the mode the umask gives an ordinary open(), so a serving process of the group can read them.
+Files get the mode the umask gives an ordinary open(), so a serving process of the group can read them. A
+write that fails for lack of space is one line naming what was being written (`raise_if_full`).
 
 Nothing is written through a link (draftsmith runs from cron on shared storage, where another user may plant
 one): every file draftsmith writes is created anew (O_EXCL, O_NOFOLLOW) or opened by
@@ -17,29 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 from draftsmith.nofollow import open_regular, refuse_unless_regular
+from draftsmith.reading import read_json
 
 
-def cache_dir() -> Path:
-    """Root of draftsmith's cache: `$DRAFTSMITH_CACHE`, else `~/.cache/draftsmith`."""
-    root = os.environ.get("DRAFTSMITH_CACHE") or os.path.join(Path.home(), ".cache", "draftsmith")
-    path = Path(root).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in folder `path` durable (best effort: a folder that cannot be opened is
+    skipped)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # a FIFO put in a folder's place is not waited on
         try:
@@ -124,7 +116,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             os.unlink(tmp)
         raise_if_full(e, path)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -132,10 +124,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=json_default) + "\n")
 
 
-def _json_default(obj: Any) -> Any:
+def json_default(obj: Any) -> Any:
+    """What json.dumps writes for the values draftsmith's records hold beyond JSON's own: paths, arrays, sets."""
     if isinstance(obj, Path):
         return str(obj)
     if hasattr(obj, "tolist"):
@@ -143,119 +136,6 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, set | frozenset):
         return sorted(obj)
     raise TypeError(f"cannot serialise {type(obj).__name__} to JSON")
-
-
-def is_int(value: Any, lo: int | None = None, hi: int | None = None) -> bool:
-    """An integer as a JSON file spells one (never a bool, which Python counts as an int), in [lo, hi] where
-    given: what the readers of draftsmith's files check a count, an id or a size with."""
-    return (isinstance(value, int) and not isinstance(value, bool) and (lo is None or value >= lo)
-            and (hi is None or value <= hi))
-
-
-MAX_JSON_DEPTH = 64  # a manifest, report or policy nests under 10 deep; json.loads recurses once a level
-MAX_JSON_BYTES = 256 << 20  # a JSON file draftsmith reads is kB to a few MB (a tokenizer.json: tens of MB)
-
-
-# Reading lines of a file nobody here wrote (request logs, prompt files): bounded by bytes whatever it holds. A
-# line is read at most `limit` bytes at a time before anything decodes it, and a longer one is skipped to its end
-# in reads of at most LINE_CHUNK bytes without being held; a `.gz` gives at most MAX_GZIP_RATIO times its own size
-# (never less than MIN_GZIP_BYTES), so a gzip bomb (4 MB holding a 4 GiB line) costs bounded memory and time.
-LINE_CHUNK = 1 << 20
-MAX_GZIP_RATIO = 100  # JSON lines compress 5-20x; a file giving more than this is a bomb, not data
-MIN_GZIP_BYTES = 256 << 20  # a small .gz may always give this much (a short file of repeated prompts)
-
-
-class TooMuch(Exception):  # noqa: N818 - read as "a .gz gave too much"
-    """A .gz gave more bytes than its budget (gzip_budget): the rest of it is skipped."""
-
-
-def bounded_lines(f, limit: int, budget: int | None = None) -> Iterator[bytes | None]:
-    """Every line of binary file `f` (its newline kept), None for one longer than `limit` bytes, skipped to its
-    end without being held; TooMuch once more than `budget` bytes were read (None: no budget)."""
-    read = 0
-    while True:
-        raw = f.readline(limit + 1)
-        read += len(raw)
-        if budget is not None and read > budget:
-            raise TooMuch(budget)
-        if not raw:
-            return
-        if len(raw) <= limit or raw.endswith(b"\n"):
-            yield raw
-            continue
-        while raw and not raw.endswith(b"\n"):  # the rest of the over-long line, never held
-            raw = f.readline(min(LINE_CHUNK, limit))
-            read += len(raw)
-            if budget is not None and read > budget:
-                raise TooMuch(budget)
-        yield None
-
-
-def gzip_budget(path: str | os.PathLike) -> int | None:
-    """The bytes a .gz may give (bounded_lines); None for a plain file (its bytes are on disk already)."""
-    if not str(path).endswith(".gz"):
-        return None
-    return max(MIN_GZIP_BYTES, MAX_GZIP_RATIO * os.stat(path).st_size)
-
-
-def json_depth(text: str) -> int:
-    """How deep `text`'s arrays and objects nest (brackets inside strings do not count), in linear time and
-    without recursion: what is counted before json.loads, which would hit the recursion limit."""
-    outside = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
-    brackets = re.sub(r"[^\[\]{}]", "", outside)
-    return max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
-
-
-def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """Parse a JSON file from anywhere, the one reader of JSON files: a file that is missing (MissingFile, a
-    FileNotFoundError too), a folder, unreadable, over `max_bytes`, not UTF-8, nested deeper than
-    MAX_JSON_DEPTH or not JSON is one line naming it (FileFormatError, a ValueError too, for callers that treat
-    any unreadable file alike). What the value must hold is the caller's schema."""
-    from draftsmith.errors import FileFormatError, MissingFile
-
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size > max_bytes:
-                raise FileFormatError(f"{path}: over {max_bytes >> 20} MiB, not a JSON file draftsmith reads")
-            raw = f.read(max_bytes + 1)
-    except FileNotFoundError:
-        what = "a symlink to nothing" if Path(path).is_symlink() else "no such file"
-        raise MissingFile(f"{path}: {what}") from None
-    except IsADirectoryError:
-        raise FileFormatError(f"{path}: a folder, not a JSON file") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise FileFormatError(f"{path}: a symlink loop, not a JSON file") from None
-        raise FileFormatError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FileFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    if (depth := json_depth(text)) > MAX_JSON_DEPTH:
-        raise FileFormatError(f"{path}: JSON nested {depth} deep (at most {MAX_JSON_DEPTH} is read)")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FileFormatError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
-    except ValueError as e:  # an integer of more than 4300 digits
-        raise FileFormatError(f"{path}: not JSON draftsmith reads ({str(e)[:80]})") from None
-
-
-def jsonl_records(text: str, where: str | os.PathLike) -> list[Any]:
-    """The records of a JSON-lines text. A record ends at "\\n" only: `json.dumps(..., ensure_ascii=False)` writes
-    U+2028, U+0085 and the other characters `str.splitlines()` also breaks at raw inside strings (a GSM8K question
-    holds one). A line that is not JSON is a FileFormatError naming `where` and the line."""
-    from draftsmith.errors import FileFormatError
-
-    out = []
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise FileFormatError(f"{where}: line {n} is not JSON ({e.msg} at column {e.colno})") from None
-    return out
 
 
 # ---- output folders: replaced only when they are ours ------------------------------------------------
@@ -454,103 +334,9 @@ def _atomic_dir(final: str | os.PathLike, overwrite: bool = False, kind: str | N
             _remove(old)
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         if old is not None:
             _remove(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def sha256_json(obj: Any) -> str:
-    return sha256_text(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default))
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def shared_data_dir() -> Path:
-    """The public prompt sets (train/, eval/dev/, eval/test/): `$DRAFTSMITH_DATA` when set, else the
-    `prompts/` folder shipped inside the package (prompts/README.md)."""
-    env = os.environ.get("DRAFTSMITH_DATA")
-    if env:
-        return Path(env).expanduser()
-    return Path(__file__).resolve().parent / "prompts"  # the package directory is the repository root
-
-
-_SETS_PREFIX = "prompts"
-
-
-def open_data(path: str | os.PathLike):
-    """A data file opened for reading bytes, gzip-decompressed when its name ends in `.gz`."""
-    import gzip
-
-    return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
-
-
-def data_stem(path: str | os.PathLike) -> str:
-    """A data file's name without its format and compression suffixes: `prompts/eval/dev/gsm8k.jsonl` and
-    `gsm8k.jsonl.gz` are both `gsm8k`."""
-    name = Path(path).name
-    for suffix in (".gz", ".jsonl", ".json"):
-        name = name.removesuffix(suffix)
-    return name
-
-
-def data_path(path: str | os.PathLike) -> Path:
-    """A configured data path, with a leading `prompts/` read as `shared_data_dir()`.
-
-    Presets name the shipped prompt sets as `prompts/...`; this lets them work from any directory and under
-    `$DRAFTSMITH_DATA`. Every other path is taken as given (relative to the working directory).
-    """
-    p = Path(path).expanduser()
-    if not p.is_absolute() and p.parts[:1] == (_SETS_PREFIX,):
-        return shared_data_dir().joinpath(*p.parts[1:])
-    return p
-
-
-# ---- weight checksums -----------------------------------------------------------------------------------
-
-def weight_checksums(folder: str | os.PathLike) -> dict[str, str]:
-    """sha256 of every weight file (`*.safetensors`, at any depth) under `folder`, keyed by relative path."""
-    folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): sha256_file(p)
-            for p in sorted(folder.rglob("*.safetensors")) if not any(part.startswith(".") for part in
-                                                                        p.relative_to(folder).parts)}
-
-
-def checksum_problems(folder: str | os.PathLike, recorded: dict[str, str] | None, manifest: str) -> list[str]:
-    """One line per weight file that is missing or whose sha256 differs from what `manifest` recorded."""
-    folder = Path(folder)
-    if recorded is not None and not isinstance(recorded, dict):
-        return [f"{manifest}: field 'checksums' is not a mapping of weight file -> sha256"]
-    problems = []
-    root = folder.resolve()
-    for rel, want in sorted((recorded or {}).items()):
-        path = folder / rel
-        if not path.resolve().is_relative_to(root):  # `../../etc/x`, an absolute path, a symlink out: never read
-            problems.append(f"{path}: outside {folder} (listed in {manifest}): refused, not read")
-        elif not path.is_file():
-            problems.append(f"{path}: missing (listed in {manifest})")
-        elif sha256_file(path) != want:
-            problems.append(f"{path}: sha256 differs from the one {manifest} recorded when it was written "
-                            f"(the file was changed, truncated or corrupted since)")
-    return problems
-
-
-def verify_checksums(folder: str | os.PathLike, recorded: dict[str, str] | None, manifest: str) -> None:
-    """Raise IntegrityError naming the first weight file that differs from its recorded checksum."""
-    from draftsmith.errors import IntegrityError
-
-    problems = checksum_problems(folder, recorded, manifest)
-    if problems:
-        raise IntegrityError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
