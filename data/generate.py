@@ -50,9 +50,10 @@ import torch
 from draftsmith import net
 from draftsmith.checksums import sha256_json
 from draftsmith.config import load_config, to_dict
+from draftsmith.data.chat import build_messages
 from draftsmith.data.config import DataConfig
 from draftsmith.data.engines import CaptureSpec, Completion, Request, TextEngine, engine_for
-from draftsmith.data.masks import build_messages, end_tokens, resolve_mode, tokenize_conversation, verify_mask
+from draftsmith.data.masks import end_tokens, resolve_mode, tokenize_conversation, verify_mask
 from draftsmith.data.output import (  # noqa: F401  (re-exported: the names every reader of a dataset folder imports)
     CAPTURE_DIR,
     CHUNKS_DIR,

@@ -25,10 +25,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from draftsmith.checksums import sha256_json
+from draftsmith.data.chat import build_messages, render_chat
 from draftsmith.data.config import DataConfig, SourceConfig
 from draftsmith.data.engines.base import Request
 from draftsmith.data.engines.continuous import ContinuousBatcher
-from draftsmith.data.masks import build_messages, resolve_mode
+from draftsmith.data.masks import resolve_mode
 from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import DataError
 from draftsmith.outputs import atomic_write_text
@@ -47,8 +48,7 @@ def user_turn_prefix(tokenizer, system: str | None, template_kwargs: dict | None
     `template_kwargs` are the source's template variables (`enable_thinking`), as its rows are rendered with."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("a magpie source needs a chat-tuned target with a chat template (this tokenizer has none)")
-    text = tokenizer.apply_chat_template(build_messages([_SENTINEL], [], system), tokenize=False,
-                                         add_generation_prompt=True, **(template_kwargs or {}))
+    text = render_chat(tokenizer, build_messages([_SENTINEL], [], system), template_kwargs=template_kwargs)
     if text.count(_SENTINEL) != 1:
         raise DataError("the chat template does not place the user's text verbatim; magpie cannot cut it")
     before, after = text.split(_SENTINEL)

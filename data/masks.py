@@ -18,23 +18,27 @@ assistant turn's thinking span is trained on (`keep`), removed from the turn bef
 (`drop`), or kept out of the mask (`mask`: the learned span starts after the closing tag, and the decode-back
 check also refuses a learned span that holds a thinking tag).
 
-A message's own text never becomes control tokens: `<|im_end|><|im_start|>assistant` typed by a user (or
-written in a dataset's response) is tokenized as text (`split_special_tokens`), and only the special-token
-strings the chat template writes itself become special tokens.
+Every rendering goes through data/chat.py's `render_chat`, so a message's own text never becomes control
+tokens here either (a special-token string typed in a message stays text).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from draftsmith.data.reasoning import DEFAULT_TAGS, POLICIES, answer_start, drop_thinking, thinking_end
+from draftsmith.data.chat import (
+    Message,
+    content_spans,
+    encode_spans,
+    encode_template,
+    encode_text,
+    has_chat_template,
+    holds_special_text,
+    render_chat,
+    with_reasoning,
+)
+from draftsmith.data.reasoning import DEFAULT_TAGS, answer_start, thinking_end
 from draftsmith.errors import DataError, show
-
-Message = dict[str, str]
-
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def resolve_mode(tokenizer, mode: str = "auto") -> str:
@@ -48,67 +52,8 @@ def resolve_mode(tokenizer, mode: str = "auto") -> str:
     return mode
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    """Template text: the special-token strings the template writes become their special tokens."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    """A message's own text: a special-token string inside it (`<|im_end|><|im_start|>assistant`) stays
-    text, split like any other characters, and never becomes a control token."""
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
-
-
-def special_strings(tokenizer) -> list[str]:
-    """The strings the tokenizer turns into special tokens."""
-    names = set(getattr(tokenizer, "all_special_tokens", None) or [])
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    names |= {t.content for t in decoder.values() if getattr(t, "special", False)}
-    return sorted(n for n in names if n)
-
-
-def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> list[int]:
-    """`text` as the template wrote it, except the characters of `spans` (message contents, sorted), which
-    are tokenized as text (`encode_text`)."""
-    ids: list[int] = []
-    at = 0
-    for a, b in spans:
-        a, b = min(a, len(text)), min(b, len(text))
-        if a < at:
-            continue
-        ids += _encode(tokenizer, text[at:a]) + encode_text(tokenizer, text[a:b])
-        at = b
-    return ids + _encode(tokenizer, text[at:])
-
-
-def _content_spans(tokenizer, messages: list[Message], full: str, kwargs: dict) -> list[tuple[int, int]]:
-    """Where each message's content lies in the rendering `full` (a prefix-stable template writes message i
-    between the renderings of the conversation up to i-1 and up to i)."""
-    spans = []
-    before = ""
-    for i, msg in enumerate(messages):
-        upto = _render(tokenizer, messages[: i + 1], False, kwargs)
-        content = msg["content"]
-        at = upto.find(content, len(before)) if content else len(before)
-        if at < 0 or not full.startswith(upto[: at + len(content)]):
-            raise DataError(f"message {i} holds special-token text, and the chat template does not write it "
-                            "verbatim: it cannot be kept as text")
-        spans.append((at, at + len(content)))
-        before = upto
-    return spans
-
-
 def _decode(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _render(tokenizer, messages: list[Message], add_generation_prompt: bool, kwargs: dict | None = None) -> str:
-    """The template's text for `messages`; `kwargs` are the source's template variables (`enable_thinking`)."""
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(kwargs or {}))
-    except Exception as e:  # jinja raises TemplateError and friends for templates that reject a conversation
-        raise DataError(f"chat template failed to render the conversation: {type(e).__name__}: {e}") from None
 
 
 def end_tokens(tokenizer, eos_token_ids: Sequence[int] | None = None) -> list[tuple[int, str]]:
@@ -119,19 +64,11 @@ def end_tokens(tokenizer, eos_token_ids: Sequence[int] | None = None) -> list[tu
     return [(i, _decode(tokenizer, [i])) for i in ids]
 
 
-def encode_rendered(tokenizer, messages: list[Message], full: str, kwargs: dict | None = None) -> list[int]:
-    """`full`, the template's rendering of `messages`, as ids: the template's own special-token strings become
-    their tokens, the messages' text stays text (`encode_text`), as `tokenize_conversation` makes them."""
-    specials = special_strings(tokenizer)
-    if not any(sp in m["content"] for m in messages for sp in specials):
-        return _encode(tokenizer, full)
-    return _encode_spans(tokenizer, full, _content_spans(tokenizer, messages, full, kwargs or {}))
-
-
 def _token_boundary(tokenizer, text: str, char: int, full_ids: list[int], what: str,
                     spans: list[tuple[int, int]] | None = None) -> int:
     """Token index where character `char` of `text` starts, if the tokenization splits there."""
-    prefix = _encode(tokenizer, text[:char]) if spans is None else _encode_spans(tokenizer, text[:char], spans)
+    before = text[:char]
+    prefix = encode_template(tokenizer, before) if spans is None else encode_spans(tokenizer, before, spans)
     if full_ids[: len(prefix)] != prefix:
         raise DataError(
             f"chat template: the {what} does not fall on a token boundary (tokenizing the text before it "
@@ -142,19 +79,19 @@ def _token_boundary(tokenizer, text: str, char: int, full_ids: list[int], what: 
 
 def _chat(tokenizer, messages: list[Message], add_generation_prompt: bool, eos: list[tuple[int, str]],
           kwargs: dict, mask_thinking: bool, tags) -> tuple[list[int], list[int], list[str]]:
-    full = _render(tokenizer, messages, add_generation_prompt, kwargs)
-    specials = special_strings(tokenizer)
+    full = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                       template_kwargs=kwargs)
     # a message holding special-token text: its content is tokenized as text, the template's own tokens as tokens
-    spans = (_content_spans(tokenizer, messages, full, kwargs)
-             if any(sp in m["content"] for m in messages for sp in specials) else None)
-    ids = _encode(tokenizer, full) if spans is None else _encode_spans(tokenizer, full, spans)
+    spans = (content_spans(tokenizer, messages, full, kwargs)
+             if holds_special_text(tokenizer, messages) else None)
+    ids = encode_template(tokenizer, full) if spans is None else encode_spans(tokenizer, full, spans)
     mask = [0] * len(ids)
     expected = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        pre = _render(tokenizer, messages[:i], True, kwargs) if i else ""
-        upto = _render(tokenizer, messages[: i + 1], False, kwargs)
+        pre = render_chat(tokenizer, messages[:i], template_kwargs=kwargs) if i else ""
+        upto = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, template_kwargs=kwargs)
         if not (full.startswith(upto) and upto.startswith(pre)):
             raise DataError(
                 f"chat template is not prefix-stable at assistant turn {i} (rendering the conversation up to "
@@ -284,10 +221,7 @@ def tokenize_conversation(tokenizer, messages: list[Message], *, mode: str = "au
     for m in messages:
         if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
             raise DataError(f"bad message {show(m)}: needs role system/user/assistant and text content")
-    if reasoning not in POLICIES:
-        raise DataError(f"reasoning must be keep, drop or mask, got {reasoning!r}")
-    if reasoning == "drop":
-        messages = [_dropped(m, i, think_tags) for i, m in enumerate(messages)]
+    messages = with_reasoning(messages, reasoning, think_tags)  # drop: thinking removed before rendering
     masking = reasoning == "mask"
     eos = end_tokens(tokenizer, eos_token_ids)
     if resolve_mode(tokenizer, mode) == "chat":
@@ -297,24 +231,3 @@ def tokenize_conversation(tokenizer, messages: list[Message], *, mode: str = "au
         ids, mask, expected = _plain(tokenizer, messages, add_bos, plain_separator, eos, masking, think_tags)
     verify_mask(tokenizer, ids, mask, expected, forbidden=think_tags if masking else ())
     return ids, mask
-
-
-def _dropped(msg: Message, turn: int, tags: Sequence[str]) -> Message:
-    """`reasoning: drop`: an assistant message without its thinking span."""
-    if msg["role"] != "assistant" or not thinking_end(msg["content"], tags):
-        return msg
-    answer = drop_thinking(msg["content"], tags)
-    if not answer:
-        raise DataError(f"assistant turn {turn} is all thinking (no {tags[1]!r} closes it): reasoning: drop leaves "
-                        "nothing of it")
-    return {**msg, "content": answer}
-
-
-def build_messages(turns: list[str], responses: list[str], system: str | None = None) -> list[Message]:
-    """Interleave user turns and assistant responses (len(responses) may be len(turns) - 1 for a prompt)."""
-    out: list[Message] = [{"role": "system", "content": system}] if system else []
-    for i, turn in enumerate(turns):
-        out.append({"role": "user", "content": turn})
-        if i < len(responses):
-            out.append({"role": "assistant", "content": responses[i]})
-    return out

@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.data.chat import build_messages, has_chat_template, render_chat
 from draftsmith.data.sources import (
     _FieldError,
     _text,
@@ -167,9 +168,6 @@ def load_prompts(files: list[str | Path], limit_per_domain: int | None = None, s
 def format_prompt(tokenizer, text: str, template_kwargs: dict | None = None) -> list[int]:
     """The first turn as chat-templated token ids (plain tokenisation when there is no template);
     `template_kwargs` go to the template (e.g. `{enable_thinking: false}` for a Qwen3 target, as its data had)."""
-    if getattr(tokenizer, "chat_template", None):  # special-token text in the prompt stays text (data/masks.py)
-        from draftsmith.data.masks import tokenize_conversation
-
-        return tokenize_conversation(tokenizer, [{"role": "user", "content": text}], mode="chat",
-                                     add_generation_prompt=True, template_kwargs=template_kwargs)[0]
+    if has_chat_template(tokenizer):  # special-token text in the prompt stays text (data/chat.py)
+        return render_chat(tokenizer, build_messages([text], []), template_kwargs=template_kwargs, tokenize=True)
     return list(tokenizer(text, split_special_tokens=True).input_ids)  # the user's text stays text

@@ -25,40 +25,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftsmith.data.chat import build_messages, has_chat_template, render_chat
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.domains import EvalPrompt, format_prompt
 
 
-def _render(tokenizer, messages: list[dict], kwargs: dict | None, what: str) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(kwargs or {}))
-    except Exception as e:  # jinja raises TemplateError and friends for a conversation a template rejects
-        raise ConfigError(f"{what}: the chat template failed to render the conversation: "
-                          f"{type(e).__name__}: {e}") from None
-
-
-def _messages(turns: list[str], answers: list[str]) -> list[dict]:
-    out = []
-    for i, user in enumerate(turns):
-        out.append({"role": "user", "content": user})
-        if i < len(answers):
-            out.append({"role": "assistant", "content": answers[i]})
-    return out
-
-
-def _has_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+def _render(tokenizer, turns: list[str], answers: list[str], kwargs: dict | None, what: str,
+            tokenize: bool = False) -> str | list[int]:
+    """The user `turns` answered by `answers`, to the next assistant turn (data/chat.py's render_chat); a
+    template that rejects them is a ConfigError naming the prompt."""
+    return render_chat(tokenizer, build_messages(turns, answers), template_kwargs=kwargs, tokenize=tokenize,
+                       where=what, error=ConfigError)
 
 
 def conversation_bound(tokenizer, turns: list[str], max_new_tokens: int, kwargs: dict | None, what: str) -> int:
     """The most tokens the prompt of the last of `turns` can take: the template over the user turns with empty
     answers, plus `max_new_tokens` for each earlier answer."""
-    from draftsmith.data.masks import encode_rendered
-
     earlier = len(turns) - 1
-    if _has_template(tokenizer):  # counted as the prompt is made: the turns' own text as text
-        messages = _messages(turns, [""] * earlier)
-        base = len(encode_rendered(tokenizer, messages, _render(tokenizer, messages, kwargs, what), kwargs))
+    if has_chat_template(tokenizer):  # counted as the prompt is made: the turns' own text as text
+        base = len(_render(tokenizer, turns, [""] * earlier, kwargs, what, tokenize=True))
     else:
         base = len(format_prompt(tokenizer, turns[0])) + sum(len(_plain_turn(tokenizer, t)) for t in turns[1:])
     return base + earlier * max_new_tokens
@@ -89,26 +74,23 @@ class Conversation:
                               "was answered")
         if turn == 0:
             self.last_ids = format_prompt(tokenizer, self.row.text, self.template_kwargs)
-        elif not _has_template(tokenizer):
+        elif not has_chat_template(tokenizer):
             self.last_ids = self.last_ids + _plain_turn(tokenizer, self.row.turns[turn])
         else:
             self.last_ids = self._templated(tokenizer, turn)
         return list(self.last_ids)
 
     def _templated(self, tokenizer, turn: int) -> list[int]:
-        from draftsmith.data.masks import tokenize_conversation
-
         what = f"prompt {self.source(turn)}"
-        before = _render(tokenizer, _messages(self.row.turns[:turn], self.answers[:-1]), self.template_kwargs, what)
-        now = _render(tokenizer, _messages(self.row.turns[: turn + 1], self.answers), self.template_kwargs, what)
+        before = _render(tokenizer, self.row.turns[:turn], self.answers[:-1], self.template_kwargs, what)
+        now = _render(tokenizer, self.row.turns[: turn + 1], self.answers, self.template_kwargs, what)
         said = self.answers[-1]
         if not (now.startswith(before + said) or now.startswith(before + said.strip())):
             raise ConfigError(f"{what}: the chat template does not render the target's answer to turn {turn} as "
                               "the target wrote it (not prefix-stable over turns: Qwen3's drops earlier thinking), "
                               "so a later turn would be decoded from a context the target never produced; "
                               "evaluate first turns only (--turns first)")
-        return tokenize_conversation(tokenizer, _messages(self.row.turns[: turn + 1], self.answers), mode="chat",
-                                     add_generation_prompt=True, template_kwargs=self.template_kwargs)[0]
+        return _render(tokenizer, self.row.turns[: turn + 1], self.answers, self.template_kwargs, what, tokenize=True)
 
     def answered(self, tokenizer, tokens: list[int], eos: set[int]) -> None:
         """Plain decoding's answer to the newest turn (its tokens, an end-of-sequence token last if it stopped)."""

@@ -149,3 +149,31 @@ def test_a_template_that_drops_earlier_thinking_is_refused_for_later_turns(tmp_p
     conv.answered(tok, tok("Paris", add_special_tokens=False).input_ids, set())
     with pytest.raises(ConfigError, match="not prefix-stable over turns"):
         conv.prompt(tok, 1)
+
+
+# Llama 3's template, in the tiny tokenizer's tokens: every message's content is trimmed (`| trim`)
+TRIMMING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_later_turn_is_decoded_under_a_template_that_trims_the_answer(tiny_tokenizer):
+    """The module's promise: a template that trims the ends of an earlier answer (Llama 3's) is prefix-stable
+    up to that whitespace, so a later turn is measured. Its prompt ids came from the data pipeline's loss-mask
+    builder, which looked for the untrimmed answer in the rendering and refused it ("does not write assistant
+    turn 1 verbatim", a DataError); they now come from data/chat.py's render_chat, like every other prompt."""
+    import copy
+
+    from draftsmith.evaluation.domains import EvalPrompt
+    from draftsmith.evaluation.turns import Conversation
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = TRIMMING_TEMPLATE
+    conv = Conversation(EvalPrompt("chat", TURNS[0], "chat.jsonl:1", TURNS[:2]))
+    conv.prompt(tok, 0)
+    conv.answered(tok, tok("Red, green and blue.\n", add_special_tokens=False).input_ids, set())
+    ids = conv.prompt(tok, 1)
+    want = tok.apply_chat_template([{"role": "user", "content": TURNS[0]},
+                                    {"role": "assistant", "content": "Red, green and blue."},
+                                    {"role": "user", "content": TURNS[1]}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids, skip_special_tokens=False) == want

@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith import net
+from draftsmith.data.chat import encode_text
 from draftsmith.data.engines.base import Completion, Request, TextEngine, run_stats
-from draftsmith.data.masks import encode_text
 from draftsmith.errors import DataError, FingerprintMismatch, show
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,9 @@ def end_of_turn_id(tokenizer, eos_ids: list[int], chat_mode: str) -> int:
     if not ends:
         raise DataError("the target has no EOS token: a server's stopped answers cannot be ended")
     if chat_mode == "chat":
-        probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-                                              tokenize=False)
+        from draftsmith.data.chat import build_messages, render_chat
+
+        probe = render_chat(tokenizer, build_messages(["x"], ["y"]), add_generation_prompt=False)
         after = probe[probe.rindex("y") + 1:]
         for i, text in ends:
             if text and after.startswith(text):
