@@ -114,9 +114,9 @@ def headline_problem(report: dict) -> str | None:
 
 def read_headline_report(path: str | Path) -> dict:
     """The evaluation report a headline block renders: read and checked by the one report reader
-    (decoding/routing.py's `read_report`), then the fields the block prints (`headline_problem`)."""
-    from draftsmith.decoding.routing import read_report
+    (evaluation/report_file.py's `read_report`), then the fields the block prints (`headline_problem`)."""
     from draftsmith.errors import DataError
+    from draftsmith.evaluation.report_file import read_report
 
     report = read_report(path)
     problem = headline_problem(report)

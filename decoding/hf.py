@@ -2,7 +2,7 @@
 
 Its two users share this one wrapper: evaluation decodes each prompt with it (and with HF assisted
 generation) as the independent reference for `lossless` and for plain decoding's speed
-(evaluation/evaluate.py), and `generation.engine: hf` writes data with it in static, left-padded batches
+(evaluation/decode.py), and `generation.engine: hf` writes data with it in static, left-padded batches
 (data/engines/hf.py). A `SamplingConfig` maps to generate's arguments here only: greedy passes
 `do_sample=False` and clears temperature, top_p and top_k, so that a model's own generation_config cannot
 turn sampling back on.

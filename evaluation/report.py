@@ -36,7 +36,7 @@ def _contention_line(share: float | None, what: str) -> list[str]:
 
 
 def _decode_contention(c: dict | None) -> list[str]:
-    """A bold warning at the top when some prompts could not be timed validly (evaluate.contention), with each
+    """A bold warning at the top when some prompts could not be timed validly (timing.contention), with each
     of them and why."""
     if not c or c.get("speedups_valid") is not False:
         return []

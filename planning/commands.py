@@ -64,7 +64,7 @@ def _register_route(subparsers) -> None:
                         "per step (default: %(default)s)")
     b.add_argument("--criterion", choices=["speedup", "tau", "predicted"], default="speedup",
                    help="speedup: measured in the reports (this machine); tau: tau at the GPU-sized budget; "
-                        "predicted: tau / (v(n) + c) for --profile (decoding/routing.py) (default: %(default)s)")
+                        "predicted: tau / (v(n) + c) for --profile (planning/policy.py) (default: %(default)s)")
     b.add_argument("--profile", default=None,
                    help="with --criterion predicted: a verify-cost profile, `gpu` (built in) or a JSON file "
                         "{\"v\": {nodes: cost}, \"c\": {kind: cost}} (default: none)")
@@ -168,7 +168,7 @@ def run_plan(args) -> int:
 
 
 def run_route_build(args) -> int:
-    from draftsmith.decoding.routing import build_policy, write_policy
+    from draftsmith.planning.policy import build_policy, write_policy
 
     policy = build_policy(args.reports, args.threshold, args.router, criterion=args.criterion, profile=args.profile)
     path = write_policy(policy, args.out)
@@ -182,8 +182,9 @@ def run_route_build(args) -> int:
 def run_route_compare(args) -> int:
     from pathlib import Path
 
-    from draftsmith.decoding.routing import compare_table, read_report
+    from draftsmith.evaluation.report_file import read_report
     from draftsmith.outputs import atomic_write_text
+    from draftsmith.planning.policy import compare_table
 
     md, _ = compare_table(read_report(args.routed), [read_report(p) for p in args.reports] if args.reports else None)
     print(md)

@@ -120,10 +120,10 @@ def domain_policy(report: dict, alpha_floor: float, version: str) -> dict:
 
 def recorded_alpha(manifest: dict, where: str) -> dict[str, float]:
     """{domain: α} a version recorded on traffic when it was promoted (its manifest's `traffic_eval`), each
-    row checked as an evaluation report's domain row (decoding/routing.py's `domain_problem`: α finite, in
-    [0, 1]); a domain whose α was not measured is left out. A bad field is one DataError naming `where`."""
-    from draftsmith.decoding.routing import domain_problem
+    row checked as an evaluation report's domain row (evaluation/report_file.py's `domain_problem`: α finite,
+    in [0, 1]); a domain whose α was not measured is left out. A bad field is one DataError naming `where`."""
     from draftsmith.errors import DataError, show
+    from draftsmith.evaluation.report_file import domain_problem
 
     recorded = manifest.get("traffic_eval") or {}
     domains = recorded.get("domains") or {} if isinstance(recorded, dict) else None

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.decoding.cost import CpuShare
     from draftsmith.decoding.generate import speculative_generate
     from draftsmith.evaluation.domains import default_prompt_files, format_prompt, load_prompts
-    from draftsmith.evaluation.evaluate import machine_info
+    from draftsmith.evaluation.report_file import machine_info
     from draftsmith.targets import gemm, load_target
 
     target = load_target(a.target)

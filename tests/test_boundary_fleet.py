@@ -1,9 +1,9 @@
 """The fleet side's boundary (issue 58): every file `route build`, `route compare`, `alpha`, `plan` and
 `retrain` read from outside passes one validating reader per format — evaluation reports, routing policies
-and verify profiles (decoding/routing.py), traffic and request logs (planning/logs.py, retrain/traffic.py),
-Prometheus dumps (planning/production.py), accelerate YAML and DeepSpeed JSON (memory/training.py), the
-registry's current.json (retrain/registry.py) — and is refused in one line naming the file and the field,
-or, where the job can go on without it, named and skipped.
+and verify profiles (evaluation/report_file.py, decoding/routing.py, planning/policy.py), traffic and
+request logs (planning/logs.py, retrain/traffic.py), Prometheus dumps (planning/production.py), accelerate
+YAML and DeepSpeed JSON (memory/training.py), the registry's current.json (retrain/registry.py) — and is
+refused in one line naming the file and the field, or, where the job can go on without it, named and skipped.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_route_build_refuses_a_nan_speedup_whatever_the_order_of_reports(tmp_pat
 
 
 def test_build_policy_is_the_same_whatever_the_order_of_reports():
-    from draftsmith.decoding.routing import build_policy
+    from draftsmith.planning.policy import build_policy
 
     # equal values, equal nodes: the tie is broken by the proposer's name, never by the input's order
     a, b, c = report("ngram", {"code": 1.3}), report("medusa:m", {"code": 1.3}), report("eagle:e", {"code": 0.9})
@@ -70,7 +70,7 @@ def test_build_policy_is_the_same_whatever_the_order_of_reports():
     ("tau", float("inf"), "domains.code.tau is inf"), ("speedup", True, "domains.code.speedup is True"),
 ])
 def test_a_report_number_out_of_range_is_refused_naming_file_and_field(tmp_path, field, value, says):
-    from draftsmith.decoding.routing import read_report
+    from draftsmith.evaluation.report_file import read_report
 
     doc = report("ngram", {"code": 1.3})
     doc["domains"]["code"][field] = value
@@ -99,7 +99,7 @@ def test_route_compare_reads_its_reports_through_the_same_reader(tmp_path, capsy
 
 
 def test_a_report_whose_routes_a_policy_would_refuse_is_refused_when_read(tmp_path):
-    from draftsmith.decoding.routing import read_report
+    from draftsmith.evaluation.report_file import read_report
 
     doc = report("ngram", {"code": 1.3})
     doc["settings"]["k"] = 1000
@@ -136,7 +136,7 @@ def test_a_policy_whose_target_is_not_a_mapping_is_refused_at_load(tmp_path):
     ({"v": {"0": 1.0}, "c": {"eagle": float("nan")}}, "c.eagle is nan"),
 ])
 def test_a_verify_profile_with_a_bad_point_is_one_line_naming_it(tmp_path, profile, says):
-    from draftsmith.decoding.routing import VerifyProfile
+    from draftsmith.planning.policy import VerifyProfile
 
     path = write(tmp_path / "h100.json", profile)
     with pytest.raises(ConfigError) as e:
@@ -333,7 +333,7 @@ def test_a_current_pointer_that_names_no_version_is_one_line(tmp_path, pointer, 
 
 
 def test_a_shipped_report_reads_cleanly():
-    from draftsmith.decoding.routing import read_report
+    from draftsmith.evaluation.report_file import read_report
 
     root = Path(__file__).resolve().parents[1]
     results = sorted((root / "results").glob("*/report.json"))

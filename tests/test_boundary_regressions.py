@@ -388,7 +388,7 @@ def test_other_markdown_tables_escape_outside_names(tmp_path):
     _tables_hold(render({"temperatures": [0.0, 1.0], "proposer": "p|q", "target": "t", "date": "d",
                          "command": "c", "domains": {d: {0.0: cell, 1.0: cell} for d in HOSTILE}}))
 
-    from draftsmith.decoding.routing import compare_table
+    from draftsmith.planning.policy import compare_table
 
     routed = {"domains": {d: {"speedup": 1.2, "route": f"medusa:{d}",
                               "compare": {f"medusa:{d}": {"speedup": 1.1}}} for d in HOSTILE}}

@@ -16,8 +16,8 @@ from draftsmith.decoding.generate import speculative_generate
 from draftsmith.decoding.multi import MultiProposer, merge_trees
 from draftsmith.decoding.ngram import NgramProposer
 from draftsmith.decoding.proposer import Proposal, TreeSpec
-from draftsmith.decoding.routing import VerifyProfile, build_policy, write_policy
 from draftsmith.errors import ConfigError
+from draftsmith.planning.policy import VerifyProfile, build_policy, write_policy
 
 
 @pytest.fixture(scope="module", autouse=True)

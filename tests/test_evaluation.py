@@ -455,7 +455,7 @@ class _ScriptedShare:
 def _scripted(monkeypatch, shares):
     import importlib
 
-    ev = importlib.import_module("draftsmith.evaluation.evaluate")
+    ev = importlib.import_module("draftsmith.evaluation.timing")
     _ScriptedShare.count = 0
     _ScriptedShare.shares = staticmethod(shares)
     monkeypatch.setattr(ev, "CpuShare", _ScriptedShare)
@@ -545,7 +545,8 @@ def test_an_impossible_speedup_is_flagged_and_left_out():
     """Burst-corrupted timing seen in a demo: Medusa at tau 1.34 read 2.82x because plain decoding ran during
     the burst. A speedup above max(1, tau / v(nodes)) by more than IMPOSSIBLE_FACTOR is not published."""
     from draftsmith.decoding.generate import GenerationStats
-    from draftsmith.evaluation.evaluate import Speed, judge_timing, speedup_bound
+    from draftsmith.evaluation.aggregate import Speed
+    from draftsmith.evaluation.timing import judge_timing, speedup_bound
 
     def rec(tau_steps, spec_s, base_s, nodes=4):
         # 100 tokens either way; tau = 100 / target_forwards
@@ -573,7 +574,7 @@ def test_an_impossible_speedup_is_flagged_and_left_out():
 
 
 def test_speedup_is_against_the_faster_plain_decoding():
-    from draftsmith.evaluation.evaluate import Speed
+    from draftsmith.evaluation.aggregate import Speed
 
     ours_faster = Speed(tokens=100, seconds=1.0, base_tokens=100, base_seconds=1.25, hf_tokens=100, hf_seconds=2.0, n=1)
     f = ours_faster.fields()
@@ -592,7 +593,7 @@ def test_lossless_is_judged_against_hf_generate_not_our_own_plain_decoding(tiny_
 
     from draftsmith.evaluation.evaluate import evaluate
 
-    ev = importlib.import_module("draftsmith.evaluation.evaluate")
+    ev = importlib.import_module("draftsmith.evaluation.decode")
     kw = dict(prompts=[prompt_files[0]], limit_per_domain=1, max_new_tokens=6, k=2, cost_model=False, repeats=1)
     report = evaluate(tiny_target, "ngram", **kw)
     assert report["overall"]["lossless"] is True and report["overall"]["self_consistent"] is True

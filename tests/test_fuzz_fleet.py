@@ -117,7 +117,9 @@ HEADLINE = json.loads((Path(__file__).resolve().parents[1] / "results" / "headli
 
 # --- each reader, and what runs behind it ---------------------------------------------------------------------
 def _report(tmp_path, data: bytes, how: str) -> None:
-    from draftsmith.decoding.routing import build_policy, policy_problem, read_report
+    from draftsmith.decoding.routing import policy_problem
+    from draftsmith.evaluation.report_file import read_report
+    from draftsmith.planning.policy import build_policy
 
     path = place(tmp_path / "report.json", data, how)
     if refuses_cleanly(lambda: read_report(path), path.name) is None:
@@ -146,7 +148,7 @@ def _policy(tmp_path, data: bytes, how: str) -> None:
 
 
 def _profile(tmp_path, data: bytes, how: str) -> None:
-    from draftsmith.decoding.routing import VerifyProfile
+    from draftsmith.planning.policy import VerifyProfile
 
     path = place(tmp_path / "profile.json", data, how)
     prof = refuses_cleanly(lambda: VerifyProfile.load(str(path)), path.name)

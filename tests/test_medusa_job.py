@@ -195,7 +195,7 @@ def test_a_compared_tree_gets_its_gpu_sized_tree_beside_it(medusa_artifact, tiny
     md = (write_report(report, tmp_path / "r") / "report.md").read_text()
     assert "τ with each proposer's GPU-sized tree" in md and f"| domain | medusa:{art} | {tree} |" in md
     # the side-by-side entries are routing candidates under their proposer spec, scored by their own GPU τ
-    from draftsmith.decoding.routing import build_policy, write_policy
+    from draftsmith.planning.policy import build_policy, write_policy
 
     policy = build_policy([report | {"_path": "r"}], threshold=0.0, criterion="tau")
     for d in policy["domains"].values():

@@ -28,15 +28,10 @@ from draftsmith.decoding.generate import speculative_generate
 from draftsmith.decoding.multi import MultiProposer, merge_trees, union_spec
 from draftsmith.decoding.ngram import NgramProposer
 from draftsmith.decoding.proposer import Proposal, Proposer, TreeSpec
-from draftsmith.decoding.routing import (
-    KeywordRouter,
-    RoutedProposer,
-    build_policy,
-    compare_table,
-    write_policy,
-)
+from draftsmith.decoding.routing import KeywordRouter, RoutedProposer
 from draftsmith.distill.proposer import DraftProposer
 from draftsmith.errors import ConfigError, DataError
+from draftsmith.planning.policy import build_policy, compare_table, write_policy
 
 
 class Fixed(Proposer):
@@ -198,7 +193,7 @@ def test_evaluate_with_a_route_policy_and_compare(tiny_target, tiny_tokenizer, t
     from draftsmith.decoding import cost
     from draftsmith.evaluation.evaluate import evaluate
 
-    ev = importlib.import_module("draftsmith.evaluation.evaluate")
+    ev = importlib.import_module("draftsmith.evaluation.timing")
 
     # routing mechanics, not timing: every measurement counts as valid here (a busy machine would leave a
     # domain without a measured speedup, and the policy would rightly turn it off)

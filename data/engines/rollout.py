@@ -103,7 +103,7 @@ def speculative_engine(target, gen) -> SpeculativeEngine:
     spec = TreeSpec(tuple(gen.tree)) if gen.tree else TreeSpec.chain(gen.k)
     sampling = SamplingConfig.from_flags(gen.do_sample, gen.temperature, gen.top_p)
     cost = None
-    if gen.tree_auto:  # as `draftsmith evaluate --tree auto` decodes (evaluation/evaluate.py `_cut_trees`)
+    if gen.tree_auto:  # as `draftsmith evaluate --tree auto` decodes (evaluation/setup.py `_cut_trees`)
         from draftsmith.decoding.budget import VerifyCost
         from draftsmith.decoding.cost import measure_verify_cost
         from draftsmith.errors import ConfigError
