@@ -20,10 +20,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith import __version__, methods
+from draftsmith import __version__, methods, schema
 from draftsmith.checksums import verify_checksums, weight_checksums
 from draftsmith.errors import ArtifactError
-from draftsmith.layouts import schema
 from draftsmith.outputs import atomic_dir, atomic_write_json
 from draftsmith.targets.fingerprint import check_compatible
 
@@ -143,7 +142,7 @@ def load_artifact(path: str | Path, kind: str | None = None, target=None) -> tup
 
 def vocab_problems(tensors: dict[str, torch.Tensor], vocab_size: int | None) -> list[str]:
     """A draft vocabulary's maps, whatever the method (every method names them d2t / t2d, the serving stacks'
-    names): dtypes, shapes, ids inside the target's vocabulary and distinct (layouts/schema.py)."""
+    names): dtypes, shapes, ids inside the target's vocabulary and distinct (schema.py)."""
     d2t = tensors.get("d2t")
     if d2t is None:
         return []

@@ -34,7 +34,7 @@ FINGERPRINT_FILES = ["manifest.json", "draftsmith.json", "provenance.json"]
 
 def read_fingerprint(path: Path) -> tuple[dict, str]:
     """The target fingerprint recorded in an artifact, export or dataset directory."""
-    from draftsmith.layouts.schema import read_doc
+    from draftsmith.schema import read_doc
 
     for name in FINGERPRINT_FILES:
         f = path / name

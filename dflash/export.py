@@ -32,10 +32,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith import artifact
+from draftsmith import artifact, schema
 from draftsmith.dflash.model import DFlashConfig, buildable, module_of, read_config
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.layouts import schema
 from draftsmith.layouts.common import state_dtype
 from draftsmith.layouts.serving import Serving, VllmPatch, VllmServe, sglang_serve, vllm_serve
 from draftsmith.layouts.verify import (

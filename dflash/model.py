@@ -41,10 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith import artifact
+from draftsmith import artifact, schema
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import check_draft_vocab
-from draftsmith.layouts import schema
 from draftsmith.targets.families import (
     attention_dims,
     embedding_rows,

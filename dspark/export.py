@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftsmith import schema
 from draftsmith.dflash import export as backbone
 from draftsmith.dspark.model import DSparkConfig, dspark_extra, read_dspark_config
-from draftsmith.layouts import schema
 from draftsmith.layouts.serving import Serving, VllmServe, vllm_serve
 from draftsmith.layouts.verify import read_tensors, register_verifier
 

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith import schema
 from draftsmith.dflash.model import DFlashConfig, DFlashDraft, load_dflash, read_config
-from draftsmith.layouts import schema
 
 
 @dataclass

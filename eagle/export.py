@@ -40,12 +40,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith import artifact
+from draftsmith import artifact, schema
 from draftsmith.capture.layers import resolve_layers
 from draftsmith.eagle import variants
 from draftsmith.eagle.variants import variant
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.layouts import schema
 from draftsmith.layouts.common import fenced, read_guard, state_dtype
 from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, trtllm_serve, vllm_serve
 from draftsmith.layouts.verify import (

@@ -38,10 +38,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from draftsmith import schema
 from draftsmith.errors import ConfigError, DraftsmithError, show
 from draftsmith.export.vllm import formats as vllm_formats
 from draftsmith.formatting import fmt_num, md_cell
-from draftsmith.layouts import schema
 from draftsmith.layouts.common import read_guard
 from draftsmith.layouts.serving import VllmServe
 from draftsmith.outputs import atomic_write_json, atomic_write_text, open_output

@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
-from draftsmith import __version__
+from draftsmith import __version__, schema
 from draftsmith.artifact import now_iso
 from draftsmith.checksums import weight_checksums
 from draftsmith.errors import ArtifactError
-from draftsmith.layouts import schema
 from draftsmith.methods import STACKS
 from draftsmith.outputs import atomic_write_json, atomic_write_text
 

@@ -30,7 +30,7 @@ import torch
 from draftsmith.checksums import checksum_problems
 from draftsmith.errors import ArtifactError, show
 from draftsmith.layouts.common import GUARD, read_guard
-from draftsmith.layouts.schema import vocab_map_problems  # noqa: F401 (the one reader of d2t / t2d; exporters import it here)
+from draftsmith.schema import vocab_map_problems  # noqa: F401 (the one reader of d2t / t2d; exporters import it here)
 
 Spec = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype name)
 # torch dtypes -> safetensors header dtype names

@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith import artifact
+from draftsmith import artifact, schema
 from draftsmith.errors import ArtifactError, ConfigError
-from draftsmith.layouts import schema
 from draftsmith.layouts.common import fenced, read_guard, state_dtype
 from draftsmith.layouts.serving import Serving, VllmServe, vllm_serve
 from draftsmith.layouts.verify import (

@@ -32,10 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith import artifact
+from draftsmith import artifact, schema
 from draftsmith.errors import ConfigError, DraftsmithError, show
 from draftsmith.heads.vocab import check_draft_vocab
-from draftsmith.layouts import schema
 from draftsmith.targets.families import text_config
 from draftsmith.targets.gemm import rows_linear
 

@@ -21,6 +21,8 @@
    no draftsmith module: `fleet/` (vLLM loads it by import path, inside its own process) none outside itself;
    ENGINE_SCRIPTS (serve-check's runner) and each method folder's ENGINE_PATCHES module (the fixes of vLLM's
    code its serving entry names, which the runner loads by path) none at all.
+6. no cycle between top-level folders or modules either (`artifact` importing `layouts` while `layouts`
+   imports `artifact`), whatever their layers: what two of them both need moves to the lower one.
 
     python scripts/check_imports.py          # exit 1 with one line per violation, else one line of totals
 
@@ -71,7 +73,7 @@ BUILDS_ON = {"dspark": "dflash"}  # DSpark = DFlash's block drafter + a Markov h
 LAYERS: list[tuple[str, ...]] = [
     # the shared base; its file modules: atomic writes and output folders (outputs), the readers' shared rules
     # and caps (reading), sha256 and weight checksums (checksums), where files are found (paths)
-    ("__init__", "errors", "nofollow", "reading", "locks", "outputs", "checksums", "paths", "net", "formatting",
+    ("__init__", "errors", "nofollow", "reading", "schema", "locks", "outputs", "checksums", "paths", "net", "formatting",
      "lazy", "methods", "config"),
     ("fleet",),  # runs inside the serving engine (rule 5): the traffic middleware, the capture connector
     ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
@@ -319,7 +321,25 @@ def problems(g: dict[str, set[str]], allowed: dict[frozenset[str], str] = ALLOWE
                 continue
             found.append(f"{mod} imports {dep}: {BOTTOM}/ is the bottom layer and imports no other draftsmith "
                          "subpackage")
-    return found + engine_problems(g)
+    return found + engine_problems(g) + package_problems(g)
+
+
+def package_problems(g: dict[str, set[str]]) -> list[str]:
+    """Rule 6: top-level folders and modules import each other one way. Two of them that import each other
+    (through any of their files) are one unit in two places even where no file-level cycle exists and they
+    share a layer; what both need belongs in the lower one."""
+    pg: dict[str, set[str]] = {}
+    for mod, deps in g.items():
+        a = top(mod)
+        pg.setdefault(a, set()).update(top(d) for d in deps if top(d) != a)
+    reported = {frozenset(top(m) for m in comp) for comp in cycles(g)}  # a file cycle is named as one already
+    found = []
+    for comp in cycles(pg):
+        if frozenset(comp) in reported:
+            continue
+        edges = [f"{a} -> {b}" for a in comp for b in sorted(pg[a]) if b in comp]
+        found.append(f"package-level import cycle between {', '.join(comp)}: {', '.join(edges)}")
+    return found
 
 
 def engine_side(module: str, methods: set[str] | None = None) -> bool:

@@ -157,7 +157,7 @@ def test_every_artifact_reader_reads_or_refuses_in_one_line_long(valid, tmp_path
         st.booleans(), min_size=0, max_size=80)))
 def test_the_vocabulary_maps_reader_names_a_problem_or_none(d2t, dtype, t2d):
     """d2t / t2d of any content and dtype: a list of one-line problems, never an exception."""
-    from draftsmith.layouts.schema import vocab_map_problems
+    from draftsmith.schema import vocab_map_problems
 
     d = torch.tensor(d2t, dtype=torch.int64).to(dtype)
     t = torch.tensor(t2d, dtype=torch.bool) if t2d is not None else None

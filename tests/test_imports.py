@@ -32,7 +32,10 @@ def test_the_checker_finds_a_function_level_cycle_and_an_upward_import(tmp_path)
     found = checker.problems(checker.graph(tmp_path), allowed={}, layers=None)
     assert found[0] == "import cycle between 2 files: draftsmith.a -> draftsmith.b, draftsmith.b -> draftsmith.a"
     assert found[1].startswith("draftsmith.targets.cache imports draftsmith.decoding.verify: targets/ is the bottom")
-    assert len(found) == 2  # targets/load.py may import errors; decoding may import targets (relative import)
+    # rule 6: targets/ and decoding/ import each other through different files (no file-level cycle)
+    assert found[2] == ("package-level import cycle between decoding, targets: decoding -> targets, "
+                        "targets -> decoding")
+    assert len(found) == 3  # targets/load.py may import errors; the a <-> b cycle is named once, as files
     stale = checker.problems(checker.graph(tmp_path), allowed={frozenset({"draftsmith.x", "draftsmith.y"}): "why"},
                              layers=None)
     assert "ALLOWED_CYCLES lists a cycle that no longer occurs: draftsmith.x, draftsmith.y" in stale
@@ -156,3 +159,21 @@ def test_every_module_of_a_method_folder_serves_the_method():
         own = {m for m in g if m.startswith(folder + ".")}
         stray = sorted(m for m in own - reached if not checker.engine_side(m))
         assert stray == [], f"{method}/ holds modules its method never reaches: {stray}"
+
+
+def test_the_checker_finds_two_top_level_names_that_import_each_other(tmp_path):
+    """artifact.py importing layouts/ while layouts/ imports artifact.py: no file-level cycle and one shared layer,
+    but one unit in two places (rule 6), refused until what both need moves to the lower one."""
+    checker = _checker()
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "layouts").mkdir()
+    (tmp_path / "layouts" / "__init__.py").write_text("")
+    (tmp_path / "layouts" / "schema.py").write_text("X = 1\n")
+    (tmp_path / "layouts" / "common.py").write_text("from draftsmith.artifact import now\n")
+    (tmp_path / "artifact.py").write_text("from draftsmith.layouts import schema\nnow = 1\n")
+    found = checker.problems(checker.graph(tmp_path), allowed={}, layers=None)
+    assert found == ["package-level import cycle between artifact, layouts: artifact -> layouts, layouts -> artifact"]
+    (tmp_path / "schema.py").write_text((tmp_path / "layouts" / "schema.py").read_text())
+    (tmp_path / "layouts" / "schema.py").unlink()
+    (tmp_path / "artifact.py").write_text("from draftsmith import schema\nnow = 1\n")
+    assert checker.problems(checker.graph(tmp_path), allowed={}, layers=None) == []
