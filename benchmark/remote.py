@@ -3,15 +3,16 @@
     nice draftsmith bench remote 200 32 [TARGET] [--server transformers|vllm] [--batch 16] [--repeats 2]
                                          [--json OUT]
 
-Answers N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks) greedily with `draftsmith data
-generate`: with the embedded engine (float32, `generation.batch_size` = --batch) and with `generation.backend:
-openai` against a server on 127.0.0.1 at the same batch (`concurrency` = --batch requests in flight; vLLM's
-`max_num_seqs` too) and the same dtype: `transformers serve` (pip install 'transformers[serving]'), or vLLM's
-OpenAI server from .venv-vllm (`make setup-vllm`, export/vllm_server.py). The two alternate --repeats times, the
-server started for its turn only (an idle server on the same cores would tax the engine's run); each run's
-rows, generated tokens and seconds come from its provenance, without the server's start-up. Reports rows/s and
-tokens/s of each (median over repeats), how many rows have the same text, the share of generated tokens before
-the first difference, and checks that every row with the same text has the same token ids and loss mask.
+Answers N prompts (the first N/2 GSM8K questions and N/2 self-instruct seed tasks) greedily with `draftsmith
+data generate`: with the embedded engine (float32, `generation.batch_size` = --batch) and with
+`generation.backend: openai` against a server on 127.0.0.1 at the same batch (`concurrency` = --batch requests
+in flight; vLLM's `max_num_seqs` too) and the same dtype: `transformers serve` (pip install
+'transformers[serving]'), or vLLM's OpenAI server from .venv-vllm (`make setup-vllm`,
+data/engines/vllm_server.py). The two alternate --repeats times, the server started for its turn only (an idle
+server on the same cores would tax the engine's run); each run's rows, generated tokens and seconds come from
+its provenance, without the server's start-up. Reports rows/s and tokens/s of each (median over repeats), how
+many rows have the same text, the share of generated tokens before the first difference, and checks that every
+row with the same text has the same token ids and loss mask.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class _VllmServe:
     """The vLLM server for one turn, as `_serve` gives transformers serve's: (stop, url)."""
 
     def __init__(self, folder: Path, batch: int, log: Path):
-        from draftsmith.export.vllm_server import VllmServer
+        from draftsmith.data.engines.vllm_server import VllmServer
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GB: a batch of --batch rows fits without preemption
         self.srv = VllmServer(folder, log, served_name=str(folder), max_num_seqs=batch, max_model_len=2048).start()
@@ -157,7 +158,7 @@ def _side(runs: list, rows: int, batch: int, **extra) -> dict:
 
 
 def _vllm_version() -> str | None:
-    from draftsmith.export.serve_check import vllm_python
+    from draftsmith.data.engines.vllm_server import vllm_python
 
     ver = subprocess.run([str(vllm_python()), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                          capture_output=True, text=True, check=False).stdout.strip()

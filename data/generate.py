@@ -27,8 +27,7 @@ names its row and turn (`X-Request-Id`, data/engines/remote.py); after generatio
 its last turn's request, whose tokens must be the row's input_ids, and the target runs only its final norm and
 lm_head over it (data/served.py). A row with no such capture is captured by the target, counted and named in
 provenance.json. With no `generation.base_urls` the caller hands `generate_dataset` a `replica` to start on this
-machine: starting vLLM is export/'s (export/vllm_server.py, a later layer than data/), so data/ takes the
-starter as an argument and export/capture_replica.py passes the one built on VllmServer.
+machine: data/capture_replica.py passes the one built on VllmServer (data/engines/vllm_server.py).
 """
 
 from __future__ import annotations
@@ -243,7 +242,7 @@ def generate_dataset(config: DataConfig, target=None, *, progress: bool = True, 
     With `resume_from` the rows of a pack (data/pack.py) are first put into output_dir, as if an earlier run there
     had written them: only the prompts the pack does not answer are generated.
     With `replica` (`capture.backend: vllm` and no `generation.base_urls`) the capture replica it starts writes
-    the answers and their features, and is stopped at the end or on an error (export/capture_replica.py).
+    the answers and their features, and is stopped at the end or on an error (data/capture_replica.py).
     One run writes an output_dir at a time: a second is refused while the first runs (locks.py).
     """
     from draftsmith.locks import output_lock
@@ -388,7 +387,7 @@ def _servers(config: DataConfig, target, out: Path, replica: Replica | None):
     if replica is None:  # DataConfig allows no base_urls only with capture.backend vllm
         raise DataError("capture.backend vllm with no generation.base_urls: give the capture replicas' addresses "
                         "(`draftsmith data serve-capture` prints their vllm serve line), or generate through "
-                        "draftsmith.export.capture_replica.generate_with_local_replica, which starts one here")
+                        "draftsmith.data.capture_replica.generate_with_local_replica, which starts one here")
     from draftsmith.capture.layers import resolve_layers
     from draftsmith.data.served import vllm_layer_ids
 

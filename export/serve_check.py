@@ -1,9 +1,10 @@
 """`draftsmith serve-check`: the export judged by the engine that serves it — vLLM, run here.
 
 vLLM lives in its own environment (`make setup-vllm` -> .venv-vllm; it pins another transformers), so it is
-never imported here: each engine is a child process running export/vllm_run.py under .venv-vllm's python,
-given a job JSON and writing a result JSON. The child runs in its own process group and is killed with it
-after `timeout` seconds (vLLM spawns an engine-core process that would otherwise outlive it).
+never imported here: each engine is a child process running export/vllm_run.py under .venv-vllm's python
+(found, with the environment it runs in, by data/engines/vllm_server.py), given a job JSON and writing a
+result JSON. The child runs in its own process group and is killed with it after `timeout` seconds (vLLM
+spawns an engine-core process that would otherwise outlive it).
 
 One check, on the same prompts (chat-templated to token ids here, so both engines read the same ids):
 
@@ -39,7 +40,8 @@ import time
 from pathlib import Path
 
 from draftsmith import schema
-from draftsmith.errors import ConfigError, DraftsmithError, show
+from draftsmith.data.engines.vllm_server import ServeCheckError, vllm_env, vllm_python
+from draftsmith.errors import ConfigError, show
 from draftsmith.export.vllm import formats as vllm_formats
 from draftsmith.formatting import fmt_num, md_cell
 from draftsmith.layouts.common import read_guard
@@ -48,62 +50,11 @@ from draftsmith.outputs import atomic_write_json, atomic_write_text, open_output
 from draftsmith.reading import read_json
 
 RUNNER = Path(__file__).with_name("vllm_run.py")
-VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 # How vLLM serves each export format (its speculative method, a chain length it would serve otherwise than trained,
 # the fixes of vLLM's CPU kernels the runner applies: a file of the method's folder the runner loads by path,
 # each a measured defect, applied only on the CPU platform; the report lists what was applied) is each
 # method's own: `Method.serving`, read through export/vllm.py
 TOLERANCE = 0.03  # per-position acceptance, vLLM vs draftsmith, absolute (float32 vs float32 kernels differ)
-
-
-class ServeCheckError(DraftsmithError):
-    """vLLM could not be run at all (no environment, timed out): one line saying which."""
-
-
-def vllm_python() -> Path:
-    """The python of the vLLM environment: $DRAFTSMITH_VLLM_PYTHON, else .venv-vllm beside the package."""
-    env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
-    path = Path(env) if env else VLLM_VENV / "bin" / "python"
-    if not path.is_file():
-        raise ServeCheckError(f"{path}: no vLLM environment (run `make setup-vllm`, or set DRAFTSMITH_VLLM_PYTHON)")
-    if not os.access(path, os.X_OK):
-        raise ServeCheckError(f"{path}: the vLLM environment's python is not executable (check "
-                              f"{'DRAFTSMITH_VLLM_PYTHON' if env else 'the .venv-vllm install'})")
-    return path
-
-
-def engine_path() -> Path:
-    """A folder that holds one thing, a link named `draftsmith` to this package: on the vLLM environment's
-    PYTHONPATH it makes the modules vLLM loads by import path (draftsmith.fleet: the traffic middleware, the
-    capture connector) importable there without installing draftsmith into it. Kept in the user's cache
-    folder, one per package location, so a checkout and an installed wheel each get their own."""
-    import hashlib
-
-    package = Path(__file__).resolve().parents[1]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    base = cache / "draftsmith" / "engine-path" / hashlib.sha256(str(package).encode()).hexdigest()[:12]
-    link = base / "draftsmith"
-    if not (link.is_symlink() and link.resolve() == package):
-        base.mkdir(parents=True, exist_ok=True)
-        tmp = base / f".draftsmith.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(package, target_is_directory=True)
-        os.replace(tmp, link)  # concurrent callers each swap in the same link
-    return base
-
-
-def vllm_env() -> dict[str, str]:
-    """The environment a vLLM process runs in: its CPU KV cache (GB), threads, and Intel OpenMP preloaded where
-    the vLLM environment has it (vLLM's CPU backend asks for it in LD_PRELOAD and warns that speculative decoding
-    loses much of its speed without it); its PYTHONPATH is engine_path() alone."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = str(engine_path())  # draftsmith.fleet only; the main environment's path never leaks in
-    iomp = vllm_python().parent.parent / "lib" / "libiomp5.so"
-    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
-    return env
 
 
 def speculative_config(export_dir: Path | None, k: int, method: str | None = None) -> dict:

@@ -6,7 +6,7 @@ The engine's environment pins its own torch and transformers and has none of dra
 these modules import the standard library, torch, safetensors and vllm only — never another draftsmith
 module (scripts/check_imports.py holds them to it). In the fleet: `pip install --no-deps draftsmith` into
 the engine's environment; draftsmith's own tests put the package on the engine's path instead
-(export/serve_check.vllm_env). What they write (traffic logs, hidden-state captures) is read back on
+(data/engines/vllm_server.vllm_env). What they write (traffic logs, hidden-state captures) is read back on
 draftsmith's side by one validating reader each (planning/production.py with planning/logs.py;
 data/served.py), and capture_file.py is the capture format both sides import.
 """

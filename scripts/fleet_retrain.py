@@ -88,7 +88,7 @@ def wait_written(folder: Path, pattern: str, n: int, lines: bool, timeout: float
 def serve(target, out: Path, name: str, spec: dict, extra: tuple, traffic: Path, rows: list[dict], max_new: int,
           wait: tuple | None = None) -> None:
     """One replica, started, fed `rows`, its logs (and `wait`: (folder, pattern, n) of files) written, stopped."""
-    from draftsmith.export.vllm_server import VllmServer
+    from draftsmith.data.engines.vllm_server import VllmServer
 
     log = ("--middleware", "draftsmith.fleet.middleware.TrafficLog")
     with VllmServer(target.folder, out / f"{name}.log", speculative_config=spec, served_name="fleet",

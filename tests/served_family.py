@@ -25,7 +25,7 @@ def require_vllm() -> Path:
 
     import pytest
 
-    from draftsmith.export.serve_check import ServeCheckError, vllm_python
+    from draftsmith.data.engines.vllm_server import ServeCheckError, vllm_python
 
     try:
         return vllm_python()

@@ -209,7 +209,7 @@ def test_a_vllm_error_pointing_at_a_stack_trace_names_the_log(tmp_path, monkeypa
 
 
 def test_a_vllm_python_that_is_not_executable_is_named(tmp_path, monkeypatch):
-    from draftsmith.export.serve_check import ServeCheckError, vllm_python
+    from draftsmith.data.engines.vllm_server import ServeCheckError, vllm_python
 
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\n")

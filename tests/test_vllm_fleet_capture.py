@@ -27,8 +27,8 @@ LAYERS = [0, 1, 2]  # EAGLE-3's three feature layers on the 4-layer tiny target 
 
 @pytest.fixture(scope="module")
 def replica(tiny_tokenizer, tmp_path_factory):
+    from draftsmith.data.engines.vllm_server import VllmServer
     from draftsmith.data.served import serving_config, vllm_layer_ids
-    from draftsmith.export.vllm_server import VllmServer
     from draftsmith.targets import load_target
 
     require_vllm()

@@ -83,9 +83,9 @@ def _chat(srv, prompts: list[str], domain: str) -> None:
 def _servers(fleet, export: Path, traffic: Path, captures: Path | None):
     """The fleet: a replica serving `export` with per-request metrics, and (with `captures`) a capture replica;
     both log into `traffic`."""
+    from draftsmith.data.engines.vllm_server import VllmServer
     from draftsmith.data.served import serving_config, vllm_layer_ids
     from draftsmith.export.serve_check import speculative_config
-    from draftsmith.export.vllm_server import VllmServer
 
     root, target = fleet["root"], fleet["target"]
     log = ("--middleware", "draftsmith.fleet.middleware.TrafficLog")

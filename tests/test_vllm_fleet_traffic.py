@@ -30,8 +30,8 @@ USER = [("code", "def add(a, b):"), ("code", "for i in range(10):"), ("chat", "W
 
 @pytest.fixture(scope="module")
 def served(tiny_tokenizer, tmp_path_factory):
+    from draftsmith.data.engines.vllm_server import VllmServer
     from draftsmith.export.serve_check import speculative_config
-    from draftsmith.export.vllm_server import VllmServer
 
     require_vllm()
     tmp = tmp_path_factory.mktemp("vllm-traffic")
@@ -155,7 +155,7 @@ def test_a_stalled_writer_keeps_the_api_server_within_its_byte_budget(tiny_token
     from tiny_models import build_tiny_family
 
     from draftsmith import net
-    from draftsmith.export.vllm_server import VllmServer
+    from draftsmith.data.engines.vllm_server import VllmServer
 
     require_vllm()
     folder = build_tiny_family("llama", tiny_tokenizer, tmp_path / "llama", hidden=128, layers=4)

