@@ -24,7 +24,6 @@ import torch
 
 from draftsmith import artifact
 from draftsmith.config import LAYER, TOKENS, VOCAB, Range, register_config, to_dict, validated
-from draftsmith.data.batching import pad_rows, row_lengths, split_rows
 from draftsmith.dflash.model import (
     DFlashDraft,
     block_targets,
@@ -35,9 +34,8 @@ from draftsmith.dflash.model import (
 )
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
-from draftsmith.targets.families import pad_token_id
 from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
-from draftsmith.training.job import Job, unwrap
+from draftsmith.training.job import RowsJob, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +131,7 @@ class Blocks:
     vocab: tuple[torch.Tensor, torch.Tensor] | None  # (d2t, target id -> draft id) of a reduced vocabulary
 
 
-class DFlashJob(Job):
+class DFlashJob(RowsJob):
     kind = "dflash"
 
     def data_path(self) -> str | None:
@@ -148,8 +146,7 @@ class DFlashJob(Job):
             from draftsmith.data import load_distilled
 
             dataset = load_distilled(cfg.data, target)
-        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
-        self.pad_id = pad_token_id(target)
+        self.use_rows(dataset, target, cfg.eval_fraction, cfg.train, cfg.max_length, cfg.prompt_context)
         L = target.num_layers
         needs = features(cfg, target)
         self.layers = needs["layers"]
@@ -196,18 +193,6 @@ class DFlashJob(Job):
 
     def setup(self, accelerator) -> None:
         self.target.model = self.features.placed_target(accelerator)  # the embedding and lm_head come from it
-
-    def train_rows(self):
-        return self.train_set
-
-    def eval_rows(self):
-        return self.eval_set
-
-    def collate(self, rows):
-        return pad_rows(rows, self.pad_id, self.cfg.max_length, prompt_context=self.cfg.prompt_context)
-
-    def row_lengths(self) -> list[int]:
-        return row_lengths(self.train_set, self.cfg.max_length, self.cfg.prompt_context)
 
     def learned_tokens(self, batch) -> int:
         """Anchors a block can start from (a >= 1 with x_{a+1} learned); a batch without any is skipped."""

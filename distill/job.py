@@ -42,14 +42,14 @@ import torch
 from draftsmith import artifact
 from draftsmith.capture.forward import topk_with_logsumexp
 from draftsmith.config import FRACTION, ROWS, SEED, TOKENS, Range, register_config, to_dict, validated
-from draftsmith.data.batching import next_token_learned, pad_rows, row_lengths, split_rows, window
+from draftsmith.data.batching import next_token_learned, window
 from draftsmith.distill.model import build_draft, size_report
 from draftsmith.errors import DataError
 from draftsmith.heads.lora import LoraSpec, apply_lora, plain_model
 from draftsmith.heads.losses import DIVERGENCES, distill_loss
-from draftsmith.targets.families import family, pad_token_id
+from draftsmith.targets.families import family
 from draftsmith.training.config import EvalAfterTraining, TrainConfig
-from draftsmith.training.job import Job
+from draftsmith.training.job import RowsJob
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def prompt_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
 
 # ---- the job -------------------------------------------------------------------------------------
 
-class DistillJob(Job):
+class DistillJob(RowsJob):
     """The job (training/job.py) of a draft LM distilled from a frozen target."""
 
     kind = "draft"
@@ -206,8 +206,7 @@ class DistillJob(Job):
         family(target.config)  # a family outside targets/families.py: one line, before any work
         self.cfg, self.target = cfg, target
         rows = rows if rows is not None else load_rows(cfg.data.path, target, cfg.data.max_rows)
-        self.train_set, self.eval_set = split_rows(rows, cfg.data.eval_fraction, cfg.train.seed, cfg.train.train_rows)
-        self.pad_id = pad_token_id(target)
+        self.use_rows(rows, target, cfg.data.eval_fraction, cfg.train, cfg.data.max_length)
         self.eos = set(target.eos_token_ids)
         self.teacher_model = target.model
         self.features = None  # CaptureSource for offline top-k
@@ -254,18 +253,6 @@ class DistillJob(Job):
             from draftsmith.targets.frozen import place_frozen
 
             self.teacher_model = place_frozen(self.target.model, accelerator)
-
-    def train_rows(self):
-        return self.train_set
-
-    def eval_rows(self):
-        return self.eval_set
-
-    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        return pad_rows(rows, self.pad_id, self.cfg.data.max_length)
-
-    def row_lengths(self) -> list[int]:
-        return row_lengths(self.train_set, self.cfg.data.max_length)
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["attention_mask"].sum())
@@ -314,7 +301,7 @@ class DistillJob(Job):
             gen = gen[:cut]
             prompt = batch["input_ids"][b, :n].tolist()
             rows.append({"input_ids": prompt + gen, "loss_mask": [0] * n + [1] * len(gen)})
-        new = pad_rows(rows, self.pad_id, self.cfg.data.max_length)
+        new = self.collate(rows)
         return {k: v.to(batch["input_ids"].device) for k, v in new.items()}
 
     def loss(self, module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:

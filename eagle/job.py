@@ -38,7 +38,6 @@ from draftsmith.config import (
     to_dict,
     validated,
 )
-from draftsmith.data.batching import pad_rows, row_lengths, split_rows
 from draftsmith.eagle.model import (
     EagleHead,
     check_architecture,
@@ -51,9 +50,9 @@ from draftsmith.eagle.model import (
 from draftsmith.eagle.variants import VARIANTS, variant
 from draftsmith.errors import ConfigError
 from draftsmith.heads.vocab import draft_vocabulary, token_counts, vocab_coverage
-from draftsmith.targets.families import family, lm_head, pad_token_id, whole
+from draftsmith.targets.families import family, lm_head, whole
 from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
-from draftsmith.training.job import Job, unwrap
+from draftsmith.training.job import RowsJob, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +146,7 @@ def features(cfg: EagleJobConfig, target) -> dict:
             **v.capture()}
 
 
-class EagleJob(Job):
+class EagleJob(RowsJob):
     kind = "eagle"
 
     def data_path(self) -> str | None:
@@ -172,8 +171,7 @@ class EagleJob(Job):
         if cfg.replay_weight and not has_replay:
             raise ConfigError(f"replay_weight: {cfg.data} has no 'replay' column (write it with generation.engine: "
                               "speculative, data/engines/rollout.py), or set replay_weight: 0")
-        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
-        self.pad_id = pad_token_id(target)
+        self.use_rows(dataset, target, cfg.eval_fraction, cfg.train, cfg.max_length, cfg.prompt_context)
         L = target.num_layers
         self.variant = v = variant(cfg.version)
         needs = features(cfg, target)
@@ -253,18 +251,6 @@ class EagleJob(Job):
         log.info("warm start: the draft vocabulary of this job's rows (%d tokens; %d new, their lm_head rows from "
                  "the target's)", len(new_ids), len(new_ids) - len(kept))
         return {**weights, "lm_head.weight": lm, "d2t": module.d2t.detach().cpu(), "t2d": module.t2d.detach().cpu()}
-
-    def train_rows(self):
-        return self.train_set
-
-    def eval_rows(self):
-        return self.eval_set
-
-    def collate(self, rows):
-        return pad_rows(rows, self.pad_id, self.cfg.max_length, prompt_context=self.cfg.prompt_context)
-
-    def row_lengths(self) -> list[int]:
-        return row_lengths(self.train_set, self.cfg.max_length, self.cfg.prompt_context)
 
     def learned_tokens(self, batch) -> int:
         """Positions the first test-time step learns from (label x_{t+2} target-written; later steps' are a

@@ -27,7 +27,7 @@ from draftsmith.config import (
     to_dict,
     validated,
 )
-from draftsmith.data.batching import next_token_learned, pad_rows, row_lengths, split_rows
+from draftsmith.data.batching import next_token_learned
 from draftsmith.errors import ConfigError
 from draftsmith.heads.losses import topk_divergence
 from draftsmith.heads.vocab import draft_index, draft_vocabulary, token_counts, vocab_coverage
@@ -42,9 +42,9 @@ from draftsmith.medusa.model import (
     rank_accuracies,
 )
 from draftsmith.outputs import atomic_write_json
-from draftsmith.targets.families import family, pad_token_id
+from draftsmith.targets.families import family
 from draftsmith.training.config import EvalAfterTraining, TrainConfig, check_output_folders
-from draftsmith.training.job import Job, unwrap
+from draftsmith.training.job import RowsJob, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class MedusaJobConfig:
             self.medusa2 = Medusa2Config(**self.medusa2)
 
 
-class MedusaJob(Job):
+class MedusaJob(RowsJob):
     kind = "medusa"
 
     def data_path(self) -> str | None:
@@ -126,10 +126,9 @@ class MedusaJob(Job):
 
             dataset = load_distilled(cfg.data, target)
         self.cfg, self.target = cfg, target
-        self.train_set, self.eval_set = split_rows(dataset, cfg.eval_fraction, cfg.train.seed, cfg.train.train_rows)
+        self.use_rows(dataset, target, cfg.eval_fraction, cfg.train, cfg.max_length)
         self._calib_hidden: dict[tuple[str, int], torch.Tensor] = {}  # before_artifact's target hidden states
         self.weights = head_weights(cfg.num_heads, cfg.decay)
-        self.pad_id = pad_token_id(target)
         from draftsmith.capture.online import CaptureSource
 
         # Medusa-2 from a capture cache: the adapted target runs in the step (its features change every step),
@@ -168,18 +167,6 @@ class MedusaJob(Job):
 
     def setup(self, accelerator) -> None:
         self.features.place(accelerator)  # Medusa-2: the frozen original target, the teacher of the KL term
-
-    def train_rows(self):
-        return self.train_set
-
-    def eval_rows(self):
-        return self.eval_set
-
-    def collate(self, rows):
-        return pad_rows(rows, self.pad_id, self.cfg.max_length)
-
-    def row_lengths(self) -> list[int]:
-        return row_lengths(self.train_set, self.cfg.max_length)
 
     def learned_tokens(self, batch) -> int:
         """Positions this job learns from: head 0's (label x_{t+2} learned; the later heads' are a subset),

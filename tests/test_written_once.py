@@ -94,11 +94,11 @@ def test_no_module_but_formatting_defines_a_value_formatter():
     (None, "null"), (True, "a boolean"), (3, "a number (3)"), ("x", "text"), ([1], "a list"), ({}, "an object"),
 ])
 def test_one_namer_of_a_json_value_type(tmp_path, value, named):
-    """An artifact's JSON (layouts/schema.read_doc), a dataset row (data/rows.check_row) and a model folder's
+    """An artifact's JSON (schema.read_doc), a dataset row (data/rows.check_row) and a model folder's
     config.json (targets/loading) name a value of the wrong type with the same words: errors.json_kind's."""
     from draftsmith.data.rows import RowLimits, check_row
     from draftsmith.errors import DataError, DraftsmithError, json_kind
-    from draftsmith.layouts.schema import read_doc
+    from draftsmith.schema import read_doc
     from draftsmith.targets.loading import check_model_config
 
     assert json_kind(value) == named
@@ -142,6 +142,22 @@ def test_one_shortener_of_a_value_for_an_error_line(tmp_path):
     with pytest.raises(DraftsmithError) as e:
         log_records(json.dumps({"type": LONG, "step": 0}) + "\n", "train_log.jsonl")
     assert f"field 'type' must be a string, got {shown}" in str(e.value)
+
+
+def test_every_method_job_takes_its_rows_from_the_one_rows_job():
+    """The rows, the batches and the rows' lengths of every built-in method's job come from training/job.py's
+    RowsJob: no job writes train_rows / eval_rows / collate / row_lengths again."""
+    from draftsmith.dflash.job import DFlashJob
+    from draftsmith.distill.job import DistillJob
+    from draftsmith.dspark.job import DSparkJob
+    from draftsmith.eagle.job import EagleJob
+    from draftsmith.medusa.job import MedusaJob
+    from draftsmith.training.job import RowsJob
+
+    for job in (MedusaJob, EagleJob, DistillJob, DFlashJob, DSparkJob):
+        assert issubclass(job, RowsJob), job
+        for name in ("train_rows", "eval_rows", "collate", "row_lengths"):
+            assert getattr(job, name) is getattr(RowsJob, name), f"{job.__name__}.{name}"
 
 
 def test_values_cut_inline_are_shown_by_the_one_shortener(tmp_path):

@@ -43,16 +43,24 @@ Rules the loop relies on:
 - A job subclasses `Job`: the optional hooks are methods of the base class with the loop's defaults
   (`setup`, `data_path`, `row_lengths`, `lr_scale`, `count_tokens`, `learned_tokens`, `warm_start_module`,
   `artifact_dest`, `before_artifact`), so the loop calls them without asking whether they exist.
+- A job that learns from self-distilled rows (every built-in method's) subclasses `RowsJob` and calls its
+  `use_rows` once: the rows, the batches and the rows' lengths are then the same for every method.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from draftsmith.data.batching import pad_rows, row_lengths, split_rows
+from draftsmith.targets.families import pad_token_id
+
+if TYPE_CHECKING:
+    from draftsmith.training.config import TrainConfig
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -151,3 +159,36 @@ class Job:
 
     def before_artifact(self) -> None:
         """Every rank, before rank 0's `save_artifact`: work on a target that may be sharded across ranks."""
+
+
+class RowsJob(Job):
+    """A job that learns from self-distilled rows (data/batching.py): every built-in method's. Its `__init__`
+    calls `use_rows` once; the loop's training and held-out rows, its batches (each row's window of at most
+    `max_length` tokens, `prompt_context` of them before the first learned one, right-padded) and the rows'
+    lengths for `group_by_length` then come from here, the same for every method."""
+
+    train_set: Sequence[Any] = ()
+    eval_set: Sequence[Any] | None = None
+    pad_id: int = 0
+    max_length: int | None = None
+    prompt_context: int | None = None
+
+    def use_rows(self, rows: Sequence[Any], target, eval_fraction: float, train: TrainConfig, max_length: int,
+                 prompt_context: int | None = None) -> None:
+        """Split `rows` into training and held-out rows (data/batching.split_rows: by `train.seed`, the first
+        `train.train_rows` kept), padded with the target's pad token, each cut to its window."""
+        self.train_set, self.eval_set = split_rows(rows, eval_fraction, train.seed, train.train_rows)
+        self.pad_id = pad_token_id(target)
+        self.max_length, self.prompt_context = max_length, prompt_context
+
+    def train_rows(self) -> Sequence[Any]:
+        return self.train_set
+
+    def eval_rows(self) -> Sequence[Any] | None:
+        return self.eval_set
+
+    def collate(self, rows: list[Any]) -> dict[str, torch.Tensor]:
+        return pad_rows(rows, self.pad_id, self.max_length, prompt_context=self.prompt_context)
+
+    def row_lengths(self) -> list[int]:
+        return row_lengths(self.train_set, self.max_length, self.prompt_context)
