@@ -291,6 +291,64 @@ class Proposer(ABC):
         return [], []
 
 
+class FeatureProposer(Proposer):
+    """A proposer that drafts from the target's features of every committed position: EAGLE's heads, DFlash's
+    and DSpark's block drafters. `network` is its own module; its config names the `target_layers` the verifier
+    captures for it. The features arrive with `begin` (every prompt position) and `accept` (the root and the
+    accepted nodes) and wait in `pending` until the next `propose` enters them into the network's own cache
+    (`take_pending`); `restart` clears that cache for a new sequence. Its own tree is the top `topk` at every
+    one of `depth` levels, cut to `max_nodes` (EAGLE-2's shape); without `tree` it drafts a chain of `depth`."""
+
+    who = "proposer"  # how a one-line error names it ("EAGLE proposer")
+
+    def __init__(self, network: torch.nn.Module, depth: int, tree: bool, topk: int, max_nodes: int):
+        self.network = network.eval()
+        self.target_layers = list(network.config.target_layers)  # the verifier captures these for us
+        self.depth, self.tree, self.topk, self.max_nodes = depth, tree, topk, max_nodes
+        self.n_done = 0  # committed positions entered into the network's own cache
+        self.pending: list[torch.Tensor] = []  # target features [n, F] of positions not entered yet
+
+    def default_tree_spec(self) -> TreeSpec:
+        if not self.tree:
+            return TreeSpec.chain(self.depth)
+        return TreeSpec((self.topk,) * self.depth, max_nodes=self.max_nodes)
+
+    def use_dtype(self, dtype: torch.dtype) -> bool:
+        from draftsmith.targets.precision import cast_parameters
+
+        cast_parameters(self.network, dtype)  # the target's features and embeddings are cast as they come in
+        return True
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.network.parameters()).device
+
+    def restart(self) -> None:
+        """A new sequence begins: clear the network's own cache (the features are cleared by `begin`)."""
+
+    def _features(self, feats: TargetFeatures | None) -> torch.Tensor | None:
+        return feats.concat(self.target_layers, self.who) if feats is not None else None
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
+        self.restart()
+        self.n_done = 0
+        f = self._features(features)
+        self.pending = [f] if f is not None else []
+
+    def accept(self, result: AcceptResult) -> None:
+        f = self._features(result.features)
+        if f is not None:
+            self.pending.append(f)
+
+    def take_pending(self) -> torch.Tensor | None:
+        """The features [n, F] that arrived since the last call, on the network's device (None: none did)."""
+        if not self.pending:
+            return None
+        feats = torch.cat(self.pending).to(self._device)
+        self.pending = []
+        return feats
+
+
 def draft_dtype(setting: str | torch.dtype, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype proposers' networks run in: `auto` = bf16 next to a float32 target on a CPU with native bf16
     (a draft step there reads its weights from memory, and bf16 halves the bytes it reads), else the target's

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
+from draftsmith.decoding.proposer import FeatureProposer, Proposal, TreeSpec
 from draftsmith.dflash.model import DFlashDraft, load_dflash
 from draftsmith.errors import ConfigError
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(FeatureProposer):
     name = "dflash"
-    needs_last_hidden = False
+    who = "DFlash proposer"
 
     def __init__(self, draft: DFlashDraft, depth: int | None = None, tree: bool = False, topk: int = 2,
                  max_nodes: int = 24, **_opts):
@@ -39,12 +39,12 @@ class DFlashProposer(Proposer):
             raise ConfigError(f"DFlash proposer: depth must be in 1..{bs - 1} (block size {bs}), got {depth}")
         if topk < 1 or max_nodes < 1:
             raise ConfigError(f"DFlash proposer needs topk, max_nodes >= 1 (got {topk}, {max_nodes})")
-        self.draft = draft.eval()
-        self.target_layers = list(draft.config.target_layers)  # the verifier captures these for us
-        self.depth, self.tree, self.topk, self.max_nodes = depth, tree, topk, max_nodes
-        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.n_done = 0
-        self.pending: list[torch.Tensor] = []
+        super().__init__(draft, depth, tree, topk, max_nodes)
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: the context keys/values
+
+    @property
+    def draft(self) -> DFlashDraft:
+        return self.network
 
     # A GPU verifies EAGLE-2's 60 nodes in about the time of one token, so the GPU-sized shape of a block is the
     # tree of each slot's top 10 cut to the 60 best paths: the same budget as an EAGLE head's (eagle/proposer.py
@@ -55,42 +55,16 @@ class DFlashProposer(Proposer):
         other = DFlashProposer(self.draft, depth=self.draft.config.block_size - 1, tree=True, **self.GPU_TREE)
         return other, other.default_tree_spec()
 
-    def default_tree_spec(self) -> TreeSpec:
-        if not self.tree:
-            return TreeSpec.chain(self.depth)
-        return TreeSpec((self.topk,) * self.depth, max_nodes=self.max_nodes)
-
-    def use_dtype(self, dtype: torch.dtype) -> bool:
-        from draftsmith.targets.precision import cast_parameters
-
-        cast_parameters(self.draft, dtype)
-        return True
-
     # --- state --------------------------------------------------------------------------------------
-    def _features(self, feats: TargetFeatures | None) -> torch.Tensor | None:
-        return feats.concat(self.target_layers, "DFlash proposer") if feats is not None else None
-
-    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
+    def restart(self) -> None:
         self.cache = None
-        self.n_done = 0
-        f = self._features(features)
-        self.pending = [f] if f is not None else []
-
-    def accept(self, result: AcceptResult) -> None:
-        f = self._features(result.features)
-        if f is not None:
-            self.pending.append(f)
-
-    @property
-    def _device(self) -> torch.device:
-        return self.draft.fc.weight.device
 
     def _enter_committed(self) -> None:
         """Context keys/values for the committed positions whose features arrived since the last call."""
-        if not self.pending:
+        feats = self.take_pending()
+        if feats is None:
             return
-        feats = torch.cat(self.pending).to(self._device)[None]
-        self.pending = []
+        feats = feats[None]
         n = feats.shape[1]
         positions = torch.arange(self.n_done, self.n_done + n, device=self._device)[None]
         new = self.draft.context_kv(self.draft.context(feats), positions)

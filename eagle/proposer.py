@@ -40,25 +40,21 @@ import time
 import torch
 
 from draftsmith.decoding.budget import worth_deeper
-from draftsmith.decoding.proposer import AcceptResult, Proposal, Proposer, TargetFeatures, TreeSpec
+from draftsmith.decoding.proposer import AcceptResult, FeatureProposer, Proposal, TreeSpec
 from draftsmith.eagle.model import DraftKV, EagleHead, load_eagle
 from draftsmith.errors import ConfigError
 
 
-class EagleProposer(Proposer):
+class EagleProposer(FeatureProposer):
     name = "eagle"
-    needs_last_hidden = False
+    who = "EAGLE proposer"
 
     def __init__(self, head: EagleHead, tree: bool = True, depth: int = 5, topk: int = 4, max_nodes: int = 24,
                  calibrate: bool | None = None, **_opts):
         if depth < 1 or topk < 1 or max_nodes < 1:
             raise ConfigError(f"EAGLE proposer needs depth, topk, max_nodes >= 1 (got {depth}, {topk}, {max_nodes})")
-        self.head = head.eval()
-        self.target_layers = list(head.config.target_layers)  # the verifier captures these for us
-        self.tree, self.depth, self.topk, self.max_nodes = tree, depth, topk, max_nodes
-        self.kv = DraftKV()
-        self.n_done = 0  # committed positions with a step-0 entry in self.kv
-        self.pending: list[torch.Tensor] = []  # target features [n, F] of positions not yet entered
+        super().__init__(head, depth, tree, topk, max_nodes)
+        self.kv = DraftKV()  # one step-0 entry per committed position (n_done of them)
         self.root: torch.Tensor | None = None  # a^0 at the newest committed position, [H]
         self.cost = None  # the verifier's VerifyCost, if it cuts trees: then drafting stops where the cut would
         self.level_s: float | None = None  # running mean time of one tree level (an expansion), seconds
@@ -83,15 +79,16 @@ class EagleProposer(Proposer):
             return 1.0
         return (self.seen_accepted + self.CALIBRATION_PRIOR) / (self.seen_expected + self.CALIBRATION_PRIOR)
 
+    @property
+    def head(self) -> EagleHead:
+        return self.network
+
     def use_cost(self, cost) -> None:
         self.cost = cost
 
     def use_dtype(self, dtype: torch.dtype) -> bool:
-        from draftsmith.targets.precision import cast_parameters
-
-        cast_parameters(self.head, dtype)  # the target's features and embeddings are cast as they come in
         self.level_s = None  # a level's time was measured in the old dtype
-        return True
+        return super().use_dtype(dtype)
 
     # EAGLE-2's defaults on a GPU (Li et al. 2024): depth 6, the top 10 expanded per level, 60 nodes verified
     GPU_TREE = {"depth": 6, "topk": 10, "max_nodes": 60}
@@ -101,26 +98,13 @@ class EagleProposer(Proposer):
         other = EagleProposer(self.head, tree=True, calibrate=self.calibrate, **self.GPU_TREE)
         return other, other.default_tree_spec()
 
-    def default_tree_spec(self) -> TreeSpec:
-        if not self.tree:
-            return TreeSpec.chain(self.depth)
-        return TreeSpec((self.topk,) * self.depth, max_nodes=self.max_nodes)
-
     # --- state --------------------------------------------------------------------------------------
-    def _features(self, feats: TargetFeatures | None) -> torch.Tensor | None:
-        return feats.concat(self.target_layers, "EAGLE proposer") if feats is not None else None
-
-    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures | None) -> None:
+    def restart(self) -> None:
         self.kv = DraftKV()
-        self.n_done = 0
         self.root = None
-        f = self._features(features)
-        self.pending = [f] if f is not None else []
 
     def accept(self, result: AcceptResult) -> None:
-        f = self._features(result.features)
-        if f is not None:
-            self.pending.append(f)
+        super().accept(result)
         prop = result.proposal
         if self.calibrate and self.cost is not None and prop is not None and prop.scores is not None and len(prop):
             # the verified (possibly cut) tree: its scores are λ·raw, its expected length Σ raw
@@ -128,16 +112,11 @@ class EagleProposer(Proposer):
             self.seen_accepted = decay * self.seen_accepted + len(result.accepted_nodes)
             self.seen_expected = decay * self.seen_expected + float(prop.scores.sum()) / self.scale_used
 
-    @property
-    def _device(self) -> torch.device:
-        return self.head.fc.weight.device
-
     def _enter_committed(self, context: torch.Tensor) -> None:
         """Step-0 entries for the committed positions whose features arrived since the last call."""
-        if not self.pending:
+        feats = self.take_pending()
+        if feats is None:
             return
-        feats = torch.cat(self.pending).to(self._device)
-        self.pending = []
         start, n = self.n_done, feats.shape[0]
         if start + n > context.numel() - 1:
             raise ConfigError(f"EAGLE proposer got features for {start + n} positions, context has {context.numel()}")

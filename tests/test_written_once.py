@@ -160,6 +160,20 @@ def test_every_method_job_takes_its_rows_from_the_one_rows_job():
             assert getattr(job, name) is getattr(RowsJob, name), f"{job.__name__}.{name}"
 
 
+def test_the_feature_drafters_share_one_feature_proposer():
+    """EAGLE's heads and DFlash's (and DSpark's) block drafters keep the target's features the same way:
+    decoding/proposer.py's FeatureProposer holds begin, the pending features and the default tree."""
+    from draftsmith.decoding.proposer import FeatureProposer
+    from draftsmith.dflash.proposer import DFlashProposer
+    from draftsmith.dspark.proposer import DSparkProposer
+    from draftsmith.eagle.proposer import EagleProposer
+
+    for proposer in (EagleProposer, DFlashProposer, DSparkProposer):
+        assert issubclass(proposer, FeatureProposer), proposer
+        for name in ("begin", "default_tree_spec", "take_pending"):
+            assert getattr(proposer, name) is getattr(FeatureProposer, name), f"{proposer.__name__}.{name}"
+
+
 def test_values_cut_inline_are_shown_by_the_one_shortener(tmp_path):
     """A value once cut in place (`str(x)[:60]`, `repr(x)[:40]`: walked whole first, cut at 20, 40, 60 or 80)
     is shown by errors.show too: a tensor's shape in a safetensors header, a Medusa tree's path, a Prometheus
