@@ -147,8 +147,8 @@ class Speed:
         """tokens/s of the entry, of our plain decoding and of HF generate, and the speedups: `speedup` is
         against the faster of the two plain decodings (`fastest_plain` says which), both shown beside it."""
         rate = lambda t, s: t / s if s > 0 and t else None  # noqa: E731
-        tps, btps, hf = rate(self.tokens, self.seconds), rate(self.base_tokens, self.base_seconds), \
-            rate(self.hf_tokens, self.hf_seconds)
+        tps, btps, hf = (rate(self.tokens, self.seconds), rate(self.base_tokens, self.base_seconds),
+            rate(self.hf_tokens, self.hf_seconds))
         fastest = max((x for x in (btps, hf) if x), default=None)
         return {"tokens_per_s": tps, "baseline_tokens_per_s": btps, "hf_generate_tokens_per_s": hf,
                 "speedup": tps / fastest if tps and fastest else None,
@@ -210,11 +210,11 @@ def cost_model_and_policy(setup: Setup, per_prompt: list[dict], domains: dict, o
     v = cost_model["v"]
     for name, d in list(domains.items()) + [("overall", overall)]:
         st: GenerationStats = d["_stats"]
-        rec = cost.recommend_k(st.accepted_per_position, st.proposed_per_position, st.target_forwards, v, c) \
-            if spec.is_chain else None
-        d["predicted_speedup"] = cost.predicted_speedup(st.accepted_per_position, st.proposed_per_position,
-                                                        st.target_forwards, spec.depth, v, c) \
-            if spec.is_chain and str(spec.depth) in v else None
+        rec = (cost.recommend_k(st.accepted_per_position, st.proposed_per_position, st.target_forwards, v, c)
+            if spec.is_chain else None)
+        d["predicted_speedup"] = (cost.predicted_speedup(st.accepted_per_position, st.proposed_per_position,
+                                                         st.target_forwards, spec.depth, v, c)
+                                  if spec.is_chain and str(spec.depth) in v else None)
         if rec is not None:
             recommended[name] = {"k": rec["k"], "predicted_speedup": rec["predicted_speedup"]}
         if name != "overall":

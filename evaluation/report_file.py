@@ -95,8 +95,8 @@ def _references(setup: Setup, per_prompt: list[dict], overall: dict) -> dict:
     references["hf_generate"] = {"tokens_per_s": hf_tps, "matches_plain_decoding": all_or_none(flags),
                                  "n_mismatch": sum(1 for f in flags if f is False),
                                  "role": "the independent reference: `lossless` is equality with its greedy output"}
-    references["plain_vs_hf_generate"] = (overall["baseline_tokens_per_s"] / hf_tps) \
-        if hf_tps and overall["baseline_tokens_per_s"] else None
+    references["plain_vs_hf_generate"] = ((overall["baseline_tokens_per_s"] / hf_tps)
+        if hf_tps and overall["baseline_tokens_per_s"] else None)
     if setup.assistant is not None:
         a_tok = sum(r.get("assisted_tokens", 0) for r in per_prompt)
         a_time = sum(r.get("assisted_time", 0.0) for r in per_prompt)

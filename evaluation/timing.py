@@ -179,8 +179,8 @@ def judge_timing(per_prompt: list[dict], v, hf: bool) -> None:
                                 + (f" ({rounds} round{'s' if rounds != 1 else ''})" if rounds else ""))
             else:
                 b = rec["base"]
-                s = (st.new_tokens / st.wall_time) / (b.new_tokens / b.wall_time) \
-                    if st.wall_time > 0 and b.wall_time > 0 and b.new_tokens else None
+                s = ((st.new_tokens / st.wall_time) / (b.new_tokens / b.wall_time)
+                    if st.wall_time > 0 and b.wall_time > 0 and b.new_tokens else None)
                 nodes = st.proposed / st.target_forwards if st.target_forwards else 0.0
                 bound = speedup_bound(st.tau, nodes, v)
                 if s is not None and s > IMPOSSIBLE_FACTOR * bound:

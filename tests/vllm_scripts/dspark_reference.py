@@ -122,8 +122,8 @@ def build(export: str, target: str, dtype: str = "float32", max_model_len: int =
     _set_torch_accelerator_to_noop()  # what vLLM's CPU runner does first: the loader empties an accelerator cache
     loaded: dict = {}
     # load_dspark_model validates a copy of the config again (the draft's own parallel and attention settings)
-    with set_current_vllm_config(config), runner_check_without_dspark(), \
-            tempfile.TemporaryDirectory(prefix="vllm-reference-") as rendezvous:
+    with (set_current_vllm_config(config), runner_check_without_dspark(),
+          tempfile.TemporaryDirectory(prefix="vllm-reference-") as rendezvous):
         # the linear layers ask for their tensor-parallel group: one process, gloo, a rendezvous file of our own
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{rendezvous}/store")
