@@ -429,8 +429,8 @@ def _render_winners(s: dict) -> list[str]:
             # a speedup is computed from the prompts timed validly only (None when there were none), and a
             # report from before per-prompt timing judged validity for the whole run
             valid = "n_timed" in x or (r.get("contention") or {}).get("speedups_valid") is not False
-            if x.get("speedup") is not None and ok is not False and valid and x["speedup"] > best[0] \
-                    and (x.get("tau") or 1) > 1:
+            if (x.get("speedup") is not None and ok is not False and valid and x["speedup"] > best[0]
+                    and (x.get("tau") or 1) > 1):
                 best = (x["speedup"], n)
         lines.append(f"| {md_cell(dom)} | " + " | ".join(cells) + f" | {md_cell(best[1])} |")
     lines += ["", "Winner: the highest speedup above 1 among lossless proposers that accepted any draft token "
