@@ -88,10 +88,12 @@ def _register_engine_jobs(jobs) -> None:
     e = jobs.add_parser("engine", help="the decode engines on the same prompts (benchmark/engine.py)")
     e.add_argument("n", type=ranged(int, ROWS), metavar="PROMPTS",
                    help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
-    e.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
+    e.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS",
+                   help="tokens generated per prompt, at most")
     e.add_argument("engines", help="comma-separated KIND:BATCH[:PRECISION], KIND one of cb, np, sd, cap, capall, "
                                    "hf; PRECISION bf16 or bf16-all (default float32), e.g. cb:32,cap:32,hf:16,cb:1")
-    e.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
+    e.add_argument("target", nargs="?", default="smollm2-135m",
+                   help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
     e.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
     e.set_defaults(func=run_engine)
 
@@ -99,8 +101,10 @@ def _register_engine_jobs(jobs) -> None:
                                         "(benchmark/capture.py)")
     c.add_argument("n", type=ranged(int, ROWS), metavar="PROMPTS",
                    help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
-    c.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
-    c.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
+    c.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS",
+                   help="tokens generated per prompt, at most")
+    c.add_argument("target", nargs="?", default="smollm2-135m",
+                   help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
     c.add_argument("--batch", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=96,
                    help="rows the generating engine decodes at once (default: %(default)s)")
     c.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON here (default: none)")
@@ -110,8 +114,10 @@ def _register_engine_jobs(jobs) -> None:
                                        "prompts (benchmark/remote.py)")
     r.add_argument("n", type=ranged(int, ROWS), metavar="PROMPTS",
                    help="how many prompts: the first N/2 GSM8K questions and N/2 self-instruct seed tasks")
-    r.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS", help="tokens generated per prompt, at most")
-    r.add_argument("target", nargs="?", default="smollm2-135m", help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
+    r.add_argument("max_new_tokens", type=ranged(int, TOKENS), metavar="MAX_NEW_TOKENS",
+                   help="tokens generated per prompt, at most")
+    r.add_argument("target", nargs="?", default="smollm2-135m",
+                   help="the target: an embedded name, a GGUF file or an HF model folder (default: %(default)s)")
     r.add_argument("--server", choices=["transformers", "vllm"], default="transformers",
                    help="the OpenAI-compatible server: `transformers serve`, or vLLM from .venv-vllm "
                         "(default: %(default)s)")
@@ -130,7 +136,8 @@ def _register_training_jobs(jobs) -> None:
     s.add_argument("--batches", type=ranged(int, Range(ge=1, le=10**6)), default=6,
                    help="length-sorted batches of the job's training split, each timed both ways "
                         "(default: %(default)s)")
-    s.add_argument("--repeats", type=ranged(int, REPEATS), default=2, help="passes over the batches (default: %(default)s)")
+    s.add_argument("--repeats", type=ranged(int, REPEATS), default=2,
+                   help="passes over the batches (default: %(default)s)")
     s.add_argument("--compare", choices=["skip", "precision"], default="skip",
                    help="skip: the head skipping the bases no loss reaches against computing every one; "
                         "precision: float32 against bf16 autocast (default: %(default)s)")
@@ -145,8 +152,8 @@ def _register_training_jobs(jobs) -> None:
     t.add_argument("--batches", type=ranged(int, Range(ge=1, le=10**6)), default=6,
                    help="length-sorted batches of each job's training split, one full optimizer step each "
                         "(default: %(default)s)")
-    t.add_argument("--repeats", type=ranged(int, REPEATS), default=3, help="passes over the batches, the jobs interleaved "
-                                                          "(default: %(default)s)")
+    t.add_argument("--repeats", type=ranged(int, REPEATS), default=3,
+                   help="passes over the batches, the jobs interleaved (default: %(default)s)")
     t.add_argument("--reference-steps", type=ranged(int, Range(ge=1, le=10**9)),
                    help="the first job's steps, converted to the steps each other job takes in the same time "
                         "(default: none, no conversion)")
@@ -157,7 +164,8 @@ def _register_training_jobs(jobs) -> None:
 def _register_kernel_jobs(jobs) -> None:
     b = jobs.add_parser("baseline", help="is plain decoding's one-token step not slower than a two-token forward? "
                                          "(evaluation/baseline.py; exit 1 when it is)")
-    b.add_argument("target", nargs="?", default=None, help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m)")
+    b.add_argument("target", nargs="?", default=None,
+                   help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m)")
     b.add_argument("--context", type=ranged(int, TOKENS), default=256,
                    help="cached tokens the timed forwards attend to (default: %(default)s)")
     b.add_argument("--repeats", type=ranged(int, REPEATS), default=9,
@@ -168,7 +176,8 @@ def _register_kernel_jobs(jobs) -> None:
 
     g = jobs.add_parser("gemm", help="F.linear vs W @ x^T over a few rows: the plan measured at load, and whole "
                                      "target forwards with the path off and on (targets/gemm.py)")
-    g.add_argument("target", nargs="?", default=None, help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m)")
+    g.add_argument("target", nargs="?", default=None,
+                   help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m)")
     g.add_argument("--rows", default="1,2,3,4,5,8,12,16,32",
                    help="comma-separated token counts of the forwards compared (default: %(default)s)")
     g.add_argument("--context", type=ranged(int, TOKENS), default=256,

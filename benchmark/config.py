@@ -75,7 +75,8 @@ class Baseline:
 class Budget:
     data_rows: Annotated[int, ROWS] | None = None  # None: every row the data preset yields
     data_new_tokens: Annotated[int, TOKENS] | None = None
-    train_steps: dict[str, Annotated[int, Range(ge=1, le=10**9)]] = field(default_factory=dict)  # artifact name -> max steps
+    # artifact name -> max steps
+    train_steps: dict[str, Annotated[int, Range(ge=1, le=10**9)]] = field(default_factory=dict)
     limit_per_domain: Annotated[int, ROWS] | None = 8
     max_new_tokens: Annotated[int, TOKENS] = 128
     hf_reference: bool = True

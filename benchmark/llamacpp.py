@@ -91,4 +91,5 @@ def describe(r: dict) -> str:
     tps = r["tokens_per_s"]
     return (f"{r['target']} ({r['gguf']}), {r['prompts']} prompts, {r['threads']} threads: draftsmith plain decoding "
             f"{tps['draftsmith']:.1f} tok/s, llama.cpp {r['llama_cpp_version']} {tps['llama.cpp']:.1f} tok/s; same "
-            f"output on {100 * r['same_output_share']:.0f}% of prompts, mean common prefix {r['mean_common_prefix']:.1f}")
+            f"output on {100 * r['same_output_share']:.0f}% of prompts, mean common prefix "
+            f"{r['mean_common_prefix']:.1f}")

@@ -311,7 +311,8 @@ def summarize(bench: Bench) -> dict:
         if m.is_file():
             man = json.loads(m.read_text())
             training[a.name] = {"job": a.job, "seconds": st.get("seconds"), "peak_rss_mb": st.get("peak_rss_mb"),
-                                "command": _as_typed(st.get("command")), "steps": (man.get("metrics") or {}).get("steps"),
+                                "command": _as_typed(st.get("command")),
+                                "steps": (man.get("metrics") or {}).get("steps"),
                                 "train_rows": (man.get("data") or {}).get("train_rows")}
     data = {}
     prov_path = bench.data_path() / "provenance.json"
@@ -382,7 +383,8 @@ def _render_stages(s: dict) -> list[str]:
     if bl:
         k = bl.get("kernels") or {}
         lines += [f"**Plain decoding** (the baseline of every speedup): one-token step "
-                  f"{1e3 * bl['plan_1_token_s']:.1f} ms against a two-token forward {1e3 * bl['plan_2_token_s']:.1f} ms "
+                  f"{1e3 * bl['plan_1_token_s']:.1f} ms against a two-token forward "
+                  f"{1e3 * bl['plan_2_token_s']:.1f} ms "
                   f"(ratio {bl['plain_step_over_two_token']:.2f}, {'ok' if bl['ok'] else 'FAILED'}); with the stock "
                   f"kernels {1e3 * bl['stock_1_token_s']:.1f} / {1e3 * bl['stock_2_token_s']:.1f} ms. Kernel plan "
                   f"({k.get('plan')}): W @ xᵀ at rows {k.get('transposed_rows')}."
@@ -403,9 +405,11 @@ def _render_stages(s: dict) -> list[str]:
 def _render_training(s: dict) -> list[str]:
     if not s["training"]:
         return []
-    lines = ["| artifact | job | steps | train rows | training time | peak RSS | command |", "|---|---|---|---|---|---|---|"]
+    lines = ["| artifact | job | steps | train rows | training time | peak RSS | command |",
+             "|---|---|---|---|---|---|---|"]
     for n, t in s["training"].items():
-        lines.append(f"| {md_cell(n)} | {md_cell(t['job'])} | {t['steps']} | {t['train_rows']} | {fmt_num(t['seconds'], '.0f')} s | "
+        lines.append(f"| {md_cell(n)} | {md_cell(t['job'])} | {t['steps']} | {t['train_rows']} "
+                     f"| {fmt_num(t['seconds'], '.0f')} s | "
                      f"{fmt_num(t['peak_rss_mb'], '.0f')} MB | `{md_cell(t['command'])}` |")
     return lines + [""]
 
@@ -422,7 +426,8 @@ def _render_winners(s: dict) -> list[str]:
             r = s["reports"][n]
             x = r["overall"] if dom == "overall" else r["domains"].get(dom, {})
             ok = x.get("lossless")
-            cells.append(f"{fmt_num(x.get('alpha'))} / {fmt_num(x.get('tau'), '.2f')} / {fmt_num(x.get('speedup'), '.2f')}"
+            cells.append(f"{fmt_num(x.get('alpha'))} / {fmt_num(x.get('tau'), '.2f')} / "
+                         f"{fmt_num(x.get('speedup'), '.2f')}"
                          + ("" if ok in (True, None) else " (NOT lossless)"))
             # τ = 1 means no draft token was ever accepted: that run was plain decoding plus overhead, and a
             # speedup above 1 there is timing noise, not a win
@@ -447,19 +452,23 @@ def _render_winners(s: dict) -> list[str]:
 def _render_proposers(s: dict) -> list[str]:
     """Per proposer: losslessness, speeds against every reference, the cost model, memory and its command."""
     lines = ["", "| proposer | lossless | τ (GPU-sized tree) | tokens/s | plain tokens/s | speedup vs plain | "
-             "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) | v(4) | "
-             "peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "HF generate tokens/s | speedup vs HF generate | llama.cpp tokens/s | HF assisted | c | v(1) | v(2) "
+             "| v(4) | peak RSS | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lc_tps = fmt_num((s.get("llamacpp") or {}).get("tokens_per_s", {}).get("llama.cpp"), ".1f")
     for n, r in s["reports"].items():
         o, v = r["overall"], r.get("v") or {}
         ha = r.get("hf_assisted")
-        has = "–" if not ha else f"{fmt_num(ha.get('tokens_per_s'), '.1f')} tok/s, same output: {fmt_num(ha.get('matches_target_greedy'))}"
+        has = ("–" if not ha else f"{fmt_num(ha.get('tokens_per_s'), '.1f')} tok/s, same output: "
+                                  f"{fmt_num(ha.get('matches_target_greedy'))}")
         gt = o.get("gpu_tree") or {}
         tau = f"{fmt_num(o.get('tau'), '.2f')}" + (f" ({fmt_num(gt.get('tau'), '.2f')})" if gt else "")
-        lines.append(f"| {md_cell(n)} | {fmt_num(o.get('lossless'))} | {tau} | {fmt_num(o.get('tokens_per_s'), '.1f')} | "
+        lines.append(f"| {md_cell(n)} | {fmt_num(o.get('lossless'))} | {tau} | "
+                     f"{fmt_num(o.get('tokens_per_s'), '.1f')} | "
                      f"{fmt_num(o.get('baseline_tokens_per_s'), '.1f')} | {fmt_num(o.get('speedup'), '.2f')} | "
-                     f"{fmt_num(r.get('hf_generate_tokens_per_s'), '.1f')} | {fmt_num(o.get('speedup_vs_hf_generate'), '.2f')} | "
-                     f"{lc_tps} | {has} | {fmt_num(r.get('c'), '.3f')} | {fmt_num(v.get('1'), '.2f')} | {fmt_num(v.get('2'), '.2f')} | "
+                     f"{fmt_num(r.get('hf_generate_tokens_per_s'), '.1f')} | "
+                     f"{fmt_num(o.get('speedup_vs_hf_generate'), '.2f')} | "
+                     f"{lc_tps} | {has} | {fmt_num(r.get('c'), '.3f')} | {fmt_num(v.get('1'), '.2f')} | "
+                     f"{fmt_num(v.get('2'), '.2f')} | "
                      f"{fmt_num(v.get('4'), '.2f')} | {fmt_num(r.get('peak_rss_mb'), '.0f')} MB | "
                      f"`{md_cell(r['command'])}` |")
     lines += ["", f"Per-position acceptance and the v(k) curves: `{s['results']}/acceptance.png`, "
