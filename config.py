@@ -8,8 +8,9 @@ Every number is checked where it enters: every numeric field carries its range i
 `batch_size: Annotated[int, Range(ge=1, le=MAX_BATCH)]` —, so the range is written once, beside the field;
 a `@validated` config dataclass checks it whenever it is built (from YAML, where the error names the dotted
 key, or by Python code), a float is finite, and the `--help` of the flag that sets the field shows it
-(tests/test_config_ranges.py refuses a numeric field without a range, or a config class not validated). A command-line flag that sets no config
-field takes `ranged(int, Range(...))` as its argparse type: the same check, the same message.
+(tests/test_config_ranges.py refuses a numeric field without a range, or a config class not validated). A
+command-line flag that sets no config field takes `ranged(int, Range(...))` as its argparse type: the same
+check, the same message.
 """
 
 from __future__ import annotations

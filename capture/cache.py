@@ -124,8 +124,9 @@ def _shard_meta(path: Path) -> dict:
               "topk": lambda v: is_int(v, 0), "hidden_dtype": lambda v: v in _DTYPE_NAMES.values(),
               "hidden_size": lambda v: v is None or is_int(v, 1), "last_hidden": lambda v: isinstance(v, bool),
               "logsumexp": lambda v: isinstance(v, bool),
-              "rows": lambda v: isinstance(v, list) and v and all(isinstance(r, list) and len(r) == 3 and is_int(r[0], 0)
-                                                            and is_int(r[1], 0) and is_int(r[2], 1) for r in v)}
+              "rows": lambda v: isinstance(v, list) and v and all(isinstance(r, list) and len(r) == 3
+                                                                  and is_int(r[0], 0) and is_int(r[1], 0)
+                                                                  and is_int(r[2], 1) for r in v)}
     for key, check in checks.items():
         if key not in meta and key != "logsumexp":  # shards of older caches have no logsumexp
             raise DataError(f"{path}: missing field '{key}'")

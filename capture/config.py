@@ -22,7 +22,8 @@ class CaptureConfig:
     last_hidden: bool = False  # the post-norm state the lm_head sees (Medusa's input)
     # teacher-forced capture (`draftsmith data capture`, and `responses: keep` with enabled)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto = bf16 where native (targets/precision.py)
-    batch_tokens: Annotated[int, Range(ge=1, le=1 << 24)] = 8192  # padded tokens per prefill batch (rows sorted by length)
+    # padded tokens per prefill batch (rows sorted by length)
+    batch_tokens: Annotated[int, Range(ge=1, le=1 << 24)] = 8192
     # who computes the features: target = the target draftsmith loads (while it writes, or once over the finished
     # rows); vllm = the servers that write the answers are capture replicas (vLLM's extract_hidden_states and
     # draftsmith's KV connector, fleet/vllm_capture.py), and each row's features come from the file of its last

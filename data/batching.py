@@ -111,7 +111,8 @@ def pad_rows(rows: list[dict], pad_id: int, max_length: int, context: int = CONT
     out["loss_mask"] *= out["attention_mask"]
     if "row_id" in rows[0]:
         out["row_id"] = torch.tensor([int(r["row_id"]) for r in rows], dtype=torch.long)
-    if rows[0].get("replay") is not None:  # on-policy rollouts' rejection marks (data/engines/rollout.py), windowed alike
+    # on-policy rollouts' rejection marks (data/engines/rollout.py), windowed alike
+    if rows[0].get("replay") is not None:
         out["replay"] = torch.zeros((len(rows), T), dtype=torch.long)
         for b, (r, (s, e)) in enumerate(zip(rows, spans)):
             x = list(r["replay"])[s:e]

@@ -39,12 +39,15 @@ def register(subparsers) -> None:
 
     ins = sub.add_parser("inspect", help="counts per domain, token stats, one example with its loss mask")
     ins.add_argument("path", help="output_dir of `data generate`")
-    ins.add_argument("--row", type=ranged(int, Range(ge=0, le=10**12)), default=0, help="which row to show, by index (default: %(default)s)")
-    ins.add_argument("--max-length", type=ranged(int, TOKENS), help="also show what a job with this max_length (tokens per row) "
-                                                    "trains on: the learned tokens it keeps, the padding it adds "
-                                                    "(default: not shown)")
-    ins.add_argument("--prompt-context", type=ranged(int, Range(ge=2, le=TOKENS.le)), help="with --max-length: keeping at most this many prompt "
-                                                        "tokens, as EAGLE's prompt_context does (default: all)")
+    ins.add_argument("--row", type=ranged(int, Range(ge=0, le=10**12)), default=0,
+                     help="which row to show, by index (default: %(default)s)")
+    ins.add_argument("--max-length", type=ranged(int, TOKENS),
+                     help="also show what a job with this max_length (tokens per row) "
+                          "trains on: the learned tokens it keeps, the padding it adds "
+                          "(default: not shown)")
+    ins.add_argument("--prompt-context", type=ranged(int, Range(ge=2, le=TOKENS.le)),
+                     help="with --max-length: keeping at most this many prompt "
+                          "tokens, as EAGLE's prompt_context does (default: all)")
     ins.add_argument("--batch-size", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=8,
                      help="with --max-length: in batches of this many rows (default: %(default)s)")
     ins.set_defaults(func=run_inspect)
@@ -201,7 +204,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         from draftsmith.data.batching import batching_report
 
         r = batching_report(ds["loss_mask"], args.max_length, args.batch_size, args.prompt_context)
-        print(f"max_length {args.max_length}" + (f", prompt_context {args.prompt_context}" if args.prompt_context else "")
+        print(f"max_length {args.max_length}"
+              + (f", prompt_context {args.prompt_context}" if args.prompt_context else "")
               + f": learned tokens kept {r['learned_kept_window']:.1%} (first {args.max_length} tokens of each row: "
               f"{r['learned_kept_head']:.1%}); {r['positions']} positions per epoch; with padding, in batches of "
               f"{args.batch_size}: {r['padded_random']} in random order, {r['padded_grouped']} grouped by length")

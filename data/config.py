@@ -115,7 +115,8 @@ class SourceConfig:
     sample: Literal["first", "random"] = "random"  # which `limit` rows: the first ones, or a seeded sample
     seed: Annotated[int, SEED] = 0
     # stdlib only
-    completion_fraction: Annotated[float, FRACTION] = 0.6  # share of function-completion prompts (rest: module continuation)
+    # share of function-completion prompts (rest: module continuation)
+    completion_fraction: Annotated[float, FRACTION] = 0.6
     chunk_lines: Annotated[int, Range(ge=2, le=10_000)] = 24  # lines of module text shown in a continuation prompt
     # magpie only: `limit` user requests written by the target itself (data/magpie.py)
     temperature: Annotated[float, TEMPERATURE] = 1.0
@@ -217,7 +218,8 @@ class ChatConfig:
         tags = self.think_tags
         if not (isinstance(tags, list) and len(tags) == 2 and all(isinstance(t, str) and t.strip() for t in tags)
                 and tags[0] != tags[1]):
-            raise ValueError(f"chat.think_tags must be two different non-empty strings (opening, closing), got {tags!r}")
+            raise ValueError("chat.think_tags must be two different non-empty strings (opening, closing), "
+                             f"got {tags!r}")
 
 
 @dataclass(frozen=True)
@@ -251,13 +253,15 @@ class GenerationConfig:
     temperature: Annotated[float, Range(gt=0, le=100)] = 0.7
     top_p: Annotated[float, PROBABILITY] = 0.95
     seed: Annotated[int, SEED] = 0
-    batch_size: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 32  # rows decoded together (continuous batching keeps the batch full)
+    # rows decoded together (continuous batching keeps the batch full)
+    batch_size: Annotated[int, Range(ge=1, le=MAX_BATCH)] = 32
     engine: Literal["continuous", "hf", "speculative"] = "continuous"  # hf = transformers `generate`, for comparison
     # speculative = on-policy rollouts (data/engines/rollout.py): our speculative decoder with `proposer` (e.g. the head
     # being trained) writes the rows, one row at a time; they are the target's rows (lossless) and each one
     # records where verification rejected the draft (column `replay`, read by EAGLE's replay_weight)
     proposer: str | None = None  # engine speculative: a proposer spec, e.g. eagle:zoo/smollm2-135m/eagle3
-    tree: list[Annotated[int, DRAFT_TOKENS]] | None = None  # engine speculative: branching per depth (null: a chain of k)
+    # engine speculative: branching per depth (null: a chain of k)
+    tree: list[Annotated[int, DRAFT_TOKENS]] | None = None
     k: Annotated[int, DRAFT_TOKENS] = 6  # engine speculative: chain length when tree is null
     # engine speculative: decode as `draftsmith evaluate --tree auto` does, with the proposer's own tree cut
     # every step to the nodes that pay on this device (v(n) measured first); overrides tree and k
@@ -267,16 +271,20 @@ class GenerationConfig:
     # else float32 (targets/precision.py; where the CPU has native bf16 it writes faster, BENCHMARKS.md)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     fp32_logits: bool = True  # a bf16 body still computes its logits in float32 (fewer changed greedy tokens)
-    flush_every: Annotated[int, Range(ge=1, le=10**6)] = 16  # completed rows per chunk file (a crash loses at most this many)
+    # completed rows per chunk file (a crash loses at most this many)
+    flush_every: Annotated[int, Range(ge=1, le=10**6)] = 16
     # who writes: engine = the embedded decode loop above (one device); openai = any OpenAI-compatible
     # completions server (vLLM, SGLang, `transformers serve`); several base_urls share the rows (data/engines/remote.py)
     backend: Literal["engine", "openai"] = "engine"
     base_urls: list[str] = field(default_factory=list)  # e.g. http://gpu-node-1:8000/v1
     served_model: str | None = None  # the name the servers serve the target under (default: their only one)
     concurrency: Annotated[int, Range(ge=1, le=1024)] = 8  # requests in flight per server
-    max_retries: Annotated[int, Range(ge=0, le=100)] = 4  # per request and server, on connection errors, timeouts, HTTP 429 / 5xx
-    retry_backoff: Annotated[float, Range(ge=0, le=3600)] = 1.0  # seconds before the first retry; doubled for each next one
-    request_timeout: Annotated[float, SECONDS] = 300.0  # seconds a whole request may take (a deadline, not per read) before it counts as failed
+    # per request and server, on connection errors, timeouts, HTTP 429 / 5xx
+    max_retries: Annotated[int, Range(ge=0, le=100)] = 4
+    # seconds before the first retry; doubled for each next one
+    retry_backoff: Annotated[float, Range(ge=0, le=3600)] = 1.0
+    # seconds a whole request may take (a deadline, not per read) before it counts as failed
+    request_timeout: Annotated[float, SECONDS] = 300.0
     # text: send the prompt as text (checked to re-tokenize to the exact ids); token_ids: send the ids
     # themselves (vLLM and SGLang accept them; exact even where a tokenizer would add a BOS of its own)
     prompt_as: Literal["text", "token_ids"] = "text"
@@ -336,7 +344,8 @@ class DataConfig:
     overlap: Literal["drop", "warn", "fail"] = "drop"
     overlap_ngram: Annotated[int, Range(ge=2, le=64)] = 8
     overlap_jaccard: Annotated[float, PROBABILITY] = 0.5  # n-gram Jaccard at or above this is a near-duplicate
-    max_rows: Annotated[int, ROWS] | None = None  # cap on the total after filtering (seeded shuffle keeps the domain mix)
+    # cap on the total after filtering (seeded shuffle keeps the domain mix)
+    max_rows: Annotated[int, ROWS] | None = None
     seed: Annotated[int, SEED] = 0
 
     def __post_init__(self):
@@ -366,7 +375,8 @@ class DataConfig:
             p = data_path(s.path).resolve()
             for f in forbidden:
                 if p == f or f in p.parents:
-                    raise ValueError(f"sources.{s.name}: {s.path} is held-out eval data ({f}); it may not be trained on")
+                    raise ValueError(f"sources.{s.name}: {s.path} is held-out eval data ({f}); "
+                                     "it may not be trained on")
 
     def _check_servers(self) -> None:
         """Who writes and who captures: servers need addresses, except the capture replica draftsmith starts

@@ -99,9 +99,11 @@ def _generation_key(config: DataConfig, fingerprint: dict, precision: dict | Non
                                           for c in chats.values()) else {}),
         "sampling": {"do_sample": gen.do_sample, "temperature": gen.temperature, "top_p": gen.top_p,
                      "seed": gen.seed, "max_new_tokens": gen.max_new_tokens},
-        "capture": {k: v for k, v in to_dict(config.capture).items() if k in ("enabled", "layers", "topk", "last_hidden")},
+        "capture": {k: v for k, v in to_dict(config.capture).items()
+                    if k in ("enabled", "layers", "topk", "last_hidden")},
         # rollouts: the rows are the target's whatever the head, but their replay marks are the head's
-        **({"rollout": {"proposer": gen.proposer, "tree": gen.tree, "k": gen.k, "tree_auto": gen.tree_auto}} if gen.engine == "speculative" else {}),
+        **({"rollout": {"proposer": gen.proposer, "tree": gen.tree, "k": gen.k, "tree_auto": gen.tree_auto}}
+           if gen.engine == "speculative" else {}),
     }
 
 
@@ -189,7 +191,8 @@ class _ChunkWriter:
             self.after_flush()
 
 
-def prepare_prompts(config: DataConfig, target, progress: bool = False) -> tuple[list[PromptRow], dict[str, Any], _Formatter]:
+def prepare_prompts(config: DataConfig, target,
+                    progress: bool = False) -> tuple[list[PromptRow], dict[str, Any], _Formatter]:
     """Load, length-check, dedupe and overlap-filter the prompts. Returns rows, stats and the formatter."""
     fmt = _Formatter(target, config)
     first_ids: dict[int, list[int]] = {}

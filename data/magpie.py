@@ -72,7 +72,8 @@ def _key(source: SourceConfig, system: str | None, fingerprint: dict, template_k
     return {**({"dtype": dtype} if dtype != "float32" else {}),
             "fingerprint": {k: fingerprint.get(k) for k in ("tokenizer_hash", "chat_template_hash", "weights_hash",
                                                             "config_hash")},
-            "system": system, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}), "temperature": source.temperature, "top_p": source.top_p,
+            "system": system, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
+            "temperature": source.temperature, "top_p": source.top_p,
             "max_request_tokens": source.max_request_tokens, "seed": source.seed}
 
 

@@ -159,7 +159,8 @@ def _meta(path: Path, header: dict) -> dict:
 
 def _check_tensors(path: Path, header: dict, meta: dict) -> None:
     """The tensors the metadata describes, by name, dtype, shape and bytes, before a byte of them is read."""
-    want = {"hidden_states": (_ST_DTYPES[meta["dtype"]], [meta["n_tokens"] - 1, len(meta["layers"]), meta["hidden_size"]]),
+    want = {"hidden_states": (_ST_DTYPES[meta["dtype"]],
+                              [meta["n_tokens"] - 1, len(meta["layers"]), meta["hidden_size"]]),
             "token_ids": ("I64", [meta["n_tokens"]])}
     names = {k for k in header if k != "__metadata__"}
     if names != set(want):

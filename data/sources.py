@@ -357,7 +357,8 @@ def load_hf_dataset(path: str, split: str = "train"):
         plain = suffixes[-2] if suffixes[-1:] == [".gz"] and len(suffixes) > 1 else (suffixes or [""])[-1]
         fmt = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(plain)
         if fmt is None:
-            raise DataError(f"{path}: unsupported data file type (use .json, .jsonl, .parquet or .csv, or .gz of the text ones)")
+            raise DataError(f"{path}: unsupported data file type (use .json, .jsonl, .parquet or .csv, "
+                            "or .gz of the text ones)")
         return datasets.load_dataset(fmt, data_files=str(p), split="train")
     if p.is_absolute() or path.startswith("."):
         raise DataError(f"{path}: no such file or folder")

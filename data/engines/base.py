@@ -67,4 +67,5 @@ class TextEngine(ABC):
 
 def run_stats(generated: int, seconds: float) -> dict[str, float]:
     """The counters every engine's `run` returns."""
-    return {"generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+    return {"generated_tokens": generated, "seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds > 0 else 0.0}

@@ -531,7 +531,8 @@ class ContinuousBatcher(TextEngine):
 
     def _admit(self, store: _SlotStore, rows: list[_Row], reqs: list[Request]) -> int:
         """Prefill `reqs` (in groups of similar length) and merge them into the store. Returns prompt tokens."""
-        groups = [sub for g in length_groups(reqs, self.max_padding, self.prefill_tokens) for sub in self._logit_groups(g)]
+        groups = [sub for g in length_groups(reqs, self.max_padding, self.prefill_tokens)
+                  for sub in self._logit_groups(g)]
         done = [self._prefill(g) for g in groups]
         P = max(d.mask.shape[1] for d in done)
         if not store.k:

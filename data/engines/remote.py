@@ -112,7 +112,8 @@ def _http(url: str, body: dict | None, timeout: float, api_key: str | None, rid:
             raise _Refused(f"HTTP {e.status} from {e.url}: a redirect to {where} is not followed (the API key goes "
                            "only to the addresses in generation.base_urls; give the final address there)") from None
         if e.status is not None:
-            raise (_Retry if e.status in RETRY_STATUS else _Refused)(f"HTTP {e.status} from {e.url}: {e.detail}") from None
+            raise (_Retry if e.status in RETRY_STATUS else _Refused)(
+                f"HTTP {e.status} from {e.url}: {e.detail}") from None
         raise _Retry(str(e)) from None
 
 
@@ -283,11 +284,12 @@ class RemoteEngine(TextEngine):
             raise _Mismatch(f"tokenized row {req.key}'s prompt differently (prompt_token_ids differ): it serves a "
                            "model with another tokenizer")
         if usage.get("prompt_tokens") is not None and usage["prompt_tokens"] != len(req.prompt_ids):
-            raise _Mismatch(f"counted {usage['prompt_tokens']} tokens in row {req.key}'s prompt, the target's tokenizer "
-                           f"{len(req.prompt_ids)}: it serves a model with another tokenizer")
+            raise _Mismatch(f"counted {usage['prompt_tokens']} tokens in row {req.key}'s prompt, the target's "
+                           f"tokenizer {len(req.prompt_ids)}: it serves a model with another tokenizer")
         n = usage.get("completion_tokens")
         if n is not None and n > req.max_new_tokens:  # a server that ignored max_tokens
-            raise _Refused(f"row {req.key}: wrote {n} tokens (usage.completion_tokens) for max_tokens {req.max_new_tokens}")
+            raise _Refused(f"row {req.key}: wrote {n} tokens (usage.completion_tokens) for max_tokens "
+                           f"{req.max_new_tokens}")
         ids = choice.get("token_ids")
         if ids is not None:
             tokens = list(_token_ids(ids, self.vocab_size, f"{s.url}: row {req.key}: token_ids"))

@@ -137,7 +137,8 @@ class VllmServer:
                 return self
             time.sleep(1.0)
         self.stop()
-        raise ServeCheckError(f"vllm serve did not come up in {timeout:.0f} s (log {self.log_path}: {self._last_line()})")
+        raise ServeCheckError(f"vllm serve did not come up in {timeout:.0f} s "
+                              f"(log {self.log_path}: {self._last_line()})")
 
     def _last_line(self) -> str:
         lines = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
