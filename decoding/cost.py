@@ -220,7 +220,8 @@ def recommend_k(accepted_at: list[int], proposed_at: list[int], steps: int, v: d
     ks = [k for k in map(int, v) if k <= k_max]
     table = {k: predicted_speedup(accepted_at, proposed_at, steps, k, v, c) for k in ks}
     best = max(table, key=lambda k: (round(table[k], 9), -k))
-    return {"k": best, "predicted_speedup": table[best], "predicted_speedup_by_k": {str(k): x for k, x in table.items()}}
+    return {"k": best, "predicted_speedup": table[best],
+            "predicted_speedup_by_k": {str(k): x for k, x in table.items()}}
 
 
 def tau_from_alpha(alpha: float | None, k: int) -> float | None:

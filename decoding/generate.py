@@ -63,8 +63,8 @@ class GenerationStats:
 
     def merge(self, other: GenerationStats) -> None:
         """Add another call's counters and times (e.g. to aggregate prompts into a domain)."""
-        for name in ("proposed", "pruned", "accepted", "target_forwards", "prefill_forwards", "prefill_tokens", "new_tokens",
-                     "proposer_time", "target_time", "wall_time"):
+        for name in ("proposed", "pruned", "accepted", "target_forwards", "prefill_forwards", "prefill_tokens",
+                     "new_tokens", "proposer_time", "target_time", "wall_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.proposed_per_position, other.proposed_per_position),
                              (self.accepted_per_position, other.accepted_per_position),
@@ -99,7 +99,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return {
-            "proposed": self.proposed, "pruned": self.pruned, "accepted": self.accepted, "target_forwards": self.target_forwards,
+            "proposed": self.proposed, "pruned": self.pruned, "accepted": self.accepted,
+            "target_forwards": self.target_forwards,
             "prefill_forwards": self.prefill_forwards, "prefill_tokens": self.prefill_tokens,
             "new_tokens": self.new_tokens,
             "proposed_per_position": list(self.proposed_per_position),

@@ -26,9 +26,9 @@ Target features: a proposer that drafts from the target's hidden states declares
     target_layers = [1, 14, 26]   pre-norm outputs of these decoder layers (EAGLE / EAGLE-3; the layer
                                   convention of `capture/layers.py`)
 The verifier then captures them in its own forward pass (no extra target forward) and hands the
-features of the CACHED positions to `begin` (every prompt position) / `accept`: for `accept`, the root (old pending token)
-and every accepted node, in order. The last of these positions is the one whose logits produced the new
-pending token (the "bonus position"), which is what Medusa heads and EAGLE's next draft start from.
+features of the CACHED positions to `begin` (every prompt position) / `accept`: for `accept`, the root (old
+pending token) and every accepted node, in order. The last of these positions is the one whose logits produced
+the new pending token (the "bonus position"), which is what Medusa heads and EAGLE's next draft start from.
 
 Building one from a spec string (`ngram`, `METHOD:PATH`, `multi:A+B`, `route:POLICY`) is
 `decoding/factory.py`'s `build_proposer`; each trained method's proposer is declared in methods.py.
@@ -205,8 +205,9 @@ class Proposer(ABC):
     Optional abilities are declared here with the behaviour of a proposer that lacks them, so the verifier,
     the evaluator, routing and multi-proposer trees call them on any proposer without probing:
     `default_tree_spec` (a tree of its own), `fit_tree` (a tree cut once, up front), `use_cost` (drafting
-    stops where the verifier would cut), `gpu_tree` (the uncut tree of a GPU-sized budget), `use_dtype`, `verifier_target` (Medusa-2), `routes`/`route`
-    (per-request routing), `tracks_branches`/`branch_stats` (whose branch of a merged tree was accepted).
+    stops where the verifier would cut), `gpu_tree` (the uncut tree of a GPU-sized budget), `use_dtype`,
+    `verifier_target` (Medusa-2), `routes`/`route` (per-request routing), `tracks_branches`/`branch_stats`
+    (whose branch of a merged tree was accepted).
     """
 
     name: str = "proposer"

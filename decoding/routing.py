@@ -127,7 +127,8 @@ def load_policy(path: str | Path) -> dict:
     if not os.path.lexists(path):
         raise ConfigError(f"routing policy not found: {path}")
     policy = read_json_file(path, ConfigError)
-    if not isinstance(policy, dict) or policy.get("kind") != "routing_policy" or not isinstance(policy.get("domains"), dict):
+    if (not isinstance(policy, dict) or policy.get("kind") != "routing_policy"
+            or not isinstance(policy.get("domains"), dict)):
         raise ConfigError(f"{path}: not a routing policy (kind: routing_policy with a domains map)")
     problem = policy_problem(policy)
     if problem:

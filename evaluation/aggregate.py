@@ -58,7 +58,8 @@ def aggregate(recs: list[dict], depth: int, by_turn: bool = True) -> dict:
             c.merge(st)
         summ = _summary(c, b, len(recs), all_or_none([same for _, same in pairs]), 0,
                         Speed.of(recs, key) if key else Speed())
-        keep = ("alpha", "tau", "lossless", "per_position_acceptance", "conditional_acceptance", "verified_nodes_per_step")
+        keep = ("alpha", "tau", "lossless", "per_position_acceptance", "conditional_acceptance",
+                "verified_nodes_per_step")
         if key:  # the uncut GPU-sized tree is decoded for its τ only
             keep += ("tokens_per_s", "speedup", "speedup_vs_plain", "speedup_vs_hf_generate", "n_timed")
         return {k: summ[k] for k in keep}

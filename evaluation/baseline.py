@@ -57,9 +57,12 @@ def describe(name: str, r: dict) -> str:
     lines = [f"{name}, context {r['context_length']}, median of {r['repeats']}, interleaved; kernel plan "
              f"{r['kernels']['plan']}: W @ xᵀ at rows {r['kernels']['transposed_rows']}",
              f"  1-token step {1e3 * r['plan_1_token_s']:.1f} ms, 2-token forward {1e3 * r['plan_2_token_s']:.1f} ms "
-             f"(ratio {r['plain_step_over_two_token']:.2f}, limit {r['tolerance']:.2f}): {'ok' if r['ok'] else 'FAILED'}",
-             f"  stock kernels: 1-token {1e3 * r['stock_1_token_s']:.1f} ms, 2-token {1e3 * r['stock_2_token_s']:.1f} ms; "
+             f"(ratio {r['plain_step_over_two_token']:.2f}, limit {r['tolerance']:.2f}): "
+             f"{'ok' if r['ok'] else 'FAILED'}",
+             f"  stock kernels: 1-token {1e3 * r['stock_1_token_s']:.1f} ms, "
+             f"2-token {1e3 * r['stock_2_token_s']:.1f} ms; "
              f"the plan makes plain decoding's step {r['plain_step_gain_over_stock']:.2f}x faster"]
     if r["contended"]:
-        lines.append(f"  other processes used {100 * r['other_cpu_share']:.0f}% of the CPU meanwhile: not a valid timing")
+        lines.append(f"  other processes used {100 * r['other_cpu_share']:.0f}% of the CPU meanwhile: "
+                     "not a valid timing")
     return "\n".join(lines)

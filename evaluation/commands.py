@@ -148,7 +148,8 @@ def summary_line(report: dict) -> str:
             + (f" ({fmt_num(o['speedup_vs_hf_generate'])} vs HF generate)" if o.get("speedup_vs_hf_generate")
                else "")
             + f", lossless {o['lossless']}"
-            + ("" if o.get("timing_valid", True) else f" (speedups from {o.get('n_timed')} of {o['n_prompts']} prompts)"))
+            + ("" if o.get("timing_valid", True)
+               else f" (speedups from {o.get('n_timed')} of {o['n_prompts']} prompts)"))
     busy = report.get("contention") or {}
     if busy.get("speedups_valid") is False:
         line += f"\nSPEEDUPS NOT VALID: {busy['note']}"

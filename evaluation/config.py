@@ -37,18 +37,23 @@ class EvalConfig:
     domains: list[str] = field(default_factory=list)
     # which shipped eval sets: dev for choosing heads, trees and policies; test for the published numbers only
     split: str = "dev"
-    max_new_tokens: Annotated[int, Range(ge=1, le=MAX_NEW_TOKENS)] = 128  # tokens generated per prompt (per user turn), at most
-    k: Annotated[int, Range(ge=0, le=64)] = 4  # draft tokens proposed and verified per step, a chain (ignored when a tree is given)
+    # tokens generated per prompt (per user turn), at most
+    max_new_tokens: Annotated[int, Range(ge=1, le=MAX_NEW_TOKENS)] = 128
+    # draft tokens proposed and verified per step, a chain (ignored when a tree is given)
+    k: Annotated[int, Range(ge=0, le=64)] = 4
     tree: list[Annotated[int, DRAFT_TOKENS]] | None = None  # branching factor per depth, e.g. [4, 2, 1]
     tree_from_proposer: bool = False  # use the proposer's own tree (Medusa's calibrated tree, EAGLE-2's budget)
     prune_tree: bool = True  # trees with node scores are cut every step to the nodes that pay (decoding/budget.py)
     # with a cut tree, also decode every prompt with the uncut tree of a GPU-sized budget (EAGLE-2's defaults,
     # Medusa's whole calibrated tree) and report its τ: the field's τ are measured so
     gpu_tree: bool = True
-    temperature: Annotated[float, TEMPERATURE] = 0.0  # sampling temperature; 0 = greedy, where `lossless` is exact token equality
-    top_p: Annotated[float, PROBABILITY] = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability (fraction)
+    # sampling temperature; 0 = greedy, where `lossless` is exact token equality
+    temperature: Annotated[float, TEMPERATURE] = 0.0
+    # nucleus sampling: keep the smallest set of tokens with this much probability (fraction)
+    top_p: Annotated[float, PROBABILITY] = 1.0
     top_k: Annotated[int, Range(ge=0, le=1 << 24)] = 0  # sample among the k most likely tokens only (0 = no cut)
-    limit_per_domain: Annotated[int, ROWS] | None = None  # prompts per domain, a seeded random choice (none: every prompt)
+    # prompts per domain, a seeded random choice (none: every prompt)
+    limit_per_domain: Annotated[int, ROWS] | None = None
     seed: Annotated[int, SEED] = 0  # seeds the prompt choice and sampling
     out: str = "runs/eval"  # report folder (report.json, report.md); one evaluation at a time per folder
     # HF generate (stock kernels) on every prompt: the independent reference `lossless` is judged against, and
@@ -64,7 +69,8 @@ class EvalConfig:
     # the speedup (a ratio; measured, else predicted) below which the per-domain policy turns speculation off
     policy_threshold: Annotated[float, Range(gt=0, le=1000)] = 1.0
     adaptive: bool = False  # also decode every prompt with adaptive k (chains up to k) and compare with fixed k
-    temperatures: list[Annotated[float, TEMPERATURE]] | None = None  # a sweep: one evaluation per temperature (evaluation/sweep.py)
+    # a sweep: one evaluation per temperature (evaluation/sweep.py)
+    temperatures: list[Annotated[float, TEMPERATURE]] | None = None
     compare: list[str] = field(default_factory=list)  # more proposers decoded on the same prompts in the same run
     # passed to the target's chat template for every prompt, as the data config's `chat_template_kwargs` were for
     # the rows the head learned from (a reasoning target: {enable_thinking: false} answers without thinking)

@@ -122,7 +122,8 @@ def _runners(setup: Setup, eos: list[int], pad) -> dict:
     return {name: runner(name) for name in names}
 
 
-def _hf_generate(model, ids: list[int], cfg: EvalConfig, eos: list[int], pad: int | None, **extra) -> tuple[list[int], float]:
+def _hf_generate(model, ids: list[int], cfg: EvalConfig, eos: list[int], pad: int | None,
+                 **extra) -> tuple[list[int], float]:
     """One prompt through transformers' generate (decoding/hf.py), timed: its new tokens and seconds."""
     device = next(model.parameters()).device
     x, mask = left_padded([ids], pad, device)
@@ -175,7 +176,8 @@ def _record(setup: Setup, row: EvalPrompt, ids: list[int], out: dict, routed_as,
         rec["calibration"] = out["calibration"]
     if setup.compared:
         rec["compare"] = {e.name[4:]: (out[e.name].stats, same(out[e.name])) for e in setup.compared}
-        rec["self_consistent"] = all_or_none([rec["self_consistent"]] + [consistent(out[e.name]) for e in setup.compared])
+        rec["self_consistent"] = all_or_none([rec["self_consistent"]]
+                                             + [consistent(out[e.name]) for e in setup.compared])
     if "gpu_tree" in out:
         rec["gpu_tree"] = (out["gpu_tree"].stats, same(out["gpu_tree"]))
     if setup.compared_gpu_trees:

@@ -50,7 +50,8 @@ def build_report(setup: Setup, proposer_name: str, command: str | None, per_prom
             "tree_verified": list(spec.branching) if cfg.tree else None,  # after a cut by the cost model
             "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
             "limit_per_domain": cfg.limit_per_domain, "seed": cfg.seed, "prompt_files": setup.files,
-            "split": None if cfg.prompts else cfg.split, "domains": list(cfg.domains), "repeats": cfg.repeats, "remeasure": cfg.remeasure,
+            "split": None if cfg.prompts else cfg.split, "domains": list(cfg.domains), "repeats": cfg.repeats,
+            "remeasure": cfg.remeasure,
             "adaptive": cfg.adaptive, "compare": list(cfg.compare),
             "chat_template_kwargs": dict(cfg.chat_template_kwargs),
             "turns": cfg.turns, "turns_cut": list(setup.turns_cut), "left_out": list(setup.left_out),

@@ -18,7 +18,8 @@ Without a chat template, turn k's prompt is turn k-1's prompt, the tokens the ta
 next user turn: exactly what it saw.
 
 The context window holds the whole conversation: a row is measured on as many turns as fit when each earlier
-answer takes its full `max_new_tokens` (`evaluation.limits.fit_context`); a row cut short is named, with why, in the report.
+answer takes its full `max_new_tokens` (`evaluation.limits.fit_context`); a row cut short is named, with why,
+in the report.
 """
 
 from __future__ import annotations
