@@ -171,7 +171,8 @@ def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: 
             problems.append(f"tensor 't2d' marks {marked} target tokens, expected {n} (the draft vocabulary)")
         elif not torch.equal(nz, ids):
             bad = int((nz != ids).nonzero()[0])
-            problems.append(f"tensors 'd2t' / 't2d': d2t is inconsistent with t2d: draft id {bad} maps to target {int(ids[bad])} "
+            problems.append(f"tensors 'd2t' / 't2d': d2t is inconsistent with t2d: draft id {bad} maps to target "
+                            f"{int(ids[bad])} "
                             f"but the {bad}-th marked target token is {int(nz[bad])} (target = draft + d2t[draft])")
     return problems
 

@@ -1,7 +1,7 @@
 """`draftsmith export --artifact PATH --to vllm|sglang|trtllm|hf --out DIR [--target SPEC] [--no-verify]
 [--serve-check]`, `draftsmith serve-check --export DIR [--target SPEC] [--prompts FILE ...] [--k 4]` (real vLLM
-from .venv-vllm: export/serve_check.py) and `draftsmith import-export --export DIR --out ARTIFACT` (an export folder, draftsmith's
-or another tool's in a layout a method reads back, into a draftsmith artifact)."""
+from .venv-vllm: export/serve_check.py) and `draftsmith import-export --export DIR --out ARTIFACT` (an export
+folder, draftsmith's or another tool's in a layout a method reads back, into a draftsmith artifact)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip verification after writing")
     p.add_argument("--serve-check", action="store_true",
                    help="then load and decode the export in real vLLM (`draftsmith serve-check`; --to vllm only)")
-    p.add_argument("--prompts", nargs="*", default=None, help="prompt files for --serve-check (default: the shared sets)")
+    p.add_argument("--prompts", nargs="*", default=None,
+                   help="prompt files for --serve-check (default: the shared sets)")
     p.set_defaults(func=run)
 
     s = subparsers.add_parser("serve-check", help="load and decode a vLLM export in real vLLM (`make setup-vllm`): "

@@ -101,7 +101,8 @@ def run_vllm(job: dict, workdir: Path, name: str, timeout: float) -> dict:
             proc.wait()
     if not result_path.is_file():
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-        raise ServeCheckError(f"vLLM run '{name}' gave no result within {timeout:.0f} s (log {log_path}: {tail[0][:300]})")
+        raise ServeCheckError(f"vLLM run '{name}' gave no result within {timeout:.0f} s "
+                              f"(log {log_path}: {tail[0][:300]})")
     result = read_result(result_path, log_path, len(job.get("prompts") or []))
     if result.get("error") and (ENGINE_WRAPPER in result["error"] or "failed to be inspected" in result["error"]):
         # the engine core failed in its own process: its log holds the cause, the runner only vLLM's wrapper
@@ -235,7 +236,8 @@ def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None
     spec_run = run_vllm({**job, "speculative_config": spec, "patches": fixes}, out, "vllm-spec", timeout)
     report = {"export": str(export_dir) if export_dir else None, "target": str(target.folder), "method": spec["method"],
               "k": k, "n_prompts": len(job["prompts"]), "max_new_tokens": max_new_tokens, "prompt_files": files,
-              "vllm_version": spec_run.get("vllm_version"), "speculative_config": spec, "loaded": bool(spec_run.get("loaded")),
+              "vllm_version": spec_run.get("vllm_version"), "speculative_config": spec,
+              "loaded": bool(spec_run.get("loaded")),
               "error": spec_run.get("error"), "plain": _speed(plain), "vllm_patches": spec_run.get("patches") or []}
     if report["loaded"]:
         _compare_runs(report, spec_run, plain, k)
@@ -342,11 +344,13 @@ def render(r: dict, heading: str = "#") -> str:
               f"| vLLM (its spec-decode counters) | {ppa_v} | {fmt_num(v['alpha'])} | {fmt_num(v['tau'])} |"]
     if d:
         ppa_d = " / ".join(fmt_num(x) for x in d["per_position_acceptance"] or [])
-        lines.append(f"| draftsmith evaluate, same prompts, k={r['k']} | {ppa_d} | {fmt_num(d['alpha'])} | {fmt_num(d['tau'])} |")
+        lines.append(f"| draftsmith evaluate, same prompts, k={r['k']} | {ppa_d} | {fmt_num(d['alpha'])} "
+                     f"| {fmt_num(d['tau'])} |")
     lines.append("")
     p, s = r["plain"], r["speculative"]
     lines += ["| tokens/s | without speculation | with | speedup |", "|---|---|---|---|",
-              f"| batch 1 | {fmt_num(p['batch1']['tokens_per_s'], '.1f')} | {fmt_num(s['batch1']['tokens_per_s'], '.1f')} | "
+              f"| batch 1 | {fmt_num(p['batch1']['tokens_per_s'], '.1f')} "
+              f"| {fmt_num(s['batch1']['tokens_per_s'], '.1f')} | "
               f"{fmt_num(s['batch1'].get('speedup'), '.2f')} |",
               f"| batch {s['batched']['batch']} | {fmt_num(p['batched']['tokens_per_s'], '.1f')} | "
               f"{fmt_num(s['batched']['tokens_per_s'], '.1f')} | {fmt_num(s['batched'].get('speedup'), '.2f')} |", "",

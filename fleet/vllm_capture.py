@@ -188,8 +188,9 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"DraftsmithCaptureConnector: expected one hidden-states cache layer, found {len(names)}")
         self._cache = kv_caches[names[0]]
         if self._cache.shape[2] != self.block_size:
-            raise ValueError(f"DraftsmithCaptureConnector: the hidden-states cache has blocks of {self._cache.shape[2]} "
-                             f"tokens, its spec says {self.block_size}: slots would be read wrong")
+            raise ValueError("DraftsmithCaptureConnector: the hidden-states cache has blocks of "
+                             f"{self._cache.shape[2]} tokens, its spec says {self.block_size}: "
+                             "slots would be read wrong")
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         return None
@@ -256,7 +257,8 @@ class DraftsmithCaptureConnector(KVConnectorBase_V1, SupportsHMA):
             if self._bytes + nbytes > self.max_bytes:
                 if not self._full_warned:
                     log.warning("draftsmith capture folder %s holds %.1f GB of its %.1f GB: new requests are not "
-                                "captured until it is emptied", self.folder, self._bytes / 2**30, self.max_bytes / 2**30)
+                                "captured until it is emptied", self.folder, self._bytes / 2**30,
+                                self.max_bytes / 2**30)
                     self._full_warned = True
                 return False
             self._bytes += nbytes

@@ -248,7 +248,8 @@ def render(p: dict) -> str:
              f"k {p['k']}, artifact {p['artifact_kind']}",
              f"  weights   target   {g(p['weights_bytes']['target'])}  ({_params(p['params'])})",
              f"  weights   artifact {g(p['weights_bytes']['artifact'])}  ({p['params']['artifact'] / 1e6:.1f}M params)",
-             f"  KV cache  target   {g(p['kv_bytes']['target'])}  ({p['kv_bytes']['per_sequence_target'] / 2**20:.1f} MiB/seq)",
+             f"  KV cache  target   {g(p['kv_bytes']['target'])}  "
+             f"({p['kv_bytes']['per_sequence_target'] / 2**20:.1f} MiB/seq)",
              f"  KV cache  artifact {g(p['kv_bytes']['artifact'])}",
              f"  activations        {g(p['activation_bytes'])}",
              f"  overhead           {g(p['overhead_bytes'])}",

@@ -25,8 +25,8 @@ Nothing is allocated: the target and the trained module are built on the `meta` 
 
 The planned row is the job's longest: max_length tokens, of which `--learned N` are loss positions (default:
 all); with `prompt_context` P the step runs on P + N of them (`planned_row`). `fit_advice` lists the changes
-that make a plan fit. It is an estimate of the peak, not a measurement: a preset whose total is within 90% of the device is
-flagged. Checked here on the meta device only (no GPU on this machine).
+that make a plan fit. It is an estimate of the peak, not a measurement: a preset whose total is within 90% of the
+device is flagged. Checked here on the meta device only (no GPU on this machine).
 """
 
 from __future__ import annotations

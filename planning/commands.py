@@ -27,7 +27,8 @@ def _register_plan(subparsers) -> None:
                    "memory per GPU (target + trained module + optimizer + activations) instead of serving memory")
     p.add_argument("--accelerate", default=None, help="with --config: the accelerate preset (DDP, FSDP, ZeRO-2/3; "
                                                       "default: one process, no sharding)")
-    p.add_argument("--gpus", type=ranged(int, Range(ge=1, le=1 << 16)), default=None, help="with --config: ranks (default: the accelerate preset's)")
+    p.add_argument("--gpus", type=ranged(int, Range(ge=1, le=1 << 16)), default=None,
+                   help="with --config: ranks (default: the accelerate preset's)")
     p.add_argument("--learned", type=ranged(int, TOKENS), default=None,
                    help="with --config: loss positions of the longest row (its answer; default: the whole row); "
                         "EAGLE's later TTT steps and logits, and prompt_context's cut, depend on it")
@@ -36,12 +37,14 @@ def _register_plan(subparsers) -> None:
                                                     "target alone)")
     p.add_argument("--gpu", default="H100-80GB", help="the device: a name (H100-80GB, A100-40GB, L4-24GB, ...), cpu "
                                                      "(this machine's RAM), or a size in bytes (default: %(default)s)")
-    p.add_argument("--batch", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=32, help="sequences decoded at once (default: %(default)s)")
+    p.add_argument("--batch", type=ranged(int, Range(ge=1, le=MAX_BATCH)), default=32,
+                   help="sequences decoded at once (default: %(default)s)")
     p.add_argument("--context", type=ranged(int, TOKENS), default=8192,
                    help="tokens per sequence held in the KV cache, prompt and answer (default: %(default)s)")
     p.add_argument("--dtype", default="bf16", help="dtype of the weights and KV cache: bf16 | fp16 | fp32 | fp8 | "
                                                   "int8 (default: %(default)s)")
-    p.add_argument("--k", type=ranged(int, DRAFT_TOKENS), default=4, help="draft tokens verified per step (default: %(default)s)")
+    p.add_argument("--k", type=ranged(int, DRAFT_TOKENS), default=4,
+                   help="draft tokens verified per step (default: %(default)s)")
     p.add_argument("--utilization", type=ranged(float, PROBABILITY), default=0.9,
                    help="fraction of device memory the engine may use, vLLM's gpu_memory_utilization "
                         "(default: %(default)s)")

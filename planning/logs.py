@@ -40,7 +40,8 @@ from draftsmith.fleet.traffic_record import MALFORMED, REFUSED, TrafficRecord, U
 from draftsmith.reading import MAX_GZIP_RATIO, MIN_GZIP_BYTES, TooMuch, bounded_lines, gzip_budget, json_depth
 
 MAX_NAMED = 20
-MAX_DEPTH = 32  # a log row nests about 5 deep (a chat's content parts); a deeper line is a bad line, never a RecursionError
+# a log row nests about 5 deep (a chat's content parts); a deeper line is a bad line, never a RecursionError
+MAX_DEPTH = 32
 PATTERNS = ("*.jsonl", "*.jsonl.gz")
 # a middleware line holds a request and a response of at most 8 MiB each (fleet/middleware.py's body cap), escaped
 MAX_LINE_BYTES = 32 << 20

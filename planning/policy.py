@@ -254,7 +254,8 @@ def compare_table(routed: dict, singles: list[dict] | None = None, noise: float 
     else:
         first = next((d["compare"] for d in routed["domains"].values() if d.get("compare")), None)
         if not first:
-            raise ConfigError("the routed report has no side-by-side runs (evaluate --compare) and no reports were given")
+            raise ConfigError("the routed report has no side-by-side runs (evaluate --compare) "
+                              "and no reports were given")
         names = list(first)
         lookup = lambda dom, i: (routed["domains"][dom].get("compare") or {}).get(names[i], {}).get("speedup")  # noqa: E731
     headers = [short_name(n) for n in names]

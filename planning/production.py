@@ -18,8 +18,9 @@ Two sources, one output shape (the `domains` / `overall` rows of an evaluation r
    start counts its difference, one that restarted its counts since, a new one all it has (`vllm_alpha`). A
    counter series appears once: position="0" and "00" are one series, refused, never summed.
    Every counter is checked as it enters: a count is finite and >= 0, positions are 0..k-1, accepted tokens
-   come with the drafted tokens they are divided by; a URL is read through net.py (a byte cap and a deadline). vLLM has no notion of a domain: `model_domains` maps a served model name (one per
-   deployment, or a LoRA/adapter name per traffic class) to a domain; unmapped models keep their name.
+   come with the drafted tokens they are divided by; a URL is read through net.py (a byte cap and a deadline).
+   vLLM has no notion of a domain: `model_domains` maps a served model name (one per deployment, or a
+   LoRA/adapter name per traffic class) to a domain; unmapped models keep their name.
 2. Request logs (a folder of *.jsonl / *.jsonl.gz read by planning/logs.py, each line checked once as the
    traffic line of fleet/traffic_record.py, the reader retraining uses too) whose rows carry the engine's
    per-request counters, one of:
@@ -655,7 +656,8 @@ def render(table: dict) -> str:
     """The table as Markdown. Domains, model names, the source and the logs' bad lines are outside text: each
     goes through formatting.md_cell, so none can forge a row."""
     lines = [f"# Production acceptance ({md_cell(table['source'])})", "",
-             "| domain | requests | drafts | drafted | accepted | α | τ | per-position |", "|---|---|---|---|---|---|---|---|"]
+             "| domain | requests | drafts | drafted | accepted | α | τ | per-position |",
+             "|---|---|---|---|---|---|---|---|"]
     if table.get("restarted"):
         lines[1:1] = ["", f"Note: {md_cell(table['restarted'])}."]
     for d, r in list(table["domains"].items()) + [("overall", table["overall"])]:

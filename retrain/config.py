@@ -28,7 +28,8 @@ class TrafficConfig:
     # domains kept under their own name, the largest by volume; the rest are one "other" (clients name
     # domains: thousands of one-row domains would each go whole to the held-out share, leaving nothing to train)
     max_domains: Annotated[int, Range(ge=1, le=10**6)] = 32
-    eval_share: Annotated[float, Range(gt=0, lt=1)] = 0.5  # of the sampled rows, the share held out to measure α (never trained on)
+    # of the sampled rows, the share held out to measure α (never trained on)
+    eval_share: Annotated[float, Range(gt=0, lt=1)] = 0.5
     max_eval_per_domain: Annotated[int, Range(ge=1, le=10**7)] = 8
     seed: Annotated[int, SEED] = 0
     # the folder a capture replica's KV connector writes (fleet/vllm_capture.py): the candidate trains on the
@@ -65,7 +66,8 @@ class BudgetConfig:
     """A bounded retraining: fresh self-distilled data from traffic + replay of the old data."""
 
     max_steps: Annotated[int, Range(ge=1, le=10**9)] = 200
-    replay_fraction: Annotated[float, HELD_OUT] = 0.3  # share of the new training set drawn from the current version's data
+    # share of the new training set drawn from the current version's data
+    replay_fraction: Annotated[float, HELD_OUT] = 0.3
     warm_start: bool = True  # start from the current version's weights (else from scratch)
     data_overrides: list[str] = field(default_factory=list)  # dotted overrides for the data config
     job_overrides: list[str] = field(default_factory=list)  # dotted overrides for the job config

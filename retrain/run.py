@@ -448,12 +448,14 @@ def _settled(cfg: RetrainConfig, reg: Registry, record: dict, a: _Attempt, cur_t
     if not a.train_rows:
         record["outcome"] = "stale_no_traffic"
         return EXIT_NO_TRAFFIC
-    if not a.hard and not a.weights_changed and (a.manifest.get("lineage") or {}).get("traffic_digest") == a.traffic_digest:
+    if (not a.hard and not a.weights_changed
+            and (a.manifest.get("lineage") or {}).get("traffic_digest") == a.traffic_digest):
         # the current version was trained on exactly this traffic: retraining would repeat that run
         reg.write_policy(domain_policy(cur_traffic, cfg.policy_alpha_floor, a.current))
         shutil.rmtree(a.work, ignore_errors=True)
         record["outcome"] = "stale_same_traffic"
-        record["note"] = "still stale, but the current version was trained on this same traffic; waiting for new traffic"
+        record["note"] = ("still stale, but the current version was trained on this same traffic; "
+                          "waiting for new traffic")
         return EXIT_OK
     if (reg.base / "rejected" / a.attempt).exists():
         # this exact candidate (same current version, same traffic) was trained and rejected before
@@ -494,9 +496,10 @@ def _serve_check(cfg: RetrainConfig, record: dict, target, a: _Attempt, candidat
                          evaluate=False, card=False)
     ok = bool(report.get("loaded") and report.get("lossless"))
     record["serve_check"] = {k: report.get(k) for k in ("loaded", "error", "lossless", "n_prompts", "vllm")}
+    failure = report.get("error") or "first differing prompt " + str(report.get("first_differing_prompt"))
     why = ("vLLM serves the candidate losslessly (serve-check)" if ok else
            f"vLLM {'did not load' if not report.get('loaded') else 'decoded differently with'} the candidate "
-           f"(serve-check: {report.get('error') or 'first differing prompt ' + str(report.get('first_differing_prompt'))})")
+           f"(serve-check: {failure})")
     return Verdict(ok, list(record["gate"]["reasons"]) + [why])
 
 

@@ -79,8 +79,9 @@ def run(method: str | methods.Method, cfg, *, target=None, rows=None, accelerato
 
 def train_method(method: str | methods.Method, config_path: str | None, overrides: list[str]) -> Path | None:
     """Train `method` through `run` from a preset (the method's default without one) and `key=value`
-    overrides (`draftsmith train`, retraining, the thin scripts). Returns the artifact folder; off the main process, where no artifact is
-    written, the configured output folder (None for a method whose config names none)."""
+    overrides (`draftsmith train`, retraining, the thin scripts). Returns the artifact folder; off the main
+    process, where no artifact is written, the configured output folder (None for a method whose config names
+    none)."""
     from draftsmith.config import load_config
 
     method = methods.get(method) if isinstance(method, str) else method

@@ -260,7 +260,8 @@ def report(target, rows: list[int], context: int = 256, repeats: int = 7) -> str
     """`draftsmith bench gemm`: the plan measured when `target` loaded, then whole forwards over each row count
     of `rows` with the path off and on (`compare`), as a table."""
     d = describe()
-    lines = [f"{target.name}: plan {d['plan']}, {d['threads']} threads; transposed product at rows {d['transposed_rows']}"]
+    lines = [f"{target.name}: plan {d['plan']}, {d['threads']} threads; transposed product at rows "
+             f"{d['transposed_rows']}"]
     for cls, table in d["sweep_ms"].items():
         lines.append(f"  {cls} projections, ms per sweep (linear / transposed): "
                      + ", ".join(f"{n}: {t['linear']:.1f}/{t['transposed']:.1f}" for n, t in table.items()))

@@ -200,7 +200,8 @@ def materialize_gguf(gguf: Path, name: str | None = None) -> Path:
     missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise TargetError(f"GGUF conversion of {gguf.name} lost weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise TargetError(f"GGUF conversion of {gguf.name} lost weights: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}")
     if config.tie_word_embeddings:
         plain.tie_weights()
     plain.generation_config = gguf_model.generation_config

@@ -334,7 +334,8 @@ def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
     """(JSON-able python/numpy state, tensors for torch/cuda) of the calling process."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    js = {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    js = {"python": [version, list(internal), gauss],
+          "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):

@@ -238,7 +238,8 @@ class Trainer:
         # mix of ranks and accumulation gives it its batch (so another world size can resume)
         self.length_group = cfg.batch_size * self.world * cfg.grad_accum
         if self.micro_per_epoch < 1:
-            raise DataError(f"{n} training rows cannot fill one batch of {cfg.batch_size} on each of {self.world} ranks")
+            raise DataError(f"{n} training rows cannot fill one batch of {cfg.batch_size} on each of "
+                            f"{self.world} ranks")
         self.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.micro_per_epoch / cfg.grad_accum))
         self.warmup = cfg.resolved_warmup(self.total_steps)
         self.lengths = None
