@@ -97,8 +97,9 @@ def layout_config(config: DFlashConfig, dtype: torch.dtype, num_target_layers: i
     }
 
 
-def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int | None = None,
-           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None, backbone=None):
+def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
+           num_speculative_tokens: int | None = None, verify: bool = True, *, overwrite: bool = False,
+           verifier: str | None = None, backbone=None):
     """`Method.export` of DFlash drafts (layouts/heads.py does the rest); `backbone`: a method on DFlash's backbone
     (DSpark) exports through this with its own `Backbone` (kind, config reader, layout, formats, serve text)."""
     from draftsmith.layouts.heads import HeadExport, export_heads
@@ -192,7 +193,8 @@ def config_from_layout(config: dict, where: Path, make=DFlashConfig, extra=None)
         layer.update(rope_fields(full_attention_rope(config)), model_type="qwen3", hidden_act="silu",
                      attention_bias=False)
     except (KeyError, TypeError, ValueError) as e:
-        raise schema.FieldError(f"{f}: its RoPE fields are not a RoPE configuration ({type(e).__name__}: {e})") from None
+        raise schema.FieldError(f"{f}: its RoPE fields are not a RoPE configuration "
+                                f"({type(e).__name__}: {e})") from None
     fields = {"hidden_size": layer["hidden_size"], "vocab_size": V,
               "target_layers": schema.get(config, "dflash_config.target_layer_ids", f, "ints", lo=0, hi=1023),
               "num_layers": schema.get(config, "num_hidden_layers", f, "int", lo=1, hi=16),
@@ -285,7 +287,8 @@ def reimport(export_dir: Path, guard: dict):
     cfg = read_layout_config(export_dir)[1]
     state = read_tensors(export_dir / "model.safetensors")
     if "fc.weight" not in state:
-        raise ArtifactError(f"{export_dir}/model.safetensors: missing tensor 'fc.weight' (the DFlash feature projection)")
+        raise ArtifactError(f"{export_dir}/model.safetensors: missing tensor 'fc.weight' "
+                            "(the DFlash feature projection)")
     from dataclasses import asdict
 
     return {**asdict(cfg), "architecture": "dflash", "embeddings": "target",

@@ -51,7 +51,8 @@ class DFlashJobConfig:
     data: str = "runs/data/smollm2-135m"  # a self-distilled dataset (draftsmith data generate)
     output: str = "runs/dflash/smollm2-135m"
     num_layers: Annotated[int, Range(ge=1, le=16)] = 1  # draft decoder layers
-    block_size: Annotated[int, Range(ge=2, le=64)] = 8  # anchor + block_size-1 drafted tokens; vLLM serves it with num_speculative_tokens = bs-1
+    # anchor + block_size-1 drafted tokens; vLLM serves it with num_speculative_tokens = bs-1
+    block_size: Annotated[int, Range(ge=2, le=64)] = 8
     # output-of-layer ids the context reads (ascending); None: the reference's rule with one tap per draft
     # layer, and three for a one-layer draft (one tap would lose the low/high-level mix EAGLE-3 found useful)
     target_layers: list[Annotated[int, LAYER]] | None = None
@@ -59,7 +60,8 @@ class DFlashJobConfig:
     # tokenizer uses where the embedding is padded, else the highest special token the training data
     # never contains
     mask_token_id: Annotated[int, Range(ge=0, lt=VOCAB.le)] | None = None
-    gamma: Annotated[float, Range(gt=0, le=1000)] | None = None  # slot weight exp(-(j-1)/γ); None: 4 at block 8, 7 at block 16 (DEFAULT_GAMMA)
+    # slot weight exp(-(j-1)/γ); None: 4 at block 8, 7 at block 16 (DEFAULT_GAMMA)
+    gamma: Annotated[float, Range(gt=0, le=1000)] | None = None
     anchors_per_row: Annotated[int, Range(ge=1, le=1 << 16)] = 16  # blocks trained per row and step
     loss: Literal["ce", "kd"] = "ce"  # ce: the token the target wrote; kd: the target's distribution there
     # an own lm_head over the N most frequent target-written tokens (EAGLE-3's reduced vocabulary); None: the
@@ -108,7 +110,8 @@ def pick_mask_token(target, counts: torch.Tensor) -> int:
     if V > len(tok):
         return len(tok)
     keep = {tok.eos_token_id, tok.pad_token_id, tok.bos_token_id}
-    special = {int(i) for i in getattr(tok, "all_special_ids", [])} | set(getattr(tok, "added_tokens_decoder", None) or {})
+    special = ({int(i) for i in getattr(tok, "all_special_ids", [])}
+               | set(getattr(tok, "added_tokens_decoder", None) or {}))
     for i in sorted(special, reverse=True):
         if i < V and i not in keep and int(counts[i]) == 0:
             return i

@@ -501,7 +501,8 @@ def read_config(path: str | Path, manifest: dict | None = None, make=DFlashConfi
         schema.get(cfg, f"layer_config.{name}", where, "int", lo=1, hi=schema.MAX_VOCAB)
     schema.get(cfg, "layer_config.rms_norm_eps", where, "number", lo=0, hi=1)
     if fields["layer_config"]["hidden_size"] != fields["hidden_size"]:
-        raise schema.FieldError(f"{where}: field 'layer_config.hidden_size' is {fields['layer_config']['hidden_size']}, "
+        raise schema.FieldError(f"{where}: field 'layer_config.hidden_size' is "
+                                f"{fields['layer_config']['hidden_size']}, "
                                 f"but 'hidden_size' is {fields['hidden_size']}")
     if extra is not None:
         extra(cfg, where, fields)

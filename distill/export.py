@@ -70,7 +70,8 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
     cfg = read_json(artifact_dir / "config.json")
     want_vocab = manifest["target"].get("vocab_size")
     if cfg.get("vocab_size") != want_vocab:
-        raise ArtifactError(f"{artifact_dir}: draft vocab_size {cfg.get('vocab_size')} != target vocab_size {want_vocab}")
+        raise ArtifactError(f"{artifact_dir}: draft vocab_size {cfg.get('vocab_size')} != target vocab_size "
+                            f"{want_vocab}")
 
     result = ExportResult(out, stack, FORMAT)
 
@@ -105,14 +106,17 @@ def serve_text(stack: str, out: Path, tgt: str, k: int) -> str:
         return f"vLLM two-model speculative decoding (draft model):\n\n{vllm_serve(tgt, 'draft_model', out, k)}\n"
     if stack == "sglang":
         flags = f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
-        return f"SGLang standalone (draft-model) speculative decoding:\n\n{sglang_serve(tgt, 'STANDALONE', out, flags)}\n"
+        return ("SGLang standalone (draft-model) speculative decoding:\n\n"
+                f"{sglang_serve(tgt, 'STANDALONE', out, flags)}\n")
     if stack == "trtllm":
         return trtllm_serve(tgt, out, ["decoding_type: DraftTarget", f"max_draft_len: {k}"])
     code = (f"from transformers import AutoModelForCausalLM, AutoTokenizer\n"
             f"tok = AutoTokenizer.from_pretrained('{tgt}')\n"
             f"target = AutoModelForCausalLM.from_pretrained('{tgt}')\n"
-            f"draft = AutoModelForCausalLM.from_pretrained('{out}')  # num_assistant_tokens={k} in its generation_config\n"
-            f"ids = tok.apply_chat_template([{{'role': 'user', 'content': 'Hi'}}], add_generation_prompt=True, return_tensors='pt')\n"
+            f"draft = AutoModelForCausalLM.from_pretrained('{out}')  "
+            f"# num_assistant_tokens={k} in its generation_config\n"
+            f"ids = tok.apply_chat_template([{{'role': 'user', 'content': 'Hi'}}], add_generation_prompt=True, "
+            "return_tensors='pt')\n"
             f"out = target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=64)")
     return f"Hugging Face assisted generation:\n\n{fenced(code, 'python')}\n"
 

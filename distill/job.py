@@ -93,7 +93,8 @@ class KDSpec:
     beta: Annotated[float, FRACTION] = 0.5  # JSD(β) only (0 = forward KL, 1 = reverse KL)
     temperature: Annotated[float, Range(gt=0, le=100)] = 1.0
     ce_weight: Annotated[float, FRACTION] = 0.0
-    topk: Annotated[int, Range(ge=1, le=1 << 24)] | None = None  # train from the target's top-k logits only (offline caches hold top-k)
+    # train from the target's top-k logits only (offline caches hold top-k)
+    topk: Annotated[int, Range(ge=1, le=1 << 24)] | None = None
     tail: Literal["bucket", "renormalize"] = "bucket"  # top-k tail handling (heads/losses.py)
 
     def __post_init__(self):

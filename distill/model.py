@@ -192,7 +192,8 @@ def existing_draft(path: str | Path, target, check_tokenizer_files: bool = True)
         try:
             tok = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
-            raise DraftsmithError(f"{path}: cannot load the draft's tokenizer ({str(e).splitlines()[0][:120]})") from None
+            raise DraftsmithError(f"{path}: cannot load the draft's tokenizer "
+                                  f"({str(e).splitlines()[0][:120]})") from None
         check_tokenizer(tok, target.tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     check_vocab_size(model, target)

@@ -151,8 +151,9 @@ def read_eagle_artifact(path: str | Path, target=None) -> tuple[dict, dict, dict
 
 
 # --- canonical -> layouts ----------------------------------------------------------------------------
-def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None, num_speculative_tokens: int | None = None,
-           verify: bool = True, *, overwrite: bool = False, verifier: str | None = None):
+def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
+           num_speculative_tokens: int | None = None, verify: bool = True, *, overwrite: bool = False,
+           verifier: str | None = None):
     """`Method.export` of EAGLE heads (layouts/heads.py does the rest): EAGLE-1 and EAGLE-3 are two layout
     families, and every stack's drafter layer is a Llama layer."""
     from draftsmith.layouts.heads import HeadExport, export_heads
@@ -210,7 +211,8 @@ def serve_text(stack: str, layout: str, cfg: dict, out: Path, target_ref: str, k
     if stack == "vllm":
         text = f"{vllm_serve(target_ref, VLLM_METHOD[STACK_FORMATS[layout]['vllm']], out, k)}\n"
         if eagle3:
-            text += (f"\nThe target's aux hidden states are taken at vLLM layer ids {aux_ids(cfg, 'vllm')} (config.json "
+            text += (f"\nThe target's aux hidden states are taken at vLLM layer ids {aux_ids(cfg, 'vllm')} "
+                     "(config.json "
                      f"`eagle_aux_hidden_state_layer_ids`; vLLM id = draftsmith id + 1: vLLM captures the residual "
                      f"stream entering a layer; draftsmith ids {cfg['aux_layers']} name layer outputs).\n")
         return text
@@ -353,12 +355,14 @@ def layout_config(fmt: str, cfg: dict, dtype: torch.dtype, target_folder: str, t
         }
     if fmt == MIDLAYER:
         # the EAGLE-3.1 switches explicit (both loaders default them off): `fc_norm` and `norm_output` at the top,
-        # where SGLang and TensorRT-LLM read them; `norm_before_fc` also inside eagle_config, where TensorRT-LLM reads it
+        # where SGLang and TensorRT-LLM read them; `norm_before_fc` also inside eagle_config, where TensorRT-LLM
+        # reads it
         return {**base, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": cfg["draft_vocab_size"],
                 "target_hidden_size": cfg["hidden_size"], "norm_before_residual": bool(cfg["norm_before_residual"]),
                 **{k: bool(cfg.get(k, False)) for k in EAGLE31},
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids(cfg, "sglang"),
-                                 "use_aux_hidden_state": True, "norm_before_fc": bool(cfg.get("norm_before_fc", False))}}
+                                 "use_aux_hidden_state": True,
+                                 "norm_before_fc": bool(cfg.get("norm_before_fc", False))}}
     arch = "EagleLlamaForCausalLM" if fmt == VLLM_EAGLE1 else "LlamaForCausalLMEagle"
     return {**base, "architectures": [arch]}
 
@@ -449,8 +453,8 @@ def verify_layout(out: Path, fmt: str, expect_vocab: int | None = None, expect_t
         problems.append(f"config vocab_size {c.get('vocab_size')} != target vocab_size {expect_vocab}")
     problems += rope_problems(c, expect_theta)
     if fmt == SPECULATORS:
-        for key in ("speculators_config", "norm_before_residual", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size",
-                    *EAGLE31):
+        for key in ("speculators_config", "norm_before_residual", "eagle_aux_hidden_state_layer_ids",
+                    "draft_vocab_size", *EAGLE31):
             if key not in config:
                 problems.append(f"config lacks {key}")
         ids = config.get("eagle_aux_hidden_state_layer_ids") or []
@@ -505,7 +509,8 @@ def read_layout_config(out: str | Path, fmt: str | None = None) -> dict:
                                                                              "float64"))
     schema.get(config, "target_hidden_size", f, "int", lo=1, hi=schema.MAX_HIDDEN, null=True, default=None)
     if fmt in (SPECULATORS, MIDLAYER):
-        aux = "eagle_aux_hidden_state_layer_ids" if fmt == SPECULATORS else "eagle_config.eagle_aux_hidden_state_layer_ids"
+        aux = ("eagle_aux_hidden_state_layer_ids" if fmt == SPECULATORS
+               else "eagle_config.eagle_aux_hidden_state_layer_ids")
         ids = schema.get(config, aux, f, "ints", lo=1 if fmt == SPECULATORS else 0, hi=1024)
         if not ids:
             raise schema.FieldError(f"{f}: field '{aux}' is empty, expected the target layers the head reads")

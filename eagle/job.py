@@ -110,7 +110,8 @@ class EagleJobConfig:
         if (self.norm_before_fc or self.fc_norm) and not v.fuse_layers:
             raise ValueError(f"norm_before_fc / fc_norm: {v.name} fuses no target layers (EAGLE-3.1 options)")
         if self.norm_before_fc and self.fc_norm:
-            raise ValueError("norm_before_fc and fc_norm: choose one (one norm over the concatenation, or one per layer)")
+            raise ValueError("norm_before_fc and fc_norm: choose one (one norm over the concatenation, "
+                             "or one per layer)")
         if self.norm_output and not v.draft_vocab:
             raise ValueError(f"norm_output: {v.name} has no final norm of its own to feed back (an EAGLE-3.1 option)")
         if self.target_layers is not None and len(self.target_layers) != v.feature_layers:
@@ -193,7 +194,8 @@ class EagleJob(RowsJob):
             self.d2t = self.t2d = None
         # the feature layers, plus for a logits teacher the post-norm last hidden and the top-1 (EAGLE-3);
         # a features teacher (EAGLE-1) reads the last layer's pre-norm output as both input and teacher
-        self.features = CaptureSource(target, cache_dir=cfg.capture_cache, **{**needs, "layers": sorted(set(self.layers))})
+        self.features = CaptureSource(target, cache_dir=cfg.capture_cache,
+                                      **{**needs, "layers": sorted(set(self.layers))})
         self._teacher_w: torch.Tensor | None = None
 
     # --- the job protocol -------------------------------------------------------------------------

@@ -39,9 +39,9 @@ The decoder layer is a Llama decoder layer sized from the target (hidden, heads,
 the target's full-attention RoPE) for every target family — what vLLM's, SGLang's, TensorRT-LLM's and
 speculators' EAGLE drafters build — or, with `draft_layer: target`, the target family's own layer
 (targets/families.py; built from its config class with layer_idx 0, full attention). EAGLE-1 runs it as
-is, minus its input norm (as the original EAGLE-1 does); EAGLE-3 widens its q/k/v projections to 2H and runs its submodules with the
-EAGLE-3 residual layout, under the serving stacks' names (layer.input_layernorm normalises the embedding,
-layer.hidden_norm the feature), so `eagle/export.py` maps them one to one.
+is, minus its input norm (as the original EAGLE-1 does); EAGLE-3 widens its q/k/v projections to 2H and runs its
+submodules with the EAGLE-3 residual layout, under the serving stacks' names (layer.input_layernorm normalises
+the embedding, layer.hidden_norm the feature), so `eagle/export.py` maps them one to one.
 The target's embedding (and, for EAGLE-1, its final norm and lm_head) is attached by reference
 (`attach_target`): it is not a parameter, not trained, not saved. The head reads the embedding table's
 plain rows (no Gemma sqrt(H) scale), as the serving stacks' drafters do. Export writers take

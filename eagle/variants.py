@@ -12,7 +12,8 @@ place the head is built, trained, exported or costed.
   vocabulary        "target": the target's final norm + lm_head "draft": an own norm + lm_head over N frequent tokens
   teacher           "features": regress the next feature, plus  "logits": the target's next-token distribution on the
                     a weighted token cross-entropy              draft vocabulary, per test-time step
-  replay            no                                         on-policy replay of rejected drafts (data/engines/rollout.py)
+  replay            no                                         on-policy replay of rejected drafts
+                                                               (data/engines/rollout.py)
   default_ttt_steps 1                                          7
   layout            "eagle1" (vLLM EAGLE-1, SGLang/TRT EAGLE)   "eagle3" (speculators, midlayer)
 """

@@ -186,7 +186,8 @@ def medusa_engine_flow(out, target_ref: str, cfg: dict, tree: list | None) -> st
             "the TensorRT backend), from this folder (`medusa_lm_head.safetensors` + config.json), run from a "
             "TensorRT-LLM checkout:\n\n"
             f"{fenced(convert)}\n\n{fenced(build)}\n\n"
-            "TensorRT-LLM verifies Medusa drafts greedily; `medusa_choices` is the tree draftsmith calibrated (tree.json):\n\n"
+            "TensorRT-LLM verifies Medusa drafts greedily; `medusa_choices` is the tree draftsmith calibrated "
+            "(tree.json):\n\n"
             f"{fenced(run)}\n")
 
 
@@ -346,7 +347,8 @@ def read_layout(out: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
                 state[f"heads.{h}.blocks.{ell}.linear.weight"] = t[f"blocks.{h}.layers.{ell}.weight"]
                 bias = t.get(f"blocks.{h}.layers.{ell}.bias")
                 state[f"heads.{h}.blocks.{ell}.linear.bias"] = (
-                    bias if bias is not None else torch.zeros(config["hidden_size"], dtype=t[f"blocks.{h}.layers.{ell}.weight"].dtype))
+                    bias if bias is not None
+                    else torch.zeros(config["hidden_size"], dtype=t[f"blocks.{h}.layers.{ell}.weight"].dtype))
             # original_lm_head: every head projects with the one copy in lm_heads.0
             state[f"heads.{h}.lm_head.weight"] = t["lm_heads.0.weight" if config.get("original_lm_head") else
                                                    f"lm_heads.{h}.weight"]

@@ -2,8 +2,9 @@
 LoRA adapter on the target (Medusa-2, `medusa2.enabled`, see medusa/medusa2.py).
 
 The job differs from its siblings only by its module (MedusaHeads, or heads + adapted target), its
-batches (self-distilled rows) and its loss (`medusa.model.medusa_loss`, plus Medusa-2's KL term). After training, the heads are calibrated on held-out rows:
-per-head rank accuracies give the sparse candidate tree saved with the artifact.
+batches (self-distilled rows) and its loss (`medusa.model.medusa_loss`, plus Medusa-2's KL term). After training,
+the heads are calibrated on held-out rows: per-head rank accuracies give the sparse candidate tree saved with the
+artifact.
 """
 
 from __future__ import annotations
@@ -268,7 +269,8 @@ class MedusaJob(RowsJob):
             "medusa", self.target.fingerprint(), to_dict(self.cfg),
             data={"path": self.cfg.data, "train_rows": len(self.train_set), "eval_rows": len(self.eval_set)},
             metrics={**metrics, "calibration_rank_accuracy": acc, "tree_expected_length": tree.expected_length,
-                     "draft_vocab_coverage": 1.0 if heads.t2d is None else vocab_coverage(self.counts, heads.t2d.cpu())},
+                     "draft_vocab_coverage": (1.0 if heads.t2d is None
+                                              else vocab_coverage(self.counts, heads.t2d.cpu()))},
         )
 
         def write_tree(tmp: Path) -> None:
