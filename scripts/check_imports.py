@@ -7,9 +7,9 @@
 3. the folders are layers in the order the data flows (LAYERS, drawn in docs/architecture.md): a module
    imports only its own layer and the layers before it, and the method folders (METHODS) never import
    one another, so a method is one folder that can be added or removed alone, except a method declared in
-   BUILDS_ON as built on another's backbone, which imports that one folder (DSpark on DFlash). Every top-level module or
-   folder must be placed in a layer. ALLOWED_UPWARD lists the imports against the order still accepted,
-   each with its reason; like ALLOWED_CYCLES it is reported when an entry no longer occurs.
+   BUILDS_ON as built on another's backbone, which imports that one folder (DSpark on DFlash). Every top-level
+   module or folder must be placed in a layer. ALLOWED_UPWARD lists the imports against the order still
+   accepted, each with its reason; like ALLOWED_CYCLES it is reported when an entry no longer occurs.
 4. imports by name are imports: a string constant that is, whole, a draftsmith module with or without an
    attribute (`"draftsmith.eagle.job:EagleJob"` in a method's `METHOD`, `methods.BUILTIN`, `cli.COMMAND_MODULES`,
    `config.CONFIG_MODULES`, a `python -m draftsmith.cli` argument) is a dependency resolved at run time, and is
@@ -27,8 +27,9 @@
     python scripts/check_imports.py          # exit 1 with one line per violation, else one line of totals
 
 `from draftsmith.eagle import export` is a dependency on the submodule eagle/export.py; a package's own
-`__init__` (run first by any import of its submodules) counts only where a file imports a name it defines. ALLOWED_CYCLES lists the cycles still accepted, each with its reason;
-a listed cycle that no longer occurs is reported too, so the list only shrinks.
+`__init__` (run first by any import of its submodules) counts only where a file imports a name it defines.
+ALLOWED_CYCLES lists the cycles still accepted, each with its reason; a listed cycle that no longer occurs is
+reported too, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "draftsmith"
-SKIP = {"tests", "scripts", "results", "configs", "docs", "build", "dist", "runs"}  # runs/: the presets' git-ignored output
+# runs/: the presets' git-ignored output
+SKIP = {"tests", "scripts", "results", "configs", "docs", "build", "dist", "runs"}
 BOTTOM = "targets"  # rule 2
 # targets/ reads and writes its cache and the target's files with the base's file modules
 BOTTOM_MAY_IMPORT = {"draftsmith", "draftsmith.errors", "draftsmith.lazy", "draftsmith.outputs",
@@ -73,8 +75,8 @@ BUILDS_ON = {"dspark": "dflash"}  # DSpark = DFlash's block drafter + a Markov h
 LAYERS: list[tuple[str, ...]] = [
     # the shared base; its file modules: atomic writes and output folders (outputs), the readers' shared rules
     # and caps (reading), sha256 and weight checksums (checksums), where files are found (paths)
-    ("__init__", "errors", "nofollow", "reading", "schema", "locks", "outputs", "checksums", "paths", "net", "formatting",
-     "lazy", "methods", "config"),
+    ("__init__", "errors", "nofollow", "reading", "schema", "locks", "outputs", "checksums", "paths", "net",
+     "formatting", "lazy", "methods", "config"),
     ("fleet",),  # runs inside the serving engine (rule 5): the traffic middleware, the capture connector
     ("targets",),  # load a target, its family table, fingerprint, a frozen target placed for training
     # what the frozen target computes, kept: layer convention, forward capture, the cache on disk, offline

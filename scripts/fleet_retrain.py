@@ -271,7 +271,8 @@ def render(r: dict) -> str:
                      f"{c[name]['alpha']:.3f} |")
     lines += ["", f"Served states against retraining today: {s['speedup_vs_online']:.2f}x (data stage "
               f"{s['data_speedup_vs_online']:.1f}x); against the cheapest re-run: {s['speedup_vs_regen']:.2f}x (data "
-              f"stage {s['data_speedup_vs_regen']:.1f}x). τ served / online {c['served']['tau'] / c['online']['tau']:.3f}, "
+              f"stage {s['data_speedup_vs_regen']:.1f}x). "
+              f"τ served / online {c['served']['tau'] / c['online']['tau']:.3f}, "
               f"served / regen {c['served']['tau'] / c['regen']['tau']:.3f}.", "",
               "| domain | vLLM α v1 (before) | vLLM α v2 (after) |", "|---|---|---|"]
     for d in sorted(r["vllm_before"]["domains"]):

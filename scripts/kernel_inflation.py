@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gemm._plan = measured
     tps = {k: tokens[k] / seconds[k] for k in plans}
-    report = {"command": "python " + " ".join(["scripts/kernel_inflation.py", *(argv if argv is not None else sys.argv[1:])]),
+    report = {"command": "python " + " ".join(["scripts/kernel_inflation.py",
+                                               *(argv if argv is not None else sys.argv[1:])]),
               "date": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
               "machine": machine_info(target.device), "target": a.target, "split": a.split,
               "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "repeats": a.repeats,

@@ -40,11 +40,13 @@ for pkg in builtin:
     refs = set()
     tree = ast.parse(init)
     for n in ast.walk(tree):
-        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("draftsmith.") and ":" in n.value:
+        if (isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("draftsmith.")
+                and ":" in n.value):
             refs.add(n.value.split(":")[0])
     outside = sorted(r for r in refs if not r.startswith(pkg + "."))
     own = sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*.py"))
-    print(f"method {pkg}: {len(own)} files in {folder}/, registration points at {len(outside)} modules outside: {outside}")
+    print(f"method {pkg}: {len(own)} files in {folder}/, registration points at {len(outside)} modules outside: "
+          f"{outside}")
 # package graph
 g = ci.graph(ROOT)
 

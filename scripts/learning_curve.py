@@ -110,7 +110,8 @@ def _annotate(ax, points: list[dict], x: list[float], y: list[float], ends_only:
             ax.annotate(f"{p['epochs']:.2g} ep", (xi, yi), textcoords="offset points", xytext=(3, 4), fontsize=6)
 
 
-POSITION = {"eagle": "step", "medusa": "head", "dflash": "draft token", "dspark": "draft token"}  # what held_out_top1's entries follow
+# what held_out_top1's entries follow
+POSITION = {"eagle": "step", "medusa": "head", "dflash": "draft token", "dspark": "draft token"}
 
 
 def plot(points: list[dict], out: Path, method: str) -> None:

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             if lever == "onpolicy":
                 # float32: one row at a time, the verifier's few-row products are fastest in float32 here
                 # (targets/gemm.py); the batched engine is fastest in bf16 (generation.dtype: auto)
-                gen += ["generation.engine=speculative", f"generation.proposer=eagle:{head}", "generation.dtype=float32"]
+                gen += ["generation.engine=speculative", f"generation.proposer=eagle:{head}",
+                        "generation.dtype=float32"]
                 gen += ["generation.tree_auto=true"] if a.k == 0 else [f"generation.k={a.k}"]
             run(gen, (rows / "provenance.json").is_file(), times, f"{lever}/{r}/generate")
             run([exe, "data", "merge", str(data), str(rows), "--out", str(merged)],

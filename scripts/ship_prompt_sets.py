@@ -88,7 +88,8 @@ def ship(src: Path, out: Path, sets: str = "all", existing: list[Path] = ()) -> 
         (out / "eval" / split).mkdir(parents=True, exist_ok=True)
     if sets == "broad":
         old = json.loads((out / "manifest.json").read_text(encoding="utf-8"))["files"]
-        files = [f for f in old if Path(f["path"]).name.split(".")[0] not in BROAD_FILES] + ship_broad(src, out, existing)
+        files = ([f for f in old if Path(f["path"]).name.split(".")[0] not in BROAD_FILES]
+                 + ship_broad(src, out, existing))
         return _write_manifest(out, files)
     for rel, name in LICENSES.items():
         shutil.copyfile(src / rel, out / "LICENSES" / name)
@@ -151,7 +152,8 @@ RAG_EVAL_TEMPLATES = r"^wiki_hop_original_(choose_best_object_\w+|generate_objec
 RAG_EVAL_WORDS = (150, 2000)  # several documents: up to ~2,700 tokens, well inside the targets' contexts
 RAG_PER_PASSAGE = 3  # questions over one passage at most: more would weigh one document's acceptance
 LONG_WORDS = (150, 700)  # a long passage: at least a few hundred tokens, and it fits a 1,024-token prompt
-EVAL_PER_SPLIT = 48  # rows per domain and split at most: enough for per-domain τ, cheap enough for make demo's evaluation
+# rows per domain and split at most: enough for per-domain τ, cheap enough for make demo's evaluation
+EVAL_PER_SPLIT = 48
 TRAIN_PER_DOMAIN = 1200  # long-passage training rows per domain kept in the repository (a few MB compressed)
 # second turns written for the project (MT-bench's kind of follow-up: rework the previous answer), applied to real
 # first turns; none repeats an MT-bench turn
@@ -211,8 +213,8 @@ def parallel_sentences(wheels: Path) -> dict[str, dict[str, str]]:
     return {k: {"origin": origin[k], **v} for k, v in pairs.items()}
 
 
-_INTO = ["Translate the following text from English into {lang}:\n\n{text}", "How would you say this in {lang}?\n\n{text}",
-         "Translate into {lang}: {text}"]
+_INTO = ["Translate the following text from English into {lang}:\n\n{text}",
+         "How would you say this in {lang}?\n\n{text}", "Translate into {lang}: {text}"]
 _FROM = ["Translate the following {lang} text into English:\n\n{text}", "What does this mean in English?\n\n{text}",
          "Translate from {lang} to English: {text}"]
 
@@ -292,7 +294,8 @@ def _clean_eval(held: dict[str, list[dict]], train_texts: list[str]) -> dict[str
     from draftsmith.data.overlap import EvalText, find_overlap, ngrams
     from draftsmith.data.sources import PromptRow, normalize_text
 
-    index = [EvalText(str(i), normalize_text(t), ngrams(normalize_text(t).split(), 8)) for i, t in enumerate(train_texts)]
+    index = [EvalText(str(i), normalize_text(t), ngrams(normalize_text(t).split(), 8))
+             for i, t in enumerate(train_texts)]
     out = {}
     for split, rows in held.items():
         bad = find_overlap([PromptRow(i, "e", "d", r["turns"], "") for i, r in enumerate(rows)], index).rows
@@ -336,6 +339,7 @@ BROAD_SOURCES = {
     "rag": ("yizhongw/self-instruct data/finetuning/t0_train_50k (P3 templates): ROPES, AdversarialQA and WikiHop rows "
             "that no shipped training file or generated data set holds", "LICENSES/rag-eval-NOTICE"),
 }
+# the text of LICENSES/rag-eval-NOTICE in the shipped prompt sets, line for line (two of its lines are longer than 120)
 RAG_NOTICE = """eval/{dev,test}/rag.jsonl: prompts of P3 (bigscience/P3, Apache-2.0) as yizhongw/self-instruct ships them in
 data/finetuning/t0_train_50k (Apache-2.0, LICENSES/self-instruct-Apache-2.0). The passages and questions are those
 of the datasets the P3 templates render, each under its own licence, kept here:
@@ -345,7 +349,7 @@ of the datasets the P3 templates render, each under its own licence, kept here:
   - AdversarialQA (Bartolo et al., 2020), on SQuAD's Wikipedia passages: CC BY-SA 3.0 (templates adversarial_qa_*);
   - Quoref (Dasigi et al., 2019): CC BY 4.0; DuoRC (Saha et al., 2018): MIT (templates quoref_*, duorc_*).
 Each row's `source` names its template. The rows are used as evaluation prompts only, unchanged.
-"""
+"""  # noqa: E501
 
 
 def _licences(src: Path, out: Path) -> None:
@@ -458,7 +462,8 @@ def _rag_eval(src: Path, out: Path, held: dict[str, list[dict]], unused: list[di
     texts = train_texts + [t for r in new_train for t in (r.get("turns") or [r["prompt"]])]
     extra = _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in extra.items()}, texts)
     seen = {passage_key(r["turns"][0]) for rows in first.values() for r in rows}
-    return {s: first[s] + [r for r in extra[s] if passage_key(r["turns"][0]) not in seen][:EVAL_PER_SPLIT - len(first[s])]
+    return {s: first[s] + [r for r in extra[s]
+                           if passage_key(r["turns"][0]) not in seen][:EVAL_PER_SPLIT - len(first[s])]
             for s in SPLITS}
 
 
@@ -472,11 +477,13 @@ def ship_broad(src: Path, out: Path, existing: list[Path] = ()) -> list[dict]:
     t_train, t_eval, chains = _translation_sets(src)
     l_train, l_eval, firsts, unused = _long_sets(src, out)
     m_train = followup_rows(firsts, chains)
-    mt = [json.loads(x) | {"domain": "multiturn"} for x in (src / "eval/mt_bench/question.jsonl").read_text().splitlines() if x.strip()]
+    mt = [json.loads(x) | {"domain": "multiturn"}
+          for x in (src / "eval/mt_bench/question.jsonl").read_text().splitlines() if x.strip()]
     mt_eval = {s: [r for r in mt if split_of("mt_bench", str(r["question_id"])) == s] for s in SPLITS}
     train_texts = _shipped_prompts(out) + _dataset_prompts(list(existing))
     evals = {"translation": _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in t_eval.items()}, train_texts),
-             "summarization": _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in l_eval["summarization"].items()}, train_texts),
+             "summarization": _clean_eval({s: [_eval_row(r, 0) for r in v] for s, v in l_eval["summarization"].items()},
+                                          train_texts),
              "rag": _rag_eval(src, out, l_eval["rag"], unused, train_texts, [*t_train, *l_train, *m_train]),
              "mt_bench": _clean_eval(mt_eval, train_texts)}
     files = []

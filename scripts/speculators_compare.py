@@ -106,7 +106,8 @@ class PeerConfig:
     capture: str | None = None  # the capture cache; None = <data>/capture
     out: str = "runs/peer/speculators"
     seconds: float = 600.0  # wall-clock budget of the training steps (data reading included; validation not)
-    epochs: float = 2.0  # the LR schedule's horizon (speculators: epochs x batches per epoch); the budget may end sooner
+    # the LR schedule's horizon (speculators: epochs x batches per epoch); the budget may end sooner
+    epochs: float = 2.0
     max_steps: int | None = None  # overrides epochs as the horizon, as in both trainers
     train_rows: int | None = None
     eval_fraction: float = 0.05

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             r = fam.check("dflash", patches=patches)
             runs[name] = {k: r.get(k) for k in KEEP} | {"draftsmith": (r.get("draftsmith") or {})}
     report = {"command": "python " + shlex.join(["scripts/vllm_dflash_knorm.py", *(argv or sys.argv[1:])]),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+              "machine": platform.processor() or platform.machine(),
               "draft": "DFlash, 2 layers, block 4 (k 3), taps [0, 1, 2] of a 4-layer tiny Llama; k_norm of layer i "
                        "scaled by 0.6 + 0.5 i", "runs": runs}
     a.out.mkdir(parents=True, exist_ok=True)
