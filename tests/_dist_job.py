@@ -1,5 +1,6 @@
-"""The user's path, run by the multi-process tests: the one runner (`run("medusa" | "eagle" | "dflash" | "dspark", cfg)`) on a tiny target folder and a
-tiny self-distilled dataset, as `accelerate launch scripts/train.py medusa` runs them (under torchrun here).
+"""The user's path, run by the multi-process tests: the one runner (`run("medusa" | "eagle" | "dflash" | "dspark",
+cfg)`) on a tiny target folder and a tiny self-distilled dataset, as `accelerate launch scripts/train.py medusa`
+runs them (under torchrun here).
 
     python tests/_dist_job.py prepare --root DIR                      # target folder + dataset (once)
     torchrun --nproc_per_node 2 tests/_dist_job.py train --root DIR --job medusa --out OUT [--steps N ...]

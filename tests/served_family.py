@@ -14,7 +14,8 @@ PROMPTS = ["What is the capital of France?", "def add(a, b):", "How many clips d
            "Translate the sentence into French.", "for i in range(10):", "Summarize the passage in one sentence.",
            "The quick brown fox", "import os"]
 K = 3  # chain length on the tiny targets (the Medusa heads trained there are 3)
-KINDS = ("eagle3", "eagle31", "eagle1", "medusa", "draft", "dflash")  # what draftsmith exports for vLLM; "ngram": vLLM's control
+# what draftsmith exports for vLLM; "ngram": vLLM's control
+KINDS = ("eagle3", "eagle31", "eagle1", "medusa", "draft", "dflash")
 DRAFT_VOCAB = 128  # of the tiny targets' 320 tokens: the reduced vocabularies (EAGLE-3's, DFlash's "dflash-vocab")
 
 
@@ -68,7 +69,8 @@ def _distinct_k_norms(art: Path, target) -> Path:
     from draftsmith import artifact
 
     manifest, state = artifact.load_artifact(art, kind="dflash", target=target)
-    state = {k: (v * (0.6 + 0.5 * int(k.split(".")[1])) if k.endswith("k_norm.weight") else v) for k, v in state.items()}
+    state = {k: (v * (0.6 + 0.5 * int(k.split(".")[1])) if k.endswith("k_norm.weight") else v)
+             for k, v in state.items()}
     cfg = json.loads((art / "config.json").read_text())
     out = art.with_name(art.name + "-knorm")
     return artifact.save_artifact(out, artifact.make_manifest("dflash", manifest["target"], manifest.get("data") or {}),
@@ -105,7 +107,8 @@ class TinyFamily:
             # EAGLE-3 features: draftsmith ids 0, 1, 2 (outputs of layers 0-2) = vLLM ids 1, 2, 3
             ecfg = EagleJobConfig(target=str(self.folder), data="in-memory", output=str(tmp / version), version=version,
                                   target_layers=[0, 1, 2] if version == "eagle3" else None,
-                                  ttt_steps=2 if version == "eagle3" else 1, draft_vocab_size=DRAFT_VOCAB, max_length=64,
+                                  ttt_steps=2 if version == "eagle3" else 1, draft_vocab_size=DRAFT_VOCAB,
+                                  max_length=64,
                                   train=_train_cfg(tmp, version, steps), evaluate=no_eval)
             self.artifacts[version] = Path(train(EagleJob(ecfg, self.target, rows), ecfg.train).artifact)
         if "eagle1" in kinds:

@@ -32,13 +32,16 @@ def test_recorded_commands_are_shown_as_typed():
 
     from draftsmith.benchmark.run import _as_typed, shown_command
 
-    assert shown_command([sys.executable, "-m", "draftsmith.cli", "evaluate", "--k", "4"]) == "draftsmith evaluate --k 4"
-    assert shown_command([sys.executable, "-m", "draftsmith.cli", "bench", "engine", "4"]) == "draftsmith bench engine 4"
+    assert (shown_command([sys.executable, "-m", "draftsmith.cli", "evaluate", "--k", "4"])
+            == "draftsmith evaluate --k 4")
+    assert (shown_command([sys.executable, "-m", "draftsmith.cli", "bench", "engine", "4"])
+            == "draftsmith bench engine 4")
     assert _as_typed("/w/.venv/bin/python -m draftsmith.cli train medusa") == "draftsmith train medusa"
     assert _as_typed("/usr/bin/python3.11 -m draftsmith.other 32") == "python -m draftsmith.other 32"
     # an older results folder ran the timing stages as modules: shown as the `bench` job that runs them now
     assert _as_typed("/usr/bin/python3.11 -m draftsmith.benchmark.engine 32") == "draftsmith bench engine 32"
-    assert _as_typed("python -m draftsmith.evaluation.baseline t --json b.json") == "draftsmith bench baseline t --json b.json"
+    assert (_as_typed("python -m draftsmith.evaluation.baseline t --json b.json")
+            == "draftsmith bench baseline t --json b.json")
     assert _as_typed("draftsmith evaluate --out 'a b'") == "draftsmith evaluate --out 'a b'"
 
 
@@ -78,7 +81,8 @@ def test_bench_runs_every_stage_and_resumes(tiny_target, tmp_path, monkeypatch):
         assert r["command"].split()[:3] == ["draftsmith", "evaluate", "--target"]  # the command, as typed
         assert (out / "eval" / name / "report.md").is_file()
     assert all(s["returncode"] == 0 and s["seconds"] > 0 for s in summary["stages"].values() if "skipped" not in s)
-    assert "not a GGUF" in summary["stages"]["llamacpp"]["skipped"] or "not installed" in summary["stages"]["llamacpp"]["skipped"]
+    assert ("not a GGUF" in summary["stages"]["llamacpp"]["skipped"]
+            or "not installed" in summary["stages"]["llamacpp"]["skipped"])
     # the plain-step check ran on this target and recorded its kernel plan
     assert summary["baseline"]["plan_1_token_s"] > 0 and summary["baseline"]["kernels"]["plan"] == "measured"
     for name in ("summary.md", "summary.json", "acceptance.png", "verify_cost.png", "logs/train_medusa.log"):

@@ -104,7 +104,8 @@ def _config(tmp_path, name="data", urls=(), served_dir=None, **gen) -> DataConfi
     p.write_text("".join(json.dumps({"q": q}) + "\n" for q in PROMPTS))
     t.write_text(json.dumps({"turns": ["Tell me about 7", "And about 8?"]}) + "\n")
     g = {"max_new_tokens": 6, "flush_every": 2, "backend": "openai", "base_urls": list(urls), "concurrency": 1,
-         "prompt_as": "token_ids", "extra_body": {"return_token_ids": True}, "max_retries": 0, "request_timeout": 30.0, **gen}
+         "prompt_as": "token_ids", "extra_body": {"return_token_ids": True}, "max_retries": 0, "request_timeout": 30.0,
+         **gen}
     return DataConfig(sources=[SourceConfig(name="p", path=str(p), prompt="q", domain="general"),
                                SourceConfig(name="mt", path=str(t), turns="turns", domain="chat")],
                       output_dir=str(tmp_path / name), chat=ChatConfig(mode="plain", plain_separator=""),

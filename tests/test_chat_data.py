@@ -122,7 +122,8 @@ def test_bad_rows_are_counted_and_named(tmp_path):
 
 
 def test_keep_needs_sources_with_responses(tmp_path):
-    with pytest.raises(ValueError, match="responses: keep needs conversations, messages, a response field or type stdlib"):
+    with pytest.raises(ValueError,
+                       match="responses: keep needs conversations, messages, a response field or type stdlib"):
         _cfg(tmp_path, [SourceConfig(name="p", path="x.jsonl", prompt="q", domain="d")], responses="keep")
     with pytest.raises(ValueError, match="give exactly one of"):
         SourceConfig(name="p", path="x.jsonl", prompt="q", messages="messages", domain="d")
@@ -364,7 +365,8 @@ def test_a_preset_fills_only_what_the_source_leaves_unsaid(tmp_path, offline_set
     """The source's own fields win (limit, domain, split); `path` reads a local copy of the set with the preset's
     mapping; an unknown preset is one line naming the known ones."""
     src = SourceConfig(name="uc", preset="ultrachat", limit=1, sample="first", domain="general")
-    assert (src.type, src.id, src.split, src.messages) == ("hub", "HuggingFaceH4/ultrachat_200k", "train_sft", "messages")
+    assert ((src.type, src.id, src.split, src.messages)
+            == ("hub", "HuggingFaceH4/ultrachat_200k", "train_sft", "messages"))
     rows = load_prompts(_cfg(tmp_path, [src])).rows
     assert [(r.turns, r.domain) for r in rows] == [(["Plan a picnic.", "And drinks?"], "general")]
     with pytest.raises(DataError, match=r"cannot load hub dataset HuggingFaceH4/ultrachat_200k, split test_sft"):
@@ -379,7 +381,8 @@ def test_a_preset_fills_only_what_the_source_leaves_unsaid(tmp_path, offline_set
     assert (copy.type, copy.id) == ("hf", None)
     assert [r.responses for r in load_prompts(_cfg(tmp_path, [copy], responses="keep")).rows] == [
         ["Bring bread.", "Lemonade."], ["Disorder."]]
-    with pytest.raises(ValueError, match=r"source 'x': unknown preset 'vicuna' \(one of sharegpt, ultrachat, perfectblend\)"):
+    with pytest.raises(ValueError,
+                       match=r"source 'x': unknown preset 'vicuna' \(one of sharegpt, ultrachat, perfectblend\)"):
         SourceConfig(name="x", preset="vicuna")
 
 

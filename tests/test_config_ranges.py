@@ -140,7 +140,8 @@ def test_every_bound_is_enforced_in_one_line_naming_the_field():
 def test_a_bad_value_from_yaml_is_named_by_its_dotted_key_and_file(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("kind: medusa\ntrain:\n  betas: [0.9, 1.5]\nevaluate:\n  k: 0\n")
-    with pytest.raises(ConfigError, match=r"job\.yaml: train\.betas\[1\]: 1\.5 is out of range \(expected 0 <= x < 1\)"):
+    with pytest.raises(ConfigError,
+                       match=r"job\.yaml: train\.betas\[1\]: 1\.5 is out of range \(expected 0 <= x < 1\)"):
         load_config(path)
     with pytest.raises(ConfigError, match=r"job\.yaml \+ overrides: evaluate\.k: 0 is out of range"):
         load_config(path, ["train.betas=[0.9, 0.99]"])

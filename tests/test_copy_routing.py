@@ -79,8 +79,8 @@ def test_the_merged_tree_keeps_its_total_budget_and_stays_lossless(tiny_target, 
             for p in prompts:
                 sizes.clear()
                 eos = list(tiny_target.eos_token_ids)
-                out = tiny_target.model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=eos,
-                                                 pad_token_id=tok.pad_token_id)
+                out = tiny_target.model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                                                 eos_token_id=eos, pad_token_id=tok.pad_token_id)
                 want = cut_at_eos(out[0, len(p):].tolist(), set(eos))[0]
                 res = speculative_generate(tiny_target, prop, [p], 16, k=None, tree=tree, cost=cost, eos_ids=eos)
                 assert res.tokens[0] == want
@@ -140,7 +140,8 @@ def test_evaluation_through_a_copy_policy_is_lossless_per_domain(tiny_target, tm
     draft = tmp_path / "draft"
     make_target(tok, seed=1, layers=1, folder=draft)
     files = []
-    for dom, text in (("quote", "Repeat exactly: the quick brown fox. the quick brown fox."), ("code", "def add(a, b):")):
+    for dom, text in (("quote", "Repeat exactly: the quick brown fox. the quick brown fox."),
+                      ("code", "def add(a, b):")):
         f = tmp_path / f"{dom}.jsonl"
         f.write_text(json.dumps({"turns": [text], "category": dom}) + "\n")
         files.append(str(f))

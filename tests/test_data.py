@@ -123,7 +123,8 @@ def _cfg(tmp_path, sources, **kw):
 
 def test_every_shared_train_file_loads(tmp_path):
     sources = [
-        SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl.gz"), prompt="question", domain="math", limit=30),
+        SourceConfig(name="gsm8k", path=str(TRAIN / "gsm8k_train.jsonl.gz"), prompt="question", domain="math",
+                     limit=30),
         SourceConfig(name="t0", path=str(TRAIN / "t0_prompts.jsonl.gz"), prompt="prompt", limit=200, domain="nlp",
                      domain_rules=[{"field": "source", "pattern": "xsum|cnn_dailymail|gigaword|samsum|multi_news",
                                     "domain": "summarization"},

@@ -193,7 +193,8 @@ def test_export_for_vllm_and_sglang_verifies_and_reads_back(trained, target4, tm
     res = export_artifact(result.artifact, "vllm", tmp_path / "vllm", target4)
     cfg = json.loads((res.out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1, 2], "mask_token_id": cfg["dflash_config"]["mask_token_id"]}
+    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1, 2],
+                                    "mask_token_id": cfg["dflash_config"]["mask_token_id"]}
     assert cfg["num_hidden_layers"] == 2 and cfg["block_size"] == BS and cfg["num_target_layers"] == 4
     assert f'"num_speculative_tokens": {BS - 1}' in (res.out / "serve.md").read_text()
     assert any("reloads strictly" in c for c in res.checks)

@@ -174,7 +174,8 @@ def test_short_distillation_lowers_kd_and_artifact_works(tiny_target, rows, tmp_
     assert after < 0.5 * before, (before, after)
     path = Path(out.artifact)
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["kind"] == "draft" and manifest["target"]["tokenizer_hash"] == tiny_target.fingerprint()["tokenizer_hash"]
+    assert (manifest["kind"] == "draft"
+            and manifest["target"]["tokenizer_hash"] == tiny_target.fingerprint()["tokenizer_hash"])
     assert manifest["config"]["kd"]["divergence"] == "jsd" and manifest["train_seconds"] > 0
     assert (path / "tokenizer.json").is_file() and (path / "model.safetensors").is_file()
     # the evaluator ran on the draft and its report is in the artifact

@@ -43,16 +43,22 @@ def test_zero_for_identical_inputs():
 
 def test_jsd_symmetric_at_half_and_limits():
     a, b = torch.randn(3, 4, 9), torch.randn(3, 4, 9) * 2
-    assert L.divergence(a, b, "jsd", beta=0.5).item() == pytest.approx(L.divergence(b, a, "jsd", beta=0.5).item(), abs=1e-6)
+    assert (L.divergence(a, b, "jsd", beta=0.5).item()
+            == pytest.approx(L.divergence(b, a, "jsd", beta=0.5).item(), abs=1e-6))
     assert L.divergence(a, b, "jsd", beta=0.5).item() <= math.log(2) + 1e-6
     # not symmetric away from 0.5
-    assert L.divergence(a, b, "jsd", beta=0.2).item() != pytest.approx(L.divergence(b, a, "jsd", beta=0.2).item(), abs=1e-4)
+    assert (L.divergence(a, b, "jsd", beta=0.2).item()
+            != pytest.approx(L.divergence(b, a, "jsd", beta=0.2).item(), abs=1e-4))
     # GKD limits: JSD(β)/β -> KL(p‖q) as β -> 0, JSD(β)/(1-β) -> KL(q‖p) as β -> 1; endpoints are those KLs
     eps = 1e-4
-    assert L.divergence(a, b, "jsd", beta=eps).item() / eps == pytest.approx(L.divergence(a, b, "forward_kl").item(), rel=1e-2)
-    assert L.divergence(a, b, "jsd", beta=1 - eps).item() / eps == pytest.approx(L.divergence(a, b, "reverse_kl").item(), rel=1e-2)
-    assert L.divergence(a, b, "jsd", beta=0.0).item() == pytest.approx(L.divergence(a, b, "forward_kl").item(), abs=1e-6)
-    assert L.divergence(a, b, "jsd", beta=1.0).item() == pytest.approx(L.divergence(a, b, "reverse_kl").item(), abs=1e-6)
+    assert (L.divergence(a, b, "jsd", beta=eps).item() / eps
+            == pytest.approx(L.divergence(a, b, "forward_kl").item(), rel=1e-2))
+    assert (L.divergence(a, b, "jsd", beta=1 - eps).item() / eps
+            == pytest.approx(L.divergence(a, b, "reverse_kl").item(), rel=1e-2))
+    assert (L.divergence(a, b, "jsd", beta=0.0).item()
+            == pytest.approx(L.divergence(a, b, "forward_kl").item(), abs=1e-6))
+    assert (L.divergence(a, b, "jsd", beta=1.0).item()
+            == pytest.approx(L.divergence(a, b, "reverse_kl").item(), abs=1e-6))
 
 
 def test_tvd_bounds():
@@ -112,7 +118,8 @@ def test_topk_tail_bucket_penalises_student_mass_outside_support():
     good = t.clone()  # student = teacher
     bad = t.clone().scatter(-1, indices, -30.0)  # student puts ~all mass outside the teacher's top-4
     for kind in L.DIVERGENCES:
-        assert L.topk_divergence(bad, values, indices, kind).item() > L.topk_divergence(good, values, indices, kind).item()
+        assert (L.topk_divergence(bad, values, indices, kind).item()
+                > L.topk_divergence(good, values, indices, kind).item())
     # exact teacher normaliser (τ = 1): bucketed forward KL is <= the full KL (data-processing inequality)
     s = torch.randn(1, 3, 20)
     lse = torch.logsumexp(t, dim=-1)

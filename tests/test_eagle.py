@@ -43,8 +43,9 @@ def job_config(tmp: Path, version: str, steps: int = 30, **kw) -> EagleJobConfig
     return EagleJobConfig(
         target="tiny", data="in-memory", output=str(tmp / f"{version}-artifact"), version=version,
         ttt_steps=3, draft_vocab_size=128,
-        train=TrainConfig(lr=3e-3, max_steps=steps, batch_size=8, warmup_steps=2, output_dir=str(tmp / f"{version}-run"),
-                          resume="never", progress=False, log_every=5, eval_every=0),
+        train=TrainConfig(lr=3e-3, max_steps=steps, batch_size=8, warmup_steps=2,
+                          output_dir=str(tmp / f"{version}-run"), resume="never", progress=False, log_every=5,
+                          eval_every=0),
         evaluate=EvalAfterTraining(enabled=False), **kw)
 
 
@@ -56,7 +57,8 @@ def test_uncapturable_layer_refused_when_training_is_configured(target4, tmp_pat
     for layers in ([0, 1, 3], [0, 1, -1]):
         with pytest.raises(ConfigError, match=r"target_layers: layer\(s\) \[3\] .*captured by no serving stack"):
             EagleJob(job_config(tmp_path, "eagle3", target_layers=layers), target4, rows)
-    assert EagleJob(job_config(tmp_path, "eagle3", target_layers=[0, 1, 3], exportable=False), target4, rows).layers == [0, 1, 3]
+    assert EagleJob(job_config(tmp_path, "eagle3", target_layers=[0, 1, 3], exportable=False), target4,
+                    rows).layers == [0, 1, 3]
     assert EagleJob(job_config(tmp_path, "eagle3", target_layers=None), target4, rows).layers == [0, 1, 2]
 
 
@@ -234,7 +236,8 @@ def test_eagle3_loss_soft_targets_and_accuracy():
     loss, m = eagle3_loss(logits, teacher, [torch.tensor([1, 3])], d2t, [1.0])
     assert m["step0/acc"] == 0.5  # row 0: target 1 == 0 + d2t[0]; row 1: target 3 is outside the draft vocab
     p = torch.softmax(teacher[0], -1)
-    assert float(loss.detach()) == pytest.approx(float(-(p * torch.log_softmax(teacher[0], -1)).sum(-1).mean()), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(-(p * torch.log_softmax(teacher[0], -1)).sum(-1).mean()),
+                                                 rel=1e-5)
     loss.backward()
     assert logits[0].grad.abs().max() < 1e-6  # the minimum of the soft CE is the teacher itself
 

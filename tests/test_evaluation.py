@@ -29,8 +29,9 @@ def _one_thread():
 def prompt_files(tmp_path):
     eagle = tmp_path / "eagle"
     eagle.mkdir()
-    (eagle / "alpaca.jsonl").write_text("\n".join(json.dumps({"question_id": i, "category": "", "turns": [t]}) for i, t in
-                                                  enumerate(["Name three colors.", "What is a fox?", "Say hi."])) + "\n")
+    (eagle / "alpaca.jsonl").write_text("\n".join(json.dumps({"question_id": i, "category": "", "turns": [t]})
+                                                  for i, t in enumerate(["Name three colors.", "What is a fox?",
+                                                                         "Say hi."])) + "\n")
     (eagle / "gsm8k.jsonl").write_text("\n".join(json.dumps({"category": "math", "turns": [t, "And then?"]}) for t in
                                                  ["What is 2 + 3?", "Natalia sold 48 clips. How many?"]) + "\n")
     (tmp_path / "user_oriented_instructions.jsonl").write_text(json.dumps(
@@ -379,7 +380,8 @@ def test_draft_networks_run_in_the_draft_dtype(tiny_target, prompt_files, tmp_pa
                       compare=["ngram", f"draft:{tiny_target.folder}@float32"], **kw)
     assert report["settings"]["draft_dtype"] == "bfloat16" and report["overall"]["lossless"] is True
     side = report["settings"]["compare_settings"]
-    assert side["ngram"]["draft_dtype"] is None and side[f"draft:{tiny_target.folder}@float32"]["draft_dtype"] == "float32"
+    assert (side["ngram"]["draft_dtype"] is None
+            and side[f"draft:{tiny_target.folder}@float32"]["draft_dtype"] == "float32")
     assert report["overall"]["compare"][f"draft:{tiny_target.folder}@float32"]["alpha"] == 1.0  # itself, in fp32
     assert next(tiny_target.model.parameters()).dtype == torch.float32  # the target drafting for itself: a copy
     assert "draft networks in bfloat16" in (write_report(report, tmp_path / "r") / "report.md").read_text()
@@ -395,12 +397,14 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
                       cost_k_max=2, cost_repeats=1, limit_per_domain=1, adaptive=True, compare=["ngram@chain=1"])
     assert set(report) == {"command", "date", "machine", "target", "proposer", "settings", "domains", "overall",
                           "cost_model", "recommended_k", "policy", "memory", "references", "prompts", "contention"}
-    assert set(report["contention"]) == {"other_cpu_share", "threshold", "speedups_valid", "note", "repeats", "remeasure",
-                                         "prompts", "prompts_with_invalid_timing", "invalid", "busy_prompts"}
+    assert set(report["contention"]) == {"other_cpu_share", "threshold", "speedups_valid", "note", "repeats",
+                                         "remeasure", "prompts", "prompts_with_invalid_timing", "invalid",
+                                         "busy_prompts"}
     assert set(report["settings"]) == {
         "max_new_tokens", "k", "tree", "tree_max_nodes", "prune_tree", "tree_verified", "temperature", "top_p",
         "top_k", "limit_per_domain", "seed", "prompt_files", "adaptive", "compare", "gpu_tree", "draft_dtype",
-        "compare_settings", "split", "domains", "repeats", "remeasure", "chat_template_kwargs", "turns", "turns_cut", "left_out"}
+        "compare_settings", "split", "domains", "repeats", "remeasure", "chat_template_kwargs", "turns", "turns_cut",
+        "left_out"}
     overall = {"n_prompts", "alpha", "tau", "tau_predicted_from_alpha", "per_position_acceptance",
                "conditional_acceptance", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless",
                "hf_generate_tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_plain", "fastest_plain", "n_timed",

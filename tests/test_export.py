@@ -140,7 +140,8 @@ def test_draft_export_catches_renamed_tensor(tiny_target, tmp_path):
     sd = load_file(out / "model.safetensors")
     sd["model.layers.0.mlp.gate.weight"] = sd.pop("model.layers.0.mlp.gate_proj.weight")
     save_file(sd, out / "model.safetensors")
-    with pytest.raises(VerificationError, match=r"missing tensor 'model.layers.0.mlp.gate_proj.weight'.*unexpected tensor 'model.layers.0.mlp.gate.weight'"):
+    with pytest.raises(VerificationError, match=r"missing tensor 'model.layers.0.mlp.gate_proj.weight'.*"
+                                                r"unexpected tensor 'model.layers.0.mlp.gate.weight'"):
         verify_export(out)
 
 
@@ -268,7 +269,8 @@ def test_medusa_wrong_shape_caught(tiny_target, tmp_path):
     sd = load_file(out / "model.safetensors")
     sd["blocks.1.layers.0.weight"] = sd["blocks.1.layers.0.weight"][:, :32].contiguous()
     save_file(sd, out / "model.safetensors")
-    with pytest.raises(VerificationError, match=r"'blocks.1.layers.0.weight' has shape \[64, 32\], expected \[64, 64\]"):
+    with pytest.raises(VerificationError,
+                       match=r"'blocks.1.layers.0.weight' has shape \[64, 32\], expected \[64, 64\]"):
         verify_export(out)
 
 
@@ -469,11 +471,13 @@ def test_eagle3_speculators_loads_and_runs(deep_target, tmp_path):
 def test_eagle3_half_precision_head_exports_and_speculators_runs_it(deep_target, tmp_path, dtype):
     """A bf16 / fp16 head (the shipped zoo head is bf16) exports verified: speculators runs it in its own dtype."""
     pytest.importorskip("speculators")
-    state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in eagle_state(3, deep_target.vocab_size, 100).items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v)
+             for k, v in eagle_state(3, deep_target.vocab_size, 100).items()}
     art = make_eagle_artifact(deep_target, tmp_path / "e", **state)
     res = export_artifact(art, "vllm", tmp_path / "v", deep_target)
     assert any(c.startswith("speculators") for c in res.checks), res.checks
-    assert read_header(res.out / "model.safetensors")["fc.weight"][1] == {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    assert (read_header(res.out / "model.safetensors")["fc.weight"][1]
+            == {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype])
     assert json.loads((res.out / "config.json").read_text())["torch_dtype"] == str(dtype).removeprefix("torch.")
 
 

@@ -58,7 +58,8 @@ def test_real_eagle3_speculators(real_target, tmp_path):
     state = {
         "layer.self_attn.q_proj.weight": r(nh * hd, 2 * H), "layer.self_attn.k_proj.weight": r(nkv * hd, 2 * H),
         "layer.self_attn.v_proj.weight": r(nkv * hd, 2 * H), "layer.self_attn.o_proj.weight": r(H, nh * hd),
-        "layer.mlp.gate_proj.weight": r(inter, H), "layer.mlp.up_proj.weight": r(inter, H), "layer.mlp.down_proj.weight": r(H, inter),
+        "layer.mlp.gate_proj.weight": r(inter, H), "layer.mlp.up_proj.weight": r(inter, H),
+        "layer.mlp.down_proj.weight": r(H, inter),
         "layer.input_layernorm.weight": torch.ones(H), "layer.post_attention_layernorm.weight": torch.ones(H),
         "layer.hidden_norm.weight": torch.ones(H), "fc.weight": r(H, 3 * H), "norm.weight": torch.ones(H),
         "lm_head.weight": t.model.lm_head.weight.detach()[keep].clone(), "d2t": keep - torch.arange(N), "t2d": t2d,
@@ -78,4 +79,5 @@ def test_real_eagle3_speculators(real_target, tmp_path):
     art = artifact.save_artifact(tmp_path / "eagle-nbr-off", artifact.make_manifest("eagle", t.fingerprint(), cfg),
                                  state, cfg)
     sg = export_artifact(art, "sglang", tmp_path / "sglang", t)
-    assert json.loads((sg.out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert (json.loads((sg.out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+            == [2, 15, 27])

@@ -244,5 +244,6 @@ def test_gemma_head_reads_plain_embedding_rows(tiny_tokenizer, tmp_path):
     emb = target.model.get_input_embeddings()
     ids = torch.tensor([[3, 4, 5]])
     assert not torch.allclose(emb(ids), emb.weight[ids])  # the module scales
-    head = EagleHead.from_target(target.model, "eagle3", draft_vocab=build_draft_vocab(torch.ones(len(tiny_tokenizer)), 32))
+    head = EagleHead.from_target(target.model, "eagle3",
+                                 draft_vocab=build_draft_vocab(torch.ones(len(tiny_tokenizer)), 32))
     assert torch.equal(head.embed(ids), emb.weight[ids])

@@ -371,7 +371,8 @@ def _broken(**change) -> dict:
     ({"num_spec_steps": None}, r"speculative_decoding\.num_spec_steps is None, expected an int >= 0"),
     ({"draft_acceptance_rate": 0.9}, r"speculative_decoding\.draft_acceptance_rate is 0\.9, but the counts give"),
     ({"per_step_accepted": [3, 1, 0]}, r"speculative_decoding\.per_step_accepted is \[3, 1, 0\], expected 4 ints"),
-    ({"per_step_drafted": [3, 3, 3, 3]}, r"per_step_accepted / per_step_drafted sum to 6 / 12, not num_accepted_draft_tokens 6 / num_draft_tokens 11"),
+    ({"per_step_drafted": [3, 3, 3, 3]}, r"per_step_accepted / per_step_drafted sum to 6 / 12, "
+                                         r"not num_accepted_draft_tokens 6 / num_draft_tokens 11"),
     ({"per_step_accepted": [1, 0, 2, 3]}, r"per_step_accepted\[3\] is 3 > per_step_drafted\[3\] 2"),
     ({"per_step_accepted": [3, 3, 0, 0]}, r"acceptance_histogram \[1, 1, 1, 1\] is not the histogram of per_step"),
     ({"per_step_drafted": None}, r"per_step_drafted is None, expected 4 ints"),

@@ -296,11 +296,11 @@ def test_fuzz_registry_current_pointer(tmp_path, data, how):
 # --- the longer random run ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 @FUZZ_LONG
-@given(mutated_json(REPORT), mutated_json(HEADLINE), mutated_json(POLICY), mutated_json(PROFILE), mutated_jsonl(TRAFFIC),
-       mutated_jsonl(REQUESTS), mutated_jsonl(FLEET), mutated_prometheus(), mutated_yaml(ACCELERATE), mutated_json(POINTER),
-       PLACES, st.booleans(), st.floats(0.05, 1.0))
-def test_fuzz_fleet_readers_long(tmp_path, report, headline, policy, profile, traffic, requests, fleet, prom, acc, pointer,
-                                 how, gz, cut):
+@given(mutated_json(REPORT), mutated_json(HEADLINE), mutated_json(POLICY), mutated_json(PROFILE),
+       mutated_jsonl(TRAFFIC), mutated_jsonl(REQUESTS), mutated_jsonl(FLEET), mutated_prometheus(),
+       mutated_yaml(ACCELERATE), mutated_json(POINTER), PLACES, st.booleans(), st.floats(0.05, 1.0))
+def test_fuzz_fleet_readers_long(tmp_path, report, headline, policy, profile, traffic, requests, fleet, prom, acc,
+                                 pointer, how, gz, cut):
     _report(tmp_path, report, how)
     _headline(tmp_path, headline, how)
     _policy(tmp_path, policy, how)

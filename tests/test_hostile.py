@@ -434,8 +434,8 @@ def test_evaluate_refuses_a_prompt_longer_than_the_context(tiny_target, tmp_path
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"turns": ["hello"], "category": "chat"}) + "\n"
                  + json.dumps({"turns": [_long_text(tiny_target.tokenizer, ctx + 100)], "category": "chat"}) + "\n")
-    with pytest.raises(ConfigError, match=rf"prompt p\.jsonl:2: a prompt of \d+ tokens \+ max_new_tokens 8 is more than "
-                                          rf"the target's context of {ctx}"):
+    with pytest.raises(ConfigError, match=rf"prompt p\.jsonl:2: a prompt of \d+ tokens \+ max_new_tokens 8 is "
+                                          rf"more than the target's context of {ctx}"):
         evaluate(tiny_target, "ngram", prompts=[str(p)], max_new_tokens=8, out=str(tmp_path / "e"), hf_reference=False,
                  cost_model=False)
     with pytest.raises(ValueError, match=r"max_new_tokens: 1000000000 is out of range \(expected 1 <= x <= 1048576\)"):
@@ -670,7 +670,8 @@ def test_a_second_training_into_one_output_dir_is_refused_while_the_first_runs(t
 # --- 16. ranges checked at load; output folders checked before training; prompts that are folders or empty ---------
 @pytest.mark.parametrize("override,expect", [
     ("generation.threads=1000000", r"generation\.threads: 1000000 is out of range \(expected 1 <= x <= 1024\)"),
-    ("generation.batch_size=100000000", r"generation\.batch_size: 100000000 is out of range \(expected 1 <= x <= 65536\)"),
+    ("generation.batch_size=100000000",
+     r"generation\.batch_size: 100000000 is out of range \(expected 1 <= x <= 65536\)"),
     ("generation.max_new_tokens=1000000000", r"generation\.max_new_tokens: 1000000000 is out of range \(expected 1 <="),
 ])
 def test_huge_generation_settings_are_refused_at_load(tmp_path, override, expect):

@@ -461,7 +461,8 @@ def test_checkpoints_only_from_finite_weights(tiny_target, tmp_path, monkeypatch
         return real(self)
 
     monkeypatch.setattr(loop.Trainer, "save", poisoned_save)
-    with caplog.at_level("WARNING"), pytest.raises(TrainingError, match=r"non-finite values; last good checkpoint: .*step-00000002"):
+    with caplog.at_level("WARNING"), pytest.raises(TrainingError,
+                                                   match=r"non-finite values; last good checkpoint: .*step-00000002"):
         train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, save_every=2, keep_last=5))
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step-00000002"]
     assert "not saving a checkpoint" in caplog.text

@@ -399,7 +399,8 @@ def test_more_errors_name_the_file(tiny_target, deep_target, tmp_path):
     med = make_medusa_artifact(tiny_target, tmp_path / "m")
     cfg = json.loads((med / "config.json").read_text())
     (med / "config.json").write_text(json.dumps({**cfg, "num_heads": "three"}))
-    with pytest.raises(ConfigError, match=r"m/config\.json: field 'num_heads' is 'three', expected an int in \[1, 16\]"):
+    with pytest.raises(ConfigError,
+                       match=r"m/config\.json: field 'num_heads' is 'three', expected an int in \[1, 16\]"):
         load_medusa(med, tiny_target)
     (med / "config.json").write_text(json.dumps(cfg))
     # a renamed tensor whose checksum was recorded again: the load names the weights and the config

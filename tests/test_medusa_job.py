@@ -140,7 +140,8 @@ def test_a_routed_medusa_tree_is_cut_by_the_verifiers_cost_model(medusa_artifact
     assert free.tokens == ref.tolist() and free.stats.proposed > 0
     # every node costs ten target steps: the route's tree is cut to nothing, which is plain decoding
     dear = speculative_generate(tiny_target, routed, prompts, 12, eos_ids=[], k=None,
-                                tree=routed.default_tree_spec(), cost=VerifyCost(tuple(1.0 + 10 * n for n in range(20)), 0.01))
+                                tree=routed.default_tree_spec(),
+                                cost=VerifyCost(tuple(1.0 + 10 * n for n in range(20)), 0.01))
     assert dear.tokens == ref.tolist() and dear.stats.proposed == 0 and routed.active[1].capacity() == 0
 
 
@@ -157,7 +158,8 @@ def test_evaluation_report_is_written_into_the_artifact(medusa_artifact, tiny_ta
     report = evaluate_into_artifact(art, tiny_target, "medusa", EvalAfterTraining(
         prompts=[str(prompts)], limit_per_domain=2, max_new_tokens=8))
     assert set(report["domains"]) == {"math", "code"}
-    assert report["settings"]["tree"] == list(build_proposer(f"medusa:{art}", tiny_target).default_tree_spec().branching)
+    assert (report["settings"]["tree"]
+            == list(build_proposer(f"medusa:{art}", tiny_target).default_tree_spec().branching))
     assert all(row["lossless"] for row in report["domains"].values())
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["eval"]["report"] == "eval/report.json" and (art / "eval" / "report.md").is_file()

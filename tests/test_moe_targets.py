@@ -64,7 +64,8 @@ def test_batched_engine_writes_transformers_greedy_rows_and_captures_them(family
     transformers' greedy `generate` writes for it alone, and so does the hf engine (batched `generate`); what
     it captures while writing is what one teacher-forced forward over the finished row computes. DeepSeek-V3's
     attention caches, per layer and token, its normed latent as "keys" and its rotated shared key as "values"
-    (512 and 64 wide, as published): the engine keeps each in a buffer of its own shape and reads them back unchanged."""
+    (512 and 64 wide, as published): the engine keeps each in a buffer of its own shape and reads them back
+    unchanged."""
     from draftsmith.capture.forward import capture_forward
     from draftsmith.data.engines.base import Request
     from draftsmith.data.engines.continuous import CaptureSpec, ContinuousBatcher, windowed

@@ -63,7 +63,8 @@ def test_an_api_key_echoed_by_a_failing_server_is_never_written(tiny_target, tmp
     def echo(method, path, body, headers):  # a proxy that echoes the request it could not serve
         if path.endswith("/models"):
             return _json({"data": [{"id": "tiny"}]})
-        return 503, {"Content-Type": "text/plain"}, f"upstream down; request was Authorization: {headers.get('Authorization')}".encode()
+        return 503, {"Content-Type": "text/plain"}, (f"upstream down; request was Authorization: "
+                                                     f"{headers.get('Authorization')}").encode()
 
     with fake_server(echo) as bad, fake_server(openai_answer("tiny", _good)) as good, caplog.at_level(logging.WARNING):
         out = generate_dataset(data_cfg(tmp_path, [f"{bad}/v1", f"{good}/v1"], api_key_env="DS_TEST_KEY"),
@@ -102,7 +103,8 @@ def test_an_endless_metrics_body_is_cut_at_the_byte_cap(capsys):
 
     with streaming_server(endless) as url:
         t0 = time.monotonic()
-        with pytest.raises(DataError, match=r"/metrics: no metrics read \(the answer is larger than 1048576 bytes") as e:
+        with pytest.raises(DataError,
+                           match=r"/metrics: no metrics read \(the answer is larger than 1048576 bytes") as e:
             read_metrics(f"{url}/metrics", max_bytes=1 << 20)
         assert time.monotonic() - t0 < 10 and "\n" not in str(e.value)
         assert main(["alpha", f"{url}/metrics", "--max-mib", "1"]) != 0

@@ -158,7 +158,8 @@ def test_rag_eval_rows_are_long_passage_questions_each_passage_on_one_side():
             words = len(r["turns"][0].split())
             assert ship.LONG_WORDS[0] <= words <= ship.RAG_EVAL_WORDS[1], (r["question_id"], words)
             family = r["source"].removeprefix("t0/").split("_")[0]
-            assert {"wiki": "wiki_hop", "adversarial": "adversarial_qa"}.get(family, family) + "_" in notice, r["source"]
+            assert ({"wiki": "wiki_hop", "adversarial": "adversarial_qa"}.get(family, family) + "_"
+                    in notice), r["source"]
             keys.setdefault(ship.passage_key(r["turns"][0]), set()).add(split)
     assert all(len(s) == 1 for s in keys.values())
     assert len(keys) >= 15  # distinct passages, not one passage asked many ways

@@ -119,7 +119,8 @@ def scenario(tiny_tokenizer, tmp_path_factory):
     traffic.mkdir()
     now = time.time()
     _write_jsonl(traffic / "gateway-1.jsonl", [
-        {"prompt": _prompt(line, w), "domain": "code", "timestamp": now - 60 * w} for line in B_LINES for w in (1, 2, 3)])
+        {"prompt": _prompt(line, w), "domain": "code", "timestamp": now - 60 * w}
+        for line in B_LINES for w in (1, 2, 3)])
     retrain_yaml = root / "retrain.yaml"
     retrain_yaml.write_text(yaml.safe_dump({
         "kind": "retrain", "artifact_kind": "medusa", "target": target_dir, "registry": str(root / "registry"),
@@ -273,12 +274,14 @@ def test_retraining_from_the_fleets_states_runs_no_layer_of_the_target(scenario,
 
     monkeypatch.setattr(layer_cls, "forward", counted)
     code, rec = retrain_once(cfg)
-    assert code == EXIT_OK and rec["outcome"] == "promoted", {k: rec.get(k) for k in ("outcome", "error", "gate", "stale")}
+    assert code == EXIT_OK and rec["outcome"] == "promoted", {k: rec.get(k)
+                                                              for k in ("outcome", "error", "gate", "stale")}
     assert calls["layers"] == 0, f"{calls['layers']} decoder-layer forwards while the candidate was built and trained"
     reg = Registry(root / "served-registry", Path(cfg.target).name, "medusa")
     data = Path(reg.manifest(reg.current())["data"]["path"])
     prov = json.loads((data / "provenance.json").read_text())
-    assert prov["served"]["captures"] == str(captures) and prov["counts"]["per_domain"] == {"code": prov["counts"]["rows"]}
+    assert (prov["served"]["captures"] == str(captures)
+            and prov["counts"]["per_domain"] == {"code": prov["counts"]["rows"]})
     assert (data / "capture" / "index.json").is_file()
     assert prov["replay"]["rows"] > 0 and prov["replay"]["captured_by_target"] == 0
     assert rec["candidate_traffic"]["domains"]["code"]["alpha"] >= cfg.thresholds.alpha_floor

@@ -34,7 +34,8 @@ def served_states(target, ids: list[int], vllm_ids: list[int]) -> torch.Tensor:
 
     model, L = target.model, target.num_layers
     last = {}
-    hook = decoder_layers(model)[L - 1].register_forward_hook(lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
+    hook = decoder_layers(model)[L - 1].register_forward_hook(
+        lambda m, i, o: last.update(h=o[0] if isinstance(o, tuple) else o))
     try:
         out = model(input_ids=torch.tensor([ids[:-1]]), output_hidden_states=True)
     finally:
@@ -131,7 +132,8 @@ def test_damaged_foreign_or_unfitting_captures_are_named_and_skipped(tiny_target
     (folder / ".cmpl-x-0-0.tmp-9").write_bytes(b"half")  # a write in flight is not a capture
     prov = import_served(folder, tiny_target, tmp_path / "ok", [0, 1], progress=False)
     assert prov["counts"]["rows"] == 1 and prov["served"]["skipped"] == 4
-    assert [r["origin"] for r in load_distilled(tmp_path / "ok", tiny_target)] == [f"served:{good.split('/')[-1][:-12]}"]
+    assert ([r["origin"] for r in load_distilled(tmp_path / "ok", tiny_target)]
+            == [f"served:{good.split('/')[-1][:-12]}"])
     why = "\n".join(prov["served"]["bad"])
     for name, reason in ((flipped, "checksum mismatch"), (cut, "torn"), (vocab, "outside the target's vocabulary"),
                          (layers, "layers [1] captured")):

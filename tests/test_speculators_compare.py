@@ -50,7 +50,8 @@ def setup(sc, tiny_tokenizer, tmp_path_factory):
     torch.set_num_threads(1)
     target = make_target(tiny_tokenizer, seed=0, layers=4, folder=tmp / "target")
     rows = prompt_rows(target, tmp, PROMPTS)
-    capture_dataset(target, list(rows), tmp / "data" / "capture", layers=LAYERS, topk=1, last_hidden=True, progress=False)
+    capture_dataset(target, list(rows), tmp / "data" / "capture", layers=LAYERS, topk=1, last_hidden=True,
+                    progress=False)
     cfg = sc.PeerConfig(target=str(tmp / "target"), data=str(tmp / "data"), out=str(tmp / "theirs"), seconds=60,
                         max_steps=3, draft_vocab_size=64, ttt_steps=3, warmup_steps=0, lr=3e-3, max_length=64,
                         eval_fraction=0.25, precision="no", progress=False)
@@ -194,7 +195,8 @@ def test_the_command_line_trains_from_flags(sc, setup, tmp_path, capsys):
 
 def test_like_reads_our_artifacts_settings(sc, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"kind": "eagle", "config": {
-        "version": "eagle3", "target": "smollm2-135m", "data": "runs/b31/data", "capture_cache": "runs/b31/data/capture",
+        "version": "eagle3", "target": "smollm2-135m", "data": "runs/b31/data",
+        "capture_cache": "runs/b31/data/capture",
         "ttt_steps": 6, "step_decay": 0.8, "prompt_context": 64, "draft_layer": "target",
         "train": {"lr": 5e-4, "batch_size": 8, "schedule": "constant", "mixed_precision": "auto", "max_steps": None}}}))
     cfg = sc.PeerConfig(**sc.like_artifact(tmp_path))
@@ -222,7 +224,8 @@ def test_compare_decodes_both_heads_side_by_side(sc, setup, tmp_path):
     table = sc.compare(ours, setup["art"], tmp_path / "cmp", target=target, limit_per_domain=2, max_new_tokens=8,
                        chain=3, prompts=[str(prompts)], cost_model=False)
     runs, theirs = table["overall"], f"theirs (speculators {importlib.metadata.version('speculators')})"
-    assert {"ours (draftsmith) / tree", f"{theirs} / tree", "ours (draftsmith) / chain 3", f"{theirs} / chain 3"} <= set(runs)
+    assert ({"ours (draftsmith) / tree", f"{theirs} / tree", "ours (draftsmith) / chain 3", f"{theirs} / chain 3"}
+            <= set(runs))
     assert all(r["lossless"] for r in runs.values()) and all(r["tau"] >= 1 for r in runs.values())
     # each head's own uncut GPU-sized tree, in the same run
     assert {"ours (draftsmith) / GPU tree, uncut", f"{theirs} / GPU tree, uncut"} <= set(runs)

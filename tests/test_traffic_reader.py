@@ -60,7 +60,8 @@ def test_content_parts_and_tool_call_messages_are_read_by_retraining_as_by_alpha
     assert sample.malformed == 0, sample.bad
     assert sorted(r.prompt for r in sample.rows) == ["and tomorrow?", "question 0", "what is on\nthis picture?"]
     tool = next(r for r in sample.rows if r.prompt == "and tomorrow?")
-    assert tool.messages[1] == {"role": "assistant", "content": None, "tool_calls": CHAT_WITH_TOOL_CALL[1]["tool_calls"]}
+    assert tool.messages[1] == {"role": "assistant", "content": None,
+                                "tool_calls": CHAT_WITH_TOOL_CALL[1]["tool_calls"]}
     table = log_alpha(folder)
     assert table["domains"]["chat"]["n_prompts"] == 3 and table["malformed"] == 0  # the two readers agree
 
@@ -222,7 +223,8 @@ def test_a_line_under_the_cap_too_large_for_memory_is_one_bad_row(tmp_path):
     folder = tmp_path / "t"
     folder.mkdir()
     huge = b'{"prompt": "x", "draft_tokens": 1, "accepted_tokens": 1, "ids": [' + b"0," * (15 << 20) + b"0]}\n"
-    assert len(huge) < getattr(logs_module, "MAX_LINE_BYTES", 32 << 20)  # under the line cap: parsed, 15M list items under 160 MiB
+    # under the line cap: parsed, 15M list items under 160 MiB
+    assert len(huge) < getattr(logs_module, "MAX_LINE_BYTES", 32 << 20)
     good = [json.dumps(_good(i)).encode() + b"\n" for i in range(2)]
     (folder / "a.jsonl").write_bytes(good[0] + huge + good[1])
     run = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(folder)], capture_output=True, text=True,

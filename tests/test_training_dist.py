@@ -4,10 +4,10 @@ as `accelerate launch` runs them on GPUs (tests/_dist_job.py), with the CPU form
 
 - placement: each rank loads its target once, on its own device, never trainable;
 - DDP, FSDP2 (`fully_shard`), DeepSpeed ZeRO-2 and ZeRO-3 (DeepSpeed's CPU accelerator), 2 ranks each: a
-  Medusa, an EAGLE-3 head and a DFlash draft (anchors drawn per row) reach the losses of 1 process over the same global batch (1 rank x 4 rows x
-  grad_accum 2 == 2 ranks x 4 rows), within LOSS_RTOL; under FSDP / ZeRO no rank's optimizer holds the
-  module's full state, and under FSDP / ZeRO-3 the frozen target is sharded too; rank 0 alone writes the
-  artifact and the log;
+  Medusa, an EAGLE-3 head and a DFlash draft (anchors drawn per row) reach the losses of 1 process over the same
+  global batch (1 rank x 4 rows x grad_accum 2 == 2 ranks x 4 rows), within LOSS_RTOL; under FSDP / ZeRO no
+  rank's optimizer holds the module's full state, and under FSDP / ZeRO-3 the frozen target is sharded too;
+  rank 0 alone writes the artifact and the log;
 - sharded checkpoints: one rank SIGKILLed mid-run; FSDP resumes from the last shards with 2 ranks and, from
   the same checkpoint, with 1 process; ZeRO-3 resumes with 2 and refuses 1 in one line (its partitions are
   cut for 2); every resumed run ends on the uninterrupted losses with one consolidated safetensors artifact,

@@ -127,7 +127,8 @@ def _retrain_yaml(fleet, traffic: Path, captures: Path) -> Path:
     path = root / "retrain.yaml"
     path.write_text(yaml.safe_dump({
         "kind": "retrain", "artifact_kind": "eagle", "target": str(fleet["target"].folder),
-        "registry": str(root / "registry"), "job_config": str(fleet["job_yaml"]), "data_config": str(fleet["data_yaml"]),
+        "registry": str(root / "registry"), "job_config": str(fleet["job_yaml"]),
+        "data_config": str(fleet["data_yaml"]),
         "traffic": {"dir": str(traffic), "captures": str(captures), "max_per_domain": 48, "eval_share": 0.25,
                     "max_eval_per_domain": 6},
         "measure": {"baseline_prompts": [str(root / "a.jsonl")], "baseline_limit_per_domain": 4,

@@ -53,7 +53,8 @@ def _post(srv, path: str, body: dict, headers: dict | None = None) -> tuple[str 
     from draftsmith import net
 
     answer = net.request(f"{srv.base_url}/{path}", json.dumps(body).encode(), deadline=120.0,
-                         max_bytes=net.ANSWER_MAX_BYTES, headers={"Content-Type": "application/json", **(headers or {})})
+                         max_bytes=net.ANSWER_MAX_BYTES,
+                         headers={"Content-Type": "application/json", **(headers or {})})
     chat = path.startswith("chat")
     if not body.get("stream"):
         out = answer.json()

@@ -26,7 +26,8 @@ TREE_BUDGET = 48 * 2**20  # what a GPU node takes of a working tree, with room f
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: int = 600) -> str:
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(map(str, cmd))} -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (f"{' '.join(map(str, cmd))} -> {done.returncode}\n{done.stdout[-3000:]}\n"
+                                  f"{done.stderr[-3000:]}")
     return done.stdout
 
 
@@ -51,7 +52,8 @@ def test_the_wheel_carries_what_the_package_reads_at_run_time(wheel):
     # what only the checkout needs stays out of every user's install
     assert not [n for n in names if n.startswith(("draftsmith/tests/", "draftsmith/results/", "draftsmith/scripts/"))]
     # every subpackage of the tree is in the wheel (pyproject.toml lists them one by one)
-    tree = {"draftsmith/" + p.parent.relative_to(ROOT).as_posix() + "/__init__.py" for p in ROOT.glob("*/**/__init__.py")
+    tree = {"draftsmith/" + p.parent.relative_to(ROOT).as_posix() + "/__init__.py"
+            for p in ROOT.glob("*/**/__init__.py")
             if p.relative_to(ROOT).parts[0] not in {"tests", "scripts", "results", "build", "runs", "docs"}
             and not p.relative_to(ROOT).parts[0].startswith(".")}
     assert tree - names == set(), f"subpackages missing from pyproject.toml's package list: {sorted(tree - names)}"

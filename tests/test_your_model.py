@@ -86,7 +86,8 @@ def test_readme_commands_run_from_a_hub_id_to_a_served_eagle3_head(tiny_tokenize
                 continue
             if args[:3] == ["draftsmith", "data", "generate"]:
                 # the preset's prompt files are not on this machine: the standard library's code prompts are
-                extra = [f"target={folder}", "max_rows=6", "sources=[{name: code, type: stdlib, domain: code, limit: 6}]",
+                extra = [f"target={folder}", "max_rows=6",
+                         "sources=[{name: code, type: stdlib, domain: code, limit: 6}]",
                          "generation.max_new_tokens=16", "generation.batch_size=6", "generation.dtype=auto",
                          "generation.threads=1", "--no-progress"]
                 assert main(args[1:] + extra) == 0

@@ -1,5 +1,6 @@
 """vLLM's own DSpark reader, run on a CPU: what `Qwen3DSparkForCausalLM` loads from a draftsmith export and what it
-computes from it, written out tensor by tensor for draftsmith to compare with its own DSpark (tests/test_vllm_dspark.py).
+computes from it, written out tensor by tensor for draftsmith to compare with its own DSpark
+(tests/test_vllm_dspark.py).
 
 This file is a script for the OTHER environment (.venv-vllm, like export/vllm_run.py): it imports the standard
 library, torch, safetensors and vllm only, never draftsmith. Only a test runs it, so it lives under tests/,
