@@ -100,10 +100,11 @@ bench: setup
 bench-quick: setup
 	$(BIN)/draftsmith bench --config $(BENCH_CONFIG) --quick
 
-# ruff, then the import rules (scripts/check_imports.py: no cycle between files, the folders imported in
-# the layer order of docs/architecture.md, method folders never import one another, targets/ imports
-# nothing above it, imports by name in the same order); then the function-length rule (scripts/check_functions.py:
-# 60 lines in the package, 100 in tests/ and scripts/), and no backslash line continuation (scripts/check_style.py);
+# ruff (pyproject.toml's rules; lines at most 120 columns), then the import rules (scripts/check_imports.py: no
+# cycle between files, the folders imported in the layer order of docs/architecture.md, method folders never
+# import one another, targets/ imports nothing above it, imports by name in the same order); then the
+# function-length rule (scripts/check_functions.py: 60 lines in the package, 100 in tests/ and scripts/), and no
+# backslash line continuation (scripts/check_style.py);
 # tests/test_imports.py, tests/test_functions.py and tests/test_style.py run the same checks inside `make test`
 lint: setup
 	$(BIN)/ruff check .
