@@ -421,16 +421,7 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
                         f"{'; first: ' + scan.bad[0] if scan.bad else ''})")
     rows = list(records.values())
     write_rows(out, rows)
-    prov = {"target": {"name": target.name, "spec": target.spec, "fingerprint": target.fingerprint(),
-                       "folder": str(target.folder) if target.folder else None},
-            "served": {"captures": str(folder), "requests": loaded, "skipped": scan.skipped, "bad": scan.bad,
-                       "shared": scan.shared, "shared_ids": scan.shared_ids, "vllm_layers": needed,
-                       "duplicates": loaded - len(rows)},
-            "counts": {"rows": len(rows), "per_domain": dict(sorted(Counter(r["domain"] for r in rows).items())),
-                       "tokens": sum(len(r["input_ids"]) for r in rows),
-                       "loss_tokens": sum(sum(r["loss_mask"]) for r in rows)},
-            "timing": {"wall_seconds": round(time.time() - t0, 2)},
-            "capture": str(out / CAPTURE_DIR), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    prov = _provenance(target, folder, scan, needed, loaded, rows, time.time() - t0, out / CAPTURE_DIR)
     atomic_write_json(out / PROVENANCE, prov)
     if scan.skipped:
         log.warning("import served: %d capture(s) skipped; first: %s", scan.skipped, scan.bad[0])
@@ -438,6 +429,21 @@ def import_served(folder: str | Path, target, out: str | Path, layers: list[int]
         log.warning("import served: %d capture(s) left out: their response ids are answered more than once "
                     "(first: %s)", scan.shared, scan.shared_ids[0])
     return prov
+
+
+def _provenance(target, folder, scan: Scan, needed: list[int], loaded: int, rows: list[dict], seconds: float,
+                capture: Path) -> dict:
+    """What import_served writes beside its rows: the target, what the scan of the captures found, the counts."""
+    return {"target": {"name": target.name, "spec": target.spec, "fingerprint": target.fingerprint(),
+                       "folder": str(target.folder) if target.folder else None},
+            "served": {"captures": str(folder), "requests": loaded, "skipped": scan.skipped, "bad": scan.bad,
+                       "shared": scan.shared, "shared_ids": scan.shared_ids, "vllm_layers": needed,
+                       "duplicates": loaded - len(rows)},
+            "counts": {"rows": len(rows), "per_domain": dict(sorted(Counter(r["domain"] for r in rows).items())),
+                       "tokens": sum(len(r["input_ids"]) for r in rows),
+                       "loss_tokens": sum(sum(r["loss_mask"]) for r in rows)},
+            "timing": {"wall_seconds": round(seconds, 2)},
+            "capture": str(capture), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 # a capture replica's request for one of generation's rows (data/engines/remote.py names them): vLLM's engine
