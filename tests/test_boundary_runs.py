@@ -4,10 +4,8 @@ failed before the fix it names."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -15,58 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 from _train_job import NextTokenJob
-from safetensors.torch import save_file
+from forged_runs import one_line as _one_line
+from forged_runs import sharded_checkpoint
+from forged_runs import train_cfg as _cfg
 
-from draftsmith.checksums import sha256_file
-from draftsmith.errors import DataError, DraftsmithError, OutputError, TrainingError
-from draftsmith.training import TrainConfig, train
-from draftsmith.training import checkpoint as ckpt
-
-
-def _cfg(out, **kw):
-    base = dict(batch_size=4, output_dir=str(out), save_every=0, eval_every=0, log_every=1, progress=False,
-                loggers=["jsonl"], lr=1e-3)
-    return TrainConfig(**{**base, **kw})
-
-
-def _one_line(e: BaseException) -> str:
-    assert isinstance(e, DraftsmithError), f"{type(e).__name__}: {e}"
-    message = str(e)
-    assert message and "\n" not in message, message
-    return message
+from draftsmith.errors import DataError, OutputError, TrainingError
+from draftsmith.training import train
 
 
 # --- 1. a resumed checkpoint never runs a pickle draftsmith did not write ------------------------------------
-class _Payload:
-    """Unpickling this creates `marker`: proof that a pickle was loaded."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _malicious_sharded_checkpoint(folder: Path, marker: Path) -> Path:
-    """A sharded checkpoint folder whose `shards/.metadata` is a malicious pickle and whose own state.json
-    records the matching sha256 of every file, as an attacker would write it."""
-    (folder / "shards").mkdir(parents=True)
-    (folder / "shards" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    js, tensors = ckpt.capture_rng()
-    save_file({f"rank0.{k}": v for k, v in tensors.items()}, str(folder / "rng.safetensors"))
-    (folder / "log.jsonl").write_text("")
-    sums = {n: sha256_file(folder / n) for n in ("shards/.metadata", "rng.safetensors", "log.jsonl")}
-    state = {"step": 2, "micro": 2, "epoch": 0, "batch_in_epoch": 2, "sampler_seed": 0, "micro_per_epoch": 8,
-             "world_size": 1, "batch_size": 4, "nonfinite_total": 0, "nonfinite_in_row": 0, "tokens_total": 10,
-             "last_eval": {}, "last_train": {}, "rng": [js], "format": "sharded", "checksums": sums,
-             "metadata_sha256": sums["shards/.metadata"]}
-    (folder / "state.json").write_text(json.dumps(state))
-    return folder
-
-
 def test_a_malicious_sharded_checkpoint_given_as_resume_is_refused_unread(tiny_target, tmp_path):
     marker = tmp_path / "PWNED"
-    evil = _malicious_sharded_checkpoint(tmp_path / "downloaded" / "step-00000002", marker)
+    evil = sharded_checkpoint(tmp_path / "downloaded" / "step-00000002", marker, 2)
     with pytest.raises(BaseException) as e:
         train(NextTokenJob(tiny_target), _cfg(tmp_path / "run", max_steps=4, resume=str(evil)))
     assert not marker.exists(), "the checkpoint's pickle was loaded"
@@ -77,7 +35,7 @@ def test_a_malicious_sharded_checkpoint_given_as_resume_is_refused_unread(tiny_t
 def test_a_malicious_checkpoint_copied_into_the_output_dir_is_never_unpickled(tiny_target, tmp_path):
     marker = tmp_path / "PWNED"
     out = tmp_path / "run"
-    evil = _malicious_sharded_checkpoint(out / "checkpoints" / "step-00000002", marker)
+    evil = sharded_checkpoint(out / "checkpoints" / "step-00000002", marker, 2)
     for resume in ("auto", str(evil)):  # found by resume: auto, or named: neither loads a pickle this run did not write
         with pytest.raises(BaseException) as e:
             train(NextTokenJob(tiny_target), _cfg(out, max_steps=4, resume=resume))

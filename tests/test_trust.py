@@ -16,55 +16,18 @@ from pathlib import Path
 
 import pytest
 from _train_job import NextTokenJob
-from safetensors.torch import save_file
+from forged_runs import Payload as _Payload
+from forged_runs import one_line as _one_line
+from forged_runs import sharded_checkpoint
+from forged_runs import train_cfg as _cfg
 
 from draftsmith.checksums import sha256_file
-from draftsmith.errors import ConfigError, DraftsmithError, TrainingError
-from draftsmith.training import TrainConfig, train
+from draftsmith.errors import ConfigError, TrainingError
 from draftsmith.training import checkpoint as ckpt
+from draftsmith.training import train
 from draftsmith.training.run_files import record_written
 
 CONFIG_ENV = "DRAFTSMITH_CONFIG_HOME"
-
-
-def _cfg(out, **kw):
-    base = dict(batch_size=4, output_dir=str(out), save_every=0, eval_every=0, log_every=1, progress=False,
-                loggers=["jsonl"], lr=1e-3)
-    return TrainConfig(**{**base, **kw})
-
-
-def _one_line(e: BaseException) -> str:
-    assert isinstance(e, DraftsmithError), f"{type(e).__name__}: {e}"
-    message = str(e)
-    assert message and "\n" not in message, message
-    return message
-
-
-class _Payload:
-    """Unpickling this creates `marker`: proof that a pickle was loaded."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _sharded_checkpoint(folder: Path, marker: Path) -> Path:
-    """A sharded checkpoint whose `shards/.metadata` is a malicious pickle, its own state.json recording the
-    sha256 of every file, as its author would write it."""
-    (folder / "shards").mkdir(parents=True)
-    (folder / "shards" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    js, tensors = ckpt.capture_rng()
-    save_file({f"rank0.{k}": v for k, v in tensors.items()}, str(folder / "rng.safetensors"))
-    (folder / "log.jsonl").write_text("")
-    sums = {n: sha256_file(folder / n) for n in ("shards/.metadata", "rng.safetensors", "log.jsonl")}
-    state = {"step": 4, "micro": 4, "sampler_seed": 0, "micro_per_epoch": 8, "world_size": 1, "batch_size": 4,
-             "nonfinite_total": 0, "nonfinite_in_row": 0, "tokens_total": 10, "last_eval": {},
-             "last_train": {}, "rng": [js], "format": "sharded", "checksums": sums,
-             "metadata_sha256": sums["shards/.metadata"]}
-    (folder / "state.json").write_text(json.dumps(state))
-    return folder
 
 
 def _as(monkeypatch, home: Path) -> None:
@@ -81,7 +44,7 @@ def _received_run(tiny_target, tmp_path, monkeypatch, marker: Path, genuine: boo
     train(NextTokenJob(tiny_target), _cfg(theirs, max_steps=2, save_every=2))
     if not genuine:
         shutil.rmtree(theirs / "checkpoints" / "step-00000002")
-    evil = _sharded_checkpoint(theirs / "checkpoints" / ".step-00000004.tmp-x", marker)
+    evil = sharded_checkpoint(theirs / "checkpoints" / ".step-00000004.tmp-x", marker, 4)
     record_written(theirs / "checkpoints", evil / "state.json", "step-00000004")
     evil.rename(theirs / "checkpoints" / "step-00000004")
     received = tmp_path / "received"
@@ -120,7 +83,7 @@ def test_an_edited_record_vouches_for_nothing(tiny_target, tmp_path, caplog):
     marker = tmp_path / "PWNED"
     out = tmp_path / "run"
     train(NextTokenJob(tiny_target), _cfg(out, max_steps=2, save_every=2))  # this user's own, signed
-    evil = _sharded_checkpoint(out / "checkpoints" / "step-00000004", marker)
+    evil = sharded_checkpoint(out / "checkpoints" / "step-00000004", marker, 4)
     record = out / "checkpoints" / ".written.json"
     for forged_mac in (None, "0" * 64):  # a line added, signature kept / a signature made up
         data = json.loads(record.read_text())
@@ -150,7 +113,7 @@ def test_a_pickle_folder_planted_in_a_signed_full_checkpoint_is_never_loaded(tin
 
 def test_a_file_planted_beside_a_signed_checkpoints_pickles_is_refused_before_loading(tmp_path):
     out = tmp_path / "run"
-    good = _sharded_checkpoint(out / "checkpoints" / ".step-00000004.tmp-x", tmp_path / "unused")
+    good = sharded_checkpoint(out / "checkpoints" / ".step-00000004.tmp-x", tmp_path / "unused", 4)
     record_written(out / "checkpoints", good / "state.json", "step-00000004")  # this user's own, signed
     good = good.rename(out / "checkpoints" / "step-00000004")
     assert ckpt.vouched_state(good, out)["step"] == 4
