@@ -254,14 +254,14 @@ def test_zero3_medusa_survives_a_killed_rank_and_refuses_another_world_size(root
 
 
 def test_a_tampered_shard_index_is_refused_before_it_is_unpickled(tmp_path):
-    from test_trust import _sharded_checkpoint
+    from forged_runs import sharded_checkpoint
 
     from draftsmith.errors import TrainingError
     from draftsmith.training.run_files import record_written
     from draftsmith.training.sharded import load_sharded
 
     out = tmp_path / "run"  # a checkpoint this user's signed record vouches for, its index changed since
-    ck = _sharded_checkpoint(out / "checkpoints" / ".step-00000004.tmp-x", tmp_path / "PWNED")
+    ck = sharded_checkpoint(out / "checkpoints" / ".step-00000004.tmp-x", tmp_path / "PWNED", 4)
     record_written(ck.parent, ck / "state.json", "step-00000004")
     ck = ck.rename(out / "checkpoints" / "step-00000004")
     (ck / "shards" / ".metadata").write_bytes(b"not what was written")
