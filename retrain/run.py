@@ -54,10 +54,12 @@ def _measure(target, kind: str, path: Path, prompts: list[str] | None, limit: in
                     cost_model=False, repeats=1, remeasure=0)
 
 
-def _production(m, kept: Path) -> dict:
+def _production(m, kept: Path, max_domains: int) -> dict:
     """Production α for the staleness check. `production_since: last` takes the window since this job's previous
     check: the metrics read then are kept beside the registry (`kept`); the first check, or one after the server
-    restarted (its counters went down), reads the counters since the server started, and says so."""
+    restarted (its counters went down), reads the counters since the server started, and says so. Request logs
+    are read with the domain cap the traffic is read with (`traffic.max_domains`), so the domains found stale are
+    the domains the candidate trains on."""
     from draftsmith.errors import DataError
     from draftsmith.planning.production import production_alpha
 
@@ -65,7 +67,8 @@ def _production(m, kept: Path) -> dict:
     if since == "last":
         since, save = (kept if kept.is_file() else None), kept
     try:
-        prod = production_alpha(m.production, since, m.production_model_domains, save=save, policy=m.production_policy)
+        prod = production_alpha(m.production, since, m.production_model_domains, save=save,
+                                policy=m.production_policy, max_domains=max_domains)
         prod["since"] = str(since) if since else "server start"
         if prod.get("restarted"):  # told by process_start_time_seconds: the counts are those since the restart
             prod["since"] = "server start (restarted since the last check)"
@@ -73,7 +76,8 @@ def _production(m, kept: Path) -> dict:
         if not (m.production_since == "last" and since and "went down" in str(e)):
             raise
         log.warning("production: %s; reading the counters since the server started", e)
-        prod = production_alpha(m.production, None, m.production_model_domains, save=save, policy=m.production_policy)
+        prod = production_alpha(m.production, None, m.production_model_domains, save=save,
+                                policy=m.production_policy, max_domains=max_domains)
         prod["since"] = "server start (restarted since the last check)"
     return prod
 
@@ -426,7 +430,7 @@ def _judge(cfg: RetrainConfig, reg: Registry, record: dict, target, a: _Attempt)
     recorded = recorded_alpha(a.manifest, str(a.path / "manifest.json"))
     verdict = staleness(cur_traffic, recorded, a.hard, a.weights_changed, cfg.thresholds)
     if cfg.measure.production and not a.hard:
-        prod = _production(cfg.measure, reg.base / "production-last.prom")
+        prod = _production(cfg.measure, reg.base / "production-last.prom", cfg.traffic.max_domains)
         record["production"] = {"source": prod["source"], "since": prod.get("since"), "domains": prod["domains"],
                                 "overall": prod["overall"]}
         seen = staleness(prod, recorded, [], False, cfg.thresholds)

@@ -267,3 +267,21 @@ def test_a_prompt_file_line_or_gzip_past_its_cap_costs_bounded_memory(tmp_path, 
     bomb = _bomb(tmp_path / "b.jsonl.gz", 50 << 20)
     got = list(sources.iter_jsonl(bomb))
     assert got[0][2] is None and "gzip bomb" in got[-1][2], got[-1]
+
+
+def test_retraining_reads_production_logs_with_the_traffic_domain_cap(tmp_path):
+    """The staleness check's production α (request logs) is capped as the traffic retraining trains on is
+    (`traffic.max_domains`), not by the reader's default: otherwise a domain found stale could be one the
+    training rows fold into `other`."""
+    from types import SimpleNamespace
+
+    from draftsmith.retrain.run import _production
+
+    sizes = {"d0": 4, "d1": 3, "d2": 2, "d3": 2, "d4": 2}
+    rows = [_good(i, domain=d) for d, n in sizes.items() for i in range(n)]
+    folder = _write(tmp_path / "logs" / "a.jsonl", rows).parent
+    measure = SimpleNamespace(production=str(folder), production_since=None, production_model_domains=None,
+                              production_policy=None)
+    table = _production(measure, tmp_path / "kept.prom", 2)
+    assert sorted(table["domains"]) == ["d0", "d1", "other"] and table["merged_domains"] == 3
+    assert table["domains"]["other"]["n_prompts"] == 6
