@@ -54,14 +54,17 @@ def _measure(target, kind: str, path: Path, prompts: list[str] | None, limit: in
                     cost_model=False, repeats=1, remeasure=0)
 
 
-def _production(m, kept: Path, max_domains: int) -> dict:
+def _production(m, kept: Path, max_domains: int | None = None) -> dict:
     """Production α for the staleness check. `production_since: last` takes the window since this job's previous
     check: the metrics read then are kept beside the registry (`kept`); the first check, or one after the server
     restarted (its counters went down), reads the counters since the server started, and says so. Request logs
     are read with the domain cap the traffic is read with (`traffic.max_domains`), so the domains found stale are
-    the domains the candidate trains on."""
+    the domains the candidate trains on (None: the reader's own default)."""
     from draftsmith.errors import DataError
+    from draftsmith.planning.logs import MAX_DOMAINS
     from draftsmith.planning.production import production_alpha
+
+    max_domains = MAX_DOMAINS if max_domains is None else max_domains
 
     since, save = m.production_since, None
     if since == "last":
