@@ -341,10 +341,13 @@ def _prepared(url: str, headers: dict | None, has_body: bool):
 
 
 def request(url: str, body: bytes | None = None, *, deadline: float, max_bytes: int,
-            headers: dict | None = None, method: str | None = None) -> Response:
+            headers: dict | None = None, method: str | None = None, on_piece=None) -> Response:
     """One HTTP(S) request, answered within `deadline` seconds in all and at most `max_bytes` long. Returns
     the Response of a 2xx status; any other status, a refused connection, a deadline passed, a body too long
-    or cut short is a NetError (module docstring). The values of `headers` never appear in its message."""
+    or cut short is a NetError (module docstring). The values of `headers` never appear in its message.
+    `on_piece(bytes)`: called with each piece of a 2xx body as it arrives, within the same cap and deadline (a
+    streamed answer's events are timed as they come: serve-bench's time to first token); the whole body is
+    still returned."""
     safe, parts, port, headers, secrets = _prepared(url, headers, body is not None)
     cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = cls(parts.hostname, port, timeout=deadline)
@@ -378,7 +381,7 @@ def request(url: str, body: bytes | None = None, *, deadline: float, max_bytes: 
             detail = redact(" ".join(data.decode("utf-8", "replace").split())[:300], secrets)
             raise NetError(safe, f"HTTP {resp.status} {resp.reason}: {detail}".rstrip(": "), resp.status, answer,
                            detail)
-        data = _read(resp, max_bytes, safe)
+        data = _read(resp, max_bytes, safe, on_piece=on_piece)
         if expired.is_set():  # the socket was shut at the deadline: what was read is a part, not the answer
             raise _late(safe, deadline)
     except NetError as e:
@@ -403,8 +406,9 @@ def _late(url: str, seconds: float) -> NetError:
     return NetError(url, f"no complete answer within the {seconds:g} s deadline (timed out)")
 
 
-def _read(resp: http.client.HTTPResponse, max_bytes: int, url: str, partial: bool = False) -> bytes:
-    """The body, read in pieces up to `max_bytes` (`partial`: the first `max_bytes` of it, the rest left)."""
+def _read(resp: http.client.HTTPResponse, max_bytes: int, url: str, partial: bool = False, on_piece=None) -> bytes:
+    """The body, read in pieces up to `max_bytes` (`partial`: the first `max_bytes` of it, the rest left);
+    `on_piece` sees each piece within the cap as it is read."""
     length = resp.getheader("Content-Length")
     if not partial and length and length.strip().isdigit() and int(length) > max_bytes:
         raise NetError(url, f"the answer is larger than {max_bytes} bytes (Content-Length {int(length)}); refused")
@@ -421,6 +425,8 @@ def _read(resp: http.client.HTTPResponse, max_bytes: int, url: str, partial: boo
             raise NetError(url, f"the answer is larger than {max_bytes} bytes; refused (a server's answer is "
                                 "read up to a cap)")
         pieces.append(piece)
+        if on_piece is not None:
+            on_piece(piece)
     if not partial and resp.length:  # the connection closed before the Content-Length it announced
         raise NetError(url, f"IncompleteRead: the answer was cut short ({n} bytes, {n + resp.length} announced)")
     return b"".join(pieces)
