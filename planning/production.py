@@ -378,9 +378,10 @@ def _spec_steps(sd: dict, where: str, k: int, steps: int, totals: tuple[int, int
         raise ValueError(f"{where}.acceptance_histogram {show(hist)} is not the histogram of per_step_accepted")
 
 
-def _spec_decoding(sd, where: str) -> tuple[float, float, float, list[float]]:
+def spec_decoding(sd, where: str) -> tuple[float, float, float, list[float]]:
     """(drafts, drafted tokens, accepted tokens, accepted per position) of vLLM's per-request metrics, or a
-    ValueError naming the field that breaks a rule (module docstring, source 2a)."""
+    ValueError naming the field that breaks a rule (module docstring, source 2a). The one reader of them: the
+    traffic log's rows here, a streamed answer's final usage chunk in serve-bench (benchmark/serve_client.py)."""
     if not isinstance(sd, dict):
         raise ValueError(f"{where} is {show(sd)}, expected vLLM's per-request metrics (a JSON object)")
     k = _spec_int(sd, "num_spec_tokens", where, 1, MAX_SPEC_TOKENS)
@@ -473,7 +474,7 @@ def _request_counters(record: TrafficRecord) -> Counted | None:
     that breaks a rule (module docstring, source 2)."""
     found = _vllm_metrics(record)
     if found is not None:
-        steps, drafted, accepted, per_pos = _spec_decoding(*found)
+        steps, drafted, accepted, per_pos = spec_decoding(*found)
         return Counted(steps, drafted, accepted, per_pos)
     meta = record.extra.get("meta_info") or record.extra
     if not isinstance(meta, dict):
