@@ -15,8 +15,9 @@ from draftsmith.decoding.sampling import SamplingConfig
 from draftsmith.errors import ConfigError
 
 
-def find_continuation(context: torch.Tensor, n: int, length: int) -> torch.Tensor | None:
-    """Tokens following the most recent earlier occurrence of context[-n:], up to `length` of them."""
+def find_continuation(context: torch.Tensor, n: int, length: int, earliest: bool = False) -> torch.Tensor | None:
+    """Tokens following the most recent (`earliest`: the first) earlier occurrence of context[-n:], up to `length` of
+    them."""
     total = context.numel()
     if total <= n or length <= 0:
         return None
@@ -25,7 +26,7 @@ def find_continuation(context: torch.Tensor, n: int, length: int) -> torch.Tenso
     hits = torch.nonzero((windows == suffix).all(dim=1)).flatten()
     if hits.numel() == 0:
         return None
-    start = int(hits[-1]) + n
+    start = int(hits[0] if earliest else hits[-1]) + n
     cont = context[start:start + length]
     return cont if cont.numel() else None
 
@@ -33,16 +34,19 @@ def find_continuation(context: torch.Tensor, n: int, length: int) -> torch.Tenso
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, earliest: bool = False):
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        # vLLM's n-gram proposer drafts after the FIRST occurrence of the longest matching n-gram
+        # (vllm/v1/spec_decode/ngram_proposer.py); draftsmith's own lookup after the most recent one
+        self.earliest = earliest
 
     def propose(self, context: torch.Tensor, spec: TreeSpec, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Proposal:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            cont = find_continuation(context, n, spec.depth)
+            cont = find_continuation(context, n, spec.depth, self.earliest)
             if cont is not None:
                 return Proposal.chain(cont, None, device=context.device)
         return Proposal.empty(context.device)

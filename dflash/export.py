@@ -36,7 +36,15 @@ from draftsmith import artifact, schema
 from draftsmith.dflash.model import DFlashConfig, buildable, module_of, read_config
 from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.layouts.common import state_dtype
-from draftsmith.layouts.serving import Serving, VllmPatch, VllmServe, sglang_serve, vllm_serve
+from draftsmith.layouts.serving import (
+    ENGINE_NAMES,
+    Served,
+    Serving,
+    VllmPatch,
+    VllmServe,
+    sglang_serve,
+    vllm_serve,
+)
 from draftsmith.layouts.verify import (
     VerificationError,
     check,
@@ -130,13 +138,18 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
     if config.reduced_vocab and "sglang" in formats:
         formats = {k: v for k, v in formats.items() if k != "sglang"}
         unsupported = {**unsupported, "sglang": sglang_refusal(artifact_dir, config)}
-    plan = HeadExport(bb.kind, bb.what, formats, manifest, write, bb.serve,
+    def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
+        # the shape that engine serves (`evaluate --as-served` decodes it), stated under its launch command
+        shape = bb.served(stack, artifact_dir, k, {}) if stack in ENGINE_NAMES else None
+        return bb.serve(stack, out, target_ref, k, shape) + (f"\n{shape.text()}\n" if shape else "")
+
+    plan = HeadExport(bb.kind, bb.what, formats, manifest, write, serve,
                       guard={bb.kind: {"block_size": config.block_size}}, unsupported=unsupported)
     return export_heads(plan, artifact_dir, stack, out, target, k, verify, overwrite=overwrite, verifier=verifier)
 
 
-def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
-    """serve.md's body: how `stack` launches the drafter."""
+def serve(stack: str, out: Path, target_ref: str, k: int, shape: Served | None = None) -> str:
+    """serve.md's body: how `stack` launches the drafter (`shape`: how that engine serves it, see `served`)."""
     if stack == "vllm":
         return (f"{vllm_serve(target_ref, 'dflash', out, k)}\n\n"
                 f"`num_speculative_tokens` = block size - 1: the anchor and {k} mask slots, the block the draft was "
@@ -157,10 +170,30 @@ class Backbone:
     formats: dict
     unsupported: dict
     serve: Callable
+    served: Callable  # `Serving.shape` of the method: how each engine serves its artifacts
+
+
+def served(engine: str, artifact_dir: Path, k: int | None, options: dict, backbone: Backbone | None = None) -> Served:
+    """`Serving.shape`: vLLM (`dflash`) and SGLang (`DFLASH`) draft the block the draft was trained on, block_size - 1
+    slots in one pass, each slot's argmax; TensorRT-LLM serves no block drafter. `backbone`: a method on this
+    backbone (its kind, reader and refusals)."""
+    bb = backbone or DFLASH
+    if engine not in bb.formats:
+        raise ConfigError(f"--as-served {engine}: {artifact_dir}: {bb.unsupported.get(engine, 'not served')}")
+    config = bb.read(artifact_dir, artifact.load_manifest(artifact_dir, kind=bb.kind))
+    if engine == "sglang" and config.reduced_vocab:
+        raise ConfigError(f"--as-served sglang: {sglang_refusal(artifact_dir, config)}")
+    block = config.block_size - 1
+    if k is not None and k != block:
+        raise ConfigError(f"--as-served {engine}: {artifact_dir}: a {bb.title} draft of block {config.block_size} is "
+                          f"served as {block} draft tokens a step (the block it was trained on), got k {k}")
+    params = {"num_speculative_tokens": block} if engine == "vllm" else {"block_size": config.block_size}
+    return Served(engine, bb.kind if engine == "vllm" else "DFLASH", "block", block, params=params,
+                  opts={"tree": False, "depth": block})
 
 
 DFLASH = Backbone("dflash", "DFlash", "a DFlash block drafter", read_config, layout_config, STACK_FORMATS, UNSUPPORTED,
-                  serve)
+                  serve, served)
 
 
 def vllm_block_problem(export_dir: Path, k: int, read=None, title: str = "DFlash") -> str | None:
@@ -177,7 +210,7 @@ def vllm_block_problem(export_dir: Path, k: int, read=None, title: str = "DFlash
 # serve-check applies the measured fix in dflash/vllm_patches.py (DSpark, on this backbone, names it too)
 CONTEXT_KNORM = VllmPatch("dflash-context-knorm", Path(__file__).with_name("vllm_patches.py"))
 # `Method.serving`
-SERVING = Serving(vllm={FORMAT: VllmServe("dflash", check=vllm_block_problem, patches=(CONTEXT_KNORM,))})
+SERVING = Serving(vllm={FORMAT: VllmServe("dflash", check=vllm_block_problem, patches=(CONTEXT_KNORM,))}, shape=served)
 
 
 # --- verification --------------------------------------------------------------------------------------

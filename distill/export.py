@@ -35,7 +35,7 @@ from draftsmith.layouts.common import (
     write_guard,
     write_serve,
 )
-from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, trtllm_serve, vllm_serve
+from draftsmith.layouts.serving import ENGINE_NAMES, Served, Serving, VllmServe, sglang_serve, trtllm_serve, vllm_serve
 from draftsmith.layouts.verify import (
     Spec,
     VerificationError,
@@ -93,6 +93,8 @@ def export_draft(artifact_dir: str | Path, out: str | Path, stack: str, target=N
         atomic_write_json(gen_path, gen)
         write_guard(tmp, manifest, stack, FORMAT, {"num_speculative_tokens": int(num_speculative_tokens)})
         body = serve_text(stack, out, verifier_ref(target, verifier), num_speculative_tokens)
+        if stack in ENGINE_NAMES:  # the shape that engine serves, which `evaluate --as-served` decodes
+            body += "\n" + served(stack, artifact_dir, num_speculative_tokens, {}).text() + "\n"
         write_serve(tmp, f"Serving this draft with {stack}", body)
         write_card(tmp, manifest, "a distilled draft model", "draft", stack, FORMAT, verifier_ref(target, verifier),
                    body)
@@ -121,12 +123,23 @@ def serve_text(stack: str, out: Path, tgt: str, k: int) -> str:
     return f"Hugging Face assisted generation:\n\n{fenced(code, 'python')}\n"
 
 
+def served(engine: str, artifact_dir: Path, k: int | None, options: dict) -> Served:
+    """`Serving.shape`: every engine drafts a draft model's argmax chain of k (vLLM's `draft_model` with greedy draft
+    sampling, SGLang's STANDALONE with topk 1, TensorRT-LLM's DraftTarget); sampling or not, the draft proposes its
+    argmax (`greedy`), which the target's rejection sampler treats as one-hot."""
+    k = 4 if k is None else k
+    method, params = {"vllm": ("draft_model", {"num_speculative_tokens": k}),
+                      "sglang": ("STANDALONE", {"num_steps": k, "topk": 1, "num_draft_tokens": k + 1}),
+                      "trtllm": ("DraftTarget", {"max_draft_len": k})}[engine]
+    return Served(engine, method, "chain", k, params=params, opts={"greedy": True})
+
+
 def draft_proposer(export_dir: Path) -> str:
     """The export folder is itself an HF draft model: draftsmith decodes it as one, no read-back needed."""
     return f"draft:{export_dir}"
 
 
-SERVING = Serving(vllm={FORMAT: VllmServe("draft_model", proposer=draft_proposer)})  # `Method.serving`
+SERVING = Serving(vllm={FORMAT: VllmServe("draft_model", proposer=draft_proposer)}, shape=served)  # `Method.serving`
 
 
 # --- verification ------------------------------------------------------------------------------------

@@ -25,9 +25,12 @@ from draftsmith.targets.gemm import use_rows_linear
 class DraftProposer(Proposer):
     name = "draft"
 
-    def __init__(self, model, name: str = "draft"):
+    def __init__(self, model, name: str = "draft", greedy: bool = False):
         self.model = as_model(model)  # a Target or a bare HF model
         self.name = name
+        # draft the argmax even when the target samples: the serving engines' greedy draft sampling (vLLM's
+        # `draft_sample_method: greedy`), whose one-hot proposal the verifier's rule for fixed candidates verifies
+        self.greedy = greedy
         self.device = next(self.model.parameters()).device
         self.cache = None
         self.cached: torch.Tensor = torch.zeros(0, dtype=torch.long)
@@ -37,9 +40,9 @@ class DraftProposer(Proposer):
         return self.model
 
     @classmethod
-    def from_path(cls, path: str | Path, target, **_opts) -> DraftProposer:
+    def from_path(cls, path: str | Path, target, greedy: bool = False, **_opts) -> DraftProposer:
         """Load an HF folder or a draftsmith draft artifact; refuse one made for another target."""
-        return cls(load_draft(path, target), name=f"draft:{Path(path).expanduser().name}")
+        return cls(load_draft(path, target), name=f"draft:{Path(path).expanduser().name}", greedy=greedy)
 
     def use_dtype(self, dtype: torch.dtype) -> bool:
         """A copy of the draft in `dtype` (the model may be shared, e.g. the target drafting for itself);
@@ -81,7 +84,7 @@ class DraftProposer(Proposer):
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for d in range(spec.depth):
-            if sampling.greedy:
+            if sampling.greedy or self.greedy:
                 tok = int(logits.argmax())
             else:
                 q = probs_from_logits(logits, sampling)

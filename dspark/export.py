@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith import schema
+from draftsmith import artifact, schema
 from draftsmith.dflash import export as backbone
 from draftsmith.dspark.model import DSparkConfig, dspark_extra, read_dspark_config
-from draftsmith.layouts.serving import Serving, VllmServe, vllm_serve
+from draftsmith.errors import ConfigError
+from draftsmith.layouts.serving import Served, Serving, VllmServe, vllm_serve
 from draftsmith.layouts.verify import read_tensors, register_verifier
 
 FORMAT = "dspark"
@@ -71,8 +72,28 @@ def read_layout_config(out: str | Path):
     return backbone.read_layout_config(out, make=DSparkConfig, extra=_layout_extra)
 
 
-def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
-    return (f"{vllm_serve(target_ref, 'dspark', out, k)}\n\n"
+def served(engine: str, artifact_dir: Path, k: int | None, options: dict) -> Served:
+    """`Serving.shape`: vLLM drafts DSpark's block (DFlash's, corrected left to right by the Markov head, each slot's
+    argmax); with the confidence head, `enable_adaptive_verification` (on by default here, as serve.md launches it;
+    `adaptive_verification: false` turns it off) verifies the prefix whose survival (the running product of the
+    confidences) pays for its verification (vLLM's AdaptiveVerificationManager; draftsmith's confidence cut,
+    decoding/budget.py, the same rule with this machine's verify cost)."""
+    from dataclasses import replace
+
+    shape = backbone.served(engine, artifact_dir, k, options, backbone=BACKBONE)
+    has_head = read_dspark_config(artifact_dir, artifact.load_manifest(artifact_dir, kind="dspark")).confidence_head
+    adaptive = bool(options.get("adaptive_verification", has_head))
+    if adaptive and not has_head:
+        raise ConfigError(f"--as-served {engine}: {artifact_dir}: adaptive verification without a confidence head "
+                          "(vLLM would estimate acceptance from the draft's logits, which draftsmith does not model)")
+    return replace(shape, adaptive_verification=adaptive,
+                   params={**shape.params, "enable_adaptive_verification": adaptive},
+                   opts={**shape.opts, "confidence_cut": adaptive})
+
+
+def serve(stack: str, out: Path, target_ref: str, k: int, shape: Served | None = None) -> str:
+    extra = {"enable_adaptive_verification": True} if shape is not None and shape.adaptive_verification else None
+    return (f"{vllm_serve(target_ref, 'dspark', out, k, extra)}\n\n"
             f"`num_speculative_tokens` = block size - 1 ({k}): the anchor and {k} mask slots, drafted in one parallel "
             "pass and corrected left to right by the Markov head. With the confidence head, vLLM's "
             "`enable_adaptive_verification` sizes each request's verification by it. vLLM drafts DSpark in its GPU "
@@ -82,7 +103,7 @@ def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
 
 
 BACKBONE = backbone.Backbone("dspark", "DSpark", "a DSpark block drafter", read_dspark_config, layout_config,
-                             STACK_FORMATS, UNSUPPORTED, serve)
+                             STACK_FORMATS, UNSUPPORTED, serve, served)
 
 
 def export(artifact_dir, stack, out, target=None, num_speculative_tokens=None, verify=True, *, overwrite=False,
@@ -98,7 +119,7 @@ def vllm_block_problem(export_dir: Path, k: int) -> str | None:
 
 # `Method.serving`: what serve-check would run; vLLM 0.32's CPU build refuses the method (see the docstring)
 SERVING = Serving(vllm={FORMAT: VllmServe("dspark", check=vllm_block_problem,
-                                          patches=(backbone.CONTEXT_KNORM,))})
+                                          patches=(backbone.CONTEXT_KNORM,))}, shape=served)
 
 
 @register_verifier(FORMAT)

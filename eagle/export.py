@@ -46,7 +46,15 @@ from draftsmith.eagle import variants
 from draftsmith.eagle.variants import variant
 from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.layouts.common import fenced, read_guard, state_dtype
-from draftsmith.layouts.serving import Serving, VllmServe, sglang_serve, trtllm_serve, vllm_serve
+from draftsmith.layouts.serving import (
+    ENGINE_NAMES,
+    Served,
+    Serving,
+    VllmServe,
+    sglang_serve,
+    trtllm_serve,
+    vllm_serve,
+)
 from draftsmith.layouts.verify import (
     Spec,
     VerificationError,
@@ -180,7 +188,9 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
     what = "an EAGLE-3 head" if layout == "eagle3" else "an EAGLE-1 head"
 
     def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
-        return serve_text(stack, layout, cfg, out, target_ref, k)
+        # the shape that engine serves (`evaluate --as-served` decodes it), stated under its launch command
+        shape = served(stack, artifact_dir, k, {}) if stack in ENGINE_NAMES else None
+        return serve_text(stack, layout, cfg, out, target_ref, k) + (f"\n{shape.text()}\n" if shape else "")
 
     plan = HeadExport(layout, what, formats, manifest, write, serve, guard=guard, unsupported=unsupported)
     return export_heads(plan, artifact_dir, stack, out, target, num_speculative_tokens, verify, overwrite=overwrite,
@@ -217,7 +227,9 @@ def serve_text(stack: str, layout: str, cfg: dict, out: Path, target_ref: str, k
                      f"stream entering a layer; draftsmith ids {cfg['aux_layers']} name layer outputs).\n")
         return text
     if stack == "sglang":
-        flags = f"--speculative-num-steps {k} --speculative-eagle-topk 4 --speculative-num-draft-tokens {2 * k + 2}"
+        steps, topk, tokens = sglang_tree(k, {})
+        flags = (f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} "
+                 f"--speculative-num-draft-tokens {tokens}")
         text = f"{sglang_serve(target_ref, 'EAGLE3' if eagle3 else 'EAGLE', out, flags)}\n"
         if eagle3:
             text += (f"\nAux hidden states at SGLang layer ids {aux_ids(cfg, 'sglang')} (config.json "
@@ -242,6 +254,48 @@ def serve_text(stack: str, layout: str, cfg: dict, out: Path, target_ref: str, k
             f"model = Eagle3DraftModel.from_pretrained('{out}', config=config)\n"
             f"model.load_verifier_weights()  # embeddings from the verifier: {target_ref}")
     return f"The speculators (transformers-based) EAGLE-3 format:\n\n{fenced(code, 'python')}\n"
+
+
+SGLANG_TOPK = 4  # the EAGLE tree serve.md gives SGLang: topk 4, num_steps k, num_draft_tokens 2k + 2
+
+
+def sglang_tree(k: int, options: dict) -> tuple[int, int, int]:
+    """(num_steps, topk, num_draft_tokens) of SGLang's EAGLE tree: serve.md's, or the `options` given."""
+    steps = int(options.get("num_steps", k))
+    topk = int(options.get("topk", SGLANG_TOPK))
+    return steps, topk, int(options.get("num_draft_tokens", steps + 1 if topk == 1 else 2 * steps + 2))
+
+
+def served(engine: str, artifact_dir: Path, k: int | None, options: dict) -> Served:
+    """`Serving.shape`: vLLM and TensorRT-LLM (what export writes for it: `max_draft_len`, no tree) draft an EAGLE
+    head's argmax chain of k; SGLang its tree (eagle_worker: the root's top `topk`, then each step the `topk` best
+    of their topk x topk children, for `num_steps` steps; the best num_draft_tokens - 1 nodes are verified), which
+    is draftsmith's EAGLE-2 tree of depth num_steps, topk, max_nodes num_draft_tokens - 1, uncut."""
+    manifest = artifact.load_manifest(artifact_dir, kind="eagle")
+    layout = artifact_layout(manifest)
+    acfg = schema.read_doc(artifact_dir / "config.json") if (artifact_dir / "config.json").is_file() else {}
+    why = {**UNSUPPORTED.get(layout, {}), **refusals({k2: acfg.get(k2) for k2 in ("norm_before_residual", *EAGLE31)})}
+    if engine in why:
+        raise ConfigError(f"--as-served {engine}: {artifact_dir}: {why[engine]}")
+    k = 4 if k is None else k
+    eagle3 = layout == "eagle3"
+    if engine == "sglang":
+        steps, topk, tokens = sglang_tree(k, options)
+        most = 1 + topk + (steps - 1) * topk * topk  # the root and every node the steps create
+        if topk < 1 or steps < 1 or (topk == 1 and tokens != steps + 1) or not 2 <= tokens <= most:
+            raise ConfigError(f"--as-served sglang: num_steps {steps}, topk {topk}, num_draft_tokens {tokens} is no "
+                              "tree SGLang builds (topk 1 needs num_draft_tokens = num_steps + 1)")
+        params = {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens}
+        method = "EAGLE3" if eagle3 else "EAGLE"
+        if topk == 1:
+            return Served("sglang", method, "chain", steps, params=params, opts={"tree": False, "depth": steps})
+        return Served("sglang", method, "tree", steps, branching=(topk,) * steps, max_nodes=tokens - 1, params=params,
+                      opts={"tree": True, "depth": steps, "topk": topk, "max_nodes": tokens - 1, "calibrate": False})
+    if engine == "trtllm":
+        return Served("trtllm", "Eagle3" if eagle3 else "Eagle", "chain", k, params={"max_draft_len": k},
+                      opts={"tree": False, "depth": k})
+    method = VLLM_METHOD[STACK_FORMATS[layout]["vllm"]]
+    return Served("vllm", method, "chain", k, params={"num_speculative_tokens": k}, opts={"tree": False, "depth": k})
 
 
 def artifact_layout(manifest: dict) -> str:
@@ -582,6 +636,7 @@ for _fmt in (SPECULATORS, MIDLAYER, VLLM_EAGLE1, EAGLE1):
 SERVING = Serving(
     vllm={fmt: VllmServe(method) for fmt, method in VLLM_METHOD.items()},
     layout=artifact_layout,
+    shape=served,
     vllm_refuses={("gemma3_text", "eagle3"): "RuntimeError: Model does not support EAGLE3 interface but "
                                              "aux_hidden_state_outputs was requested"},
 )

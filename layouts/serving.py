@@ -60,11 +60,73 @@ class Serving:
     vllm: dict[str, VllmServe] = field(default_factory=dict)
     layout: Callable[[dict], str] | None = None
     vllm_refuses: dict[tuple[str, str], str] = field(default_factory=dict)
+    # shape(engine, artifact_dir, k, options) -> `Served`: how that engine serves the artifact (decoding/served_shape.py
+    # decodes it so, serve.md states it); a shape the engine cannot serve is one ConfigError line. None: no engine
+    # profile is known for the method
+    shape: Callable[[str, Path, int | None, dict], Served] | None = None
 
 
-def vllm_serve(target_ref: str, method: str, out: Path, k: int) -> str:
-    """`vllm serve` with a speculative config (a fenced block)."""
-    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": k})
+FORMS = ("chain", "block", "tree")  # a chain drafted token by token, a block drafted in one pass, a token tree
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+
+
+@dataclass(frozen=True)
+class Served:
+    """How one serving engine runs one drafter: the exact shape it drafts and verifies each step.
+
+    engine: vllm | sglang | trtllm. method: the engine's own name for the speculative method (vLLM's
+    `speculative_config.method`, SGLang's `--speculative-algorithm`, TensorRT-LLM's `decoding_type`).
+    form: chain | block | tree (FORMS). k: draft tokens a step (a tree: its depth). branching / max_nodes: a tree's
+    children per depth and its verified nodes (None for a chain or block). draft_sampling: how the engine picks
+    draft tokens ("greedy": the draft's argmax, its probabilities taken as one-hot by the rejection sampler).
+    adaptive_verification: the verified prefix is sized every step by the drafter's confidence (vLLM's DSpark with
+    `enable_adaptive_verification`). params: the engine's own settings that give this shape. opts: the options of
+    the method's proposer (`METHOD:PATH`) that make draftsmith's decoder draft exactly this shape.
+    """
+
+    engine: str
+    method: str
+    form: str
+    k: int
+    branching: tuple[int, ...] | None = None
+    max_nodes: int | None = None
+    draft_sampling: str = "greedy"
+    adaptive_verification: bool = False
+    params: dict = field(default_factory=dict)
+    opts: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The report's `shape` field (docs/evaluation.md): engine, method, form, k, and a tree's branching."""
+        out = {"engine": self.engine, "method": self.method, "form": self.form, "k": self.k,
+               "draft_sampling": self.draft_sampling, "adaptive_verification": self.adaptive_verification,
+               "params": dict(self.params), "label": self.label()}
+        if self.form == "tree":
+            out.update(tree=list(self.branching or ()), tree_max_nodes=self.max_nodes)
+        return out
+
+    def label(self) -> str:
+        """The shape in a few words, as report tables and headline columns name it ("vLLM eagle3 chain k=4")."""
+        text = f"{ENGINE_NAMES.get(self.engine, self.engine)} {self.method} {self.form} k={self.k}"
+        if self.form == "tree":
+            text += f" ({self.max_nodes} nodes, branching {','.join(map(str, self.branching or ()))})"
+        return text + (" adaptive verification" if self.adaptive_verification else "")
+
+    def text(self) -> str:
+        """serve.md's statement of the served shape."""
+        what = {"chain": f"a chain of {self.k} draft tokens a step, drafted one after another",
+                "block": f"a block of {self.k} draft tokens a step, drafted in one pass",
+                "tree": f"a token tree of depth {self.k}, {self.max_nodes} draft nodes verified a step "
+                        f"(up to {', '.join(map(str, self.branching or ()))} children per depth)"}[self.form]
+        extra = (" The verified prefix is sized every step from the confidence head's estimates "
+                 "(`enable_adaptive_verification`)." if self.adaptive_verification else "")
+        return (f"Served shape: {ENGINE_NAMES.get(self.engine, self.engine)} runs `{self.method}` as {what}, "
+                f"{self.draft_sampling} draft tokens, verified by the target's rejection sampler (lossless).{extra} "
+                f"`draftsmith evaluate --as-served {self.engine}` decodes this exact shape.")
+
+
+def vllm_serve(target_ref: str, method: str, out: Path, k: int, extra: dict | None = None) -> str:
+    """`vllm serve` with a speculative config (a fenced block); `extra`: more speculative_config fields."""
+    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": k, **(extra or {})})
     return fenced(f"vllm serve {target_ref} --speculative-config '{spec}'")
 
 

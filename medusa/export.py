@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from draftsmith import artifact, schema
 from draftsmith.errors import ArtifactError, ConfigError
 from draftsmith.layouts.common import fenced, read_guard, state_dtype
-from draftsmith.layouts.serving import Serving, VllmServe, vllm_serve
+from draftsmith.layouts.serving import ENGINE_NAMES, Served, Serving, VllmServe, vllm_serve
 from draftsmith.layouts.verify import (
     Spec,
     check,
@@ -146,7 +146,9 @@ def export(artifact_dir: str | Path, stack: str, out: str | Path, target=None,
         return target_ref
 
     def serve(stack: str, out: Path, target_ref: str, k: int) -> str:
-        return serve_text(stack, cfg, tree, out, target_ref, k)
+        # the shape that engine serves (`evaluate --as-served` decodes it), stated under its launch command
+        shape = served(stack, artifact_dir, k, {}) if stack in ENGINE_NAMES else None
+        return serve_text(stack, cfg, tree, out, target_ref, k) + (f"\n{shape.text()}\n" if shape else "")
 
     plan = HeadExport("medusa", "Medusa heads", STACK_FORMATS, manifest, write, serve,
                       guard={"medusa_choices": tree} if tree is not None else {},
@@ -199,7 +201,36 @@ def vllm_heads_problem(export_dir: Path, k: int) -> str | None:
     return None
 
 
-SERVING = Serving(vllm={VLLM_FORMAT: VllmServe("medusa", check=vllm_heads_problem)})  # `Method.serving`
+def served(engine: str, artifact_dir: Path, k: int | None, options: dict) -> Served:
+    """`Serving.shape`: vLLM's Medusa drafts each head's argmax, a chain of k <= heads (one token per head);
+    TensorRT-LLM verifies the calibrated tree export writes as `medusa_choices` (the heads' chain without one),
+    every node every step, uncut; SGLang serves no Medusa heads."""
+    from draftsmith.medusa.model import read_heads_config, read_tree
+
+    if engine in UNSUPPORTED:
+        raise ConfigError(f"--as-served {engine}: {artifact_dir}: {UNSUPPORTED[engine]}")
+    manifest = artifact.load_manifest(artifact_dir, kind="medusa")
+    config = read_heads_config(artifact_dir, artifact.target_vocab(manifest))
+    heads = config.num_heads
+    if engine == "vllm":
+        k = heads if k is None else k
+        if not 1 <= k <= heads:
+            raise ConfigError(f"--as-served vllm: {artifact_dir}: {heads} Medusa heads draft at most {heads} tokens "
+                              f"a step (one per head), got k {k}")
+        return Served("vllm", "medusa", "chain", k, params={"num_speculative_tokens": k}, opts={"tree": False})
+    tree = read_tree(artifact_dir, heads, config.out_size)
+    chain = [(0,) * d for d in range(1, heads + 1)]  # export's medusa_choices without a calibrated tree
+    paths = [tuple(p) for p in tree.paths] if tree is not None and tree.paths else chain
+    depth = max(len(p) for p in paths)
+    branching = tuple(1 + max(p[d] for p in paths if len(p) > d) for d in range(depth))
+    params = {"medusa_choices": [list(p) for p in paths]}
+    if all(b == 1 for b in branching):
+        return Served("trtllm", "medusa", "chain", depth, params=params, opts={"tree": False})
+    return Served("trtllm", "medusa", "tree", depth, branching=branching, max_nodes=len(paths), params=params,
+                  opts={"tree": True})
+
+
+SERVING = Serving(vllm={VLLM_FORMAT: VllmServe("medusa", check=vllm_heads_problem)}, shape=served)  # `Method.serving`
 
 
 def reimport(export_dir: Path, guard: dict):
