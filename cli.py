@@ -37,7 +37,7 @@ STAGES: list[tuple[str, str, tuple[str, ...]]] = [
     ("train", "a drafter on a frozen target; each method's own jobs", ("train", "trust")),
     ("evaluate", "acceptance, tau, speedup and losslessness per domain", ("evaluate",)),
     ("export / serve", "an artifact in a serving stack's layout, run there",
-     ("export", "serve-check", "import-export")),
+     ("export", "serve-check", "import-export", "serve-bench")),
     ("plan / route", "memory per GPU, routing per domain, production acceptance", ("plan", "route", "alpha")),
     ("retrain", "a new drafter when acceptance on live traffic drifts", ("retrain",)),
     ("bench / check", "the whole benchmark and its timing jobs; artifacts vs a target", ("bench", "check")),

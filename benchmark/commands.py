@@ -16,6 +16,9 @@ The jobs (each module's docstring says what it measures and how):
     llamacpp    llama.cpp beside our plain decoding on the same GGUF and prompts (benchmark/llamacpp.py)
     headline    the headline blocks of README.md and BENCHMARKS.md from their reports (benchmark/headline.py)
 
+`draftsmith serve-bench` (a command of its own, registered here): served throughput by concurrency in a real
+`vllm serve`, with and without each drafter (benchmark/serve_bench.py).
+
 The whole bench runs engine, baseline and llamacpp as stages of its own, through these same commands.
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftsmith.config import MAX_BATCH, REPEATS, ROWS, TOKENS, Range, ranged
+from draftsmith.config import DRAFT_TOKENS, MAX_BATCH, REPEATS, ROWS, SECONDS, TOKENS, Range, ranged
 
 JOBS_HELP = ("a single timing job (engine, capture, remote, eagle-step, train-step, baseline, gemm, llamacpp, "
             "headline); without one, the whole bench, and the words are key=value overrides of its config")
@@ -82,6 +85,7 @@ def register(subparsers) -> None:
     _register_training_jobs(jobs)
     _register_kernel_jobs(jobs)
     _register_headline(jobs)
+    _register_serve_bench(subparsers)
 
 
 def _register_engine_jobs(jobs) -> None:
@@ -207,6 +211,94 @@ def _register_headline(jobs) -> None:
     h.add_argument("--write", action="store_true", help="rewrite the headline blocks of README.md and BENCHMARKS.md")
     h.add_argument("--root", default=None, help="the checkout holding them (default: this package's)")
     h.set_defaults(func=run_headline)
+
+
+def _register_serve_bench(subparsers) -> None:
+    s = subparsers.add_parser("serve-bench", help="served throughput by concurrency in a real `vllm serve`, with and "
+                              "without each drafter: tokens/s, TTFT/TPOT, speedup per domain, k per batch size "
+                              "(benchmark/serve_bench.py)")
+    s.add_argument("target", nargs="?", default=None,
+                   help="the target: an embedded name, a GGUF file or an HF model folder (default: smollm2-135m; "
+                        "with --url only given ones are loaded, for the prompt-length check)")
+    s.add_argument("--drafter", action="append", default=[], metavar="EXPORT",
+                   help="a vLLM export folder (`draftsmith export ... --to vllm`) served as the speculator; "
+                        "repeatable (default: none, plain decoding only)")
+    s.add_argument("--url", action="append", default=[], metavar="NAME=URL",
+                   help="a running vLLM server instead of starting one: `plain=` the one without a drafter, any "
+                        "other NAME a drafter's (run it with --per-request-spec-decode-metrics detailed); repeatable")
+    s.add_argument("--out", required=True, help="report folder: report.json, report.md, tokens_per_s.png, logs/")
+    s.add_argument("--k", type=ranged(int, DRAFT_TOKENS), default=4,
+                   help="num_speculative_tokens of the started drafter servers (default: %(default)s)")
+    s.add_argument("--concurrency", default="1,4,16",
+                   help="comma-separated requests in flight, one run each (default: %(default)s)")
+    s.add_argument("--requests", type=ranged(int, ROWS), default=32,
+                   help="requests per mixed-domain run, at least the concurrency (default: %(default)s)")
+    s.add_argument("--domain-requests", type=ranged(int, Range(ge=0, le=10**6)), default=16,
+                   help="requests per homogeneous run of one domain, at least the concurrency; 0: no per-domain "
+                        "runs (default: %(default)s)")
+    s.add_argument("--max-tokens", type=ranged(int, TOKENS), default=64,
+                   help="output tokens per request, at most (default: %(default)s)")
+    s.add_argument("--prompts", nargs="+", default=None, help="jsonl prompt files (default: the shipped eval sets)")
+    s.add_argument("--split", default="dev", choices=["dev", "test"],
+                   help="which shipped eval split without --prompts (default: %(default)s)")
+    s.add_argument("--limit-per-domain", type=ranged(int, ROWS), default=4,
+                   help="prompts per domain (default: %(default)s)")
+    s.add_argument("--max-model-len", type=ranged(int, TOKENS), default=2048,
+                   help="the started servers' context; longer prompts are left out (default: %(default)s)")
+    s.add_argument("--request-timeout", type=ranged(float, SECONDS), default=300.0,
+                   help="seconds one request may take in all (default: %(default)s)")
+    s.add_argument("--run-timeout", type=ranged(float, SECONDS), default=1800.0,
+                   help="seconds after which a run sends no more requests; the unsent are counted "
+                        "(default: %(default)s)")
+    s.set_defaults(func=run_serve_bench)
+
+
+def _bench_servers(args) -> list:
+    """The configurations to measure: plain + each --drafter (started here), or the --url servers."""
+    from pathlib import Path
+
+    from draftsmith.benchmark.serve_bench import Server
+    from draftsmith.errors import ConfigError
+    from draftsmith.export.serve_check import speculative_config
+
+    if args.url and args.drafter:
+        raise ConfigError("serve-bench: --url points at running servers, --drafter starts them; give one of the two")
+    if args.url:
+        pairs = [u.partition("=") for u in args.url]
+        bad = next((u for u, (name, eq, url) in zip(args.url, pairs, strict=True) if not (name and eq and url)), None)
+        if bad is not None:
+            raise ConfigError(f"--url {bad!r}: expected NAME=URL (plain=http://host:8000 for the server without a "
+                              "drafter)")
+        return [Server(name, url=url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1")
+                for name, _, url in pairs]
+    return [Server("plain")] + [Server(Path(d).name, speculative_config(Path(d), args.k)) for d in args.drafter]
+
+
+def run_serve_bench(args) -> int:
+    from draftsmith.benchmark.serve_bench import Plan, load_plan_prompts, serve_bench
+    from draftsmith.errors import ConfigError
+    from draftsmith.targets import load_target
+
+    servers = _bench_servers(args)
+    try:
+        concurrency = sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        raise ConfigError(f"--concurrency {args.concurrency!r}: expected comma-separated whole numbers") from None
+    if not concurrency or concurrency[0] < 1 or concurrency[-1] > MAX_BATCH:
+        raise ConfigError(f"--concurrency {args.concurrency!r}: each must be in 1..{MAX_BATCH}")
+    target = load_target(args.target or "smollm2-135m") if args.target or not args.url else None
+    if target is not None and not args.url and target.folder is None:
+        raise ConfigError(f"target {target.name}: vLLM needs an HF folder of the target")
+    room = args.max_model_len - args.max_tokens - args.k - 8  # the server's context holds prompt, answer, draft
+    by_domain, info = load_plan_prompts(args.prompts, args.split, args.limit_per_domain,
+                                        target.tokenizer if target is not None else None, room)
+    plan = Plan(by_domain, concurrency, args.requests, args.domain_requests, args.max_tokens, args.request_timeout,
+                args.run_timeout, info)
+    report = serve_bench(target, servers, plan, args.out, args.max_model_len)
+    print(f"report: {args.out}/report.md")
+    for name, comp in report["comparisons"].items():
+        print(f"{name}: {comp['verdict']}")
+    return 0
 
 
 def run(args) -> int:
