@@ -29,7 +29,7 @@ FLAGS = {  # flag -> (EvalConfig field, type), in the order `--help` lists them
     "--cost-context": ("cost_context", int), "--cost-k-max": ("cost_k_max", int),
     "--cost-repeats": ("cost_repeats", int), "--policy-threshold": ("policy_threshold", float),
     "--out": ("out", str), "--device": ("device", str), "--dtype": ("dtype", str),
-    "--draft-dtype": ("draft_dtype", str),
+    "--draft-dtype": ("draft_dtype", str), "--as-served": ("as_served", str),
 }
 
 

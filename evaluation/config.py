@@ -18,9 +18,11 @@ from draftsmith.config import (
     register_config,
     validated,
 )
+from draftsmith.methods import STACKS
 from draftsmith.targets.context import MAX_NEW_TOKENS
 
 TURNS = ("all", "first")  # which user turns of a multi-turn prompt are measured
+ENGINES = tuple(s for s in STACKS if s != "hf")  # the serving engines `as_served` names (decoding/served_shape.py)
 
 
 @register_config("eval")
@@ -83,9 +85,18 @@ class EvalConfig:
     # the proposers' own networks (draft model, Medusa/EAGLE/DFlash heads): float32 | bfloat16 | float16; auto =
     # bf16 next to a float32 target on a CPU with native bf16 (decoding/proposer.draft_dtype), else the target's
     draft_dtype: str = "auto"
+    # vllm | sglang | trtllm: decode every proposer exactly as that engine serves it (decoding/served_shape.py: vLLM's
+    # chain or block of k, SGLang's EAGLE tree, TensorRT-LLM's tree); none = draftsmith's own decoder (merged trees,
+    # routing, cost-model cuts and GPU-sized trees are its own, and the report labels them so)
+    as_served: str | None = None
+    # the engine's own settings where it has some: SGLang's EAGLE {topk, num_steps, num_draft_tokens}; vLLM's DSpark
+    # {adaptive_verification: false} (on by default with a confidence head)
+    as_served_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         check_tree(self.tree, "tree")
+        if self.as_served is not None:
+            self._check_as_served()
         if self.temperatures is not None and (not self.temperatures or any(t < 0 for t in self.temperatures)):
             raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {self.temperatures}")
         if self.adaptive and (self.tree is not None or self.tree_from_proposer or self.k < 1):
@@ -94,3 +105,7 @@ class EvalConfig:
             raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
         if self.split not in ("dev", "test"):
             raise ValueError(f"split must be dev or test, got {self.split!r}")
+
+    def _check_as_served(self) -> None:
+        if self.as_served not in ENGINES:
+            raise ValueError(f"as_served must be one of {', '.join(ENGINES)} or null, got {self.as_served!r}")

@@ -64,6 +64,7 @@ def _header(report: dict) -> list[str]:
     s = report["settings"]
     return [
         f"# Evaluation: {md_cell(report['proposer'])} on {md_cell(report['target']['name'])}", "",
+        f"- shape: {md_cell(shape_label(report.get('shape')))}",
         f"- date: {report['date']}", f"- command: `{md_cell(report['command'])}`",
         f"- settings: max_new_tokens={s['max_new_tokens']}, k={s['k']}, tree={s['tree']}, "
         f"temperature={s['temperature']}, top_p={s['top_p']}, top_k={s['top_k']}, "
@@ -78,10 +79,20 @@ def _header(report: dict) -> list[str]:
     ]
 
 
+def shape_label(shape: dict | None) -> str:
+    """Which engine and shape a report's numbers were decoded in ("vLLM eagle3 chain k=4"; a report without the field
+    was decoded by draftsmith's own decoder)."""
+    if not shape:
+        return "draftsmith's decoder"
+    if shape.get("engine") == "draftsmith":
+        return f"{shape.get('label')} (merged trees, routing and cost-model cuts are its own; no engine serves them)"
+    return f"{shape.get('label')}, as the engine serves it"
+
+
 def _domain_table(report: dict) -> list[str]:
     """Every field of FIELDS per domain and overall."""
     lines = [
-        "## Per domain", "",
+        f"## Per domain: {md_cell((report.get('shape') or {}).get('label') or 'draftsmith decoder')}", "",
         "Each prompt is decoded by every run several times, interleaved (repeats, median); tokens/s and speedups "
         "count only the prompts timed validly (n_timed: quiet measurements, no speedup above what τ and v allow). "
         "speedup is against the faster plain decoding (fastest_plain): our own (same kernels as the verifier) or "
@@ -190,8 +201,11 @@ def _side_by_side(report: dict, doms: list[tuple[str, dict]]) -> list[str]:
     if not any("compare" in d for _, d in doms):
         return []
     names = list(next(d["compare"] for _, d in doms if "compare" in d))
+    shapes = (report.get("settings") or {}).get("compare_settings") or {}
+    heads = [f"{name} [{(shapes.get(name) or {}).get('shape', {}).get('label', '')}]" for name in names]
+    own = (report.get("shape") or {}).get("label", "")
     lines = ["", "## Side by side (same prompts, same run): speedup (α)", "",
-             md_row("domain", report["proposer"], *names), "|---|---|" + "---|" * len(names)]
+             md_row("domain", f"{report['proposer']} [{own}]", *heads), "|---|---|" + "---|" * len(names)]
     for n, d in doms:
         cells = [f"{fmt_num(c['speedup'])} ({fmt_num(c['alpha'])}){_not_lossless(c)}"
                  for c in (d.get("compare") or {}).values()]

@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-from draftsmith.decoding.proposer import side_by_side_entry
+from draftsmith.decoding.proposer import TreeSpec, side_by_side_entry
 from draftsmith.decoding.routing import read_json_file, route_problem
+from draftsmith.decoding.served_shape import draftsmith_shape
 from draftsmith.errors import ConfigError, DataError, show
 from draftsmith.evaluation.decode import all_or_none
-from draftsmith.evaluation.setup import Setup
+from draftsmith.evaluation.setup import Entry, Setup
+from draftsmith.layouts.serving import FORMS
 from draftsmith.targets import gemm
 
 
@@ -44,6 +46,8 @@ def build_report(setup: Setup, proposer_name: str, command: str | None, per_prom
         "target": {"name": target.name, "spec": target.spec, "fingerprint": (original or target).fingerprint(),
                    **({"adapted": "the artifact's LoRA adapter merged (Medusa-2)"} if original else {})},
         "proposer": proposer_name,
+        # the shape every number of this report was decoded in: an engine's (`--as-served`) or draftsmith's own
+        "shape": entry_shape(setup.main, cfg, spec, proposer_name),
         "settings": {
             "max_new_tokens": cfg.max_new_tokens, "k": None if cfg.tree else cfg.k, "tree": cfg.tree,
             "tree_max_nodes": spec.max_nodes, "prune_tree": setup.verify_cost is not None,
@@ -62,6 +66,7 @@ def build_report(setup: Setup, proposer_name: str, command: str | None, per_prom
                                               "tree": list(e.kw["tree"].branching) if e.kw.get("tree") else None,
                                               "tree_max_nodes": e.kw["tree"].max_nodes if e.kw.get("tree") else None,
                                               "draft_dtype": e.draft_dtype,
+                                              "shape": entry_shape(e, cfg, e.kw.get("tree"), e.name[4:]),
                                               "gpu_tree": next(({"tree": list(g.kw["tree"].branching),
                                                                  "tree_max_nodes": g.kw["tree"].max_nodes}
                                                                 for g in setup.compared_gpu_trees
@@ -82,6 +87,16 @@ def build_report(setup: Setup, proposer_name: str, command: str | None, per_prom
             "baseline_tokens_per_s": r["base"].new_tokens / r["base"].wall_time if r["base"].wall_time else None,
         } for r in per_prompt],
     }
+
+
+def entry_shape(entry: Entry, cfg, spec: TreeSpec | None, proposer: str) -> dict:
+    """The `shape` of one run (docs/evaluation.md): the engine's served shape under `as_served`, else draftsmith's
+    decoder with the chain or tree it decoded (engine "draftsmith")."""
+    if entry.shape is not None:
+        return entry.shape.to_json()
+    tree = list(spec.branching) if spec is not None and entry.kw.get("tree") is not None else None
+    k = entry.kw.get("k") if entry.kw.get("k") is not None else cfg.k
+    return draftsmith_shape(k, tree, spec.max_nodes if tree else None, side_by_side_entry(proposer)[0])
 
 
 def _references(setup: Setup, per_prompt: list[dict], overall: dict) -> dict:
@@ -206,6 +221,21 @@ def _settings_problem(settings: Any) -> str | None:
     return None
 
 
+def shape_problem(shape: Any, where: str) -> str | None:
+    """A report's `shape` (which engine and form its numbers were decoded in) as readers use it, or its problem."""
+    if not isinstance(shape, dict):
+        return f"{where} is {show(shape)}, expected a JSON object (engine, method, form, k)"
+    for name in ("engine", "method", "label"):
+        if not isinstance(shape.get(name), str):
+            return f"{where}.{name} is {show(shape.get(name))}, expected a string"
+    if shape.get("form") not in FORMS:
+        return f"{where}.form is {show(shape.get('form'))}, expected one of {', '.join(FORMS)}"
+    k = shape.get("k")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        return f"{where}.k is {show(k)}, expected a whole number >= 0"
+    return None
+
+
 def report_problem(report: Any) -> str | None:
     """The first field of an evaluation report that routing and retraining could not trust, one line, or None:
     a proposer spec, a domains map of rows whose numbers are finite and in range (DOMAIN_NUMBERS), settings
@@ -227,6 +257,8 @@ def report_problem(report: Any) -> str | None:
     if t_step is not None and not in_range(t_step, 0.0, lo_open=True):
         return f"cost_model.t_step_decode_s is {show(t_step)}, expected {range_text(0.0, lo_open=True)}"
     if report.get("settings") is not None and (problem := _settings_problem(report["settings"])):
+        return problem
+    if report.get("shape") is not None and (problem := shape_problem(report["shape"], "shape")):
         return problem
     domains = report.get("domains")
     if not isinstance(domains, dict):

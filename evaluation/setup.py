@@ -17,10 +17,12 @@ from draftsmith.decoding import cost
 from draftsmith.decoding.budget import VerifyCost
 from draftsmith.decoding.factory import build_proposer
 from draftsmith.decoding.proposer import Proposer, TreeSpec, draft_dtype, side_by_side_entry
+from draftsmith.decoding.served_shape import proposer_spec, served_shape
 from draftsmith.errors import ConfigError
 from draftsmith.evaluation.config import EvalConfig
 from draftsmith.evaluation.domains import EvalPrompt, default_prompt_files, load_prompts, only_domains
 from draftsmith.evaluation.limits import check_prompt_files, fit_context, leave_out_long
+from draftsmith.layouts.serving import Served
 from draftsmith.targets.device import dtype_name
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ class Entry:
     proposer: Proposer
     kw: dict
     draft_dtype: str | None = None  # what its network runs in (None: it has none to cast)
+    shape: Served | None = None  # the engine's shape it decodes (`as_served`); None: draftsmith's decoder
 
 
 @dataclass
@@ -86,17 +89,22 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
 
         target = load_target(target, device=cfg.device, dtype=cfg.dtype)
     _check_cost_context(target, cfg)
-    prop = proposer if isinstance(proposer, Proposer) else build_proposer(cfg.proposer, target)
+    shape = None
+    if cfg.as_served is not None:  # the engine decides the shape: the proposer is built to draft exactly it
+        shape, prop, spec, cfg = _as_served(target, proposer, cfg)
+    else:
+        prop = proposer if isinstance(proposer, Proposer) else build_proposer(cfg.proposer, target)
     original_target = None
     if prop.verifier_target is not None:
         original_target, target = target, prop.verifier_target
     drafts_in = draft_dtype(cfg.draft_dtype, target.dtype, target.device)
     cast = prop.use_dtype(drafts_in)
-    spec, cfg = _spec_tree(prop, cfg)
+    if shape is None:
+        spec, cfg = _spec_tree(prop, cfg)
     rows, files, left_out, turns, turns_cut = _eval_rows(target, cfg)
     eos = list(target.eos_token_ids)
     entries = [Entry("spec", prop, dict(tree=spec, k=None) if cfg.tree else dict(k=cfg.k),
-                     dtype_name(drafts_in) if cast else None)]
+                     dtype_name(drafts_in) if cast else None, shape)]
     if cfg.adaptive:
         from draftsmith.decoding.adaptive import AdaptiveK
 
@@ -109,12 +117,56 @@ def build_setup(target, proposer: str | Proposer, cfg: EvalConfig) -> Setup:
                   dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_ids=eos), entries,
                   assistant=prop.assistant_model if cfg.hf_reference else None, turns=turns, turns_cut=turns_cut,
                   left_out=left_out)
-    # a chain whose proposer estimates each token's acceptance (DSpark's confidence) is cut like a scored tree
-    if cfg.prune_tree and (not spec.is_chain or prop.estimates_acceptance):
+    # a chain whose proposer estimates each token's acceptance (DSpark's confidence) is cut like a scored tree, and
+    # so is a served shape with adaptive verification
+    if ((cfg.prune_tree and (not spec.is_chain or prop.estimates_acceptance))
+            or any(e.shape is not None and e.shape.adaptive_verification for e in entries)):
         _cut_trees(setup)
     if cfg.prune_tree:
         _add_gpu_trees(setup, spec, drafts_in)
     return setup
+
+
+def _as_served(target, proposer: str | Proposer, cfg: EvalConfig) -> tuple[Served, Proposer, TreeSpec, EvalConfig]:
+    """The shape `cfg.as_served` serves the proposer in (decoding/served_shape.py), the proposer built to draft it,
+    its TreeSpec and the config that decodes it: a chain or block of k, or the engine's tree, uncut and with no
+    GPU-sized tree beside it (draftsmith's own); DSpark's adaptive verification is its chain cut by the cost model
+    (decoding/budget.py: vLLM's rule, with the verify cost measured here)."""
+    engine = cfg.as_served
+    mine = [name for name, on in (("--tree", cfg.tree is not None), ("--tree auto", cfg.tree_from_proposer),
+                                  ("--adaptive", cfg.adaptive)) if on]
+    if mine or not isinstance(proposer, str):
+        raise ConfigError(f"--as-served {engine}: the engine decides the shape it serves; drop {mine[0]} "
+                          "(draftsmith's own decoder's)" if mine else
+                          f"--as-served {engine}: give the proposer by its spec (ngram[:N], METHOD:PATH)")
+    shape = _served(engine, cfg.proposer, cfg)
+    name, opts = proposer_spec(cfg.proposer, shape)
+    prop = build_proposer(name, target, **opts)
+    spec, tree = _served_spec(shape)
+    log.info("decoding as %s serves it: %s", engine, shape.label())
+    return shape, prop, spec, dataclasses.replace(cfg, k=shape.k, tree=tree, gpu_tree=False,
+                                                  prune_tree=shape.adaptive_verification)
+
+
+def _served(engine: str, proposer: str, cfg: EvalConfig) -> Served:
+    """The engine's shape of one proposer at the run's k, or at the drafter's own block (a block drafter is served
+    only as the block it was trained on, whatever --k says)."""
+    own = served_shape(engine, proposer, None, cfg.as_served_options) if proposer.partition(":")[2] else None
+    if own is not None and own.form == "block":
+        if own.k != cfg.k:
+            log.info("%s: %s serves its block of %d draft tokens (k %d not used)", proposer, engine, own.k, cfg.k)
+        return own
+    return served_shape(engine, proposer, cfg.k, cfg.as_served_options)
+
+
+def _served_spec(shape: Served) -> tuple[TreeSpec, list[int] | None]:
+    """(the TreeSpec the verifier allows, the config's `tree`) of a served shape: a tree with its node budget, a
+    chain the confidence cut sizes (adaptive verification) as the chain tree it is, else a chain of k."""
+    if shape.form == "tree":
+        return TreeSpec(tuple(shape.branching), max_nodes=shape.max_nodes), list(shape.branching)
+    if shape.adaptive_verification:
+        return TreeSpec.chain(shape.k), [1] * shape.k
+    return TreeSpec.chain(shape.k), None
 
 
 def _check_cost_context(target, cfg: EvalConfig) -> None:
@@ -188,6 +240,8 @@ def _add_gpu_trees(setup: Setup, spec: TreeSpec, drafts_in: torch.dtype) -> None
 def _compare(entry: str, target, cfg: EvalConfig, drafts_in: torch.dtype) -> Entry:
     """A side-by-side entry `PROPOSER[@SHAPE][@DTYPE]` (see `side_by_side_entry`) as it decodes in this run."""
     name, shape, own_dtype = side_by_side_entry(entry)
+    if cfg.as_served is not None:
+        return _compare_served(entry, name, shape, own_dtype, target, cfg, drafts_in)
     other = build_proposer(name, target)
     if other.verifier_target is not None:
         raise ConfigError(f"compare '{entry}': a Medusa-2 artifact is verified by its own adapted target, not by "
@@ -208,11 +262,29 @@ def _compare(entry: str, target, cfg: EvalConfig, drafts_in: torch.dtype) -> Ent
     return Entry(f"cmp:{entry}", other, kw, dtype_name(other_dtype) if other_cast else None)
 
 
+def _compare_served(entry: str, name: str, shape, own_dtype: str | None, target, cfg: EvalConfig,
+                    drafts_in: torch.dtype) -> Entry:
+    """A side-by-side entry under `as_served`: decoded in the shape the engine serves it (no @SHAPE of its own)."""
+    if shape is not None:
+        raise ConfigError(f"compare '{entry}': --as-served {cfg.as_served} decodes every proposer as the engine "
+                          "serves it; drop the @shape")
+    served = _served(cfg.as_served, name, cfg)
+    spec_name, opts = proposer_spec(name, served)
+    other = build_proposer(spec_name, target, **opts)
+    other_dtype = draft_dtype(own_dtype, target.dtype, target.device) if own_dtype else drafts_in
+    other_cast = other.use_dtype(other_dtype)
+    tree_spec, tree = _served_spec(served)
+    kw = dict(tree=tree_spec, k=None) if tree else dict(k=served.k)
+    return Entry(f"cmp:{entry}", other, kw, dtype_name(other_dtype) if other_cast else None, served)
+
+
 def _cut_trees(setup: Setup) -> None:
     """Scored trees (Medusa, EAGLE-2) are cut every step to the nodes that pay: v(n) with a tree mask,
     measured here before decoding, over every node count a tree of this run can have. A tree that is the
     same every step (Medusa's) is cut once, up front."""
-    cfg, trees = setup.cfg, [e for e in setup.entries if e.kw.get("tree") is not None]
+    # an engine's tree is verified whole; of the served shapes only adaptive verification is cut
+    cfg, trees = setup.cfg, [e for e in setup.entries if e.kw.get("tree") is not None
+                             and (e.shape is None or e.shape.adaptive_verification)]
     if not trees:  # every entry decodes a chain of --k (no --tree): nothing to cut, nothing to measure for it
         return
     n_max = max(e.kw["tree"].capacity() for e in trees)
