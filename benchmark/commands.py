@@ -227,8 +227,9 @@ def _register_serve_bench(subparsers) -> None:
                    help="a running vLLM server instead of starting one: `plain=` the one without a drafter, any "
                         "other NAME a drafter's (run it with --per-request-spec-decode-metrics detailed); repeatable")
     s.add_argument("--out", required=True, help="report folder: report.json, report.md, tokens_per_s.png, logs/")
-    s.add_argument("--k", type=ranged(int, DRAFT_TOKENS), default=4,
-                   help="num_speculative_tokens of the started drafter servers (default: %(default)s)")
+    s.add_argument("--k", type=ranged(int, DRAFT_TOKENS), default=None,
+                   help="num_speculative_tokens of every started drafter server (default: each export's own, from "
+                        "its draftsmith.json; 4 where it names none)")
     s.add_argument("--concurrency", default="1,4,16",
                    help="comma-separated requests in flight, one run each (default: %(default)s)")
     s.add_argument("--requests", type=ranged(int, ROWS), default=32,
@@ -259,7 +260,8 @@ def _bench_servers(args) -> list:
 
     from draftsmith.benchmark.serve_bench import Server
     from draftsmith.errors import ConfigError
-    from draftsmith.export.serve_check import speculative_config
+    from draftsmith.export.serve_check import speculative_config, vllm_serving
+    from draftsmith.layouts.common import read_guard
 
     if args.url and args.drafter:
         raise ConfigError("serve-bench: --url points at running servers, --drafter starts them; give one of the two")
@@ -271,7 +273,12 @@ def _bench_servers(args) -> list:
                               "drafter)")
         return [Server(name, url=url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1")
                 for name, _, url in pairs]
-    return [Server("plain")] + [Server(Path(d).name, speculative_config(Path(d), args.k)) for d in args.drafter]
+    servers = [Server("plain")]
+    for d in map(Path, args.drafter):
+        k = args.k or read_guard(d).get("num_speculative_tokens") or 4
+        unapplied = [patch.name for patch in vllm_serving(d).patches]
+        servers.append(Server(d.name, speculative_config(d, k), patches_not_applied=unapplied))
+    return servers
 
 
 def run_serve_bench(args) -> int:
@@ -289,7 +296,8 @@ def run_serve_bench(args) -> int:
     target = load_target(args.target or "smollm2-135m") if args.target or not args.url else None
     if target is not None and not args.url and target.folder is None:
         raise ConfigError(f"target {target.name}: vLLM needs an HF folder of the target")
-    room = args.max_model_len - args.max_tokens - args.k - 8  # the server's context holds prompt, answer, draft
+    # the server's context holds the prompt, the answer and a chain drafted past it
+    room = args.max_model_len - args.max_tokens - max([args.k or 0] + [s.k for s in servers]) - 8
     by_domain, info = load_plan_prompts(args.prompts, args.split, args.limit_per_domain,
                                         target.tokenizer if target is not None else None, room)
     plan = Plan(by_domain, concurrency, args.requests, args.domain_requests, args.max_tokens, args.request_timeout,

@@ -32,7 +32,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftsmith.benchmark.serve_client import Run, drive, served_model, stream_chat
@@ -63,6 +63,13 @@ class Server:
     name: str
     speculative_config: dict | None = None
     url: str | None = None  # None: started here
+    # fixes of vLLM's CPU kernels serve-check applies for this format (layouts.serving.VllmPatch) and a `vllm serve`
+    # started here does not: recorded in the report, since the drafter's acceptance may differ where one matters
+    patches_not_applied: list[str] = field(default_factory=list)
+
+    @property
+    def k(self) -> int:
+        return (self.speculative_config or {}).get("num_speculative_tokens") or 0
 
 
 def mixed(by_domain: dict[str, list], n: int) -> list[tuple[str, list[dict]]]:
@@ -148,6 +155,8 @@ def _runs(url: str, model: str, plan: Plan) -> list[dict]:
     """Every run of one server: at each concurrency, the mixed run, then one per domain."""
     out = []
     for c in plan.concurrency:
+        # c short requests at c in flight, not counted: the engine's first steps at a new batch size are slower
+        drive(url, model, mixed(plan.by_domain, c), c, 8, plan.request_timeout, plan.run_timeout)
         jobs = [("mixed", mixed(plan.by_domain, max(plan.requests, c)))]
         if plan.domain_requests and len(plan.by_domain) > 1:
             jobs += [(f"domain:{d}", homogeneous(d, v, max(plan.domain_requests, c)))
@@ -188,7 +197,7 @@ def bench_server(server: Server, target, plan: Plan, logs: Path, max_model_len: 
         if srv is not None:
             srv.stop()
     return {"speculative_config": server.speculative_config, "url": server.url, "started_here": srv is not None,
-            "runs": runs}
+            "patches_not_applied": server.patches_not_applied, "runs": runs}
 
 
 def _by_scope(runs: list[dict]) -> dict[tuple[int, str], dict]:

@@ -89,6 +89,11 @@ def render(report: dict) -> str:
              "E[tokens | k] from vLLM's per-request acceptance over r(c), the step with the drafter in plain steps "
              "at that concurrency (decoding/batch_cost.py).", "",
              *_throughput(report), *_latency(report)]
+    for name, res in report["servers"].items():
+        if res.get("patches_not_applied"):
+            lines += [f"{md_cell(name)}: served without serve-check's fixes of vLLM's CPU kernels "
+                      f"({md_cell(', '.join(res['patches_not_applied']))}): its acceptance here may differ from "
+                      "serve-check's where one of them matters.", ""]
     for name, comp in report["comparisons"].items():
         lines += _drafter(name, comp)
     return "\n".join(lines).rstrip() + "\n"

@@ -70,7 +70,7 @@ def _run(c: int, wall: float, samples: list[Sample]) -> Run:
     return Run(c, samples, wall)
 
 
-def test_summary_and_comparison_by_hand():
+def _by_hand() -> tuple[dict, dict, dict]:
     # plain: 2 answers of 11 tokens, 1.0 s from first to last token each -> 0.1 s a step; 22 tokens in 2.4 s
     plain = summarize(_run(1, 2.4, [Sample("math", ttft_s=0.2, decode_s=1.0, output_tokens=11) for _ in range(2)]),
                       "mixed")
@@ -95,6 +95,29 @@ def test_summary_and_comparison_by_hand():
     # S(1) = 1.8 / 1.1 = 1.636 < S(2) = 1.667: the whole chain
     assert row["recommended_k"] == 2 and comp["num_speculative_tokens_per_batch_size"] == [[1, 1, 2]]
     assert comp["verdict"] == "on at k = 2 at every measured concurrency"
+    return plain, spec, comp
+
+
+def test_summary_and_comparison_by_hand():
+    _by_hand()
+
+
+def test_report_renders_the_comparison_and_writes_its_three_files(tmp_path):
+    from draftsmith.benchmark.serve_report import write_report
+
+    plain, spec, comp = _by_hand()
+    report = {"target": "t", "date": "2026-01-01", "seconds": 3.0, "concurrency": [1], "requests": 2,
+              "domain_requests": 0, "max_tokens": 11, "prompts": {"domains": {"math": 1}, "left_out_too_long": 0},
+              "machine": {"platform": "p", "cpus": 2, "load_before": [0.1], "load_after": [0.2]},
+              "servers": {"plain": {"runs": [plain]}, "d": {"runs": [spec], "patches_not_applied": ["fix-x"]}},
+              "comparisons": {"d": comp}}
+    write_report(report, tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    # c | tok/s plain | tok/s drafter | speedup | predicted | error | r(c) | TPOT speedup | TTFT ratio | τ | α | k | rec
+    assert "| 1 | 9.2 | 13.8 | 1.50 | 1.67 | +11% | 1.20 | 1.67 | 1.25 | 2.000 | 0.500 | 2 | 2 |" in text
+    assert '"num_speculative_tokens_per_batch_size": [[1, 1, 2]]' in text and "fix-x" in text
+    assert (tmp_path / "tokens_per_s.png").read_bytes().startswith(b"\x89PNG")
+    assert json.loads((tmp_path / "report.json").read_text())["comparisons"]["d"]["verdict"] == comp["verdict"]
 
 
 def _spec_metrics(**changes) -> dict:
