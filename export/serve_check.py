@@ -11,8 +11,9 @@ One check, on the same prompts (chat-templated to token ids here, so both engine
     1. vLLM without speculation: the reference greedy output and the plain tokens/s;
     2. vLLM with the export as its speculator: loaded (or vLLM's own error line), output identical to (1),
        per-position acceptance, α and τ from vLLM's spec-decode counters, tokens/s at batch 1 and batch N;
-    3. draftsmith's evaluator on the same prompts with the same chain length k, on the weights read back
-       from the export (`import_export`, into the report folder), so both decoders draft from the same tensors.
+    3. draftsmith's evaluator on the same prompts in vLLM's shape (`--as-served vllm`: the method alone, its chain
+       or block of k, greedy drafts, vLLM's n-gram matching), on the weights read back from the export
+       (`import_export`, into the report folder), so both decoders draft from the same tensors.
 
 The report folder (default runs/serve-check/EXPORT_NAME) holds report.json, report.md, each engine's job,
 result and log; only the model card's "Served by vLLM" section is written into the export.
@@ -189,9 +190,11 @@ def vllm_acceptance(counters: dict, k: int) -> dict:
 
 
 def draftsmith_side(export_dir: Path | None, target, files: list[str], k: int, max_new_tokens: int,
-                    limit: int | None, seed: int, method: str | None, workdir: Path) -> tuple[dict, str]:
-    """draftsmith's evaluator, chain of k, float32 drafts (vLLM upcasts a bf16 drafter to a float32 target),
-    on the weights read back from the export. Returns (overall summary, proposer spec)."""
+                    limit: int | None, seed: int, method: str | None, workdir: Path,
+                    adaptive: bool = False) -> tuple[dict, str]:
+    """draftsmith's evaluator in vLLM's shape at k (`--as-served vllm`), float32 drafts (vLLM upcasts a bf16 drafter
+    to a float32 target), on the weights read back from the export. Returns (overall summary with its `shape`,
+    proposer spec)."""
     from draftsmith.evaluation.evaluate import evaluate
 
     if method == "ngram":
@@ -209,10 +212,13 @@ def draftsmith_side(export_dir: Path | None, target, files: list[str], k: int, m
     # independent reference draftsmith's `lossless` is judged against. vLLM decodes each prompt's first user
     # turn (`_job`), so the evaluator does too: a multi-turn prompt's later turns would add generations vLLM
     # never ran to one side of the comparison
+    # decoded in vLLM's own shape (decoding/served_shape.py: the method alone, its chain or block of k, greedy
+    # drafts, vLLM's n-gram matching), adaptive verification only where the speculative config asks vLLM for it
     report = evaluate(target, proposer, prompts=files, k=k, max_new_tokens=max_new_tokens, limit_per_domain=limit,
-                      seed=seed, cost_model=False, gpu_tree=False, draft_dtype="float32", repeats=1, remeasure=0,
-                      turns="first", out=str(workdir / "draftsmith-eval"))
-    return report["overall"], proposer
+                      seed=seed, cost_model=False, draft_dtype="float32", repeats=1, remeasure=0, turns="first",
+                      as_served="vllm", as_served_options={"adaptive_verification": adaptive},
+                      out=str(workdir / "draftsmith-eval"))
+    return {**report["overall"], "shape": report["shape"]}, proposer
 
 
 def serve_check(export_dir: str | Path | None, target, prompts: list[str] | None = None, out: str | Path | None = None,
@@ -309,10 +315,12 @@ def _compare_runs(report: dict, spec_run: dict, plain: dict, k: int) -> None:
 def _beside_draftsmith(report: dict, export_dir: Path | None, target, files: list[str], k: int, max_new_tokens: int,
                        limit_per_domain: int | None, seed: int, method: str | None, out: Path) -> None:
     """draftsmith's own evaluator on the same prompts: its per-position acceptance beside vLLM's."""
+    adaptive = bool(report["speculative_config"].get("enable_adaptive_verification"))
     overall, proposer = draftsmith_side(export_dir, target, files, k, max_new_tokens, limit_per_domain, seed,
-                                        method, out)
-    ds = {"proposer": proposer, "per_position_acceptance": overall.get("per_position_acceptance"),
-          "alpha": overall.get("alpha"), "tau": overall.get("tau"), "lossless": overall.get("lossless")}
+                                        method, out, adaptive)
+    ds = {"proposer": proposer, "shape": overall["shape"],
+          "per_position_acceptance": overall.get("per_position_acceptance"), "alpha": overall.get("alpha"),
+          "tau": overall.get("tau"), "lossless": overall.get("lossless")}
     report["draftsmith"] = ds
     report["per_position_difference"] = [
         abs(a - b) if a is not None and b is not None else None
@@ -344,7 +352,9 @@ def render(r: dict, heading: str = "#") -> str:
               f"| vLLM (its spec-decode counters) | {ppa_v} | {fmt_num(v['alpha'])} | {fmt_num(v['tau'])} |"]
     if d:
         ppa_d = " / ".join(fmt_num(x) for x in d["per_position_acceptance"] or [])
-        lines.append(f"| draftsmith evaluate, same prompts, k={r['k']} | {ppa_d} | {fmt_num(d['alpha'])} "
+        shape = (d.get("shape") or {}).get("label") or f"k={r['k']}"
+        lines.append(f"| draftsmith evaluate --as-served vllm ({md_cell(shape)}), same prompts | {ppa_d} | "
+                     f"{fmt_num(d['alpha'])} "
                      f"| {fmt_num(d['tau'])} |")
     lines.append("")
     p, s = r["plain"], r["speculative"]

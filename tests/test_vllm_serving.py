@@ -44,6 +44,11 @@ def _assert_served(report: dict, kind: str) -> None:
                                 f"(prompt {report['first_differing_prompt']})")
     v, d = report["vllm"], report["draftsmith"]
     assert v["num_drafts"] > 0, f"{kind}: vLLM counted no draft"
+    # draftsmith decoded the export in vLLM's profile (decoding/served_shape.py): its chain or block of k, never a
+    # tree, greedy drafts; its greedy output is HF generate's, vLLM's is its own plain output's
+    shape = d["shape"]
+    assert (shape["engine"], shape["k"], shape["draft_sampling"]) == ("vllm", report["k"], "greedy"), shape
+    assert shape["form"] in ("chain", "block") and shape["method"] == report["method"], shape
     assert d["lossless"], f"{kind}: draftsmith's own decoding is not lossless"
     assert report["acceptance_matches"], (
         f"{kind}: per-position acceptance vLLM {v['per_position_acceptance']} vs draftsmith "
@@ -90,6 +95,7 @@ def test_vllm_ngram_control(tiny):
     report = tiny.check("ngram")
     assert report["loaded"] and report["lossless"], report.get("error")
     assert report["draftsmith"]["lossless"]
+    assert report["draftsmith"]["shape"]["params"]["prompt_lookup_max"] == 3  # vLLM's matching, the same sizes
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
