@@ -58,6 +58,10 @@ class MeasureConfig:
     # with request logs as `production` (the fleet's traffic folder, fleet/middleware.py): a routing policy file
     # whose router gives a logged request without a domain its domain, from its prompt (else "unknown")
     production_policy: str | None = None
+    # the shape α is measured in (decoding/served_shape.py): vllm | sglang | trtllm, draftsmith (its own decoder), or
+    # null = vllm when the gate serve-checks the candidate in vLLM or production α is read from a vLLM server, else
+    # draftsmith's own decoder (`RetrainConfig.measured_as`)
+    as_served: str | None = None
 
 
 @validated
@@ -93,3 +97,16 @@ class RetrainConfig:
         from draftsmith import methods
 
         methods.get(self.artifact_kind, "artifact_kind")
+        if self.measure.as_served not in (None, "draftsmith", "vllm", "sglang", "trtllm"):
+            raise ValueError(f"measure.as_served must be vllm, sglang, trtllm, draftsmith or null, got "
+                             f"{self.measure.as_served!r}")
+
+    @property
+    def measured_as(self) -> str | None:
+        """The engine whose shape the gate scores (None: draftsmith's own decoder): `measure.as_served`, or, left
+        null, vLLM's where this config promotes to vLLM (the gate serve-checks there, or production α comes from
+        a vLLM server), so the candidate is judged in the shape that will serve it."""
+        chosen = self.measure.as_served
+        if chosen is None:
+            return "vllm" if self.gate.serve_check or self.measure.production else None
+        return None if chosen == "draftsmith" else chosen

@@ -48,10 +48,11 @@ def _measure(target, kind: str, path: Path, prompts: list[str] | None, limit: in
     from draftsmith.evaluation import evaluate
 
     # α and losslessness decide (losslessness against HF generate, the independent reference); speed does
-    # not: one timed run a prompt and no cost model
+    # not: one timed run a prompt and no cost model. α is measured in the shape that serves the version
+    # (`measured_as`: vLLM's chain or block of k where the config promotes to vLLM); its report names it
     return evaluate(target, f"{kind}:{path}", prompts=prompts, limit_per_domain=limit,
                     max_new_tokens=cfg.measure.max_new_tokens, k=cfg.measure.k, seed=cfg.traffic.seed,
-                    cost_model=False, repeats=1, remeasure=0)
+                    cost_model=False, repeats=1, remeasure=0, as_served=cfg.measured_as)
 
 
 def _production(m, kept: Path, max_domains: int | None = None) -> dict:
