@@ -112,10 +112,15 @@ def _best_route(name: str, loaded: list[dict], criterion: str, prof: VerifyProfi
 
 
 def _route_entry(report: dict, domain: dict) -> dict:
+    """A domain's route: the proposer and shape it decodes in, and what it was measured at. `measured_in`: the shape
+    its numbers were decoded in (the report's `shape`: an engine's, `--as-served`, or draftsmith's own decoder's;
+    a report from before the field, or a side-by-side run, says draftsmith's decoder)."""
     s = report.get("settings") or {}
+    shape = report.get("shape") or s.get("shape") or {"engine": "draftsmith", "label": "draftsmith's decoder"}
     return {"proposer": report["proposer"], "k": s.get("k"), "tree": s.get("tree"),
             "tree_max_nodes": s.get("tree_max_nodes"), "speedup": domain.get("speedup"),
-            "alpha": domain.get("alpha"), "tau": domain.get("tau"), "report": report.get("_path")}
+            "alpha": domain.get("alpha"), "tau": domain.get("tau"), "report": report.get("_path"),
+            "measured_in": {"engine": shape.get("engine"), "label": shape.get("label")}}
 
 
 def criterion_value(criterion: str, report: dict, domain: dict, profile: VerifyProfile | None) -> dict:
