@@ -62,6 +62,12 @@ class DFlashJobConfig:
     mask_token_id: Annotated[int, Range(ge=0, lt=VOCAB.le)] | None = None
     # slot weight exp(-(j-1)/γ); None: 4 at block 8, 7 at block 16 (DEFAULT_GAMMA)
     gamma: Annotated[float, Range(gt=0, le=1000)] | None = None
+    # how the block's slots weigh in the loss: decay, the fixed exp(-(j-1)/γ) above (the DFlash paper's); dpace,
+    # D-PACE's weights from the draft's own per-slot confidence, the gradient of the block's expected accepted
+    # length (dflash/model.py dpace_weights; arXiv 2605.18810, speculators' default since its PR #980)
+    slot_weights: Literal["decay", "dpace"] = "decay"
+    # D-PACE's smoothing q̃ = (1-α)·q + α (speculators' and Model-Optimizer's default 0.5; 1 = flat weights)
+    dpace_alpha: Annotated[float, Range(gt=0, le=1)] = 0.5
     anchors_per_row: Annotated[int, Range(ge=1, le=1 << 16)] = 16  # blocks trained per row and step
     loss: Literal["ce", "kd"] = "ce"  # ce: the token the target wrote; kd: the target's distribution there
     # an own lm_head over the N most frequent target-written tokens (EAGLE-3's reduced vocabulary); None: the
@@ -81,10 +87,18 @@ class DFlashJobConfig:
             raise ValueError(f"target_layers must be distinct and ascending, got {self.target_layers}")
         if self.max_length < 2 * self.block_size:
             raise ValueError(f"max_length must be >= 2·block_size ({2 * self.block_size}), got {self.max_length}")
+        if self.slot_weights == "dpace" and self.gamma is not None:
+            raise ValueError(f"gamma: {self.gamma} sets the fixed slot decay, which slot_weights: dpace replaces; "
+                             "leave gamma null, or set slot_weights: decay")
 
     @property
     def slot_gamma(self) -> float | None:
         return self.gamma if self.gamma is not None else DEFAULT_GAMMA.get(self.block_size, self.block_size / 2)
+
+    @property
+    def dpace(self) -> float | None:
+        """D-PACE's α where the slots weigh by it (`dflash_loss`'s dpace_alpha), else None."""
+        return self.dpace_alpha if self.slot_weights == "dpace" else None
 
 
 def default_layers(num_layers: int, draft_layers: int) -> list[int]:
@@ -132,6 +146,8 @@ class Blocks:
     valid: torch.Tensor  # bool [B, n_anchors, bs]: which slots are the rows of `out`
     teacher: torch.Tensor | None  # [n, V'] the target's logits there (loss: kd)
     vocab: tuple[torch.Tensor, torch.Tensor] | None  # (d2t, target id -> draft id) of a reduced vocabulary
+    # [n, H] the target's post-norm last hidden state where each slot is verified, where the job captures it
+    verify_hidden: torch.Tensor | None = None
 
 
 class DFlashJob(RowsJob):
@@ -151,7 +167,7 @@ class DFlashJob(RowsJob):
             dataset = load_distilled(cfg.data, target)
         self.use_rows(dataset, target, cfg.eval_fraction, cfg.train, cfg.max_length, cfg.prompt_context)
         L = target.num_layers
-        needs = features(cfg, target)
+        needs = self.capture_needs()
         self.layers = needs["layers"]
         if self.layers != sorted(set(self.layers)):
             raise ConfigError(f"target_layers: {cfg.target_layers} name a layer twice or out of order on this "
@@ -178,9 +194,14 @@ class DFlashJob(RowsJob):
         self.features = CaptureSource(target, cache_dir=cfg.capture_cache, **needs)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
 
+    def capture_needs(self) -> dict:
+        """What the job reads of the target (`features`; a method on this backbone may read more)."""
+        return features(self.cfg, self.target)
+
     def announce(self) -> None:
-        log.info("DFlash: %d layer(s), block %d, taps %s, mask token %d, γ %s, lm_head %s", self.cfg.num_layers,
-                 self.cfg.block_size, self.layers, self.mask_id, self.cfg.slot_gamma,
+        slots = f"D-PACE α {self.cfg.dpace_alpha}" if self.cfg.dpace is not None else f"γ {self.cfg.slot_gamma}"
+        log.info("DFlash: %d layer(s), block %d, taps %s, mask token %d, slots weigh by %s, lm_head %s",
+                 self.cfg.num_layers, self.cfg.block_size, self.layers, self.mask_id, slots,
                  f"own, {self.cfg.draft_vocab_size} tokens" if self.vocab else "the target's")
 
     module_class = DFlashDraft  # a method on this backbone (DSpark) trains its subclass
@@ -204,7 +225,7 @@ class DFlashJob(RowsJob):
     def loss(self, module, batch):
         blocks = self.blocks(module, batch)
         return dflash_loss(blocks.out, blocks.labels, blocks.slots, self.weights, blocks.teacher, blocks.vocab,
-                           blocks=blocks.valid)
+                           blocks=blocks.valid, dpace_alpha=self.cfg.dpace)
 
     def blocks(self, module, batch) -> Blocks:
         """One step's blocks: random anchors per row, the module's forward over their learned slots (`out`: what
@@ -221,14 +242,16 @@ class DFlashJob(RowsJob):
         labels, valid = block_targets(ids, lmask, anchors, bs)
         slots = torch.arange(bs, device=ids.device).expand_as(valid)[valid]
         out = module(ids, x, anchors, select=valid)
-        teacher = None
-        if self.cfg.loss == "kd":  # slot j is verified by the target's distribution at a+j-1
+        teacher = hidden = None
+        if "last_hidden" in feats:  # slot j is verified by the target's distribution at a+j-1
             pos = (anchors.clamp(min=0)[..., None] + torch.arange(bs, device=ids.device) - 1).clamp(min=0)
             rows = torch.arange(ids.shape[0], device=ids.device)[:, None, None].expand_as(pos)
-            with torch.no_grad():
-                teacher = draft.target_logits(feats["last_hidden"][rows[valid], pos[valid]])
+            hidden = feats["last_hidden"][rows[valid], pos[valid]]
+            if self.cfg.loss == "kd":
+                with torch.no_grad():
+                    teacher = draft.target_logits(hidden)
         vocab = (draft.d2t, self.vocab[2]) if draft.config.reduced_vocab else None
-        return Blocks(out, labels[valid], slots, valid, teacher, vocab)
+        return Blocks(out, labels[valid], slots, valid, teacher, vocab, hidden)
 
     def row_generators(self, batch) -> list[torch.Generator] | torch.Generator:
         """A row's anchors are drawn from (seed, row id, epoch) (`Job.epoch`, set by the loop), so they do not

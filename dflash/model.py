@@ -401,42 +401,84 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
     return labels, valid
 
 
+def dpace_weights(q: torch.Tensor, blocks: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights (Wu et al. 2026, "D-PACE: Dynamic Position-Aware Cross-Entropy for Parallel
+    Speculative Drafting", arXiv 2605.18810, Eq. 7-8; the default of speculators' DFlash trainer since
+    vllm-project/speculators PR #980, and of NVIDIA/Model-Optimizer PR #1724).
+
+    A block's expected accepted length is E = Σ_m Π_{i<=m} q_i (slot m is accepted only if every slot up to it
+    is), q_i the draft's probability of the target's token at slot i. Its derivative in log q_j is
+    w_j = Σ_{m>=j} Π_{i<=m} q_i: the weight that makes Σ_j w_j · CE_j follow E's gradient. A slot behind an
+    unlikely one weighs little (it is rarely reached), and the weight moves to whichever slot now limits the
+    block, unlike the fixed exp(-(j-1)/γ). q is smoothed towards 1, q̃ = (1-α)·q + α, so that slots behind a
+    hard one keep some signal (α = 1 weighs slot j by the number of slots from j to the block's end).
+
+    q [n]: one per True of `blocks` (bool [B, n_anchors, bs]), in order. A slot that is not learned (the
+    anchor, past the row, a prompt token) passes the product through unchanged and adds no term. Returns [n],
+    detached: the weights shape the cross-entropy's gradient and take none of their own (Eq. 9).
+    """
+    with torch.no_grad():
+        smooth = torch.ones(blocks.shape, dtype=torch.float32, device=q.device)
+        smooth[blocks] = alpha + (1.0 - alpha) * q.detach().float()
+        reach = smooth.cumprod(-1) * blocks  # Π_{i<=m} q̃_i at the learned slots m
+        return reach.flip(-1).cumsum(-1).flip(-1)[blocks]
+
+
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                 teacher: torch.Tensor | None = None, vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
-                blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                blocks: torch.Tensor | None = None,
+                dpace_alpha: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Position-weighted cross-entropy over the selected slots: logits [n, V'], labels [n] (target ids), slots
     [n] (the slot index j of each), weights [bs]. With `teacher` [n, V'] (the target's logits where slot j is
     verified, on the same vocabulary), the soft cross-entropy against its distribution replaces the hard label.
+    With `dpace_alpha`, each slot weighs its D-PACE weight (`dpace_weights`, from the draft's probability of the
+    label, needing `blocks`) instead of weights[j].
 
     `vocab` = (d2t, index) for logits over a reduced draft vocabulary (index: target id -> draft id or -1,
     heads.vocab.draft_index): a label outside it cannot be predicted, so with hard labels it leaves the loss
-    (`outside`: the fraction of slots whose label is outside, as a draft it caps acceptance at); the teacher,
-    restricted to the draft vocabulary, still teaches there. Metrics: the loss, top-1 accuracy against the
-    label (a label outside the vocabulary is a miss) overall and per slot (`slot{j}/acc`: what acceptance at
-    depth j follows). With `blocks` (bool [B, n, bs], the `valid` mask whose True slots are the rows of
-    `logits`, in order), `tau`: 1 + the mean run of correct slots from slot 1 on, over the blocks whose every
-    slot is learned — the accepted length of the block's chain under greedy verification, held out here, where
-    the per-slot accuracies say only how often each slot is right on its own."""
-    w = weights.to(logits.device)[slots]
+    (`outside`: the fraction of slots whose label is outside, as a draft it caps acceptance at; for D-PACE its q
+    is 0, a certain rejection); the teacher, restricted to the draft vocabulary, still teaches there. Metrics:
+    the loss, top-1 accuracy against the label (a label outside the vocabulary is a miss) overall and per slot
+    (`slot{j}/acc`: what acceptance at depth j follows). With `blocks` (bool [B, n, bs], the `valid` mask whose
+    True slots are the rows of `logits`, in order), `tau`: 1 + the mean run of correct slots from slot 1 on,
+    over the blocks whose every slot is learned — the accepted length of the block's chain under greedy
+    verification, held out here, where the per-slot accuracies say only how often each slot is right on its
+    own."""
     draft_labels, inside = labels, torch.ones_like(labels, dtype=torch.bool)
     if vocab is not None:
         draft_labels = vocab[1].to(labels.device)[labels]
         inside = draft_labels >= 0
+    logp = F.log_softmax(logits.float(), -1)
+    w = weights.to(logits.device)[slots]
+    if dpace_alpha is not None:
+        if blocks is None:
+            raise ValueError("dflash_loss: dpace_alpha needs `blocks`, the slots' places in their blocks")
+        q = logp.detach().gather(-1, draft_labels.clamp(min=0)[:, None]).squeeze(-1).exp() * inside
+        w = dpace_weights(q, blocks, dpace_alpha)
     if teacher is None:
         w = w * inside
-        ce = F.cross_entropy(logits.float(), draft_labels.clamp(min=0), reduction="none")
+        ce = -logp.gather(-1, draft_labels.clamp(min=0)[:, None]).squeeze(-1)
     else:
-        ce = -(F.softmax(teacher.float(), -1) * F.log_softmax(logits.float(), -1)).sum(-1)
+        ce = -(F.softmax(teacher.float(), -1) * logp).sum(-1)
     loss = (ce * w).sum() / w.sum().clamp(min=1e-12)  # 0, with a graph, where no slot is learned
     learned = ce[w > 0]
     metrics = {"ce": float(learned.detach().mean()) if learned.numel() else 0.0}
+    metrics.update(block_metrics(logits, labels, slots, weights.numel(), vocab, inside, blocks))
+    return loss, metrics
+
+
+def block_metrics(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, block_size: int,
+                  vocab: tuple[torch.Tensor, torch.Tensor] | None, inside: torch.Tensor,
+                  blocks: torch.Tensor | None) -> dict[str, float]:
+    """`dflash_loss`'s accuracy metrics: `acc`, `outside` (a reduced vocabulary), `slot{j}/acc`, `tau`."""
+    metrics = {}
     with torch.no_grad():
         pred = logits.argmax(-1)
         right = (pred + vocab[0].to(pred.device)[pred] if vocab is not None else pred) == labels
         metrics["acc"] = float(right.float().mean()) if right.numel() else 0.0
         if vocab is not None:
             metrics["outside"] = float((~inside).float().mean()) if inside.numel() else 0.0
-        for j in range(1, weights.numel()):
+        for j in range(1, block_size):
             at = slots == j
             if at.any():
                 metrics[f"slot{j}/acc"] = float(right[at].float().mean())
@@ -444,7 +486,7 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor,
             tau = chain_tau(blocks, right)
             if tau is not None:
                 metrics["tau"] = tau
-    return loss, metrics
+    return metrics
 
 
 def chain_tau(blocks: torch.Tensor, right: torch.Tensor) -> float | None:

@@ -34,6 +34,7 @@ from torch import nn
 
 from draftsmith import schema
 from draftsmith.dflash.model import DFlashConfig, DFlashDraft, load_dflash, read_config
+from draftsmith.targets.gemm import rows_linear
 
 
 @dataclass
@@ -117,6 +118,13 @@ class DSparkDraft(DFlashDraft):
         conf = self.confidence_head(h.detach(), e.detach()) if self.confidence_head is not None else None
         return base, logits, conf
 
+    def target_logprobs(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's log-probabilities [n, N] from its post-norm last hidden states [n, H], normalised over its
+        whole vocabulary and taken at the N tokens `logits` predicts (`sampling_overlap`'s p)."""
+        w = self._head.weight
+        logp = F.log_softmax(rows_linear(last_hidden.to(w.dtype), w).float(), -1)
+        return logp[:, self.t2d.to(logp.device)] if self.config.reduced_vocab else logp
+
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
                 select: torch.Tensor | None = None):
         """Training forward (DFlashDraft.forward's blocks). With `select` (bool [B, n, bs]): (base, corrected,
@@ -156,5 +164,17 @@ def artifact_tensors(path: str | Path):
 
 
 def confidence_loss(conf: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-    """Binary cross-entropy of the confidence logits [n] against whether each slot's token is accepted [n]."""
+    """Binary cross-entropy of the confidence logits [n] against whether each slot's token is accepted [n]: a
+    bool, or the probability that it is (`sampling_overlap`), whose BCE is least where σ(conf) equals it."""
     return F.binary_cross_entropy_with_logits(conf.float(), accepted.float())
+
+
+def sampling_overlap(draft_logits: torch.Tensor, target_logprobs: torch.Tensor) -> torch.Tensor:
+    """[n] Σ_v min(q_v, p_v) = 1 − TV(q, p): the probability that a token drafted from q = softmax(draft_logits)
+    [n, N] is accepted by speculative sampling against the target's p (log-probabilities [n, N]; over a reduced
+    draft vocabulary, the target's full-vocabulary probabilities of those tokens, which sum to less than 1: the
+    mass outside the vocabulary is never drafted). The confidence target of speculators' DSpark trainer
+    (vllm-project/speculators, src/speculators/models/dspark/metrics.py) and the acceptance LK losses raise
+    (arXiv 2602.23881)."""
+    q = F.softmax(draft_logits.float(), -1)
+    return torch.minimum(q, target_logprobs.float().exp()).sum(-1)

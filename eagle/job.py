@@ -67,6 +67,18 @@ class EagleJobConfig:
     version: str = "eagle3"  # a variant of eagle/variants.py VARIANTS: eagle3 | eagle1
     target_layers: list[Annotated[int, LAYER]] | None = None  # None: EAGLE-3 default_eagle3_layers(L), EAGLE-1 [-1]
     ttt_steps: Annotated[int, Range(ge=1, le=16)] = 7  # EAGLE-3 training-time test unroll (EAGLE-1 preset: 1)
+    # fixed: unroll ttt_steps; served: unroll served_k steps, the chain the engine drafts (vLLM serves EAGLE-3 as
+    # a chain of num_speculative_tokens, SGLang as num_steps deep): no step is trained that is never drafted, and
+    # every drafted depth is (ttt_steps is then not read)
+    ttt_depth: Literal["fixed", "served"] = "fixed"
+    # the draft length the head is served at: vLLM's num_speculative_tokens (export's default, 4)
+    served_k: Annotated[int, Range(ge=1, le=16)] = 4
+    # what each step's draft is trained for: kl, the target's distribution on the draft vocabulary (soft
+    # cross-entropy, EAGLE-3's); lk_alpha / lk_lambda, the acceptance rate itself (LK losses, arXiv 2602.23881,
+    # SpecForge PR #492: eagle/model.py lk_loss). LK reads the target's logsumexp (the capture keeps it)
+    objective: Literal["kl", "lk_alpha", "lk_lambda"] = "kl"
+    # lk_lambda's λ = exp(-lk_eta·α): how soon a row's loss moves from KL to the acceptance (speculators' 3)
+    lk_eta: Annotated[float, Range(ge=0, le=100)] = 3.0
     ttt_tokens: Literal["target", "draft"] = "target"  # which token step j >= 1 reads (eagle/model.py)
     step_decay: Annotated[float, PROBABILITY] = 0.8  # step j weighs step_decay**j
     norm_before_residual: bool = False
@@ -116,6 +128,14 @@ class EagleJobConfig:
             raise ValueError(f"norm_output: {v.name} has no final norm of its own to feed back (an EAGLE-3.1 option)")
         if self.target_layers is not None and len(self.target_layers) != v.feature_layers:
             raise ValueError(f"target_layers: {v.name} reads {v.feature_layers} layer(s), got {self.target_layers}")
+        if self.objective != "kl" and v.teacher != "logits":
+            raise ValueError(f"objective: {self.objective} trains against the target's distribution, and {v.name} "
+                             "regresses features (LK losses are for EAGLE-3)")
+
+    @property
+    def steps(self) -> int:
+        """The test-time unroll trained: served_k where ttt_depth is served, else ttt_steps."""
+        return self.served_k if self.ttt_depth == "served" else self.ttt_steps
 
 
 VOCAB_MARGIN = 0.01  # a warm start keeps its draft vocabulary unless the rows' own covers this much more
@@ -143,8 +163,9 @@ def features(cfg: EagleJobConfig, target) -> dict:
     from draftsmith.capture.layers import resolve_layers
 
     v, L = variant(cfg.version), target.num_layers
-    return {"layers": resolve_layers(list(cfg.target_layers or v.default_layers(L)), L), "logsumexp": False,
-            **v.capture()}
+    # LK's acceptance needs the target's probabilities normalised over its whole vocabulary: its logsumexp
+    return {"layers": resolve_layers(list(cfg.target_layers or v.default_layers(L)), L),
+            "logsumexp": cfg.objective != "kl", **v.capture()}
 
 
 class EagleJob(RowsJob):
@@ -185,7 +206,7 @@ class EagleJob(RowsJob):
                                   f"output) are captured by no serving stack (vLLM and SGLang take outputs of "
                                   f"layers 0..{L - 2}): pick layers up to {L - 2}, or set exportable: false to "
                                   "train it for draftsmith's own decoder only")
-        self.weights = step_weights(cfg.ttt_steps, cfg.step_decay)
+        self.weights = step_weights(cfg.steps, cfg.step_decay)
         # draft vocabulary from the training split's target-written tokens
         self.counts = token_counts(self.train_set, target.vocab_size)
         if v.draft_vocab:
@@ -202,7 +223,7 @@ class EagleJob(RowsJob):
     def build_module(self) -> EagleHead:
         return EagleHead.from_target(
             self.target.model, self.cfg.version, self.layers,
-            draft_vocab=(self.d2t, self.t2d) if self.variant.draft_vocab else None, ttt_steps=self.cfg.ttt_steps,
+            draft_vocab=(self.d2t, self.t2d) if self.variant.draft_vocab else None, ttt_steps=self.cfg.steps,
             ttt_tokens=self.cfg.ttt_tokens, norm_before_residual=self.cfg.norm_before_residual,
             draft_layer=self.cfg.draft_layer, norm_before_fc=self.cfg.norm_before_fc, fc_norm=self.cfg.fc_norm,
             norm_output=self.cfg.norm_output)
@@ -265,7 +286,7 @@ class EagleJob(RowsJob):
         head.attach_target(self.target.model)  # the placed target (device / dtype of this rank)
         feats = self.features(batch)
         ids, lmask = batch["input_ids"], batch["loss_mask"]
-        S = self.cfg.ttt_steps
+        S = self.cfg.steps
         # step j at base t predicts x_{t+2+j}: train where that token is target-written
         select = [shift_left(lmask, 2 + j).bool() for j in range(S)]
         x = torch.cat([feats[f"layer.{i}"] for i in self.layers], dim=-1)
@@ -276,7 +297,7 @@ class EagleJob(RowsJob):
 
     def _logits_loss(self, head, feats, batch, out, select):
         """EAGLE-3: soft cross-entropy against the target's next-token distribution on the draft vocabulary."""
-        lmask, S = batch["loss_mask"], self.cfg.ttt_steps
+        lmask, S = batch["loss_mask"], self.cfg.steps
         # step j's teacher at base t is the target at position t+1+j, so every step's teachers are rows of
         # one product over the positions whose next token is learned (not S products over shifted copies)
         w = self.teacher_rows(head)
@@ -289,14 +310,19 @@ class EagleJob(RowsJob):
         replay = None
         if "replay" in batch:  # rollout marks: replay[t] = j + 1 where step j at base t was rejected
             replay = [(batch["replay"] == j + 1)[select[j]] for j in range(S)]
+        logprobs = None
+        if "topk_logsumexp" in feats:  # log p over the whole vocabulary, at the draft vocabulary's tokens
+            lp_at = logits_at.float() - feats["topk_logsumexp"][at].float()[:, None]
+            logprobs = [lp_at[r] for r in rows]
         return eagle3_loss(out.logits, [logits_at[r] for r in rows], [top1_at[r] for r in rows], head.d2t,
-                           self.weights, replay, self.cfg.replay_weight)
+                           self.weights, replay, self.cfg.replay_weight, logprobs, self.cfg.objective,
+                           self.cfg.lk_eta)
 
     def _features_loss(self, head, feats, out, select):
         """EAGLE-1: regress the next feature, plus the weighted token cross-entropy through the target's head."""
         f = feats[f"layer.{self.layers[0]}"]
         preds, targets, teacher = [], [], []
-        for j in range(self.cfg.ttt_steps):
+        for j in range(self.cfg.steps):
             tf = shift_left(f, 1 + j)[select[j]]  # f_{t+1+j}
             preds.append(out.hidden[j][select[j]])
             targets.append(tf)

@@ -41,11 +41,11 @@ def job_memory(job, target_config, act: int, learned: int | None = None) -> JobM
     v = variant(job.version)
     layers = list(job.target_layers or v.default_layers(L))
     n = job.draft_vocab_size if v.draft_vocab else V
-    cfg = EagleConfig(v.number, H, V, layers, n if v.draft_vocab else None, job.ttt_steps,
+    cfg = EagleConfig(v.number, H, V, layers, n if v.draft_vocab else None, job.steps,
                       norm_before_fc=job.norm_before_fc, fc_norm=job.fc_norm, norm_output=job.norm_output,
                       layer_config=layer_config_dict(target_config, job.draft_layer))
     trained = meta_params(lambda: EagleHead(cfg))
-    steps = job.ttt_steps
+    steps = job.steps
     A = min(learned or T, T)  # the bases steps >= 1 run on, and the positions whose logits are taken
     keep = (len(layers) + v.capture()["last_hidden"]) * H * act  # captured features (+ last hidden)
     teacher = n * 4  # the target's logits on the predicted vocabulary, fp32

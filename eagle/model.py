@@ -518,20 +518,59 @@ def soft_ce(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     return (ce if weights is None else ce * weights.to(ce.dtype)).mean()
 
 
+def lk_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target_logprobs: torch.Tensor,
+            kind: Literal["lk_alpha", "lk_lambda"], eta: float = 3.0,
+            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """LK losses (Samarin et al. 2026, "LK Losses: Direct Acceptance Rate Optimization for Speculative Decoding",
+    arXiv 2602.23881; SpecForge's EAGLE-3 trainer since sgl-project/SpecForge PR #492, speculators' `nla` and
+    `lk_hybrid`): train the draft for the acceptance rate itself, not for KL, a proxy a small draft cannot drive
+    to zero and whose minimum under limited capacity need not be the acceptance's maximum.
+
+    α = Σ_v min(q_v, p_v) (= 1 − TV(q, p)) per row: the probability that speculative sampling accepts a token
+    drafted from q = softmax(student) [n, N] against the target's p, given as log-probabilities [n, N]
+    (`target_logprobs`: over a reduced draft vocabulary, the target's full-vocabulary probabilities of those
+    tokens; the mass outside is never drafted, so it is never accepted).
+      lk_alpha   -log α: its gradient is TV's scaled by 1/α, large where the draft is far off (a cold start)
+      lk_lambda  λ·KL(p̃ ‖ q) + (1 − λ)·(1 − α), λ = exp(-eta·sg[α]) per row: KL's strong gradient while the
+                 row's acceptance is low, the acceptance itself as it rises (p̃ = softmax(teacher_logits), the
+                 target renormalised over the draft vocabulary, as `soft_ce` reads it; λ is not differentiated)
+    Mean over rows, each multiplied by its `weights` [n] first. Returns (loss, α [n] detached).
+    """
+    logq = F.log_softmax(student_logits.float(), dim=-1)
+    alpha = sampling_acceptance(student_logits, target_logprobs)
+    if kind == "lk_alpha":
+        per_row = -torch.log(alpha.clamp(min=1e-8))
+    elif kind == "lk_lambda":
+        kl = F.kl_div(logq, F.log_softmax(teacher_logits.float(), dim=-1), log_target=True, reduction="none").sum(-1)
+        lam = torch.exp(-eta * alpha.detach())
+        per_row = lam * kl + (1.0 - lam) * (1.0 - alpha)
+    else:
+        raise ValueError(f"lk_loss: kind must be lk_alpha or lk_lambda, got {kind!r}")
+    loss = (per_row if weights is None else per_row * weights.to(per_row.dtype)).mean()
+    return loss, alpha.detach()
+
+
 def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_ids: list[torch.Tensor],
                 d2t: torch.Tensor, weights: list[float], replay: list[torch.Tensor] | None = None,
-                replay_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """Σ_j w_j · soft-CE(p̃_target, draft) over the selected positions of step j.
+                replay_weight: float = 0.0, target_logprobs: list[torch.Tensor] | None = None,
+                objective: Literal["kl", "lk_alpha", "lk_lambda"] = "kl",
+                lk_eta: float = 3.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_j w_j · soft-CE(p̃_target, draft) over the selected positions of step j; with `objective` lk_alpha or
+    lk_lambda, Σ_j w_j · `lk_loss` instead (it needs `target_logprobs`).
 
     replay[j] (bool [n_j], optional): the positions where an on-policy rollout's draft was rejected at step j
-    (data/engines/rollout.py); their cross-entropy counts 1 + replay_weight times. `replay/acc` is the draft's
+    (data/engines/rollout.py); their loss counts 1 + replay_weight times. `replay/acc` is the draft's
     top-1 accuracy on them (on a head's own rollouts it starts at 0: the draft was rejected there).
 
     logits[j]: [n_j, N] draft logits; teacher[j]: [n_j, N] the target's logits restricted to the draft
     vocabulary (softmax renormalises over it); target_ids[j]: [n_j] the target's argmax over its FULL
     vocabulary (step{j}/acc = the draft's argmax mapped through d2t equals it: a miss when the target's
-    token is outside the draft vocabulary — an honest acceptance proxy).
+    token is outside the draft vocabulary — an honest acceptance proxy); target_logprobs[j] (optional):
+    [n_j, N] the target's full-vocabulary log-probabilities of the draft vocabulary's tokens, which give
+    `step{j}/alpha`, the expected acceptance of a token sampled from the draft (`lk_loss`'s α).
     """
+    if objective != "kl" and target_logprobs is None:
+        raise ValueError(f"eagle3_loss: objective {objective} needs target_logprobs")
     total = None
     metrics: dict[str, float] = {}
     hits = seen = 0
@@ -542,19 +581,40 @@ def eagle3_loss(logits: list[torch.Tensor], teacher: list[torch.Tensor], target_
         else:
             rj = replay[j] if replay is not None else None
             w = 1.0 + replay_weight * rj.float() if rj is not None and replay_weight else None
-            loss_j = soft_ce(lg, te, w)
+            lp = target_logprobs[j] if target_logprobs is not None else None
+            loss_j = step_loss(lg, te, lp, w, objective, lk_eta, metrics, j)
             with torch.no_grad():
                 pred = lg.argmax(-1)
                 right = pred + d2t[pred] == ti
-                acc = right.float().mean()
                 if rj is not None:
                     hits, seen = hits + int(right[rj].sum()), seen + int(rj.sum())
-            metrics[f"step{j}/loss"], metrics[f"step{j}/acc"] = float(loss_j.detach()), float(acc)
+            metrics[f"step{j}/loss"], metrics[f"step{j}/acc"] = float(loss_j.detach()), float(right.float().mean())
         total = weights[j] * loss_j if total is None else total + weights[j] * loss_j
     if replay is not None:
         metrics["replay/n"] = float(seen)
         metrics["replay/acc"] = hits / seen if seen else 0.0
     return total, metrics
+
+
+def step_loss(logits: torch.Tensor, teacher: torch.Tensor, target_logprobs: torch.Tensor | None,
+              weights: torch.Tensor | None, objective: str, lk_eta: float, metrics: dict[str, float],
+              j: int) -> torch.Tensor:
+    """One TTT step's loss for `eagle3_loss` (soft-CE, or `lk_loss`); logs `step{j}/alpha` where it can."""
+    if objective == "kl":
+        loss = soft_ce(logits, teacher, weights)
+        if target_logprobs is not None:
+            with torch.no_grad():
+                alpha = sampling_acceptance(logits, target_logprobs)
+            metrics[f"step{j}/alpha"] = float(alpha.mean())
+        return loss
+    loss, alpha = lk_loss(logits, teacher, target_logprobs, objective, lk_eta, weights)
+    metrics[f"step{j}/alpha"] = float(alpha.mean())
+    return loss
+
+
+def sampling_acceptance(student_logits: torch.Tensor, target_logprobs: torch.Tensor) -> torch.Tensor:
+    """[n] Σ_v min(softmax(student)_v, p_v), p = exp(target_logprobs): `lk_loss`'s α (differentiable)."""
+    return torch.minimum(F.softmax(student_logits.float(), -1), target_logprobs.float().exp()).sum(-1)
 
 
 def eagle1_loss(pred_features: list[torch.Tensor], target_features: list[torch.Tensor], logits: list[torch.Tensor],
