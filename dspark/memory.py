@@ -21,7 +21,8 @@ def shape(path: Path, target_config) -> ArtifactShape:
 
 def job_memory(job, target_config, act: int, learned: int | None = None) -> JobMemory:
     """`Method.train_memory`: DFlash's job, plus the Markov head's parameters, and per query the corrected logits
-    (float32, with their softmax) beside the base ones."""
+    (float32, with their softmax) beside the base ones; with `confidence_target: overlap`, the target's last hidden
+    state kept (if `loss: kd` has not) and its full-vocabulary log-probabilities per query (float32)."""
     base = backbone_job_memory(job, target_config, act, learned)
     tc = text_config(target_config)
     V, H, B = tc.vocab_size, tc.hidden_size, job.train.batch_size
@@ -29,5 +30,7 @@ def job_memory(job, target_config, act: int, learned: int | None = None) -> JobM
     r = job.markov_rank
     heads = V * r + N * r + (H + r + 1 if job.confidence_head else 0)
     queries = job.anchors_per_row * job.block_size
-    return dataclasses.replace(base, trained=base.trained + heads,
-                               module_act=base.module_act + B * queries * (2 * N * 4 + r * act))
+    overlap = job.confidence_target == "overlap"
+    keep = base.keep + (H * act if overlap and job.loss != "kd" else 0)
+    return dataclasses.replace(base, trained=base.trained + heads, keep=keep,
+                               module_act=base.module_act + B * queries * (2 * N * 4 + r * act + overlap * V * 4))

@@ -51,7 +51,8 @@ def job_memory(job, target_config, act: int, learned: int | None = None) -> JobM
     teacher = n * 4  # the target's logits on the predicted vocabulary, fp32
     lc = cfg.layer_config
     per_base = layer_bytes_per_token(lc, attn_in=v.attention_width(H)) * act + H * act
-    logits = 2 * n * 4  # fp32 logits and their softmax, per learned position and step
+    # fp32 logits and their softmax, per learned position and step; LK adds the target's probabilities there
+    logits = (2 + (job.objective != "kl")) * n * 4
     # the TTT masks: step 0 [T, T], step j >= 1 [A, T + j·A] (its queries over [K^0 | ... | K^j]); quadratic in
     # the row's length, which is what long rows pay for first
     mask = (T * T + sum(A * (T + j * A) for j in range(1, steps))) * act * B

@@ -253,3 +253,24 @@ def test_eagle3_trains_the_served_depth_with_an_lk_loss(target4, tmp_path):
     assert "step1/alpha" in logs[-1] and "step2/alpha" not in logs[-1]
     assert logs[-1]["loss"] < logs[0]["loss"]
     assert read_config(result.artifact).ttt_steps == 2
+
+
+def test_the_memory_plan_counts_what_each_switch_adds(target4):
+    """The overlap keeps the target's last hidden state per token and its full-vocabulary log-probabilities per
+    query; LK the target's probabilities per learned position; the served depth unrolls served_k steps, not
+    ttt_steps."""
+    from draftsmith.dspark.memory import job_memory as dspark_memory
+    from draftsmith.eagle.memory import job_memory as eagle_memory
+
+    tc, H, V = target4.model.config, target4.hidden_size, target4.vocab_size
+    greedy = dspark_memory(DSparkJobConfig(), tc, 4)
+    overlap = dspark_memory(DSparkJobConfig(confidence_target="overlap"), tc, 4)
+    cfg = DSparkJobConfig()
+    assert overlap.keep - greedy.keep == H * 4
+    assert overlap.module_act - greedy.module_act == cfg.train.batch_size * cfg.anchors_per_row * cfg.block_size * V * 4
+    kd, kd_overlap = DSparkJobConfig(loss="kd"), DSparkJobConfig(loss="kd", confidence_target="overlap")
+    assert dspark_memory(kd_overlap, tc, 4).keep == dspark_memory(kd, tc, 4).keep  # kd keeps it already
+    kl = eagle_memory(EagleJobConfig(draft_vocab_size=128), tc, 4)
+    assert eagle_memory(EagleJobConfig(draft_vocab_size=128, objective="lk_alpha"), tc, 4).module_act > kl.module_act
+    served = EagleJobConfig(draft_vocab_size=128, ttt_steps=7, ttt_depth="served", served_k=2)
+    assert eagle_memory(served, tc, 4) == eagle_memory(EagleJobConfig(draft_vocab_size=128, ttt_steps=2), tc, 4)
