@@ -8,7 +8,10 @@ that token is target-written (loss_mask[t+2+j] = 1), against the target's distri
 EAGLE-3 teacher: the target's post-norm last hidden state times the draft-vocabulary rows of its lm_head
 (p̃ restricted to the draft vocabulary, EAGLE-3 §3.2), and its argmax over the full vocabulary (top-1 of
 the capture) for `step{j}/acc`. EAGLE-1 teacher: the target's last-layer feature f_{t+1+j} (the regression
-target) and lm_head(norm(f_{t+1+j})).
+target) and lm_head(norm(f_{t+1+j})). With `objective: lk_alpha | lk_lambda` (EAGLE-3) each step is trained for
+its acceptance rate (eagle/model.py lk_loss), which reads the target's probabilities normalised over its whole
+vocabulary: the capture keeps the full logits' logsumexp for it. `ttt_depth: served` unrolls the `served_k` steps
+the engine drafts instead of `ttt_steps`.
 
 The draft vocabulary is counted on the training split's target-written tokens before training.
 Default size: SmolLM2 (H = 576, V = 49,152) does ~134M multiply-adds per token in a target step; the
