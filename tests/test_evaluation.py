@@ -395,8 +395,13 @@ def test_report_fields_are_pinned(tiny_target, prompt_files):
 
     report = evaluate(tiny_target, "ngram", prompts=prompt_files, max_new_tokens=6, k=2, cost_context=16,
                       cost_k_max=2, cost_repeats=1, limit_per_domain=1, adaptive=True, compare=["ngram@chain=1"])
-    assert set(report) == {"command", "date", "machine", "target", "proposer", "settings", "domains", "overall",
-                          "cost_model", "recommended_k", "policy", "memory", "references", "prompts", "contention"}
+    assert set(report) == {"command", "date", "machine", "target", "proposer", "shape", "settings", "domains",
+                          "overall", "cost_model", "recommended_k", "policy", "memory", "references", "prompts",
+                          "contention"}
+    # no --as-served: draftsmith's own decoder, its chain of k
+    assert report["shape"] == {"engine": "draftsmith", "method": "ngram", "form": "chain", "k": 2,
+                               "label": "draftsmith's decoder chain k=2"}
+    assert report["settings"]["compare_settings"]["ngram@chain=1"]["shape"]["k"] == 1
     assert set(report["contention"]) == {"other_cpu_share", "threshold", "speedups_valid", "note", "repeats",
                                          "remeasure", "prompts", "prompts_with_invalid_timing", "invalid",
                                          "busy_prompts"}
