@@ -96,6 +96,8 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+from draftsmith.fleet.drafter_route import STATE as DRAFTER
+from draftsmith.fleet.drafter_route import DrafterState
 from draftsmith.fleet.traffic_record import TrafficRecord
 
 log = logging.getLogger("draftsmith.fleet.middleware")
@@ -194,6 +196,9 @@ class Exchange:
     sizes: list[int] = field(default_factory=lambda: [0, 0])  # request, response bytes seen
     held: int = 0  # bytes reserved for it in the budget (Counts)
     outcome: str | None = None  # set once, by Counts.settle
+    # the drafter's (generation, version) when it arrived and when it ended (fleet/drafter_route.py)
+    drafter: tuple = (0, None)
+    drafter_end: tuple = (0, None)
 
     @property
     def keeping(self) -> bool:
@@ -347,6 +352,7 @@ def record(x: Exchange) -> dict:
                          model=body.get("model"), prompt=body.get("messages" if chat else "prompt"),
                          domain=domain.strip() or None if isinstance(domain, str) else None,
                          stream=bool(body.get("stream")), status=x.status,
+                         **DrafterState.label(x.drafter, x.drafter_end),
                          **_answers(chunks, chat, x.event_stream)).to_json()
 
 
@@ -629,7 +635,7 @@ class TrafficLog:
                     if scope.get("type") == "http" and scope.get("method") == "POST" else None)
         if endpoint is None:
             return await self.app(scope, receive, send)
-        x = Exchange(endpoint, time.time(), None, None)
+        x = Exchange(endpoint, time.time(), None, None, drafter=DRAFTER.snapshot())
         try:
             pending: deque = deque()
             await self._read_request(receive, x, pending)
@@ -708,6 +714,7 @@ class TrafficLog:
 
     def _submit(self, x: Exchange) -> None:
         try:
+            x.drafter_end = DRAFTER.snapshot()
             if x.outcome is not None:
                 return
             if x.over:

@@ -66,6 +66,10 @@ class TrafficRecord:
     status: int | None = None  # the HTTP status vLLM answered with
     speculative_decoding: dict | None = None  # vLLM's `metrics.speculative_decoding`, verbatim
     error: str | None = None  # vLLM's error message
+    # the drafter version that served the request (fleet/drafter_route.py's label), or `drafter_swapped: true`
+    # when a swap happened while it ran (its counters mix two drafters: read per version, it counts for neither)
+    drafter_version: str | None = None
+    drafter_swapped: bool | None = None
     extra: dict = field(default_factory=dict, repr=False)  # a gateway's fields outside the schema, as read
     # the reader's view, computed by parse_record (module docstring); a writer leaves them unset
     text: str | None = field(default=None, repr=False)
@@ -86,7 +90,8 @@ class TrafficRecord:
 
 
 SCHEMA = ("timestamp", "id", "request_id", "endpoint", "model", "prompt", "domain", "response", "output_token_ids",
-          "usage", "finish_reason", "stream", "status", "speculative_decoding", "error")
+          "usage", "finish_reason", "stream", "status", "speculative_decoding", "error", "drafter_version",
+          "drafter_swapped")
 
 
 def _show(value) -> str:
@@ -224,6 +229,14 @@ def _list_of(obj: dict, key: str, ok, expected: str):
     raise ValueError(f"{key} is {_show(value)}, expected {expected}, a list of them (n > 1) or null")
 
 
+def _version(obj: dict) -> str | None:
+    value = _typed(obj, "drafter_version", (str,), "a string")
+    if value is not None and not (0 < len(value) <= MAX_DOMAIN and value.isprintable()):
+        raise ValueError(f"drafter_version is {_show(value)}, expected a version label (at most {MAX_DOMAIN} "
+                         "printable characters)")
+    return value
+
+
 def _check(obj: dict) -> TrafficRecord:
     rid = obj.get("id")
     if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= MAX_ID and rid.isprintable()):
@@ -247,6 +260,7 @@ def _check(obj: dict) -> TrafficRecord:
         stream=_typed(obj, "stream", (bool,), "true or false"),
         status=obj.get("status"),
         speculative_decoding=_typed(obj, "speculative_decoding", (dict,), "vLLM's per-request metrics (a JSON object)"),
+        drafter_version=_version(obj), drafter_swapped=_typed(obj, "drafter_swapped", (bool,), "true or false"),
         extra={k: v for k, v in obj.items() if k not in SCHEMA},
         text=text, messages=messages, seconds=_seconds(obj.get("timestamp")))
 
