@@ -557,17 +557,25 @@ def _mixed(total: dict) -> str | None:
             f"of {n} counted: each rate over its own rows, never one kind's accepted tokens over another's divisor")
 
 
-def log_alpha(folder: str | Path, policy: str | Path | None = None, max_domains: int | None = MAX_DOMAINS) -> dict:
+def log_alpha(folder: str | Path, policy: str | Path | None = None, max_domains: int | None = MAX_DOMAINS,
+              drafter_version: str | None = None, since: float | None = None) -> dict:
     """Per-domain α table from request logs carrying per-request speculative counters (module docstring,
     source 2). The files are read and each row checked by planning/logs.py (what cannot be read is named in
     `bad` and skipped; refused and unencodable rows are counted, never used); a row whose counters break a rule
     is one more bad row, named. `policy`: a routing policy file whose classifier gives a row without a
-    `domain` its domain. `max_domains`: the largest domains by requests keep their name, the rest are "other"."""
+    `domain` its domain. `max_domains`: the largest domains by requests keep their name, the rest are "other".
+    `drafter_version`: only the requests that version served alone (the traffic line's label; a request during
+    which a swap happened counts for no version); `since`: only requests that arrived at or after these epoch
+    seconds (a canary's window)."""
     classify = _classifier(policy)
     logs = log_files(folder, "request logs")
     groups: dict[str, dict] = defaultdict(_group)
     uncounted = 0
     for path, number, record, _ in traffic(logs):
+        if drafter_version is not None and (record.drafter_version != drafter_version or record.drafter_swapped):
+            continue
+        if since is not None and (record.seconds is None or record.seconds < since):
+            continue
         try:
             counted = _request_counters(record)
         except ValueError as e:
