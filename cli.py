@@ -39,7 +39,7 @@ STAGES: list[tuple[str, str, tuple[str, ...]]] = [
     ("export / serve", "an artifact in a serving stack's layout, run there",
      ("export", "serve-check", "import-export", "serve-bench")),
     ("plan / route", "memory per GPU, routing per domain, production acceptance", ("plan", "route", "alpha")),
-    ("retrain", "a new drafter when acceptance on live traffic drifts", ("retrain",)),
+    ("retrain", "a new drafter when acceptance on live traffic drifts", ("retrain", "promote")),
     ("bench / check", "the whole benchmark and its timing jobs; artifacts vs a target", ("bench", "check")),
 ]
 METHOD_STAGE = "train"

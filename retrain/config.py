@@ -77,6 +77,35 @@ class BudgetConfig:
     job_overrides: list[str] = field(default_factory=list)  # dotted overrides for the job config
 
 
+@validated
+@dataclass
+class CanaryConfig:
+    """How a drafter swapped into running servers is watched (retrain/promote.py): its per-request α per domain,
+    read from the servers' traffic log for this version alone, against what the gate measured for it."""
+
+    requests: Annotated[int, Range(ge=0, le=10**7)] = 32  # counted requests of the new version; 0 = no canary
+    timeout_s: Annotated[float, Range(gt=0, le=7 * 86400)] = 600.0  # the verdict is given then with what came
+    # a domain's α below min_ratio x the gate's measured α for it, or below alpha_floor: the old version goes back
+    min_ratio: Annotated[float, FRACTION] = 0.8
+    alpha_floor: Annotated[float, FRACTION] = 0.0
+    min_domain_requests: Annotated[int, Range(ge=1, le=10**6)] = 4  # fewer: the domain is reported, not judged
+    traffic: str | None = None  # the folder the servers' traffic log writes (default: traffic.dir)
+    # fewer than `requests` counted by timeout_s: keep the new version (and say so), or roll back
+    rollback_when_inconclusive: bool = False
+
+
+@validated
+@dataclass
+class PromoteConfig:
+    """Promotion in place (retrain/promote.py, docs/retraining.md): each promoted version is swapped into these
+    running vLLM servers (their base URL, e.g. http://10.0.0.5:8000) without a restart, then watched."""
+
+    servers: list[str] = field(default_factory=list)  # empty: the registry is updated, the fleet restarts itself
+    token_env: str = "DRAFTSMITH_PROMOTE_TOKEN"  # the variable holding the servers' bearer token
+    timeout_s: Annotated[float, Range(gt=0, le=3600)] = 300.0  # one server's swap, at most
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+
+
 @register_config("retrain")
 @validated
 @dataclass
@@ -91,6 +120,7 @@ class RetrainConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     gate: GateRule = field(default_factory=GateRule)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
+    promote: PromoteConfig = field(default_factory=PromoteConfig)
     policy_alpha_floor: Annotated[float, FRACTION] = 0.3  # domains below this after retraining: "disable speculation"
 
     def __post_init__(self):

@@ -7,6 +7,8 @@
         current.json             {"version": "v0002", ...}; replaced with os.replace, so a reader sees
                                  the old pointer or the new one, never a torn write
         runs/<timestamp>.json    one record per retraining run
+        exports/v0002/           the version's vLLM export, which the fleet serves (serve-checked by vLLM)
+        promotions/<time>.json   one record per swap into running servers: the swap, the canary, a rollback
         policy.json              per-domain enable/disable, read by the serving layer
         .lock                    held while a run trains (see locks.py RunLock)
 
@@ -164,6 +166,32 @@ class Registry:
         # its config (a /metrics URL and its key), its error (a server's words): outside text, redacted
         atomic_write_json(path, net.redact_all(record))
         return path
+
+    def write_promotion(self, record: dict) -> Path:
+        """A promotion's record (retrain/promote.py): promotions/<time>-<pid>-<ns>.json, its URLs' secrets
+        redacted; time-ordered names, so the last one is the latest."""
+        folder = self.base / "promotions"
+        folder.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        path = folder / f"{stamp}-{time.time_ns() % 10**9:09d}-{os.getpid()}.json"
+        atomic_write_json(path, net.redact_all(record))
+        return path
+
+    def last_promotion(self) -> dict | None:
+        """The latest promotion record, read as the registry's own file (never through a link)."""
+        folder = self.base / "promotions"
+        names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".json")) if folder.is_dir() else []
+        if not names:
+            return None
+        path = folder / names[-1]
+        try:
+            refuse_unless_regular(path, "promotion record")
+            doc = read_json(path)
+        except (OutputError, ValueError, OSError) as e:
+            raise ArtifactError(f"{path}: cannot be read ({e})") from None
+        if not isinstance(doc, dict):
+            raise ArtifactError(f"{path}: expected a JSON object, got {show(doc)}")
+        return doc
 
     def write_policy(self, policy: dict) -> Path:
         path = self.base / "policy.json"

@@ -16,6 +16,7 @@ loop resumes its checkpoints, so a run killed at any point is completed by the n
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -363,6 +364,29 @@ def _run(cfg: RetrainConfig, reg: Registry, record: dict, target, init: str | No
         record["export"] = str(reg.base / "exports" / version)
     shutil.rmtree(a.work, ignore_errors=True)
     record.update(outcome="promoted", version=version)
+    if cfg.promote.servers:
+        return _in_place(cfg, reg, record, a, version)
+    return EXIT_OK
+
+
+def _in_place(cfg: RetrainConfig, reg: Registry, record: dict, a: _Attempt, version: str) -> int:
+    """The promoted version swapped into the running servers and watched (retrain/promote.py); a rollback
+    marks this attempt rejected, so the same candidate is not trained again on the same traffic."""
+    from draftsmith.retrain.promote import promote_in_place
+
+    done = promote_in_place(reg, version, cfg, previous=a.current)
+    record["in_place"] = {k: done.get(k) for k in ("outcome", "record_path", "error")}
+    if done["outcome"] == "swap_failed":
+        record.update(outcome="swap_failed", error=f"promotion in place: {done.get('error')}")
+        return EXIT_ERROR
+    if done["outcome"] == "rolled_back":
+        marker = reg.base / "rejected" / a.attempt
+        marker.mkdir(parents=True, exist_ok=True)
+        from draftsmith.outputs import atomic_write_json
+
+        atomic_write_json(marker / "rolled_back.json", {"version": version, "promotion": done["record_path"]})
+        record.update(outcome="rolled_back", rejected_candidate=str(marker))
+        return EXIT_REJECTED
     return EXIT_OK
 
 
@@ -543,3 +567,33 @@ def run_retrain(config_path: str | None, overrides: list[str], init: str | None 
     if record.get("error"):
         print(f"  error: {net.redact(record['error'])}")
     return code
+
+
+def promote_command(config_path: str | None, overrides: list[str], version: str | None, servers: list[str] | None,
+                    rollback: bool) -> int:
+    """`draftsmith promote` (retrain/promote.py), under the registry's lock: no retraining run promotes meanwhile."""
+    from draftsmith.retrain.promote import promote_in_place, roll_back
+    from draftsmith.targets import target_name
+
+    cfg = load_config(config_path, overrides, cls=RetrainConfig)
+    if servers:
+        cfg.promote.servers = list(servers)
+    reg = Registry(Path(cfg.registry), target_name(cfg.target), cfg.artifact_kind)
+    with RunLock(reg.base / ".lock"):
+        if rollback:
+            done = roll_back(reg, cfg)
+        else:
+            if not cfg.promote.servers:
+                raise ConfigError("promote.servers: no server to promote into (--servers URL ...)")
+            current = reg.current()
+            version = version or current
+            if version is None:
+                raise ArtifactError(f"registry {reg.base}: no current version to promote")
+            previous = current if current != version else None
+            done = promote_in_place(reg, version, cfg, previous)
+    print(f"promote: {done['outcome']}; record: {done['record_path']}")
+    for key in ("swap", "canary", "rollback"):
+        if done.get(key):
+            print(f"  {key}: {json.dumps(done[key], default=str)[:600]}")
+    return {"rolled_back": EXIT_REJECTED if not rollback else EXIT_OK, "swap_failed": EXIT_ERROR,
+            "rollback_failed": EXIT_ERROR}.get(done["outcome"], EXIT_OK)

@@ -16,11 +16,12 @@ __getattr__ = lazy.names(__name__, {
     "freeze": "draftsmith.targets.loading",
     "list_targets": "draftsmith.targets.loading",
     "load_target": "draftsmith.targets.loading",
+    "target_name": "draftsmith.targets.loading",
     "materialize_gguf": "draftsmith.targets.loading",
     "select_device": "draftsmith.targets.device",
     "select_dtype": "draftsmith.targets.device",
 })
 __all__ = [
     "DEFAULT_TARGET", "EMBEDDED", "Target", "check_compatible", "differences", "fingerprint", "freeze",
-    "list_targets", "load_target", "materialize_gguf", "select_device", "select_dtype"
+    "list_targets", "load_target", "target_name", "materialize_gguf", "select_device", "select_dtype"
 ]

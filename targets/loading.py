@@ -256,6 +256,20 @@ def load_target(
     )
 
 
+def target_name(spec: str | None = None) -> str:
+    """The name load_target gives the target `spec` (what a registry files its versions under), without loading
+    it: a cron job that promotes a version never needs the target's weights."""
+    spec = spec or DEFAULT_TARGET
+    path = Path(os.path.expanduser(spec))
+    if spec in EMBEDDED:
+        return spec
+    if path.is_file():
+        return path.stem
+    if path.is_dir() and not (path / "config.json").is_file() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        return ggufs[0].stem
+    return path.name if path.is_dir() else spec.split("/")[-1]
+
+
 def list_targets() -> list[dict[str, Any]]:
     """The embedded targets and whether each is installed / already cached."""
     rows = []
