@@ -15,9 +15,10 @@ plain server is given per concurrency and per domain.
 The cost model along the batch dimension (decoding/batch_cost.py) reads the decode step's cost at each concurrency
 from the same runs: the plain server's time per output token is the target's step at that batch, the drafter's time
 per verify step its step with k drafted and k+1 verified tokens per request; their ratio r(c) with vLLM's
-acceptance predicts the speedup (per domain: r from the mixed run, acceptance from the domain's own), reported
-beside the measured one, and picks the chain length per batch size: vLLM's `num_speculative_tokens_per_batch_size`,
-or off where the drafter costs more than it saves.
+acceptance predicts the decode rate's speedup, and with each side's measured time to first token the served one
+(per domain: r and the plain step of the mixed run, the domain's own acceptance), reported beside the measured one;
+it picks the chain length per batch size: vLLM's `num_speculative_tokens_per_batch_size`, or off where the drafter
+costs more than it saves.
 
 Bounded in count (requests per run), bytes (each answer, net.request's cap) and time (each request's deadline and
 each run's; what a run's deadline leaves unsent is counted). Timing on a shared machine: the servers and this client
@@ -146,6 +147,8 @@ def summarize(run: Run, scope: str) -> dict:
             "wall_s": run.wall_s, "output_tokens": tokens,
             "output_tokens_per_s": tokens / run.wall_s if run.wall_s > 0 and ok else None,
             "ttft_s": _p([s.ttft_s for s in ok]), "tpot_s": _p([s.tpot_s for s in decoding]),
+            "ttft_mean_s": sum(s.ttft_s for s in ok) / len(ok) if ok else None,
+            "tokens_after_first_mean": sum(max(s.output_tokens - 1, 0) for s in ok) / len(ok) if ok else None,
             "latency_s": _p([s.latency_s for s in ok]), "decode_s": decode_s,
             "step_s": decode_s / per_step if per_step else None,
             "acceptance": acc}
@@ -204,13 +207,24 @@ def _by_scope(runs: list[dict]) -> dict[tuple[int, str], dict]:
     return {(r["concurrency"], r["scope"]): r for r in runs}
 
 
-def _vs(plain: dict, spec: dict, r: float | None) -> dict:
-    """A drafter's run against the plain server's with the same prompts and concurrency: measured and predicted."""
+def _served(plain: dict, spec: dict, t1: float | None) -> batch_cost.Served | None:
+    """A request's measured costs at this concurrency: the plain step t1 (of the mixed run), each side's mean time
+    to first token, and the output tokens after the first of the plain run."""
+    parts = (t1, plain["ttft_mean_s"], spec["ttft_mean_s"], plain["tokens_after_first_mean"])
+    return None if any(x is None for x in parts) else batch_cost.Served(*parts)
+
+
+def _vs(plain: dict, spec: dict, r: float | None, t1: float | None) -> dict:
+    """A drafter's run against the plain server's with the same prompts and concurrency: measured, and predicted from
+    vLLM's acceptance in this run, r(c) and t1(c) (of the mixed run) and this run's TTFTs (decoding/batch_cost.py)."""
     acc = spec["acceptance"]
     measured = batch_cost.ratio(spec["output_tokens_per_s"], plain["output_tokens_per_s"])
-    predicted = batch_cost.predicted_speedup(acc["accepted_at"], acc["steps"], acc["k"], r) if acc else None
+    decode = batch_cost.predicted_speedup(acc["accepted_at"], acc["steps"], acc["k"], r) if acc else None
+    served = _served(plain, spec, t1)
+    predicted = served.speedup(decode) if served else None
     return {"speedup": measured, "predicted_speedup": predicted,
             "prediction_error": batch_cost.ratio(predicted, measured) - 1 if predicted and measured else None,
+            "predicted_decode_speedup": decode,
             "tpot_speedup": batch_cost.ratio(plain["tpot_s"]["p50"], spec["tpot_s"]["p50"]),
             "ttft_ratio": batch_cost.ratio(spec["ttft_s"]["p50"], plain["ttft_s"]["p50"]),
             "output_tokens_per_s": spec["output_tokens_per_s"],
@@ -220,25 +234,27 @@ def _vs(plain: dict, spec: dict, r: float | None) -> dict:
 
 def compare(plain_runs: list[dict], spec_runs: list[dict], max_batch: int) -> dict:
     """One drafter against plain decoding: per concurrency (the mixed runs) the step ratio r(c), measured and predicted
-    speedup and the recommended chain length; per domain and concurrency the same with the mixed run's r(c); vLLM's
-    `num_speculative_tokens_per_batch_size` from the recommendations."""
+    speedup and the recommended chain length; per domain and concurrency the same with the mixed run's r(c) and t1(c);
+    vLLM's `num_speculative_tokens_per_batch_size` from the recommendations."""
     plain, spec = _by_scope(plain_runs), _by_scope(spec_runs)
-    by_c, by_domain, ks = {}, {}, {}
+    by_c, by_domain, ks, costs = {}, {}, {}, {}
     for (c, scope), s in sorted(spec.items()):
         if scope != "mixed" or (c, scope) not in plain:
             continue
-        r = batch_cost.step_ratio(plain[(c, scope)]["step_s"], s["step_s"])
-        row = {**_vs(plain[(c, scope)], s, r), "step_ratio": r}
+        t1 = plain[(c, scope)]["step_s"]
+        costs[c] = (batch_cost.step_ratio(t1, s["step_s"]), t1)
+        row = {**_vs(plain[(c, scope)], s, *costs[c]), "step_ratio": costs[c][0], "plain_step_s": t1}
         acc = s["acceptance"]
-        rec = batch_cost.recommend_k(acc["accepted_at"], acc["steps"], acc["k"], r) if acc else {"k": None}
+        rec = (batch_cost.recommend_k(acc["accepted_at"], acc["steps"], acc["k"], costs[c][0],
+                                      _served(plain[(c, scope)], s, t1)) if acc else {"k": None})
         row["recommended_k"], row["recommended"] = rec["k"], rec
         if rec["k"] is not None:
             ks[c] = rec["k"]
         by_c[str(c)] = row
     for (c, scope), s in sorted(spec.items()):
         if scope.startswith("domain:") and (c, scope) in plain:
-            r = by_c.get(str(c), {}).get("step_ratio")
-            by_domain.setdefault(scope.split(":", 1)[1], {})[str(c)] = _vs(plain[(c, scope)], s, r)
+            r, t1 = costs.get(c, (None, None))
+            by_domain.setdefault(scope.split(":", 1)[1], {})[str(c)] = _vs(plain[(c, scope)], s, r, t1)
     k = next((row["k"] for row in by_c.values() if row["k"]), None)
     sched = batch_cost.schedule(ks, max_batch) if ks and len(ks) == len(by_c) else []
     return {"by_concurrency": by_c, "by_domain": by_domain, "num_speculative_tokens_per_batch_size": sched,

@@ -39,21 +39,23 @@ def _latency(report: dict) -> list[str]:
     return lines + [""]
 
 
+def _pct(v: float | None) -> str:
+    return fmt_num(None if v is None else f"{100 * v:+.0f}%")
+
+
 def _drafter(name: str, comp: dict) -> list[str]:
     lines = [f"## {md_cell(name)} against plain decoding", "",
-             md_row("c", "tok/s plain", "tok/s drafter", "speedup", "predicted", "error", "r(c)", "TPOT speedup",
-                    "TTFT ratio", "τ (vLLM)", "α (vLLM)", "k", "recommended k"),
-             md_row(*["---"] * 13)]
+             md_row("c", "tok/s plain", "tok/s drafter", "speedup", "predicted", "error", "r(c)", "decode speedup",
+                    "decode predicted", "TTFT ratio", "τ (vLLM)", "α (vLLM)", "k", "recommended k"),
+             md_row(*["---"] * 14)]
     for c, row in comp["by_concurrency"].items():
         rec = row["recommended_k"]
-        lines.append(md_row(c, fmt_num(row["plain_output_tokens_per_s"], ".1f"), fmt_num(row["output_tokens_per_s"],
-                                                                                        ".1f"),
-                            fmt_num(row["speedup"], ".2f"), fmt_num(row["predicted_speedup"], ".2f"),
-                            fmt_num(None if row["prediction_error"] is None else 100 * row["prediction_error"],
-                                    "+.0f") + ("%" if row["prediction_error"] is not None else ""),
+        lines.append(md_row(c, fmt_num(row["plain_output_tokens_per_s"], ".1f"),
+                            fmt_num(row["output_tokens_per_s"], ".1f"), fmt_num(row["speedup"], ".2f"),
+                            fmt_num(row["predicted_speedup"], ".2f"), _pct(row["prediction_error"]),
                             fmt_num(row["step_ratio"], ".2f"), fmt_num(row["tpot_speedup"], ".2f"),
-                            fmt_num(row["ttft_ratio"], ".2f"), fmt_num(row["tau"]), fmt_num(row["alpha"]),
-                            row["k"], "off" if rec == 0 else rec))
+                            fmt_num(row["predicted_decode_speedup"], ".2f"), fmt_num(row["ttft_ratio"], ".2f"),
+                            fmt_num(row["tau"]), fmt_num(row["alpha"]), row["k"], "off" if rec == 0 else rec))
     lines += ["", f"Recommendation: {md_cell(comp['verdict'])}."]
     if comp["num_speculative_tokens_per_batch_size"]:
         sched = json.dumps(comp["num_speculative_tokens_per_batch_size"])
@@ -85,9 +87,12 @@ def render(report: dict) -> str:
              f"{report['domain_requests']} per domain run (at least the concurrency); at most {report['max_tokens']} "
              f"output tokens, greedy, streamed chat completions.",
              f"Prompts: {md_cell(p.get('domains'))} ({p.get('left_out_too_long', 0)} left out as too long).", "",
-             "Speedup: output tokens/s with the drafter over without, same prompts and concurrency. Predicted: "
-             "E[tokens | k] from vLLM's per-request acceptance over r(c), the step with the drafter in plain steps "
-             "at that concurrency (decoding/batch_cost.py).", "",
+             "Speedup: output tokens/s with the drafter over without, same prompts and concurrency. Decode "
+             "predicted: E[tokens | k] from vLLM's per-request acceptance over r(c), the step with the drafter in "
+             "plain steps at that concurrency; decode speedup: the measured TPOT p50 ratio. Predicted: the request's "
+             "latency ratio, each side's measured time to first token plus its decode steps at the predicted rate "
+             "(per domain: r(c) and the plain step of the mixed run, the domain's own acceptance; "
+             "decoding/batch_cost.py).", "",
              *_throughput(report), *_latency(report)]
     for name, res in report["servers"].items():
         if res.get("patches_not_applied"):

@@ -12,27 +12,37 @@ is accepted or not. So the cost is measured on the engine at each concurrency c 
             = Σ decode seconds / Σ verify steps (vLLM counts each request's steps: num_spec_steps)
     r(c)    = tk(c) / t1(c), the step's cost in target steps at that batch (v(k) + k·c of the batch-1 model)
 
-and the served speedup at c is predicted as
+and the decode rate's speedup at c is predicted as
 
-    S(c) = E[tokens | k] / r(c)
+    S_decode(c) = E[tokens | k] / r(c)
 
 with E from vLLM's own per-request acceptance (accepted per position over verify steps: decoding/cost.py's
 expected_tokens, 1 + Σ_{d<k} accepted_at[d] / steps, the measured τ at the measured k; k' <= k never
-extrapolates). S predicts the decode rate; the measured speedup it is compared with is the whole run's output
-tokens/s, prefills, time to first token and the run's tail included, so the two differ by what the decode-step
-model leaves out.
+extrapolates). A served request is more than its decode steps: its prompt is prefilled first, and a drafter that
+reads the target's features prefills its own layers too (measured: EAGLE-3's time to first token on smollm2-135m
+is about twice the plain server's). With c requests in flight the output rate is c requests' tokens over one
+request's latency, so the served speedup is the ratio of latencies,
+
+    S(c) = (TTFT_plain + n·t1(c)) / (TTFT_drafter + n·t1(c) / S_decode(c))
+
+with n the output tokens after the first (means over the run's requests). serve-bench takes TTFT and n measured
+and predicts the decode part from the acceptance and r(c): per domain, with r(c) and t1(c) of the mixed run and
+the domain's own acceptance, TTFT and n, against the domain's measured speedup (`Served`).
 
 A chain shorter than the one measured (k' < k) is priced by linear interpolation, r(c, k') = 1 + (r(c) - 1)·k'/k:
 the drafter's steps and the verified tokens both grow with k', and only k' = k and k' = 0 (r = 1) were measured,
 so the recommendation for k' strictly between them rests on that assumption (the report says so). At each
-concurrency the k' in 0..k with the largest S(c, k') is recommended; k' = 0 is "off": the drafter costs more
-than it saves there. vLLM (0.32) takes such a choice per batch size as `num_speculative_tokens_per_batch_size`:
-inclusive ranges of batch sizes, each with its k (0 allowed), the first starting at 1 (`schedule` writes it).
+concurrency the k' in 0..k with the largest S_decode(c, k') is recommended (vLLM's per-batch-size setting changes
+the decode steps only); k' = 0 is "off": the drafter costs more than it saves there, in its decode steps or, where
+the served S(c) at the best k' stays below 1, in its prefill. vLLM (0.32) takes such a choice per batch size as
+`num_speculative_tokens_per_batch_size`: inclusive ranges of batch sizes, each with its k (0 allowed), the first
+starting at 1 (`schedule` writes it).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from draftsmith.decoding.cost import expected_tokens
 
@@ -76,17 +86,40 @@ def predicted_speedup(accepted_at: list[float], steps: float, k: int, r: float |
     return expected_tokens(accepted_at, steps, k) / r
 
 
-def recommend_k(accepted_at: list[float], steps: float, k: int, r: float | None) -> dict:
-    """The chain length k' in 0..k with the largest predicted S(c, k') (ties: the shorter chain), and the table it
-    was chosen from. k' = 0 ("off") predicts 1.0: plain decoding. None (k' unknown) where r is not measured."""
+@dataclass(frozen=True)
+class Served:
+    """What a request costs at one concurrency, measured on the engine (module docstring): `t1` the plain decode
+    step (s), `ttft_plain` / `ttft_drafter` the mean time to first token without / with the drafter (s), `n` the
+    mean output tokens after the first."""
+
+    t1: float
+    ttft_plain: float
+    ttft_drafter: float
+    n: float
+
+    def speedup(self, decode_speedup: float | None) -> float | None:
+        """S(c) = (TTFT_plain + n·t1) / (TTFT_drafter + n·t1 / S_decode); None without a decode speedup."""
+        if decode_speedup is None or decode_speedup <= 0:
+            return None
+        return (self.ttft_plain + self.n * self.t1) / (self.ttft_drafter + self.n * self.t1 / decode_speedup)
+
+
+def recommend_k(accepted_at: list[float], steps: float, k: int, r: float | None,
+                served: Served | None = None) -> dict:
+    """The chain length k' in 0..k with the largest predicted S_decode(c, k') (ties: the shorter chain), and the
+    table it was chosen from; k' = 0 ("off") predicts 1.0, plain decoding. With `served`, a best k' whose served
+    speedup S(c) is below 1 (the drafter's prefill costs more than its decode steps save) is "off" too
+    (`off_by_prefill`). None (k' unknown) where r is not measured."""
     if r is None or r <= 0 or steps <= 0:
         return {"k": None, "predicted_speedup_by_k": {}}
     table = {0: 1.0}
     for k2 in range(1, k + 1):
         table[k2] = expected_tokens(accepted_at, steps, k2) / step_ratio_at(r, k, k2)
     best = max(table, key=lambda x: (round(table[x], 9), -x))
-    return {"k": best, "predicted_speedup": table[best],
-            "predicted_speedup_by_k": {str(x): v for x, v in table.items()}}
+    whole = served.speedup(table[best]) if served is not None and best else None
+    off = whole is not None and whole < 1.0
+    return {"k": 0 if off else best, "predicted_decode_speedup": table[best], "predicted_speedup": whole,
+            "off_by_prefill": off, "predicted_decode_speedup_by_k": {str(x): v for x, v in table.items()}}
 
 
 def schedule(ks: dict[int, int], max_batch: int) -> list[list[int]]:

@@ -47,8 +47,19 @@ def test_step_ratio_speedup_and_the_interpolated_chain():
 def test_recommend_k_takes_the_chain_with_the_largest_predicted_speedup(r, k, speedups):
     rec = batch_cost.recommend_k([6, 3], 10, 2, r)
     assert rec["k"] == k
-    assert rec["predicted_speedup_by_k"] == pytest.approx({str(x): v for x, v in speedups.items()})
+    assert rec["predicted_decode_speedup_by_k"] == pytest.approx({str(x): v for x, v in speedups.items()})
     assert batch_cost.recommend_k([6, 3], 10, 2, None)["k"] is None
+
+
+def test_served_speedup_adds_each_sides_first_token_and_a_costly_prefill_turns_the_drafter_off():
+    served = batch_cost.Served(t1=0.1, ttft_plain=0.2, ttft_drafter=0.25, n=10)
+    assert served.speedup(2.0) == pytest.approx((0.2 + 1.0) / (0.25 + 0.5)) and served.speedup(None) is None
+    # decode alone would win (S_decode(2) = 1.9 / 1.2 = 1.583), but a 2 s first token makes the request slower
+    slow = batch_cost.Served(t1=0.1, ttft_plain=0.2, ttft_drafter=2.0, n=10)
+    rec = batch_cost.recommend_k([6, 3], 10, 2, 1.2, slow)
+    assert rec["k"] == 0 and rec["off_by_prefill"]
+    assert rec["predicted_speedup"] == pytest.approx(1.2 / (2.0 + 1.0 / (1.9 / 1.2)))
+    assert batch_cost.recommend_k([6, 3], 10, 2, 1.2, served)["k"] == 2
 
 
 def test_schedule_is_vllms_per_batch_size_ranges():
@@ -89,10 +100,14 @@ def _by_hand() -> tuple[dict, dict, dict]:
     row = comp["by_concurrency"]["1"]
     assert row["step_ratio"] == pytest.approx(1.2)  # 0.12 s against 0.1 s
     assert row["speedup"] == pytest.approx((22 / 1.6) / (22 / 2.4))  # 1.5
-    assert row["predicted_speedup"] == pytest.approx(2.0 / 1.2)  # E[tokens | 2] = 1 + (8 + 2) / 10
-    assert row["prediction_error"] == pytest.approx((2.0 / 1.2) / 1.5 - 1)
+    assert row["predicted_decode_speedup"] == pytest.approx(2.0 / 1.2)  # E[tokens | 2] = 1 + (8 + 2) / 10
+    # latencies: plain 0.2 s + 10 steps of 0.1 s; drafter 0.25 s + 1.0 s / (2.0 / 1.2) = 0.85 s
+    assert row["predicted_speedup"] == pytest.approx(1.2 / 0.85)
+    assert row["prediction_error"] == pytest.approx((1.2 / 0.85) / 1.5 - 1)
     assert row["tpot_speedup"] == pytest.approx(0.1 / 0.06) and row["ttft_ratio"] == pytest.approx(1.25)
-    # S(1) = 1.8 / 1.1 = 1.636 < S(2) = 1.667: the whole chain
+    # S_decode(1) = 1.8 / 1.1 = 1.636 < S_decode(2) = 1.667: the whole chain
+    assert row["recommended_k"] == 2 and not row["recommended"]["off_by_prefill"]
+    assert row["recommended"]["predicted_speedup"] == pytest.approx(1.2 / 0.85)
     assert row["recommended_k"] == 2 and comp["num_speculative_tokens_per_batch_size"] == [[1, 1, 2]]
     assert comp["verdict"] == "on at k = 2 at every measured concurrency"
     return plain, spec, comp
@@ -113,8 +128,8 @@ def test_report_renders_the_comparison_and_writes_its_three_files(tmp_path):
               "comparisons": {"d": comp}}
     write_report(report, tmp_path)
     text = (tmp_path / "report.md").read_text()
-    # c | tok/s plain | tok/s drafter | speedup | predicted | error | r(c) | TPOT speedup | TTFT ratio | τ | α | k | rec
-    assert "| 1 | 9.2 | 13.8 | 1.50 | 1.67 | +11% | 1.20 | 1.67 | 1.25 | 2.000 | 0.500 | 2 | 2 |" in text
+    # c, tok/s plain / drafter, speedup, predicted, error, r(c), decode speedup / predicted, TTFT ratio, τ, α, k, rec
+    assert "| 1 | 9.2 | 13.8 | 1.50 | 1.41 | -6% | 1.20 | 1.67 | 1.67 | 1.25 | 2.000 | 0.500 | 2 | 2 |" in text
     assert '"num_speculative_tokens_per_batch_size": [[1, 1, 2]]' in text and "fix-x" in text
     assert (tmp_path / "tokens_per_s.png").read_bytes().startswith(b"\x89PNG")
     assert json.loads((tmp_path / "report.json").read_text())["comparisons"]["d"]["verdict"] == comp["verdict"]
