@@ -287,3 +287,54 @@ def test_the_canary_keeps_rolls_back_or_says_it_saw_too_little():
     assert few["verdict"] == "inconclusive" and "5 of 8" in few["reasons"][0]
     c.rollback_when_inconclusive = True
     assert judge(None, {}, c)["verdict"] == "rolled_back"
+
+
+def _route_peer(info: dict, answers: list[tuple[int, dict]], seen: list[dict]):
+    """A real HTTP peer answering the drafter route as a server would: GET -> `info`, each POST -> the next of
+    `answers` (what tests/test_vllm_promote.py has vLLM answer), every POST body kept in `seen`."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self, status: int, doc: dict) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self._answer(200, info)
+
+        def do_POST(self):  # noqa: N802
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self._answer(*answers.pop(0))
+
+        def log_message(self, *args):
+            pass
+
+    return Handler
+
+
+def test_a_server_that_refuses_takes_the_ones_already_swapped_back(exports, deep_target):  # noqa: F811
+    from local_http import local_server
+
+    from draftsmith.retrain.promote import push
+
+    a, b = exports
+    guard = json.loads((b / "draftsmith.json").read_text())
+    config = deep_target.model.config.to_dict()  # the served target's text config, as vLLM reports it
+    info = {"ok": True, "version": "v1", "workers": [{"ok": True, "version": "v1", "path": str(a), "format":
+            guard["format"], "served_target": {"config": config}}]}
+    first, second = [], []
+    ok_answer, refused = (200, {"ok": True, "seconds": 0.01}), (422, {"ok": False, "error": "tensor fc.weight is F16"})
+    with (local_server(_route_peer(info, [ok_answer, ok_answer], first)) as one,
+          local_server(_route_peer(info, [refused], second)) as two):
+        ok, results = push([one, two], b, "v2", "s3cret", 10.0)
+    assert not ok and results[1]["error"] == "tensor fc.weight is F16"
+    assert first == [{"path": str(b.resolve()), "version": "v2"}, {"path": str(a), "version": "v1"}]
+    assert results[0]["undone"]["ok"] and second == [{"path": str(b.resolve()), "version": "v2"}]
+    info["workers"][0]["served_target"]["config"] = {**config, "hidden_size": 96}  # another target
+    with local_server(_route_peer(info, [], first)) as other:
+        ok, results = push([other], b, "v2", "s3cret", 10.0)
+    assert not ok and "made for another target" in results[0]["error"] and len(first) == 2  # no POST sent
