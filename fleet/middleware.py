@@ -32,7 +32,9 @@ fleet/traffic_record.py TrafficRecord, the one definition its readers share:
      "model", "prompt": the completion prompt (text or token ids) or the chat messages, "domain": the body's
      own `domain` field, else the domain header, else absent, "response": the answer text (a list for n > 1),
      "output_token_ids" (with `return_token_ids`), "usage", "finish_reason", "stream", "status",
-     "speculative_decoding": vLLM's `metrics.speculative_decoding`, verbatim, "error" (vLLM's message)}
+     "speculative_decoding": vLLM's `metrics.speculative_decoding`, verbatim, "error" (vLLM's message),
+     "drafter_version": the drafter version that served it (fleet/drafter_route.py's label), or
+     "drafter_swapped": true when a swap happened while it ran}
 vLLM reports `metrics.speculative_decoding` only with `--per-request-spec-decode-metrics summary|detailed`,
 only for one prompt with n == 1, and in a stream only on its final usage chunk, which vLLM sends only when the
 client asks `stream_options: {"include_usage": true}` or the server runs with `--enable-force-include-usage`:
