@@ -59,7 +59,7 @@ class MeasureConfig:
     # whose router gives a logged request without a domain its domain, from its prompt (else "unknown")
     production_policy: str | None = None
     # the shape α is measured in (decoding/served_shape.py): vllm | sglang | trtllm, draftsmith (its own decoder), or
-    # null = vllm when the gate serve-checks the candidate in vLLM or production α is read from a vLLM server, else
+    # null = vllm when the config promotes to vLLM (gate.serve_check, production α from vLLM, promote.servers), else
     # draftsmith's own decoder (`RetrainConfig.measured_as`)
     as_served: str | None = None
 
@@ -134,9 +134,11 @@ class RetrainConfig:
     @property
     def measured_as(self) -> str | None:
         """The engine whose shape the gate scores (None: draftsmith's own decoder): `measure.as_served`, or, left
-        null, vLLM's where this config promotes to vLLM (the gate serve-checks there, or production α comes from
-        a vLLM server), so the candidate is judged in the shape that will serve it."""
+        null, vLLM's where this config promotes to vLLM (the gate serve-checks there, production α comes from a
+        vLLM server, or promotion swaps the drafter into running vLLM servers), so the candidate is judged in the
+        shape that will serve it."""
         chosen = self.measure.as_served
         if chosen is None:
-            return "vllm" if self.gate.serve_check or self.measure.production else None
+            to_vllm = self.gate.serve_check or self.measure.production or self.promote.servers
+            return "vllm" if to_vllm else None
         return None if chosen == "draftsmith" else chosen
