@@ -16,7 +16,9 @@ answers 404; every call carries `Authorization: Bearer <token>`, compared in con
                                 another swap runs, 422 when a check refused (the old drafter serves on), 500
                                 when a commit failed and was reverted, 504 past DRAFTSMITH_PROMOTE_TIMEOUT_S
                                 (default 300 s; the label is then unknown until a GET reads it back)
-A body is at most 64 KiB, JSON; anything else is 400 with one line.
+A body is at most 64 KiB, JSON; anything else is 400 with one line. DRAFTSMITH_PROMOTE_ROOTS (folders separated by
+`:`) limits the exports a swap may read to those under them (resolved, links followed once here); unset, any
+folder the server can read.
 
 The label: `STATE` holds the version and a generation counter, bumped when a swap starts and when it ends.
 fleet/middleware.py's TrafficLog reads it when a request arrives and when it ends; a request during which
@@ -47,6 +49,7 @@ if log.level == logging.NOTSET:
 PATH = "/draftsmith/drafter"
 MAX_BODY = 64 << 10
 TOKEN_ENV, TIMEOUT_ENV = "DRAFTSMITH_PROMOTE_TOKEN", "DRAFTSMITH_PROMOTE_TIMEOUT_S"
+ROOTS_ENV = "DRAFTSMITH_PROMOTE_ROOTS"
 VERSION_ENV = "DRAFTSMITH_DRAFTER_VERSION"
 MAX_VERSION = 200
 PHASES = ("check", "commit", "revert", "forget")
@@ -110,6 +113,7 @@ class DrafterRoute:
         self.app = app
         self.token = (env.get(TOKEN_ENV) or "").strip().encode() or None
         self.timeout = _timeout(env)
+        self.roots = [os.path.realpath(r) for r in (env.get(ROOTS_ENV) or "").split(":") if r.strip()]
         self.busy = asyncio.Lock()
 
     async def __call__(self, scope, receive, send):
@@ -141,6 +145,8 @@ class DrafterRoute:
         body, problem = await _body(receive)
         if problem:
             return 400, {"ok": False, "error": problem}
+        if self.roots and not any(os.path.commonpath([os.path.realpath(body["path"]), r]) == r for r in self.roots):
+            return 403, {"ok": False, "error": f"path: not under {ROOTS_ENV} ({':'.join(self.roots)})"}
         if self.busy.locked():
             return 409, {"ok": False, "error": "another swap is under way"}
         async with self.busy:

@@ -221,6 +221,8 @@ def test_the_route_needs_its_token_and_swaps_on_every_worker_or_none(exports, tm
     status, doc = _call(route, "POST", {"path": str(b), "version": "v2"}, engine=engine)
     assert status == 200 and doc["version"] == "v2" and doc["previous"] == "v1", doc
     assert route_module.STATE.snapshot() == (4, "v2")
+    fenced = DrafterRoute(_app, env={"DRAFTSMITH_PROMOTE_TOKEN": "s3cret", "DRAFTSMITH_PROMOTE_ROOTS": str(tmp_path)})
+    assert _call(fenced, "POST", {"path": str(b), "version": "v3"}, engine=engine)[0] == 403
     bad = _variant(b, tmp_path / "bad", guard=lambda g: g["target"].update(config_hash="0" * 64))
     status, doc = _call(route, "POST", {"path": str(bad), "version": "v3"}, engine=engine)
     assert status == 422 and "another target" in doc["error"] and route_module.STATE.snapshot()[1] == "v2"
