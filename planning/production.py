@@ -569,6 +569,8 @@ def log_alpha(folder: str | Path, policy: str | Path | None = None, max_domains:
     seconds (a canary's window)."""
     classify = _classifier(policy)
     logs = log_files(folder, "request logs")
+    if since is not None:  # a line is written after its request arrived: a file last written before holds none
+        logs.files = [f for f in logs.files if f.stat().st_mtime >= since - 1.0]
     groups: dict[str, dict] = defaultdict(_group)
     uncounted = 0
     for path, number, record, _ in traffic(logs):
