@@ -178,7 +178,8 @@ class Registry:
         return path
 
     def last_promotion(self) -> dict | None:
-        """The latest promotion record, read as the registry's own file (never through a link)."""
+        """The latest promotion record, read as the registry's own file (never through a link), with
+        `record_path` naming that file."""
         folder = self.base / "promotions"
         names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".json")) if folder.is_dir() else []
         if not names:
@@ -191,7 +192,7 @@ class Registry:
             raise ArtifactError(f"{path}: cannot be read ({e})") from None
         if not isinstance(doc, dict):
             raise ArtifactError(f"{path}: expected a JSON object, got {show(doc)}")
-        return doc
+        return {**doc, "record_path": str(path)}
 
     def write_policy(self, policy: dict) -> Path:
         path = self.base / "policy.json"

@@ -340,3 +340,32 @@ def test_a_server_that_refuses_takes_the_ones_already_swapped_back(exports, deep
     with local_server(_route_peer(info, [], first)) as other:
         ok, results = push([other], b, "v2", "s3cret", 10.0)
     assert not ok and "made for another target" in results[0]["error"] and len(first) == 2  # no POST sent
+
+
+def test_rollback_by_hand_swaps_the_servers_back_and_moves_current_back(exports, deep_target, tmp_path,  # noqa: F811
+                                                                        monkeypatch):
+    from local_http import local_server
+
+    from draftsmith.retrain.config import PromoteConfig, RetrainConfig
+    from draftsmith.retrain.promote import roll_back
+    from draftsmith.retrain.registry import Registry
+
+    a, b = exports
+    reg = Registry(tmp_path / "registry", deep_target.name, "eagle")
+    for name in ("v1", "v2"):
+        art = make_eagle_artifact(deep_target, tmp_path / name)
+        reg.publish(art, {"parent": None, "reason": "test"})
+    reg.set_current("v0002", "promoted in place")
+    with pytest.raises(Exception, match="no kept promotion"):
+        roll_back(reg, RetrainConfig(target=str(deep_target.folder), registry=str(tmp_path / "registry")))
+    seen: list[dict] = []
+    monkeypatch.setenv("DRAFTSMITH_PROMOTE_TOKEN", "s3cret")
+    with local_server(_route_peer({"ok": True}, [(200, {"ok": True, "seconds": 0.01})], seen)) as url:
+        reg.write_promotion({"version": "v0002", "previous": "v0001", "outcome": "kept", "servers": [url],
+                             "swap": [{"url": url, "ok": True, "previous": {"version": "v0001", "path": str(a)}}]})
+        cfg = RetrainConfig(target=str(deep_target.folder), registry=str(tmp_path / "registry"),
+                            promote=PromoteConfig(servers=[url]))
+        done = roll_back(reg, cfg)
+    assert seen == [{"path": str(a), "version": "v0001"}]
+    assert done["outcome"] == "rolled_back" and reg.current() == "v0001"
+    assert reg.last_promotion()["undoes"] and reg.last_promotion()["outcome"] == "rolled_back"
