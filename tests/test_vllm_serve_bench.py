@@ -66,7 +66,24 @@ def test_serve_bench_measures_a_real_vllm_serve_with_and_without_the_drafter(tin
         assert set(comp["by_domain"]) == {"chat", "code"} and comp["by_domain"]["code"][c]["predicted_speedup"] > 0
     sched = comp["num_speculative_tokens_per_batch_size"]
     assert sched[0][0] == 1 and sched[-1][1] == 4 and all(0 <= x[2] <= K for x in sched)
+    _served_with_the_schedule(fam, export, sched, out)
     text = (out / "report.md").read_text()
     assert f"## {export.name} against plain decoding" in text and "Recommendation:" in text
     assert (out / "tokens_per_s.png").read_bytes().startswith(b"\x89PNG")
     assert (out / "logs" / "plain.log").is_file() and (out / "logs" / f"{export.name}.log").is_file()
+
+
+def _served_with_the_schedule(fam, export, sched: list[list[int]], out) -> None:
+    """The recommendation is a speculative config vLLM takes: served with it, one request at a time (batch size 1)
+    drafts at most the first range's k a step (vLLM still reports num_spec_tokens, the most it may draft)."""
+    from draftsmith.benchmark.serve_client import stream_chat
+    from draftsmith.data.engines.vllm_server import VllmServer
+    from draftsmith.export.serve_check import speculative_config
+
+    spec = {**speculative_config(export, K), "num_speculative_tokens_per_batch_size": sched}
+    with VllmServer(fam.folder, out / "logs" / "scheduled.log", speculative_config=spec, served_name="s",
+                    max_model_len=256, max_num_seqs=4, extra=("--per-request-spec-decode-metrics", "detailed")) as srv:
+        sample = stream_chat(srv.base_url, "s", "chat", [{"role": "user", "content": PROMPTS[0]}], 16, 120.0)
+    assert sample.error is None and sample.output_tokens > 0
+    steps, drafted = sample.spec[:2] if sample.spec else (0, 0)
+    assert drafted <= sched[0][2] * steps
