@@ -131,7 +131,8 @@ def push(servers: list[str], export: Path, version: str, token: str, timeout: fl
     return False, results
 
 
-def canary(traffic: str | Path, version: str, since: float, expected: dict[str, float], c: CanaryConfig) -> dict:
+def canary(traffic: str | Path, version: str, since: float, expected: dict[str, float], c: CanaryConfig,
+           overall: float | None = None) -> dict:
     """The new version's per-request α per domain over its next `c.requests` requests (module docstring):
     {"verdict": "kept" | "rolled_back" | "inconclusive", "requests", "domains": {d: {alpha, expected, n}},
     "reasons"}."""
@@ -148,15 +149,18 @@ def canary(traffic: str | Path, version: str, since: float, expected: dict[str, 
             break
         # each look reads the log files written since the swap: look less often as the wait grows
         time.sleep(min(POLL_S * (1 + n // 8), 10.0, max(0.0, end - time.monotonic())))
-    return judge(table, expected, c)
+    return judge(table, expected, c, overall)
 
 
-def judge(table: dict | None, expected: dict[str, float], c: CanaryConfig) -> dict:
-    """The canary's verdict on a table of the new version's served α (planning/production.log_alpha's)."""
+def judge(table: dict | None, expected: dict[str, float], c: CanaryConfig, overall: float | None = None) -> dict:
+    """The canary's verdict on a table of the new version's served α (planning/production.log_alpha's) against
+    the gate's α per domain (`expected`; domains matched without case: the evaluator writes them in lower case,
+    clients as they like), else the gate's `overall` α for a domain it did not measure apart."""
     n = int((table or {}).get("overall", {}).get("n_prompts") or 0)
     out = {"requests": n, "wanted": c.requests, "domains": {}, "reasons": []}
+    expected = {d.casefold(): a for d, a in expected.items()}
     for domain, row in sorted(((table or {}).get("domains") or {}).items()):
-        alpha, want = row.get("alpha"), expected.get(domain)
+        alpha, want = row.get("alpha"), expected.get(domain.casefold(), overall)
         out["domains"][domain] = {"alpha": alpha, "gate_alpha": want, "requests": row.get("n_prompts")}
         if alpha is None or (row.get("n_prompts") or 0) < c.min_domain_requests:
             continue
@@ -212,8 +216,11 @@ def promote_in_place(reg: Registry, version: str, cfg: RetrainConfig, previous: 
     if p.canary.requests == 0:
         record["outcome"] = "swapped"
         return _finish(reg, record)
-    expected = recorded_alpha(reg.manifest(version), str(reg.path(version) / "manifest.json"))
-    record["canary"] = canary(p.canary.traffic or cfg.traffic.dir, version, since, expected, p.canary)
+    manifest = reg.manifest(version)
+    expected = recorded_alpha(manifest, str(reg.path(version) / "manifest.json"))
+    overall = ((manifest.get("traffic_eval") or {}).get("overall") or {}).get("alpha")
+    record["canary"] = canary(p.canary.traffic or cfg.traffic.dir, version, since, expected, p.canary,
+                              overall if isinstance(overall, int | float) else None)
     if record["canary"]["verdict"] != "rolled_back":
         record["outcome"] = "kept"
         return _finish(reg, record)

@@ -281,6 +281,9 @@ def test_the_canary_keeps_rolls_back_or_says_it_saw_too_little():
         return {"domains": rows, "overall": {"n_prompts": sum(n for _, n in domains.values())}}
 
     assert judge(table(A=(0.70, 5), B=(0.60, 4)), {"A": 0.75, "B": 0.7}, c)["verdict"] == "kept"
+    # the evaluator names domains in lower case; a domain the gate did not measure apart: its overall α
+    assert judge(table(A=(0.50, 5)), {"a": 0.75}, c)["verdict"] == "rolled_back"
+    assert judge(table(C=(0.50, 5)), {"a": 0.75}, c, overall=0.7)["reasons"][0].startswith("C: served alpha 0.500")
     low = judge(table(A=(0.70, 5), B=(0.50, 4)), {"A": 0.75, "B": 0.7}, c)  # 0.50 < 0.8 x 0.7 = 0.56
     assert low["verdict"] == "rolled_back" and low["reasons"] == ["B: served alpha 0.500 below 0.80 x the gate's 0.700"]
     assert judge(table(A=(0.05, 8)), {}, c)["verdict"] == "rolled_back"  # under the absolute floor
