@@ -1,6 +1,7 @@
 """Code that runs inside the serving fleet's own processes: loaded by `vllm serve` from its environment, by
 import path (`--middleware draftsmith.fleet.middleware.TrafficLog`, `kv_connector_module_path:
-draftsmith.fleet.vllm_capture`).
+draftsmith.fleet.vllm_capture`, and for promotion in place `--worker-extension-cls
+draftsmith.fleet.drafter_swap.DrafterSwap` with `--middleware draftsmith.fleet.drafter_route.DrafterRoute`).
 
 The engine's environment pins its own torch and transformers and has none of draftsmith's dependencies, so
 these modules import the standard library, torch, safetensors and vllm only — never another draftsmith
