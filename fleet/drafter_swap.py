@@ -162,9 +162,10 @@ def check_export(new: Path, served: Path) -> tuple[dict, list[Path]]:
     if not isinstance(sums, dict):
         raise Refused(f"{new / GUARD}: checksums are missing: the weights cannot be checked")
     for path, old_path in zip(files, old_files):
+        new_header = header(path)  # first: it refuses a link or another kind of file before a byte is hashed
         if sums.get(path.name) != sha256_file(path):
             raise Refused(f"{path}: sha256 differs from {GUARD}'s checksums.{path.name} (damaged or replaced)")
-        _same_tensors(path, header(path), header(old_path))
+        _same_tensors(path, new_header, header(old_path))
     return guard, files
 
 

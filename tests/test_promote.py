@@ -372,3 +372,12 @@ def test_rollback_by_hand_swaps_the_servers_back_and_moves_current_back(exports,
     assert seen == [{"path": str(a), "version": "v0001"}]
     assert done["outcome"] == "rolled_back" and reg.current() == "v0001"
     assert reg.last_promotion()["undoes"] and reg.last_promotion()["outcome"] == "rolled_back"
+
+
+def test_a_weight_file_that_is_a_link_is_refused_not_followed(exports, tmp_path):
+    a, b = exports
+    linked = _variant(b, tmp_path / "linked")
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(b / "model.safetensors")
+    with pytest.raises(Refused, match="not a regular file"):
+        check_export(linked, a)
