@@ -208,7 +208,8 @@ def _register_headline(jobs) -> None:
     h = jobs.add_parser("headline", help="the headline numbers of README.md and BENCHMARKS.md, rendered from "
                                          "their committed reports (benchmark/headline.py)")
     h.add_argument("report", nargs="?", help="print the block rendered from this report.json")
-    h.add_argument("--write", action="store_true", help="rewrite the headline blocks of README.md and BENCHMARKS.md")
+    h.add_argument("--write", action="store_true", help="rewrite the headline blocks of README.md and BENCHMARKS.md "
+                                                        "(and their by-engine blocks, benchmark/by_engine.py)")
     h.add_argument("--root", default=None, help="the checkout holding them (default: this package's)")
     h.set_defaults(func=run_headline)
 
@@ -395,13 +396,14 @@ def run_llamacpp(args) -> int:
 def run_headline(args) -> int:
     from pathlib import Path
 
-    from draftsmith.benchmark import headline
+    from draftsmith.benchmark import by_engine, headline
     from draftsmith.errors import ConfigError
 
     if args.write:
         root = Path(args.root) if args.root else headline.ROOT
         for name in headline.DOCS:
-            print(f"{name}: {headline.rewrite(root / name, root)} headline block(s) rendered")
+            print(f"{name}: {headline.rewrite(root / name, root)} headline block(s), "
+                  f"{by_engine.rewrite(root / name, root)} by-engine block(s) rendered")
         return 0
     if not args.report:
         raise ConfigError("bench headline: give a report.json, or --write")

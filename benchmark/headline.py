@@ -3,7 +3,9 @@
     draftsmith bench headline results/headline-smollm2-135m/report.json
     draftsmith bench headline --write
 
-Each file holds the headline between `<!-- headline: REPORT -->` and `<!-- /headline -->`. `--write` renders
+Each file holds the headline between `<!-- headline: REPORT -->` and `<!-- /headline -->` (README.md, which leads
+with the headline by engine, benchmark/by_engine.py, holds it between `<!-- headline-overall: REPORT -->` and
+`<!-- /headline-overall -->`: the same block without its per-domain table). `--write` renders
 the block from REPORT (a report.json of `draftsmith evaluate`, committed beside the numbers) and replaces it;
 without `--write` the command prints the block. tests/test_headline.py renders every block from the report it
 names and fails on any difference: a published number is always the number its report holds, with the
@@ -19,6 +21,8 @@ from draftsmith.formatting import fmt_num, md_cell, md_row
 
 BEGIN = re.compile(r"<!-- headline: (?P<path>\S+) -->\n")
 END = "<!-- /headline -->"
+BEGIN_OVERALL = re.compile(r"<!-- headline-overall: (?P<path>\S+) -->\n")  # the block without its per-domain table
+END_OVERALL = "<!-- /headline-overall -->"
 ROOT = Path(__file__).resolve().parents[1]  # the checkout whose README.md and BENCHMARKS.md `--write` renders
 DOCS = ("README.md", "BENCHMARKS.md")
 
@@ -55,8 +59,9 @@ def _short(spec: str) -> str:
     return SHORT.get(name) or LABELS.get(name, f"`{name}`").split(",")[0]
 
 
-def _entries(report: dict) -> list[tuple[str, dict, dict, str]]:
-    """(label, overall summary, per-domain summaries, short name) of the main proposer and each side-by-side one."""
+def entries(report: dict) -> list[tuple[str, dict, dict, str]]:
+    """(label, overall summary, per-domain summaries, short name) of the main proposer and each side-by-side one
+    (in that order: `report["proposer"]`, then `settings.compare_settings`'s names)."""
     s = report["settings"]
     main_settings = {"tree": s.get("tree"), "tree_max_nodes": s.get("tree_max_nodes"), "k": s.get("k")}
     out = [(_label(report["proposer"], main_settings), report["overall"],
@@ -125,8 +130,9 @@ def read_headline_report(path: str | Path) -> dict:
     return report
 
 
-def render(report: dict, path: str) -> str:
-    """The headline block for `report` (kept at `path`): where it comes from, then the tables."""
+def render(report: dict, path: str, domain_table: bool = True) -> str:
+    """The headline block for `report` (kept at `path`): where it comes from, then the tables (the per-domain one
+    unless `domain_table` is False)."""
     o, s, m = report["overall"], report["settings"], report["machine"]
     c = report.get("contention") or {}
     gpu = s.get("gpu_tree") or {}
@@ -160,8 +166,8 @@ def render(report: dict, path: str) -> str:
         f"{fmt_num(hf_vs_plain, '.2f')} "
         f"| 1.00 | – | 1.00 | – | – |",
     ]
-    entries = _entries(report)
-    for i, (label, e, _, _) in enumerate(entries):
+    runs = entries(report)
+    for i, (label, e, _, _) in enumerate(runs):
         tau_gpu = ((o if i == 0 else e).get("gpu_tree") or {}).get("tau")  # side-by-side trees have their own
         lines.append(f"| {md_cell(label)} | {fmt_num(e['tokens_per_s'], '.1f')} | **{fmt_num(e['speedup'], '.2f')}** "
                      f"| {fmt_num(e['speedup_vs_plain'], '.2f')} | {fmt_num(e['speedup_vs_hf_generate'], '.2f')} "
@@ -171,12 +177,8 @@ def render(report: dict, path: str) -> str:
         lines += ["", f"τ (GPU-sized tree): the same prompts decoded with the uncut tree of "
                       f"{gpu.get('tree_max_nodes')} nodes (branching {gpu.get('tree')}), what a GPU verifies in "
                       "about one step."]
-    domains = list(report["domains"])
-    lines += ["", "Per domain, speedup (τ):", "",
-              md_row("decoding", *domains), "|---|" + "---|" * len(domains)]
-    for _, _, per, short in entries:
-        lines.append(f"| {md_cell(short)} | " + " | ".join(
-            f"{fmt_num(per[d]['speedup'], '.2f')} ({fmt_num(per[d]['tau'], '.2f')})" for d in domains) + " |")
+    if domain_table:
+        lines += _per_domain(list(report["domains"]), runs)
     invalid = c.get("invalid") or []
     if invalid:
         lines += ["", f"Left out of the speeds ({len(invalid)}): "
@@ -186,23 +188,38 @@ def render(report: dict, path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def blocks(text: str) -> list[tuple[int, int, str]]:
-    """(start of the block's body, end of the body, report path) for every headline block in `text`."""
+def _per_domain(domains: list[str], runs: list[tuple[str, dict, dict, str]]) -> list[str]:
+    lines = ["", "Per domain, speedup (τ):", "", md_row("decoding", *domains), "|---|" + "---|" * len(domains)]
+    for _, _, per, short in runs:
+        lines.append(f"| {md_cell(short)} | " + " | ".join(
+            f"{fmt_num(per[d]['speedup'], '.2f')} ({fmt_num(per[d]['tau'], '.2f')})" for d in domains) + " |")
+    return lines
+
+
+def blocks(text: str, begin: re.Pattern = BEGIN, end_marker: str = END) -> list[tuple[int, int, str]]:
+    """(start of the block's body, end of the body, the path its marker names) for every block in `text` between
+    `begin` and `end_marker` (the headline's by default; benchmark/by_engine.py's markers too)."""
     out = []
-    for mt in BEGIN.finditer(text):
-        end = text.find(END, mt.end())
+    for mt in begin.finditer(text):
+        end = text.find(end_marker, mt.end())
         if end < 0:
-            raise ValueError(f"headline block for {mt['path']} has no {END}")
+            raise ValueError(f"block for {mt['path']} has no {end_marker}")
         out.append((mt.end(), end, mt["path"]))
     return out
+
+
+def all_blocks(text: str) -> list[tuple[int, int, str, bool]]:
+    """(start, end, report path, with its per-domain table) of every headline block in `text`, full or overall."""
+    found = [(*b, True) for b in blocks(text)] + [(*b, False) for b in blocks(text, BEGIN_OVERALL, END_OVERALL)]
+    return sorted(found)
 
 
 def rewrite(doc: Path, root: Path) -> int:
     """Replace every headline block of `doc` by the rendering of its report; returns the number of blocks."""
     text = doc.read_text(encoding="utf-8")
-    found = blocks(text)
-    for start, end, path in reversed(found):
+    found = all_blocks(text)
+    for start, end, path, per_domain in reversed(found):
         report = read_headline_report(root / path)
-        text = text[:start] + render(report, path) + text[end:]
+        text = text[:start] + render(report, path, per_domain) + text[end:]
     doc.write_text(text, encoding="utf-8")
     return len(found)
