@@ -133,19 +133,21 @@ def _alpha(traffic: Path, version: str | None = None, since: float | None = None
 
 
 class _Load:
-    """Steady load from a bounded client on 127.0.0.1: one request at a time, round robin over `prompts`, each
-    timed; stopped by `stop()` (or after `limit` requests). Every failure is kept."""
+    """Steady load from a bounded client on 127.0.0.1: `clients` threads, each one request at a time (round robin
+    over `prompts`, each timed) with `pause` seconds between; stopped when the block ends (or after `limit`
+    requests each). Every failure is kept."""
 
-    def __init__(self, srv, prompts: list[str], domain: str, limit: int = 20000, pause: float = 0.2):
+    def __init__(self, srv, prompts: list[str], domain: str, limit: int = 20000, pause: float = 0.2,
+                 clients: int = 1):
         import threading
 
         self.srv, self.prompts, self.domain, self.limit, self.pause = srv, prompts, domain, limit, pause
         self.done: list[tuple[float, float]] = []  # (start, end) epoch seconds of each answered request
         self.failed: list[str] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._threads = [threading.Thread(target=self._run, args=(c,), daemon=True) for c in range(clients)]
 
-    def _run(self) -> None:
+    def _run(self, offset: int) -> None:
         import time
 
         from draftsmith import net
@@ -154,24 +156,26 @@ class _Load:
         while not self._stop.is_set() and i < self.limit:
             start = time.time()
             try:
-                _chat(self.srv, [self.prompts[i % len(self.prompts)]], self.domain)
+                _chat(self.srv, [self.prompts[(i + offset) % len(self.prompts)]], self.domain)
                 self.done.append((start, time.time()))
             except net.NetError as e:
                 self.failed.append(str(e))
             i += 1
-            self._stop.wait(self.pause)  # steady, not saturating: the cores are shared with the training run
+            self._stop.wait(self.pause)
 
     def __enter__(self):
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join(timeout=180)
+        for t in self._threads:
+            t.join(timeout=180)
 
-    def latencies(self, lo: float = 0.0, hi: float = float("inf"), inside: bool = True) -> list[float]:
-        """Latencies of the requests that overlapped [lo, hi] (inside=True) or did not."""
-        return [e - s for s, e in self.done if (s <= hi and e >= lo) == inside]
+    def latencies(self, windows: list[tuple[float, float]], inside: bool = True) -> list[float]:
+        """Latencies of the requests that overlapped one of `windows` [lo, hi] (inside=True) or none."""
+        return [e - s for s, e in self.done if any(s <= hi and e >= lo for lo, hi in windows) == inside]
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -237,7 +241,7 @@ def test_the_fleet_retrains_from_its_own_states_and_promotes_in_place_with_a_can
 
         cfg = load_config(_retrain_yaml(fleet, traffic, captures, serving.url), [], cls=RetrainConfig)
         assert retrain_once(cfg, init=str(fleet["v1"]))[0] == EXIT_OK
-        with _Load(serving, _prompts(B_LINES), "B") as load:
+        with _Load(serving, _prompts(B_LINES), "B") as load:  # steady, not saturating: training shares the cores
             code, rec = retrain_once(cfg)
         summary = {k: rec.get(k) for k in ("outcome", "error", "stale", "gate", "serve_check", "in_place")}
         assert code == EXIT_OK and rec["outcome"] == "promoted", summary
@@ -257,7 +261,7 @@ def test_the_fleet_retrains_from_its_own_states_and_promotes_in_place_with_a_can
         from draftsmith.retrain.registry import Registry
 
         reg = Registry(Path(cfg.registry), fleet["target"].name, "eagle")
-        with _Load(serving, _prompts(B_LINES), "B") as load2:
+        with _Load(serving, _prompts(B_LINES), "B", pause=0.0, clients=4) as load2:  # 4 requests in flight
             time.sleep(3.0)  # steady state before the swap
             done = promote_in_place(reg, bad, cfg, previous="v0002")
             time.sleep(3.0)
@@ -302,17 +306,19 @@ def _report(promoted: dict, done: dict, load, load2, before: dict, after: dict, 
     """The numbers of BENCHMARKS.md's "Promotion in place", printed, and written to `path` when given."""
     from datetime import datetime, timezone
 
-    swaps = [(s.get("at"), s.get("seconds")) for s in promoted["swap"] + done["swap"] if s.get("at")]
-    swaps += [(s.get("at"), s.get("seconds")) for s in done["rollback"]["servers"] if s.get("at")]
-    during = [lat for at, sec in swaps for lat in load.latencies(at, at + sec) + load2.latencies(at, at + sec)]
-    steady = load2.latencies(min(at for at, _ in swaps), float("inf"), inside=False)
-    doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "failed_requests":
-           len(load.failed) + len(load2.failed), "requests": len(load.done) + len(load2.done),
-           "swap_seconds": [sec for _, sec in swaps], "engine_seconds": [s.get("engine_seconds") for s in
-                                                                          promoted["swap"] + done["swap"]],
+    windows = [(s["at"], s["at"] + s["seconds"]) for s in promoted["swap"] + done["swap"] + done["rollback"]["servers"]
+               if s.get("at") is not None]
+    during = load.latencies(windows) + load2.latencies(windows)
+    steady = load2.latencies(windows, inside=False)  # the same 4 clients, away from any swap
+    engine = [s.get("engine_seconds") for s in promoted["swap"] + done["swap"]]
+    import os
+
+    doc = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "loadavg_1m": os.getloadavg()[0],
+           "failed_requests": len(load.failed) + len(load2.failed), "requests": len(load.done) + len(load2.done),
+           "swap_seconds": [round(hi - lo, 4) for lo, hi in windows], "engine_seconds": engine,
            "latency_s": {"steady_p50": _pct(steady, 0.5), "steady_p99": _pct(steady, 0.99),
                          "during_swap_p50": _pct(during, 0.5), "during_swap_p99": _pct(during, 0.99),
-                         "during_swap_requests": len(during)},
+                         "during_swap_requests": len(during), "steady_requests": len(steady)},
            "alpha": {"A_before_shift_v1": before["A"], "B_v1": before["B"], "B_v2_in_place": after["B"]},
            "canary_kept": promoted["canary"], "canary_rolled_back": done["canary"]}
     print(json.dumps(doc, indent=1))
