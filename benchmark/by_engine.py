@@ -38,10 +38,9 @@ BEGIN = re.compile(r"<!-- by-engine: (?P<path>\S+) -->\n")
 END = "<!-- /by-engine -->"
 ENGINES = ("sglang", "trtllm")  # the columns read from `evaluate --as-served ENGINE` reports
 CONCURRENCY = ("1", "16")  # the serve-bench columns: one request in flight, and a busy server
-HEADER = ("drafter", "τ as vLLM serves it (vLLM's counters; its shape)",
-          "served speedup, vLLM, 1 request in flight", "served speedup, vLLM, 16 in flight",
-          "τ as SGLang serves it (its shape)", "τ as TensorRT-LLM serves it (its shape)",
-          "draftsmith's own decoder on the CPU: speedup (τ; its shape)")
+HEADER = ("drafter", "vLLM: τ from its counters, its shape", "vLLM: served speedup, 1 request in flight",
+          "vLLM: served speedup, 16 in flight", "SGLang: τ, its shape", "TensorRT-LLM: τ, its shape",
+          "draftsmith's own decoder, CPU: speedup, τ, its shape")
 
 
 SOURCES = {"target": str, "max_new_tokens": int, "drafters": list, "sglang": str, "trtllm": str, "draftsmith": str,
@@ -74,8 +73,8 @@ def read_serve_check(path: Path) -> dict:
     tau = (report.get("vllm") or {}).get("tau") if isinstance(report.get("vllm"), dict) else None
     if not isinstance(tau, int | float) or isinstance(tau, bool):
         raise DataError(f"{path}: vllm.tau is {show(tau)}, expected a number (a serve-check report of a loaded export)")
-    if not isinstance(report.get("lossless"), bool) or not isinstance(report.get("method"), str):
-        raise DataError(f"{path}: lossless or method is missing (a serve-check report of a loaded export)")
+    if not isinstance(report.get("lossless"), bool) or not isinstance(report.get("k"), int):
+        raise DataError(f"{path}: lossless or k is missing (a serve-check report of a loaded export)")
     return report
 
 
@@ -102,7 +101,7 @@ def _engine_cell(report: dict, drafter: dict, engine: str, path: str) -> str:
     found = _entry(report, drafter["spec"])
     if found is not None:
         summary, shape = found
-        return f"{fmt_num(summary['tau'], '.2f')} ({shape.get('label') or '–'})"
+        return f"{fmt_num(summary['tau'], '.2f')}, {shape.get('label') or '–'}"
     why = (drafter.get("not_run") or {}).get(engine)
     if not isinstance(why, str):
         raise DataError(f"{path}: no run of {drafter['spec']}, and its sources' not_run.{engine} says none why")
@@ -116,7 +115,7 @@ def _draftsmith_cell(report: dict, spec: str, path: str) -> str:
     for found, (label, summary, _, _) in zip(specs, entries(report)):
         if found == spec:
             shape = label.rpartition(", ")[2]  # the label ends in the shape: "tree cut by ...", "chain of 6"
-            return f"{fmt_num(summary['speedup'], '.2f')}x ({fmt_num(summary['tau'], '.2f')}; {shape})"
+            return f"{fmt_num(summary['speedup'], '.2f')}x, τ {fmt_num(summary['tau'], '.2f')}, {shape}"
     raise DataError(f"{path}: no run of {spec}")
 
 
@@ -128,10 +127,12 @@ def _speedups(bench: dict | None, name: str | None) -> list[str]:
 
 
 def _row(drafter: dict, reports: dict, sources: dict, bench: dict | None) -> str:
+    from draftsmith.decoding.served_shape import served_shape
+
     vllm = reports[drafter["vllm"]]
-    v_shape = (vllm.get("draftsmith") or {}).get("shape") or {}
-    vllm_cell = (f"{fmt_num(vllm['vllm']['tau'], '.2f')} ({v_shape.get('label') or vllm['method']})"
-                 + ("" if vllm.get("lossless") else ", NOT lossless"))
+    # the shape vLLM served: its engine profile at the report's k (what serve-check's own evaluator decodes)
+    label = served_shape("vllm", drafter["spec"], vllm["k"]).label()
+    vllm_cell = f"{fmt_num(vllm['vllm']['tau'], '.2f')}, {label}" + ("" if vllm["lossless"] else ", NOT lossless")
     cells = [drafter["name"], vllm_cell, *_speedups(bench, drafter.get("serve_bench"))]
     cells += [_engine_cell(reports[sources[e]], drafter, e, sources[e]) for e in ENGINES]
     cells.append(_draftsmith_cell(reports[sources["draftsmith"]], drafter["draftsmith"], sources["draftsmith"]))
@@ -152,10 +153,12 @@ def render(sources: dict, root: Path, path: str) -> str:
     if bench is not None and not isinstance(bench.get("comparisons"), dict):
         raise DataError(f"{root / bench_path}: comparisons is {show(bench.get('comparisons'))}, expected an object "
                         "(a serve-bench report)")
-    links = ", ".join(f"[{Path(p).parent.name}]({p})" for p in paths)
+    links = ", ".join(f"[{Path(p).parent.name}]({p})" for p in served)
+    names = {"sglang": "SGLang", "trtllm": "TensorRT-LLM", "draftsmith": "draftsmith's decoder"}
+    links += "".join(f"; {name} [{reports[sources[key]]['date'][:10]}]({sources[key]})" for key, name in names.items())
     lines = [f"Target `{sources['target']}`, the eval **test** split, greedy, {sources['max_new_tokens']} new tokens. "
-             f"From [{path}]({path}), which names each report: {links}"
-             + (f", [serve-bench]({bench_path})" if bench else "") + ".", "",
+             f"Reports ([{path}]({path}) names them): vLLM {links}"
+             + (f"; serve-bench [{bench.get('date')}]({bench_path})" if bench else "") + ".", "",
              md_row(*HEADER), "|---" * len(HEADER) + "|"]
     lines += [_row(d, reports, sources, bench) for d in sources["drafters"]]
     note = ("" if bench else "Served speedups: – until the serve-bench run (BENCHMARKS.md, \"Served throughput by "
