@@ -104,7 +104,7 @@ def _engine_cell(report: dict, drafter: dict, engine: str, path: str) -> str:
         return f"{fmt_num(summary['tau'], '.2f')}, {shape.get('label') or '–'}"
     why = (drafter.get("not_run") or {}).get(engine)
     if not isinstance(why, str):
-        raise DataError(f"{path}: no run of {drafter['spec']}, and its sources' not_run.{engine} says none why")
+        raise DataError(f"{path}: no run of {drafter['spec']}, and its sources' not_run.{engine} names no reason")
     return why
 
 
