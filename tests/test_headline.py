@@ -162,6 +162,10 @@ def test_by_engine_cells_follow_their_reports(tmp_path):
     assert "until the serve-bench run" not in block and "; serve-bench [2026-12-01](" in block
     other = next(line for line in block.splitlines() if line.startswith(f"| {sources['drafters'][1]['name']} |"))
     assert "| – | – |" in other  # a drafter the serve-bench report has no run of
+    doc = tmp_path / "DOC.md"  # `bench headline --write` replaces the block's body, nothing around it
+    doc.write_text(f"intro\n<!-- by-engine: {path} -->\nstale\n<!-- /by-engine -->\nend\n")
+    assert by_engine.rewrite(doc, tmp_path) == 1
+    assert doc.read_text() == f"intro\n<!-- by-engine: {path} -->\n{block}<!-- /by-engine -->\nend\n"
 
 
 def test_readme_and_benchmarks_stay_within_their_line_budgets():
