@@ -101,7 +101,7 @@ def _engine_cell(report: dict, drafter: dict, engine: str, path: str) -> str:
     found = _entry(report, drafter["spec"])
     if found is not None:
         summary, shape = found
-        return f"{fmt_num(summary['tau'], '.2f')}, {shape.get('label') or '–'}"
+        return f"{fmt_num(summary['tau'], '.2f')}, {fmt_num(shape.get('label'))}"
     why = (drafter.get("not_run") or {}).get(engine)
     if not isinstance(why, str):
         raise DataError(f"{path}: no run of {drafter['spec']}, and its sources' not_run.{engine} names no reason")
@@ -121,7 +121,7 @@ def _draftsmith_cell(report: dict, spec: str, path: str) -> str:
 
 def _speedups(bench: dict | None, name: str | None) -> list[str]:
     if bench is None or name is None or name not in bench["comparisons"]:
-        return ["–"] * len(CONCURRENCY)
+        return [fmt_num(None)] * len(CONCURRENCY)
     rows = bench["comparisons"][name]["by_concurrency"]
     return [fmt_num((rows.get(c) or {}).get("speedup"), ".2f") for c in CONCURRENCY]
 
