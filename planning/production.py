@@ -558,7 +558,7 @@ def _mixed(total: dict) -> str | None:
 
 
 def log_alpha(folder: str | Path, policy: str | Path | None = None, max_domains: int | None = MAX_DOMAINS,
-              drafter_version: str | None = None, since: float | None = None) -> dict:
+              drafter_version: str | None = None, since: float | None = None, first: int | None = None) -> dict:
     """Per-domain α table from request logs carrying per-request speculative counters (module docstring,
     source 2). The files are read and each row checked by planning/logs.py (what cannot be read is named in
     `bad` and skipped; refused and unencodable rows are counted, never used); a row whose counters break a rule
@@ -566,13 +566,14 @@ def log_alpha(folder: str | Path, policy: str | Path | None = None, max_domains:
     `domain` its domain. `max_domains`: the largest domains by requests keep their name, the rest are "other".
     `drafter_version`: only the requests that version served alone (the traffic line's label; a request during
     which a swap happened counts for no version); `since`: only requests that arrived at or after these epoch
-    seconds (a canary's window)."""
+    seconds (a canary's window); `first`: only the earliest `first` counted requests of those, by arrival (the
+    canary judges exactly its N requests, however many came while it looked)."""
     classify = _classifier(policy)
     logs = log_files(folder, "request logs")
     if since is not None:  # a line is written after its request arrived: a file last written before holds none
         logs.files = [f for f in logs.files if f.stat().st_mtime >= since - 1.0]
     groups: dict[str, dict] = defaultdict(_group)
-    uncounted = 0
+    uncounted, kept = 0, []
     for path, number, record, _ in traffic(logs):
         if drafter_version is not None and (record.drafter_version != drafter_version or record.drafter_swapped):
             continue
@@ -586,6 +587,8 @@ def log_alpha(folder: str | Path, policy: str | Path | None = None, max_domains:
         if counted is None:
             uncounted += 1  # served without speculation, or logged without the engine's counters
             continue
+        kept.append((record.seconds or 0.0, len(kept), record, counted))
+    for _, _, record, counted in (sorted(kept)[:first] if first is not None else kept):
         _add(groups[classify(record.domain, record.text)], counted)
     if not any(g["draft_tokens"] > 0 or g["drafts"] > 0 for g in groups.values()):
         raise DataError(f"{folder}: no request carries speculative-decoding counters (speculative_decoding, "

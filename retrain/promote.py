@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 ROUTE = "/draftsmith/drafter"
 ANSWER_BYTES = 1 << 20
-POLL_S = 1.0
+POLL_S = 0.5  # each look reads only the log files written since the swap
 
 
 def _token(pcfg: PromoteConfig) -> str:
@@ -140,15 +140,14 @@ def canary(traffic: str | Path, version: str, since: float, expected: dict[str, 
 
     end, table = time.monotonic() + c.timeout_s, None
     while True:
-        try:
-            table = log_alpha(traffic, drafter_version=version, since=since)
+        try:  # the verdict is on the version's first `requests` requests, however many came while it looked
+            table = log_alpha(traffic, drafter_version=version, since=since, first=c.requests)
         except DataError:  # nothing counted for this version yet
             table = None
         n = int((table or {}).get("overall", {}).get("n_prompts") or 0)
         if n >= c.requests or time.monotonic() >= end:
             break
-        # each look reads the log files written since the swap: look less often as the wait grows
-        time.sleep(min(POLL_S * (1 + n // 8), 10.0, max(0.0, end - time.monotonic())))
+        time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
     return judge(table, expected, c, overall)
 
 
@@ -226,8 +225,19 @@ def promote_in_place(reg: Registry, version: str, cfg: RetrainConfig, previous: 
         return _finish(reg, record)
     record["rollback"] = _swap_back(reg, record["swap"], p, token, previous,
                                     "canary: " + "; ".join(record["canary"]["reasons"]))
+    record["rollback"]["served_by_the_version"] = _served(p.canary.traffic or cfg.traffic.dir, version, since)
     record["outcome"] = "rolled_back"
     return _finish(reg, record)
+
+
+def _served(traffic: str | Path, version: str, since: float) -> int | None:
+    """How many counted requests `version` served in all (the canary judged the first N of them)."""
+    from draftsmith.planning.production import log_alpha
+
+    try:
+        return int(log_alpha(traffic, drafter_version=version, since=since)["overall"]["n_prompts"])
+    except DataError:
+        return None
 
 
 def _swap_back(reg: Registry, swapped: list[dict], p: PromoteConfig, token: str, previous: str | None,

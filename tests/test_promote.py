@@ -268,6 +268,8 @@ def test_alpha_is_read_per_version_and_since_a_time(tmp_path):
     late = log_alpha(tmp_path, drafter_version="v2", since=since)
     assert late["domains"]["A"]["alpha"] == pytest.approx(4 / 16) and late["domains"]["B"]["alpha"] == 2 / 16
     assert log_alpha(tmp_path)["overall"]["n_prompts"] == 5  # unfiltered: every row, the mixed one too
+    # v2's first request by arrival is the 10:00 one (alpha 8/16), whatever the lines' order in the file
+    assert log_alpha(tmp_path, drafter_version="v2", first=1)["domains"]["A"]["alpha"] == pytest.approx(8 / 16)
 
 
 def test_the_canary_keeps_rolls_back_or_says_it_saw_too_little():

@@ -320,7 +320,8 @@ def _report(promoted: dict, done: dict, load, load2, before: dict, after: dict, 
                          "during_swap_p50": _pct(during, 0.5), "during_swap_p99": _pct(during, 0.99),
                          "during_swap_requests": len(during), "steady_requests": len(steady)},
            "alpha": {"A_before_shift_v1": before["A"], "B_v1": before["B"], "B_v2_in_place": after["B"]},
-           "canary_kept": promoted["canary"], "canary_rolled_back": done["canary"]}
+           "canary_kept": promoted["canary"], "canary_rolled_back": done["canary"],
+           "served_by_the_bad_version": done["rollback"].get("served_by_the_version")}
     print(json.dumps(doc, indent=1))
     if path:
         Path(path).write_text(json.dumps(doc, indent=1) + "\n")
