@@ -42,6 +42,8 @@ import os
 import threading
 import time
 
+from draftsmith.fleet.traffic_record import MAX_VERSION, is_version_label
+
 log = logging.getLogger("draftsmith.fleet.drafter_route")
 if log.level == logging.NOTSET:
     log.setLevel(logging.INFO)  # vLLM's API server runs the root logger at ERROR (see fleet/middleware.py)
@@ -51,8 +53,6 @@ MAX_BODY = 64 << 10
 TOKEN_ENV, TIMEOUT_ENV = "DRAFTSMITH_PROMOTE_TOKEN", "DRAFTSMITH_PROMOTE_TIMEOUT_S"
 ROOTS_ENV = "DRAFTSMITH_PROMOTE_ROOTS"
 VERSION_ENV = "DRAFTSMITH_DRAFTER_VERSION"
-MAX_VERSION = 200
-PHASES = ("check", "commit", "revert", "forget")
 
 
 class DrafterState:
@@ -229,6 +229,6 @@ async def _body(receive) -> tuple[dict | None, str | None]:
     path, version = body.get("path"), body.get("version")
     if not (isinstance(path, str) and path.startswith("/") and "\x00" not in path):
         return None, "path: expected the export folder's absolute path, as the server reads it"
-    if not (isinstance(version, str) and 0 < len(version) <= MAX_VERSION and version.isprintable()):
+    if not is_version_label(version):
         return None, f"version: expected a label of at most {MAX_VERSION} printable characters"
     return {"path": path, "version": version}, None

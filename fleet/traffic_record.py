@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 MALFORMED, REFUSED, UNENCODABLE = "malformed", "refused", "unencodable"
 MAX_ID = 200  # the response id joins a row to its captured states (fleet/vllm_capture.py names files by it)
 MAX_DOMAIN = 200  # a domain is a label; a longer one is a client's payload, not a traffic class
+MAX_VERSION = 200  # a drafter version label (fleet/drafter_route.py takes it from a swap's body, the log carries it)
 MAX_SHOWN = 120  # characters of a value an error line shows
 # written on every line, null when unknown; the other fields are left out of the line when absent
 ALWAYS = ("timestamp", "id", "request_id", "endpoint", "model", "prompt", "stream", "status")
@@ -229,10 +230,15 @@ def _list_of(obj: dict, key: str, ok, expected: str):
     raise ValueError(f"{key} is {_show(value)}, expected {expected}, a list of them (n > 1) or null")
 
 
+def is_version_label(value) -> bool:
+    """What a drafter version label is, for the route that sets it and the reader of the line that carries it."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_VERSION and value.isprintable()
+
+
 def _version(obj: dict) -> str | None:
     value = _typed(obj, "drafter_version", (str,), "a string")
-    if value is not None and not (0 < len(value) <= MAX_DOMAIN and value.isprintable()):
-        raise ValueError(f"drafter_version is {_show(value)}, expected a version label (at most {MAX_DOMAIN} "
+    if value is not None and not is_version_label(value):
+        raise ValueError(f"drafter_version is {_show(value)}, expected a version label (at most {MAX_VERSION} "
                          "printable characters)")
     return value
 
